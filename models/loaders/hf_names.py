@@ -1,0 +1,98 @@
+"""Maps Hugging Face tensor names onto the decoder's parameter tree and builds the tree.
+
+The expected tree (from `jax.eval_shape` of the model's init) drives loading: every leaf
+names the HF tensor(s) it needs, so a missing tensor or a wrong shape is reported with
+the tensor's name and the file it came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ArchConfig
+
+
+class TensorSource(Protocol):
+    """Anything that serves HF-named tensors as NumPy arrays."""
+
+    def get(self, name: str) -> np.ndarray:
+        """Returns the tensor; raises `KeyError` when absent."""
+
+    def where(self, name: str) -> str:
+        """Describes where `name` lives (the file), for error messages."""
+
+
+def hf_name(path: tuple[str, ...], layer: int | None) -> tuple[str, bool]:
+    """HF tensor name of one parameter leaf, and whether it is stored transposed.
+
+    Args:
+        path: Leaf path in the params tree, e.g. ("layers", "self_attn", "q_proj", "kernel").
+        layer: Layer index for leaves under "layers".
+
+    Returns:
+        (name, transpose): HF keeps Linear weights as [out, in]; Flax as [in, out].
+    """
+    *mods, leaf = path
+    if mods == ["embed_tokens"]:
+        return "model.embed_tokens.weight", False
+    if mods == ["lm_head"]:
+        return "lm_head.weight", True
+    prefix = "model." + (f"layers.{layer}." if mods[0] == "layers" else "")
+    mods = mods[1:] if mods[0] == "layers" else mods
+    suffix = {"kernel": "weight", "scale": "weight", "bias": "bias"}[leaf]
+    return prefix + ".".join(mods) + "." + suffix, leaf == "kernel"
+
+
+def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
+                 transform: Callable[[str, np.ndarray], np.ndarray] | None = None):
+    """Fills the expected params tree from `source`.
+
+    Args:
+        cfg: Architecture config (for the layer count).
+        expected: Tree of `jax.ShapeDtypeStruct` (the model's init under eval_shape).
+        source: Where tensors come from.
+        dtype: Target dtype of every parameter.
+        transform: Optional per-tensor fix-up applied before shape checks.
+
+    Returns:
+        The params tree of `jax.Array`s.
+
+    Raises:
+        ValueError: A tensor is missing or has the wrong shape; the message names both
+            the tensor and its file.
+    """
+
+    def fetch(name: str, transpose: bool, want: tuple[int, ...]) -> np.ndarray:
+        try:
+            arr = source.get(name)
+        except KeyError:
+            raise ValueError(f"tensor {name!r} is missing from {source.where(name)}") from None
+        if transform is not None:
+            arr = transform(name, arr)
+        if transpose:
+            arr = arr.T
+        if tuple(arr.shape) != tuple(want):
+            got = tuple(reversed(arr.shape)) if transpose else tuple(arr.shape)
+            need = tuple(reversed(want)) if transpose else tuple(want)
+            raise ValueError(
+                f"tensor {name!r} in {source.where(name)} has shape {got}, expected {need} "
+                f"for {cfg.architecture}"
+            )
+        return arr
+
+    def leaf(path, spec):
+        keys = tuple(p.key for p in path)
+        if keys[0] == "layers":
+            per_layer = spec.shape[1:]
+            arrays = [fetch(*hf_name(keys, i), per_layer) for i in range(cfg.num_layers)]
+            out = np.stack(arrays).astype(np.float32)
+        else:
+            out = fetch(*hf_name(keys, None), spec.shape).astype(np.float32)
+        return jnp.asarray(out, dtype=dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, expected)

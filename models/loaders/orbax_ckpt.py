@@ -1,0 +1,82 @@
+"""jaxserve's own checkpoint format: orbax params + architecture JSON + tokenizer files.
+
+Layout of a converted directory:
+    jaxserve_model.json   {"format": 1, "dtype": ..., "source": ..., "arch": {...}}
+    params/               orbax StandardCheckpointer output
+    tokenizer/            tokenizer.save_pretrained output (tokenizer.json, chat template)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from models.config import ArchConfig
+
+MARKER = "jaxserve_model.json"
+FORMAT_VERSION = 1
+
+
+def is_jaxserve_checkpoint(path: str) -> bool:
+    """Whether `path` is a directory written by `save_checkpoint`."""
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def save_checkpoint(dst: str, cfg: ArchConfig, params, dtype: str, tokenizer,
+                    source: str = "") -> None:
+    """Writes params (orbax), config and tokenizer to `dst`, which must not exist yet.
+
+    Raises:
+        ValueError: `dst` already exists.
+    """
+    dst = os.path.abspath(dst)
+    if os.path.exists(dst):
+        raise ValueError(f"destination {dst} already exists; choose a new directory")
+    os.makedirs(dst)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(os.path.join(dst, "params"), params)
+    ckptr.wait_until_finished()
+    if tokenizer is not None:
+        tokenizer.save_pretrained(os.path.join(dst, "tokenizer"))
+    meta = {"format": FORMAT_VERSION, "dtype": dtype, "source": source,
+            "arch": json.loads(cfg.to_json())}
+    with open(os.path.join(dst, MARKER), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
+def read_checkpoint_meta(path: str) -> tuple[ArchConfig, str]:
+    """Returns (arch config, dtype name) of a jaxserve checkpoint."""
+    with open(os.path.join(path, MARKER)) as f:
+        try:
+            meta = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{os.path.join(path, MARKER)} is not valid JSON: {e}") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not "
+                         f"{FORMAT_VERSION}; convert the model again")
+    return ArchConfig.from_json(json.dumps(meta["arch"])), meta["dtype"]
+
+
+def restore_params(path: str, abstract) -> dict:
+    """Restores params into the shapes/dtypes of `abstract` (a ShapeDtypeStruct tree).
+
+    Raises:
+        ValueError: The params directory is missing or does not match the expected tree.
+    """
+    params_dir = os.path.join(os.path.abspath(path), "params")
+    if not os.path.isdir(params_dir):
+        raise ValueError(f"{path}: missing params/ directory of the checkpoint")
+    try:
+        params = ocp.StandardCheckpointer().restore(params_dir, abstract)
+    except Exception as e:  # orbax raises many types for corrupt or mismatched trees
+        raise ValueError(f"{params_dir}: cannot restore parameters ({e})") from None
+    for (kp, want), got in zip(jax.tree_util.tree_leaves_with_path(abstract),
+                               jax.tree_util.tree_leaves(params), strict=True):
+        if tuple(np.shape(got)) != tuple(want.shape):
+            raise ValueError(f"{params_dir}: tensor {jax.tree_util.keystr(kp)} has shape "
+                             f"{np.shape(got)}, expected {want.shape}")
+    return params

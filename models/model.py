@@ -1,0 +1,75 @@
+"""A loaded model: architecture config, Flax decoder, parameters, and its source."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ArchConfig
+from models.decoder import Decoder
+from pallas_kernels import AttentionMetadata, kv_pages_shape, resolve_backend
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
+    """Maps "float32"/"bfloat16" (or the dtype itself) to a JAX dtype; ValueError otherwise."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES.values()]:
+        raise ValueError(f"unsupported dtype {dtype}; choose one of {', '.join(DTYPES)}")
+    return jnp.dtype(dtype)
+
+
+def abstract_params(cfg: ArchConfig, dtype) -> dict:
+    """The params tree as `jax.ShapeDtypeStruct`s, without allocating anything."""
+    module = Decoder(cfg, parse_dtype(dtype))
+    md = AttentionMetadata(slot_mapping=jnp.zeros(1, jnp.int32),
+                           block_tables=jnp.zeros((1, 1), jnp.int32),
+                           kv_lens=jnp.ones(1, jnp.int32),
+                           cu_q_lens=jnp.array([0, 1], jnp.int32))
+    kv = jax.ShapeDtypeStruct(kv_pages_shape(cfg.num_layers, cfg.num_kv_heads, 2, 1,
+                                             cfg.head_dim), parse_dtype(dtype))
+    init = lambda kv_pages: module.init(jax.random.key(0), jnp.zeros(1, jnp.int32),
+                                        jnp.zeros(1, jnp.int32), kv_pages, md)
+    return jax.eval_shape(init, kv)["params"]
+
+
+@dataclasses.dataclass
+class Model:
+    """A decoder with its weights.
+
+    Attributes:
+        cfg: Architecture config.
+        params: Parameter tree (see `abstract_params` for its structure).
+        dtype: Parameter/activation dtype.
+        source: Where the weights came from (path), for logs and errors.
+        backend: Attention backend ("auto" resolves per platform).
+    """
+
+    cfg: ArchConfig
+    params: dict
+    dtype: jnp.dtype = jnp.float32
+    source: str = ""
+    backend: str = "auto"
+
+    def __post_init__(self):
+        self.backend = resolve_backend(self.backend)
+        self.module = Decoder(self.cfg, self.dtype, self.backend)
+
+    def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata):
+        """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size])."""
+        return self.module.apply({"params": params}, input_ids, positions, kv_pages, md)
+
+    def compute_logits(self, params, hidden):
+        """Pure LM head (jit-able): f32[num_rows, vocab_size]."""
+        return self.module.apply({"params": params}, hidden, method=Decoder.compute_logits)
+
+    def kv_pages_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
+        """Shape of this model's page pool for `num_pages` pages of `page_size` slots."""
+        return kv_pages_shape(self.cfg.num_layers, self.cfg.num_kv_heads, num_pages, page_size,
+                              self.cfg.head_dim)

@@ -1,0 +1,1 @@
+"""KV write: scatter a step's new K/V into the page pool by slot mapping."""

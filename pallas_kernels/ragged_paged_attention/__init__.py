@@ -1,0 +1,1 @@
+"""Ragged paged attention: packed prefill chunks and decodes attending through block tables."""

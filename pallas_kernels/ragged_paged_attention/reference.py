@@ -1,0 +1,90 @@
+"""Pure-jnp ragged paged attention, gathering K/V through block tables (the kernels' oracle).
+
+Written for clarity, not speed: every query token gathers its own request's whole
+context, so memory grows as num_tokens * max_context.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.metadata import AttentionMetadata
+
+
+def token_positions(md: AttentionMetadata, num_tokens: int):
+    """Maps each packed token to its request and its absolute position in that request.
+
+    Returns:
+        seq_ids: i32[num_tokens] request index of each token (clamped for padded tokens).
+        q_pos: i32[num_tokens] absolute position of the token in its request's context.
+        valid: bool[num_tokens] False for padded tokens.
+    """
+    num_seqs = md.kv_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq_ids = jnp.searchsorted(md.cu_q_lens[1:], t, side="right").astype(jnp.int32)
+    valid = t < md.cu_q_lens[num_seqs]
+    seq_ids = jnp.minimum(seq_ids, num_seqs - 1)
+    q_start = md.cu_q_lens[seq_ids]
+    q_len = md.cu_q_lens[seq_ids + 1] - q_start
+    q_pos = md.kv_lens[seq_ids] - q_len + (t - q_start)
+    return seq_ids, q_pos, valid
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    layer: jax.Array | int,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: jax.Array | int = 0,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """Causal attention of packed queries over each request's paged K/V.
+
+    Args:
+        q: [num_tokens, num_q_heads, head_dim] queries (rotary already applied).
+        kv_pages: dtype[num_layers, 2, num_kv_heads, num_pages, page_size, head_dim].
+        layer: Layer index into the pool (may be traced).
+        md: Attention metadata of this step.
+        sm_scale: Scale applied to q.k.
+        sliding_window: Keys older than `window` positions are masked; 0 means none.
+        soft_cap: If set, logits become `soft_cap * tanh(logits / soft_cap)`.
+
+    Returns:
+        [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = kv_pages.shape[2], kv_pages.shape[4]
+    group = num_q_heads // num_kv_heads
+    max_ctx = md.block_tables.shape[1] * page_size
+
+    seq_ids, q_pos, valid = token_positions(md, num_tokens)
+    pages = md.block_tables[seq_ids]  # i32[num_tokens, max_pages_per_seq]
+    # kv: [2, num_kv_heads, num_tokens, max_pages_per_seq, page_size, head_dim]
+    kv = kv_pages[layer][:, :, pages]
+    kv = kv.reshape(2, num_kv_heads, num_tokens, max_ctx, head_dim).astype(jnp.float32)
+    k, v = kv[0], kv[1]
+
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    logits = jnp.einsum("tkgd,ktcd->tkgc", qg, k) * sm_scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+
+    kv_pos = jnp.arange(max_ctx, dtype=jnp.int32)[None, :]  # [1, max_ctx]
+    mask = (kv_pos < md.kv_lens[seq_ids][:, None]) & (kv_pos <= q_pos[:, None])
+    window = jnp.asarray(sliding_window, jnp.int32)
+    mask &= (window <= 0) | (q_pos[:, None] - kv_pos < window)
+    mask &= valid[:, None]  # bool[num_tokens, max_ctx]
+
+    logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.where(mask[:, None, None, :], jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    # NaN in a masked slot must not leak through 0 * NaN: zero masked values first.
+    v = jnp.where(mask[None, :, :, None], v, 0.0)
+    out = jnp.einsum("tkgc,ktcd->tkgd", probs, v)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
