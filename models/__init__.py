@@ -1,0 +1,1 @@
+"""Flax decoder-only model families and their weight loaders."""

@@ -161,11 +161,7 @@ def common_fields(hf: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def windows_from_layer_types(hf: dict[str, Any], default_window: int | None) -> tuple[int, ...]:
-    """Per-layer windows from HF `layer_types` ("sliding_attention"/"full_attention")."""
-    n = int(hf["num_hidden_layers"])
+def windows_from_layer_types(hf: dict[str, Any]) -> tuple[int, ...]:
+    """Per-layer windows from HF `layer_types` ("sliding_attention" gets `sliding_window`)."""
     window = int(hf.get("sliding_window") or 0)
-    types = hf.get("layer_types")
-    if types:
-        return tuple(window if t == "sliding_attention" else 0 for t in types)
-    return (int(default_window or 0),) * n
+    return tuple(window if t == "sliding_attention" else 0 for t in hf["layer_types"])

@@ -21,22 +21,39 @@ def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
             raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         return DTYPES[dtype]
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES.values()]:
-        raise ValueError(f"unsupported dtype {dtype}; choose one of {', '.join(DTYPES)}")
+        raise ValueError(f"unsupported dtype {jnp.dtype(dtype).name}; choose one of "
+                         f"{', '.join(DTYPES)}")
     return jnp.dtype(dtype)
 
 
-def abstract_params(cfg: ArchConfig, dtype) -> dict:
-    """The params tree as `jax.ShapeDtypeStruct`s, without allocating anything."""
+def _init_fn(cfg: ArchConfig, dtype):
+    """A function of an RNG key that initialises every parameter (LM head included)."""
     module = Decoder(cfg, parse_dtype(dtype))
     md = AttentionMetadata(slot_mapping=jnp.zeros(1, jnp.int32),
                            block_tables=jnp.zeros((1, 1), jnp.int32),
                            kv_lens=jnp.ones(1, jnp.int32),
                            cu_q_lens=jnp.array([0, 1], jnp.int32))
-    kv = jax.ShapeDtypeStruct(kv_pages_shape(cfg.num_layers, cfg.num_kv_heads, 2, 1,
-                                             cfg.head_dim), parse_dtype(dtype))
-    init = lambda kv_pages: module.init(jax.random.key(0), jnp.zeros(1, jnp.int32),
-                                        jnp.zeros(1, jnp.int32), kv_pages, md)
-    return jax.eval_shape(init, kv)["params"]
+    kv = jnp.zeros(kv_pages_shape(cfg.num_layers, cfg.num_kv_heads, 2, 1, cfg.head_dim),
+                   parse_dtype(dtype))
+
+    def forward_and_logits(mdl, input_ids, positions, kv_pages, md):
+        # NOTE: compute_logits must run too: a setup-defined lm_head only gets params when
+        # it is called.
+        kv_pages, hidden = mdl(input_ids, positions, kv_pages, md)
+        return kv_pages, mdl.compute_logits(hidden)
+
+    return lambda key: module.init(key, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), kv,
+                                   md, method=forward_and_logits)["params"]
+
+
+def abstract_params(cfg: ArchConfig, dtype) -> dict:
+    """The params tree as `jax.ShapeDtypeStruct`s, without allocating anything."""
+    return jax.eval_shape(_init_fn(cfg, dtype), jax.random.key(0))
+
+
+def random_params(cfg: ArchConfig, dtype="float32", seed: int = 0) -> dict:
+    """Randomly initialised params (Flax default initialisers), for tests and benchmarks."""
+    return jax.jit(_init_fn(cfg, dtype))(jax.random.key(seed))
 
 
 @dataclasses.dataclass

@@ -44,7 +44,9 @@ class Mistral(ModelFamily):
 
     @classmethod
     def extra_fields(cls, hf):
-        return dict(layer_windows=windows_from_layer_types(hf, hf.get("sliding_window")))
+        # NOTE: transformers' Mistral ignores layer_types: the window applies to every layer.
+        window = int(hf.get("sliding_window") or 0)
+        return dict(layer_windows=(window,) * int(hf["num_hidden_layers"]))
 
 
 class Qwen2(ModelFamily):
@@ -55,7 +57,7 @@ class Qwen2(ModelFamily):
     @classmethod
     def _windows(cls, hf):
         if hf.get("layer_types"):
-            return windows_from_layer_types(hf, None)
+            return windows_from_layer_types(hf)
         n = int(hf["num_hidden_layers"])
         if not hf.get("use_sliding_window") or not hf.get("sliding_window"):
             return (0,) * n

@@ -99,6 +99,9 @@ def load_tokenizer(model: str | None = None):
 
 def convert(src: str | None, dst: str, dtype: str = "float32") -> Model:
     """Converts any supported source to a jaxserve (orbax) checkpoint at `dst`."""
+    if os.path.exists(dst):
+        raise ValueError(f"destination {os.path.abspath(dst)} already exists; choose a new "
+                         "directory")
     m = load_model(src, dtype)
     _, path = resolve_model(src)
     try:

@@ -12,7 +12,6 @@ import json
 import os
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from models.config import ArchConfig
@@ -70,13 +69,26 @@ def restore_params(path: str, abstract) -> dict:
     params_dir = os.path.join(os.path.abspath(path), "params")
     if not os.path.isdir(params_dir):
         raise ValueError(f"{path}: missing params/ directory of the checkpoint")
+    ckptr = ocp.StandardCheckpointer()
     try:
-        params = ocp.StandardCheckpointer().restore(params_dir, abstract)
+        stored = ckptr.metadata(params_dir).item_metadata.tree
+    except Exception as e:  # orbax raises many types for corrupt checkpoints
+        raise ValueError(f"{params_dir}: cannot read checkpoint metadata ({e})") from None
+    stored = {jax.tree_util.keystr(kp): m for kp, m in jax.tree_util.tree_leaves_with_path(stored)}
+    for kp, want in jax.tree_util.tree_leaves_with_path(abstract):
+        key = jax.tree_util.keystr(kp)
+        if key not in stored:
+            raise ValueError(f"{params_dir}: tensor {key} is missing (written for another "
+                             "architecture or by an older jaxserve; convert the model again)")
+        if tuple(stored[key].shape) != tuple(want.shape):
+            raise ValueError(f"{params_dir}: tensor {key} has shape "
+                             f"{tuple(stored[key].shape)}, expected {tuple(want.shape)}")
+    # NOTE: restore onto this process's default device, not the devices recorded at save
+    # time, so a checkpoint converted on a CPU host loads on a GPU or TPU and back.
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), abstract)
+    try:
+        return ckptr.restore(params_dir, target)
     except Exception as e:  # orbax raises many types for corrupt or mismatched trees
         raise ValueError(f"{params_dir}: cannot restore parameters ({e})") from None
-    for (kp, want), got in zip(jax.tree_util.tree_leaves_with_path(abstract),
-                               jax.tree_util.tree_leaves(params), strict=True):
-        if tuple(np.shape(got)) != tuple(want.shape):
-            raise ValueError(f"{params_dir}: tensor {jax.tree_util.keystr(kp)} has shape "
-                             f"{np.shape(got)}, expected {want.shape}")
-    return params

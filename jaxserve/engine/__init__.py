@@ -1,0 +1,1 @@
+"""Engines that run models: for now the single-request greedy generator."""

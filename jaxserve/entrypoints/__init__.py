@@ -1,0 +1,1 @@
+"""User-facing entry points: the command line (the HTTP server comes later)."""

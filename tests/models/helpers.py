@@ -1,0 +1,101 @@
+"""Test helpers: teacher-forced forwards of one prompt through a model's paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import AttentionMetadata
+
+# One jitted step function per model (keyed by id; the model is kept alive beside it).
+_STEP_FNS: dict[int, tuple[object, object]] = {}
+
+
+def _step_fn(model):
+    entry = _STEP_FNS.get(id(model))
+    if entry is None or entry[0] is not model:
+
+        def step(params, input_ids, positions, kv_pages, md):
+            kv_pages, hidden = model.forward(params, input_ids, positions, kv_pages, md)
+            return kv_pages, model.compute_logits(params, hidden)
+
+        entry = (model, jax.jit(step))
+        _STEP_FNS[id(model)] = entry
+    return entry[1]
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def forward_logits(model, token_ids: Sequence[int], page_size: int = 16,
+                   chunks: Sequence[int] | None = None, seed: int = 0) -> np.ndarray:
+    """Teacher-forced logits of a prompt, run through the paged KV cache.
+
+    The prompt's pages are a shuffled, non-contiguous pick from a pool larger than needed
+    (page 0 stays the null page). Each chunk is one step whose token axis is padded to a
+    common bucket (padded tokens write the null page), beside an empty padded request, so
+    chunked prefill, decode-sized steps and padding all go through the real paths.
+
+    Args:
+        model: A `models.model.Model`.
+        token_ids: The prompt.
+        page_size: Slots per page.
+        chunks: Token counts of consecutive steps (summing to the prompt length); None runs
+            the whole prompt in one step.
+        seed: Seed of the page shuffle.
+
+    Returns:
+        f32[len(token_ids), vocab_size] logits, row t predicting token t + 1.
+    """
+    ids = np.asarray(token_ids, np.int32)
+    total = len(ids)
+    chunks = [total] if chunks is None else list(chunks)
+    if sum(chunks) != total or min(chunks) <= 0:
+        raise ValueError(f"chunks {chunks} do not split a {total}-token prompt")
+    bucket = _round_up(max(chunks), 8)
+
+    rng = np.random.default_rng(seed)
+    pages_needed = -(-total // page_size)
+    num_pages = 2 * pages_needed + 3  # spare pages stay unused
+    page_ids = rng.permutation(np.arange(1, num_pages))[:pages_needed].astype(np.int32)
+    max_pages_per_seq = pages_needed + 1  # a trailing null entry pads the table
+    block_tables = np.zeros((2, max_pages_per_seq), np.int32)  # row 1: an empty request
+    block_tables[0, :pages_needed] = page_ids
+
+    step = _step_fn(model)
+    kv_pages = jnp.zeros(model.kv_pages_shape(num_pages, page_size), model.dtype)
+    out = []
+    start = 0
+    for n in chunks:
+        end = start + n
+        positions = np.zeros(bucket, np.int32)
+        positions[:n] = np.arange(start, end)
+        input_ids = np.zeros(bucket, np.int32)
+        input_ids[:n] = ids[start:end]
+        slots = np.zeros(bucket, np.int32)  # padded tokens: slot 0 of the null page
+        slots[:n] = page_ids[positions[:n] // page_size] * page_size + positions[:n] % page_size
+        md = AttentionMetadata(
+            slot_mapping=jnp.asarray(slots),
+            block_tables=jnp.asarray(block_tables),
+            kv_lens=jnp.asarray([end, 0], jnp.int32),
+            cu_q_lens=jnp.asarray([0, n, n], jnp.int32),
+        )
+        kv_pages, logits = step(model.params, jnp.asarray(input_ids), jnp.asarray(positions),
+                                kv_pages, md)
+        out.append(np.asarray(logits[:n], np.float32))
+        start = end
+    return np.concatenate(out)
+
+
+def hf_logits(hf_model, token_ids: Sequence[int]) -> np.ndarray:
+    """transformers' teacher-forced logits f32[T, vocab] of one prompt (no cache)."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model(input_ids=torch.tensor([list(token_ids)], dtype=torch.long),
+                       use_cache=False)
+    return out.logits[0].float().numpy()

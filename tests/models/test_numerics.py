@@ -1,0 +1,201 @@
+"""Model numerics against transformers (torch, float32, eager attention) as the oracle.
+
+Tiny random models of every family are saved as Hugging Face directories, loaded with
+`load_model`, and their teacher-forced logits compared with transformers', run whole and
+in chunks through a shuffled paged KV cache. SmolLM2 is compared from the same GGUF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from models.config import RopeScaling
+from models.loaders import load_model
+from models.model import Model
+from tests.models.helpers import forward_logits, hf_logits
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+SEQ_LEN = 24
+PAGE_SIZE = 4
+F32_ATOL = 1e-4
+
+# How each teacher-forced run splits the prompt into consecutive steps.
+CHUNKINGS = {
+    "whole": None,
+    "chunked": (7, 9, 8),  # chunks straddle page boundaries
+    "prefill_decode": (17, 1, 1, 1, 1, 1, 1, 1),  # a prefill then single-token steps
+}
+
+TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            initializer_range=0.15, rms_norm_eps=1e-6)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One tiny model: its transformers classes, config overrides, and what must matter.
+
+    Attributes:
+        name: Test id.
+        config_cls: transformers config class name.
+        model_cls: transformers model class name.
+        overrides: Config fields on top of `TINY`.
+        expect: `ArchConfig` fields the loader must have parsed.
+        ablate: `ArchConfig` fields which, when reset, must break agreement with the
+            oracle (proves the feature is exercised at this prompt's positions).
+    """
+
+    name: str
+    config_cls: str
+    model_cls: str
+    overrides: dict
+    expect: dict
+    ablate: dict | None = None
+
+
+CASES = [
+    Case("llama_gqa_llama3rope", "LlamaConfig", "LlamaForCausalLM",
+         dict(rope_parameters=LLAMA3_ROPE),
+         dict(num_kv_heads=2, tie_word_embeddings=False, qkv_bias=False),
+         ablate=dict(rope_scaling=RopeScaling())),
+    Case("llama_tied", "LlamaConfig", "LlamaForCausalLM",
+         dict(tie_word_embeddings=True, num_hidden_layers=3),
+         dict(tie_word_embeddings=True)),
+    Case("llama_bias", "LlamaConfig", "LlamaForCausalLM",
+         dict(attention_bias=True, mlp_bias=True, num_key_value_heads=1),
+         dict(qkv_bias=True, o_bias=True, mlp_bias=True, num_kv_heads=1)),
+    Case("qwen2_bias", "Qwen2Config", "Qwen2ForCausalLM",
+         dict(rope_parameters={"rope_type": "default", "rope_theta": 1000.0}),
+         dict(qkv_bias=True, o_bias=False, layer_windows=(0, 0))),
+    Case("qwen2_window_layers", "Qwen2Config", "Qwen2ForCausalLM",
+         dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=5,
+              max_window_layers=1),
+         dict(layer_windows=(0, 5, 5)),
+         ablate=dict(layer_windows=(0, 0, 0))),
+    Case("qwen2_layer_types_linear_rope", "Qwen2Config", "Qwen2ForCausalLM",
+         dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=6,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0}),
+         dict(layer_windows=(6, 0, 6), rope_scaling=RopeScaling("linear", factor=4.0)),
+         ablate=dict(layer_windows=(0, 0, 0))),
+    Case("qwen3_qknorm_headdim", "Qwen3Config", "Qwen3ForCausalLM",
+         dict(head_dim=24),
+         dict(head_dim=24, qk_norm=True, qkv_bias=False)),
+    Case("qwen3_bias_sliding", "Qwen3Config", "Qwen3ForCausalLM",
+         dict(head_dim=8, attention_bias=True, use_sliding_window=True, sliding_window=4,
+              max_window_layers=1),
+         dict(head_dim=8, qk_norm=True, qkv_bias=True, o_bias=True, layer_windows=(0, 4)),
+         ablate=dict(layer_windows=(0, 0))),
+    Case("mistral_sliding", "MistralConfig", "MistralForCausalLM",
+         dict(sliding_window=5),
+         dict(layer_windows=(5, 5)),
+         ablate=dict(layer_windows=(0, 0))),
+]
+
+
+def _perturb(model, seed: int) -> None:
+    """Random norm weights and biases, so they are not trivially ones and zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * noise)
+
+
+def build_hf(case: Case, path: str, seed: int = 0):
+    """Builds, perturbs and saves the tiny transformers model; returns it (eval, float32)."""
+    config = getattr(transformers, case.config_cls)(
+        **{**TINY, **case.overrides}, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = getattr(transformers, case.model_cls)(config).to(torch.float32).eval()
+    _perturb(model, seed + 1)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def prompt(vocab_size: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab_size, SEQ_LEN).tolist()
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.name)
+def tiny(request, tmp_path_factory):
+    """(case, our float32 model, prompt, transformers' logits, model directory)."""
+    case = request.param
+    path = tmp_path_factory.mktemp(case.name)
+    hf = build_hf(case, str(path))
+    ids = prompt(hf.config.vocab_size)
+    ref = hf_logits(hf, ids)
+    return case, load_model(str(path), "float32"), ids, ref, str(path)
+
+
+@pytest.mark.parametrize("chunking", list(CHUNKINGS))
+def test_tiny_family_matches_transformers(tiny, chunking):
+    case, model, ids, ref, _ = tiny
+    for field, want in case.expect.items():
+        assert getattr(model.cfg, field) == want, field
+    # Non-degenerate logits, so an absolute tolerance means something.
+    assert ref.std() > 0.5
+    assert len(set(ref.argmax(-1).tolist())) > 3
+
+    ours = forward_logits(model, ids, page_size=PAGE_SIZE, chunks=CHUNKINGS[chunking])
+    assert ours.shape == ref.shape
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=F32_ATOL)
+
+
+def test_tiny_features_are_exercised(tiny):
+    """Undoing a case's feature (window, rope scaling) must break agreement.
+
+    Guards against tests passing only because the prompt is too short for the window or
+    the positions too small for rope scaling to matter.
+    """
+    case, model, ids, ref, _ = tiny
+    if case.ablate is None:
+        pytest.skip("no ablation for this case")
+    ablated = Model(dataclasses.replace(model.cfg, **case.ablate), model.params, model.dtype,
+                    backend=model.backend)
+    diff = np.abs(forward_logits(ablated, ids, page_size=PAGE_SIZE) - ref).max()
+    assert diff > 100 * F32_ATOL
+
+
+def test_bfloat16_close_to_float32(tmp_path):
+    """A bfloat16 load runs through the paged cache and stays close to float32."""
+    case = CASES[0]
+    build_hf(case, str(tmp_path), seed=3)
+    m32 = load_model(str(tmp_path), "float32")
+    m16 = load_model(str(tmp_path), "bfloat16")
+    assert m16.params["embed_tokens"]["embedding"].dtype == np.dtype("bfloat16")
+    ids = prompt(m32.cfg.vocab_size, seed=3)
+    ref = forward_logits(m32, ids, page_size=PAGE_SIZE)
+    low = forward_logits(m16, ids, page_size=PAGE_SIZE, chunks=CHUNKINGS["chunked"])
+    assert low.dtype == np.float32 and np.isfinite(low).all()
+    assert np.abs(low - ref).max() < 0.1 * np.abs(ref).max()
+    assert (low.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
+
+
+SMOLLM2_PROMPT = ("The quick brown fox jumps over the lazy dog. Paged attention stores the "
+                  "key and value cache in fixed-size blocks")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunks", [None, (11, 1, 1)], ids=["whole", "chunked"])
+def test_smollm2_gguf_matches_transformers(smollm2, hf_smollm2, smollm2_tokenizer, chunks):
+    ids = smollm2_tokenizer(SMOLLM2_PROMPT)["input_ids"]
+    assert 20 <= len(ids) <= 30, len(ids)
+    if chunks is not None:
+        chunks = (*chunks, len(ids) - sum(chunks))
+    ref = hf_logits(hf_smollm2, ids)
+    ours = forward_logits(smollm2, ids, page_size=16, chunks=chunks)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-3)
+    np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
