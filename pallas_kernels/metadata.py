@@ -19,7 +19,7 @@ import jax
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["slot_mapping", "block_tables", "kv_lens", "cu_q_lens"],
-         meta_fields=[])
+         meta_fields=["decode_only"])
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
     """Where this step's tokens go and what each request attends to.
@@ -34,12 +34,15 @@ class AttentionMetadata:
         block_tables: i32[max_num_seqs, max_pages_per_seq] page ids per request (0 pads).
         kv_lens: i32[max_num_seqs] context length of each request after this step.
         cu_q_lens: i32[max_num_seqs + 1] cumulative query lengths.
+        decode_only: Static. Every request has exactly one query and token i belongs to
+            request i (num_tokens == max_num_seqs), so the decode kernel serves the step.
     """
 
     slot_mapping: jax.Array
     block_tables: jax.Array
     kv_lens: jax.Array
     cu_q_lens: jax.Array
+    decode_only: bool = False
 
 
 def kv_pages_shape(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,

@@ -1,18 +1,24 @@
 """The one interface the model calls for KV writes and attention, dispatching on backend.
 
-Backends: "xla" runs the jnp references (what the CPU uses). "auto" picks per platform.
-The Pallas backends (TPU Mosaic, GPU) plug in here when the kernels land.
+Backends:
+    "xla":    the pure-jnp references (what the CPU serves with).
+    "pallas": the Pallas kernels; on the CPU they run in the Pallas interpreter.
+    "auto":   "pallas" on GPU/TPU, "xla" on the CPU.
 """
 
 from __future__ import annotations
 
 import jax
 
+from pallas_kernels.kv_write.kernel import write_kv_kernel
 from pallas_kernels.kv_write.reference import write_kv_reference
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.paged_decode_attention.kernel import paged_decode_attention_kernel
+from pallas_kernels.paged_decode_attention.reference import paged_decode_attention_reference
+from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_kernel
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-ATTENTION_BACKENDS = ("auto", "xla")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 
 
 def resolve_backend(backend: str) -> str:
@@ -26,21 +32,51 @@ def resolve_backend(backend: str) -> str:
             f"unknown attention backend {backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
         )
     if backend == "auto":
-        return "xla"
+        return "xla" if jax.default_backend() == "cpu" else "pallas"
     return backend
+
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def kernel_tiles(page_size: int, max_pages_per_seq: int) -> tuple[int, int]:
+    """(pages_per_block, num_splits): >= 32 keys per inner step; split contexts of 8+ blocks."""
+    pages_per_block = max(1, 32 // page_size)
+    num_blocks = -(-max_pages_per_seq // pages_per_block)
+    return pages_per_block, max(1, min(4, num_blocks // 8))
 
 
 def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
              *, backend: str = "xla") -> jax.Array:
     """Scatters new K/V into layer `layer` of the pool; see `write_kv_reference`."""
-    del backend  # only the XLA path exists so far
+    if backend == "pallas":
+        return write_kv_kernel(kv_pages, layer, k, v, slot_mapping, interpret=_interpret())
     return write_kv_reference(kv_pages, layer, k, v, slot_mapping)
 
 
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,
                            sm_scale: float, sliding_window=0, soft_cap: float | None = None,
                            backend: str = "xla") -> jax.Array:
-    """Packed causal attention through block tables; see `ragged_paged_attention_reference`."""
-    del backend
-    return ragged_paged_attention_reference(q, kv_pages, layer, md, sm_scale=sm_scale,
-                                            sliding_window=sliding_window, soft_cap=soft_cap)
+    """Packed causal attention through block tables; see `ragged_paged_attention_reference`.
+
+    Decode-only steps (`md.decode_only`) go to the paged decode attention path.
+    """
+    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    page_size, width = kv_pages.shape[4], md.block_tables.shape[1]
+    if md.decode_only:
+        if q.shape[0] != md.kv_lens.shape[0]:
+            raise ValueError(f"decode_only needs one token per request: q {q.shape} vs "
+                             f"kv_lens {md.kv_lens.shape}")
+        if backend == "pallas":
+            ppb, splits = kernel_tiles(page_size, width)
+            return paged_decode_attention_kernel(
+                q, kv_pages, layer, md.block_tables, md.kv_lens, pages_per_block=ppb,
+                num_splits=splits, interpret=_interpret(), **common)
+        return paged_decode_attention_reference(q, kv_pages, layer, md.block_tables,
+                                                md.kv_lens, **common)
+    if backend == "pallas":
+        ppb, _ = kernel_tiles(page_size, width)
+        return ragged_paged_attention_kernel(q, kv_pages, layer, md, pages_per_block=ppb,
+                                             interpret=_interpret(), **common)
+    return ragged_paged_attention_reference(q, kv_pages, layer, md, **common)

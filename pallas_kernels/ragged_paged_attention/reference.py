@@ -12,6 +12,38 @@ import jax.numpy as jnp
 from pallas_kernels.metadata import AttentionMetadata
 
 
+def check_shapes(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata) -> None:
+    """Raises ValueError naming the offending shapes when inputs do not fit together."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
+    if kv_pages.ndim != 6 or kv_pages.shape[1] != 2:
+        raise ValueError("kv_pages must be [num_layers, 2, num_kv_heads, num_pages, page_size, "
+                         f"head_dim], got shape {kv_pages.shape}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_pages.shape[2]
+    if kv_pages.shape[5] != head_dim:
+        raise ValueError(f"head_dim of q {q.shape} and kv_pages {kv_pages.shape} differ")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads {num_q_heads} (q {q.shape}) is not a multiple of "
+                         f"num_kv_heads {num_kv_heads} (kv_pages {kv_pages.shape})")
+    num_seqs = md.kv_lens.shape[0]
+    if md.block_tables.ndim != 2 or md.block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables {md.block_tables.shape} must be [num_seqs={num_seqs}, "
+                         "max_pages_per_seq]")
+    if md.cu_q_lens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_q_lens {md.cu_q_lens.shape} must be [num_seqs + 1 = "
+                         f"{num_seqs + 1}] for kv_lens {md.kv_lens.shape}")
+    if md.slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping {md.slot_mapping.shape} must be [num_tokens = "
+                         f"{num_tokens}] for q {q.shape}")
+    for name in ("slot_mapping", "block_tables", "kv_lens", "cu_q_lens"):
+        dtype = getattr(md, name).dtype
+        if dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {dtype}")
+    if q.dtype != kv_pages.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from kv_pages dtype {kv_pages.dtype}")
+
+
 def token_positions(md: AttentionMetadata, num_tokens: int):
     """Maps each packed token to its request and its absolute position in that request.
 
@@ -55,6 +87,7 @@ def ragged_paged_attention_reference(
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
     """
+    check_shapes(q, kv_pages, md)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_pages.shape[2], kv_pages.shape[4]
     group = num_q_heads // num_kv_heads

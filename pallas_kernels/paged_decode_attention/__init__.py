@@ -1,0 +1,1 @@
+"""Paged decode attention: one query token per request, split-K over long contexts."""

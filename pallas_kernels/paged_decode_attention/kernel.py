@@ -1,0 +1,125 @@
+"""Paged decode attention as a Pallas kernel: grid (request, KV head, context split).
+
+Each program runs online softmax over one split of a request's pages, `pages_per_block`
+pages per iteration, for all query heads sharing its KV head. Splitting long contexts
+across `num_splits` programs keeps the GPU busy at small batch; the partial results are
+combined with a log-sum-exp in the wrapper.
+
+NOTE: generic Pallas (interpret mode on CPU, Triton on GPU); see the ragged kernel's note.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.paged_decode_attention.reference import check_decode_shapes
+
+MASK = -1e30
+
+
+def _kernel(scalars_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
+            num_pages, num_kv_heads, page_size, pages_per_block, pages_per_split, group,
+            sm_scale, soft_cap):
+    s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, window = scalars_ref[0], scalars_ref[1]
+    gp, head_dim = q_ref.shape[2], q_ref.shape[3]
+    block_k = pages_per_block * page_size
+    kv_len = kv_lens_ref[s]
+    q_pos = kv_len - 1
+    q = q_ref[0, 0].astype(jnp.float32)  # [gp, head_dim]
+    head_ok = lax.broadcasted_iota(jnp.int32, (gp, block_k), 0) < group
+
+    lo = jnp.where(window > 0, jnp.maximum(q_pos - window + 1, 0), 0)
+    first_blk = jnp.maximum(split * pages_per_split * page_size, lo) // block_k
+    end = jnp.minimum((split + 1) * pages_per_split * page_size, kv_len)
+    num_blk = jnp.maximum(pl.cdiv(end, block_k) - first_blk, 0)
+    page_base = (layer * 2 * num_kv_heads + h) * num_pages
+    v_offset = num_kv_heads * num_pages
+
+    def body(i, carry):
+        o, m, lsum = carry
+        j = first_blk + i
+        pages = tables_ref[s, pl.ds(j * pages_per_block, pages_per_block)]
+        k = kv_ref[page_base + pages].reshape(block_k, head_dim).astype(jnp.float32)
+        v = kv_ref[page_base + v_offset + pages].reshape(block_k, head_dim)
+        x = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # [gp, block_k]
+        if soft_cap is not None:
+            x = soft_cap * jnp.tanh(x / soft_cap)
+        k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (gp, block_k), 1)
+        mask = (k_pos < end) & (k_pos >= split * pages_per_split * page_size) & head_ok
+        mask &= (window <= 0) | (q_pos - k_pos < window)
+        x = jnp.where(mask, x, MASK)
+        m_new = jnp.maximum(m, x.max(axis=-1))
+        p = jnp.where(mask, jnp.exp(x - m_new[:, None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        v = jnp.where(k_pos[0][:, None] < kv_len, v.astype(jnp.float32), 0.0)  # NaN guard
+        o = o * corr[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+        return o, m_new, lsum * corr + p.sum(axis=-1)
+
+    init = (jnp.zeros((gp, head_dim), jnp.float32), jnp.full((gp,), MASK, jnp.float32),
+            jnp.zeros((gp,), jnp.float32))
+    o, m, lsum = lax.fori_loop(0, num_blk, body, init)
+    o_ref[0, 0, 0] = o
+    m_ref[0, 0, 0] = m
+    l_ref[0, 0, 0] = lsum
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "pages_per_block",
+                                             "num_splits", "interpret"))
+def paged_decode_attention_kernel(q, kv_pages, layer, block_tables, kv_lens, *, sm_scale,
+                                  sliding_window=0, soft_cap=None, pages_per_block=2,
+                                  num_splits=2, interpret=False):
+    """Pallas decode attention; same contract as `paged_decode_attention_reference`.
+
+    Args:
+        pages_per_block: Pages per inner iteration (block_k = pages * page_size).
+        num_splits: Programs sharing one request's context (split-K), combined by LSE.
+        interpret: Run in the Pallas interpreter (the CPU's only option).
+    """
+    check_decode_shapes(q, kv_pages, block_tables, kv_lens)
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
+    group = num_q_heads // num_kv_heads
+    gp = max(pl.next_power_of_2(group), 1)
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
+
+    width = block_tables.shape[1]
+    pages_per_split = pl.cdiv(pl.cdiv(width, num_splits), pages_per_block) * pages_per_block
+    tables = jnp.pad(block_tables, ((0, 0), (0, pages_per_split * num_splits - width)))
+    kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size, head_dim)
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
+
+    kernel = functools.partial(
+        _kernel, num_pages=num_pages, num_kv_heads=num_kv_heads, page_size=page_size,
+        pages_per_block=pages_per_block, pages_per_split=pages_per_split, group=group,
+        sm_scale=sm_scale, soft_cap=soft_cap)
+    whole = pl.BlockSpec()
+    part = (num_seqs, num_kv_heads, num_splits, gp)
+    o, m, lsum = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=[whole, whole, whole,
+                  pl.BlockSpec((1, 1, gp, head_dim), lambda s, h, c: (s, h, 0, 0)), whole],
+        out_specs=[pl.BlockSpec((1, 1, 1, gp, head_dim), lambda s, h, c: (s, h, c, 0, 0)),
+                   pl.BlockSpec((1, 1, 1, gp), lambda s, h, c: (s, h, c, 0)),
+                   pl.BlockSpec((1, 1, 1, gp), lambda s, h, c: (s, h, c, 0))],
+        out_shape=[jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct(part, jnp.float32),
+                   jax.ShapeDtypeStruct(part, jnp.float32)],
+        interpret=interpret,
+        name=f"paged_decode_attention_ppb{pages_per_block}_splits{num_splits}",
+    )(scalars, kv_lens, tables, qg, kv_flat)
+
+    # Log-sum-exp combine of the splits.
+    m_all = m.max(axis=2, keepdims=True)  # [num_seqs, Hkv, 1, gp]
+    scale = jnp.where(lsum > 0, jnp.exp(m - m_all), 0.0)  # [num_seqs, Hkv, splits, gp]
+    num = jnp.sum(o * scale[..., None], axis=2)  # [num_seqs, Hkv, gp, head_dim]
+    den = jnp.sum(lsum * scale, axis=2)[..., None]
+    out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)[:, :, :group]
+    return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,163 @@
+"""Ragged paged attention as a Pallas kernel (GPU-style: grid of query blocks x KV heads).
+
+The wrapper cuts each request's queries into blocks of `block_q` tokens (a request's
+queries never share a block with another's), gathers them to `[num_blocks, ...]`, and
+the kernel runs flash-attention (online softmax) over that request's pages, `pages_per_block`
+pages at a time, reading them through the block table. Each program writes its own output
+block, so no two programs touch the same memory; the wrapper scatters rows back to tokens.
+
+NOTE: written against the generic Pallas API (refs, `pl.ds`, `lax.fori_loop`), which the
+CPU runs with `interpret=True` and the GPU lowers through Triton. Keep GPU specifics in
+this file so a Mosaic GPU version can replace it behind `pallas_kernels.ops`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.ragged_paged_attention.reference import check_shapes
+
+MASK = -1e30
+
+
+def query_blocks(cu_q_lens: jax.Array, num_tokens: int, block_q: int):
+    """Splits each request's query tokens into blocks of at most `block_q` tokens.
+
+    Returns:
+        blk_seq: i32[num_blocks] request of each block (num_seqs for unused blocks).
+        blk_start: i32[num_blocks] first token of each block on the packed axis.
+        blk_len: i32[num_blocks] valid tokens in each block (0 for unused blocks).
+    """
+    num_seqs = cu_q_lens.shape[0] - 1
+    num_blocks = num_tokens // block_q + num_seqs  # static upper bound
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # i32[num_seqs]
+    seq_blocks = (q_lens + block_q - 1) // block_q  # i32[num_seqs]
+    cu_blocks = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(seq_blocks)])
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    blk_seq = jnp.searchsorted(cu_blocks[1:], b, side="right").astype(jnp.int32)
+    used = blk_seq < num_seqs
+    seq = jnp.minimum(blk_seq, num_seqs - 1)
+    offset = (b - cu_blocks[seq]) * block_q  # first query index within the request
+    blk_start = cu_q_lens[seq] + offset
+    blk_len = jnp.where(used, jnp.clip(q_lens[seq] - offset, 0, block_q), 0)
+    return jnp.where(used, blk_seq, num_seqs), blk_start, blk_len
+
+
+def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref,
+            tables_ref, q_ref, kv_ref, o_ref, *, num_pages, num_kv_heads, page_size,
+            pages_per_block, group, sm_scale, soft_cap):
+    b, h = pl.program_id(0), pl.program_id(1)
+    layer, window = scalars_ref[0], scalars_ref[1]
+    num_seqs = kv_lens_ref.shape[0]
+    seq = jnp.minimum(blk_seq_ref[b], num_seqs - 1)
+    n_valid = blk_len_ref[b]
+    block_q, gp, head_dim = q_ref.shape[1], q_ref.shape[3], q_ref.shape[4]
+    rows = block_q * gp
+    block_k = pages_per_block * page_size
+
+    kv_len = kv_lens_ref[seq]
+    q_len = cu_ref[seq + 1] - cu_ref[seq]
+    first_pos = kv_len - q_len + (blk_start_ref[b] - cu_ref[seq])
+    row_tok = lax.broadcasted_iota(jnp.int32, (block_q, gp), 0).reshape(rows)
+    row_head = lax.broadcasted_iota(jnp.int32, (block_q, gp), 1).reshape(rows)
+    row_pos = first_pos + row_tok  # i32[rows]
+    row_ok = (row_tok < n_valid) & (row_head < group)
+
+    q = q_ref[0, :, 0, :, :].reshape(rows, head_dim).astype(jnp.float32)
+    last_pos = jnp.minimum(first_pos + n_valid, kv_len)  # keys in [lo, last_pos)
+    lo = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    first_blk = lo // block_k
+    num_blk = jnp.where(n_valid > 0, pl.cdiv(last_pos, block_k) - first_blk, 0)
+    page_base = (layer * 2 * num_kv_heads + h) * num_pages  # K pages of (layer, head)
+    v_offset = num_kv_heads * num_pages
+
+    def body(i, carry):
+        o, m, lsum = carry
+        j = first_blk + i
+        pages = tables_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
+        k = kv_ref[page_base + pages].reshape(block_k, head_dim).astype(jnp.float32)
+        v = kv_ref[page_base + v_offset + pages].reshape(block_k, head_dim)
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # [rows, block_k]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        mask = (k_pos < kv_len) & (k_pos <= row_pos[:, None]) & row_ok[:, None]
+        mask &= (window <= 0) | (row_pos[:, None] - k_pos < window)
+        s = jnp.where(mask, s, MASK)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        # NaN past kv_len (free or null pages) must not reach the output through 0 * NaN.
+        v = jnp.where(k_pos[0][:, None] < kv_len, v.astype(jnp.float32), 0.0)
+        o = o * corr[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
+        return o, m_new, lsum * corr + p.sum(axis=-1)
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    o, _, lsum = lax.fori_loop(0, num_blk, body, init)
+    o = jnp.where(lsum[:, None] > 0, o / jnp.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
+    o_ref[0, :, 0, :, :] = o.reshape(block_q, gp, head_dim).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q",
+                                             "pages_per_block", "interpret"))
+def ragged_paged_attention_kernel(q, kv_pages, layer, md: AttentionMetadata, *, sm_scale,
+                                  sliding_window=0, soft_cap=None, block_q=16,
+                                  pages_per_block=2, interpret=False):
+    """Pallas ragged paged attention; same contract as `ragged_paged_attention_reference`.
+
+    Args:
+        block_q: Query tokens per program.
+        pages_per_block: Pages loaded per inner iteration (block_k = pages * page_size).
+        interpret: Run the kernel in the Pallas interpreter (the CPU's only option).
+    """
+    check_shapes(q, kv_pages, md)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
+    group = num_q_heads // num_kv_heads
+    gp = pl.next_power_of_2(group)  # pad heads per KV head to a power of two
+
+    blk_seq, blk_start, blk_len = query_blocks(md.cu_q_lens, num_tokens, block_q)
+    num_blocks = blk_seq.shape[0]
+    tok = blk_start[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None]  # [blocks, block_q]
+    tok = jnp.minimum(tok, num_tokens - 1)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
+    q_blocks = qg[tok]  # [num_blocks, block_q, num_kv_heads, gp, head_dim]
+
+    width = md.block_tables.shape[1]
+    tables = jnp.pad(md.block_tables, ((0, 0), (0, -width % pages_per_block)))
+    kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size, head_dim)
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
+
+    kernel = functools.partial(
+        _kernel, num_pages=num_pages, num_kv_heads=num_kv_heads, page_size=page_size,
+        pages_per_block=pages_per_block, group=group, sm_scale=sm_scale, soft_cap=soft_cap)
+    whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
+    block = pl.BlockSpec((1, block_q, 1, gp, head_dim), lambda b, h: (b, 0, h, 0, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_blocks, num_kv_heads),
+        in_specs=[whole] * 7 + [block, whole],
+        out_specs=block,
+        out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q.dtype),
+        interpret=interpret,
+        name=f"ragged_paged_attention_bq{block_q}_ppb{pages_per_block}",
+    )(scalars, blk_seq, blk_start, blk_len, md.cu_q_lens, md.kv_lens, tables, q_blocks,
+      kv_flat)
+
+    # Scatter block rows back to tokens: token t sits in the block holding it.
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    owner = jnp.sum((t[:, None] >= blk_start[None]) & (t[:, None] < blk_start + blk_len),
+                    axis=1) > 0
+    blk_of_t = jnp.argmax((t[:, None] >= blk_start[None]) & (t[:, None] < blk_start + blk_len),
+                          axis=1)
+    rows = out[blk_of_t, t - blk_start[blk_of_t]]  # [num_tokens, num_kv_heads, gp, head_dim]
+    rows = jnp.where(owner[:, None, None, None], rows[:, :, :group], 0)
+    return rows.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
