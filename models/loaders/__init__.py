@@ -12,7 +12,8 @@ import jax
 
 from models.default_model import default_model_path
 from models.loaders import orbax_ckpt
-from models.loaders.gguf_file import GGUFFile
+from models.loaders.gguf_file import open_gguf
+from models.loaders.gguf_tokenizer import tokenizer_from_gguf
 from models.loaders.hf_names import build_params
 from models.loaders.safetensors_dir import SafetensorsDir, read_config
 from models.model import Model, abstract_params, parse_dtype
@@ -70,7 +71,7 @@ def load_model(model: str | None = None, dtype: str = "float32",
             params = jax.tree_util.tree_map(lambda x: x.astype(jdtype), params)
     else:
         if kind == "gguf":
-            source = GGUFFile(path)
+            source = open_gguf(path)
             cfg = arch_config_from_hf(source.hf_config())
         else:
             cfg = arch_config_from_hf(read_config(path))
@@ -83,12 +84,11 @@ def load_model(model: str | None = None, dtype: str = "float32",
 
 def load_tokenizer(model: str | None = None):
     """The tokenizer (with chat template) stored beside the weights `model` names."""
-    from transformers import AutoTokenizer
-
     kind, path = resolve_model(model)
     if kind == "gguf":
-        directory, name = os.path.split(os.path.abspath(path))
-        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        return tokenizer_from_gguf(open_gguf(path))
+    from transformers import AutoTokenizer
+
     if kind == "jaxserve":
         tok_dir = os.path.join(path, "tokenizer")
         if not os.path.isdir(tok_dir):

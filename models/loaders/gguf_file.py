@@ -7,6 +7,7 @@ permuted for its rotary layout; they are un-permuted here.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -138,6 +139,25 @@ class GGUFFile:
         if arch == "qwen3" and "model.layers.0.self_attn.q_proj.bias" in self._tensors:
             cfg["attention_bias"] = True
         return cfg
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """A `GGUFFile` for `path`, shared by the weight and tokenizer loaders of one process.
+
+    NOTE: parsing the metadata of a 49k-token vocabulary takes seconds; the cache is keyed
+    by modification time and size so a rewritten file is parsed again.
+    """
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"GGUF file {path} does not exist")
+    stat = os.stat(path)
+    return _open_gguf(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    del mtime_ns, size  # cache key only
+    return GGUFFile(path)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
