@@ -1,0 +1,97 @@
+"""Min-p, top-k and top-p filters without a vocabulary sort (threshold bisection)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Bisection steps: the ordered keys span at most 2**32 values.
+_NUM_SEARCH_STEPS = 32
+
+
+def ordered_keys(x: jax.Array) -> jax.Array:
+    """Maps floats to uint32 keys with the same order (-0.0 and +0.0 share a key).
+
+    Args:
+        x: f32[...] without NaN.
+
+    Returns:
+        u32[...] with `x < y` iff `key(x) < key(y)`.
+    """
+    x = jnp.where(x == 0.0, 0.0, x).astype(jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 != 0, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def largest_key_where(keys: jax.Array, ok) -> jax.Array:
+    """Per row, the largest key t in [min, max] of the row with `ok(t)` true.
+
+    `ok` must be monotone (true up to some t, false above) and true at the row minimum;
+    the answer is then always one of the row's keys, found exactly in 32 steps of one
+    masked reduction each.
+
+    Args:
+        keys: u32[R, V] from `ordered_keys`.
+        ok: Maps a candidate u32[R, 1] to bool[R].
+
+    Returns:
+        u32[R, 1].
+    """
+    lo = jnp.min(keys, axis=-1, keepdims=True)  # u32[R, 1]
+    hi = jnp.max(keys, axis=-1, keepdims=True)  # u32[R, 1]
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = hi - (hi - lo) // 2  # lo + ceil((hi - lo) / 2), no overflow
+        good = ok(mid)[:, None] | (mid == lo)  # bool[R, 1]; ok(lo) holds by contract
+        return jnp.where(good, mid, lo), jnp.where(good, hi, mid - 1)
+
+    return lax.fori_loop(0, _NUM_SEARCH_STEPS, step, (lo, hi))[0]
+
+
+def apply_filters(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  min_p: jax.Array) -> jax.Array:
+    """Min-p, then top-k, then top-p (over the top-k renormalised probabilities).
+
+    Each filter sets dropped logits to -inf. Min-p drops tokens whose probability is
+    below `min_p` times the largest one. Top-k keeps the k largest logits (ties with the
+    k-th kept). Top-p keeps the smallest set of largest tokens whose probability reaches
+    p (ties with the smallest kept logit kept). Off values: min_p 0, k 0, p 1.
+
+    NOTE: a full sort of [R, V] took 0.9 s for R=64, V=49152 on a 2-core CPU; the two
+    thresholds are instead found by bisection over the logits' float order (32 masked
+    reductions each, skipped at run time when no row uses that filter), which is exact.
+
+    Args:
+        logits: f32[R, V], already divided by temperature.
+        top_k: i32[R]; 0 (or >= V) keeps all.
+        top_p: f32[R] in (0, 1].
+        min_p: f32[R] in [0, 1].
+
+    Returns:
+        f32[R, V] with the dropped tokens at -inf.
+    """
+    vocab_size = logits.shape[-1]
+    max_logit = jnp.max(logits, axis=-1, keepdims=True)  # f32[R, 1]
+    # p < min_p * p_max  <=>  logit < max_logit + log(min_p); log(0) = -inf drops nothing.
+    logits = jnp.where(logits < max_logit + jnp.log(min_p)[:, None], -jnp.inf, logits)
+    keys = ordered_keys(logits)  # u32[R, V]
+    row_min = jnp.min(keys, axis=-1, keepdims=True)  # u32[R, 1]
+
+    k = jnp.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)  # i32[R]
+    kth = lax.cond(
+        jnp.any(k < vocab_size),
+        lambda: largest_key_where(
+            keys, lambda t: jnp.sum(keys >= t, axis=-1, dtype=jnp.int32) >= k),
+        lambda: row_min)  # u32[R, 1]; the k-th largest key
+
+    def top_p_threshold() -> jax.Array:
+        probs = jax.nn.softmax(jnp.where(keys >= kth, logits, -jnp.inf), axis=-1)  # f32[R, V]
+        pth = largest_key_where(
+            keys, lambda t: jnp.sum(jnp.where(keys >= t, probs, 0.0), axis=-1) >= top_p)
+        # NOTE: top_p = 1 keeps everything exactly, whatever the float sum reaches.
+        return jnp.where(top_p[:, None] >= 1.0, row_min, pth)
+
+    pth = lax.cond(jnp.any(top_p < 1.0), top_p_threshold, lambda: row_min)  # u32[R, 1]
+    return jnp.where(keys >= jnp.maximum(kth, pth), logits, -jnp.inf)

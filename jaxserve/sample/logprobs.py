@@ -1,0 +1,78 @@
+"""Log-probabilities of chosen tokens, their ranks and top-K alternatives (raw log-softmax)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def gather_logprobs(logprobs: jax.Array, token_ids: jax.Array,
+                    num_logprobs: int) -> tuple[jax.Array, jax.Array, Any, Any]:
+    """Picks each row's token logprob, its rank and the top alternatives.
+
+    Args:
+        logprobs: f32[N, V] log-softmax.
+        token_ids: i32[N] the chosen token of each row.
+        num_logprobs: K, static; 0 returns None for the alternatives. Capped at V.
+
+    Returns:
+        (token_logprobs f32[N], token_ranks i32[N], topk_token_ids i32[N, K] or None,
+        topk_logprobs f32[N, K] or None). A rank is vLLM's: the number of tokens whose
+        logprob is >= the chosen one's (1 = the most likely token).
+    """
+    token_logprobs = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]  # f32[N]
+    token_ranks = jnp.sum(logprobs >= token_logprobs[:, None], axis=-1, dtype=jnp.int32)
+    if num_logprobs <= 0:
+        return token_logprobs, token_ranks, None, None
+    num_logprobs = min(num_logprobs, logprobs.shape[-1])
+    topk_logprobs, topk_ids = jax.lax.top_k(logprobs, num_logprobs)  # f32[N, K], i32[N, K]
+    return token_logprobs, token_ranks, topk_ids.astype(jnp.int32), topk_logprobs
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["token_logprobs", "token_ranks", "topk_token_ids", "topk_logprobs"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of the actual next token at each prompt position.
+
+    Attributes:
+        token_logprobs: f32[T]; logprob of `next_token_ids[t]` given tokens up to t.
+        token_ranks: i32[T]; rank of that token (1 = most likely).
+        topk_token_ids: i32[T, K] or None when K = 0.
+        topk_logprobs: f32[T, K] or None when K = 0.
+    """
+
+    token_logprobs: Any
+    token_ranks: Any
+    topk_token_ids: Any = None
+    topk_logprobs: Any = None
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def compute_prompt_logprobs(logits: jax.Array, next_token_ids: jax.Array,
+                            num_logprobs: int) -> PromptLogprobs:
+    """Raw log-softmax logprobs of the prompt's next tokens (vLLM's `prompt_logprobs`).
+
+    NOTE: like vLLM v1's default ("raw_logprobs"), these come from the model's logits
+    before any penalty or temperature. Padded positions produce garbage that the caller
+    drops; they never affect real positions.
+
+    Args:
+        logits: f32[T, V]; row t is the model's output at prompt position t.
+        next_token_ids: i32[T]; the prompt token at position t + 1 (any valid id on the
+            last position and on padding).
+        num_logprobs: K, static; use `logprobs_bucket` to keep compile variants few.
+
+    Returns:
+        PromptLogprobs over the T positions.
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # f32[T, V]
+    return PromptLogprobs(*gather_logprobs(logprobs, next_token_ids.astype(jnp.int32),
+                                           num_logprobs))

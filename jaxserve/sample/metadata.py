@@ -1,0 +1,230 @@
+"""Per-row sampling arrays (a pytree) and their host-side NumPy builder."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxserve.sampling_params import SamplingParams
+
+# The only non-zero top-logprobs width the sampler compiles for (see `logprobs_bucket`).
+MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
+# Smallest padded width of the penalty / banned token id arrays.
+MIN_TOKEN_IDS_LEN = 16
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature", "top_k", "top_p", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "seeds", "counters",
+                 "prompt_token_ids", "output_token_ids", "banned_token_ids"],
+    meta_fields=["all_greedy", "needs_filtering", "has_penalties", "has_banned_tokens",
+                 "max_num_logprobs"],
+)
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Sampling settings of R rows (R is a padded bucket size) as arrays.
+
+    Data fields are traced: new temperatures, top-k/top-p/min-p values, penalties, seeds and
+    counters reuse the compiled sampler. Meta fields are static and decide the program's
+    shape: which stages exist and how many top logprobs are returned.
+
+    Padded rows are greedy with every filter and penalty off and pad token ids, so they
+    cost nothing and never touch real rows (every stage is row-wise).
+
+    Token id arrays are padded with `vocab_size`, which the sampler's scatters drop
+    (`mode="drop"`). They are None when their stage is off.
+
+    Attributes:
+        temperature: f32[R]; below 1e-5 means greedy.
+        top_k: i32[R]; 0 means off.
+        top_p: f32[R]; 1.0 means off.
+        min_p: f32[R]; 0.0 means off.
+        presence_penalty: f32[R]; 0.0 means off.
+        frequency_penalty: f32[R]; 0.0 means off.
+        repetition_penalty: f32[R]; 1.0 means off.
+        seeds: u32[R]; the request's seed modulo 2**32.
+        counters: i32[R]; tokens the request generated so far. The row's random key is
+            `fold_in(key(seed), counter)`, so a seeded request draws the same tokens
+            whatever its row index and whatever else shares the batch.
+        prompt_token_ids: i32[R, Lp] or None; for the repetition penalty.
+        output_token_ids: i32[R, Lo] or None; for all three penalties.
+        banned_token_ids: i32[R, Lb] or None; ids set to -inf before anything else (stop
+            and EOS ids of rows that have not reached `min_tokens`).
+        all_greedy: Static; every real row is greedy, so no random draws are compiled.
+        needs_filtering: Static; some row uses top-k, top-p or min-p (compiles the filters).
+        has_penalties: Static; the penalty arrays are present.
+        has_banned_tokens: Static; `banned_token_ids` is present.
+        max_num_logprobs: Static; top alternatives returned per row, 0 or MAX_LOGPROBS
+            (capped at V).
+    """
+
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    min_p: Any
+    presence_penalty: Any
+    frequency_penalty: Any
+    repetition_penalty: Any
+    seeds: Any
+    counters: Any
+    prompt_token_ids: Any = None
+    output_token_ids: Any = None
+    banned_token_ids: Any = None
+    all_greedy: bool = True
+    needs_filtering: bool = False
+    has_penalties: bool = False
+    has_banned_tokens: bool = False
+    max_num_logprobs: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        """R, the padded number of rows."""
+        return self.temperature.shape[0]
+
+
+class RowSpec(NamedTuple):
+    """One real row of a sampling batch.
+
+    Attributes:
+        params: The request's settings.
+        prompt_token_ids: Its prompt (read only when repetition_penalty != 1).
+        output_token_ids: Tokens it generated so far (read only when a penalty is on).
+        seed: The seed to use; defaults to `params.seed`. NOTE: the engine draws a seed
+            from its own seeded RNG at add_request for requests without one, so every
+            random row has a seed; a random row with neither raises ValueError.
+        counter: Tokens generated so far; defaults to `len(output_token_ids)`.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    seed: int | None = None
+    counter: int | None = None
+
+
+def logprobs_bucket(num_logprobs: int) -> int:
+    """Static top-logprobs width for a batch whose largest request is `num_logprobs`.
+
+    NOTE: two buckets only (0 and MAX_LOGPROBS) keep compile variants at two; top-k of 20
+    over the vocab costs little next to the model, and rows asking for fewer are sliced
+    on the host.
+    """
+    return 0 if num_logprobs <= 0 else MAX_LOGPROBS
+
+
+def padded_len(n: int, minimum: int = MIN_TOKEN_IDS_LEN) -> int:
+    """Smallest power of two >= max(n, minimum), to bound compile variants."""
+    n = max(int(n), minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def _pad_ids(id_lists: list[Sequence[int] | None], num_rows: int, width: int,
+             pad: int) -> np.ndarray:
+    """i32[num_rows, width] holding each list left-aligned, padded with `pad`."""
+    out = np.full((num_rows, width), pad, np.int32)
+    for i, ids in enumerate(id_lists):
+        if ids is not None and len(ids):
+            out[i, :len(ids)] = np.asarray(ids, np.int32)
+    return out
+
+
+def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: int,
+                            vocab_size: int, *, eos_token_id: int | None = None,
+                            prompt_len_padded: int | None = None,
+                            output_len_padded: int | None = None) -> SamplingMetadata:
+    """Builds the NumPy sampling arrays of one step (the caller transfers them).
+
+    Args:
+        rows: One `RowSpec` (or a tuple of its fields) per real row, in row order.
+        num_rows_padded: R, the request bucket; rows past `len(rows)` are padding.
+        vocab_size: V; also the pad value of the token id arrays.
+        eos_token_id: Banned together with `stop_token_ids` while a row (without
+            `ignore_eos`) has generated fewer than `min_tokens` tokens.
+        prompt_len_padded: Width Lp of `prompt_token_ids`; defaults to a power of two.
+        output_len_padded: Width Lo of `output_token_ids`; defaults to a power of two.
+
+    Returns:
+        A SamplingMetadata of NumPy arrays and static flags.
+
+    Raises:
+        ValueError: More rows than `num_rows_padded`, a random row without a seed, or a
+            padded width too small for the ids.
+    """
+    rows = [r if isinstance(r, RowSpec) else RowSpec(*r) for r in rows]
+    num_real, num_rows = len(rows), int(num_rows_padded)
+    if num_real > num_rows:
+        raise ValueError(f"num_rows_padded={num_rows} is smaller than the {num_real} rows")
+    params = [r.params for r in rows]
+
+    def column(name: str, pad: float, dtype: Any) -> np.ndarray:
+        out = np.full((num_rows,), pad, dtype)
+        out[:num_real] = [getattr(p, name) for p in params]
+        return out
+
+    temperature = column("temperature", 0.0, np.float32)
+    top_k = column("top_k", 0, np.int32)
+    top_k[top_k >= vocab_size] = 0  # NOTE: k >= V keeps everything, same as off
+    top_p = column("top_p", 1.0, np.float32)
+    min_p = column("min_p", 0.0, np.float32)
+    presence = column("presence_penalty", 0.0, np.float32)
+    frequency = column("frequency_penalty", 0.0, np.float32)
+    repetition = column("repetition_penalty", 1.0, np.float32)
+
+    seeds = np.zeros((num_rows,), np.uint32)
+    counters = np.zeros((num_rows,), np.int32)
+    for i, r in enumerate(rows):
+        seed = r.params.seed if r.seed is None else r.seed
+        if seed is None and not r.params.is_greedy:
+            raise ValueError(f"row {i}: a random row needs a seed (the engine draws one at "
+                             "add_request for requests without seed), got seed=None")
+        seeds[i] = 0 if seed is None else int(seed) & 0xFFFFFFFF
+        counters[i] = len(r.output_token_ids) if r.counter is None else int(r.counter)
+
+    has_penalties = any(p.has_penalties for p in params)
+    prompt_ids = output_ids = None
+    if has_penalties:
+        prompt_lists = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else None
+                        for r in rows]
+        output_lists = [r.output_token_ids if r.params.has_penalties else None for r in rows]
+        prompt_ids = _pad_ids(prompt_lists, num_rows,
+                              _width("prompt_len_padded", prompt_len_padded, prompt_lists),
+                              vocab_size)
+        output_ids = _pad_ids(output_lists, num_rows,
+                              _width("output_len_padded", output_len_padded, output_lists),
+                              vocab_size)
+
+    banned_lists = [sorted(r.params.all_stop_token_ids(eos_token_id))
+                    if counters[i] < r.params.min_tokens else None
+                    for i, r in enumerate(rows)]
+    has_banned = any(ids for ids in banned_lists)
+    banned_ids = None
+    if has_banned:
+        banned_ids = _pad_ids(banned_lists, num_rows, _width("banned", None, banned_lists),
+                              vocab_size)
+
+    max_logprobs = max([p.logprobs or 0 for p in params], default=0)
+    return SamplingMetadata(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        presence_penalty=presence, frequency_penalty=frequency,
+        repetition_penalty=repetition, seeds=seeds, counters=counters,
+        prompt_token_ids=prompt_ids, output_token_ids=output_ids, banned_token_ids=banned_ids,
+        all_greedy=all(p.is_greedy for p in params),
+        needs_filtering=bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0.0).any()),
+        has_penalties=has_penalties, has_banned_tokens=has_banned,
+        max_num_logprobs=min(logprobs_bucket(max_logprobs), int(vocab_size)))
+
+
+def _width(name: str, requested: int | None, id_lists: list[Sequence[int] | None]) -> int:
+    """Padded width for `id_lists`: `requested` if given (checked), else a power of two."""
+    longest = max((len(ids) for ids in id_lists if ids is not None), default=0)
+    if requested is None:
+        return padded_len(longest)
+    if requested < longest:
+        raise ValueError(f"{name}={requested} is shorter than the longest row ({longest})")
+    return int(requested)

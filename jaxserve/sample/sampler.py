@@ -1,0 +1,139 @@
+"""On-device sampler: penalties, greedy, temperature, min-p/top-k/top-p, per-row seeded draws."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.sample.filters import apply_filters
+from jaxserve.sample.logprobs import gather_logprobs
+from jaxserve.sample.metadata import SamplingMetadata
+from jaxserve.sampling_params import SAMPLING_EPS
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["token_ids", "logprobs", "token_ranks", "topk_token_ids", "topk_logprobs"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """What one sampling step returns for R rows.
+
+    Attributes:
+        token_ids: i32[R] the sampled tokens.
+        logprobs: f32[R] raw log-softmax (model logits, before penalties and temperature)
+            of each sampled token; vLLM v1's default "raw_logprobs" mode.
+        token_ranks: i32[R] rank of each sampled token under the raw logprobs (1 = top).
+        topk_token_ids: i32[R, K] or None when K = max_num_logprobs = 0.
+        topk_logprobs: f32[R, K] or None; raw logprobs of those alternatives, descending.
+    """
+
+    token_ids: Any
+    logprobs: Any
+    token_ranks: Any
+    topk_token_ids: Any = None
+    topk_logprobs: Any = None
+
+
+def apply_banned_tokens(logits: jax.Array, banned_token_ids: jax.Array) -> jax.Array:
+    """Sets banned ids to -inf; pad ids (== V) are dropped.
+
+    Args:
+        logits: f32[R, V].
+        banned_token_ids: i32[R, Lb], padded with V.
+    """
+    rows = jnp.arange(logits.shape[0])[:, None]  # i32[R, 1]
+    return logits.at[rows, banned_token_ids].set(-jnp.inf, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Repetition, frequency and presence penalties (vLLM / transformers / OpenAI rules).
+
+    Repetition: tokens seen in the prompt or the output have positive logits divided by
+    the penalty and negative ones multiplied. Then `logit -= frequency * count +
+    presence * (count > 0)` over output token counts only.
+
+    Args:
+        logits: f32[R, V].
+        md: Metadata with `prompt_token_ids` i32[R, Lp] and `output_token_ids` i32[R, Lo].
+
+    Returns:
+        f32[R, V] penalised logits.
+    """
+    num_rows, vocab_size = logits.shape
+    rows = jnp.arange(num_rows)[:, None]  # i32[R, 1]
+    output_counts = jnp.zeros((num_rows, vocab_size), jnp.int32).at[
+        rows, md.output_token_ids].add(1, mode="drop")  # i32[R, V]
+    in_prompt = jnp.zeros((num_rows, vocab_size), jnp.bool_).at[
+        rows, md.prompt_token_ids].set(True, mode="drop")  # bool[R, V]
+    in_output = output_counts > 0  # bool[R, V]
+    rep = md.repetition_penalty[:, None]  # f32[R, 1]
+    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(in_prompt | in_output, penalised, logits)
+    logits = logits - md.frequency_penalty[:, None] * output_counts.astype(jnp.float32)
+    return logits - md.presence_penalty[:, None] * in_output.astype(jnp.float32)
+
+
+def random_sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array) -> jax.Array:
+    """Draws one token per row from softmax(logits) with the Gumbel-max trick.
+
+    Row r uses the key `fold_in(key(seeds[r]), counters[r])` and draws noise of shape [V]
+    from it alone, so its token depends only on its logits, seed and counter.
+
+    Args:
+        logits: f32[R, V]; -inf entries are never drawn.
+        seeds: u32[R].
+        counters: i32[R].
+
+    Returns:
+        i32[R] token ids.
+    """
+    vocab_size = logits.shape[-1]
+
+    def row_noise(seed: jax.Array, counter: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed), counter)
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)  # f32[V]
+
+    noise = jax.vmap(row_noise)(seeds, counters)  # f32[R, V]
+    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+    """Samples one token per row (jit-able; only `md`'s meta fields are static).
+
+    Order as in vLLM v1: banned ids (min_tokens) -> penalties -> greedy rows take the
+    argmax -> temperature -> min-p, top-k, top-p -> seeded Gumbel-max draw. The filters
+    are compiled only when `md.needs_filtering`, the draw only when not `md.all_greedy`.
+
+    Args:
+        logits: f32[R, V] (any float dtype; computed in f32).
+        md: The step's SamplingMetadata (NumPy or device arrays).
+
+    Returns:
+        SamplerOutput; logprobs are the raw log-softmax of `logits`.
+    """
+    logits = logits.astype(jnp.float32)  # f32[R, V]
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[R, V]
+    if md.has_banned_tokens:
+        logits = apply_banned_tokens(logits, md.banned_token_ids)
+    if md.has_penalties:
+        logits = apply_penalties(logits, md)
+    token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[R]
+    if not md.all_greedy:
+        temperature = jnp.asarray(md.temperature, jnp.float32)  # f32[R]
+        is_greedy = temperature < SAMPLING_EPS  # bool[R]
+        scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]  # f32[R, V]
+        if md.needs_filtering:
+            scaled = apply_filters(scaled, jnp.asarray(md.top_k), jnp.asarray(md.top_p),
+                                   jnp.asarray(md.min_p))
+        random_ids = random_sample(scaled, jnp.asarray(md.seeds), jnp.asarray(md.counters))
+        token_ids = jnp.where(is_greedy, token_ids, random_ids)
+    token_logprobs, ranks, topk_ids, topk_logprobs = gather_logprobs(
+        raw_logprobs, token_ids, md.max_num_logprobs)
+    return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, token_ranks=ranks,
+                         topk_token_ids=topk_ids, topk_logprobs=topk_logprobs)

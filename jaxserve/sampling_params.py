@@ -1,0 +1,214 @@
+"""User-facing sampling settings (vLLM's `SamplingParams` fields, defaults and validation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import operator
+from typing import Any, ClassVar
+
+# Temperatures below this mean greedy decoding (vLLM's `_SAMPLING_EPS`).
+SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    """How a request picks tokens."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _as_int(name: str, value: Any) -> int:
+    """`value` as a Python int, or ValueError naming the field (bools are refused)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _as_float(name: str, value: Any) -> float:
+    """`value` as a Python float, or ValueError naming the field."""
+    if isinstance(value, bool) or isinstance(value, str):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if result != result:  # NaN passes every range comparison below
+        raise ValueError(f"{name} must not be NaN, got {value!r}")
+    return result
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling settings of one request, validated and normalised on construction.
+
+    The fields, defaults and rules follow vLLM. `top_k` of 0 or -1 disables top-k and is
+    stored as 0. A greedy request (`temperature < 1e-5`) has its top-k/top-p/min-p reset to
+    "off", as vLLM does. `max_tokens=None` means "up to max_model_len"; the engine resolves it.
+
+    NOTE: `seed=None` does not mean "unreproducible" on device: the engine draws a seed
+    for such requests from its own seeded RNG at `add_request`, so the sampler always uses
+    per-request keys. For `n > 1` with a seed, child `i` should use `seed + i` (vLLM v1).
+
+    Raises:
+        ValueError: Any invalid value; the message names the field and the value.
+    """
+
+    MAX_LOGPROBS: ClassVar[int] = 20
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        self.n = _as_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0.0 or self.repetition_penalty == float("inf"):
+            raise ValueError(
+                f"repetition_penalty must be a finite number greater than zero, "
+                f"got {self.repetition_penalty}")
+        self.temperature = _as_float("temperature", self.temperature)
+        if self.temperature < 0.0 or self.temperature == float("inf"):
+            raise ValueError(
+                f"temperature must be non-negative and finite, got {self.temperature}")
+        self.top_p = _as_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _as_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disable), or at least 1, got {self.top_k}")
+        self.top_k = max(self.top_k, 0)
+        self.min_p = _as_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            self.seed = _as_int("seed", self.seed)
+        self._init_stops()
+        self._init_lengths()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            value = _as_int(name, value)
+            if not 0 <= value <= self.MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {self.MAX_LOGPROBS}], got {value}")
+            setattr(self, name, value)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"stop strings need detokenize=True, got stop={self.stop!r} with detokenize=False")
+        if self.temperature < SAMPLING_EPS:
+            # NOTE: greedy ignores the filters; resetting them keeps the sampler's static
+            # "needs_filtering" flag off for all-greedy batches (as vLLM does).
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _init_stops(self) -> None:
+        """Normalises `stop` to a list of non-empty strings and `stop_token_ids` to ints."""
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must hold strings, got {s!r} in stop={self.stop!r}")
+            if not s:
+                raise ValueError(f"stop cannot contain an empty string, got stop={self.stop!r}")
+        ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        try:
+            self.stop_token_ids = [_as_int("stop_token_ids", t) for t in ids]
+        except ValueError:
+            raise ValueError(f"stop_token_ids must hold integers, got {ids!r}") from None
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+
+    def _init_lengths(self) -> None:
+        """Validates `max_tokens` (None allowed) and `min_tokens`."""
+        if self.max_tokens is not None:
+            self.max_tokens = _as_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        self.min_tokens = _as_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be at most max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether the request decodes greedily (temperature below 1e-5)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """GREEDY, RANDOM_SEED (user seed) or RANDOM."""
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def needs_filtering(self) -> bool:
+        """Whether any of top-k, top-p or min-p is active."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any presence, frequency or repetition penalty is active."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters the detokenizer holds back so a stop string is never streamed."""
+        if self.stop and not self.include_stop_str_in_output:
+            return max(len(s) for s in self.stop) - 1
+        return 0
+
+    def all_stop_token_ids(self, eos_token_id: int | None = None) -> set[int]:
+        """`stop_token_ids` plus the EOS token unless `ignore_eos` is set.
+
+        Args:
+            eos_token_id: The tokenizer's EOS id, or None when there is none.
+        """
+        ids = set(self.stop_token_ids)
+        if eos_token_id is not None and not self.ignore_eos:
+            ids.add(int(eos_token_id))
+        return ids
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A validated copy with `changes` applied (e.g. a child's `seed` for n > 1)."""
+        return dataclasses.replace(self, **changes)

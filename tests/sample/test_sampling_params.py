@@ -1,0 +1,110 @@
+"""SamplingParams: vLLM defaults, normalisation, and a ValueError naming each bad field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve.sampling_params import SamplingParams, SamplingType
+
+
+def test_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.seed is None and p.stop == [] and p.stop_token_ids == []
+    assert p.max_tokens == 16 and p.min_tokens == 0
+    assert p.logprobs is None and p.prompt_logprobs is None
+    assert p.skip_special_tokens and p.spaces_between_special_tokens and p.detokenize
+    assert not p.include_stop_str_in_output and not p.ignore_eos
+    assert p.sampling_type == SamplingType.RANDOM and not p.is_greedy
+    assert not p.needs_filtering and not p.has_penalties
+    assert SamplingParams.MAX_LOGPROBS == 20
+
+
+def test_normalisation():
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "bc")).stop == ["a", "bc"]
+    assert SamplingParams(stop_token_ids=(np.int64(3), 7)).stop_token_ids == [3, 7]
+    assert SamplingParams(max_tokens=None).max_tokens is None
+    assert SamplingParams(seed=np.int32(5), temperature=0.5).sampling_type == (
+        SamplingType.RANDOM_SEED)
+    assert isinstance(SamplingParams(temperature=1).temperature, float)
+
+
+def test_greedy_resets_filters():
+    p = SamplingParams(temperature=0.0, top_k=5, top_p=0.5, min_p=0.3)
+    assert p.is_greedy and p.sampling_type == SamplingType.GREEDY
+    assert (p.top_k, p.top_p, p.min_p) == (0, 1.0, 0.0) and not p.needs_filtering
+    assert SamplingParams(temperature=9e-6).is_greedy
+    assert not SamplingParams(temperature=1e-5).is_greedy
+
+
+def test_helpers():
+    p = SamplingParams(stop=["ab", "xyz"], stop_token_ids=[5])
+    assert p.output_text_buffer_length == 2
+    assert SamplingParams(stop=["xyz"], include_stop_str_in_output=True
+                          ).output_text_buffer_length == 0
+    assert p.all_stop_token_ids(2) == {2, 5}
+    assert SamplingParams(ignore_eos=True, stop_token_ids=[5]).all_stop_token_ids(2) == {5}
+    child = p.clone(seed=7)
+    assert child.seed == 7 and child.stop == p.stop and p.seed is None
+    with pytest.raises(ValueError, match="top_p"):
+        p.clone(top_p=0.0)
+    assert SamplingParams(top_k=3).needs_filtering
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"n": 0}, "n"),
+    ({"n": 1.5}, "n"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"presence_penalty": -2.1}, "presence_penalty"),
+    ({"frequency_penalty": 3}, "frequency_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": "42"}, "seed"),
+    ({"seed": True}, "seed"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"stop": [3]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 17}, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 100}, "prompt_logprobs"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"stop": "x", "detokenize": False}, "stop"),
+])
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field) as info:
+        SamplingParams(**kwargs)
+    value = next(iter(kwargs.values()))
+    assert repr(value) in str(info.value) or str(value) in str(info.value)
+
+
+def test_valid_edges():
+    SamplingParams(presence_penalty=-2, frequency_penalty=2, top_p=1.0, min_p=1.0,
+                   logprobs=20, prompt_logprobs=0, min_tokens=16, top_k=1)
+    SamplingParams(min_tokens=100, max_tokens=None)
+
+
+def test_unknown_keyword_is_type_error():
+    with pytest.raises(TypeError):
+        SamplingParams(best_off=2)
