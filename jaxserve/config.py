@@ -1,0 +1,155 @@
+"""Engine configuration: frozen dataclasses built from vLLM-style keyword arguments.
+
+Every engine argument is validated here, once, with a `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+# The seed material's comparison points; the last is the default engine.
+SCHEDULING_MODES = ("naive", "static", "continuous", "continuous+chunked")
+DTYPES = ("float32", "bfloat16")
+
+
+def _check(cond: bool, name: str, value, must: str) -> None:
+    if not cond:
+        raise ValueError(f"{name} must be {must}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights, in which dtype, and how long a sequence may grow.
+
+    Attributes:
+        model: GGUF file, HF directory, jaxserve checkpoint, or None for the default model.
+        dtype: "float32" or "bfloat16".
+        max_model_len: Longest prompt + output; None means min(model limit, 2048).
+        attention_backend: "auto", "xla" or "pallas".
+        seed: Seed of the engine's random stream (unseeded requests draw from it).
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+               self.max_model_len, "a positive integer")
+        _check(isinstance(self.seed, int), "seed", self.seed, "an integer")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV page pool and the host swap space.
+
+    Attributes:
+        block_size: Tokens per KV page.
+        num_kv_blocks: Fix the page count (the null page included); None sizes the pool
+            from memory.
+        gpu_memory_utilization: Fraction of accelerator memory for weights + KV.
+        kv_cache_memory_gib: KV budget where the device reports no memory (the CPU).
+        swap_space: Host swap pool per engine in GiB (preemption_mode="swap").
+        enable_prefix_caching: Reuse full pages across requests by content hash.
+        watermark: Fraction of pages kept free when admitting new requests.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_gib: float = 1.0
+    swap_space: float = 4.0
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+
+    def __post_init__(self):
+        _check(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size,
+               "one of 8, 16, 32, 64, 128")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
+               self.num_kv_blocks, "at least 2 (page 0 is the null page)")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+               self.gpu_memory_utilization, "in (0, 1]")
+        _check(self.kv_cache_memory_gib > 0, "kv_cache_memory_gib", self.kv_cache_memory_gib,
+               "positive")
+        _check(self.swap_space >= 0, "swap_space", self.swap_space, "non-negative (GiB)")
+        _check(0 <= self.watermark < 1, "watermark", self.watermark, "in [0, 1)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How each step's token budget is filled.
+
+    Attributes:
+        max_num_seqs: Most requests in one step.
+        max_num_batched_tokens: Token budget of one step (None: 512 with chunked prefill,
+            else max_model_len).
+        enable_chunked_prefill: Cut long prompts into chunks sharing steps with decodes.
+        long_prefill_token_threshold: Cap on one request's chunk (0: no cap).
+        preemption_mode: "recompute" or "swap".
+        scheduling_policy: "fcfs" or "priority" (lower value first).
+        scheduling_mode: "continuous+chunked" (default), "continuous" (whole prompts),
+            "static" (fixed batches that wait for their slowest member) or "naive" (one
+            request at a time); the last three exist for the benchmarks.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
+    scheduling_mode: str = "continuous+chunked"
+
+    def __post_init__(self):
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "at least 1")
+        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+               "max_num_batched_tokens", self.max_num_batched_tokens, "at least 1")
+        _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+               self.long_prefill_token_threshold, "non-negative")
+        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+               self.preemption_mode, f"one of {PREEMPTION_MODES}")
+        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+               self.scheduling_policy, f"one of {SCHEDULING_POLICIES}")
+        _check(self.scheduling_mode in SCHEDULING_MODES, "scheduling_mode",
+               self.scheduling_mode, f"one of {SCHEDULING_MODES}")
+
+    @property
+    def chunked(self) -> bool:
+        """Whether prompts may be split across steps."""
+        return self.enable_chunked_prefill and self.scheduling_mode == "continuous+chunked"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs; build it with `EngineConfig.from_kwargs`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    warmup: bool = True
+    compilation_cache_dir: str | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Sorts vLLM-style flat keyword arguments into the sub-configs.
+
+        Raises:
+            ValueError: An unknown argument (the message lists the known ones) or a value
+                outside its range (the message names the field).
+        """
+        groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        known = {f.name: g for g, c in groups.items() for f in dataclasses.fields(c)}
+        top = {"warmup", "compilation_cache_dir"}
+        unknown = sorted(set(kwargs) - set(known) - top)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted([*known, *top]))}")
+        parts = {g: c(**{k: v for k, v in kwargs.items() if known.get(k) == g})
+                 for g, c in groups.items()}
+        return cls(**parts, **{k: kwargs[k] for k in top if k in kwargs})

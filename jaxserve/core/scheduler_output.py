@@ -1,0 +1,67 @@
+"""`SchedulerOutput`: the only contract between the scheduler and the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxserve.core.plans import KVPlans
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request_id: The request.
+        token_ids: The `num_new_tokens` tokens whose KV this step computes.
+        start_pos: Position of the first of them (the request's computed tokens so far).
+        block_ids: The request's whole block table (page ids, in order).
+        num_samples: Tokens to sample from the last position: 0 while a prompt is only
+            partly computed, 1 normally, n when a request fans out into n samples.
+        sampling_counter: How many tokens the request has generated (seeds the per-row key).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    num_samples: int
+    sampling_counter: int = 0
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes: `{request_id: num_new_tokens}` plus the KV plans to run first.
+
+    Attributes:
+        scheduled: Requests in row order (their tokens are packed in this order).
+        plans: Page copies (copy-on-write) and swaps the runner executes before the step.
+        preempted_request_ids: Requests preempted while building this step.
+        total_num_scheduled_tokens: Sum of all requests' new tokens.
+        num_rows: Sampling rows (sum of `num_samples`, at least one per request).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    plans: KVPlans | None = None
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """The step itself: `{request_id: num_new_tokens}`."""
+        return {s.request_id: s.num_new_tokens for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(max(1, s.num_samples) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

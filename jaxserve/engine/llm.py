@@ -1,0 +1,130 @@
+"""`LLM`: the offline API in vLLM's shape (`generate`, `chat`, `get_metrics`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt (text, ids, dict) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+class LLM:
+    """Runs a model over batches of prompts with continuous batching.
+
+    Args:
+        model: GGUF file, HF directory, jaxserve checkpoint, None for the embedded
+            SmolLM2-135M-Instruct, or an already loaded `models.model.Model`.
+        tokenizer: The tokenizer to use with a loaded model (default: load it).
+        **engine_args: vLLM-style engine arguments (`block_size`, `max_num_seqs`,
+            `max_num_batched_tokens`, `max_model_len`, `enable_chunked_prefill`,
+            `enable_prefix_caching`, `swap_space`, `dtype`, `seed`,
+            `gpu_memory_utilization`, `num_kv_blocks`, `attention_backend`,
+            `preemption_mode`, `scheduling_policy`, `long_prefill_token_threshold`,
+            `scheduling_mode`, ...).
+
+    Raises:
+        ValueError: An unknown argument or a value out of range, naming it.
+    """
+
+    def __init__(self, model=None, *, tokenizer=None, **engine_args):
+        from models.model import Model
+
+        # NOTE: an already loaded `Model` (and tokenizer) may be passed to skip loading,
+        # e.g. to build several engines over one set of weights.
+        loaded = model if isinstance(model, Model) else None
+        config = EngineConfig.from_kwargs(model=None if loaded else model, **engine_args)
+        if loaded is not None and np.dtype(loaded.dtype).name != config.model.dtype:
+            raise ValueError(f"dtype={config.model.dtype!r} differs from the loaded model's "
+                             f"{loaded.dtype}")
+        self.engine = LLMEngine(config, model=loaded, tokenizer=tokenizer)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_metrics(self) -> dict[str, float]:
+        """Counters and gauges by name, e.g. `jaxserve:num_preemptions`."""
+        return self.engine.get_metrics()
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, *, use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generates completions for every prompt; returns them in the prompts' order.
+
+        Args:
+            prompts: A prompt or a list of prompts; each text, token ids, or
+                `{"prompt_token_ids": [...]}`.
+            sampling_params: One for all prompts, or one per prompt (default: greedy-free
+                `SamplingParams()`, as in vLLM).
+            use_tqdm: Show a progress bar.
+            priority: Per-prompt priority (scheduling_policy="priority"; lower runs first).
+
+        Raises:
+            ValueError: A bad prompt or parameters (no request of the batch is left queued).
+        """
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                request_id = f"llm-{self._counter}"
+                self.engine.add_request(request_id, prompt, sp,
+                                        priority=priority[i] if priority else 0)
+                self._counter += 1
+                ids.append(request_id)
+        except ValueError:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, *,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of conversations.
+
+        Each conversation is a list of `{"role": ..., "content": ...}` messages rendered
+        through the tokenizer's chat template.
+        """
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        prompts = []
+        for conversation in messages:
+            ids = self.engine.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                chat_template=chat_template, return_dict=False)
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[r] for r in request_ids if r in finished]

@@ -1,0 +1,199 @@
+"""`LLMEngine`: requests in, one scheduled + executed + detokenized step at a time, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from jaxserve.compilation_cache import enable_compilation_cache
+from jaxserve.config import EngineConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.engine.request_state import RequestState, make_request
+from jaxserve.engine.sizing import resolve_limits
+from jaxserve.outputs import RequestOutput
+from jaxserve.request import RequestStatus
+from jaxserve.runner import compile_counter
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
+from jaxserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxserve")
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    Args:
+        config: Engine configuration.
+        model: An already loaded `models.model.Model` (else loaded from config).
+        tokenizer: Its tokenizer (else loaded from the same source).
+    """
+
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None):
+        from models.loaders import load_model, load_tokenizer
+        from models.model import Model
+
+        self.config = config
+        enable_compilation_cache(config.compilation_cache_dir)
+        mc = config.model
+        if model is not None and mc.attention_backend != "auto":
+            model = Model(model.cfg, model.params, model.dtype, model.source,
+                          backend=mc.attention_backend)
+        self.model = model or load_model(mc.model, mc.dtype, mc.attention_backend)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model.source if model is not None else mc.model)
+        self.tokenizer = tokenizer
+        self.limits = resolve_limits(config, self.model)
+        lim = self.limits
+        self.kv = KVCacheManager(
+            lim.num_pages, config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            watermark=config.cache.watermark, swap_space=config.cache.swap_space,
+            bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
+                                   lim.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, lim.num_pages, config.cache.block_size,
+                                  lim.max_model_len, self.scheduler.max_num_seqs,
+                                  lim.max_num_batched_tokens, self.kv.host_pool.num_slots)
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        self.eos_token_ids = tuple(dict.fromkeys([*self.model.cfg.eos_token_ids, *eos]))
+        self.rng = np.random.default_rng(mc.seed)
+        self.states: dict[str, RequestState] = {}
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0}
+        self.finished_reasons: dict[str, int] = {}
+        logger.info("jaxserve: %d KV pages of %d tokens, max_model_len %d, token buckets %s",
+                    lim.num_pages, config.cache.block_size, lim.max_model_len,
+                    self.runner.buckets)
+        if config.warmup:
+            self.warmup()
+        self.compilations_after_warmup = compile_counter.num_compilations()
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
+                    priority: int = 0, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queues a request: text, token ids, or `{"prompt_token_ids": [...]}`.
+
+        Raises:
+            ValueError: Duplicate id, bad prompt or parameters, or a request that can never
+                fit (prompt over max_model_len, more pages than exist).
+        """
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        state = make_request(self, request_id, prompt, params or SamplingParams(),
+                             priority=priority, cache_salt=cache_salt,
+                             arrival_time=arrival_time)
+        self.scheduler.add_request(state.root)
+        self.states[request_id] = state
+        self.counters["prompt_tokens"] += len(state.prompt_token_ids)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Ends requests now; their pages are freed at once. Unknown ids are ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            state = self.states.pop(request_id, None)
+            if state is None:
+                continue
+            for req_id in state.live_request_ids():
+                self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+            state.abort()
+            self.finished_reasons["abort"] = self.finished_reasons.get("abort", 0) + 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.states)
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns the outputs of requests it advanced."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.time()
+        rows = []
+        for s in out.scheduled:
+            req = self.scheduler.requests[s.request_id]
+            self.states[req.user_request_id].on_scheduled(now)
+            for k in range(s.num_samples):
+                seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
+                rows.append(RowSpec(req.sampling_params, req.prompt_token_ids,
+                                    req.output_token_ids, seed, s.sampling_counter))
+        _, num_rows = self.runner.step_shape(out)
+        sampling = build_sampling_metadata(
+            rows, num_rows, self.model.cfg.vocab_size,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None)
+        result = self.runner.execute(out, sampling)
+        self.counters["num_steps"] += 1
+
+        sampled: dict[str, list[int]] = {}
+        row_of: dict[str, list[int]] = {}
+        for row, req_id in enumerate(result.row_request_ids):
+            sampled.setdefault(req_id, []).append(int(result.token_ids[row]))
+            row_of.setdefault(req_id, []).append(row)
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        for req, tokens in self.scheduler.update_from_output(out, sampled):
+            own_rows = row_of.get(req.request_id)
+            # A child forked this step sampled from its parent's i-th fan-out row.
+            row = own_rows[0] if own_rows else row_of[req.forked_from][req.sample_index]
+            state = self.states[req.user_request_id]
+            self.counters["generation_tokens"] += len(tokens)
+            stop_str = state.on_tokens(req, tokens, result, row, now)
+            if stop_str is not None and not req.is_finished():
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            outputs.append(state.make_output())
+            if state.finished:
+                del self.states[state.request_id]
+                for reason in state.finish_reasons():
+                    self.finished_reasons[reason] = self.finished_reasons.get(reason, 0) + 1
+        return outputs
+
+    # -------------------------------------------------------------- warmup
+    def warmup(self) -> float:
+        """Compiles every bucket now, so serving never compiles; returns seconds."""
+        params = SamplingParams(temperature=0.0)
+
+        def dummy(num_rows):
+            return build_sampling_metadata([RowSpec(params, (), (), 0, 0)], num_rows,
+                                           self.model.cfg.vocab_size)
+
+        seconds = self.runner.warmup(dummy)
+        logger.info("jaxserve: warm-up compiled %d buckets in %.1fs", len(self.runner.buckets),
+                    seconds)
+        return seconds
+
+    # ------------------------------------------------------------- metrics
+    def get_metrics(self) -> dict[str, float]:
+        """Counters and gauges, named like vLLM's with a `jaxserve:` prefix."""
+        stats = self.kv.stats()
+        sched = self.scheduler
+        padded = self.runner.num_padded_tokens
+        total = padded + self.runner.num_scheduled_tokens
+        metrics = {
+            "jaxserve:num_requests_running": len(sched.running),
+            "jaxserve:num_requests_waiting": len(sched.waiting),
+            "jaxserve:num_requests_swapped": len(sched.swapped),
+            "jaxserve:kv_cache_usage_perc": stats.usage,
+            "jaxserve:prefix_cache_queries": stats.prefix_queries,
+            "jaxserve:prefix_cache_hits": stats.prefix_hits,
+            "jaxserve:num_preemptions": sched.num_preemptions,
+            "jaxserve:prompt_tokens": self.counters["prompt_tokens"],
+            "jaxserve:generation_tokens": self.counters["generation_tokens"],
+            "jaxserve:num_compilations": compile_counter.num_compilations()
+            - self.compilations_after_warmup,
+            "jaxserve:padding_waste_ratio": padded / total if total else 0.0,
+            "jaxserve:warmup_seconds": self.runner.warmup_seconds,
+            "jaxserve:num_cow_copies": stats.num_cow_copies,
+            "jaxserve:num_swap_outs": stats.num_swap_outs,
+            "jaxserve:num_swap_ins": stats.num_swap_ins,
+        }
+        for reason, count in self.finished_reasons.items():
+            metrics[f"jaxserve:request_success{{finished_reason={reason}}}"] = count
+        return metrics

@@ -1,0 +1,90 @@
+"""Resolves the engine's sizes: max_model_len, token budget, and KV page count from memory."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxserve.config import EngineConfig
+
+logger = logging.getLogger("jaxserve")
+DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_CHUNKED_BUDGET = 512
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Sizes fixed at start-up.
+
+    Attributes:
+        max_model_len: Longest prompt + output.
+        max_num_batched_tokens: Token budget of one step (largest bucket).
+        num_pages: KV pages in the pool, the null page included.
+        bytes_per_page: Bytes one page holds across all layers (K and V).
+    """
+
+    max_model_len: int
+    max_num_batched_tokens: int
+    num_pages: int
+    bytes_per_page: int
+
+
+def page_bytes(model, block_size: int) -> int:
+    """Bytes of one KV page of `model` across layers, K and V."""
+    cfg = model.cfg
+    return (cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim
+            * np.dtype(model.dtype).itemsize)
+
+
+def resolve_limits(config: EngineConfig, model) -> Limits:
+    """Fills in the sizes the config left open and checks they fit together.
+
+    Raises:
+        ValueError: max_model_len over the model's limit, a token budget that cannot hold
+            a whole prompt without chunking, or a pool too small for one sequence.
+    """
+    mc, cc, sc = config.model, config.cache, config.scheduler
+    limit = model.cfg.max_position_embeddings
+    max_model_len = mc.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={limit}")
+    if sc.chunked:
+        budget = sc.max_num_batched_tokens or max(DEFAULT_CHUNKED_BUDGET, sc.max_num_seqs)
+        if budget < sc.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={budget} must be >= max_num_seqs="
+                             f"{sc.max_num_seqs}")
+    else:
+        budget = sc.max_num_batched_tokens or max(max_model_len, sc.max_num_seqs)
+        if budget < max_model_len:
+            raise ValueError(f"max_num_batched_tokens={budget} is smaller than max_model_len="
+                             f"{max_model_len}; without chunked prefill a whole prompt must "
+                             "fit one step (enable chunked prefill or raise the budget)")
+    per_page = page_bytes(model, cc.block_size)
+    if cc.num_kv_blocks is not None:
+        num_pages = cc.num_kv_blocks
+    else:
+        num_pages = _pages_from_memory(config, per_page)
+    min_pages = -(-max_model_len // cc.block_size) + 1
+    if num_pages < 2:
+        raise ValueError(f"num_kv_blocks={num_pages}: the pool needs at least 2 pages")
+    if num_pages < min_pages:
+        logger.warning("jaxserve: %d KV pages hold less than one max_model_len=%d sequence; "
+                       "long requests will be rejected", num_pages, max_model_len)
+    return Limits(max_model_len, budget, num_pages, per_page)
+
+
+def _pages_from_memory(config: EngineConfig, per_page: int) -> int:
+    """Pages that fit the memory budget: a fraction of accelerator memory, or a fixed
+    `kv_cache_memory_gib` where the device reports no limit (the CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if limit:
+        free = limit * config.cache.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+        budget = max(free * 0.9, 0)  # NOTE: 10% of it left for activations and logits
+    else:
+        budget = config.cache.kv_cache_memory_gib * 2**30
+    return max(2, int(budget // per_page))

@@ -1,0 +1,97 @@
+"""User-facing results in vLLM's shape: `RequestOutput` holding `CompletionOutput`s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One generated position's logprobs: {token_id: Logprob}.
+SampleLogprobs = list[dict[int, "Logprob"]]
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token at one position.
+
+    Attributes:
+        logprob: Natural-log probability under the model's raw distribution.
+        rank: 1-based rank of the token at that position (1 = most likely), if known.
+        decoded_token: The token's text, if detokenized.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a request.
+
+    Attributes:
+        index: Position among the request's completions.
+        text: Generated text (stop string removed unless asked to keep it).
+        token_ids: Generated token ids.
+        cumulative_logprob: Sum of the sampled tokens' logprobs (None unless logprobs).
+        logprobs: Per position, the sampled token and the top alternatives.
+        finish_reason: "stop", "length", "abort", or None while running.
+        stop_reason: The stop string or stop token id that ended it, else None.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timing of one request (seconds since the epoch).
+
+    Attributes:
+        arrival_time: When the request was added.
+        first_scheduled_time: When it first got a step.
+        first_token_time: When its first token was sampled.
+        last_token_time: When its latest token was sampled.
+        finished_time: When it finished.
+        num_cached_tokens: Prompt tokens served from the prefix cache.
+        num_preemptions: How often it was preempted.
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its completions so far.
+
+    Attributes:
+        request_id: The request's id.
+        prompt: The prompt text (None when given as token ids).
+        prompt_token_ids: The prompt's ids.
+        outputs: The completions, ordered by index.
+        finished: Whether every completion finished.
+        metrics: Timings and cache statistics.
+        num_cached_tokens: Prompt tokens served from the prefix cache.
+        prompt_logprobs: Per prompt position (the first is None), when requested.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

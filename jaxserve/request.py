@@ -1,0 +1,134 @@
+"""Request state the scheduler and KV cache manager share: token ids, progress, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request; every status after PREEMPTED is a finished one.
+
+    NOTE: the order matters. `status > RequestStatus.PREEMPTED` is the single
+    "is finished" test (the vLLM v1 convention), so new finished reasons go at the end
+    and new live states go before PREEMPTED.
+    """
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        """Whether `status` is one of the finished states."""
+        return status > RequestStatus.PREEMPTED
+
+
+class Request:
+    """One generation request as the engine core sees it (no sampling settings).
+
+    `num_computed_tokens` counts tokens whose KV is in the cache; each step schedules
+    `{request_id: num_new_tokens}` until it catches up with `num_tokens`. Prefill, chunked
+    prefill, prefix-cache hits and recompute after preemption all follow from that rule.
+
+    Args:
+        request_id: Unique, non-empty id.
+        prompt_token_ids: The prompt; at least one token.
+        cache_salt: Optional tenant key; prefix-cache hits only happen inside one salt.
+        arrival_time: Seconds (time.time()); defaults to now.
+
+    Raises:
+        ValueError: Empty id or empty prompt.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: Iterable[int], *,
+                 cache_salt: str | None = None, arrival_time: float | None = None,
+                 sampling_params=None, priority: int = 0, eos_token_ids: tuple[int, ...] = (),
+                 user_request_id: str | None = None, seeds: tuple[int, ...] = (0,)):
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids is empty")
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = prompt
+        self.output_token_ids: list[int] = []
+        # NOTE: prompt + outputs kept as one list so KV hashing and slot mapping never
+        # concatenate per step; only append_output_token_ids mutates it.
+        self._all_token_ids: list[int] = list(prompt)
+        self.num_computed_tokens = 0
+        self.cache_salt = cache_salt
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        # Chained prefix-cache hashes of this request's full pages, filled lazily by the
+        # KV cache manager (one page size per engine).
+        self.page_hashes: list[bytes] = []
+        # Engine-level settings the scheduler reads (stop checks, priority, fan-out).
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.user_request_id = user_request_id or request_id
+        self.seeds = tuple(seeds)  # one per completion (n > 1 fans out into n samples)
+        self.fan_out = len(self.seeds)  # samples to draw when the prompt completes
+        self.sample_index = 0  # which completion of the user request this is
+        self.forked_from: str | None = None
+        self.num_cached_tokens = 0
+        self.stop_reason: str | int | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs. Read-only by convention: do not mutate."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of prompt plus output tokens."""
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Number of prompt tokens."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Number of generated tokens so far."""
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Appends sampled token id(s) to the outputs."""
+        new_ids = [int(token_ids)] if isinstance(token_ids, int) else [int(t) for t in token_ids]
+        self.output_token_ids.extend(new_ids)
+        self._all_token_ids.extend(new_ids)
+
+    def is_finished(self) -> bool:
+        """Whether the request reached a finished status."""
+        return RequestStatus.is_finished(self.status)
+
+    def fork(self, request_id: str) -> Request:
+        """A copy with a new id: same tokens, progress, salt and status (for n > 1, beams).
+
+        Pair it with `KVCacheManager.fork(parent, child)` so the child shares the pages.
+        """
+        child = Request(request_id, self.prompt_token_ids, cache_salt=self.cache_salt,
+                        arrival_time=self.arrival_time, sampling_params=self.sampling_params,
+                        priority=self.priority, eos_token_ids=self.eos_token_ids,
+                        user_request_id=self.user_request_id, seeds=self.seeds)
+        child.fan_out = 1
+        child.num_cached_tokens = self.num_cached_tokens
+        child.append_output_token_ids(self.output_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.page_hashes = list(self.page_hashes)
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, num_tokens={self.num_tokens}, "
+                f"num_computed_tokens={self.num_computed_tokens}, status={self.status.name})")

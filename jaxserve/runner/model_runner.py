@@ -1,0 +1,198 @@
+"""Device side of a step: page pool, padded inputs, jitted model step and sampler, warm-up.
+
+Per step: execute the KV plans (copies, swaps), build the inputs in NumPy padded to a token
+bucket, send them in one `device_put`, run the jitted model step (pool donated) and the
+jitted sampler, and bring the sampled ids (and logprobs) back.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxserve.core.buckets import pick_bucket, rows_for_bucket, token_buckets
+from jaxserve.core.plans import KVPlans
+from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.runner import compile_counter
+from jaxserve.runner.kv_ops import (
+    HostSwapSpace,
+    copy_pages,
+    gather_pages,
+    pad_pairs,
+    scatter_pages,
+)
+from jaxserve.runner.sampler_variants import VARIANTS, promote, variant_of
+from jaxserve.runner.step_input import build_step_arrays
+from jaxserve.runner.transfer import Layout, pack, unpack
+from jaxserve.sample.metadata import SamplingMetadata
+from jaxserve.sample.sampler import sample
+from models.model import Model
+from pallas_kernels import AttentionMetadata
+
+
+@dataclass
+class StepResult:
+    """Host copies of what one step sampled, row by row (padding rows dropped).
+
+    Attributes:
+        row_request_ids: Request of each row.
+        token_ids: i32[num_rows] sampled ids.
+        logprobs: f32[num_rows] raw log-probability of each sampled id.
+        token_ranks: i32[num_rows] rank of each sampled id (1 = most likely).
+        topk_token_ids: i32[num_rows, K] or None.
+        topk_logprobs: f32[num_rows, K] or None.
+        num_padded_tokens: Padding in the token bucket (for the waste metric).
+    """
+
+    row_request_ids: list[str]
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    token_ranks: np.ndarray
+    topk_token_ids: np.ndarray | None
+    topk_logprobs: np.ndarray | None
+    num_padded_tokens: int
+
+
+def _model_step(model: Model, layout: Layout, params, kv_pages, buf):
+    x = unpack(buf, layout)
+    md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"])
+    kv_pages, hidden = model.forward(params, x["input_ids"], x["positions"], kv_pages, md)
+    logits = model.compute_logits(params, hidden[x["logits_indices"]])  # f32[rows, vocab]
+    return kv_pages, logits
+
+
+def _sample_step(layout: Layout, logits, buf):
+    return sample(logits, unpack(buf, layout))
+
+
+class ModelRunner:
+    """Owns the device page pool and the compiled step programs.
+
+    Args:
+        model: The loaded model.
+        num_pages: Pages in the pool (the null page included).
+        page_size: Slots per page.
+        max_model_len: Longest sequence (sets the block-table width).
+        max_num_seqs: Most requests per step.
+        max_num_batched_tokens: Token budget per step (the largest bucket).
+        num_swap_slots: Host pages for swapped-out requests.
+    """
+
+    def __init__(self, model: Model, num_pages: int, page_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, num_swap_slots: int = 0):
+        compile_counter.install()
+        self.model = model
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.penalty_len = 1 << (max_model_len - 1).bit_length()
+        self.banned_len = 16
+        self.buckets = token_buckets(max_num_batched_tokens)
+        self.kv_pages = jnp.zeros(model.kv_pages_shape(num_pages, page_size), model.dtype)
+        page_shape = model.kv_pages_shape(1, page_size)
+        self.swap = HostSwapSpace(num_swap_slots, page_shape[:3] + page_shape[4:],
+                                  np.dtype(model.dtype))
+        self._steps: dict[Layout, object] = {}
+        self._samplers: dict[Layout, object] = {}
+        self.num_padded_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.warmup_seconds = 0.0
+
+    # --------------------------------------------------------------- step
+    def step_shape(self, out: SchedulerOutput) -> tuple[int, int]:
+        """(num_tokens, num_rows) bucket of a step: the sampling rows must be num_rows."""
+        num_tokens = pick_bucket(self.buckets, max(out.total_num_scheduled_tokens,
+                                                   out.num_rows))
+        return num_tokens, rows_for_bucket(num_tokens, self.max_num_seqs)
+
+    def execute(self, out: SchedulerOutput, sampling: SamplingMetadata,
+                variant: str | None = None) -> StepResult:
+        """Runs one step: plans, model, sampler.
+
+        Args:
+            out: The scheduler's step.
+            sampling: One row per sampling row, padded to `step_shape(out)[1]` rows.
+            variant: Force a sampler variant (warm-up); default: the cheapest that fits.
+        """
+        self.execute_plans(out.plans)
+        num_tokens, num_rows = self.step_shape(out)
+        arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
+                                   self.max_pages_per_seq)
+        sampling = promote(sampling, variant or variant_of(sampling),
+                           self.model.cfg.vocab_size, self.penalty_len, self.banned_len)
+        model_buf, model_layout = pack(arrays.device_tree())
+        sample_buf, sample_layout = pack(sampling)
+        model_buf, sample_buf = jax.device_put((model_buf, sample_buf))
+        self.kv_pages, logits = self._step_fn(model_layout)(self.model.params, self.kv_pages,
+                                                            model_buf)
+        res = jax.device_get(self._sampler_fn(sample_layout)(logits, sample_buf))
+        n = len(arrays.row_request_ids)
+        padded = num_tokens - out.total_num_scheduled_tokens
+        self.num_padded_tokens += padded
+        self.num_scheduled_tokens += out.total_num_scheduled_tokens
+        topk_ids = None if res.topk_token_ids is None else res.topk_token_ids[:n]
+        topk_lp = None if res.topk_logprobs is None else res.topk_logprobs[:n]
+        return StepResult(arrays.row_request_ids, res.token_ids[:n], res.logprobs[:n],
+                          res.token_ranks[:n], topk_ids, topk_lp, padded)
+
+    def _step_fn(self, layout: Layout):
+        fn = self._steps.get(layout)
+        if fn is None:
+            fn = jax.jit(functools.partial(_model_step, self.model, layout), donate_argnums=1)
+            self._steps[layout] = fn
+        return fn
+
+    def _sampler_fn(self, layout: Layout):
+        fn = self._samplers.get(layout)
+        if fn is None:
+            fn = jax.jit(functools.partial(_sample_step, layout))
+            self._samplers[layout] = fn
+        return fn
+
+    # -------------------------------------------------------------- plans
+    def execute_plans(self, plans: KVPlans | None) -> None:
+        """Swap-outs first (their pages may be reused this step), then swap-ins, copies."""
+        if plans is None or plans.is_empty():
+            return
+        if plans.swap_out.pairs:
+            self.swap.swap_out(self.kv_pages, plans.swap_out.as_array())
+        if plans.swap_in.pairs:
+            self.kv_pages = self.swap.swap_in(self.kv_pages, plans.swap_in.as_array())
+        if plans.copy.pairs:
+            self.kv_pages = copy_pages(self.kv_pages,
+                                       jnp.asarray(pad_pairs(plans.copy.as_array())))
+
+    # ------------------------------------------------------------- warmup
+    def warmup(self, make_dummy_sampling) -> float:
+        """Compiles every bucket's model step, sampler variants and KV plan programs.
+
+        Args:
+            make_dummy_sampling: `num_rows -> SamplingMetadata` of all-padding rows.
+
+        Returns:
+            Seconds spent.
+        """
+        start = time.perf_counter()
+        for num_tokens in tqdm(self.buckets, desc="jaxserve warm-up", unit="bucket"):
+            num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)
+            out = SchedulerOutput(scheduled=[ScheduledRequest(
+                "warmup", [0] * num_tokens, 0, [0] * -(-num_tokens // self.page_size), 1)])
+            for variant in VARIANTS:
+                self.execute(out, make_dummy_sampling(num_rows), variant)
+        n = 8
+        while n <= 2 * pad_pairs(np.zeros((self.max_pages_per_seq, 2))).shape[0]:
+            pairs = np.zeros((n, 2), np.int32)  # null page onto itself: a no-op
+            self.kv_pages = copy_pages(self.kv_pages, jnp.asarray(pairs))
+            if self.swap.num_slots:  # the swap programs, on the null page
+                page = gather_pages(self.kv_pages, jnp.asarray(pairs[:, 0]))
+                self.kv_pages = scatter_pages(self.kv_pages, jnp.asarray(pairs[:, 1]), page)
+            n *= 2
+        self.num_padded_tokens = self.num_scheduled_tokens = 0
+        self.warmup_seconds = time.perf_counter() - start
+        return self.warmup_seconds
