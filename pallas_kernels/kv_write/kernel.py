@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kv_write.reference import check_kv_write_shapes
 
@@ -50,6 +51,9 @@ def write_kv_kernel(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array,
         out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
         input_output_aliases={4: 0},
         interpret=interpret,
+        # NOTE: Triton explicitly; JAX 0.10 would otherwise pick Mosaic GPU, which stages
+        # whole-array refs (the page pool) in shared memory.
+        compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=2),
         name="kv_write_per_token",
     )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping, k, v, rows)
     return out.reshape(shape)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.paged_decode_attention.reference import check_decode_shapes
 
@@ -57,7 +58,8 @@ def _kernel(scalars_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, o_ref, m_ref, l
         m_new = jnp.maximum(m, x.max(axis=-1))
         p = jnp.where(mask, jnp.exp(x - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
-        v = jnp.where(k_pos[0][:, None] < kv_len, v.astype(jnp.float32), 0.0)  # NaN guard
+        v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+        v = jnp.where(v_pos < kv_len, v.astype(jnp.float32), 0.0)  # NaN guard
         o = o * corr[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
         return o, m_new, lsum * corr + p.sum(axis=-1)
 
@@ -85,7 +87,8 @@ def paged_decode_attention_kernel(q, kv_pages, layer, block_tables, kv_lens, *, 
     num_seqs, num_q_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_q_heads // num_kv_heads
-    gp = max(pl.next_power_of_2(group), 1)
+    # NOTE: Triton's dot needs >= 16 rows; the interpreter is faster without the padding.
+    gp = pl.next_power_of_2(group) if interpret else max(16, pl.next_power_of_2(group))
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))
 
@@ -113,6 +116,9 @@ def paged_decode_attention_kernel(q, kv_pages, layer, block_tables, kv_lens, *, 
                    jax.ShapeDtypeStruct(part, jnp.float32),
                    jax.ShapeDtypeStruct(part, jnp.float32)],
         interpret=interpret,
+        # NOTE: Triton explicitly; JAX 0.10 would otherwise pick Mosaic GPU, which stages
+        # whole-array refs (the page pool) in shared memory.
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         name=f"paged_decode_attention_ppb{pages_per_block}_splits{num_splits}",
     )(scalars, kv_lens, tables, qg, kv_flat)
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import check_shapes
@@ -94,7 +95,8 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
         # NaN past kv_len (free or null pages) must not reach the output through 0 * NaN.
-        v = jnp.where(k_pos[0][:, None] < kv_len, v.astype(jnp.float32), 0.0)
+        v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+        v = jnp.where(v_pos < kv_len, v.astype(jnp.float32), 0.0)
         o = o * corr[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
         return o, m_new, lsum * corr + p.sum(axis=-1)
 
@@ -148,6 +150,9 @@ def ragged_paged_attention_kernel(q, kv_pages, layer, md: AttentionMetadata, *, 
         out_specs=block,
         out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q.dtype),
         interpret=interpret,
+        # NOTE: Triton explicitly; JAX 0.10 would otherwise pick Mosaic GPU, which stages
+        # whole-array refs (the page pool) in shared memory.
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         name=f"ragged_paged_attention_bq{block_q}_ppb{pages_per_block}",
     )(scalars, blk_seq, blk_start, blk_len, md.cu_q_lens, md.kv_lens, tables, q_blocks,
       kv_flat)
