@@ -2,13 +2,16 @@
 
 Backends:
     "xla":    the pure-jnp references (what the CPU serves with).
-    "pallas": the Pallas kernels; on the CPU they run in the Pallas interpreter.
+    "pallas": the Pallas kernels: on TPU the Mosaic ragged kernel (decodes included; the KV
+              write is XLA's in-place scatter), on GPU the Triton kernels, and on the CPU
+              the GPU kernels in the Pallas interpreter.
     "auto":   "pallas" on GPU/TPU, "xla" on the CPU.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.kv_write.kernel import write_kv_kernel
 from pallas_kernels.kv_write.reference import write_kv_reference
@@ -16,6 +19,7 @@ from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_decode_attention.kernel import paged_decode_attention_kernel
 from pallas_kernels.paged_decode_attention.reference import paged_decode_attention_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_kernel
+from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
@@ -40,6 +44,10 @@ def _interpret() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def _on_tpu() -> bool:
+    return jax.default_backend() == "tpu"
+
+
 def kernel_tiles(page_size: int, max_pages_per_seq: int) -> tuple[int, int]:
     """(pages_per_block, num_splits): >= 32 keys per inner step; split contexts of 8+ blocks."""
     pages_per_block = max(1, 32 // page_size)
@@ -50,7 +58,7 @@ def kernel_tiles(page_size: int, max_pages_per_seq: int) -> tuple[int, int]:
 def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
              *, backend: str = "xla") -> jax.Array:
     """Scatters new K/V into layer `layer` of the pool; see `write_kv_reference`."""
-    if backend == "pallas":
+    if backend == "pallas" and not _on_tpu():
         return write_kv_kernel(kv_pages, layer, k, v, slot_mapping, interpret=_interpret())
     return write_kv_reference(kv_pages, layer, k, v, slot_mapping)
 
@@ -64,6 +72,14 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
     """
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     page_size, width = kv_pages.shape[4], md.block_tables.shape[1]
+    if backend == "pallas" and _on_tpu():
+        ppb, _ = kernel_tiles(page_size, width)
+        if md.decode_only:  # one query per request: blocks of one token
+            md = AttentionMetadata(md.slot_mapping, md.block_tables, md.kv_lens,
+                                   jnp.arange(md.kv_lens.shape[0] + 1, dtype=jnp.int32))
+            return ragged_paged_attention_tpu(q, kv_pages, layer, md, block_q=8,
+                                              pages_per_block=ppb, **common)
+        return ragged_paged_attention_tpu(q, kv_pages, layer, md, pages_per_block=ppb, **common)
     if md.decode_only:
         if q.shape[0] != md.kv_lens.shape[0]:
             raise ValueError(f"decode_only needs one token per request: q {q.shape} vs "

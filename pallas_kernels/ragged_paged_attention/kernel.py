@@ -157,12 +157,18 @@ def ragged_paged_attention_kernel(q, kv_pages, layer, md: AttentionMetadata, *, 
     )(scalars, blk_seq, blk_start, blk_len, md.cu_q_lens, md.kv_lens, tables, q_blocks,
       kv_flat)
 
-    # Scatter block rows back to tokens: token t sits in the block holding it.
+    return scatter_rows(out, blk_start, blk_len, num_tokens, group).astype(q.dtype)
+
+
+def scatter_rows(out: jax.Array, blk_start: jax.Array, blk_len: jax.Array, num_tokens: int,
+                 group: int) -> jax.Array:
+    """Block outputs [num_blocks, block_q, Hkv, gp, D] back to tokens [num_tokens, Hq, D].
+
+    Token t sits in the one block that holds it; padded tokens (in no block) get zeros.
+    """
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    owner = jnp.sum((t[:, None] >= blk_start[None]) & (t[:, None] < blk_start + blk_len),
-                    axis=1) > 0
-    blk_of_t = jnp.argmax((t[:, None] >= blk_start[None]) & (t[:, None] < blk_start + blk_len),
-                          axis=1)
-    rows = out[blk_of_t, t - blk_start[blk_of_t]]  # [num_tokens, num_kv_heads, gp, head_dim]
-    rows = jnp.where(owner[:, None, None, None], rows[:, :, :group], 0)
-    return rows.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    holds = (t[:, None] >= blk_start[None]) & (t[:, None] < blk_start + blk_len)
+    blk_of_t = jnp.argmax(holds, axis=1)
+    rows = out[blk_of_t, t - blk_start[blk_of_t]]  # [num_tokens, Hkv, gp, D]
+    rows = jnp.where(holds.any(axis=1)[:, None, None, None], rows[:, :, :group], 0)
+    return rows.reshape(num_tokens, -1, out.shape[-1])

@@ -1,0 +1,150 @@
+"""Ragged paged attention for TPU (Mosaic): scalar-prefetched block tables, page DMAs to VMEM.
+
+Same tiling as the GPU kernel (programs over query blocks x KV heads, online softmax over
+`pages_per_block` pages at a time), but TPU-shaped: block tables and lengths are
+scalar-prefetched into SMEM, the page pool stays in HBM (`MemorySpace.ANY`), and each
+iteration DMAs its K and V pages into VMEM scratch before computing. It serves decode
+steps too (a decode request is a block with one valid query).
+
+NOTE: pages are fetched then waited on in the same iteration; double-buffering the next
+block's pages behind the current block's compute is the obvious next tuning step, to be
+measured on a TPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.ragged_paged_attention.kernel import MASK, query_blocks, scatter_rows
+from pallas_kernels.ragged_paged_attention.reference import check_shapes
+
+
+def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref,
+            tables_ref, q_ref, kv_hbm, o_ref, k_buf, v_buf, sems, *, num_pages, num_kv_heads,
+            page_size, pages_per_block, table_width, group, sm_scale, soft_cap):
+    b, h = pl.program_id(0), pl.program_id(1)
+    layer, window = scalars_ref[0], scalars_ref[1]
+    num_seqs = kv_lens_ref.shape[0]
+    seq = jnp.minimum(blk_seq_ref[b], num_seqs - 1)
+    n_valid = blk_len_ref[b]
+    block_q, gp, head_dim = q_ref.shape[1], q_ref.shape[3], q_ref.shape[4]
+    rows = block_q * gp
+    block_k = pages_per_block * page_size
+
+    kv_len = kv_lens_ref[seq]
+    q_len = cu_ref[seq + 1] - cu_ref[seq]
+    first_pos = kv_len - q_len + (blk_start_ref[b] - cu_ref[seq])
+    row_tok = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) // gp
+    row_head = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) % gp
+    row_pos = first_pos + row_tok  # i32[rows, block_k]
+    row_ok = (row_tok < n_valid) & (row_head < group)
+
+    q = q_ref[0, :, 0, :, :].reshape(rows, head_dim).astype(jnp.float32)
+    last_pos = jnp.minimum(first_pos + n_valid, kv_len)
+    lo = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    first_blk = lo // block_k
+    num_blk = jnp.where(n_valid > 0, pl.cdiv(last_pos, block_k) - first_blk, 0)
+    k_base = (layer * 2 * num_kv_heads + h) * num_pages
+    v_base = k_base + num_kv_heads * num_pages
+
+    def copies(j):
+        out = []
+        for p in range(pages_per_block):  # static unroll: one DMA per page, K and V
+            page = tables_ref[seq * table_width + j * pages_per_block + p]
+            out.append(pltpu.make_async_copy(kv_hbm.at[k_base + page], k_buf.at[p], sems.at[0, p]))
+            out.append(pltpu.make_async_copy(kv_hbm.at[v_base + page], v_buf.at[p], sems.at[1, p]))
+        return out
+
+    def body(i, carry):
+        o, m, lsum = carry
+        j = first_blk + i
+        dmas = copies(j)
+        for dma in dmas:
+            dma.start()
+        for dma in dmas:
+            dma.wait()
+        k = k_buf[...].reshape(block_k, head_dim).astype(jnp.float32)
+        v = v_buf[...].reshape(block_k, head_dim).astype(jnp.float32)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * sm_scale  # [rows, block_k]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+        mask = (k_pos < kv_len) & (k_pos <= row_pos) & row_ok
+        mask &= (window <= 0) | (row_pos - k_pos < window)
+        s = jnp.where(mask, s, MASK)
+        m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+        corr = jnp.exp(m - m_new)
+        v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+        v = jnp.where(v_pos < kv_len, v, 0.0)  # NaN past kv_len must not leak via 0 * NaN
+        o = o * corr + jnp.dot(p, v, preferred_element_type=jnp.float32)
+        return o, m_new, lsum * corr + p.sum(axis=-1, keepdims=True)
+
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASK, jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32))
+    o, _, lsum = lax.fori_loop(0, num_blk, body, init)
+    o = jnp.where(lsum > 0, o / jnp.where(lsum > 0, lsum, 1.0), 0.0)
+    o_ref[0, :, 0, :, :] = o.reshape(block_q, gp, head_dim).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q",
+                                             "pages_per_block", "interpret"))
+def ragged_paged_attention_tpu(q, kv_pages, layer, md: AttentionMetadata, *, sm_scale,
+                               sliding_window=0, soft_cap=None, block_q=16, pages_per_block=2,
+                               interpret=False):
+    """TPU ragged paged attention; same contract as `ragged_paged_attention_reference`.
+
+    Args:
+        block_q: Query tokens per program.
+        pages_per_block: Pages DMA'd per inner iteration.
+        interpret: Run under the TPU interpreter (`pltpu.InterpretParams`) on the CPU.
+    """
+    check_shapes(q, kv_pages, md)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
+    group = num_q_heads // num_kv_heads
+    gp = 8 * pl.cdiv(group, 8)  # NOTE: sublane-aligned rows per KV head
+
+    blk_seq, blk_start, blk_len = query_blocks(md.cu_q_lens, num_tokens, block_q)
+    tok = jnp.minimum(blk_start[:, None] + jnp.arange(block_q, dtype=jnp.int32)[None],
+                      num_tokens - 1)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    q_blocks = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - group), (0, 0)))[tok]
+    width = md.block_tables.shape[1]
+    width_padded = pages_per_block * pl.cdiv(width, pages_per_block)
+    tables = jnp.pad(md.block_tables, ((0, 0), (0, width_padded - width))).reshape(-1)
+    kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size, head_dim)
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
+
+    kernel = functools.partial(
+        _kernel, num_pages=num_pages, num_kv_heads=num_kv_heads, page_size=page_size,
+        pages_per_block=pages_per_block, table_width=width_padded, group=group,
+        sm_scale=sm_scale, soft_cap=soft_cap)
+    block = pl.BlockSpec((1, block_q, 1, gp, head_dim), lambda b, h, *_: (b, 0, h, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=7,
+        grid=(blk_seq.shape[0], num_kv_heads),
+        in_specs=[block, pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=block,
+        scratch_shapes=[pltpu.VMEM((pages_per_block, page_size, head_dim), kv_pages.dtype),
+                        pltpu.VMEM((pages_per_block, page_size, head_dim), kv_pages.dtype),
+                        pltpu.SemaphoreType.DMA((2, pages_per_block))])
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q.dtype),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary", "arbitrary")),
+        name=f"ragged_paged_attention_tpu_bq{block_q}_ppb{pages_per_block}",
+    )(scalars, blk_seq, blk_start, blk_len, md.cu_q_lens, md.kv_lens, tables, q_blocks,
+      kv_flat)
+    return scatter_rows(out, blk_start, blk_len, num_tokens, group).astype(q.dtype)

@@ -1,0 +1,64 @@
+"""The TPU (Mosaic) ragged kernel: TPU interpreter against the reference, and Mosaic lowering.
+
+The TPU interpreter is slow on the CPU (seconds per call), so shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import AttentionMetadata
+from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from tests.kernels.cases import Geometry, make_metadata, make_pool, tolerance
+
+CASES = [  # geometry, q_lens, kv_lens, window, soft_cap
+    (Geometry(8, 2, 3, 64, num_tokens=16, num_seqs=3, width=4, num_pages=16),
+     [1, 6, 3], [9, 6, 20], 4, None),
+    (Geometry(16, 1, 2, 128, "bfloat16", num_tokens=8, num_seqs=4, width=2, num_pages=12),
+     [1, 1, 1, 0], [17, 3, 32, 0], 0, 20.0),
+]
+
+
+@pytest.mark.parametrize("g,q_lens,kv_lens,window,soft_cap", CASES,
+                         ids=[str(c[0]) for c in CASES])
+def test_tpu_kernel_matches_reference_in_interpreter(g, q_lens, kv_lens, window, soft_cap):
+    rng = np.random.default_rng(0)
+    kv_pages, tables = make_pool(g, kv_lens, rng)  # free and null pages hold NaN
+    md = make_metadata(g, q_lens, kv_lens, tables)
+    q = jnp.asarray(rng.standard_normal((g.num_tokens, g.num_q_heads, g.head_dim)), g.dtype)
+    want = np.asarray(ragged_paged_attention_reference(
+        q, kv_pages, 1, md, sm_scale=0.125, sliding_window=window, soft_cap=soft_cap),
+        np.float32)
+    got = np.asarray(ragged_paged_attention_tpu(
+        q, kv_pages, 1, md, sm_scale=0.125, sliding_window=window, soft_cap=soft_cap,
+        block_q=8, pages_per_block=2, interpret=True), np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=tolerance(g.dtype), rtol=0)
+
+
+@pytest.fixture
+def fake_tpu_info(monkeypatch):
+    """Lets Mosaic lowering run on a CPU host by describing a TPU v5e for this device kind."""
+    from jax._src.pallas.mosaic import tpu_info
+
+    kind = jax.devices()[0].device_kind
+    monkeypatch.setitem(tpu_info.registry, kind, lambda: tpu_info.get_tpu_info_for_chip(
+        tpu_info.ChipVersion.TPU_V5E, 1))
+
+
+@pytest.mark.parametrize("dtype,page_size,head_dim", [("bfloat16", 16, 128),
+                                                      ("float32", 8, 64)])
+def test_tpu_kernel_lowers_to_mosaic(fake_tpu_info, dtype, page_size, head_dim):
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    q = jax.ShapeDtypeStruct((32, 4, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((2, 2, 2, 32, page_size, head_dim), dtype)
+    md = AttentionMetadata(i32(32), i32(4, 8), i32(4), i32(5))
+    fn = functools.partial(ragged_paged_attention_tpu, sm_scale=0.1, soft_cap=30.0)
+    lowered = jax.jit(fn).trace(q, kv, 0, md).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
