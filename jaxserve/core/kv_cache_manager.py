@@ -175,7 +175,8 @@ class KVCacheManager(BlockTables):
             pairs.append((self._pending.resolve_copy_src(page.page_id), slot))
             slot_ids.append(slot)
         self._pending.swap_out_pairs.extend(pairs)
-        # NOTE: only computed pages are re-offered to the prefix cache after swap-in.
+        # NOTE: swap-in re-offers these pages to the prefix cache; never pages past the
+        # computed tokens, whose KV the host copy does not hold.
         num_cached_pages = min(self._num_cached_pages.get(request_id, 0),
                                request.num_computed_tokens // self.page_size)
         self._swapped[request_id] = SwappedKV(
@@ -224,6 +225,10 @@ class KVCacheManager(BlockTables):
             if page.page_id in self._pending.swap_in_src:
                 if page.ref_cnt != 1:
                     return None  # NOTE: shared or pinned mid-swap-in; recompute instead.
+            elif self._pending.resolve_copy_src(page.page_id) in self._pending.swap_in_src:
+                # NOTE: a copy of a page still arriving from the host: swap-out would run
+                # before that swap-in and read nothing.
+                return None
             else:
                 needed += 1
         return needed
@@ -243,9 +248,9 @@ class KVCacheManager(BlockTables):
                          num_new_computed_tokens: int, new_computed_blocks: list[int] | None,
                          num_lookahead_tokens: int) -> _AllocationPlan:
         ps, request_id = self.page_size, request.request_id
-        for name, value in (("num_new_tokens", num_new_tokens), ("num_lookahead_tokens",
-                            num_lookahead_tokens), ("num_new_computed_tokens",
-                                                    num_new_computed_tokens)):
+        counts = {"num_new_tokens": num_new_tokens, "num_lookahead_tokens": num_lookahead_tokens,
+                  "num_new_computed_tokens": num_new_computed_tokens}
+        for name, value in counts.items():
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if request_id in self._swapped:
@@ -275,7 +280,7 @@ class KVCacheManager(BlockTables):
         # NOTE: every shared page this step writes into needs a private copy first.
         last_written = _cdiv(num_tokens_after, ps) if num_new_tokens else 0
         cow_indices = [i for i in range(num_computed // ps, min(len(table), last_written))
-                       if False]
+                       if self._num_holders(table[i]) > 1]
         num_reclaimed = sum(1 for page in computed_pages if page.ref_cnt == 0)
         num_needed = num_new_pages + len(cow_indices) + num_reclaimed
         reserve = self.watermark_pages if request_id not in self._tables else 0

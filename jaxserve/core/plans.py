@@ -76,6 +76,9 @@ class PendingPlans:
     """
 
     def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
         self.swap_out_pairs: list[tuple[int, int]] = []
         # dst page id -> host slot id / src page id, for pages whose content is in flight.
         self.swap_in_src: dict[int, int] = {}
@@ -131,5 +134,5 @@ class PendingPlans:
             copy=CopyPlan([(s, d) for d, s in self.copy_src.items()]))
         pinned = [page_id for page_id, n in self.pins.items() for _ in range(n)]
         deferred = self.deferred_slot_ids
-        self.__init__()
+        self._reset()
         return plans, pinned, deferred

@@ -112,6 +112,12 @@ def test_pages_join_the_cache_only_at_take_plans():
     assert manager.get_computed_blocks(Request("c", list(range(9))))[1] == 8
 
 
+def test_equal_page_after_a_different_prefix_does_not_hit():
+    manager = make()
+    admit(manager, Request("a", [1, 1, 1, 1, 2, 2, 2, 2, 9]))
+    assert manager.get_computed_blocks(Request("b", [2, 2, 2, 2, 5])) == ([], 0)
+
+
 def test_cache_salt_isolates_tenants():
     manager = make()
     prompt = list(range(9))
@@ -192,6 +198,26 @@ def test_swap_out_of_fresh_cow_page_reads_the_copy_source():
     plan = manager.swap_out(child)
     assert plan.pairs[1][0] == partial_id  # not the never-filled copy
     assert manager.take_plans().copy.pairs == []
+
+
+def test_swap_out_of_a_copy_of_a_page_still_swapping_in_falls_back():
+    manager = make(swap_space=1.0, bytes_per_page=2**26)
+    parent = Request("p", [1, 2, 3, 4, 5, 6])
+    admit(manager, parent)
+    manager.swap_out(parent)
+    manager.take_plans()
+    manager.swap_in(parent)  # same step: fork, copy-on-write, swap out the child
+    child = parent.fork("c")
+    manager.fork(parent, child)
+    decode(manager, child, 7)
+    child.num_computed_tokens -= 1
+    before = snapshot(manager)
+    assert manager.swap_out(child) is None
+    assert manager.counters.num_swap_fallbacks == 1
+    before.pop("counters")
+    after = snapshot(manager)
+    after.pop("counters")
+    assert after == before
 
 
 def test_swap_out_then_swap_in_restores_the_logical_table():

@@ -218,7 +218,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             else:
                 memory, ids = self.device, self.manager.block_ids(rid)
             for pos in range(request.num_computed_tokens):
-                assert memory[ids[pos // PS], pos % PS] == fingerprint(request.all_token_ids, pos), (
+                expected = fingerprint(request.all_token_ids, pos)
+                assert memory[ids[pos // PS], pos % PS] == expected, (
                     f"{rid} reads a wrong KV at position {pos}")
 
     # ---------------------------------------------------------- invariants
