@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 
 
 def bench(fn, *args, iters: int) -> float:
@@ -83,7 +84,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--backends", default="xla,pallas")
+    p.add_argument("--backends", default="xla,pallas",
+                   help="comma list of xla, pallas, tpu-interpret")
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args()
     if args.q_len > args.context_len:
@@ -109,6 +111,14 @@ def main():
     print(f"{'kernel':<26}{'backend':<9}{'ms':>9}{'GB/s':>9}{'%bw':>7}{'GFLOP/s':>10}"
           f"{'%peak':>7}")
     for backend in args.backends.split(","):
+        if backend == "tpu-interpret":  # the Mosaic kernel in the TPU interpreter (CPU only)
+            attn = jax.jit(lambda q, kv, md: ragged_paged_attention_tpu(
+                q, kv, 0, md, sm_scale=args.head_dim ** -0.5, interpret=True))
+            sec = bench(attn, q, kv_pages, md, iters=max(1, args.iters // 2))
+            print(f"{'ragged_paged_attention':<26}{backend:<9}{sec * 1e3:9.3f}"
+                  f"{attn_bytes / sec / 1e9:9.2f}{100 * attn_bytes / sec / bw_peak:6.1f}%"
+                  f"{attn_flops / sec / 1e9:10.2f}{100 * attn_flops / sec / flops_peak:6.1f}%")
+            continue
         attn = jax.jit(lambda q, kv, md, b=backend: ragged_paged_attention(
             q, kv, 0, md, sm_scale=args.head_dim ** -0.5, backend=b))
         kvw = jax.jit(lambda kv, k, s, b=backend: write_kv(kv, 0, k, k, s, backend=b),
