@@ -1,0 +1,1 @@
+"""Multi-device execution: tensor parallelism (GSPMD shardings) and data parallelism."""
