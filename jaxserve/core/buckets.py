@@ -12,13 +12,16 @@ def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16, gap: int = 
     every step fits some bucket.
 
     Raises:
-        ValueError: A non-positive size or a gap that is not a power of two.
+        ValueError: A non-positive size, a gap that is not a power of two, or a
+            `min_bucket` above the gap.
     """
     if max_num_batched_tokens < 1 or min_bucket < 1:
         raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) and min_bucket "
                          f"({min_bucket}) must be positive")
-    if gap & (gap - 1):
+    if gap < 1 or gap & (gap - 1):  # NOTE: 0 passes the bit test and would loop forever
         raise ValueError(f"bucket gap must be a power of two, got {gap}")
+    if min_bucket > gap:
+        raise ValueError(f"min_bucket ({min_bucket}) must not exceed the gap ({gap})")
     buckets = []
     size = 1 << (min_bucket - 1).bit_length()
     while size < min(gap, max_num_batched_tokens):

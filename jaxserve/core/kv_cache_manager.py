@@ -53,7 +53,9 @@ class KVCacheManager(BlockTables):
         """Looks up cached pages for a request's leading full pages.
 
         The hit stops before the page holding the last token, so at least that token is
-        computed (its logits are needed). Counts one query of `request.num_tokens` tokens.
+        computed (its logits are needed). The query is counted when the request's first
+        `allocate_slots` succeeds, so a request that waits and looks up again each step
+        counts once.
 
         Returns:
             (page ids of the hit, number of tokens they hold).
@@ -75,8 +77,6 @@ class KVCacheManager(BlockTables):
             if page is None:
                 break
             hit_ids.append(page.page_id)
-        self.counters.prefix_queries += request.num_tokens
-        self.counters.prefix_hits += len(hit_ids) * ps
         return hit_ids, len(hit_ids) * ps
 
     def can_allocate(self, request: Request, num_new_tokens: int,
@@ -118,6 +118,9 @@ class KVCacheManager(BlockTables):
         if not plan.fits:
             return None
         request_id = request.request_id
+        if request_id not in self._tables and self.pool.prefix_cache is not None:
+            self.counters.prefix_queries += request.num_tokens
+            self.counters.prefix_hits += num_new_computed_tokens
         table = self._tables.setdefault(request_id, [])
         self.pool.touch(plan.computed_pages)
         table.extend(plan.computed_pages)

@@ -37,6 +37,14 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = 1 if config.scheduling_mode == "naive" else config.max_num_seqs
+        # Most tokens one request may hold in KV: what the pool gives a request running
+        # alone (past the admission watermark) and, without chunking, what one step computes.
+        # NOTE: a request reaching it ends as length-capped, like at max_model_len; were it
+        # to grow on, no preemption could make room (allocation would raise), and a request
+        # over the watermark or the budget could never be swapped in or recomputed again.
+        self.max_kv_tokens = (kv.pool.num_usable_pages - kv.watermark_pages) * kv.page_size
+        if not config.chunked:
+            self.max_kv_tokens = min(self.max_kv_tokens, max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -48,9 +56,13 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queues a request, or raises if it can never run.
 
+        A request whose tokens outgrow the pool (`max_kv_tokens`) later ends as
+        length-capped, as at `max_model_len`.
+
         Raises:
-            ValueError: Duplicate id, prompt longer than `max_model_len`, or more pages
-                than the pool holds.
+            ValueError: Duplicate id, prompt longer than `max_model_len`, more pages than
+                the pool holds (less the watermark), without chunked prefill more tokens
+                than `max_num_batched_tokens`, or more samples than `max_num_seqs`.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -58,10 +70,19 @@ class Scheduler:
             raise ValueError(f"prompt of request {request.request_id!r} has "
                              f"{request.num_prompt_tokens} tokens, more than max_model_len "
                              f"{self.max_model_len}")
-        pages = -(-(request.num_prompt_tokens + 1) // self.kv.page_size)
-        if pages > self.kv.pool.num_usable_pages:
+        if request.fan_out > self.max_num_seqs:
+            raise ValueError(f"request {request.request_id!r} fans out into {request.fan_out} "
+                             f"samples, more than max_num_seqs {self.max_num_seqs}")
+        if request.num_prompt_tokens > self.max_kv_tokens:
+            kv, budget = self.kv, self.max_num_batched_tokens
+            if request.num_prompt_tokens > budget and not self.config.chunked:
+                raise ValueError(f"prompt of request {request.request_id!r} has "
+                                 f"{request.num_prompt_tokens} tokens, more than "
+                                 f"max_num_batched_tokens {budget} without chunked prefill")
+            pages = -(-request.num_prompt_tokens // kv.page_size)
             raise ValueError(f"request {request.request_id!r} needs {pages} KV pages; the "
-                             f"pool has only {self.kv.pool.num_usable_pages}")
+                             f"pool has only {kv.pool.num_usable_pages} (watermark "
+                             f"{kv.watermark_pages})")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)
@@ -163,7 +184,9 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            # NOTE: reversed, so that among equal keys (fan-out siblings) the most recently
+            # admitted goes, as under fcfs.
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]  # the most recently admitted
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -184,7 +207,11 @@ class Scheduler:
         while self.swapped and budget > 0 and self._num_slots() < self.max_num_seqs:
             request = self.swapped[0]
             num_new = self._num_new_tokens(request, budget)
-            if num_new == 0 or not self.kv.can_swap_in(request):
+            # NOTE: the pages for this step's tokens must be free as well; a request swapped
+            # in without them would not run and would be swapped straight back out.
+            num_pages = -(-(request.num_computed_tokens + num_new) // self.kv.page_size)
+            if (num_new == 0 or not self.kv.can_swap_in(request)
+                    or num_pages > self.kv.num_allocatable_pages):
                 break
             self.kv.swap_in(request)
             self.swapped.popleft()
@@ -261,7 +288,10 @@ class Scheduler:
                 continue
             results.append((request, tokens[:1]))
             for i, token in enumerate(tokens[1:], start=1):
-                child = request.fork(f"{request.request_id}#{i}")
+                child_id = f"{request.request_id}#{i}"
+                while child_id in self.requests:  # NOTE: a user id may look like a child's
+                    child_id += "#"
+                child = request.fork(child_id)
                 child.sample_index = i
                 child.forked_from = request.request_id
                 self.kv.fork(request, child)
@@ -278,7 +308,8 @@ class Scheduler:
         sp = request.sampling_params
         reason = check_stop(
             request.output_token_ids, num_prompt_tokens=request.num_prompt_tokens,
-            max_tokens=sp.max_tokens, max_model_len=self.max_model_len,
+            max_tokens=sp.max_tokens,
+            max_model_len=min(self.max_model_len, self.max_kv_tokens + 1),
             eos_token_ids=request.eos_token_ids, ignore_eos=sp.ignore_eos,
             stop_token_ids=sp.stop_token_ids or (), min_tokens=sp.min_tokens)
         if reason is None:

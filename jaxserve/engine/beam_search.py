@@ -105,15 +105,19 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
         step = _execute_step(engine)
         if step is None:
             break
-        out, result = step
+        result, requests = step
         for row, req_id in enumerate(result.row_request_ids):
-            req = engine.scheduler.requests[req_id]
-            req.pop_output_token_id(ps)  # the beam waits for the group's choice
+            req, group = requests[req_id], groups[owner[req_id]]
             k = 2 * width
             cands = [(int(t), float(lp)) for t, lp in zip(result.topk_token_ids[row][:k],
                                                          result.topk_logprobs[row][:k],
                                                          strict=True)]
-            groups[owner[req_id]].pending[req_id] = cands
+            if req.is_finished():  # capped by the pool's size: keep it as a hypothesis
+                _finish(group, req, list(req.all_token_ids),
+                        group.beams.pop(req_id) + cands[0][1], "length")
+                continue
+            req.pop_output_token_id(ps)  # the beam waits for the group's choice
+            group.pending[req_id] = cands
         for gid, group in groups.items():
             if group.beams and set(group.pending) >= set(group.beams):
                 _select(engine, gid, group, owner, params)
@@ -202,5 +206,6 @@ def _execute_step(engine):
     sampled: dict[str, list[int]] = {}
     for row, req_id in enumerate(result.row_request_ids):
         sampled.setdefault(req_id, []).append(int(result.token_ids[row]))
+    requests = {s.request_id: engine.scheduler.requests[s.request_id] for s in out.scheduled}
     engine.scheduler.update_from_output(out, sampled)
-    return out, result
+    return result, requests

@@ -73,7 +73,8 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
         raise ValueError(f"num_kv_blocks={num_pages}: the pool needs at least 2 pages")
     if num_pages < min_pages:
         logger.warning("jaxserve: %d KV pages hold less than one max_model_len=%d sequence; "
-                       "long requests will be rejected", num_pages, max_model_len)
+                       "longer prompts are rejected and longer outputs end as length-capped",
+                       num_pages, max_model_len)
     return Limits(max_model_len, budget, num_pages, per_page)
 
 

@@ -1,0 +1,1 @@
+"""Benchmark building blocks: synthetic traces, latency statistics, the scheduler simulator."""
