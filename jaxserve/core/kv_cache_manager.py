@@ -113,6 +113,9 @@ class KVCacheManager(BlockTables):
             ValueError: Negative counts, a swapped-out request, stale or mismatched hit
                 pages, more tokens than the request has, or more pages than exist.
         """
+        if not (num_new_computed_tokens or new_computed_blocks or num_lookahead_tokens):
+            if self._fill_in_place(request, num_new_tokens):
+                return []
         plan = self._plan_allocation(request, num_new_tokens, num_new_computed_tokens,
                                      new_computed_blocks, num_lookahead_tokens)
         if not plan.fits:
@@ -142,6 +145,25 @@ class KVCacheManager(BlockTables):
         self._num_slot_tokens[request_id] = plan.num_tokens_after
         self._cache_full_pages(request, plan.num_tokens_after)
         return [page.page_id for page in new_pages]
+
+    def _fill_in_place(self, request: Request, num_new_tokens: int) -> bool:
+        """Fast path of `allocate_slots` (a decode step, most of them): the new tokens fit
+        the request's own unshared pages. Does what the general path would and returns
+        True, or returns False (nothing changed) to take the general path."""
+        table = self._tables.get(request.request_id)
+        if table is None or num_new_tokens < 0:
+            return False
+        ps = self.page_size
+        num_after = request.num_computed_tokens + num_new_tokens
+        if num_after > len(table) * ps or num_after > request.num_tokens or (
+                self.max_model_len is not None and num_after > self.max_model_len):
+            return False
+        for index in range(request.num_computed_tokens // ps, _cdiv(num_after, ps)):
+            if self._num_holders(table[index]) > 1:
+                return False  # copy-on-write needed
+        self._num_slot_tokens[request.request_id] = num_after
+        self._cache_full_pages(request, num_after)
+        return True
 
     # ------------------------------------------------------------------- swap
     def can_swap_out(self, request: Request) -> bool:
