@@ -1,10 +1,80 @@
-"""The `jaxserve` command line: `generate` and `convert` (serving commands come later)."""
+"""The `jaxserve` command line: `serve`, `chat`, `run-batch`, `generate` and `convert`."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 import time
+
+# (flag, type or "bool" for --x/--no-x, help): vLLM's spellings of the engine arguments.
+ENGINE_FLAGS = [
+    ("--dtype", str, "parameter and activation dtype: float32 or bfloat16"),
+    ("--max-model-len", int, "longest prompt + output (default: min(model, 2048))"),
+    ("--max-num-seqs", int, "most requests in one step (default 64)"),
+    ("--max-num-batched-tokens", int, "token budget of one step"),
+    ("--block-size", int, "tokens per KV page (default 16)"),
+    ("--num-kv-blocks", int, "fix the KV page count (default: sized from memory)"),
+    ("--gpu-memory-utilization", float, "fraction of accelerator memory to use (default 0.9)"),
+    ("--kv-cache-memory-gib", float, "KV budget where the device reports no memory (CPU)"),
+    ("--swap-space", float, "host swap space in GiB for preemption-mode swap (default 4)"),
+    ("--enable-prefix-caching", "bool", "reuse KV pages of shared prefixes (default on)"),
+    ("--enable-chunked-prefill", "bool", "split long prompts across steps (default on)"),
+    ("--long-prefill-token-threshold", int, "cap on one request's prefill chunk (0: none)"),
+    ("--preemption-mode", str, "recompute or swap (default recompute)"),
+    ("--scheduling-policy", str, "fcfs or priority (default fcfs)"),
+    ("--scheduling-mode", str, "continuous+chunked (default), continuous, static or naive"),
+    ("--attention-backend", str, "auto, xla or pallas (default auto)"),
+    ("--seed", int, "seed of the engine's random stream (default 0)"),
+    ("--warmup", "bool", "precompile every bucket at start-up (default on)"),
+    ("--compilation-cache-dir", str, "JAX persistent compilation cache directory"),
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    """Adds MODEL (positional and `--model`) and the engine flags; unset flags keep defaults."""
+    if positional_model:
+        p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                       help="GGUF file, Hugging Face directory or jaxserve checkpoint "
+                            "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="the same as MODEL")
+    group = p.add_argument_group("engine arguments")
+    for flag, kind, text in ENGINE_FLAGS:
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=text)
+        else:
+            group.add_argument(flag, type=kind, default=None, help=text)
+
+
+def engine_kwargs(args) -> dict:
+    """`EngineConfig.from_kwargs` arguments from parsed flags (only those given)."""
+    kwargs = {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+              for flag, _, _ in ENGINE_FLAGS}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    model = getattr(args, "model_pos", None) or args.model
+    return {"model": model, **kwargs}
+
+
+def _add_serving_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use for the model (default: from the model file)")
+    p.add_argument("--log-interval", type=float, default=10.0,
+                   help="seconds between throughput/KV usage log lines (0: off)")
+
+
+def _start_engine(args):
+    """(AsyncLLM, served names) from the parsed engine and serving flags."""
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.engine.llm import LLM
+    from jaxserve.entrypoints.openai.api_server import default_model_name
+    from jaxserve.metrics import ServerMetrics
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
+    engine = LLM(**engine_kwargs(args)).engine
+    names = args.served_model_name or [default_model_name(engine.model.source)]
+    return AsyncLLM(engine, ServerMetrics(names[0]), args.log_interval), names
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +99,34 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16, help="KV page size in tokens")
     gen.add_argument("--max-model-len", type=int, default=2048,
                      help="longest prompt + generation accepted")
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    _add_serving_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1/* "
+                            "(default: $JAXSERVE_API_KEY)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests may take to finish after SIGTERM")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+
+    chat = sub.add_parser("chat", help="interactive chat on stdin/stdout")
+    add_engine_args(chat)
+    chat.add_argument("--system-prompt", default=None, help="system message")
+    chat.add_argument("--max-tokens", type=int, default=512, help="longest reply in tokens")
+    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    chat.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass")
+
+    batch = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline")
+    batch.add_argument("-i", "--input-file", required=True, help="batch input JSONL (- = stdin)")
+    batch.add_argument("-o", "--output-file", required=True,
+                       help="results JSONL, one line per input line (- = stdout)")
+    add_engine_args(batch)
+    _add_serving_args(batch)
+    batch.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     conv = sub.add_parser("convert", help="convert a model to a jaxserve (orbax) checkpoint")
     conv.add_argument("src", nargs="?", default=None,
@@ -69,6 +167,49 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from jaxserve.entrypoints.openai.api_server import build_app, make_server
+
+    llm, names = _start_engine(args)
+    app = build_app(llm, names, api_key=args.api_key)
+    logging.getLogger("jaxserve").info("jaxserve: serving %s on http://%s:%d", names[0],
+                                       args.host, args.port)
+    make_server(app, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level).run()
+    llm.shutdown()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    import asyncio
+
+    from jaxserve.entrypoints.chat_cli import chat_loop
+    from jaxserve.sampling_params import SamplingParams
+
+    args.served_model_name, args.log_interval = None, 0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    llm, _ = _start_engine(args)
+    try:
+        asyncio.run(chat_loop(llm, params, system_prompt=args.system_prompt))
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def cmd_run_batch(args) -> int:
+    from jaxserve.entrypoints.run_batch import run_batch_file
+
+    llm, names = _start_engine(args)
+    try:
+        counts = run_batch_file(llm, names, args.input_file, args.output_file,
+                                use_tqdm=not args.no_progress)
+    finally:
+        llm.shutdown()
+    print(f"[jaxserve] {counts['total']} requests: {counts['succeeded']} succeeded, "
+          f"{counts['failed']} failed; wrote {args.output_file}", file=sys.stderr)
+    return 0
+
+
 def cmd_convert(args) -> int:
     from models.loaders import convert
 
@@ -82,7 +223,8 @@ def cmd_convert(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jaxserve` console script."""
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "convert": cmd_convert}
+    handlers = {"generate": cmd_generate, "convert": cmd_convert, "serve": cmd_serve,
+                "chat": cmd_chat, "run-batch": cmd_run_batch}
     try:
         return handlers[args.command](args)
     except ValueError as e:

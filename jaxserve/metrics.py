@@ -1,0 +1,155 @@
+"""Prometheus export of engine metrics (vLLM names, `jaxserve:` prefix) and a periodic stat log."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxserve.outputs import RequestOutput
+
+logger = logging.getLogger("jaxserve")
+
+# Engine figures that only grow: exported as Prometheus counters (`..._total`).
+COUNTERS = frozenset({
+    "jaxserve:prefix_cache_queries", "jaxserve:prefix_cache_hits", "jaxserve:num_preemptions",
+    "jaxserve:prompt_tokens", "jaxserve:generation_tokens", "jaxserve:request_success",
+    "jaxserve:num_cow_copies", "jaxserve:num_swap_outs", "jaxserve:num_swap_ins",
+})
+# vLLM's bucket edges (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_LABELED = re.compile(r"^(?P<name>[^{]+)\{(?P<labels>[^}]*)\}$")
+
+
+def split_name(key: str) -> tuple[str, dict[str, str]]:
+    """`'a{k=v,k2=v2}'` as `('a', {'k': 'v', 'k2': 'v2'})`; a plain name has no labels."""
+    m = _LABELED.match(key)
+    if m is None:
+        return key, {}
+    labels = dict(part.split("=", 1) for part in m["labels"].split(",") if "=" in part)
+    return m["name"], {k.strip(): v.strip().strip('"') for k, v in labels.items()}
+
+
+class _SnapshotCollector:
+    """Yields the latest `engine.get_metrics()` snapshot as counters and gauges."""
+
+    def __init__(self, server_metrics: ServerMetrics):
+        self.server_metrics = server_metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        model = self.server_metrics.model_name
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        for key, value in sorted(self.server_metrics.snapshot.items()):
+            name, labels = split_name(key)
+            family = families.get(name)
+            if family is None:
+                kind = CounterMetricFamily if name in COUNTERS else GaugeMetricFamily
+                family = kind(name, f"{name} (from the engine)",
+                              labels=["model_name", *sorted(labels)])
+                families[name] = family
+            family.add_metric([model, *(labels[k] for k in sorted(labels))], float(value))
+        yield from families.values()
+
+
+class ServerMetrics:
+    """One server's metrics: its own registry, engine snapshot and latency histograms.
+
+    The engine thread calls `update_snapshot` and `observe`; `/metrics` renders `registry`.
+
+    Args:
+        model_name: Value of the `model_name` label.
+    """
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.snapshot: dict[str, float] = {}
+        self.registry.register(_SnapshotCollector(self))
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("jaxserve:time_to_first_token_seconds",
+                         "Time to first token, from arrival", TTFT_BUCKETS)
+        self.itl = hist("jaxserve:inter_token_latency_seconds",
+                        "Time between a request's consecutive token steps", ITL_BUCKETS)
+        self.e2e = hist("jaxserve:e2e_request_latency_seconds",
+                        "Arrival to finish of a request", REQUEST_BUCKETS)
+        self.queue = hist("jaxserve:request_queue_time_seconds",
+                          "Arrival to first scheduled step", REQUEST_BUCKETS)
+        self._last_token_time: dict[str, float] = {}
+
+    def update_snapshot(self, snapshot: dict[str, float]) -> None:
+        """Replaces the engine figures (a fresh dict each time, so readers never see a mix)."""
+        self.snapshot = dict(snapshot)
+
+    def observe(self, out: RequestOutput, now: float | None = None) -> None:
+        """Records latencies from one output of a request (called once per step per request)."""
+        m = out.metrics
+        prev = self._last_token_time.get(out.request_id)
+        if m.first_token_time is not None and prev is None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            if m.first_scheduled_time is not None:
+                self.queue.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        elif prev is not None and m.last_token_time is not None and m.last_token_time > prev:
+            self.itl.observe(m.last_token_time - prev)
+        if m.last_token_time is not None:
+            self._last_token_time[out.request_id] = m.last_token_time
+        if out.finished:
+            self.forget(out.request_id)
+            end = m.finished_time or now or time.time()
+            self.e2e.observe(max(0.0, end - m.arrival_time))
+
+    def forget(self, request_id: str) -> None:
+        """Drops per-request state (finished or aborted request)."""
+        self._last_token_time.pop(request_id, None)
+
+
+class StatLogger:
+    """Logs one line of throughput and KV usage every `interval` seconds while busy.
+
+    Args:
+        interval: Seconds between lines.
+    """
+
+    def __init__(self, interval: float = 10.0):
+        self.interval = interval
+        self._last_time = time.monotonic()
+        self._last: dict[str, float] = {}
+
+    def maybe_log(self, snapshot: dict[str, float]) -> str | None:
+        """Logs (and returns) a line if `interval` passed and anything happened since."""
+        now = time.monotonic()
+        if now - self._last_time < self.interval:
+            return None
+        elapsed, self._last_time = now - self._last_time, now
+        get = lambda k: float(snapshot.get(f"jaxserve:{k}", 0.0))
+        prev = lambda k: float(self._last.get(f"jaxserve:{k}", 0.0))
+        prompt = get("prompt_tokens") - prev("prompt_tokens")
+        gen = get("generation_tokens") - prev("generation_tokens")
+        busy = get("num_requests_running") + get("num_requests_waiting")
+        self._last = dict(snapshot)
+        if not (prompt or gen or busy):
+            return None
+        queries = get("prefix_cache_queries")
+        hit_rate = get("prefix_cache_hits") / queries if queries else 0.0
+        line = (f"jaxserve: prompt throughput {prompt / elapsed:.1f} tok/s, generation "
+                f"throughput {gen / elapsed:.1f} tok/s, running {get('num_requests_running'):.0f}"
+                f", waiting {get('num_requests_waiting'):.0f}, swapped "
+                f"{get('num_requests_swapped'):.0f}, KV cache usage "
+                f"{100 * get('kv_cache_usage_perc'):.1f}%, prefix cache hit rate "
+                f"{100 * hit_rate:.1f}%, preemptions {get('num_preemptions'):.0f}")
+        logger.info(line)
+        return line

@@ -1,0 +1,70 @@
+"""A JAX-free stand-in for `LLMEngine`: one token per request per step, for fast async tests."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+
+class FakeEngine:
+    """Emits token `i` as text `"t{i} "` per step until `max_tokens`; records aborts.
+
+    Args:
+        step_seconds: Time one `step()` blocks, like a jitted step.
+        fail_on: Prompt that makes `step()` raise.
+    """
+
+    def __init__(self, step_seconds: float = 0.01, fail_on: str | None = None):
+        self.tokenizer = SimpleNamespace(eos_token_id=None)
+        self.limits = SimpleNamespace(max_model_len=64)
+        self.step_seconds = step_seconds
+        self.fail_on = fail_on
+        self.running: dict[str, tuple] = {}
+        self.aborted: list[str] = []
+        self.num_steps = 0
+
+    def add_request(self, request_id, prompt, params, *, priority=0, cache_salt=None,
+                    arrival_time=None):
+        if request_id in self.running:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt == "":
+            raise ValueError("prompt is empty: it must hold at least one token")
+        metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        self.running[request_id] = (prompt, params, [], metrics)
+
+    def abort_request(self, request_ids):
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if self.running.pop(rid, None) is not None:
+                self.aborted.append(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[RequestOutput]:
+        time.sleep(self.step_seconds)
+        self.num_steps += 1
+        outputs = []
+        now = time.time()
+        for rid, (prompt, params, tokens, metrics) in list(self.running.items()):
+            if prompt == self.fail_on:
+                raise RuntimeError("boom")
+            tokens.append(len(tokens))
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            done = len(tokens) >= params.max_tokens
+            if done:
+                metrics.finished_time = now
+                del self.running[rid]
+            text = "".join(f"t{t} " for t in tokens)
+            comp = CompletionOutput(0, text, list(tokens),
+                                    finish_reason="length" if done else None)
+            outputs.append(RequestOutput(rid, prompt, [1, 2], [comp], done, metrics))
+        return outputs
+
+    def get_metrics(self) -> dict[str, float]:
+        return {"jaxserve:num_requests_running": len(self.running),
+                "jaxserve:kv_cache_usage_perc": 0.1 * len(self.running),
+                "jaxserve:generation_tokens": self.num_steps}

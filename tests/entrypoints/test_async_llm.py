@@ -1,0 +1,116 @@
+"""`AsyncLLM` over a fake engine: streaming, concurrency, aborts, rejections, failures, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxserve.sampling_params import SamplingParams
+from tests.entrypoints.fake_engine import FakeEngine
+
+
+@pytest.fixture
+def llm():
+    llm = AsyncLLM(FakeEngine(), log_interval=0)
+    yield llm
+    llm.shutdown()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def collect(llm, rid, max_tokens, prompt="p"):
+    return [out async for out in llm.generate(prompt, SamplingParams(max_tokens=max_tokens), rid)]
+
+
+def test_streams_cumulative_outputs_until_finished(llm):
+    outs = run(collect(llm, "a", 5))
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == [0, 1, 2, 3, 4]
+    assert outs[-1].outputs[0].text == "t0 t1 t2 t3 t4 "
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths) and not any(o.finished for o in outs[:-1])
+
+
+def test_many_concurrent_requests_each_get_their_own_stream(llm):
+    async def main():
+        return await asyncio.gather(*(collect(llm, f"r{i}", 3 + i % 4) for i in range(40)))
+
+    for i, outs in enumerate(run(main())):
+        assert outs[-1].request_id == f"r{i}"
+        assert len(outs[-1].outputs[0].token_ids) == 3 + i % 4
+
+
+def test_consumer_leaving_aborts_the_request(llm):
+    async def main():
+        async for out in llm.generate("p", SamplingParams(max_tokens=1000), "leaver"):
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+
+    run(main())
+    deadline = time.time() + 5
+    while "leaver" not in llm.engine.aborted and time.time() < deadline:
+        time.sleep(0.01)
+    assert llm.engine.aborted == ["leaver"]
+    assert not llm.engine.running
+
+
+def test_cancelled_consumer_aborts_the_request(llm):
+    async def main():
+        task = asyncio.ensure_future(collect(llm, "slow", 1000))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main())
+    deadline = time.time() + 5
+    while "slow" not in llm.engine.aborted and time.time() < deadline:
+        time.sleep(0.01)
+    assert "slow" in llm.engine.aborted
+
+
+def test_rejected_request_raises_and_others_continue(llm):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        run(collect(llm, "bad", 3, prompt=""))
+    assert run(collect(llm, "good", 2))[-1].finished
+
+
+def test_step_failure_fails_in_flight_requests_and_keeps_serving():
+    llm = AsyncLLM(FakeEngine(fail_on="crash"), log_interval=0)
+    try:
+        with pytest.raises(RuntimeError, match="engine step failed"):
+            run(collect(llm, "x", 5, prompt="crash"))
+        assert run(collect(llm, "y", 2))[-1].finished
+    finally:
+        llm.shutdown()
+
+
+def test_shutdown_ends_pending_streams_and_refuses_new_requests():
+    llm = AsyncLLM(FakeEngine(step_seconds=0.05), log_interval=0)
+
+    async def main():
+        task = asyncio.ensure_future(collect(llm, "long", 10_000))
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(llm.shutdown)
+        with pytest.raises(EngineDeadError):
+            await task
+        with pytest.raises(EngineDeadError):
+            await collect(llm, "late", 2)
+
+    run(main())
+    assert not llm.is_running
+
+
+def test_metrics_snapshot_follows_the_engine(llm):
+    run(collect(llm, "m", 3))
+    time.sleep(0.05)
+    snap = llm.get_metrics()
+    assert snap["jaxserve:num_requests_running"] == 0 and snap["jaxserve:generation_tokens"] >= 3
+    reg, labels = llm.metrics.registry, {"model_name": "jaxserve"}
+    assert reg.get_sample_value("jaxserve:e2e_request_latency_seconds_count", labels) == 1
+    assert reg.get_sample_value("jaxserve:time_to_first_token_seconds_count", labels) == 1
+    assert reg.get_sample_value("jaxserve:inter_token_latency_seconds_count", labels) == 2

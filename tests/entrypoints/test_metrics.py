@@ -1,0 +1,89 @@
+"""`jaxserve.metrics`: Prometheus text from engine snapshots, latency histograms, the stat line."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve.metrics import ServerMetrics, StatLogger, split_name
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+SNAPSHOT = {
+    "jaxserve:num_requests_running": 2, "jaxserve:num_requests_waiting": 1,
+    "jaxserve:num_requests_swapped": 0, "jaxserve:kv_cache_usage_perc": 0.25,
+    "jaxserve:prefix_cache_queries": 40, "jaxserve:prefix_cache_hits": 10,
+    "jaxserve:num_preemptions": 3, "jaxserve:prompt_tokens": 100,
+    "jaxserve:generation_tokens": 50, "jaxserve:num_compilations": 0,
+    "jaxserve:padding_waste_ratio": 0.125,
+    "jaxserve:request_success{finished_reason=stop}": 4,
+    "jaxserve:request_success{finished_reason=length}": 5,
+}
+
+
+def families(metrics: ServerMetrics) -> dict:
+    text = generate_latest(metrics.registry).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_split_name():
+    assert split_name("a:b") == ("a:b", {})
+    assert split_name("a{finished_reason=stop}") == ("a", {"finished_reason": "stop"})
+
+
+def test_snapshot_exports_counters_and_gauges_with_vllm_names():
+    m = ServerMetrics("tiny")
+    m.update_snapshot(SNAPSHOT)
+    fams = families(m)
+    for name in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+                 "prompt_tokens", "generation_tokens", "request_success"):
+        assert fams[f"jaxserve:{name}"].type == "counter", name
+    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped",
+                 "kv_cache_usage_perc", "num_compilations", "padding_waste_ratio"):
+        assert fams[f"jaxserve:{name}"].type == "gauge", name
+    success = {s.labels["finished_reason"]: s.value
+               for s in fams["jaxserve:request_success"].samples if s.name.endswith("_total")}
+    assert success == {"stop": 4, "length": 5}
+    sample = fams["jaxserve:kv_cache_usage_perc"].samples[0]
+    assert sample.value == 0.25 and sample.labels == {"model_name": "tiny"}
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert fams[f"jaxserve:{name}"].type == "histogram", name
+
+
+def test_observe_records_ttft_itl_e2e_and_queue_time():
+    m = ServerMetrics("tiny")
+    t0 = 1000.0
+    metrics = RequestMetrics(arrival_time=t0, first_scheduled_time=t0 + 0.5,
+                             first_token_time=t0 + 1.0, last_token_time=t0 + 1.0)
+
+    def out(finished):
+        return RequestOutput("r", "p", [1], [CompletionOutput(0)], finished, metrics)
+
+    m.observe(out(False))
+    metrics.last_token_time = t0 + 1.25
+    m.observe(out(False))
+    metrics.last_token_time = metrics.finished_time = t0 + 1.5
+    m.observe(out(True))
+    get = lambda name: m.registry.get_sample_value(f"jaxserve:{name}", {"model_name": "tiny"})
+    assert get("time_to_first_token_seconds_sum") == 1.0
+    assert get("request_queue_time_seconds_sum") == 0.5
+    assert get("inter_token_latency_seconds_count") == 2
+    assert get("inter_token_latency_seconds_sum") == 0.5
+    assert get("e2e_request_latency_seconds_sum") == 1.5
+    assert m._last_token_time == {}
+
+
+def test_each_server_has_its_own_registry():
+    a, b = ServerMetrics("a"), ServerMetrics("b")
+    a.update_snapshot({"jaxserve:prompt_tokens": 7})
+    assert "jaxserve:prompt_tokens" not in families(b)
+
+
+def test_stat_logger_reports_throughput_only_when_busy(caplog):
+    log = StatLogger(interval=0.0)
+    log.maybe_log({})
+    line = log.maybe_log(SNAPSHOT)
+    assert "generation throughput" in line and "KV cache usage 25.0%" in line
+    assert "prefix cache hit rate 25.0%" in line
+    idle = {**SNAPSHOT, "jaxserve:num_requests_running": 0, "jaxserve:num_requests_waiting": 0}
+    assert log.maybe_log(idle) is None

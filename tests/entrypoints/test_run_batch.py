@@ -1,0 +1,89 @@
+"""`run-batch` (every line answered, in order, reproducibly) and the interactive `chat` loop."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import pytest
+
+from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.chat_cli import chat_loop
+from jaxserve.entrypoints.run_batch import run_batch_file
+from jaxserve.sampling_params import SamplingParams
+from tests.entrypoints.conftest import MODEL_NAME
+
+
+def line(custom_id, url="/v1/completions", **body):
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
+                       "body": {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, **body}})
+
+
+LINES = [
+    line("c1", prompt="Once upon a time"),
+    line("chat1", url="/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}]),
+    "{not json",
+    "",
+    line("c2", prompt=["The sky is", "Water is"]),
+    json.dumps({"custom_id": "no-url", "method": "POST", "body": {}}),
+    line("bad-url", url="/v1/embeddings", input="x"),
+    line("neg", max_tokens=-1, prompt="x"),
+    line("who", model="other-model", prompt="x"),
+    line("c3", prompt="1, 2, 3,", stream=True),
+]
+
+
+@pytest.fixture(scope="module")
+def llm(server) -> AsyncLLM:
+    """The shared server's engine: `AsyncLLM` serves any number of event loops."""
+    return server.llm
+
+
+def run(llm, tmp_path, name):
+    src, dst = tmp_path / "in.jsonl", tmp_path / f"{name}.jsonl"
+    src.write_text("\n".join(LINES) + "\n")
+    counts = run_batch_file(llm, [MODEL_NAME], str(src), str(dst), use_tqdm=False)
+    return counts, [json.loads(x) for x in dst.read_text().splitlines()]
+
+
+def test_every_line_gets_a_record_in_order_and_reruns_agree(llm, tmp_path):
+    counts, records = run(llm, tmp_path, "first")
+    assert counts == {"total": 9, "succeeded": 4, "failed": 5}
+    assert [r["custom_id"] for r in records] == [
+        "c1", "chat1", None, "c2", "no-url", "bad-url", "neg", "who", "c3"]
+    by_id = {r["custom_id"]: r for r in records}
+    for cid in ("c1", "chat1", "c2", "c3"):
+        response = by_id[cid]["response"]
+        assert by_id[cid]["error"] is None and response["status_code"] == 200
+        assert response["request_id"] and response["body"]["usage"]["completion_tokens"] > 0
+    assert by_id["c1"]["response"]["body"]["choices"][0]["text"].startswith(", the city of")
+    assert len(by_id["c2"]["response"]["body"]["choices"]) == 2
+    assert records[2]["error"]["code"] == "invalid_json" and records[2]["response"] is None
+    assert records[2]["error"]["message"].startswith("line 3:")
+    assert by_id["no-url"]["error"]["code"] == "invalid_request"
+    assert by_id["bad-url"]["error"]["code"] == "invalid_url"
+    assert by_id["neg"]["response"]["status_code"] == 400
+    assert by_id["neg"]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert by_id["who"]["response"]["status_code"] == 404
+    assert len({r["id"] for r in records}) == len(records)
+
+    def texts(recs):
+        out = []
+        for r in recs:
+            body = (r["response"] or {}).get("body", {})
+            out.append([c.get("text", c.get("message")) for c in body.get("choices", [])])
+        return out
+
+    _, again = run(llm, tmp_path, "second")
+    assert texts(again) == texts(records)
+
+
+def test_chat_loop_streams_replies_and_keeps_history(llm):
+    stdin = io.StringIO("Hi!\n\n/reset\nWhat is 2+2?\n/exit\nnever read\n")
+    stdout = io.StringIO()
+    replies = asyncio.run(chat_loop(llm, SamplingParams(max_tokens=5, temperature=0),
+                                    stdin=stdin, stdout=stdout))
+    assert replies == 2
+    text = stdout.getvalue()
+    assert "[conversation cleared]" in text and len(text.strip().splitlines()) == 3
