@@ -121,10 +121,17 @@ class LLM:
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
-        while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
-                    finished[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while len(finished) < len(wanted) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            # NOTE: a failed step (or Ctrl-C) must not leave this call's requests queued,
+            # holding pages and failing again in the next call.
+            self.engine.abort_request(request_ids)
+            raise
+        finally:
+            bar.close()
         return [finished[r] for r in request_ids if r in finished]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+import jax
 import numpy as np
 
 from jaxserve.compilation_cache import enable_compilation_cache
@@ -15,7 +16,6 @@ from jaxserve.engine.request_state import RequestState, make_request
 from jaxserve.engine.sizing import resolve_limits
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import RequestStatus
-from jaxserve.runner import compile_counter
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
@@ -37,7 +37,10 @@ class LLMEngine:
         from models.model import Model
 
         self.config = config
-        enable_compilation_cache(config.compilation_cache_dir)
+        # NOTE: a cache directory the process already configured (tests, a host program)
+        # is kept unless the config names one.
+        if config.compilation_cache_dir or not jax.config.jax_compilation_cache_dir:
+            enable_compilation_cache(config.compilation_cache_dir)
         mc = config.model
         if model is not None and mc.attention_backend != "auto":
             model = Model(model.cfg, model.params, model.dtype, model.source,
@@ -69,7 +72,6 @@ class LLMEngine:
                     self.runner.buckets)
         if config.warmup:
             self.warmup()
-        self.compilations_after_warmup = compile_counter.num_compilations()
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
@@ -117,10 +119,11 @@ class LLMEngine:
         rows = []
         for s in out.scheduled:
             req = self.scheduler.requests[s.request_id]
-            self.states[req.user_request_id].on_scheduled(now)
+            state = self.states[req.user_request_id]
+            state.on_scheduled(now)
             for k in range(s.num_samples):
                 seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
-                rows.append(RowSpec(req.sampling_params, req.prompt_token_ids,
+                rows.append(RowSpec(state.row_params, req.prompt_token_ids,
                                     req.output_token_ids, seed, s.sampling_counter))
         _, num_rows = self.runner.step_shape(out)
         sampling = build_sampling_metadata(
@@ -186,8 +189,7 @@ class LLMEngine:
             "jaxserve:num_preemptions": sched.num_preemptions,
             "jaxserve:prompt_tokens": self.counters["prompt_tokens"],
             "jaxserve:generation_tokens": self.counters["generation_tokens"],
-            "jaxserve:num_compilations": compile_counter.num_compilations()
-            - self.compilations_after_warmup,
+            "jaxserve:num_compilations": self.runner.num_compilations,
             "jaxserve:padding_waste_ratio": padded / total if total else 0.0,
             "jaxserve:warmup_seconds": self.runner.warmup_seconds,
             "jaxserve:num_cow_copies": stats.num_cow_copies,

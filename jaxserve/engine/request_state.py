@@ -74,7 +74,14 @@ def make_request(engine, request_id: str, prompt, params: SamplingParams, *, pri
     root = Request(request_id, ids, cache_salt=cache_salt, arrival_time=arrival_time,
                    sampling_params=params, priority=priority, eos_token_ids=engine.eos_token_ids,
                    seeds=tuple(seeds))
-    return RequestState(engine.tokenizer, root, text, params)
+    state = RequestState(engine.tokenizer, root, text, params)
+    extra_eos = [e for e in engine.eos_token_ids[1:] if e not in (params.stop_token_ids or [])]
+    if params.min_tokens and not params.ignore_eos and extra_eos:
+        # NOTE: the sampler bans `stop_token_ids` and one EOS id below min_tokens; a model
+        # with several EOS ids needs the others banned too.
+        state.row_params = params.clone(
+            stop_token_ids=[*(params.stop_token_ids or []), *extra_eos])
+    return state
 
 
 class RequestState:
@@ -87,6 +94,7 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids = root.prompt_token_ids
         self.params = params
+        self.row_params = params  # what the sampler sees (see make_request)
         self.metrics = RequestMetrics(arrival_time=root.arrival_time)
         self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
         self.requests: dict[int, Request] = {0: root}

@@ -2,13 +2,13 @@
 
 Each operation is jitted once per padded pair count (powers of two), with the pool donated,
 so plans of any size reuse a few compiled programs. Padding pairs copy the null page onto
-itself.
+itself. Host arrays go to the device with `jax.device_put`: in some JAX versions
+`jnp.asarray` of a NumPy array compiles a small program per shape.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -60,7 +60,7 @@ class HostSwapSpace:
     def swap_out(self, kv_pages, pairs: np.ndarray) -> None:
         """Copies device pages into host slots; pairs are i32[n, 2] (page, slot)."""
         padded = pad_pairs(pairs)
-        pages = np.asarray(gather_pages(kv_pages, jnp.asarray(padded[:, 0])))
+        pages = np.asarray(gather_pages(kv_pages, jax.device_put(padded[:, 0])))
         pages = np.moveaxis(pages, 3, 0)  # [L, 2, Hkv, n, ps, D] -> [n, L, 2, Hkv, ps, D]
         for (_, slot), page in zip(pairs, pages, strict=False):
             self._slots[int(slot)] = page.copy()
@@ -73,5 +73,5 @@ class HostSwapSpace:
         for i, (slot, _) in enumerate(pairs):
             values[i] = self._slots.pop(int(slot))
         # Padding rows write zeros into the null page, which is never read unmasked.
-        return scatter_pages(kv_pages, jnp.asarray(padded[:, 1]),
-                             jnp.asarray(np.moveaxis(values, 0, 3)))
+        return scatter_pages(kv_pages, jax.device_put(padded[:, 1]),
+                             jax.device_put(np.moveaxis(values, 0, 3)))

@@ -94,6 +94,8 @@ class ModelRunner:
         self.penalty_len = 1 << (max_model_len - 1).bit_length()
         self.banned_len = 16
         self.buckets = token_buckets(max_num_batched_tokens)
+        # Largest page plan (copy or swap pairs) run as one program; see execute_plans.
+        self.max_plan_pairs = 2 * len(pad_pairs(np.zeros((self.max_pages_per_seq, 2))))
         self.kv_pages = jnp.zeros(model.kv_pages_shape(num_pages, page_size), model.dtype)
         page_shape = model.kv_pages_shape(1, page_size)
         self.swap = HostSwapSpace(num_swap_slots, page_shape[:3] + page_shape[4:],
@@ -102,6 +104,9 @@ class ModelRunner:
         self._samplers: dict[Layout, object] = {}
         self.num_padded_tokens = 0
         self.num_scheduled_tokens = 0
+        # Compilations inside this runner's steps since warm-up (other engines or user code
+        # compiling in the same process are not counted).
+        self.num_compilations = 0
         self.warmup_seconds = 0.0
 
     # --------------------------------------------------------------- step
@@ -120,6 +125,14 @@ class ModelRunner:
             sampling: One row per sampling row, padded to `step_shape(out)[1]` rows.
             variant: Force a sampler variant (warm-up); default: the cheapest that fits.
         """
+        start = compile_counter.num_compilations()
+        try:
+            return self._execute(out, sampling, variant)
+        finally:
+            self.num_compilations += compile_counter.num_compilations() - start
+
+    def _execute(self, out: SchedulerOutput, sampling: SamplingMetadata,
+                 variant: str | None) -> StepResult:
         self.execute_plans(out.plans)
         num_tokens, num_rows = self.step_shape(out)
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
@@ -160,13 +173,19 @@ class ModelRunner:
         """Swap-outs first (their pages may be reused this step), then swap-ins, copies."""
         if plans is None or plans.is_empty():
             return
-        if plans.swap_out.pairs:
-            self.swap.swap_out(self.kv_pages, plans.swap_out.as_array())
-        if plans.swap_in.pairs:
-            self.kv_pages = self.swap.swap_in(self.kv_pages, plans.swap_in.as_array())
-        if plans.copy.pairs:
-            self.kv_pages = copy_pages(self.kv_pages,
-                                       jnp.asarray(pad_pairs(plans.copy.as_array())))
+        # NOTE: plans run in pieces of at most `max_plan_pairs` pairs, the largest size
+        # warm-up compiled, so a step that swaps or copies many pages compiles nothing.
+        for pairs in self._pieces(plans.swap_out):
+            self.swap.swap_out(self.kv_pages, pairs)
+        for pairs in self._pieces(plans.swap_in):
+            self.kv_pages = self.swap.swap_in(self.kv_pages, pairs)
+        for pairs in self._pieces(plans.copy):
+            self.kv_pages = copy_pages(self.kv_pages, jax.device_put(pad_pairs(pairs)))
+
+    def _pieces(self, plan) -> list[np.ndarray]:
+        pairs = plan.as_array() if plan.pairs else np.zeros((0, 2), np.int32)
+        return [pairs[i:i + self.max_plan_pairs]
+                for i in range(0, len(pairs), self.max_plan_pairs)]
 
     # ------------------------------------------------------------- warmup
     def warmup(self, make_dummy_sampling) -> float:
@@ -185,14 +204,14 @@ class ModelRunner:
                 "warmup", [0] * num_tokens, 0, [0] * -(-num_tokens // self.page_size), 1)])
             for variant in VARIANTS:
                 self.execute(out, make_dummy_sampling(num_rows), variant)
-        n = 8
-        while n <= 2 * pad_pairs(np.zeros((self.max_pages_per_seq, 2))).shape[0]:
+        n = len(pad_pairs(np.zeros((0, 2), np.int32)))
+        while n <= self.max_plan_pairs:
             pairs = np.zeros((n, 2), np.int32)  # null page onto itself: a no-op
-            self.kv_pages = copy_pages(self.kv_pages, jnp.asarray(pairs))
+            self.kv_pages = copy_pages(self.kv_pages, jax.device_put(pairs))
             if self.swap.num_slots:  # the swap programs, on the null page
-                page = gather_pages(self.kv_pages, jnp.asarray(pairs[:, 0]))
-                self.kv_pages = scatter_pages(self.kv_pages, jnp.asarray(pairs[:, 1]), page)
+                page = gather_pages(self.kv_pages, jax.device_put(pairs[:, 0]))
+                self.kv_pages = scatter_pages(self.kv_pages, jax.device_put(pairs[:, 1]), page)
             n *= 2
-        self.num_padded_tokens = self.num_scheduled_tokens = 0
+        self.num_padded_tokens = self.num_scheduled_tokens = self.num_compilations = 0
         self.warmup_seconds = time.perf_counter() - start
         return self.warmup_seconds

@@ -39,11 +39,12 @@ def promote(md: SamplingMetadata, variant: str, vocab_size: int, penalty_len: in
         md: Metadata as built for this step (NumPy arrays).
         variant: One of VARIANTS, at least as capable as `variant_of(md)`.
         vocab_size: Pad id of the token id arrays.
-        penalty_len: Fixed width of the prompt/output id arrays in "full".
-        banned_len: Fixed width of the banned id array in "full".
+        penalty_len: Width of the prompt/output id arrays in "full".
+        banned_len: Width of the banned id array in "full" (grown, at the cost of a
+            compile, for a step that bans more ids).
 
     Raises:
-        ValueError: `variant` lacks a stage `md` needs, or the ids exceed a fixed width.
+        ValueError: `variant` lacks a stage `md` needs.
     """
     need = VARIANTS.index(variant_of(md))
     if VARIANTS.index(variant) < need:
@@ -55,20 +56,22 @@ def promote(md: SamplingMetadata, variant: str, vocab_size: int, penalty_len: in
         return dataclasses.replace(md, all_greedy=False, needs_filtering=True)
     num_rows = md.temperature.shape[0]
 
-    def widen(ids: np.ndarray | None, width: int, name: str) -> np.ndarray:
+    def widen(ids: np.ndarray | None, width: int) -> np.ndarray:
+        if ids is not None and ids.shape[1] > width:
+            if (ids[:, width:] != vocab_size).any():
+                # NOTE: wider than warm-up compiled (say, a min_tokens request with many
+                # stop_token_ids): a one-off compile of this width, not a failed step.
+                width = ids.shape[1]
+            else:
+                ids = ids[:, :width]  # the extra columns are padding only
         out = np.full((num_rows, width), vocab_size, np.int32)  # i32[num_rows, width]
         if ids is not None:
-            if ids.shape[1] > width:
-                # Columns past the fixed width must be padding only.
-                if (ids[:, width:] != vocab_size).any():
-                    raise ValueError(f"{name} needs {ids.shape[1]} columns, over {width}")
-                ids = ids[:, :width]
             out[:, :ids.shape[1]] = ids
         return out
 
     return dataclasses.replace(
         md, all_greedy=False, needs_filtering=True, has_penalties=True,
         has_banned_tokens=True, max_num_logprobs=min(MAX_LOGPROBS, vocab_size),
-        prompt_token_ids=widen(md.prompt_token_ids, penalty_len, "prompt_token_ids"),
-        output_token_ids=widen(md.output_token_ids, penalty_len, "output_token_ids"),
-        banned_token_ids=widen(md.banned_token_ids, banned_len, "banned_token_ids"))
+        prompt_token_ids=widen(md.prompt_token_ids, penalty_len),
+        output_token_ids=widen(md.output_token_ids, penalty_len),
+        banned_token_ids=widen(md.banned_token_ids, banned_len))

@@ -10,9 +10,9 @@ import random
 
 import pytest
 
+from jaxserve.core.stop_checker import check_stop, check_stop_strings, stop_buffer_length
 from jaxserve.engine import detokenizer as detok_module
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
-from jaxserve.core.stop_checker import check_stop, check_stop_strings, stop_buffer_length
 
 TEXTS = {
     "english": "The quick brown fox jumps over the lazy dog. It's 3:45 p.m., isn't it?",
