@@ -20,6 +20,30 @@ def _check(cond: bool, name: str, value, must: str) -> None:
         raise ValueError(f"{name} must be {must}, got {value!r}")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_types(obj) -> None:
+    """Type checks from the dataclass annotations, so a wrong type is a ValueError too."""
+    for f in dataclasses.fields(obj):
+        value, kind = getattr(obj, f.name), str(f.type)
+        if value is None and "None" in kind:
+            continue
+        if kind.startswith("int"):
+            _check(_is_int(value), f.name, value, "an integer")
+        elif kind.startswith("float"):
+            _check(_is_num(value), f.name, value, "a number")
+        elif kind.startswith("bool"):
+            _check(isinstance(value, bool), f.name, value, "True or False")
+        elif kind.startswith("str"):
+            _check(isinstance(value, str), f.name, value, "a string")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights, in which dtype, and how long a sequence may grow.
@@ -39,6 +63,7 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                self.max_model_len, "a positive integer")
@@ -69,6 +94,7 @@ class CacheConfig:
     watermark: float = 0.01
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size,
                "one of 8, 16, 32, 64, 128")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
@@ -107,6 +133,7 @@ class SchedulerConfig:
     scheduling_mode: str = "continuous+chunked"
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "at least 1")
         _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
                "max_num_batched_tokens", self.max_num_batched_tokens, "at least 1")
@@ -126,12 +153,38 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices serve the model.
+
+    Attributes:
+        tensor_parallel_size: Devices one model is split over (heads and MLP units).
+        data_parallel_size: Independent replicas, each on its own tensor-parallel group.
+        device_ids: The devices of this replica (default: the first
+            `tensor_parallel_size` devices); set by the data-parallel front end.
+    """
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    device_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        _check_types(self)
+        _check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+               "tensor_parallel_size", self.tensor_parallel_size, "a positive integer")
+        _check(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+               "data_parallel_size", self.data_parallel_size, "a positive integer")
+        _check(self.device_ids is None or len(self.device_ids) == self.tensor_parallel_size,
+               "device_ids", self.device_ids, "one id per tensor-parallel device")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs; build it with `EngineConfig.from_kwargs`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     warmup: bool = True
     compilation_cache_dir: str | None = None
 
@@ -143,7 +196,8 @@ class EngineConfig:
             ValueError: An unknown argument (the message lists the known ones) or a value
                 outside its range (the message names the field).
         """
-        groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+        groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                  "parallel": ParallelConfig}
         known = {f.name: g for g, c in groups.items() for f in dataclasses.fields(c)}
         top = {"warmup", "compilation_cache_dir"}
         unknown = sorted(set(kwargs) - set(known) - top)

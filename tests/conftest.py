@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 
-from jaxserve.compilation_cache import enable_compilation_cache
+# NOTE: 8 CPU devices for the multi-device tests (tensor/data parallel); must be set
+# before JAX initialises. Single-device code runs on device 0 as before.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+
+from jaxserve.compilation_cache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(os.environ.get(
     "JAXSERVE_TEST_CACHE", os.path.join(os.path.dirname(__file__), "..", ".jax_cache")))
@@ -45,6 +50,9 @@ def hf_smollm2(smollm2_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
+    # NOTE: one torch thread: with two on this 2-core machine, sharing it with JAX, a
+    # 16-token generate was 5-7x slower.
+    torch.set_num_threads(1)
     directory, name = os.path.split(smollm2_path)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     model.eval()

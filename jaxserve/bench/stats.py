@@ -20,15 +20,18 @@ class RequestTiming:
         arrival: When it was submitted.
         token_times: When each output token became visible (first = TTFT point).
         prompt_len: Prompt tokens.
+        num_tokens: Output tokens when a time stamps several (a streamed chunk holding
+            more than one token); None: one token per time.
     """
 
     arrival: float
     prompt_len: int
     token_times: list[float] = field(default_factory=list)
+    num_tokens: int | None = None
 
     @property
     def output_len(self) -> int:
-        return len(self.token_times)
+        return self.num_tokens if self.num_tokens is not None else len(self.token_times)
 
     @property
     def ttft(self) -> float:
@@ -59,7 +62,8 @@ def _describe(name: str, values_s: list[float]) -> dict[str, float]:
 
 
 def summarize(timings: list[RequestTiming], duration_s: float,
-              slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict:
+              slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+              slo_e2el_ms: float | None = None) -> dict:
     """Throughput and latency figures of a finished run.
 
     Args:
@@ -67,17 +71,19 @@ def summarize(timings: list[RequestTiming], duration_s: float,
         duration_s: Wall (or simulated) time of the run.
         slo_ttft_ms: TTFT bound for goodput (None: not checked).
         slo_tpot_ms: TPOT bound for goodput (None: not checked).
+        slo_e2el_ms: End-to-end latency bound for goodput (None: not checked).
 
     Returns:
         A flat dict: completed, duration, request/output/total token throughput, goodput,
         and mean/median/p99 of ttft, tpot, itl and e2el in ms.
     """
-    done = [t for t in timings if t.output_len > 0]
+    done = [t for t in timings if t.output_len > 0 and t.token_times]
     out_tokens = sum(t.output_len for t in done)
     in_tokens = sum(t.prompt_len for t in done)
     good = [t for t in done
             if (slo_ttft_ms is None or t.ttft * 1000 <= slo_ttft_ms)
-            and (slo_tpot_ms is None or (t.tpot or 0.0) * 1000 <= slo_tpot_ms)]
+            and (slo_tpot_ms is None or (t.tpot or 0.0) * 1000 <= slo_tpot_ms)
+            and (slo_e2el_ms is None or t.e2e * 1000 <= slo_e2el_ms)]
     res = {
         "completed": len(done),
         "duration": duration_s,

@@ -51,7 +51,12 @@ class LLM:
         if loaded is not None and np.dtype(loaded.dtype).name != config.model.dtype:
             raise ValueError(f"dtype={config.model.dtype!r} differs from the loaded model's "
                              f"{loaded.dtype}")
-        self.engine = LLMEngine(config, model=loaded, tokenizer=tokenizer)
+        if config.parallel.data_parallel_size > 1:
+            from jaxserve.parallel.data_parallel import DataParallelEngine
+
+            self.engine = DataParallelEngine(config, model=loaded, tokenizer=tokenizer)
+        else:
+            self.engine = LLMEngine(config, model=loaded, tokenizer=tokenizer)
         self._counter = 0
 
     def get_tokenizer(self):
@@ -116,6 +121,22 @@ class LLM:
                 chat_template=chat_template, return_dict=False)
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts, params):
+        """Beam search over forked requests (see `jaxserve.engine.beam_search`).
+
+        Args:
+            prompts: A prompt or a list of prompts (text, ids, or a prompt dict).
+            params: A `BeamSearchParams`.
+
+        Returns:
+            One `BeamSearchOutput` per prompt, its sequences best first.
+        """
+        from jaxserve.engine.beam_search import beam_search
+
+        if not isinstance(self.engine, LLMEngine):
+            raise ValueError("beam_search runs on one engine; use data_parallel_size=1")
+        return beam_search(self.engine, _as_prompt_list(prompts), params)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)

@@ -15,12 +15,39 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.request_state import RequestState, make_request
 from jaxserve.engine.sizing import resolve_limits
 from jaxserve.outputs import RequestOutput
+from jaxserve.parallel.sharding import TensorParallel, make_tensor_parallel
 from jaxserve.request import RequestStatus
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
+
+
+def tensor_parallel_layout(config: EngineConfig, cfg) -> TensorParallel | None:
+    """The mesh layout for this engine's devices, or None for the default device.
+
+    Raises:
+        ValueError: data_parallel_size > 1 (use `LLM` or `DataParallelEngine`), unknown
+            device ids, or a tensor-parallel size the model's heads do not allow.
+    """
+    par = config.parallel
+    if par.data_parallel_size > 1:
+        raise ValueError("LLMEngine serves one replica; data_parallel_size > 1 needs "
+                         "jaxserve.parallel.data_parallel.DataParallelEngine (LLM picks it)")
+    if par.tensor_parallel_size == 1 and par.device_ids is None:
+        return None
+    devices = jax.devices()
+    if par.device_ids is not None:
+        by_id = {d.id: d for d in devices}
+        missing = [i for i in par.device_ids if i not in by_id]
+        if missing:
+            raise ValueError(f"device_ids {missing} do not exist; devices: {sorted(by_id)}")
+        devices = [by_id[i] for i in par.device_ids]
+    layout = make_tensor_parallel(cfg, par.tensor_parallel_size, devices)
+    logger.info("jaxserve: tensor parallel over %s (mesh %s)",
+                [d.id for d in layout.mesh.devices.flat], dict(layout.mesh.shape))
+    return layout
 
 
 class LLMEngine:
@@ -58,9 +85,11 @@ class LLMEngine:
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
                                    lim.max_num_batched_tokens)
+        self.layout = tensor_parallel_layout(config, self.model.cfg)
         self.runner = ModelRunner(self.model, lim.num_pages, config.cache.block_size,
                                   lim.max_model_len, self.scheduler.max_num_seqs,
-                                  lim.max_num_batched_tokens, self.kv.host_pool.num_slots)
+                                  lim.max_num_batched_tokens, self.kv.host_pool.num_slots,
+                                  layout=self.layout)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.eos_token_ids = tuple(dict.fromkeys([*self.model.cfg.eos_token_ids, *eos]))
         self.rng = np.random.default_rng(mc.seed)

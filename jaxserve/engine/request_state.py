@@ -186,4 +186,5 @@ class RequestState:
                                     list(o.logprobs) if o.logprobs is not None else None,
                                     o.finish_reason, o.stop_reason) for o in self.outputs]
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs,
-                             self.finished, self.metrics, self.root.num_cached_tokens)
+                             self.finished, dataclasses.replace(self.metrics),
+                             self.root.num_cached_tokens)

@@ -64,10 +64,12 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
                              f"{max_model_len}; without chunked prefill a whole prompt must "
                              "fit one step (enable chunked prefill or raise the budget)")
     per_page = page_bytes(model, cc.block_size)
+    # NOTE: under tensor parallelism each device holds its KV heads' share of a page.
+    kv_shards = min(config.parallel.tensor_parallel_size, model.cfg.num_kv_heads)
     if cc.num_kv_blocks is not None:
         num_pages = cc.num_kv_blocks
     else:
-        num_pages = _pages_from_memory(config, per_page)
+        num_pages = _pages_from_memory(config, per_page // kv_shards)
     min_pages = -(-max_model_len // cc.block_size) + 1
     if num_pages < 2:
         raise ValueError(f"num_kv_blocks={num_pages}: the pool needs at least 2 pages")

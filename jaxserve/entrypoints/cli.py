@@ -1,4 +1,5 @@
-"""The `jaxserve` command line: `serve`, `chat`, `run-batch`, `generate` and `convert`."""
+"""The `jaxserve` command line: `serve`, `chat`, `run-batch`, `generate`, `convert`, `bench`
+and `diagnose`."""
 
 from __future__ import annotations
 
@@ -133,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="GGUF file or Hugging Face directory (default: embedded model)")
     conv.add_argument("dst", help="new directory to write")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    from jaxserve.bench.cli import build_bench_parser
+
+    build_bench_parser(sub)
     return parser
 
 
@@ -226,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"generate": cmd_generate, "convert": cmd_convert, "serve": cmd_serve,
                 "chat": cmd_chat, "run-batch": cmd_run_batch}
     try:
+        if args.command in ("bench", "diagnose"):
+            from jaxserve.bench.cli import main as bench_main
+
+            return bench_main(args)
         return handlers[args.command](args)
     except ValueError as e:
         print(f"jaxserve: error: {e}", file=sys.stderr)

@@ -19,13 +19,12 @@ from tqdm import tqdm
 from jaxserve.core.buckets import pick_bucket, rows_for_bucket, token_buckets
 from jaxserve.core.plans import KVPlans
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.parallel.sharding import TensorParallel
 from jaxserve.runner import compile_counter
 from jaxserve.runner.kv_ops import (
     HostSwapSpace,
     copy_pages,
-    gather_pages,
     pad_pairs,
-    scatter_pages,
 )
 from jaxserve.runner.sampler_variants import VARIANTS, promote, variant_of
 from jaxserve.runner.step_input import build_step_arrays
@@ -82,12 +81,16 @@ class ModelRunner:
         max_num_seqs: Most requests per step.
         max_num_batched_tokens: Token budget per step (the largest bucket).
         num_swap_slots: Host pages for swapped-out requests.
+        layout: Tensor-parallel layout (mesh and shardings); None runs on the default
+            device.
     """
 
     def __init__(self, model: Model, num_pages: int, page_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, num_swap_slots: int = 0):
+                 max_num_seqs: int, max_num_batched_tokens: int, num_swap_slots: int = 0,
+                 layout: TensorParallel | None = None):
         compile_counter.install()
         self.model = model
+        self.layout = layout
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_pages_per_seq = -(-max_model_len // page_size)
@@ -96,7 +99,18 @@ class ModelRunner:
         self.buckets = token_buckets(max_num_batched_tokens)
         # Largest page plan (copy or swap pairs) run as one program; see execute_plans.
         self.max_plan_pairs = 2 * len(pad_pairs(np.zeros((self.max_pages_per_seq, 2))))
-        self.kv_pages = jnp.zeros(model.kv_pages_shape(num_pages, page_size), model.dtype)
+        pool_shape = model.kv_pages_shape(num_pages, page_size)
+        if layout is None:
+            self.params = model.params
+            self.kv_pages = jnp.zeros(pool_shape, model.dtype)
+            self._inputs_on = None  # the default device
+        else:
+            # NOTE: params go shard by shard and the pool is created already split, so
+            # neither is ever whole on one device.
+            self.params = layout.shard_params(model.params)
+            self.kv_pages = jax.jit(lambda: jnp.zeros(pool_shape, model.dtype),
+                                    out_shardings=layout.kv_pages_sharding())()
+            self._inputs_on = layout.replicated()
         page_shape = model.kv_pages_shape(1, page_size)
         self.swap = HostSwapSpace(num_swap_slots, page_shape[:3] + page_shape[4:],
                                   np.dtype(model.dtype))
@@ -141,8 +155,8 @@ class ModelRunner:
                            self.model.cfg.vocab_size, self.penalty_len, self.banned_len)
         model_buf, model_layout = pack(arrays.device_tree())
         sample_buf, sample_layout = pack(sampling)
-        model_buf, sample_buf = jax.device_put((model_buf, sample_buf))
-        self.kv_pages, logits = self._step_fn(model_layout)(self.model.params, self.kv_pages,
+        model_buf, sample_buf = jax.device_put((model_buf, sample_buf), self._inputs_on)
+        self.kv_pages, logits = self._step_fn(model_layout)(self.params, self.kv_pages,
                                                             model_buf)
         res = jax.device_get(self._sampler_fn(sample_layout)(logits, sample_buf))
         n = len(arrays.row_request_ids)
@@ -157,7 +171,10 @@ class ModelRunner:
     def _step_fn(self, layout: Layout):
         fn = self._steps.get(layout)
         if fn is None:
-            fn = jax.jit(functools.partial(_model_step, self.model, layout), donate_argnums=1)
+            shardings = {} if self.layout is None else {"out_shardings": (
+                self.layout.kv_pages_sharding(), self.layout.replicated())}
+            fn = jax.jit(functools.partial(_model_step, self.model, layout), donate_argnums=1,
+                         **shardings)
             self._steps[layout] = fn
         return fn
 
@@ -208,9 +225,11 @@ class ModelRunner:
         while n <= self.max_plan_pairs:
             pairs = np.zeros((n, 2), np.int32)  # null page onto itself: a no-op
             self.kv_pages = copy_pages(self.kv_pages, jax.device_put(pairs))
-            if self.swap.num_slots:  # the swap programs, on the null page
-                page = gather_pages(self.kv_pages, jax.device_put(pairs[:, 0]))
-                self.kv_pages = scatter_pages(self.kv_pages, jax.device_put(pairs[:, 1]), page)
+            if self.swap.num_slots:
+                # The real swap path, on the null page: out to scratch slots -1..-n, back in.
+                scratch = np.stack([np.zeros(n, np.int32), -1 - np.arange(n, dtype=np.int32)], 1)
+                self.swap.swap_out(self.kv_pages, scratch)
+                self.kv_pages = self.swap.swap_in(self.kv_pages, scratch[:, ::-1])
             n *= 2
         self.num_padded_tokens = self.num_scheduled_tokens = self.num_compilations = 0
         self.warmup_seconds = time.perf_counter() - start

@@ -1,0 +1,89 @@
+"""Baseline: transformers' `generate` on static, padded batches (PyTorch), timed per token.
+
+Requests are taken in trace order in batches of `batch_size`; each batch is left-padded
+to its longest prompt and generates greedily for its longest output (EOS suppressed), as
+a classic static-batching server would. Only each request's own `output_len` tokens
+count as useful output; the padding and the extra tokens are the waste static batching
+pays. A logits processor stamps the time of every generation step, which gives each
+request's token times (TTFT, ITL) on the same clock as the engine runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from jaxserve.bench.stats import RequestTiming, summarize
+from jaxserve.bench.workloads import TraceRequest
+
+
+def load_hf_model(gguf_path: str, dtype: str = "float32"):
+    """transformers' model from the same GGUF file the engine loads (as tests/conftest.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                 dtype=getattr(torch, dtype))
+    model.eval()
+    return model
+
+
+def run_hf_static(model, trace: list[TraceRequest], token_ids: list[list[int]], *,
+                  batch_size: int = 16, pad_token_id: int = 0) -> dict:
+    """Runs the trace through `model.generate` in static padded batches.
+
+    Returns:
+        The `summarize` fields over useful tokens (all requests arrive at time 0), plus
+        `padded_prompt_tokens` and `generated_tokens` (useful or not) for the waste.
+    """
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    def batch(idx):
+        width = max(len(token_ids[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            p = token_ids[i]
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        return ids, mask
+
+    def generate(ids, mask, new, processors):
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=pad_token_id,
+                           logits_processor=LogitsProcessorList(processors))
+
+    # NOTE: PyTorch's first generate call in a process is several times slower than later
+    # ones (allocator and kernel set-up); a short call on the first batch warms it, as the
+    # engine's own warm-up is excluded from its timings.
+    generate(*batch(list(range(min(batch_size, len(trace))))), 4, [])
+    timings = [RequestTiming(0.0, r.prompt_len) for r in trace]
+    padded = generated = 0
+    start = time.perf_counter()
+    for b in range(0, len(trace), batch_size):
+        idx = list(range(b, min(b + batch_size, len(trace))))
+        ids, mask = batch(idx)
+        width = ids.shape[1]
+        new = max(trace[i].output_len for i in idx)
+        stamp = Stamp()
+        generate(ids, mask, new, [stamp])
+        padded += len(idx) * width
+        generated += len(idx) * new
+        for i in idx:
+            timings[i].token_times = [t - start for t in stamp.times[:trace[i].output_len]]
+    duration = time.perf_counter() - start
+    res = summarize(timings, duration)
+    res.update({"padded_prompt_tokens": padded, "generated_tokens": generated,
+                "batch_size": batch_size})
+    return res

@@ -1,0 +1,111 @@
+"""Data parallelism: independent engine replicas on disjoint devices behind one front end.
+
+Each replica is a full `LLMEngine` (its own scheduler, page pool and compiled steps) on
+its own `tensor_parallel_size` devices. The front end sends each new request to the
+replica with the fewest queued tokens (prompt tokens not yet computed plus tokens still to
+generate), breaking ties by KV usage, and steps every replica in turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from jaxserve.config import EngineConfig
+from jaxserve.outputs import RequestOutput
+
+
+class DataParallelEngine:
+    """The `LLMEngine` interface over `data_parallel_size` replicas.
+
+    Args:
+        config: Engine configuration (its parallel settings say how many replicas).
+        model: An already loaded model (weights shared by every replica's placement).
+        tokenizer: Its tokenizer.
+
+    Raises:
+        ValueError: Not enough devices for dp x tp.
+    """
+
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None):
+        from jaxserve.engine.llm_engine import LLMEngine
+        from models.loaders import load_model, load_tokenizer
+
+        par = config.parallel
+        devices = jax.devices()
+        need = par.data_parallel_size * par.tensor_parallel_size
+        if len(devices) < need:
+            raise ValueError(f"data_parallel_size={par.data_parallel_size} x "
+                             f"tensor_parallel_size={par.tensor_parallel_size} needs {need} "
+                             f"devices; {len(devices)} available")
+        mc = config.model
+        model = model or load_model(mc.model, mc.dtype, mc.attention_backend)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(mc.model)
+        self.replicas = []
+        for i in range(par.data_parallel_size):
+            group = devices[i * par.tensor_parallel_size:(i + 1) * par.tensor_parallel_size]
+            replica_cfg = dataclasses.replace(config, parallel=dataclasses.replace(
+                par, data_parallel_size=1, device_ids=tuple(d.id for d in group)))
+            self.replicas.append(LLMEngine(replica_cfg, model=model, tokenizer=tokenizer))
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model = self.replicas[0].model
+        self.limits = self.replicas[0].limits
+        self._owner: dict[str, int] = {}
+
+    # The LLMEngine interface ---------------------------------------------------------
+    def add_request(self, request_id: str, prompt, params=None, **kwargs) -> None:
+        """Queues a request on the least loaded replica (see the module docstring)."""
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        index = min(range(len(self.replicas)), key=self._load)
+        self.replicas[index].add_request(request_id, prompt, params, **kwargs)
+        self._owner[request_id] = index
+
+    def _load(self, index: int) -> tuple[int, float]:
+        replica = self.replicas[index]
+        queued = 0
+        for req in replica.scheduler.requests.values():
+            queued += req.num_tokens - req.num_computed_tokens
+            sp = req.sampling_params
+            if sp is not None and sp.max_tokens is not None:
+                queued += max(0, sp.max_tokens - req.num_output_tokens)
+        return queued, replica.kv.usage
+
+    def abort_request(self, request_ids) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            index = self._owner.pop(request_id, None)
+            if index is not None:
+                self.replicas[index].abort_request(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica that has work; the outputs of all of them."""
+        outputs = []
+        for replica in self.replicas:
+            if replica.has_unfinished_requests():
+                outputs.extend(replica.step())
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def get_num_unfinished_requests(self) -> int:
+        return sum(r.get_num_unfinished_requests() for r in self.replicas)
+
+    def replica_of(self, request_id: str) -> int | None:
+        """Which replica serves a live request (None once finished)."""
+        return self._owner.get(request_id)
+
+    def get_metrics(self) -> dict[str, float]:
+        """Counters summed over replicas; usage and ratios averaged."""
+        per = [r.get_metrics() for r in self.replicas]
+        merged: dict[str, float] = {}
+        for name in {k for m in per for k in m}:
+            values = [m.get(name, 0) for m in per]
+            average = name.endswith(("_perc", "_ratio", "warmup_seconds"))
+            merged[name] = sum(values) / len(values) if average else sum(values)
+        return merged

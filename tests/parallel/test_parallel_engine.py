@@ -1,0 +1,133 @@
+"""Tensor and data parallelism on 8 CPU devices: same greedy tokens as one device, no
+recompiles after warm-up, the expected collectives and no page-pool gather."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.parallel.sharding import make_tensor_parallel
+from models.config import ArchConfig
+from models.model import Model, random_params
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, detokenize=False)
+SMOL_PROMPTS = ["Once upon a time", "The three primary colors are", "def fibonacci(n):",
+                "1, 2, 3, 4, 5,", "In a galaxy far far away, a"]
+# Untied LM head with a vocabulary that 2 and 4 divide, so the head is vocabulary-split.
+TINY = ArchConfig("LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8,
+                  max_position_embeddings=512, eos_token_ids=(2,))
+SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(TINY, seed=3))
+    return Model(TINY, params)
+
+
+def _tiny_prompts():
+    rng = np.random.default_rng(0)
+    return [{"prompt_token_ids": [int(t) for t in rng.integers(3, 256, n)]}
+            for n in (5, 17, 33, 9, 48)]
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_model, smollm2_tokenizer):
+    llm = LLM(tiny_model, tokenizer=smollm2_tokenizer, **SMALL)
+    return _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_tiny_tensor_parallel_matches_one_device(tiny_model, smollm2_tokenizer, tiny_reference,
+                                                 size):
+    # 12 pages force preemption; at size 4 the 2 KV heads are replicated in pairs.
+    llm = LLM(tiny_model, tokenizer=smollm2_tokenizer, tensor_parallel_size=size,
+              num_kv_blocks=12, **SMALL)
+    assert _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False)) == tiny_reference
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:num_preemptions"] > 0
+    assert metrics["jaxserve:num_compilations"] == 0
+    layout = llm.engine.layout
+    assert layout.size == size and layout.shard_kv_heads == (size == 2)
+    pool = llm.engine.runner.kv_pages
+    assert pool.sharding.spec[2] == "kv" and len(pool.sharding.device_set) == size
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smollm2, smollm2_tokenizer):
+    llm = LLM(smollm2, tokenizer=smollm2_tokenizer, **SMALL)
+    return _tokens(llm.generate(SMOL_PROMPTS, GREEDY, use_tqdm=False))
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_under_preemption_and_mixed_load(smollm2, smollm2_tokenizer,
+                                                     smol_reference):
+    llm = LLM(smollm2, tokenizer=smollm2_tokenizer, tensor_parallel_size=3, num_kv_blocks=7,
+              preemption_mode="swap", **SMALL)
+    assert _tokens(llm.generate(SMOL_PROMPTS, GREEDY, use_tqdm=False)) == smol_reference
+    # A mixed workload after warm-up compiles nothing under tensor parallelism either.
+    llm.generate(SMOL_PROMPTS[:3], [SamplingParams(temperature=0.8, seed=1, max_tokens=6),
+                                    SamplingParams(n=2, temperature=1.0, seed=2, max_tokens=6),
+                                    SamplingParams(logprobs=3, max_tokens=6,
+                                                   repetition_penalty=1.2)], use_tqdm=False)
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:num_swap_outs"] > 0
+    assert metrics["jaxserve:num_compilations"] == 0
+    _check_collectives(llm)
+
+
+def _check_collectives(llm):
+    """The compiled step all-reduces after row-parallel layers and never gathers the pool."""
+    runner = llm.engine.runner
+    (layout, step), *_ = runner._steps.items()
+    buf = jax.device_put(np.zeros(layout.size, np.int32), llm.engine.layout.replicated())
+    hlo = step.lower(runner.params, runner.kv_pages, buf).compile().as_text()
+    assert len(re.findall(r"all-reduce\(", hlo)) >= 2  # attention out + MLP down, per layer
+    pool = runner.kv_pages.shape
+    pool_dims = ",".join(str(d) for d in pool)
+    for line in hlo.splitlines():
+        if "all-gather(" in line:
+            assert f"[{pool_dims}]" not in line, line
+
+
+def test_data_parallel_two_replicas(smollm2, smollm2_tokenizer, smol_reference):
+    llm = LLM(smollm2, tokenizer=smollm2_tokenizer, data_parallel_size=2, **SMALL)
+    engine = llm.engine
+    for i, prompt in enumerate(SMOL_PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    # Least-queued placement spreads the requests over both replicas.
+    assert {engine.replica_of(f"r{i}") for i in range(len(SMOL_PROMPTS))} == {0, 1}
+    devices = {next(iter(r.runner.kv_pages.sharding.device_set)).id for r in engine.replicas}
+    assert devices == {0, 1}
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done[f"r{i}"] for i in range(len(SMOL_PROMPTS))] == smol_reference
+    assert llm.get_metrics()["jaxserve:num_compilations"] == 0
+
+
+def test_bad_sizes_are_clear_errors(smollm2, smollm2_tokenizer):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide num_heads=9"):
+        LLM(smollm2, tokenizer=smollm2_tokenizer, tensor_parallel_size=2, **SMALL)
+    with pytest.raises(ValueError, match="needs 16 devices; 8 available"):
+        LLM(smollm2, tokenizer=smollm2_tokenizer, data_parallel_size=2, tensor_parallel_size=8,
+            **SMALL)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(smollm2, tokenizer=smollm2_tokenizer, tensor_parallel_size=0, **SMALL)
+    odd = ArchConfig("LlamaForCausalLM", vocab_size=64, hidden_size=48, intermediate_size=64,
+                     num_layers=1, num_heads=12, num_kv_heads=3, head_dim=4)
+    with pytest.raises(ValueError, match="and num_kv_heads=3 must divide one another"):
+        make_tensor_parallel(odd, 2)
