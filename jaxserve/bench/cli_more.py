@@ -2,6 +2,254 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
 
+from jaxserve.bench.cli import (
+    _add_engine_group,
+    _add_trace_args,
+    _plot,
+    bench_engine_args,
+    load_model_and_tokenizer,
+    make_trace,
+)
+from jaxserve.bench.report import dump_json, serve_block, table
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+# ------------------------------------------------------------------ handlers
+def cmd_latency(args) -> int:
+    from jaxserve.bench.engine_run import make_llm
+    from jaxserve.bench.latency import bench_latency, format_latency
+
+    model, tok, _ = load_model_and_tokenizer(args)
+    eargs = bench_engine_args(args)
+    eargs["max_num_seqs"] = max(eargs["max_num_seqs"], args.batch_size)
+    eargs["max_num_batched_tokens"] = max(eargs["max_num_batched_tokens"], args.batch_size)
+    llm = make_llm(model, tok, **eargs)
+    res = bench_latency(llm.engine, batch_size=args.batch_size, input_len=args.input_len,
+                        output_len=args.output_len, num_iters=args.num_iters,
+                        num_iters_warmup=args.num_iters_warmup)
+    print(format_latency(res))
+    dump_json(args.output_json, {"engine_args": eargs, **res})
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from jaxserve.bench.serve_client import parse_goodput, run_serve_benchmark
+    from jaxserve.bench.workloads import trace_token_ids
+
+    trace = make_trace(args)
+    ids = trace_token_ids(trace, args.vocab_size, avoid=(0, 1, 2))
+    res = asyncio.run(run_serve_benchmark(
+        args.base_url, trace, ids, model=args.served_model, max_concurrency=args.max_concurrency,
+        api_key=args.api_key, goodput=parse_goodput(args.goodput)))
+    print(serve_block(res))
+    if res["errors"]:
+        print(f"{res['failed']} failed; first errors: {res['errors'][:3]}", file=sys.stderr)
+    dump_json(args.output_json, {"request_rate": args.request_rate or "inf",
+                                 "trace": args.trace, **res})
+    return 0 if not res["failed"] else 1
+
+
+def cmd_roofline(args) -> int:
+    from jaxserve.bench.engine_run import make_llm
+    from jaxserve.bench.roofline import measure_peaks, roofline_rows
+
+    batches = _ints(args.batch_sizes)
+    model, tok, _ = load_model_and_tokenizer(args)
+    eargs = bench_engine_args(args)
+    eargs["max_num_seqs"] = max(eargs["max_num_seqs"], max(batches))
+    eargs["max_num_batched_tokens"] = max(eargs["max_num_batched_tokens"], max(batches))
+    peaks = measure_peaks(args.dtype or "float32")
+    print(f"device {peaks['device']}, jax {peaks['jax']}: peak matmul "
+          f"{peaks['flops'] / 1e9:.1f} GFLOP/s, memory {peaks['bytes_per_s'] / 1e9:.1f} GB/s "
+          f"(measured now, {args.dtype or 'float32'})")
+    llm = make_llm(model, tok, **eargs)
+    rows = roofline_rows(llm.engine, batches, args.context_len, peaks, args.num_steps)
+    print(table(rows, [
+        ("batch", "batch", "d"), ("context", "context", "d"), ("step_ms", "step ms", ".1f"),
+        ("execute_ms", "runner ms", ".1f"), ("tok_per_s", "decode tok/s", ".1f"),
+        ("gflop_per_step", "GFLOP/step", ".2f"), ("mb_per_step", "MB/step", ".0f"),
+        ("intensity", "FLOP/byte", ".1f"), ("mfu", "MFU", ".1%"), ("bw_util", "BW util", ".1%"),
+        ("roofline_ms", "roofline ms", ".1f"), ("bound", "roofline bound", "s")]))
+    dump_json(args.output_json, {"engine_args": eargs, "peaks": peaks, "rows": rows})
+    return 0
+
+
+def cmd_scale(args) -> int:
+    from jaxserve.bench import plots
+    from jaxserve.bench.scale import concurrency_sweep, context_sweep, warmup_times
+
+    eargs = bench_engine_args(args)
+    out = {"engine_args": eargs}
+    if args.warmup_only or not args.skip_warmup:
+        w = warmup_times(eargs, args.model)
+        out["warmup"] = w
+        print(table([{"run": k, **v} for k, v in w.items()], [
+            ("run", "compilation cache", "s"), ("num_buckets", "buckets", "d"),
+            ("warmup_s", "warm-up s", ".1f"), ("engine_s", "load + warm-up s", ".1f")]))
+        print(f"warm / cold warm-up: {w['warm']['warmup_s'] / w['cold']['warmup_s']:.2f}x")
+    if not args.warmup_only:
+        model, tok, _ = load_model_and_tokenizer(args)
+        conc = concurrency_sweep(model, tok, _ints(args.concurrency), eargs,
+                                 prompt_len=args.input_len, output_len=args.output_len)
+        out["concurrency"] = conc
+        print(table(conc, [
+            ("concurrency", "concurrent requests", "d"),
+            ("output_throughput", "output tok/s", ".1f"),
+            ("total_token_throughput", "total tok/s", ".1f"),
+            ("mean_ttft_ms", "mean TTFT ms", ".0f"), ("mean_tpot_ms", "mean TPOT ms", ".0f"),
+            ("peak_rss_mib", "peak RSS MiB", ".0f"), ("kv_pool_mib", "KV pool MiB", ".0f"),
+            ("warmup_s", "engine start s", ".1f")]))
+        ctx = context_sweep(model, tok, _ints(args.contexts), eargs,
+                            batch=args.context_batch, output_len=args.output_len)
+        out["context"] = ctx
+        print(table(ctx, [
+            ("context", "context", "d"), ("batch", "batch", "d"),
+            ("output_throughput", "output tok/s", ".1f"), ("mean_ttft_ms", "mean TTFT ms", ".0f"),
+            ("decode_step_ms", "decode step ms", ".0f"), ("peak_rss_mib", "peak RSS MiB", ".0f")]))
+        _plot(args, lambda d: [plots.plot_scale(conc, "concurrency", d, "scale_concurrency"),
+                               plots.plot_scale(ctx, "context", d, "scale_context")])
+    dump_json(args.output_json, out)
+    return 0
+
+
+def cmd_overhead(args) -> int:
+    from jaxserve.bench.engine_run import make_llm
+    from jaxserve.bench.overhead import (
+        component_overhead,
+        engine_overhead,
+        gpu_step_ms,
+        tiny_model,
+    )
+
+    levels = _ints(args.num_running)
+    comp = [component_overhead(n) for n in levels]
+    for r in comp:
+        r["gpu_step_ms"] = gpu_step_ms(r["num_running"])
+        r["share_of_gpu_step"] = r["total"] / (r["total"] + r["gpu_step_ms"])
+    print("Host components, no model (median ms per decode step):")
+    print(table(comp, [
+        ("num_running", "running", "d"), ("schedule", "schedule", ".3f"),
+        ("update", "update_from_output", ".3f"), ("step_arrays", "build_step_arrays", ".3f"),
+        ("pack_inputs", "pack", ".3f"), ("sampling_metadata", "sampling arrays", ".3f"),
+        ("pack_sampling", "pack sampling", ".3f"), ("total", "total", ".3f"),
+        ("gpu_step_ms", "gpu-8b step ms", ".1f"), ("share_of_gpu_step", "share", ".1%")]))
+    out = {"components": comp}
+    if not args.skip_engine:
+        from models.default_model import default_model_path
+        from models.loaders import load_tokenizer
+
+        tok = load_tokenizer(args.model or default_model_path())
+        top = max(levels)
+        llm = make_llm(tiny_model(), tok, max_model_len=256, max_num_seqs=top,
+                       max_num_batched_tokens=max(top, 256), num_kv_blocks=top * 8 + 64)
+        eng = [engine_overhead(llm, n) for n in levels]
+        for r in eng:
+            r["gpu_step_ms"] = gpu_step_ms(r["num_running"])
+            r["share_of_gpu_step"] = r["host"] / (r["host"] + r["gpu_step_ms"])
+        print("\nWhole engine step over a tiny random model (median ms per decode step):")
+        print(table(eng, [
+            ("num_running", "running", "d"), ("scheduling", "scheduling", ".2f"),
+            ("input_preparation", "input prep", ".2f"),
+            ("output_processing", "rows + outputs + detok", ".2f"),
+            ("host", "host total", ".2f"), ("device", "device (tiny)", ".2f"),
+            ("step", "step", ".2f"), ("host_share", "host share", ".1%"),
+            ("gpu_step_ms", "gpu-8b step ms", ".1f"), ("share_of_gpu_step", "share", ".1%")]))
+        out["engine"] = eng
+    dump_json(args.output_json, out)
+    return 0
+
+
+def cmd_diagnose(args) -> int:
+    from jaxserve.bench.diagnose import diagnose, format_diagnosis, load_observations
+    from jaxserve.entrypoints.cli import engine_kwargs
+
+    config = {}
+    if args.config:
+        with open(args.config) as f:
+            config = json.load(f)
+        config = config.get("engine_args", config)
+    config.update({k: v for k, v in engine_kwargs(args).items() if k != "model"})
+    metrics = open(args.metrics).read() if args.metrics else None
+    result = json.load(open(args.result)) if args.result else None
+    obs = load_observations(metrics, result)
+    d = diagnose(config, obs, mean_prompt_len=args.mean_prompt_len,
+                 mean_output_len=args.mean_output_len)
+    print(json.dumps(d, indent=1) if args.json else format_diagnosis(d))
+    return 0
+
+
+# ------------------------------------------------------------------ parsers
 def add_commands(bsub, sub) -> None:
-    """Adds latency, serve, roofline, scale, overhead, simulate and `diagnose`."""
+    """Adds latency, serve, roofline, scale, overhead, and `diagnose`."""
+    lat = bsub.add_parser("latency", help="latency of one batch (like vllm bench latency)")
+    _add_engine_group(lat)
+    lat.add_argument("--batch-size", type=int, default=8)
+    lat.add_argument("--input-len", type=int, default=128)
+    lat.add_argument("--output-len", type=int, default=32)
+    lat.add_argument("--num-iters", type=int, default=3)
+    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    lat.set_defaults(handler=cmd_latency)
+
+    srv = bsub.add_parser("serve", help="online benchmark against a running server")
+    _add_trace_args(srv)
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    srv.add_argument("--served-model", default=None,
+                     help="model name to request (default: the server's first)")
+    srv.add_argument("--max-concurrency", type=int, default=None)
+    srv.add_argument("--goodput", nargs="*", default=None,
+                     help="SLOs in ms for goodput, e.g. ttft:2000 tpot:500 e2el:10000")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--vocab-size", type=int, default=49152,
+                     help="prompt ids are drawn below min(this, 32000)")
+    srv.add_argument("--output-json", default=None)
+    srv.set_defaults(handler=cmd_serve)
+
+    roof = bsub.add_parser("roofline", help="decode-step MFU and bandwidth use per batch size")
+    _add_engine_group(roof)
+    roof.add_argument("--batch-sizes", default="1,8,32")
+    roof.add_argument("--context-len", type=int, default=128)
+    roof.add_argument("--num-steps", type=int, default=5)
+    roof.set_defaults(handler=cmd_roofline)
+
+    sc = bsub.add_parser("scale", help="throughput and memory vs concurrency and context; "
+                                       "warm-up time cold and with the compilation cache")
+    _add_engine_group(sc)
+    sc.add_argument("--concurrency", default="1,8,32,128")
+    sc.add_argument("--contexts", default="128,512,1024,2048")
+    sc.add_argument("--context-batch", type=int, default=4)
+    sc.add_argument("--input-len", type=int, default=32)
+    sc.add_argument("--output-len", type=int, default=16)
+    sc.add_argument("--skip-warmup", action="store_true", help="skip the warm-up probes")
+    sc.add_argument("--warmup-only", action="store_true", help="only the warm-up probes")
+    sc.add_argument("--plot-dir", default=None)
+    sc.set_defaults(handler=cmd_scale)
+
+    ov = bsub.add_parser("overhead", help="host time per step at many running requests")
+    ov.add_argument("--num-running", default="16,256,1024")
+    ov.add_argument("--skip-engine", action="store_true",
+                    help="only the model-free component timings")
+    ov.add_argument("--model", default=None, help="where the tokenizer comes from")
+    ov.add_argument("--output-json", default=None)
+    ov.set_defaults(handler=cmd_overhead)
+
+    from jaxserve.entrypoints.cli import add_engine_args
+
+    dg = sub.add_parser("diagnose", help="which scheduling mechanism limits a serving config")
+    dg.add_argument("--config", default=None,
+                    help="engine args as JSON (a bench --output-json file works too)")
+    dg.add_argument("--metrics", default=None,
+                    help="metrics snapshot: get_metrics() JSON or a Prometheus /metrics dump")
+    dg.add_argument("--result", default=None,
+                    help="a benchmark or simulator result JSON")
+    dg.add_argument("--mean-prompt-len", type=float, default=None)
+    dg.add_argument("--mean-output-len", type=float, default=None)
+    dg.add_argument("--json", action="store_true")
+    add_engine_args(dg, positional_model=False)
+    dg.set_defaults(handler=cmd_diagnose)

@@ -43,6 +43,8 @@ def _steady_scheduler(num_running: int, prompt_len: int, max_tokens: int, page_s
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()) \
             or len(sched.running) < num_running:
         out = sched.schedule()
+        if out.is_empty:
+            raise RuntimeError("requests finished before all were running; raise max_tokens")
         sched.update_from_output(out, {s.request_id: [7] for s in out.scheduled
                                        if s.num_samples})
     return sched, budget
@@ -57,9 +59,11 @@ def component_overhead(num_running: int, *, prompt_len: int = 64, num_steps: int
     from jaxserve.runner.transfer import pack
     from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 
-    sched, budget = _steady_scheduler(num_running, prompt_len, num_steps + 8, page_size)
+    # Outputs long enough that the first admitted are still running when the last start.
+    max_tokens = num_steps + 8 + num_running * prompt_len // 2048
+    sched, budget = _steady_scheduler(num_running, prompt_len, max_tokens, page_size)
     buckets = token_buckets(budget)
-    max_pages = -(-(prompt_len + num_steps + 9) // page_size)
+    max_pages = -(-(prompt_len + max_tokens + 1) // page_size)
     times = {k: [] for k in ("schedule", "update", "step_arrays", "pack_inputs",
                              "sampling_metadata", "pack_sampling")}
 

@@ -77,7 +77,7 @@ def simulate(trace: list[TraceRequest], cost: CostModel, scheduler: SchedulerCon
     ids = trace_token_ids(trace, 32000, seed=seed)
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_time)
     timings: dict[str, RequestTiming] = {}
-    clock, next_arrival, steps, host, batch = 0.0, 0, 0, 0.0, 0
+    clock, next_arrival, steps, host, batch, busy = 0.0, 0, 0, 0.0, 0, 0.0
     result = SimResult({})
     while next_arrival < len(order) or sched.has_unfinished_requests():
         while next_arrival < len(order) and trace[order[next_arrival]].arrival_time <= clock:
@@ -98,8 +98,9 @@ def simulate(trace: list[TraceRequest], cost: CostModel, scheduler: SchedulerCon
             clock = max(clock, trace[order[next_arrival]].arrival_time)
             continue
         kv_tokens = sum(s.start_pos + s.num_new_tokens for s in out.scheduled)
-        clock += cost.step_seconds(out.total_num_scheduled_tokens, len(out.scheduled),
-                                   kv_tokens)
+        dt = cost.step_seconds(out.total_num_scheduled_tokens, len(out.scheduled), kv_tokens)
+        clock += dt
+        busy += dt
         sampled = {s.request_id: [1] * s.num_samples for s in out.scheduled if s.num_samples}
         t0 = time.perf_counter()
         for req, tokens in sched.update_from_output(out, sampled):
@@ -111,8 +112,13 @@ def simulate(trace: list[TraceRequest], cost: CostModel, scheduler: SchedulerCon
                                 out.total_num_scheduled_tokens))
     stats = kv.stats()
     result.summary = summarize(list(timings.values()), clock)
+    tl = result.timeline
     result.summary.update({
         "num_steps": steps, "mean_batch_size": batch / steps if steps else 0.0,
+        "mean_tokens_per_step": sum(x[4] for x in tl) / steps if steps else 0.0,
+        "mean_step_ms": 1000 * busy / steps if steps else 0.0,
+        "max_kv_usage": max((x[3] for x in tl), default=0.0),
+        "max_num_waiting": max((x[2] for x in tl), default=0),
         "num_preemptions": sched.num_preemptions,
         "prefix_cache_hit_rate": stats.prefix_hit_rate,
         "host_ms_per_step": 1000 * host / steps if steps else 0.0,

@@ -78,10 +78,18 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.limits = resolve_limits(config, self.model)
         lim = self.limits
+        swap_space = config.cache.swap_space
+        if jax.process_count() > 1:
+            # NOTE: host swap reads pages back to this process, and across hosts a page's
+            # heads live on other processes: multi-host preemption recomputes.
+            if config.scheduler.preemption_mode == "swap":
+                raise ValueError("preemption_mode='swap' is single-host only; use "
+                                 "'recompute' across hosts")
+            swap_space = 0.0
         self.kv = KVCacheManager(
             lim.num_pages, config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            watermark=config.cache.watermark, swap_space=config.cache.swap_space,
+            watermark=config.cache.watermark, swap_space=swap_space,
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
                                    lim.max_num_batched_tokens)

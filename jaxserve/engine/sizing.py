@@ -83,7 +83,7 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
 def _pages_from_memory(config: EngineConfig, per_page: int) -> int:
     """Pages that fit the memory budget: a fraction of accelerator memory, or a fixed
     `kv_cache_memory_gib` where the device reports no limit (the CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if limit:
         free = limit * config.cache.gpu_memory_utilization - stats.get("bytes_in_use", 0)

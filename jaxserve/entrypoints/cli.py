@@ -28,6 +28,8 @@ ENGINE_FLAGS = [
     ("--scheduling-mode", str, "continuous+chunked (default), continuous, static or naive"),
     ("--attention-backend", str, "auto, xla or pallas (default auto)"),
     ("--seed", int, "seed of the engine's random stream (default 0)"),
+    ("--tensor-parallel-size", int, "devices one model is split over (default 1)"),
+    ("--data-parallel-size", int, "engine replicas on disjoint devices (default 1)"),
     ("--warmup", "bool", "precompile every bucket at start-up (default on)"),
     ("--compilation-cache-dir", str, "JAX persistent compilation cache directory"),
 ]
@@ -47,6 +49,23 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                                help=text)
         else:
             group.add_argument(flag, type=kind, default=None, help=text)
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """Flags of a multi-host start (one process per host; see the README)."""
+    group = p.add_argument_group("multi-host (jax.distributed)")
+    group.add_argument("--coordinator-address", default=None,
+                       help="host:port of process 0, the same on every host")
+    group.add_argument("--num-processes", type=int, default=None, help="processes in all")
+    group.add_argument("--process-id", type=int, default=None, help="this process's index")
+
+
+def init_distributed(args) -> None:
+    """Calls `jax.distributed.initialize` when a coordinator address was given."""
+    if getattr(args, "coordinator_address", None):
+        from jaxserve.parallel.multihost import initialize
+
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 
 def engine_kwargs(args) -> dict:
@@ -73,6 +92,7 @@ def _start_engine(args):
     from jaxserve.metrics import ServerMetrics
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
+    init_distributed(args)
     engine = LLM(**engine_kwargs(args)).engine
     names = args.served_model_name or [default_model_name(engine.model.source)]
     return AsyncLLM(engine, ServerMetrics(names[0]), args.log_interval), names
@@ -103,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(serve)
+    add_distributed_args(serve)
     _add_serving_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")

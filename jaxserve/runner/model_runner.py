@@ -70,6 +70,13 @@ def _sample_step(layout: Layout, logits, buf):
     return sample(logits, unpack(buf, layout))
 
 
+def _to_host(tree):
+    """NumPy copies of replicated device arrays (one local replica when a mesh spans
+    processes, where the whole array is not addressable here)."""
+    return jax.tree_util.tree_map(
+        lambda x: np.asarray(x if x.is_fully_addressable else x.addressable_data(0)), tree)
+
+
 class ModelRunner:
     """Owns the device page pool and the compiled step programs.
 
@@ -155,10 +162,10 @@ class ModelRunner:
                            self.model.cfg.vocab_size, self.penalty_len, self.banned_len)
         model_buf, model_layout = pack(arrays.device_tree())
         sample_buf, sample_layout = pack(sampling)
-        model_buf, sample_buf = jax.device_put((model_buf, sample_buf), self._inputs_on)
+        model_buf, sample_buf = self._to_device(model_buf), self._to_device(sample_buf)
         self.kv_pages, logits = self._step_fn(model_layout)(self.params, self.kv_pages,
                                                             model_buf)
-        res = jax.device_get(self._sampler_fn(sample_layout)(logits, sample_buf))
+        res = _to_host(self._sampler_fn(sample_layout)(logits, sample_buf))
         n = len(arrays.row_request_ids)
         padded = num_tokens - out.total_num_scheduled_tokens
         self.num_padded_tokens += padded
@@ -167,6 +174,14 @@ class ModelRunner:
         topk_lp = None if res.topk_logprobs is None else res.topk_logprobs[:n]
         return StepResult(arrays.row_request_ids, res.token_ids[:n], res.logprobs[:n],
                           res.token_ranks[:n], topk_ids, topk_lp, padded)
+
+    def _to_device(self, buf: np.ndarray) -> jax.Array:
+        """One host buffer onto the step's devices (replicated over a mesh)."""
+        if self._inputs_on is None:
+            return jax.device_put(buf)
+        if jax.process_count() > 1:  # every process holds the same (whole) buffer
+            return jax.make_array_from_process_local_data(self._inputs_on, buf)
+        return jax.device_put(buf, self._inputs_on)
 
     def _step_fn(self, layout: Layout):
         fn = self._steps.get(layout)
