@@ -67,7 +67,8 @@ def run_hf_static(model, trace: list[TraceRequest], token_ids: list[list[int]], 
     # NOTE: PyTorch's first generate call in a process is several times slower than later
     # ones (allocator and kernel set-up); a short call on the first batch warms it, as the
     # engine's own warm-up is excluded from its timings.
-    generate(*batch(list(range(min(batch_size, len(trace))))), 4, [])
+    ids, mask = batch(list(range(min(batch_size, len(trace)))))
+    generate(ids[:, -16:], mask[:, -16:], 4, [])
     timings = [RequestTiming(0.0, r.prompt_len) for r in trace]
     padded = generated = 0
     start = time.perf_counter()

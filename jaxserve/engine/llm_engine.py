@@ -60,7 +60,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
-        from models.loaders import load_model, load_tokenizer
+        from models.loaders import load_model, load_tokenizer, read_arch_config
         from models.model import Model
 
         self.config = config
@@ -72,9 +72,15 @@ class LLMEngine:
         if model is not None and mc.attention_backend != "auto":
             model = Model(model.cfg, model.params, model.dtype, model.source,
                           backend=mc.attention_backend)
-        self.model = model or load_model(mc.model, mc.dtype, mc.attention_backend)
+        if model is None:
+            self.layout = tensor_parallel_layout(config, read_arch_config(mc.model))
+            shardings = self.layout.param_shardings if self.layout is not None else None
+            model = load_model(mc.model, mc.dtype, mc.attention_backend, shardings=shardings)
+        else:
+            self.layout = tensor_parallel_layout(config, model.cfg)
+        self.model = model
         if tokenizer is None:
-            tokenizer = load_tokenizer(model.source if model is not None else mc.model)
+            tokenizer = load_tokenizer(model.source)
         self.tokenizer = tokenizer
         self.limits = resolve_limits(config, self.model)
         lim = self.limits
@@ -93,7 +99,6 @@ class LLMEngine:
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
                                    lim.max_num_batched_tokens)
-        self.layout = tensor_parallel_layout(config, self.model.cfg)
         self.runner = ModelRunner(self.model, lim.num_pages, config.cache.block_size,
                                   lim.max_model_len, self.scheduler.max_num_seqs,
                                   lim.max_num_batched_tokens, self.kv.host_pool.num_slots,

@@ -10,6 +10,7 @@ import time
 
 import jax
 
+from models.config import ArchConfig
 from models.default_model import default_model_path
 from models.loaders import orbax_ckpt
 from models.loaders.gguf_file import open_gguf
@@ -48,14 +49,27 @@ def resolve_model(model: str | None) -> tuple[str, str]:
                      "directory (config.json + *.safetensors) or a jaxserve checkpoint")
 
 
-def load_model(model: str | None = None, dtype: str = "float32",
-               backend: str = "auto") -> Model:
+def read_arch_config(model: str | None = None) -> ArchConfig:
+    """The architecture config of a model source, without reading any weights."""
+    kind, path = resolve_model(model)
+    if kind == "jaxserve":
+        return orbax_ckpt.read_checkpoint_meta(path)[0]
+    if kind == "gguf":
+        return arch_config_from_hf(open_gguf(path).hf_config())
+    return arch_config_from_hf(read_config(path))
+
+
+def load_model(model: str | None = None, dtype: str = "float32", backend: str = "auto",
+               shardings=None) -> Model:
     """Loads weights into a `Model`.
 
     Args:
         model: GGUF file, HF directory, jaxserve checkpoint, or None for the default model.
         dtype: "float32" or "bfloat16".
         backend: Attention backend.
+        shardings: Optional `abstract params -> sharding tree` (a tensor-parallel layout's
+            `param_shardings`): weights then go to their devices shard by shard (orbax
+            restores each shard directly) and are never whole on one device.
 
     Raises:
         ValueError: Missing files, unsupported architecture, missing or misshapen tensors,
@@ -64,19 +78,18 @@ def load_model(model: str | None = None, dtype: str = "float32",
     jdtype = parse_dtype(dtype)
     kind, path = resolve_model(model)
     start = time.perf_counter()
+    cfg = read_arch_config(path)
     if kind == "jaxserve":
-        cfg, saved_dtype = orbax_ckpt.read_checkpoint_meta(path)
-        params = orbax_ckpt.restore_params(path, abstract_params(cfg, parse_dtype(saved_dtype)))
-        if parse_dtype(saved_dtype) != jdtype:
+        saved = parse_dtype(orbax_ckpt.read_checkpoint_meta(path)[1])
+        abstract = abstract_params(cfg, saved)
+        params = orbax_ckpt.restore_params(path, abstract, shardings and shardings(abstract))
+        if saved != jdtype:
             params = jax.tree_util.tree_map(lambda x: x.astype(jdtype), params)
     else:
-        if kind == "gguf":
-            source = open_gguf(path)
-            cfg = arch_config_from_hf(source.hf_config())
-        else:
-            cfg = arch_config_from_hf(read_config(path))
-            source = SafetensorsDir(path)
-        params = build_params(cfg, abstract_params(cfg, jdtype), source, jdtype)
+        source = open_gguf(path) if kind == "gguf" else SafetensorsDir(path)
+        abstract = abstract_params(cfg, jdtype)
+        host = build_params(cfg, abstract, source, jdtype)
+        params = jax.device_put(host, shardings(abstract) if shardings else None)
     m = Model(cfg, params, jdtype, source=path, backend=backend)
     m.load_seconds = time.perf_counter() - start
     return m

@@ -60,7 +60,8 @@ def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
         transform: Optional per-tensor fix-up applied before shape checks.
 
     Returns:
-        The params tree of `jax.Array`s.
+        The params tree as host NumPy arrays in `dtype` (the caller places them on devices,
+        whole or shard by shard).
 
     Raises:
         ValueError: A tensor is missing or has the wrong shape; the message names both
@@ -93,6 +94,6 @@ def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
             out = np.stack(arrays).astype(np.float32)
         else:
             out = fetch(*hf_name(keys, None), spec.shape).astype(np.float32)
-        return jnp.asarray(out, dtype=dtype)
+        return out.astype(jnp.dtype(dtype))  # stays on the host; the caller places it
 
     return jax.tree_util.tree_map_with_path(leaf, expected)

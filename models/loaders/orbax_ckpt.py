@@ -60,8 +60,13 @@ def read_checkpoint_meta(path: str) -> tuple[ArchConfig, str]:
     return ArchConfig.from_json(json.dumps(meta["arch"])), meta["dtype"]
 
 
-def restore_params(path: str, abstract) -> dict:
+def restore_params(path: str, abstract, shardings=None) -> dict:
     """Restores params into the shapes/dtypes of `abstract` (a ShapeDtypeStruct tree).
+
+    Args:
+        path: The checkpoint directory.
+        abstract: Expected tree.
+        shardings: Optional tree of shardings: each device then reads only its shard.
 
     Raises:
         ValueError: The params directory is missing or does not match the expected tree.
@@ -86,8 +91,10 @@ def restore_params(path: str, abstract) -> dict:
     # NOTE: restore onto this process's default device, not the devices recorded at save
     # time, so a checkpoint converted on a CPU host loads on a GPU or TPU and back.
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if shardings is None:
+        shardings = jax.tree_util.tree_map(lambda _: device, abstract)
     target = jax.tree_util.tree_map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), abstract)
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract, shardings)
     try:
         return ckptr.restore(params_dir, target)
     except Exception as e:  # orbax raises many types for corrupt or mismatched trees

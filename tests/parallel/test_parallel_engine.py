@@ -131,3 +131,16 @@ def test_bad_sizes_are_clear_errors(smollm2, smollm2_tokenizer):
                      num_layers=1, num_heads=12, num_kv_heads=3, head_dim=4)
     with pytest.raises(ValueError, match="and num_kv_heads=3 must divide one another"):
         make_tensor_parallel(odd, 2)
+
+
+def test_checkpoint_restores_straight_into_shards(tiny_model, smollm2_tokenizer,
+                                                  tiny_reference, tmp_path):
+    from models.loaders.orbax_ckpt import save_checkpoint
+
+    ckpt = str(tmp_path / "tiny")
+    save_checkpoint(ckpt, TINY, tiny_model.params, "float32", None)
+    llm = LLM(ckpt, tokenizer=smollm2_tokenizer, tensor_parallel_size=4, **SMALL)
+    q = llm.engine.model.params["layers"]["self_attn"]["q_proj"]["kernel"]  # [L, D, Hq*hd]
+    assert len(q.sharding.device_set) == 4
+    assert {s.data.shape for s in q.addressable_shards} == {(2, 64, 16)}  # a quarter each
+    assert _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False)) == tiny_reference
