@@ -65,7 +65,7 @@ def run_hf_static(model, trace: list[TraceRequest], token_ids: list[list[int]], 
                            logits_processor=LogitsProcessorList(processors))
 
     # NOTE: PyTorch's first generate call in a process is several times slower than later
-    # ones (allocator and kernel set-up); a short call on the first batch warms it, as the
+    # ones (allocator and kernel set-up); a short call at the batch size warms it, as the
     # engine's own warm-up is excluded from its timings.
     ids, mask = batch(list(range(min(batch_size, len(trace)))))
     generate(ids[:, -16:], mask[:, -16:], 4, [])

@@ -236,7 +236,10 @@ class Scheduler:
         while self.waiting and budget > 0 and self._num_slots() < self.max_num_seqs:
             request = self.waiting[0]
             hit_ids, num_hit = ([], 0)
-            if not self.kv.has_request(request.request_id):
+            sp = request.sampling_params
+            # NOTE: prompt logprobs need every prompt position computed: no prefix hits.
+            if not self.kv.has_request(request.request_id) and (
+                    sp is None or sp.prompt_logprobs is None):
                 hit_ids, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - num_hit
             if not self.config.chunked and num_new > budget:

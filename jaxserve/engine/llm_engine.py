@@ -171,7 +171,10 @@ class LLMEngine:
         sampling = build_sampling_metadata(
             rows, num_rows, self.model.cfg.vocab_size,
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None)
-        result = self.runner.execute(out, sampling)
+        targets = self._prompt_targets(out)
+        result = self.runner.execute(out, sampling, prompt_targets=targets)
+        if targets is not None:
+            self._record_prompt_logprobs(out, result.prompt_logprobs)
         self.counters["num_steps"] += 1
 
         sampled: dict[str, list[int]] = {}
@@ -199,6 +202,36 @@ class LLMEngine:
                 for reason in state.finish_reasons():
                     self.finished_reasons[reason] = self.finished_reasons.get(reason, 0) + 1
         return outputs
+
+    # ----------------------------------------------------- prompt logprobs
+    def _prompt_targets(self, out) -> np.ndarray | None:
+        """i32[step tokens]: the next prompt token at each position of requests that asked
+        for prompt logprobs (-1 elsewhere), or None when no request did."""
+        targets, wanted = [], False
+        for s in out.scheduled:
+            req = self.scheduler.requests[s.request_id]
+            row = np.full(s.num_new_tokens, -1, np.int32)
+            if req.sampling_params.prompt_logprobs is not None and req.sample_index == 0:
+                pos = np.arange(s.start_pos, s.start_pos + s.num_new_tokens)
+                keep = pos + 1 < req.num_prompt_tokens
+                row[keep] = np.asarray(req.prompt_token_ids)[pos[keep] + 1]
+                wanted |= bool(keep.any())
+            targets.append(row)
+        return np.concatenate(targets) if wanted else None
+
+    def _record_prompt_logprobs(self, out, lp) -> None:
+        t = 0
+        for s in out.scheduled:
+            req = self.scheduler.requests.get(s.request_id)
+            state = self.states.get(req.user_request_id) if req is not None else None
+            k = req.sampling_params.prompt_logprobs if req is not None else None
+            if state is not None and k is not None and req.sample_index == 0:
+                for i in range(s.num_new_tokens):
+                    pos = s.start_pos + i
+                    if pos + 1 < req.num_prompt_tokens:
+                        state.set_prompt_logprob(pos + 1, req.prompt_token_ids[pos + 1],
+                                                 lp, t + i, k)
+            t += s.num_new_tokens
 
     # -------------------------------------------------------------- warmup
     def warmup(self) -> float:

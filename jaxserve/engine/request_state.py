@@ -98,6 +98,7 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=root.arrival_time)
         self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
         self.requests: dict[int, Request] = {0: root}
+        self.prompt_logprobs: list | None = None  # per prompt position, when asked for
         self._detok: dict[int, IncrementalDetokenizer] = {}
 
     @property
@@ -180,6 +181,22 @@ class RequestState:
         out.cumulative_logprob = (out.cumulative_logprob or 0.0) + (lp if math.isfinite(lp)
                                                                     else 0.0)
 
+    def set_prompt_logprob(self, position: int, token: int, lp, row: int, k: int) -> None:
+        """Records prompt position `position` (its token `token`) from row `row` of a
+        `PromptLogprobs` of host arrays, with the top `k` alternatives."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+        entry = {token: Logprob(float(lp.token_logprobs[row]), rank=int(lp.token_ranks[row]))}
+        if k and lp.topk_token_ids is not None:
+            for rank, (tid, tlp) in enumerate(zip(lp.topk_token_ids[row][:k],
+                                                  lp.topk_logprobs[row][:k], strict=True),
+                                              start=1):
+                entry.setdefault(int(tid), Logprob(float(tlp), rank=rank))
+        if self.params.detokenize:
+            for tid, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([tid])
+        self.prompt_logprobs[position] = entry
+
     def make_output(self) -> RequestOutput:
         """A snapshot `RequestOutput` (lists copied so later steps do not mutate it)."""
         outputs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
@@ -187,4 +204,6 @@ class RequestState:
                                     o.finish_reason, o.stop_reason) for o in self.outputs]
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs,
                              self.finished, dataclasses.replace(self.metrics),
-                             self.root.num_cached_tokens)
+                             self.root.num_cached_tokens,
+                             None if self.prompt_logprobs is None
+                             else list(self.prompt_logprobs))

@@ -29,7 +29,8 @@ from jaxserve.runner.kv_ops import (
 from jaxserve.runner.sampler_variants import VARIANTS, promote, variant_of
 from jaxserve.runner.step_input import build_step_arrays
 from jaxserve.runner.transfer import Layout, pack, unpack
-from jaxserve.sample.metadata import SamplingMetadata
+from jaxserve.sample.logprobs import compute_prompt_logprobs
+from jaxserve.sample.metadata import MAX_LOGPROBS, SamplingMetadata
 from jaxserve.sample.sampler import sample
 from models.model import Model
 from pallas_kernels import AttentionMetadata
@@ -47,6 +48,8 @@ class StepResult:
         topk_token_ids: i32[num_rows, K] or None.
         topk_logprobs: f32[num_rows, K] or None.
         num_padded_tokens: Padding in the token bucket (for the waste metric).
+        prompt_logprobs: For steps given `prompt_targets`: the `PromptLogprobs` of every
+            (unpadded) token position, as host arrays; else None.
     """
 
     row_request_ids: list[str]
@@ -56,6 +59,7 @@ class StepResult:
     topk_token_ids: np.ndarray | None
     topk_logprobs: np.ndarray | None
     num_padded_tokens: int
+    prompt_logprobs: object = None
 
 
 def _model_step(model: Model, layout: Layout, params, kv_pages, buf):
@@ -63,7 +67,13 @@ def _model_step(model: Model, layout: Layout, params, kv_pages, buf):
     md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"])
     kv_pages, hidden = model.forward(params, x["input_ids"], x["positions"], kv_pages, md)
     logits = model.compute_logits(params, hidden[x["logits_indices"]])  # f32[rows, vocab]
-    return kv_pages, logits
+    return kv_pages, logits, hidden
+
+
+def _prompt_logprobs(model: Model, num_logprobs: int, params, hidden, next_token_ids):
+    # f32[num_tokens, vocab] logits of every position: only steps that asked for it.
+    logits = model.compute_logits(params, hidden)
+    return compute_prompt_logprobs(logits, next_token_ids, num_logprobs)
 
 
 def _sample_step(layout: Layout, logits, buf):
@@ -123,6 +133,7 @@ class ModelRunner:
                                   np.dtype(model.dtype))
         self._steps: dict[Layout, object] = {}
         self._samplers: dict[Layout, object] = {}
+        self._prompt_logprobs = None
         self.num_padded_tokens = 0
         self.num_scheduled_tokens = 0
         # Compilations inside this runner's steps since warm-up (other engines or user code
@@ -138,22 +149,25 @@ class ModelRunner:
         return num_tokens, rows_for_bucket(num_tokens, self.max_num_seqs)
 
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata,
-                variant: str | None = None) -> StepResult:
+                variant: str | None = None,
+                prompt_targets: np.ndarray | None = None) -> StepResult:
         """Runs one step: plans, model, sampler.
 
         Args:
             out: The scheduler's step.
             sampling: One row per sampling row, padded to `step_shape(out)[1]` rows.
             variant: Force a sampler variant (warm-up); default: the cheapest that fits.
+            prompt_targets: i32[total scheduled tokens]: for prompt logprobs, the next
+                prompt token of each position (-1 where not wanted); None skips them.
         """
         start = compile_counter.num_compilations()
         try:
-            return self._execute(out, sampling, variant)
+            return self._execute(out, sampling, variant, prompt_targets)
         finally:
             self.num_compilations += compile_counter.num_compilations() - start
 
     def _execute(self, out: SchedulerOutput, sampling: SamplingMetadata,
-                 variant: str | None) -> StepResult:
+                 variant: str | None, prompt_targets: np.ndarray | None) -> StepResult:
         self.execute_plans(out.plans)
         num_tokens, num_rows = self.step_shape(out)
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
@@ -163,8 +177,15 @@ class ModelRunner:
         model_buf, model_layout = pack(arrays.device_tree())
         sample_buf, sample_layout = pack(sampling)
         model_buf, sample_buf = self._to_device(model_buf), self._to_device(sample_buf)
-        self.kv_pages, logits = self._step_fn(model_layout)(self.params, self.kv_pages,
-                                                            model_buf)
+        self.kv_pages, logits, hidden = self._step_fn(model_layout)(
+            self.params, self.kv_pages, model_buf)
+        prompt_lp = None
+        if prompt_targets is not None:
+            targets = np.zeros(num_tokens, np.int32)  # i32[num_tokens]; padding: any id
+            targets[:len(prompt_targets)] = np.maximum(prompt_targets, 0)
+            prompt_lp = _to_host(self._prompt_fn()(self.params, hidden,
+                                                   self._to_device(targets)))
+            prompt_lp = jax.tree_util.tree_map(lambda x: x[:len(prompt_targets)], prompt_lp)
         res = _to_host(self._sampler_fn(sample_layout)(logits, sample_buf))
         n = len(arrays.row_request_ids)
         padded = num_tokens - out.total_num_scheduled_tokens
@@ -173,7 +194,13 @@ class ModelRunner:
         topk_ids = None if res.topk_token_ids is None else res.topk_token_ids[:n]
         topk_lp = None if res.topk_logprobs is None else res.topk_logprobs[:n]
         return StepResult(arrays.row_request_ids, res.token_ids[:n], res.logprobs[:n],
-                          res.token_ranks[:n], topk_ids, topk_lp, padded)
+                          res.token_ranks[:n], topk_ids, topk_lp, padded, prompt_lp)
+
+    def _prompt_fn(self):
+        if self._prompt_logprobs is None:
+            self._prompt_logprobs = jax.jit(functools.partial(
+                _prompt_logprobs, self.model, min(MAX_LOGPROBS, self.model.cfg.vocab_size)))
+        return self._prompt_logprobs
 
     def _to_device(self, buf: np.ndarray) -> jax.Array:
         """One host buffer onto the step's devices (replicated over a mesh)."""
@@ -187,7 +214,8 @@ class ModelRunner:
         fn = self._steps.get(layout)
         if fn is None:
             shardings = {} if self.layout is None else {"out_shardings": (
-                self.layout.kv_pages_sharding(), self.layout.replicated())}
+                self.layout.kv_pages_sharding(), self.layout.replicated(),
+                self.layout.replicated())}
             fn = jax.jit(functools.partial(_model_step, self.model, layout), donate_argnums=1,
                          **shardings)
             self._steps[layout] = fn
@@ -235,7 +263,9 @@ class ModelRunner:
             out = SchedulerOutput(scheduled=[ScheduledRequest(
                 "warmup", [0] * num_tokens, 0, [0] * -(-num_tokens // self.page_size), 1)])
             for variant in VARIANTS:
-                self.execute(out, make_dummy_sampling(num_rows), variant)
+                # The prompt-logprobs program of this bucket too, once.
+                targets = np.zeros(num_tokens, np.int32) if variant == VARIANTS[0] else None
+                self.execute(out, make_dummy_sampling(num_rows), variant, targets)
         n = len(pad_pairs(np.zeros((0, 2), np.int32)))
         while n <= self.max_plan_pairs:
             pairs = np.zeros((n, 2), np.int32)  # null page onto itself: a no-op
