@@ -18,9 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.flash import init_carry, load_pages, online_softmax_step
 from pallas_kernels.paged_decode_attention.reference import check_decode_shapes
-
-MASK = -1e30
 
 
 def _kernel(scalars_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
@@ -43,28 +42,17 @@ def _kernel(scalars_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, o_ref, m_ref, l
     v_offset = num_kv_heads * num_pages
 
     def body(i, carry):
-        o, m, lsum = carry
         j = first_blk + i
-        pages = tables_ref[s, pl.ds(j * pages_per_block, pages_per_block)]
-        k = kv_ref[page_base + pages].reshape(block_k, head_dim).astype(jnp.float32)
-        v = kv_ref[page_base + v_offset + pages].reshape(block_k, head_dim)
-        x = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # [gp, block_k]
-        if soft_cap is not None:
-            x = soft_cap * jnp.tanh(x / soft_cap)
+        k, v = load_pages(kv_ref, tables_ref, s, j, page_base, v_offset, pages_per_block,
+                          head_dim)
         k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (gp, block_k), 1)
         mask = (k_pos < end) & (k_pos >= split * pages_per_split * page_size) & head_ok
         mask &= (window <= 0) | (q_pos - k_pos < window)
-        x = jnp.where(mask, x, MASK)
-        m_new = jnp.maximum(m, x.max(axis=-1))
-        p = jnp.where(mask, jnp.exp(x - m_new[:, None]), 0.0)
-        corr = jnp.exp(m - m_new)
         v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-        v = jnp.where(v_pos < kv_len, v.astype(jnp.float32), 0.0)  # NaN guard
-        o = o * corr[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
-        return o, m_new, lsum * corr + p.sum(axis=-1)
+        return online_softmax_step(carry, q, k, v, mask, v_pos < kv_len, sm_scale=sm_scale,
+                                   soft_cap=soft_cap)
 
-    init = (jnp.zeros((gp, head_dim), jnp.float32), jnp.full((gp,), MASK, jnp.float32),
-            jnp.zeros((gp,), jnp.float32))
+    init = init_carry(gp, head_dim)
     o, m, lsum = lax.fori_loop(0, num_blk, body, init)
     o_ref[0, 0, 0] = o
     m_ref[0, 0, 0] = m

@@ -21,10 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.flash import init_carry, load_pages, online_softmax_step
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import check_shapes
-
-MASK = -1e30
 
 
 def query_blocks(cu_q_lens: jax.Array, num_tokens: int, block_q: int):
@@ -79,29 +78,17 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
     v_offset = num_kv_heads * num_pages
 
     def body(i, carry):
-        o, m, lsum = carry
         j = first_blk + i
-        pages = tables_ref[seq, pl.ds(j * pages_per_block, pages_per_block)]
-        k = kv_ref[page_base + pages].reshape(block_k, head_dim).astype(jnp.float32)
-        v = kv_ref[page_base + v_offset + pages].reshape(block_k, head_dim)
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # [rows, block_k]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
+        k, v = load_pages(kv_ref, tables_ref, seq, j, page_base, v_offset, pages_per_block,
+                          head_dim)
         k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         mask = (k_pos < kv_len) & (k_pos <= row_pos[:, None]) & row_ok[:, None]
         mask &= (window <= 0) | (row_pos[:, None] - k_pos < window)
-        s = jnp.where(mask, s, MASK)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        # NaN past kv_len (free or null pages) must not reach the output through 0 * NaN.
         v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-        v = jnp.where(v_pos < kv_len, v.astype(jnp.float32), 0.0)
-        o = o * corr[:, None] + jnp.dot(p, v, preferred_element_type=jnp.float32)
-        return o, m_new, lsum * corr + p.sum(axis=-1)
+        return online_softmax_step(carry, q, k, v, mask, v_pos < kv_len, sm_scale=sm_scale,
+                                   soft_cap=soft_cap)
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
+    init = init_carry(rows, head_dim)
     o, _, lsum = lax.fori_loop(0, num_blk, body, init)
     o = jnp.where(lsum[:, None] > 0, o / jnp.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
     o_ref[0, :, 0, :, :] = o.reshape(block_q, gp, head_dim).astype(o_ref.dtype)

@@ -21,8 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.flash import MASK
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.ragged_paged_attention.kernel import MASK, query_blocks, scatter_rows
+from pallas_kernels.ragged_paged_attention.kernel import query_blocks, scatter_rows
 from pallas_kernels.ragged_paged_attention.reference import check_shapes
 
 
