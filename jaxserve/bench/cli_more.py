@@ -137,6 +137,7 @@ def cmd_overhead(args) -> int:
     print(table(comp, [
         ("num_running", "running", "d"), ("schedule", "schedule", ".3f"),
         ("update", "update_from_output", ".3f"), ("step_arrays", "build_step_arrays", ".3f"),
+        ("step_arrays_vectorized", "(vectorized)", ".3f"),
         ("pack_inputs", "pack", ".3f"), ("sampling_metadata", "sampling arrays", ".3f"),
         ("pack_sampling", "pack sampling", ".3f"), ("total", "total", ".3f"),
         ("gpu_step_ms", "gpu-8b step ms", ".1f"), ("share_of_gpu_step", "share", ".1%")]))
@@ -147,8 +148,11 @@ def cmd_overhead(args) -> int:
 
         tok = load_tokenizer(args.model or default_model_path())
         top = max(levels)
-        llm = make_llm(tiny_model(), tok, max_model_len=256, max_num_seqs=top,
-                       max_num_batched_tokens=max(top, 256), num_kv_blocks=top * 8 + 64)
+        budget = max(2 * top, 256)  # room to admit prompts beside `top` decodes
+        # NOTE: max_model_len >= the budget: the runner's warm-up puts a whole bucket in
+        # one dummy request, whose block table must fit max_model_len.
+        llm = make_llm(tiny_model(), tok, max_model_len=budget, max_num_seqs=top,
+                       max_num_batched_tokens=budget, num_kv_blocks=top * 8 + 64)
         eng = [engine_overhead(llm, n) for n in levels]
         for r in eng:
             r["gpu_step_ms"] = gpu_step_ms(r["num_running"])

@@ -77,8 +77,9 @@ def measure_decode(engine, batch: int, context: int, num_steps: int = 5) -> dict
     ids = [f"roof{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, {"prompt_token_ids": rng.integers(3, 30000, context).tolist()},
-                           SamplingParams(max_tokens=num_steps + 4, ignore_eos=True,
-                                          temperature=0.0))
+                           # NOTE: long enough that none ends while the last prompts fill
+                           SamplingParams(max_tokens=engine.limits.max_model_len - context - 1,
+                                          ignore_eos=True, temperature=0.0))
     sched = engine.scheduler
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
         engine.step()

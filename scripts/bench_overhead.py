@@ -1,0 +1,13 @@
+"""Same as `jaxserve bench overhead ...` (see BENCHMARKS.md for the commands behind each table).
+
+    python scripts/bench_overhead.py --help
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jaxserve.entrypoints.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["bench", "overhead", *sys.argv[1:]]))

@@ -1,0 +1,124 @@
+"""The engine-driving harness, the mode table and the overhead probe on a tiny random model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from jaxserve.bench.engine_run import make_llm, run_trace
+from jaxserve.bench.overhead import component_overhead, engine_overhead, tiny_model
+from jaxserve.bench.simulator import PRESETS, simulate
+from jaxserve.bench.throughput import breakdown, format_modes
+from jaxserve.bench.workloads import TraceRequest, mixed_trace
+from jaxserve.config import SchedulerConfig
+
+ARGS = dict(max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=64)
+TRACE = mixed_trace(10, short_prompt=8, long_prompt=40, short_output=6, long_output=3, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(smollm2_tokenizer):
+    return tiny_model(max_position_embeddings=256), smollm2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def runs(tiny):
+    model, tok = tiny
+    out = {}
+    for mode in ("static", "continuous+chunked"):
+        llm = make_llm(model, tok, mode, **ARGS)
+        res = run_trace(llm.engine, TRACE, prefix=mode)
+        out[mode] = {"summary": res.summary, "breakdown": breakdown(res.steps),
+                     "run": res.to_json(), "steps": res.steps}
+    return out
+
+
+def test_every_request_gets_its_tokens_and_steps_add_up(runs):
+    for r in runs.values():
+        s = r["summary"]
+        assert s["completed"] == len(TRACE)
+        assert s["total_output_tokens"] == sum(t.output_len for t in TRACE)
+        steps = r["steps"]
+        assert sum(st.num_prefill_tokens for st in steps) == sum(t.prompt_len for t in TRACE)
+        assert all(st.schedule_s + st.execute_s + st.update_s <= st.seconds for st in steps)
+        assert 0 < s["max_kv_usage"] <= 1 and s["num_compilations"] == 0
+
+
+def test_static_waits_for_its_batch_and_chunked_does_not(runs):
+    static, chunked = runs["static"]["summary"], runs["continuous+chunked"]["summary"]
+    assert chunked["mean_batch_size"] > static["mean_batch_size"]
+    assert chunked["num_steps"] < static["num_steps"]
+
+
+def test_real_runs_report_the_simulator_fields(runs):
+    sim = simulate([TraceRequest(8, 4)] * 3, PRESETS["gpu-8b"], SchedulerConfig(),
+                   num_pages=64, max_model_len=64, max_num_batched_tokens=32).summary
+    missing = set(sim) - set(runs["static"]["summary"]) - {"host_ms_per_step"}
+    assert not missing
+
+
+def test_mode_table_has_ratios_and_breakdown(runs):
+    text = format_modes({k: {kk: v for kk, v in r.items() if kk != "steps"}
+                         for k, r in runs.items()})
+    assert "x static" in text and "decode tok/s" in text
+    assert "| continuous+chunked |" in text
+
+
+def test_plots_are_written(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    from jaxserve.bench.plots import plot_modes
+
+    paths = plot_modes({k: {kk: v for kk, v in r.items() if kk != "steps"}
+                        for k, r in runs.items()}, str(tmp_path))
+    assert len(paths) == 3 and all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def test_overhead_probes(tiny):
+    model, tok = tiny
+    comp = component_overhead(16, num_steps=3)
+    assert comp["total"] > 0 and comp["scheduling"] > 0
+    llm = make_llm(model, tok, **ARGS)
+    res = engine_overhead(llm, 4, prompt_len=8, num_steps=3)
+    assert res["host"] > 0 and res["device"] > 0 and 0 < res["host_share"] < 1
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_roofline_rows(tiny):
+    from jaxserve.bench.roofline import decode_step_figures, model_costs, roofline_rows
+
+    model, tok = tiny
+    costs = model_costs(model)
+    cfg = model.cfg
+    per_token = 2 * (cfg.hidden_size * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+                     * cfg.head_dim + 3 * cfg.hidden_size * cfg.intermediate_size
+                     + cfg.hidden_size * cfg.vocab_size)
+    assert costs["matmul_flops_per_token"] == per_token
+    flops, nbytes = decode_step_figures(costs, 4, 100)
+    assert flops == 4 * (per_token + 4 * cfg.num_heads * cfg.head_dim * 100)
+    assert nbytes > costs["weight_bytes"]
+    llm = make_llm(model, tok, **ARGS)
+    peaks = {"flops": 1e11, "bytes_per_s": 1e10}
+    rows = roofline_rows(llm.engine, [1, 4], 8, peaks, num_steps=3)
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert all(r["mfu"] > 0 and r["bw_util"] > 0 and r["step_ms"] > 0 for r in rows)
+
+
+def test_vectorized_step_arrays_match_the_runner():
+    import numpy as np
+
+    from jaxserve.bench.overhead import build_step_arrays_vectorized
+    from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+    from jaxserve.runner.step_input import build_step_arrays
+
+    out = SchedulerOutput(scheduled=[
+        ScheduledRequest("decode", [5], 20, [3, 9, 4], 1),
+        ScheduledRequest("chunk", list(range(10, 27)), 8, [7, 2, 11, 12], 0),  # mid-prompt
+        ScheduledRequest("fanout", list(range(30, 36)), 0, [6], 2),  # n=2 at prompt end
+        ScheduledRequest("decode2", [8], 7, [1], 1)])
+    for num_tokens, num_rows in ((32, 8), (25, 5)):
+        a = build_step_arrays(out, num_tokens, num_rows, 8, 6)
+        b = build_step_arrays_vectorized(out, num_tokens, num_rows, 8, 6)
+        for key, value in a.device_tree().items():
+            np.testing.assert_array_equal(value, b.device_tree()[key], err_msg=key)
+        assert a.row_request_ids == b.row_request_ids
