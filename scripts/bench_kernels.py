@@ -17,19 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.bench.roofline import _median_seconds as bench
+from jaxserve.bench.roofline import measure_peaks
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
-
-
-def bench(fn, *args, iters: int) -> float:
-    """Median seconds per call of a jitted function (after one compile call)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 def bench_in_place(fn, pool, *args, iters: int) -> float:
@@ -44,13 +35,9 @@ def bench_in_place(fn, pool, *args, iters: int) -> float:
 
 
 def peaks(dtype, iters: int) -> tuple[float, float]:
-    """(matmul FLOP/s, copy bytes/s) measured with plain JAX on the default device."""
-    n = 2048 if jax.default_backend() != "cpu" else 1024
-    a = jnp.ones((n, n), dtype)
-    flops = 2 * n**3 / bench(jax.jit(lambda x: x @ x), a, iters=iters)
-    big = jnp.ones((64 * 2**20 // jnp.dtype(dtype).itemsize,), dtype)
-    copy = bench(jax.jit(lambda x: x * 1.5), big, iters=iters)
-    return flops, 2 * big.nbytes / copy
+    """(matmul FLOP/s, copy bytes/s) of the default device (the roofline's measurement)."""
+    measured = measure_peaks(dtype, iters)
+    return measured["flops"], measured["bytes_per_s"]
 
 
 def build(args, rng):
