@@ -182,7 +182,7 @@ def cmd_diagnose(args) -> int:
     config.update({k: v for k, v in engine_kwargs(args).items() if k != "model"})
     metrics = open(args.metrics).read() if args.metrics else None
     result = json.load(open(args.result)) if args.result else None
-    obs = load_observations(metrics, result)
+    obs = load_observations(metrics, result, config.get("scheduling_mode"))
     d = diagnose(config, obs, mean_prompt_len=args.mean_prompt_len,
                  mean_output_len=args.mean_output_len)
     print(json.dumps(d, indent=1) if args.json else format_diagnosis(d))

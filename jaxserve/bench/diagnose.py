@@ -37,13 +37,15 @@ class Finding:
     advice: list[str] = field(default_factory=list)
 
 
-def load_observations(metrics_text: str | None = None, result: dict | None = None) -> dict:
+def load_observations(metrics_text: str | None = None, result: dict | None = None,
+                      mode: str | None = None) -> dict:
     """One flat dict of observed figures from a metrics snapshot and/or a result.
 
     Args:
         metrics_text: `get_metrics()` as JSON, or Prometheus exposition text.
-        result: A summary dict, or a `bench throughput` JSON (its continuous+chunked
-            run, else its first run, is used).
+        result: A summary dict, or a `bench throughput` JSON (its run in `mode`, else
+            its continuous+chunked run, else its first run, is used).
+        mode: The scheduling mode whose run to read from a `bench throughput` JSON.
     """
     obs: dict = {}
     if metrics_text:
@@ -64,7 +66,8 @@ def load_observations(metrics_text: str | None = None, result: dict | None = Non
     if result:
         if "results" in result:
             runs = result["results"]
-            result = runs.get("continuous+chunked", next(iter(runs.values())))
+            result = runs.get(mode) or runs.get("continuous+chunked") \
+                or next(iter(runs.values()))
         obs.update({k: v for k, v in result.get("summary", result).items()
                     if isinstance(v, (int, float))})
     return obs
@@ -130,7 +133,8 @@ def diagnose(config: dict, obs: dict | None = None, *, mean_prompt_len: float | 
         kv.score = max(kv.score, 1.0 + min(per_req, 5.0))
     usage = obs.get("max_kv_usage", obs.get("kv_cache_usage_perc"))
     if usage is not None:
-        kv.figures.append(f"peak KV usage {100 * usage:.0f}%")
+        kind = "peak KV usage" if "max_kv_usage" in obs else "KV usage at the snapshot"
+        kv.figures.append(f"{kind} {100 * usage:.0f}%")
         if usage >= 0.95:
             kv.score = max(kv.score, 1.0)
     kv.advice = [f"give the pool more pages (num_kv_blocks / kv_cache_memory_gib / "

@@ -1,0 +1,41 @@
+"""`jaxserve bench ...` parsing: every subcommand's help, workloads, engine argument merging."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.bench.cli import BENCH_ENGINE_DEFAULTS, bench_engine_args, make_trace
+from jaxserve.entrypoints.cli import build_parser, main
+
+COMMANDS = ["throughput", "prefix", "latency", "serve", "roofline", "scale", "overhead"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_of_every_bench_command(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", command, "--help"])
+    assert e.value.code == 0 and "usage: jaxserve bench" in capsys.readouterr().out
+
+
+def test_flags_override_the_bench_defaults():
+    args = build_parser().parse_args(["bench", "throughput", "--max-num-seqs", "4",
+                                      "--no-enable-prefix-caching"])
+    kw = bench_engine_args(args, warmup=False)
+    assert kw["max_num_seqs"] == 4 and kw["enable_prefix_caching"] is False
+    assert kw["max_model_len"] == BENCH_ENGINE_DEFAULTS["max_model_len"] and not kw["warmup"]
+
+
+@pytest.mark.parametrize("trace,extra", [("mixed", []), ("shared-prefix", ["--prefix-len", "32"]),
+                                         ("synthetic", ["--dist", "fixed"])])
+def test_traces_from_flags(trace, extra, tmp_path):
+    path = str(tmp_path / "t.jsonl")
+    args = build_parser().parse_args(["bench", "throughput", "--trace", trace, "--num-requests",
+                                      "6", "--request-rate", "2", "--save-trace", path, *extra])
+    t = make_trace(args)
+    assert len(t) == 6 and t[-1].arrival_time > 0
+    args.trace, args.save_trace = path, None
+    assert make_trace(args) == t  # the saved JSONL reloads to the same trace
+    if trace == "shared-prefix":
+        assert all(r.prefix_len == 32 for r in t)
+    if trace == "synthetic":
+        assert len({r.prompt_len for r in t}) == 1
