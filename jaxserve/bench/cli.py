@@ -13,10 +13,10 @@ import sys
 from jaxserve.config import SCHEDULING_MODES
 
 # Engine settings the benchmarks use unless a flag overrides them: sized for a 2-core CPU
-# and SmolLM2-135M (see BENCHMARKS.md).
+# and SmolLM2-135M (see BENCHMARKS.md). On the CPU the attention backend is "pallas" (the
+# interpreted kernels beat the "xla" reference on whole steps there); elsewhere "auto".
 BENCH_ENGINE_DEFAULTS = {"max_model_len": 1024, "max_num_seqs": 32,
-                         "max_num_batched_tokens": 256, "num_kv_blocks": 1024,
-                         "attention_backend": "pallas"}
+                         "max_num_batched_tokens": 256, "num_kv_blocks": 1024}
 
 
 def _add_trace_args(p: argparse.ArgumentParser, default: str = "mixed",
@@ -69,11 +69,14 @@ def _add_engine_group(p: argparse.ArgumentParser) -> None:
 
 def bench_engine_args(args, **overrides) -> dict:
     """Engine kwargs: the benchmark defaults, then the flags given, then `overrides`."""
+    import jax
+
     from jaxserve.entrypoints.cli import engine_kwargs
 
     kw = engine_kwargs(args)
     kw.pop("model")
-    return {**BENCH_ENGINE_DEFAULTS, **kw, **overrides}
+    backend = "pallas" if jax.default_backend() == "cpu" else "auto"
+    return {**BENCH_ENGINE_DEFAULTS, "attention_backend": backend, **kw, **overrides}
 
 
 def load_model_and_tokenizer(args):
