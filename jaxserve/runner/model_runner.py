@@ -260,8 +260,13 @@ class ModelRunner:
         start = time.perf_counter()
         for num_tokens in tqdm(self.buckets, desc="jaxserve warm-up", unit="bucket"):
             num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)
+            # NOTE: dummy requests of at most max_model_len tokens each (a bucket may be
+            # larger than one sequence's block table), all in the null page.
+            cap = self.max_pages_per_seq * self.page_size
+            sizes = [min(cap, num_tokens - start) for start in range(0, num_tokens, cap)]
             out = SchedulerOutput(scheduled=[ScheduledRequest(
-                "warmup", [0] * num_tokens, 0, [0] * -(-num_tokens // self.page_size), 1)])
+                f"warmup-{i}", [0] * n, 0, [0] * -(-n // self.page_size), int(i == 0))
+                for i, n in enumerate(sizes[:num_rows])])
             for variant in VARIANTS:
                 # The prompt-logprobs program of this bucket too, once.
                 targets = np.zeros(num_tokens, np.int32) if variant == VARIANTS[0] else None

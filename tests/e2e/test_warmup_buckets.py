@@ -1,0 +1,23 @@
+"""Warm-up works when the token budget exceeds max_model_len (buckets longer than a sequence)."""
+
+from __future__ import annotations
+
+from jaxserve import LLM, SamplingParams
+from models.config import ArchConfig
+from models.model import Model, random_params
+
+TINY = ArchConfig("LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8,
+                  max_position_embeddings=512, eos_token_ids=(2,))
+
+
+def test_budget_larger_than_max_model_len(smollm2_tokenizer):
+    llm = LLM(Model(TINY, random_params(TINY)), tokenizer=smollm2_tokenizer, max_model_len=256,
+              max_num_batched_tokens=1024, max_num_seqs=8)
+    assert llm.engine.runner.buckets[-1] == 1024
+    prompt = {"prompt_token_ids": list(range(3, 200))}
+    outs = llm.generate([prompt] * 3, SamplingParams(temperature=0, max_tokens=4,
+                                                     detokenize=False), use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert len(tokens[0]) == 4 and tokens == [tokens[0]] * 3
+    assert llm.get_metrics()["jaxserve:num_compilations"] == 0
