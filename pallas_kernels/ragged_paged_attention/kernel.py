@@ -49,31 +49,38 @@ def query_blocks(cu_q_lens: jax.Array, num_tokens: int, block_q: int):
     return jnp.where(used, blk_seq, num_seqs), blk_start, blk_len
 
 
+def block_span(b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, window,
+               block_k: int):
+    """Scalars of query block `b`: (request, valid queries, context length, position of
+    its first query, first key block, number of key blocks to visit)."""
+    seq = jnp.minimum(blk_seq_ref[b], kv_lens_ref.shape[0] - 1)
+    n_valid = blk_len_ref[b]
+    kv_len = kv_lens_ref[seq]
+    q_len = cu_ref[seq + 1] - cu_ref[seq]
+    first_pos = kv_len - q_len + (blk_start_ref[b] - cu_ref[seq])
+    last_pos = jnp.minimum(first_pos + n_valid, kv_len)  # keys in [lo, last_pos)
+    lo = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    first_blk = lo // block_k
+    num_blk = jnp.where(n_valid > 0, pl.cdiv(last_pos, block_k) - first_blk, 0)
+    return seq, n_valid, kv_len, first_pos, first_blk, num_blk
+
+
 def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref,
             tables_ref, q_ref, kv_ref, o_ref, *, num_pages, num_kv_heads, page_size,
             pages_per_block, group, sm_scale, soft_cap):
     b, h = pl.program_id(0), pl.program_id(1)
     layer, window = scalars_ref[0], scalars_ref[1]
-    num_seqs = kv_lens_ref.shape[0]
-    seq = jnp.minimum(blk_seq_ref[b], num_seqs - 1)
-    n_valid = blk_len_ref[b]
     block_q, gp, head_dim = q_ref.shape[1], q_ref.shape[3], q_ref.shape[4]
     rows = block_q * gp
     block_k = pages_per_block * page_size
-
-    kv_len = kv_lens_ref[seq]
-    q_len = cu_ref[seq + 1] - cu_ref[seq]
-    first_pos = kv_len - q_len + (blk_start_ref[b] - cu_ref[seq])
+    seq, n_valid, kv_len, first_pos, first_blk, num_blk = block_span(
+        b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, window, block_k)
     row_tok = lax.broadcasted_iota(jnp.int32, (block_q, gp), 0).reshape(rows)
     row_head = lax.broadcasted_iota(jnp.int32, (block_q, gp), 1).reshape(rows)
     row_pos = first_pos + row_tok  # i32[rows]
     row_ok = (row_tok < n_valid) & (row_head < group)
 
     q = q_ref[0, :, 0, :, :].reshape(rows, head_dim).astype(jnp.float32)
-    last_pos = jnp.minimum(first_pos + n_valid, kv_len)  # keys in [lo, last_pos)
-    lo = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
-    first_blk = lo // block_k
-    num_blk = jnp.where(n_valid > 0, pl.cdiv(last_pos, block_k) - first_blk, 0)
     page_base = (layer * 2 * num_kv_heads + h) * num_pages  # K pages of (layer, head)
     v_offset = num_kv_heads * num_pages
 

@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.flash import MASK
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.ragged_paged_attention.kernel import query_blocks, scatter_rows
+from pallas_kernels.ragged_paged_attention.kernel import block_span, query_blocks, scatter_rows
 from pallas_kernels.ragged_paged_attention.reference import check_shapes
 
 
@@ -32,26 +32,17 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
             page_size, pages_per_block, table_width, group, sm_scale, soft_cap):
     b, h = pl.program_id(0), pl.program_id(1)
     layer, window = scalars_ref[0], scalars_ref[1]
-    num_seqs = kv_lens_ref.shape[0]
-    seq = jnp.minimum(blk_seq_ref[b], num_seqs - 1)
-    n_valid = blk_len_ref[b]
     block_q, gp, head_dim = q_ref.shape[1], q_ref.shape[3], q_ref.shape[4]
     rows = block_q * gp
     block_k = pages_per_block * page_size
-
-    kv_len = kv_lens_ref[seq]
-    q_len = cu_ref[seq + 1] - cu_ref[seq]
-    first_pos = kv_len - q_len + (blk_start_ref[b] - cu_ref[seq])
+    seq, n_valid, kv_len, first_pos, first_blk, num_blk = block_span(
+        b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, window, block_k)
     row_tok = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) // gp
     row_head = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) % gp
     row_pos = first_pos + row_tok  # i32[rows, block_k]
     row_ok = (row_tok < n_valid) & (row_head < group)
 
     q = q_ref[0, :, 0, :, :].reshape(rows, head_dim).astype(jnp.float32)
-    last_pos = jnp.minimum(first_pos + n_valid, kv_len)
-    lo = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
-    first_blk = lo // block_k
-    num_blk = jnp.where(n_valid > 0, pl.cdiv(last_pos, block_k) - first_blk, 0)
     k_base = (layer * 2 * num_kv_heads + h) * num_pages
     v_base = k_base + num_kv_heads * num_pages
 
