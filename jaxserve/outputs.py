@@ -33,7 +33,7 @@ class CompletionOutput:
         token_ids: Generated token ids.
         cumulative_logprob: Sum of the sampled tokens' logprobs (None unless logprobs).
         logprobs: Per position, the sampled token and the top alternatives.
-        finish_reason: "stop", "length", "abort", or None while running.
+        finish_reason: "stop", "length", "abort", "error", or None while running.
         stop_reason: The stop string or stop token id that ended it, else None.
     """
 
@@ -85,6 +85,8 @@ class RequestOutput:
         metrics: Timings and cache statistics.
         num_cached_tokens: Prompt tokens served from the prefix cache.
         prompt_logprobs: Per prompt position (the first is None), when requested.
+        error: Why the request failed (finish_reason "error"), else None. Only this
+            request failed; the others in its steps went on.
     """
 
     request_id: str
@@ -95,3 +97,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None

@@ -23,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # this request's own host-side work failed
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:

@@ -9,6 +9,12 @@ from typing import Any, ClassVar
 
 # Temperatures below this mean greedy decoding (vLLM's `_SAMPLING_EPS`).
 SAMPLING_EPS = 1e-5
+# Integers that reach the device (top_k, token ids, lengths, counters) are int32 there.
+INT32_MAX = 2**31 - 1
+# Seeds are folded to 32 bits on the device; any non-negative 64-bit value is accepted.
+SEED_MAX = 2**64 - 1
+# Most stop token ids one request may give (checked on the host every step).
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingType(enum.IntEnum):
@@ -19,14 +25,24 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
-def _as_int(name: str, value: Any) -> int:
-    """`value` as a Python int, or ValueError naming the field (bools are refused)."""
+def _as_int(name: str, value: Any, low: int | None = None, high: int = INT32_MAX) -> int:
+    """`value` as a Python int in [low, high], or ValueError naming the field.
+
+    Bools and floats are refused. NOTE: every integer is range-checked here, when the
+    request is made, so that nothing out of range reaches the step (where an int32
+    overflow would fail every request sharing it).
+    """
     if isinstance(value, bool):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     try:
-        return operator.index(value)
+        result = operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if low is not None and result < low:
+        raise ValueError(f"{name} must be at least {low}, got {result}")
+    if result > high:
+        raise ValueError(f"{name} must be at most {high}, got {result}")
+    return result
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -82,9 +98,7 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        self.n = _as_int("n", self.n)
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+        self.n = _as_int("n", self.n, 1)
         for name in ("presence_penalty", "frequency_penalty"):
             value = _as_float(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
@@ -110,17 +124,14 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            self.seed = _as_int("seed", self.seed)
+            self.seed = _as_int("seed", self.seed, 0, SEED_MAX)
         self._init_stops()
         self._init_lengths()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:
                 continue
-            value = _as_int(name, value)
-            if not 0 <= value <= self.MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {self.MAX_LOGPROBS}], got {value}")
-            setattr(self, name, value)
+            setattr(self, name, _as_int(name, value, 0, self.MAX_LOGPROBS))
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
@@ -139,30 +150,37 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         for s in self.stop:
             if not isinstance(s, str):
                 raise ValueError(f"stop must hold strings, got {s!r} in stop={self.stop!r}")
             if not s:
                 raise ValueError(f"stop cannot contain an empty string, got stop={self.stop!r}")
-        ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if isinstance(self.stop_token_ids, (str, bytes, dict)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got "
+                             f"{self.stop_token_ids!r}")
         try:
-            self.stop_token_ids = [_as_int("stop_token_ids", t) for t in ids]
+            ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        except TypeError:
+            raise ValueError(f"stop_token_ids must be a list of integers, got "
+                             f"{self.stop_token_ids!r}") from None
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
+                             f"{len(ids)}")
+        try:
+            self.stop_token_ids = [_as_int("stop_token_ids", t, 0) for t in ids]
         except ValueError:
-            raise ValueError(f"stop_token_ids must hold integers, got {ids!r}") from None
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+            raise ValueError(f"stop_token_ids must hold integers in [0, {INT32_MAX}], got "
+                             f"{ids!r}") from None
 
     def _init_lengths(self) -> None:
         """Validates `max_tokens` (None allowed) and `min_tokens`."""
         if self.max_tokens is not None:
-            self.max_tokens = _as_int("max_tokens", self.max_tokens)
-            if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        self.min_tokens = _as_int("min_tokens", self.min_tokens)
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+            self.max_tokens = _as_int("max_tokens", self.max_tokens, 1)
+        self.min_tokens = _as_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be at most max_tokens={self.max_tokens}, "

@@ -12,7 +12,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 
 from jaxserve.metrics import ServerMetrics, StatLogger
@@ -26,12 +27,27 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (shutdown or a crash) before the request finished."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (finish_reason "error"); others went on.
+
+    Attributes:
+        output: The request's final `RequestOutput` (its `error` says why).
+    """
+
+    def __init__(self, output: RequestOutput):
+        super().__init__(f"request {output.request_id} failed: {output.error}")
+        self.output = output
+
+
 class RequestStream:
     """The outputs of one request, as an async iterator of cumulative `RequestOutput`s.
 
     Each item is the latest state (older undelivered states are skipped: they are
     prefixes of it). Leaving the iteration early, or dropping the stream, aborts the
-    request in the engine.
+    request in the engine: `AsyncLLM` holds streams weakly, so a stream nobody references
+    any more is collected and its request aborted. An abort from elsewhere
+    (`AsyncLLM.abort`) ends the iteration with a final output whose finish_reason is
+    "abort"; a request that failed on its own raises `RequestFailedError`.
     """
 
     def __init__(self, request_id: str, owner: AsyncLLM, loop: asyncio.AbstractEventLoop):
@@ -46,7 +62,7 @@ class RequestStream:
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
-            self.finished = True
+            self.abort()
 
     async def get(self) -> RequestOutput:
         """The next (latest) output; raises the engine's error if the request failed."""
@@ -58,6 +74,8 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
+            if item.error is not None:
+                raise RequestFailedError(item)
         return item
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -97,7 +115,9 @@ class AsyncLLM:
         self.metrics = metrics or ServerMetrics("jaxserve")
         self.stat_logger = StatLogger(log_interval) if log_interval > 0 else None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}
+        # NOTE: weak, so that a stream its consumer dropped is collected and aborts.
+        self._streams: weakref.WeakValueDictionary[str, RequestStream] = \
+            weakref.WeakValueDictionary()
         self._stopped = False
         self.errored: BaseException | None = None
         self.metrics.update_snapshot(engine.get_metrics())
@@ -126,22 +146,41 @@ class AsyncLLM:
             ValueError: The engine rejected it (bad prompt or parameters, too long, ...).
             EngineDeadError: The engine is shut down.
         """
+        streams = await self.add_requests([(request_id, prompt)], params, priority=priority,
+                                          cache_salt=cache_salt)
+        return streams[0]
+
+    async def add_requests(self, requests: Sequence[tuple[str, object]],
+                           params: SamplingParams, *, priority: int = 0,
+                           cache_salt: str | None = None) -> list[RequestStream]:
+        """Queues several `(request_id, prompt)` requests at once, all or none.
+
+        They reach the engine together (before its next step), so a request with many
+        prompts is admitted as one batch, not one prompt per step.
+
+        Raises:
+            ValueError: The engine rejected one of them (none of them is kept).
+            EngineDeadError: The engine is shut down.
+        """
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
-        stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(rid, self, loop) for rid, _ in requests]
         accepted: Future = Future()
-        self._commands.put(("add", (stream, prompt, params, priority, cache_salt, time.time()),
+        batch = [(stream, prompt) for stream, (_, prompt) in zip(streams, requests, strict=True)]
+        self._commands.put(("add", (batch, params, priority, cache_salt, time.time()),
                             accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
-            stream.finished = True
-            self.abort(request_id)  # the engine may have taken it before we left
+            for stream in streams:
+                stream.abort()  # the engine may have taken them before we left
             raise
         except BaseException:
-            stream.finished = True
+            for stream in streams:
+                stream.finished = True
             raise
-        return stream
+        return streams
 
     async def generate(self, prompt, params: SamplingParams, request_id: str, *,
                        priority: int = 0, cache_salt: str | None = None
@@ -165,28 +204,41 @@ class AsyncLLM:
         if not self._stopped:
             self._stopped = True
             self._commands.put(("stop", None, None))
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     # ------------------------------------------------------ engine thread
     def _handle(self, kind: str, payload, done: Future | None) -> None:
         engine = self.engine
         if kind == "add":
-            stream, prompt, params, priority, cache_salt, arrival = payload
-            if stream.finished:  # its consumer already left
+            batch, params, priority, cache_salt, arrival = payload
+            if any(stream.finished for stream, _ in batch):  # its consumer already left
                 done.cancel()
                 return
+            added = []
             try:
-                engine.add_request(stream.request_id, prompt, params, priority=priority,
-                                   cache_salt=cache_salt, arrival_time=arrival)
+                for stream, prompt in batch:
+                    engine.add_request(stream.request_id, prompt, params, priority=priority,
+                                       cache_salt=cache_salt, arrival_time=arrival)
+                    added.append(stream.request_id)
             except Exception as e:  # noqa: BLE001 - rejected: the caller gets the error
+                engine.abort_request(added)
                 done.set_exception(e)
                 return
-            self._streams[stream.request_id] = stream
+            for stream, _ in batch:
+                self._streams[stream.request_id] = stream
             done.set_result(None)
-        elif kind == "abort" and payload in self._streams:
-            self._streams.pop(payload)
+        elif kind == "abort":
+            # NOTE: the stream may be gone already (dropped by its consumer); the engine
+            # request is aborted all the same.
+            stream = self._streams.pop(payload, None)
             self.metrics.forget(payload)
-            engine.abort_request([payload])
+            finals = engine.abort_request([payload]) or []
+            if stream is not None and not stream.finished:
+                for out in finals:
+                    stream._put(out)
+                if not finals:
+                    stream._put(EngineDeadError(f"request {payload} was aborted"))
 
     def _drain(self, block: bool) -> bool:
         """Runs queued commands (waiting for one if `block`); False once told to stop."""
@@ -222,9 +274,11 @@ class AsyncLLM:
             stream._put(out)
 
     def _fail_all(self, error: BaseException) -> None:
-        ids = list(self._streams)
+        ids = list(self._streams.keys())
         for request_id in ids:
-            self._streams.pop(request_id)._put(error)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream._put(error)
             self.metrics.forget(request_id)
         if ids:
             self.engine.abort_request(ids)

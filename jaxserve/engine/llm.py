@@ -95,11 +95,13 @@ class LLM:
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 request_id = f"llm-{self._counter}"
+                self._counter += 1
+                ids.append(request_id)  # before adding: aborting an unknown id is a no-op
                 self.engine.add_request(request_id, prompt, sp,
                                         priority=priority[i] if priority else 0)
-                self._counter += 1
-                ids.append(request_id)
-        except ValueError:
+        except BaseException:
+            # NOTE: whatever failed (a ValueError, a TypeError, Ctrl-C), no request of this
+            # batch stays queued to run silently inside the next call.
             self.engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)

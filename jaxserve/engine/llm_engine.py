@@ -134,8 +134,13 @@ class LLMEngine:
         self.states[request_id] = state
         self.counters["prompt_tokens"] += len(state.prompt_token_ids)
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
-        """Ends requests now; their pages are freed at once. Unknown ids are ignored."""
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Ends requests now; their pages are freed at once. Unknown ids are ignored.
+
+        Returns:
+            The final output (finish_reason "abort") of each request that was live.
+        """
+        outputs = []
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             state = self.states.pop(request_id, None)
             if state is None:
@@ -144,6 +149,16 @@ class LLMEngine:
                 self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
             state.abort()
             self.finished_reasons["abort"] = self.finished_reasons.get("abort", 0) + 1
+            outputs.append(state.make_output())
+        return outputs
+
+    def _fail_request(self, state: RequestState, error: BaseException | str) -> None:
+        """Ends one user request with finish_reason "error" (pages freed); others go on."""
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        logger.warning("jaxserve: request %s failed: %s", state.request_id, message)
+        for req_id in state.live_request_ids():
+            self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ERROR)
+        state.fail(message)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -153,12 +168,18 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns the outputs of requests it advanced."""
+        """Schedules and runs one step; returns the outputs of requests it advanced.
+
+        NOTE: host-side work that belongs to one request (its sampling row, its
+        detokenization) is isolated: if it fails, that request ends with finish_reason
+        "error" and the others in the step go on exactly as without it. Only a failure of
+        the shared device step itself raises.
+        """
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
         now = time.time()
-        rows = []
+        rows, row_states = [], []
         for s in out.scheduled:
             req = self.scheduler.requests[s.request_id]
             state = self.states[req.user_request_id]
@@ -167,15 +188,18 @@ class LLMEngine:
                 seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
                 rows.append(RowSpec(state.row_params, req.prompt_token_ids,
                                     req.output_token_ids, seed, s.sampling_counter))
+                row_states.append(state)
         _, num_rows = self.runner.step_shape(out)
-        sampling = build_sampling_metadata(
-            rows, num_rows, self.model.cfg.vocab_size,
-            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None)
+        sampling, failed = self._sampling_metadata(rows, row_states, num_rows)
         targets = self._prompt_targets(out)
         result = self.runner.execute(out, sampling, prompt_targets=targets)
         if targets is not None:
             self._record_prompt_logprobs(out, result.prompt_logprobs)
         self.counters["num_steps"] += 1
+        touched: dict[str, RequestState] = {}
+        for state, error in failed.items():
+            self._fail_request(state, error)
+            touched[state.request_id] = state
 
         sampled: dict[str, list[int]] = {}
         row_of: dict[str, list[int]] = {}
@@ -183,14 +207,21 @@ class LLMEngine:
             sampled.setdefault(req_id, []).append(int(result.token_ids[row]))
             row_of.setdefault(req_id, []).append(row)
         now = time.time()
-        touched: dict[str, RequestState] = {}
         for req, tokens in self.scheduler.update_from_output(out, sampled):
+            state = self.states[req.user_request_id]
+            if state.error is not None:  # failed earlier in this step
+                if not req.is_finished():  # a sibling forked after the failure
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+                continue
             own_rows = row_of.get(req.request_id)
             # A child forked this step sampled from its parent's i-th fan-out row.
             row = own_rows[0] if own_rows else row_of[req.forked_from][req.sample_index]
-            state = self.states[req.user_request_id]
             self.counters["generation_tokens"] += len(tokens)
-            stop_str = state.on_tokens(req, tokens, result, row, now)
+            try:
+                stop_str = state.on_tokens(req, tokens, result, row, now)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
+                self._fail_request(state, e)
+                stop_str = None
             if stop_str is not None and not req.is_finished():
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             touched[state.request_id] = state
@@ -202,6 +233,30 @@ class LLMEngine:
                 for reason in state.finish_reasons():
                     self.finished_reasons[reason] = self.finished_reasons.get(reason, 0) + 1
         return outputs
+
+    def _sampling_metadata(self, rows: list[RowSpec], row_states: list[RequestState],
+                           num_rows: int):
+        """The step's sampling arrays, and `{state: error}` of requests whose rows could
+        not be built (their rows are replaced by inert greedy ones; they fail after the
+        step, which computes the others' tokens exactly as it would without them)."""
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        vocab = self.model.cfg.vocab_size
+        try:
+            return build_sampling_metadata(rows, num_rows, vocab, eos_token_id=eos), {}
+        except Exception:  # noqa: BLE001 - find the rows at fault, below
+            pass
+        failed: dict[RequestState, BaseException] = {}
+        inert = RowSpec(SamplingParams(temperature=0.0), (), (), 0, 0)
+        for i, row in enumerate(rows):
+            try:
+                build_sampling_metadata([row], 1, vocab, eos_token_id=eos)
+            except Exception as e:  # noqa: BLE001
+                failed.setdefault(row_states[i], e)
+                rows[i] = inert
+        for i, state in enumerate(row_states):
+            if state in failed:
+                rows[i] = inert  # every row of a failed request (n > 1 fan-out)
+        return build_sampling_metadata(rows, num_rows, vocab, eos_token_id=eos), failed
 
     # ----------------------------------------------------- prompt logprobs
     def _prompt_targets(self, out) -> np.ndarray | None:

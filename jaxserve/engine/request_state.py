@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 
 import numpy as np
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
+from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 
 _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-           RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_IGNORED: "length"}
+           RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_IGNORED: "length",
+           RequestStatus.FINISHED_ERROR: "error"}
 
 
 def tokenize_prompt(engine, prompt) -> tuple[str | None, list[int]]:
@@ -39,12 +42,17 @@ def tokenize_prompt(engine, prompt) -> tuple[str | None, list[int]]:
     else:
         raise ValueError(f"prompt must be a string, token ids or a dict, got "
                          f"{type(prompt).__name__}")
-    ids = [int(t) for t in ids]
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+    try:
+        ids = [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError("prompt: prompt_token_ids must be a list of integers") from None
     if not ids:
         raise ValueError("prompt is empty: it must hold at least one token")
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"prompt_token_ids hold ids outside [0, {vocab}): {bad[:5]}")
+        raise ValueError(f"prompt: prompt_token_ids hold ids outside [0, {vocab}): {bad[:5]}")
     return text, ids
 
 
@@ -56,8 +64,18 @@ def make_request(engine, request_id: str, prompt, params: SamplingParams, *, pri
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got "
                          f"{type(params).__name__}")
-    if not isinstance(priority, int):
-        raise ValueError(f"priority must be an integer, got {priority!r}")
+    # NOTE: a validated copy: fields set after construction are checked again here, at
+    # add time, so nothing invalid reaches a step that other requests share.
+    params = params.clone()
+    if isinstance(priority, bool) or not isinstance(priority, int) \
+            or not -2**63 <= priority < 2**63:
+        raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    vocab = engine.model.cfg.vocab_size
+    bad = [t for t in params.stop_token_ids if t >= vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids hold ids outside [0, {vocab}): {bad[:5]}")
     text, ids = tokenize_prompt(engine, prompt)
     max_len = engine.limits.max_model_len
     if len(ids) >= max_len:
@@ -81,7 +99,31 @@ def make_request(engine, request_id: str, prompt, params: SamplingParams, *, pri
         # with several EOS ids needs the others banned too.
         state.row_params = params.clone(
             stop_token_ids=[*(params.stop_token_ids or []), *extra_eos])
+    check_sampling_row(state.row_params, ids, seeds[0], vocab, engine.eos_token_ids)
     return state
+
+
+def check_sampling_row(params: SamplingParams, prompt_ids: list[int], seed: int, vocab: int,
+                       eos_token_ids: tuple[int, ...]) -> None:
+    """Builds this request's sampling row alone, as a step would, so that whatever cannot
+    go into a step's arrays is refused now (ValueError) instead of failing the step.
+
+    Raises:
+        ValueError: The row cannot be built, or it bans more tokens below `min_tokens`
+            than the width the sampler was compiled for.
+    """
+    if params.min_tokens:
+        banned = params.all_stop_token_ids(eos_token_ids[0] if eos_token_ids else None)
+        if len(banned) > MAX_BANNED_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids may hold at most {MAX_BANNED_TOKEN_IDS - len(eos_token_ids)} "
+                f"ids when min_tokens > 0 (they are banned on the device until min_tokens), "
+                f"got {len(params.stop_token_ids)}")
+    try:
+        build_sampling_metadata([RowSpec(params, prompt_ids, (), seed, 0)], 1, vocab,
+                                eos_token_id=eos_token_ids[0] if eos_token_ids else None)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ValueError(f"sampling parameters cannot be used: {e}") from None
 
 
 class RequestState:
@@ -99,6 +141,7 @@ class RequestState:
         self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
         self.requests: dict[int, Request] = {0: root}
         self.prompt_logprobs: list | None = None  # per prompt position, when asked for
+        self.error: str | None = None  # why it failed (finish_reason "error")
         self._detok: dict[int, IncrementalDetokenizer] = {}
 
     @property
@@ -119,6 +162,13 @@ class RequestState:
         for out in self.outputs:
             if out.finish_reason is None:
                 out.finish_reason = "abort"
+
+    def fail(self, message: str) -> None:
+        """Ends every unfinished completion with finish_reason "error"."""
+        self.error = message
+        for out in self.outputs:
+            if out.finish_reason is None:
+                out.finish_reason = "error"
 
     def _detokenizer(self, index: int) -> IncrementalDetokenizer | None:
         p = self.params
@@ -206,4 +256,4 @@ class RequestState:
                              self.finished, dataclasses.replace(self.metrics),
                              self.root.num_cached_tokens,
                              None if self.prompt_logprobs is None
-                             else list(self.prompt_logprobs))
+                             else list(self.prompt_logprobs), self.error)

@@ -73,11 +73,14 @@ class DataParallelEngine:
                 queued += max(0, sp.max_tokens - req.num_output_tokens)
         return queued, replica.kv.usage
 
-    def abort_request(self, request_ids) -> None:
+    def abort_request(self, request_ids) -> list[RequestOutput]:
+        """Ends requests on their replicas; returns their final outputs."""
+        outputs = []
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             index = self._owner.pop(request_id, None)
             if index is not None:
-                self.replicas[index].abort_request(request_id)
+                outputs.extend(self.replicas[index].abort_request(request_id))
+        return outputs
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica that has work; the outputs of all of them."""

@@ -30,7 +30,7 @@ from jaxserve.runner.sampler_variants import VARIANTS, promote, variant_of
 from jaxserve.runner.step_input import build_step_arrays
 from jaxserve.runner.transfer import Layout, pack, unpack
 from jaxserve.sample.logprobs import compute_prompt_logprobs
-from jaxserve.sample.metadata import MAX_LOGPROBS, SamplingMetadata
+from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, MAX_LOGPROBS, SamplingMetadata
 from jaxserve.sample.sampler import sample
 from models.model import Model
 from pallas_kernels import AttentionMetadata
@@ -112,7 +112,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.penalty_len = 1 << (max_model_len - 1).bit_length()
-        self.banned_len = 16
+        self.banned_len = MAX_BANNED_TOKEN_IDS
         self.buckets = token_buckets(max_num_batched_tokens)
         # Largest page plan (copy or swap pairs) run as one program; see execute_plans.
         self.max_plan_pairs = 2 * len(pad_pairs(np.zeros((self.max_pages_per_seq, 2))))

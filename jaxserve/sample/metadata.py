@@ -16,6 +16,9 @@ from jaxserve.sampling_params import SamplingParams
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 # Smallest padded width of the penalty / banned token id arrays.
 MIN_TOKEN_IDS_LEN = 16
+# Width of the banned token id array that warm-up compiles: stop and EOS ids banned below
+# `min_tokens`. The engine refuses requests that would need more (no compile mid-serving).
+MAX_BANNED_TOKEN_IDS = 64
 
 
 @functools.partial(

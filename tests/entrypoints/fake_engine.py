@@ -23,6 +23,7 @@ class FakeEngine:
         self.fail_on = fail_on
         self.running: dict[str, tuple] = {}
         self.aborted: list[str] = []
+        self.added_at_step: dict[str, int] = {}  # steps run before each request came in
         self.num_steps = 0
 
     def add_request(self, request_id, prompt, params, *, priority=0, cache_salt=None,
@@ -33,11 +34,19 @@ class FakeEngine:
             raise ValueError("prompt is empty: it must hold at least one token")
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         self.running[request_id] = (prompt, params, [], metrics)
+        self.added_at_step[request_id] = self.num_steps
 
     def abort_request(self, request_ids):
+        outputs = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            if self.running.pop(rid, None) is not None:
+            entry = self.running.pop(rid, None)
+            if entry is not None:
                 self.aborted.append(rid)
+                prompt, _, tokens, metrics = entry
+                comp = CompletionOutput(0, "".join(f"t{t} " for t in tokens), list(tokens),
+                                        finish_reason="abort")
+                outputs.append(RequestOutput(rid, prompt, [1, 2], [comp], True, metrics))
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
 
-from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from jaxserve.sampling_params import SamplingParams
 from tests.entrypoints.fake_engine import FakeEngine
 
@@ -114,3 +115,102 @@ def test_metrics_snapshot_follows_the_engine(llm):
     assert reg.get_sample_value("jaxserve:e2e_request_latency_seconds_count", labels) == 1
     assert reg.get_sample_value("jaxserve:time_to_first_token_seconds_count", labels) == 1
     assert reg.get_sample_value("jaxserve:inter_token_latency_seconds_count", labels) == 2
+
+
+def wait_for(condition, timeout=5.0):
+    deadline = time.time() + timeout
+    while not condition() and time.time() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_abort_by_id_ends_the_consumer_with_finish_reason_abort(llm):
+    # Issue 12 item 6: `AsyncLLM.abort(id)` left the consumer blocked forever.
+    async def main():
+        outs = []
+        async for out in llm.generate("p", SamplingParams(max_tokens=10_000), "victim"):
+            outs.append(out)
+            if len(outs) == 2:
+                llm.abort("victim")
+        return outs
+
+    outs = run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert llm.engine.aborted == ["victim"] and not llm.engine.running
+
+
+def test_dropped_stream_aborts_its_request(llm):
+    # Issue 12 item 7: AsyncLLM held streams strongly, so a dropped one ran to max_tokens.
+    async def main():
+        await llm.add_request("dropped", "p", SamplingParams(max_tokens=10_000))
+        # the stream is dropped here, never iterated
+
+    run(main())
+    gc.collect()
+    assert wait_for(lambda: "dropped" in llm.engine.aborted)
+    assert not llm.engine.running
+
+
+def test_closed_consumer_loop_aborts_its_request(llm):
+    async def main():
+        return await llm.add_request("orphan", "p", SamplingParams(max_tokens=10_000))
+
+    stream = asyncio.run(main())  # the loop is closed; the stream itself is kept alive
+    assert wait_for(lambda: "orphan" in llm.engine.aborted)
+    assert stream.finished and not llm.engine.running
+
+
+def test_many_prompts_enter_the_engine_together():
+    # Issue 12 item 8: prompts of one request were admitted one per engine step.
+    llm = AsyncLLM(FakeEngine(step_seconds=0.02), log_interval=0)
+    try:
+        async def main():
+            streams = await llm.add_requests([(f"b-{i}", "p") for i in range(32)],
+                                             SamplingParams(max_tokens=3))
+            return [[out async for out in s] for s in streams]
+
+        results = run(main())
+        assert all(r[-1].finished for r in results)
+        assert len(set(llm.engine.added_at_step.values())) == 1
+    finally:
+        llm.shutdown()
+
+
+def test_batch_add_is_all_or_none(llm):
+    async def main():
+        await llm.add_requests([("ok-1", "p"), ("ok-2", "p"), ("bad", "")],
+                               SamplingParams(max_tokens=1000))
+
+    with pytest.raises(ValueError, match="prompt is empty"):
+        run(main())
+    assert wait_for(lambda: not llm.engine.running)
+    assert sorted(llm.engine.aborted) == ["ok-1", "ok-2"]
+
+
+class FailingEngine(FakeEngine):
+    """Fails one request on its own (finish_reason "error"), as LLMEngine isolates it."""
+
+    def step(self):
+        outputs = super().step()
+        for out in outputs:
+            if out.prompt == "poison":
+                out.finished, out.error = True, "ValueError: bad row"
+                out.outputs[0].finish_reason = "error"
+                self.running.pop(out.request_id, None)
+        return outputs
+
+
+def test_a_failed_request_raises_and_its_neighbours_finish():
+    llm = AsyncLLM(FailingEngine(), log_interval=0)
+    try:
+        async def main():
+            poison = asyncio.ensure_future(collect(llm, "x", 5, prompt="poison"))
+            good = await asyncio.gather(*(collect(llm, f"g{i}", 4) for i in range(8)))
+            with pytest.raises(RequestFailedError, match="bad row"):
+                await poison
+            return good
+
+        for outs in run(main()):
+            assert outs[-1].finished and outs[-1].outputs[0].token_ids == [0, 1, 2, 3]
+    finally:
+        llm.shutdown()

@@ -316,7 +316,7 @@ def test_builder_shapes_and_errors():
                                  2, 50, output_len_padded=8)
     assert md.prompt_token_ids.shape == (2, 64) and md.output_token_ids.shape == (2, 8)
     assert md.seeds.dtype == np.uint32 and md.counters.tolist() == [3, 0]
-    assert build_sampling_metadata([(SP(seed=-1), [1])], 1, 8).seeds.tolist() == [2**32 - 1]
+    assert build_sampling_metadata([(SP(seed=2**33 - 1), [1])], 1, 8).seeds.tolist() == [2**32 - 1]
     with pytest.raises(ValueError, match="num_rows_padded"):
         build_sampling_metadata([RowSpec(SP(seed=1))] * 3, 2, 10)
     with pytest.raises(ValueError, match="prompt_len_padded"):

@@ -91,12 +91,34 @@ def test_helpers():
     ({"prompt_logprobs": 100}, "prompt_logprobs"),
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"stop": "x", "detokenize": False}, "stop"),
+    # Beyond the device's int32 (issue 12: a top_k of 2**40 failed every request in the step).
+    ({"top_k": 2**40}, "top_k"),
+    ({"n": 2**31}, "n"),
+    ({"max_tokens": 2**31}, "max_tokens"),
+    ({"min_tokens": 2**31, "max_tokens": None}, "min_tokens"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+    ({"stop_token_ids": 7}, "stop_token_ids"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"stop": 3}, "stop"),
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field) as info:
         SamplingParams(**kwargs)
     value = next(iter(kwargs.values()))
     assert repr(value) in str(info.value) or str(value) in str(info.value)
+
+
+def test_too_many_stop_token_ids_is_refused():
+    with pytest.raises(ValueError, match="stop_token_ids may hold at most 1024 ids, got 1025"):
+        SamplingParams(stop_token_ids=list(range(1025)))
+
+
+def test_revalidated_copy_catches_fields_mutated_after_construction():
+    params = SamplingParams(temperature=1.0)
+    params.top_k = 2**40  # dataclass fields can be set after __post_init__ ran
+    with pytest.raises(ValueError, match="top_k"):
+        params.clone()
 
 
 def test_valid_edges():
