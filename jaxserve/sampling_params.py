@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 SAMPLING_EPS = 1e-5
 # Integers that reach the device (top_k, token ids, lengths, counters) are int32 there.
 INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 # Seeds are folded to 32 bits on the device; any non-negative 64-bit value is accepted.
 SEED_MAX = 2**64 - 1
 # Most stop token ids one request may give (checked on the host every step).
@@ -55,6 +56,9 @@ def _as_float(name: str, value: Any) -> float:
         raise ValueError(f"{name} must be a number, got {value!r}") from None
     if result != result:  # NaN passes every range comparison below
         raise ValueError(f"{name} must not be NaN, got {value!r}")
+    if abs(result) > FLOAT32_MAX and result not in (float("inf"), float("-inf")):
+        # NOTE: the device holds float32: a larger finite value would become infinity.
+        raise ValueError(f"{name} must be at most {FLOAT32_MAX:.4g} in magnitude, got {value!r}")
     return result
 
 

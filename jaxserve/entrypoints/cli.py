@@ -88,7 +88,7 @@ def _start_engine(args):
     """(AsyncLLM, served names) from the parsed engine and serving flags."""
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.engine.llm import LLM
-    from jaxserve.entrypoints.openai.api_server import default_model_name
+    from jaxserve.entrypoints.openai.serving_engine import default_model_name
     from jaxserve.metrics import ServerMetrics
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
@@ -128,10 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1/* "
-                            "(default: $JAXSERVE_API_KEY)")
+                       help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+                            "/detokenize (default: the JAXSERVE_API_KEY environment variable, "
+                            "which keeps the key out of the process list)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests may take to finish after SIGTERM")
+                       help="seconds in-flight requests may take to finish after SIGTERM "
+                            "(default 30); the rest end with an error")
+    serve.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+                       help="largest request body accepted; larger ones get a 413 "
+                            "(default 8 MiB)")
+    serve.add_argument("--max-prompts-per-request", type=int, default=256,
+                       help="most prompts one completion request may carry (default 256)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
 
@@ -145,7 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     batch = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline")
     batch.add_argument("-i", "--input-file", required=True, help="batch input JSONL (- = stdin)")
     batch.add_argument("-o", "--output-file", required=True,
-                       help="results JSONL, one line per input line (- = stdout)")
+                       help="results JSONL, one line per non-blank input line: appended as "
+                            "lines finish, rewritten in input order at the end (- = stdout, "
+                            "streamed in input order)")
+    batch.add_argument("--resume", action="store_true",
+                       help="continue an interrupted run: keep the output file's finished "
+                            "records, run only the other lines (without it the output file "
+                            "is truncated first)")
     add_engine_args(batch)
     _add_serving_args(batch)
     batch.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -194,15 +207,49 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from jaxserve.entrypoints.openai.api_server import build_app, make_server
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.engine.llm import LLM
+    from jaxserve.entrypoints.openai.api_server import (
+        build_app,
+        make_server,
+        start_in_background,
+    )
+    from jaxserve.entrypoints.openai.serving_engine import ServingLimits, default_model_name
+    from jaxserve.metrics import ServerMetrics
+    from models.default_model import default_model_path
 
-    llm, names = _start_engine(args)
-    app = build_app(llm, names, api_key=args.api_key)
-    logging.getLogger("jaxserve").info("jaxserve: serving %s on http://%s:%d", names[0],
-                                       args.host, args.port)
-    make_server(app, args.host, args.port, args.shutdown_timeout, args.uvicorn_log_level).run()
-    llm.shutdown()
-    return 0
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
+    init_distributed(args)
+    kwargs = engine_kwargs(args)
+    names = args.served_model_name or [default_model_name(kwargs["model"]
+                                                          or default_model_path())]
+    limits = ServingLimits(max_prompts_per_request=args.max_prompts_per_request)
+    app = build_app(None, names, api_key=args.api_key, limits=limits,
+                    max_body_bytes=args.max_request_body_bytes)
+    server = make_server(app, args.host, args.port, args.shutdown_timeout,
+                         args.uvicorn_log_level)
+
+    def build(startup):
+        # NOTE: the server listens while the model loads and warms up: /health answers
+        # 503 with the progress, /v1/* a 503 error, until the engine is attached.
+        warmup = kwargs.pop("warmup", True)
+        engine = LLM(**kwargs, warmup=False).engine
+        startup.engine = engine
+        if warmup:
+            startup.phase = "warm-up"
+            engine.warmup()
+        return AsyncLLM(engine, ServerMetrics(names[0]), args.log_interval)
+
+    def failed(_):
+        server.should_exit = True
+
+    start_in_background(app, build, on_error=failed)
+    logging.getLogger("jaxserve").info("jaxserve: serving %s on http://%s:%d (starting)",
+                                       names[0], args.host, args.port)
+    server.run()
+    if app.state.llm is not None:
+        app.state.llm.shutdown()
+    return 1 if app.state.startup.error else 0
 
 
 def cmd_chat(args) -> int:
@@ -223,16 +270,33 @@ def cmd_chat(args) -> int:
 
 
 def cmd_run_batch(args) -> int:
-    from jaxserve.entrypoints.run_batch import run_batch_file
+    import signal
 
+    from jaxserve.entrypoints.run_batch import check_paths, run_batch_file
+
+    check_paths(args.input_file, args.output_file, args.resume)  # before the slow model load
     llm, names = _start_engine(args)
+    caught = []
+
+    def on_sigterm(signum, frame):
+        caught.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         counts = run_batch_file(llm, names, args.input_file, args.output_file,
-                                use_tqdm=not args.no_progress)
+                                use_tqdm=not args.no_progress, resume=args.resume)
+    except KeyboardInterrupt:
+        where = "" if args.output_file == "-" else \
+            f"; the finished lines are in {args.output_file}: rerun with --resume to complete it"
+        print(f"[jaxserve] run-batch interrupted{where}", file=sys.stderr)
+        return 128 + (caught[0] if caught else signal.SIGINT)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         llm.shutdown()
     print(f"[jaxserve] {counts['total']} requests: {counts['succeeded']} succeeded, "
-          f"{counts['failed']} failed; wrote {args.output_file}", file=sys.stderr)
+          f"{counts['failed']} failed, {counts['skipped']} skipped (done by an earlier run); "
+          f"wrote {args.output_file}", file=sys.stderr)
     return 0
 
 

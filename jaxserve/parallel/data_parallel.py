@@ -96,6 +96,10 @@ class DataParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
+    def warmup(self) -> float:
+        """Compiles every replica's buckets (for engines built with warmup=False)."""
+        return sum(r.warmup() for r in self.replicas)
+
     def get_num_unfinished_requests(self) -> int:
         return sum(r.get_num_unfinished_requests() for r in self.replicas)
 

@@ -140,6 +140,8 @@ class ModelRunner:
         # compiling in the same process are not counted).
         self.num_compilations = 0
         self.warmup_seconds = 0.0
+        # (buckets compiled, buckets in all) while warm-up runs; read by `/health`.
+        self.warmup_progress = (0, len(self.buckets))
 
     # --------------------------------------------------------------- step
     def step_shape(self, out: SchedulerOutput) -> tuple[int, int]:
@@ -258,7 +260,10 @@ class ModelRunner:
             Seconds spent.
         """
         start = time.perf_counter()
-        for num_tokens in tqdm(self.buckets, desc="jaxserve warm-up", unit="bucket"):
+        self.warmup_progress = (0, len(self.buckets))
+        for done, num_tokens in enumerate(tqdm(self.buckets, desc="jaxserve warm-up",
+                                               unit="bucket")):
+            self.warmup_progress = (done, len(self.buckets))
             num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)
             # NOTE: dummy requests of at most max_model_len tokens each (a bucket may be
             # larger than one sequence's block table), all in the null page.
@@ -282,5 +287,6 @@ class ModelRunner:
                 self.kv_pages = self.swap.swap_in(self.kv_pages, scratch[:, ::-1])
             n *= 2
         self.num_padded_tokens = self.num_scheduled_tokens = self.num_compilations = 0
+        self.warmup_progress = (len(self.buckets), len(self.buckets))
         self.warmup_seconds = time.perf_counter() - start
         return self.warmup_seconds

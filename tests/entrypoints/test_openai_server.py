@@ -9,6 +9,8 @@ import pytest
 
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
 PROMPT = "Once upon a time"
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
@@ -97,7 +99,8 @@ def test_stop_and_vllm_sampling_extras(client):
 def test_token_id_prompts_and_echo(client, server):
     import httpx
 
-    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT},
+                     headers=AUTH).json()["tokens"]
     r = client.completions.create(model=MODEL_NAME, prompt=[ids, ids[:2]], max_tokens=3,
                                   temperature=0, echo=True)
     assert [c.index for c in r.choices] == [0, 1]
@@ -108,11 +111,13 @@ def test_token_id_prompts_and_echo(client, server):
 def test_tokenize_and_detokenize(server):
     import httpx
 
-    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()
+    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}, headers=AUTH).json()
     assert tok["count"] == len(tok["tokens"]) == 4 and tok["max_model_len"] == 256
-    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json()
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]},
+                      headers=AUTH).json()
     assert text == {"prompt": PROMPT}
-    chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES},
+                      headers=AUTH).json()
     assert chat["count"] > tok["count"]
 
 

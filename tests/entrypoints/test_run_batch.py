@@ -1,10 +1,14 @@
-"""`run-batch` (every line answered, in order, reproducibly) and the interactive `chat` loop."""
+"""`run-batch` (every line answered, in order, reproducibly; SIGKILL then `--resume`) and `chat`."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -49,7 +53,7 @@ def run(llm, tmp_path, name):
 
 def test_every_line_gets_a_record_in_order_and_reruns_agree(llm, tmp_path):
     counts, records = run(llm, tmp_path, "first")
-    assert counts == {"total": 9, "succeeded": 4, "failed": 5}
+    assert counts == {"total": 9, "succeeded": 4, "failed": 5, "skipped": 0}
     assert [r["custom_id"] for r in records] == [
         "c1", "chat1", None, "c2", "no-url", "bad-url", "neg", "who", "c3"]
     by_id = {r["custom_id"]: r for r in records}
@@ -87,3 +91,70 @@ def test_chat_loop_streams_replies_and_keeps_history(llm):
     assert replies == 2
     text = stdout.getvalue()
     assert "[conversation cleared]" in text and len(text.strip().splitlines()) == 3
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CLI_LIMITS = ["--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+              "--num-kv-blocks", "64", "--compilation-cache-dir", os.path.join(REPO, ".jax_cache"),
+              "--no-progress", "--log-interval", "0"]
+
+
+def kill_batch() -> list[str]:
+    """24 greedy lines of varied lengths (some finish early), completions and chat."""
+    lines = []
+    for i in range(24):
+        body = {"max_tokens": [2, 3, 4, 8, 12, 16][i % 6], "ignore_eos": True}
+        if i % 4 == 3:
+            lines.append(line(f"r{i}", url="/v1/chat/completions", **body,
+                              messages=[{"role": "user", "content": f"Count to {i}."}]))
+        else:
+            lines.append(line(f"r{i}", prompt=f"Story {i}: once upon a time", **body))
+    return lines
+
+
+def comparable(records) -> list:
+    """Order, status, choices (text or message, finish_reason) and token counts of records."""
+    out = []
+    for r in records:
+        body = r["response"]["body"]
+        out.append((r["custom_id"], r["response"]["status_code"],
+                    [(c.get("text", c.get("message")), c["finish_reason"])
+                     for c in body["choices"]],
+                    body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]))
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_midway_keeps_finished_lines_and_resume_completes_them(llm, smollm2_path,
+                                                                     tmp_path):
+    src, dst, ref = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
+    src.write_text("\n".join(kill_batch()) + "\n")
+    cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "run-batch", "-i", str(src),
+           "-o", str(dst), "--model", smollm2_path, *CLI_LIMITS]
+    with open(tmp_path / "killed.log", "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while proc.poll() is None and time.time() < deadline:
+                if dst.exists() and dst.read_bytes().count(b"\n") >= 4:
+                    break
+                time.sleep(0.1)
+        finally:
+            proc.kill()  # SIGKILL: no handler, no cleanup
+            proc.wait(60)
+    assert proc.returncode == -9, (tmp_path / "killed.log").read_text()[-3000:]
+    left = [json.loads(x) for x in dst.read_bytes().split(b"\n")[:-1]]  # each one whole JSON
+    assert 4 <= len(left) < 24 and dst.read_bytes().endswith(b"\n")
+
+    done = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"24 requests: 24 succeeded, 0 failed, {len(left)} skipped" in done.stderr
+    resumed = [json.loads(x) for x in dst.read_text().splitlines()]
+
+    run_batch_file(llm, [MODEL_NAME], str(src), str(ref), use_tqdm=False)  # uninterrupted
+    reference = [json.loads(x) for x in ref.read_text().splitlines()]
+    assert [r["custom_id"] for r in resumed] == [f"r{i}" for i in range(24)]
+    assert comparable(resumed) == comparable(reference)
+    ids = {r["custom_id"]: r["id"] for r in resumed}
+    assert all(ids[r["custom_id"]] == r["id"] for r in left)  # kept, not rerun

@@ -101,6 +101,7 @@ def test_helpers():
     ({"seed": -1}, "seed"),
     ({"seed": 2**64}, "seed"),
     ({"stop": 3}, "stop"),
+    ({"temperature": 1e308}, "temperature"),  # infinite once in float32 on the device
 ])
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field) as info:

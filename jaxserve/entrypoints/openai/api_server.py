@@ -1,13 +1,16 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes, error bodies, API key gate, graceful stop."""
+"""The OpenAI-compatible HTTP server: FastAPI routes, JSON errors for everything, start-up in
+the background (503 with progress until warm), and a graceful drain on SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import hmac
+import dataclasses
+import functools
 import logging
-import os
-import re
 import signal
+import threading
+import time
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -17,78 +20,105 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxserve.entrypoints.openai.errors import OpenAIError, error_body
+from jaxserve.entrypoints.openai.gate import DEFAULT_MAX_BODY_BYTES, ServerGate
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxserve.entrypoints.openai.serving_engine import OpenAIError, error_body
+from jaxserve.entrypoints.openai.serving_engine import (  # noqa: F401 - re-exported
+    ServingLimits,
+    default_model_name,
+)
 from jaxserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("jaxserve")
-_QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 
 
-def default_model_name(source) -> str:
-    """A served name from a model path: `.../SmolLM2-135M-Instruct.Q4_1.gguf` gives
-    `SmolLM2-135M-Instruct`; a directory gives its own name."""
-    name = os.path.basename(os.path.normpath(str(source)))
-    if name.lower().endswith(".gguf"):
-        name = _QUANT_SUFFIX.sub("", name[:-5])
-    return name or "jaxserve-model"
+class Startup:
+    """What `/health` reports while the engine loads and warms up in the background."""
+
+    def __init__(self):
+        self.phase = "loading the model"
+        self.engine = None  # the engine, once built (warm-up progress is read from it)
+        self.error: str | None = None
+
+    def status(self) -> dict:
+        """`{"status": "starting"|"failed", "detail", ["warmup": "3/6 buckets"]}`."""
+        out = {"status": "failed" if self.error else "starting",
+               "detail": self.error or self.phase}
+        runner = getattr(self.engine, "runner", None)
+        if runner is not None and self.phase.startswith("warm"):
+            done, total = runner.warmup_progress
+            out["warmup"] = f"{done}/{total} buckets"
+            out["detail"] = f"warm-up {done}/{total} buckets"
+        return out
 
 
-class GateMiddleware:
-    """ASGI middleware: Bearer API key on `/v1/*` (like vLLM), and 503 while draining."""
+def _guard(handler):
+    """Every failure of a route becomes an OpenAI-style JSON body (never a bare 500 that
+    breaks the connection)."""
 
-    def __init__(self, app, api_key: str | None, state):
-        self.app, self.api_key, self.state = app, api_key, state
+    @functools.wraps(handler)
+    async def run(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except OpenAIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        except EngineDeadError as e:
+            return JSONResponse(error_body(503, str(e)), status_code=503)
+        except RecursionError:
+            return JSONResponse(error_body(400, "request is nested too deeply"), 400)
+        except Exception as e:  # noqa: BLE001 - the client gets JSON; the log gets the trace
+            logger.exception("jaxserve: internal error")
+            return JSONResponse(error_body(500, f"internal error: {type(e).__name__}: {e}"),
+                                status_code=500)
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] == "OPTIONS":
-            return await self.app(scope, receive, send)
-        if getattr(self.state, "draining", False) and scope["path"] != "/health":
-            response = JSONResponse(error_body(503, "the server is shutting down"), 503)
-            return await response(scope, receive, send)
-        if self.api_key and scope["path"].startswith("/v1"):
-            headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                body = error_body(401, "Invalid or missing API key (expected "
-                                       "'Authorization: Bearer <key>').")
-                response = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
-                return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+    return run
 
 
-def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              shutdown_engine: bool = True) -> FastAPI:
+def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str | None = None,
+              shutdown_engine: bool = True, limits: ServingLimits | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app over an engine.
 
     Args:
-        llm: The async engine (its `metrics` registry backs `/metrics`).
+        llm: The async engine, or None while it is still starting (call `app.state.attach`
+            with it once built; until then `/health` and `/v1/*` answer 503).
         served_model_names: Names clients may use; the first is reported.
-        api_key: Require `Authorization: Bearer <api_key>` on `/v1/*` when set.
+        api_key: Require `Authorization: Bearer <api_key>` on `/v1/*`, `/tokenize` and
+            `/detokenize` when set.
         shutdown_engine: Shut the engine down when the app's lifespan ends.
+        limits: Per-request limits (prompts per request, prompt length pre-check).
+        max_body_bytes: Largest request body (413 beyond).
     """
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        app.state.loop = asyncio.get_running_loop()
         yield
-        if shutdown_engine:
-            llm.shutdown()
+        if shutdown_engine and app.state.llm is not None:
+            await asyncio.to_thread(app.state.llm.shutdown)
 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan)
-    app.state.draining = False
-    app.add_middleware(GateMiddleware, api_key=api_key, state=app.state)
-    completion = OpenAIServingCompletion(llm, served_model_names)
-    chat = OpenAIServingChat(llm, served_model_names)
-    tokenization = OpenAIServingTokenization(llm, served_model_names)
+    state = app.state
+    state.llm, state.ready, state.draining = None, False, False
+    state.startup = Startup()
+    state.startup_status = state.startup.status
+    app.add_middleware(ServerGate, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
 
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(_, e: OpenAIError):
-        return JSONResponse(e.body(), status_code=e.status)
+    def attach(engine: AsyncLLM) -> None:
+        lim = limits or ServingLimits()
+        if lim.max_chars_per_token is None:
+            vocab = getattr(engine.tokenizer, "get_vocab", dict)()
+            per_token = max((len(t) for t in vocab), default=0)
+            lim = dataclasses.replace(lim, max_chars_per_token=per_token)
+        state.completion = OpenAIServingCompletion(engine, served_model_names, lim)
+        state.chat = OpenAIServingChat(engine, served_model_names, lim)
+        state.tokenization = OpenAIServingTokenization(engine, served_model_names, lim)
+        state.llm, state.ready = engine, True
 
-    @app.exception_handler(EngineDeadError)
-    async def _engine_dead(_, e: EngineDeadError):
-        return JSONResponse(error_body(503, str(e)), status_code=503)
+    state.attach = attach
+    if llm is not None:
+        attach(llm)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, e: StarletteHTTPException):
@@ -101,34 +131,47 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
                                  headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions")
+    @_guard
     async def completions(request: Request):
-        return respond(await completion.create(await request.body(), request.is_disconnected))
+        return respond(await state.completion.create(await request.body(),
+                                                     request.is_disconnected))
 
     @app.post("/v1/chat/completions")
+    @_guard
     async def chat_completions(request: Request):
-        return respond(await chat.create(await request.body(), request.is_disconnected))
+        return respond(await state.chat.create(await request.body(), request.is_disconnected))
 
     @app.get("/v1/models")
+    @_guard
     async def models():
-        return JSONResponse(tokenization.models())
+        return JSONResponse(state.tokenization.models())
 
     @app.post("/tokenize")
+    @_guard
     async def tokenize(request: Request):
-        return JSONResponse(tokenization.tokenize(await request.body()))
+        return JSONResponse(await state.tokenization.tokenize(await request.body()))
 
     @app.post("/detokenize")
+    @_guard
     async def detokenize(request: Request):
-        return JSONResponse(tokenization.detokenize(await request.body()))
+        return JSONResponse(await state.tokenization.detokenize(await request.body()))
 
     @app.get("/health")
     async def health():
-        if not llm.is_running:
-            return JSONResponse(error_body(503, "the engine is not running"), 503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, 503)
+        if not state.ready:
+            return JSONResponse(state.startup.status(), 503)
+        if not state.llm.is_running:
+            return JSONResponse({"status": "dead", "detail": "the engine is not running"}, 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(llm.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        if state.llm is None:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(state.llm.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():
@@ -137,25 +180,91 @@ def build_app(llm: AsyncLLM, served_model_names: list[str], api_key: str | None 
     return app
 
 
-class GracefulServer(uvicorn.Server):
-    """uvicorn server whose SIGTERM/SIGINT first stops admission, then lets in-flight
-    requests finish (up to `timeout_graceful_shutdown`, then they are aborted)."""
+def start_in_background(app: FastAPI, build, on_error=None) -> threading.Thread:
+    """Runs `build(startup) -> AsyncLLM` in a thread and attaches the engine when done.
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI):
+    `build` may set `startup.phase` and `startup.engine` to report progress. A failure is
+    logged, reported by `/health` ("failed"), and passed to `on_error(exception)`.
+    """
+
+    def run():
+        startup = app.state.startup
+        try:
+            app.state.attach(build(startup))
+            logger.info("jaxserve: ready")
+        except Exception as e:  # noqa: BLE001 - reported by /health and the log
+            logger.error("jaxserve: start-up failed: %s", e)
+            startup.error = f"start-up failed: {type(e).__name__}: {e}"
+            if on_error is not None:
+                on_error(e)
+
+    thread = threading.Thread(target=run, name="jaxserve-startup", daemon=True)
+    thread.start()
+    return thread
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn server whose first SIGTERM/SIGINT drains: new requests get a 503 while the
+    listener stays open, in-flight ones may finish for `drain_timeout` seconds, the rest
+    end with an error (an error event and `[DONE]` for streams), then the server exits
+    with status 0. A second SIGINT exits at once."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float = 30.0):
         super().__init__(config)
         self.app = app
+        self.drain_timeout = drain_timeout
 
     def handle_exit(self, sig, frame) -> None:
-        if not self.app.state.draining:
-            logger.info("jaxserve: got %s; no new requests, finishing in-flight ones",
-                        signal.Signals(sig).name if sig else "stop")
-        self.app.state.draining = True
-        super().handle_exit(sig, frame)
+        state = self.app.state
+        if state.draining:
+            self.should_exit = True
+            if sig == signal.SIGINT:
+                self.force_exit = True
+            return
+        state.draining = True
+        logger.info("jaxserve: got %s; no new requests, finishing in-flight ones (up to "
+                    "%.0fs)", signal.Signals(sig).name if sig else "stop", self.drain_timeout)
+        loop = getattr(state, "loop", None)
+        if loop is None or loop.is_closed():
+            self.should_exit = True
+            return
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        state = self.app.state
+        gate = getattr(state, "gate", None)
+        deadline = time.monotonic() + self.drain_timeout
+        while gate is not None and gate.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if gate is not None and gate.in_flight:
+            logger.warning("jaxserve: ending %d requests still running after %.0fs",
+                           gate.in_flight, self.drain_timeout)
+            if state.llm is not None:
+                await asyncio.to_thread(state.llm.shutdown)
+            end = time.monotonic() + 10
+            while gate.in_flight and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # NOTE: uvicorn re-raises a caught SIGTERM after shutting down (exit status 143);
+        # a drained server exits normally instead.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
                 shutdown_timeout: float | None = 30.0, log_level: str = "info") -> GracefulServer:
-    """A uvicorn server for `app` (run it with `.run()`; `handle_exit` stops it)."""
+    """A uvicorn server for `app` (run it with `.run()`; `handle_exit` drains and stops it)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=shutdown_timeout, access_log=False)
-    return GracefulServer(config, app)
+                            timeout_graceful_shutdown=5, access_log=False)
+    return GracefulServer(config, app, 30.0 if shutdown_timeout is None else shutdown_timeout)

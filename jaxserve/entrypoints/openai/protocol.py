@@ -10,9 +10,14 @@ from jaxserve.sampling_params import SamplingParams
 
 
 class OpenAIBaseModel(BaseModel):
-    """Base of every request body: unknown fields are ignored, as vLLM does."""
+    """Base of every request body: unknown fields are ignored, as vLLM does.
 
-    model_config = ConfigDict(extra="ignore")
+    NOTE: strict types: a string or a bool is never coerced into a number (`max_tokens:
+    true` or `"16"` is a 400), nor a string into a bool (`stream: "yes"`); integers are
+    accepted where a float is expected.
+    """
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(OpenAIBaseModel):

@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
-from jaxserve.engine.async_llm import EngineDeadError
+from jaxserve.entrypoints.chat_template import ChatTemplateError, render_chat
 from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from jaxserve.entrypoints.openai.serving_engine import (
+    SAMPLING_FIELDS,
     OpenAIError,
     OpenAIServing,
-    error_body,
+    Prepared,
+    deltas,
     from_value_error,
-    merge_streams,
     now,
-    parse_body,
-    random_id,
-    sse,
     usage,
-    visible_text,
 )
 from jaxserve.outputs import CompletionOutput
-from jaxserve.sampling_params import SamplingParams
 
-_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
-    "logit_bias", "top_logprobs", "messages", "max_completion_tokens"}
+_FIELDS = SAMPLING_FIELDS | {"logit_bias", "top_logprobs", "messages", "max_completion_tokens"}
 
 
 def _entry(token: str, logprob: float) -> dict:
@@ -47,60 +41,72 @@ def chat_logprobs(comp: CompletionOutput, start: int, top: int, tokenizer) -> di
     return {"content": content}
 
 
-def render_messages(tokenizer, messages: list[ChatMessage], **kwargs) -> list[int]:
-    """Token ids of `messages` through the chat template (a 400 naming `messages` on failure)."""
+def render_messages(tokenizer, messages: list[ChatMessage], *, chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None
+                    ) -> list[int]:
+    """Token ids of `messages` through the chat template (bounded in time and size).
+
+    Raises:
+        OpenAIError: 400 naming `messages`, `chat_template` or `chat_template_kwargs`.
+    """
     try:
-        ids = tokenizer.apply_chat_template(
-            [m.as_template_message() for m in messages], tokenize=True, return_dict=False,
-            **{k: v for k, v in kwargs.items() if v is not None})
-    except OpenAIError:
-        raise
-    except Exception as e:  # noqa: BLE001 - template errors are the client's
-        raise OpenAIError(400, f"messages: cannot apply the chat template: {e}",
-                          "messages") from None
-    return list(ids)
+        plain = [m.as_template_message() for m in messages]
+    except ValueError as e:
+        raise OpenAIError(400, str(e), "messages") from None
+    try:
+        ids = render_chat(tokenizer, plain, chat_template=chat_template,
+                          add_generation_prompt=add_generation_prompt,
+                          continue_final_message=continue_final_message, tools=tools,
+                          template_kwargs=template_kwargs)
+    except ChatTemplateError as e:
+        raise OpenAIError(400, str(e), e.param) from None
+    if not ids:
+        raise OpenAIError(400, "the chat template rendered an empty prompt",
+                          "chat_template" if chat_template is not None else "messages")
+    return ids
 
 
 class OpenAIServingChat(OpenAIServing):
     """Handles chat completion requests."""
 
-    async def create(self, body, is_disconnected: Callable[[], Awaitable[bool]] | None = None):
-        """Answers one request: a response dict, or an async iterator of SSE lines.
+    request_model = ChatCompletionRequest
+    id_prefix = "chatcmpl"
 
-        Raises:
-            OpenAIError: A bad request (400), unknown model (404), engine gone (503).
-        """
-        req = parse_body(body, ChatCompletionRequest)
-        self.check_model(req.model)
+    def prepare(self, req: ChatCompletionRequest) -> Prepared:
+        """Sampling parameters and the rendered conversation, checked against max_model_len."""
+        limit_name = "max_completion_tokens" if req.max_completion_tokens is not None \
+            else "max_tokens"
         try:
             params = req.to_sampling_params()
             if req.continue_final_message and req.add_generation_prompt:
                 raise ValueError("messages: continue_final_message needs "
                                  "add_generation_prompt=false")
         except ValueError as e:
-            raise from_value_error(e, _FIELDS) from None
-        kwargs = dict(req.chat_template_kwargs or {})
-        ids = render_messages(self.tokenizer, req.messages,
+            raise from_value_error(e, _FIELDS, {"max_tokens": limit_name}) from None
+        chars = sum(len(m.as_template_message()["content"] or "") for m in req.messages
+                    if isinstance(m.content, str))
+        per_token = self.limits.max_chars_per_token
+        if per_token and chars > 2 * per_token * self.max_model_len:
+            raise OpenAIError(400, f"This model's maximum context length is "
+                                   f"{self.max_model_len} tokens. However, your messages "
+                                   f"have {chars} characters, more than that many tokens "
+                                   "can hold.", "messages")
+        ids = render_messages(self.tokenizer, req.messages, chat_template=req.chat_template,
                               add_generation_prompt=req.add_generation_prompt,
-                              continue_final_message=req.continue_final_message or None,
-                              chat_template=req.chat_template, **kwargs)
-        self.check_length(len(ids), params, "messages")
-        request_id = random_id("chatcmpl")
-        streams = await self.start(request_id, [{"prompt_token_ids": ids}], params,
-                                   req.priority, req.cache_salt)
+                              continue_final_message=req.continue_final_message,
+                              template_kwargs=req.chat_template_kwargs)
+        self.check_length(len(ids), params, "messages", limit_name)
         last = req.messages[-1]
         echo = last.as_template_message()["content"] if req.echo and last.role == "assistant" \
             else ""
-        if req.stream:
-            return self._stream(req, params, request_id, streams, echo)
-        final = None
-        async for _, out in merge_streams(streams):
-            final = out
-            if is_disconnected is not None and not out.finished and await is_disconnected():
-                raise OpenAIError(499, "client disconnected")
+        return Prepared(params, [{"prompt_token_ids": ids}], {"echo": echo})
+
+    def full_response(self, req, prep, request_id, finals) -> dict:
+        params, final = prep.params, finals[0]
         choices = [{
             "index": comp.index,
-            "message": {"role": "assistant", "content": echo + comp.text},
+            "message": {"role": "assistant", "content": prep.extra["echo"] + comp.text},
             "logprobs": chat_logprobs(comp, 0, params.logprobs, self.tokenizer)
             if params.logprobs is not None else None,
             "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
@@ -108,43 +114,21 @@ class OpenAIServingChat(OpenAIServing):
         return {"id": request_id, "object": "chat.completion", "created": now(),
                 "model": self.model_name, "choices": choices, "usage": usage([final])}
 
-    async def _stream(self, req, params: SamplingParams, request_id, streams,
-                      echo: str) -> AsyncIterator[str]:
-        created, n = now(), params.n
-        sent_text, sent_tokens, done = [0] * n, [0] * n, [False] * n
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+    async def stream_events(self, req, prep, request_id, streams) -> AsyncIterator[dict]:
+        params = prep.params
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": now(),
                 "model": self.model_name}
-        final = None
-        try:
-            for c in range(n):
-                yield sse({**head, "choices": [{
-                    "index": c, "delta": {"role": "assistant", "content": echo},
-                    "logprobs": None, "finish_reason": None}]})
-            async for _, out in merge_streams(streams):
-                final = out
-                for comp in out.outputs:
-                    c = comp.index
-                    if done[c]:
-                        continue
-                    text = visible_text(comp, params)
-                    delta, start = text[sent_text[c]:], sent_tokens[c]
-                    if not delta and len(comp.token_ids) == start and not comp.finish_reason:
-                        continue
-                    logprobs = chat_logprobs(comp, start, params.logprobs, self.tokenizer) \
-                        if params.logprobs is not None else None
-                    sent_text[c], sent_tokens[c] = len(text), len(comp.token_ids)
-                    done[c] = comp.finish_reason is not None
-                    yield sse({**head, "choices": [{
-                        "index": c, "delta": {"content": delta} if delta else {},
-                        "logprobs": logprobs, "finish_reason": comp.finish_reason,
-                        "stop_reason": comp.stop_reason}]})
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": usage([final])})
-        except OpenAIError as e:
-            yield sse(e.body())
-        except EngineDeadError as e:
-            yield sse(error_body(503, str(e)))
-        except Exception as e:  # noqa: BLE001 - reported in-band: the headers are sent
-            yield sse(error_body(500, str(e)))
-        yield sse("[DONE]")
+        for c in range(params.n):
+            yield {**head, "choices": [{
+                "index": c, "delta": {"role": "assistant", "content": prep.extra["echo"]},
+                "logprobs": None, "finish_reason": None}]}
+        finals = [None]
+        async for d in deltas(streams, params, finals):
+            logprobs = chat_logprobs(d.comp, d.token_start, params.logprobs, self.tokenizer) \
+                if params.logprobs is not None else None
+            yield {**head, "choices": [{
+                "index": d.comp.index, "delta": {"content": d.text} if d.text else {},
+                "logprobs": logprobs, "finish_reason": d.comp.finish_reason,
+                "stop_reason": d.comp.stop_reason}]}
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield {**head, "choices": [], "usage": usage(finals)}

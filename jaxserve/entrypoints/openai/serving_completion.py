@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
-from jaxserve.engine.async_llm import EngineDeadError
 from jaxserve.entrypoints.openai.protocol import CompletionRequest
 from jaxserve.entrypoints.openai.serving_engine import (
+    SAMPLING_FIELDS,
     OpenAIError,
     OpenAIServing,
-    error_body,
+    Prepared,
+    deltas,
     from_value_error,
-    merge_streams,
     now,
-    parse_body,
-    random_id,
-    sse,
     usage,
-    visible_text,
 )
 from jaxserve.outputs import CompletionOutput
-from jaxserve.sampling_params import SamplingParams
 
-_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} | {
-    "logit_bias", "suffix", "best_of", "prompt"}
+_FIELDS = SAMPLING_FIELDS | {"logit_bias", "suffix", "best_of", "prompt"}
 
 
 def _token_text(entry: dict, token_id: int, tokenizer) -> tuple[str, float]:
@@ -52,58 +45,49 @@ def completion_logprobs(comp: CompletionOutput, start: int, offset: int, tokeniz
 class OpenAIServingCompletion(OpenAIServing):
     """Handles completion requests."""
 
-    def _prompts(self, req: CompletionRequest) -> list[dict]:
-        """Each prompt as `{"prompt": text or None, "prompt_token_ids": ids}`."""
+    request_model = CompletionRequest
+    id_prefix = "cmpl"
+
+    def prepare(self, req: CompletionRequest) -> Prepared:
+        """Sampling parameters and tokenized prompts (each checked against max_model_len)."""
+        try:
+            params = req.to_sampling_params()
+        except ValueError as e:
+            raise from_value_error(e, _FIELDS) from None
         p = req.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             p = [p]
         if not p:
             raise OpenAIError(400, "prompt must not be empty", "prompt")
+        limit = self.limits.max_prompts_per_request
+        if len(p) > limit:
+            raise OpenAIError(400, f"prompt: at most {limit} prompts per request, got "
+                                   f"{len(p)}", "prompt")
+        vocab = self.vocab_size or 2**31
         prompts = []
         for item in p:
             if isinstance(item, str):
                 prompts.append({"prompt": item, "prompt_token_ids": self.encode(item)})
             else:
+                bad = [t for t in item if not 0 <= t < vocab]
+                if bad:
+                    raise OpenAIError(400, f"prompt holds token ids outside [0, {vocab}): "
+                                           f"{bad[:5]}", "prompt")
                 prompts.append({"prompt": None, "prompt_token_ids": list(item)})
             if not prompts[-1]["prompt_token_ids"]:
                 raise OpenAIError(400, "prompt must not be empty", "prompt")
-        return prompts
-
-    async def create(self, body, is_disconnected: Callable[[], Awaitable[bool]] | None = None):
-        """Answers one request: a response dict, or an async iterator of SSE lines.
-
-        Raises:
-            OpenAIError: A bad request (400), unknown model (404), engine gone (503).
-        """
-        req = parse_body(body, CompletionRequest)
-        self.check_model(req.model)
-        try:
-            params = req.to_sampling_params()
-        except ValueError as e:
-            raise from_value_error(e, _FIELDS) from None
-        prompts = self._prompts(req)
-        for p in prompts:
-            self.check_length(len(p["prompt_token_ids"]), params, "prompt")
-        request_id = random_id("cmpl")
-        streams = await self.start(request_id, prompts, params, req.priority, req.cache_salt)
-        if req.stream:
-            return self._stream(req, params, request_id, prompts, streams)
-        return await self._full(req, params, request_id, prompts, streams, is_disconnected)
+            self.check_length(len(prompts[-1]["prompt_token_ids"]), params, "prompt")
+        return Prepared(params, prompts)
 
     def _echo(self, req: CompletionRequest, prompt: dict) -> str:
         if not req.echo:
             return ""
         return prompt["prompt"] or self.tokenizer.decode(prompt["prompt_token_ids"])
 
-    async def _full(self, req, params, request_id, prompts, streams, is_disconnected) -> dict:
-        finals = [None] * len(streams)
-        async for i, out in merge_streams(streams):
-            finals[i] = out
-            if is_disconnected is not None and not out.finished and await is_disconnected():
-                raise OpenAIError(499, "client disconnected")
-        choices = []
+    def full_response(self, req, prep, request_id, finals) -> dict:
+        params, choices = prep.params, []
         for i, out in enumerate(finals):
-            echo = self._echo(req, prompts[i])
+            echo = self._echo(req, prep.prompts[i])
             for comp in out.outputs:
                 choices.append({
                     "index": i * params.n + comp.index, "text": echo + comp.text,
@@ -113,45 +97,22 @@ class OpenAIServingCompletion(OpenAIServing):
         return {"id": request_id, "object": "text_completion", "created": now(),
                 "model": self.model_name, "choices": choices, "usage": usage(finals)}
 
-    async def _stream(self, req, params: SamplingParams, request_id, prompts,
-                      streams) -> AsyncIterator[str]:
-        created = now()
-        n = params.n
-        sent_text = [[0] * n for _ in streams]
-        sent_tokens = [[0] * n for _ in streams]
-        done = [[False] * n for _ in streams]
+    async def stream_events(self, req, prep, request_id, streams) -> AsyncIterator[dict]:
+        params, created = prep.params, now()
+        head = {"id": request_id, "object": "text_completion", "created": created,
+                "model": self.model_name}
         finals = [None] * len(streams)
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        try:
-            async for i, out in merge_streams(streams):
-                finals[i] = out
-                for comp in out.outputs:
-                    c = comp.index
-                    if done[i][c]:
-                        continue
-                    text = visible_text(comp, params)
-                    delta, start = text[sent_text[i][c]:], sent_tokens[i][c]
-                    if not delta and len(comp.token_ids) == start and not comp.finish_reason:
-                        continue
-                    if sent_text[i][c] == 0 and sent_tokens[i][c] == 0:
-                        delta = self._echo(req, prompts[i]) + delta
-                    logprobs = completion_logprobs(comp, start, sent_text[i][c], self.tokenizer) \
-                        if params.logprobs is not None else None
-                    sent_text[i][c], sent_tokens[i][c] = len(text), len(comp.token_ids)
-                    done[i][c] = comp.finish_reason is not None
-                    yield sse({"id": request_id, "object": "text_completion",
-                               "created": created, "model": self.model_name,
-                               "choices": [{"index": i * n + c, "text": delta,
-                                            "logprobs": logprobs,
-                                            "finish_reason": comp.finish_reason,
-                                            "stop_reason": comp.stop_reason}]})
-            if include_usage:
-                yield sse({"id": request_id, "object": "text_completion", "created": created,
-                           "model": self.model_name, "choices": [], "usage": usage(finals)})
-        except OpenAIError as e:
-            yield sse(e.body())
-        except EngineDeadError as e:
-            yield sse(error_body(503, str(e)))
-        except Exception as e:  # noqa: BLE001 - reported in-band: the headers are sent
-            yield sse(error_body(500, str(e)))
-        yield sse("[DONE]")
+        sent = {}  # (prompt, completion) -> characters of text already streamed
+        async for d in deltas(streams, params, finals):
+            key = (d.prompt_index, d.comp.index)
+            offset = sent.get(key, 0)
+            text = (self._echo(req, prep.prompts[d.prompt_index]) if d.first else "") + d.text
+            logprobs = completion_logprobs(d.comp, d.token_start, offset, self.tokenizer) \
+                if params.logprobs is not None else None
+            sent[key] = offset + len(d.text)
+            yield {**head, "choices": [{"index": d.prompt_index * params.n + d.comp.index,
+                                        "text": text, "logprobs": logprobs,
+                                        "finish_reason": d.comp.finish_reason,
+                                        "stop_reason": d.comp.stop_reason}]}
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield {**head, "choices": [], "usage": usage(finals)}

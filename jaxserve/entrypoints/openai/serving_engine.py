@@ -1,84 +1,94 @@
-"""What completions, chat and tokenization share: errors, model check, prompts, request fan-out."""
+"""What completions and chat share: the request flow (prepare off the event loop, add all
+prompts at once, answer whole or streamed), per-completion deltas, usage and SSE framing."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
-from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from jaxserve.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+)
+from jaxserve.entrypoints.openai.errors import (  # noqa: F401 - re-exported
+    OpenAIError,
+    error_body,
+    from_validation_error,
+    from_value_error,
+    parse_body,
+)
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 
 
-class OpenAIError(Exception):
-    """An error answered with an OpenAI-style body.
+def default_model_name(source) -> str:
+    """A served name from a model path: `.../SmolLM2-135M-Instruct.Q4_1.gguf` gives
+    `SmolLM2-135M-Instruct`; a directory gives its own name."""
+    name = os.path.basename(os.path.normpath(str(source)))
+    if name.lower().endswith(".gguf"):
+        name = _QUANT_SUFFIX.sub("", name[:-5])
+    return name or "jaxserve-model"
 
-    Args:
-        status: HTTP status code.
-        message: Human-readable message.
-        param: The request field at fault, if any.
+
+@dataclasses.dataclass(frozen=True)
+class ServingLimits:
+    """Per-request limits of the server (all give a 400 naming the field when exceeded).
+
+    Attributes:
+        max_prompts_per_request: Most prompts one completion request may carry.
+        max_chars_per_token: Longest text one token covers; a prompt longer than
+            `2 * max_chars_per_token * max_model_len` characters cannot fit and is refused
+            before it is tokenized (None: the longest vocabulary entry; 0: always tokenize).
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-
-    def body(self) -> dict:
-        """The JSON error body."""
-        return error_body(self.status, self.message, self.param)
+    max_prompts_per_request: int = 256
+    max_chars_per_token: int | None = None
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    """`{"error": {"message", "type", "param", "code"}}`."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"),
-                      "param": param, "code": status}}
+@dataclasses.dataclass
+class Prepared:
+    """A validated request, ready for the engine.
+
+    Attributes:
+        params: The engine's sampling parameters.
+        prompts: Per prompt `{"prompt": text or None, "prompt_token_ids": ids}`.
+        extra: Endpoint-specific values (echo text, ...).
+    """
+
+    params: SamplingParams
+    prompts: list[dict]
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-# pydantic adds the tried member of a union to an error's location (`stop.str`).
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+@dataclasses.dataclass
+class Delta:
+    """New output of one completion since the last one sent.
 
+    Attributes:
+        prompt_index: Which prompt of the request.
+        comp: The completion's latest state.
+        text: Text not sent yet (a possible stop string held back while running).
+        token_start: Index of the first token not sent yet.
+        first: Whether nothing was sent for this completion before.
+    """
 
-def from_validation_error(e: ValidationError) -> OpenAIError:
-    """A 400 naming the first bad field of a pydantic validation error."""
-    err = e.errors()[0]
-    parts = [str(p) for p in err.get("loc", ())
-             if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "-" in p))]
-    loc = ".".join(parts)
-    param = loc or None
-    return OpenAIError(400, f"{loc}: {err['msg']}" if loc else err["msg"], param)
-
-
-def from_value_error(e: Exception, fields: set[str]) -> OpenAIError:
-    """A 400 for a ValueError whose message starts with a field name (SamplingParams')."""
-    message = str(e)
-    first = re.match(r"[A-Za-z_]\w*", message)
-    return OpenAIError(400, message, first[0] if first and first[0] in fields else None)
-
-
-def parse_body(data: bytes | dict, model: type[BaseModel]) -> BaseModel:
-    """Parses a JSON body (bytes or an already decoded dict) into `model`, or a 400."""
-    if isinstance(data, (bytes, str)):
-        try:
-            data = json.loads(data)
-        except ValueError as e:
-            raise OpenAIError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise OpenAIError(400, f"request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+    prompt_index: int
+    comp: CompletionOutput
+    text: str
+    token_start: int
+    first: bool
 
 
 def random_id(prefix: str) -> str:
@@ -87,30 +97,53 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIServing:
-    """Base of the endpoint handlers.
+    """Base of the endpoint handlers: subclasses define `request_model`, `prepare` (runs
+    in a worker thread), `full_response` and `stream_events`.
 
     Args:
         llm: The async engine.
         served_model_names: Names clients may ask for; the first is reported.
+        limits: Per-request limits.
     """
 
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str]):
+    request_model: type = None
+    id_prefix = "req"
+
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str],
+                 limits: ServingLimits | None = None):
         self.llm = llm
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
+        self.limits = limits or ServingLimits()
+        cfg = getattr(getattr(llm.engine, "model", None), "cfg", None)
+        # The model's vocabulary size (None: unknown, the engine checks ids itself).
+        self.vocab_size: int | None = getattr(cfg, "vocab_size", None)
 
+    # ----------------------------------------------------------- helpers
     def check_model(self, model: str | None) -> None:
         """Raises a 404 for a model this server does not serve (None means the default)."""
         if model is not None and model not in self.served_model_names:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`, as the engine would tokenize it."""
+    def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True,
+               check: bool = True) -> list[int]:
+        """Token ids of `text`, as the engine would tokenize it.
+
+        With `check`, text that cannot fit `max_model_len` whatever its tokens is refused
+        before tokenizing (a multi-megabyte prompt costs seconds to tokenize).
+        """
+        per_token = self.limits.max_chars_per_token
+        if check and per_token and len(text) > 2 * per_token * self.max_model_len:
+            raise OpenAIError(400, f"This model's maximum context length is "
+                                   f"{self.max_model_len} tokens. However, your {param} has "
+                                   f"{len(text)} characters, more than that many tokens can "
+                                   "hold.", param)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def check_length(self, num_prompt: int, params: SamplingParams, param: str) -> None:
+    def check_length(self, num_prompt: int, params: SamplingParams, param: str,
+                     max_tokens_param: str = "max_tokens") -> None:
         """400 for a prompt that leaves no room, or prompt + max_tokens over max_model_len."""
         limit = self.max_model_len
         if num_prompt >= limit:
@@ -121,28 +154,112 @@ class OpenAIServing:
             raise OpenAIError(400, f"This model's maximum context length is {limit} tokens. "
                                    f"However, you requested {num_prompt + params.max_tokens} "
                                    f"tokens ({num_prompt} in the prompt, {params.max_tokens} "
-                                   "in the completion).", "max_tokens")
+                                   "in the completion).", max_tokens_param)
+
+    # -------------------------------------------------------------- flow
+    def prepare(self, req) -> Prepared:
+        """Validates and tokenizes a parsed request (in a worker thread)."""
+        raise NotImplementedError
+
+    def _parse_and_prepare(self, body) -> tuple[Any, Prepared]:
+        req = parse_body(body, self.request_model)
+        self.check_model(req.model)
+        return req, self.prepare(req)
+
+    async def create(self, body, is_disconnected: Callable[[], Awaitable[bool]] | None = None):
+        """Answers one request: a response dict, or an async iterator of SSE lines.
+
+        NOTE: parsing, tokenizing and template rendering run in a worker thread, so the
+        event loop (and `/health`) stays responsive whatever the body holds.
+
+        Raises:
+            OpenAIError: A bad request (400), unknown model (404), engine gone (503), a
+                request that failed in the engine (500).
+        """
+        req, prep = await asyncio.to_thread(self._parse_and_prepare, body)
+        request_id = random_id(self.id_prefix)
+        streams = await self.start(request_id, prep.prompts, prep.params,
+                                   getattr(req, "priority", 0), getattr(req, "cache_salt", None))
+        if getattr(req, "stream", False):
+            return self._sse(self.stream_events(req, prep, request_id, streams))
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in merge_streams(streams):
+                finals[i] = out
+                if is_disconnected is not None and not out.finished and await is_disconnected():
+                    raise OpenAIError(499, "client disconnected")
+        except RequestFailedError as e:
+            raise OpenAIError(500, str(e)) from None
+        except EngineDeadError as e:
+            raise OpenAIError(503, str(e)) from None
+        return self.full_response(req, prep, request_id, finals)
 
     async def start(self, base_id: str, prompts: list[dict], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None) -> list[RequestStream]:
-        """Adds one engine request per prompt; all or none (the added ones are aborted)."""
-        streams: list[RequestStream] = []
+        """Adds one engine request per prompt, all at once; all or none."""
+        limit = self.limits.max_prompts_per_request
+        if len(prompts) > limit:
+            raise OpenAIError(400, f"prompt: at most {limit} prompts per request, got "
+                                   f"{len(prompts)}", "prompt")
+        ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         try:
-            for i, prompt in enumerate(prompts):
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.llm.add_request(rid, prompt, params,
-                                                          priority=priority,
-                                                          cache_salt=cache_salt))
-        except BaseException as e:
-            for s in streams:
-                s.abort()
-            if isinstance(e, EngineDeadError):
-                raise OpenAIError(503, str(e)) from None
-            if isinstance(e, ValueError):
-                fields = {f.name for f in dataclasses.fields(SamplingParams)}
-                raise from_value_error(e, fields | {"prompt", "messages", "priority"}) from None
-            raise
-        return streams
+            return await self.llm.add_requests(list(zip(ids, prompts, strict=True)), params,
+                                               priority=priority, cache_salt=cache_salt)
+        except EngineDeadError as e:
+            raise OpenAIError(503, str(e)) from None
+        except ValueError as e:
+            raise from_value_error(e, SAMPLING_FIELDS | {"prompt", "messages", "priority",
+                                                         "cache_salt"}) from None
+
+    def full_response(self, req, prep: Prepared, request_id: str,
+                      finals: list[RequestOutput]) -> dict:
+        """The non-streamed response body."""
+        raise NotImplementedError
+
+    def stream_events(self, req, prep: Prepared, request_id: str,
+                      streams: list[RequestStream]) -> AsyncIterator[dict]:
+        """The streamed response's events (the base adds errors and `[DONE]`)."""
+        raise NotImplementedError
+
+    async def _sse(self, events: AsyncIterator[dict]) -> AsyncIterator[str]:
+        """SSE lines of `events`, an in-band error event on failure, then `[DONE]`."""
+        try:
+            async for event in events:
+                yield sse(event)
+        except OpenAIError as e:
+            yield sse(e.body())
+        except EngineDeadError as e:
+            yield sse(error_body(503, str(e)))
+        except Exception as e:  # noqa: BLE001 - reported in-band: the headers are sent
+            yield sse(error_body(500, str(e)))
+        yield sse("[DONE]")
+
+
+async def deltas(streams: list[RequestStream], params: SamplingParams,
+                 finals: list[RequestOutput | None]) -> AsyncIterator[Delta]:
+    """New text/tokens of every completion as outputs arrive; fills `finals`.
+
+    Raises:
+        RequestFailedError: A request failed in the engine.
+    """
+    n = params.n
+    sent_text = [[0] * n for _ in streams]
+    sent_tokens = [[0] * n for _ in streams]
+    done = [[False] * n for _ in streams]
+    async for i, out in merge_streams(streams):
+        finals[i] = out
+        for comp in out.outputs:
+            c = comp.index
+            if done[i][c]:
+                continue
+            text = visible_text(comp, params)
+            delta, start = text[sent_text[i][c]:], sent_tokens[i][c]
+            if not delta and len(comp.token_ids) == start and not comp.finish_reason:
+                continue
+            first = sent_text[i][c] == 0 and sent_tokens[i][c] == 0
+            sent_text[i][c], sent_tokens[i][c] = len(text), len(comp.token_ids)
+            done[i][c] = comp.finish_reason is not None
+            yield Delta(i, comp, delta, start, first)
 
 
 async def merge_streams(streams: list[RequestStream]
@@ -185,6 +302,7 @@ def visible_text(comp: CompletionOutput, params: SamplingParams) -> str:
 
 def usage(outputs: list[RequestOutput]) -> dict:
     """OpenAI `usage` over every prompt's request and all its completions."""
+    outputs = [o for o in outputs if o is not None]
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)

@@ -1,6 +1,9 @@
-"""`POST /tokenize`, `POST /detokenize` and `GET /v1/models`: answered without the engine thread."""
+"""`POST /tokenize`, `POST /detokenize` and `GET /v1/models`: answered without the engine thread
+(parsing and tokenizing run in a worker thread, off the event loop)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from jaxserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from jaxserve.entrypoints.openai.serving_chat import render_messages
@@ -15,14 +18,20 @@ from jaxserve.entrypoints.openai.serving_engine import (
 class OpenAIServingTokenization(OpenAIServing):
     """Tokenizer endpoints and the model list."""
 
-    def tokenize(self, body) -> dict:
+    async def tokenize(self, body) -> dict:
         """`{"count", "max_model_len", "tokens"[, "token_strs"]}` of a prompt or messages."""
+        return await asyncio.to_thread(self._tokenize, body)
+
+    def _tokenize(self, body) -> dict:
         req = parse_body(body, TokenizeRequest)
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages", "prompt")
         if req.prompt is not None:
-            ids = self.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            # NOTE: counting tokens of a text longer than the context is a fair question,
+            # so no length check; the body-size limit bounds the work.
+            ids = self.encode(req.prompt, add_special_tokens=req.add_special_tokens,
+                              check=False)
         else:
             ids = render_messages(self.tokenizer, req.messages,
                                   add_generation_prompt=req.add_generation_prompt)
@@ -31,20 +40,22 @@ class OpenAIServingTokenization(OpenAIServing):
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
         return out
 
-    def detokenize(self, body) -> dict:
+    async def detokenize(self, body) -> dict:
         """`{"prompt": text}` of token ids (a 400 for ids outside the vocabulary)."""
+        return await asyncio.to_thread(self._detokenize, body)
+
+    def _detokenize(self, body) -> dict:
         req = parse_body(body, DetokenizeRequest)
         self.check_model(req.model)
-        vocab = self.llm.engine.model.cfg.vocab_size
+        vocab = self.vocab_size or 2**31
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(400, f"tokens hold ids outside [0, {vocab}): {bad[:5]}", "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
     def models(self) -> dict:
-        """OpenAI's model list: one card per served name."""
-        root = str(getattr(self.llm.engine.model, "source", self.model_name))
+        """OpenAI's model list: one card per served name (no file system paths)."""
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": now(), "owned_by": "jaxserve",
-             "root": root, "parent": None, "max_model_len": self.max_model_len}
+             "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
             for name in self.served_model_names]}

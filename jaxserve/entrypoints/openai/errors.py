@@ -1,0 +1,139 @@
+"""OpenAI-style errors: the exception, its JSON body, and request-body parsing that only ever
+fails with a 400 naming the field (bad JSON, deep nesting, lone surrogates, wrong types)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from pydantic import BaseModel, ValidationError
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
+# Dotted module paths in exception texts (`transformers.tokenization_utils_base.X`) say
+# nothing to a client and reveal internals: only the last name is kept.
+_QUALIFIED = re.compile(r"\b(?:[A-Za-z_]\w*\.){2,}([A-Za-z_]\w*)")
+
+
+class OpenAIError(Exception):
+    """An error answered with an OpenAI-style body.
+
+    Args:
+        status: HTTP status code.
+        message: Human-readable message.
+        param: The request field at fault, if any.
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, clean_message(message), param
+
+    def body(self) -> dict:
+        """The JSON error body."""
+        return error_body(self.status, self.message, self.param)
+
+
+def clean_message(message: str) -> str:
+    """`message` without qualified internal names, and at most 1,000 characters."""
+    message = _QUALIFIED.sub(r"\1", str(message))
+    return message if len(message) <= 1000 else message[:997] + "..."
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """`{"error": {"message", "type", "param", "code"}}`."""
+    return {"error": {"message": clean_message(message), "type": ERROR_TYPES.get(status, "Error"),
+                      "param": param, "code": status}}
+
+
+# pydantic adds the tried member of a union to an error's location (`stop.str`).
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def from_validation_error(e: ValidationError) -> OpenAIError:
+    """A 400 naming the first bad field of a pydantic validation error."""
+    err = e.errors()[0]
+    parts = [str(p) for p in err.get("loc", ())
+             if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "-" in p))]
+    loc = ".".join(parts)
+    return OpenAIError(400, f"{loc}: {err['msg']}" if loc else err["msg"], loc or None)
+
+
+def from_value_error(e: Exception, fields: set[str], renames: dict[str, str] | None = None
+                     ) -> OpenAIError:
+    """A 400 for a ValueError whose message starts with a field name (SamplingParams').
+
+    Args:
+        e: The error.
+        fields: Names that may be reported as `param`.
+        renames: Engine names to report under the request's own name (e.g. `max_tokens`
+            given as `max_completion_tokens`); the message is rewritten too.
+    """
+    message = str(e)
+    first = re.match(r"[A-Za-z_]\w*", message)
+    param = first[0] if first and first[0] in fields else None
+    if renames and param in renames:
+        message = renames[param] + message[len(param):]
+        param = renames[param]
+    return OpenAIError(400, message, param)
+
+
+def _find_surrogate(data, path: str = "") -> str | None:
+    """The dotted path of the first string holding a lone surrogate, or None."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or None
+        return None
+    items = data.items() if isinstance(data, dict) else enumerate(data) \
+        if isinstance(data, list) else ()
+    for key, value in items:
+        found = _find_surrogate(value, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
+def loads_body(data: bytes | str) -> object:
+    """A JSON request body decoded, or a 400 (bad JSON, too deep, lone surrogates).
+
+    Raises:
+        OpenAIError: 400 naming the problem (and the field of a lone surrogate).
+    """
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise OpenAIError(400, "request body is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OpenAIError(400, f"request body is not valid JSON: {e}") from None
+    check_value(value)
+    return value
+
+
+def check_value(value: object) -> None:
+    """Raises a 400 for a decoded body that is nested too deeply or holds lone surrogates."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise OpenAIError(400, "request body is nested too deeply") from None
+    except UnicodeEncodeError:
+        where = _find_surrogate(value)
+        raise OpenAIError(400, f"{where or 'body'}: text holds a lone surrogate (not valid "
+                               "Unicode)", where) from None
+
+
+def parse_body(data: bytes | str | dict, model: type[BaseModel]) -> BaseModel:
+    """Parses a JSON body (bytes or an already decoded dict) into `model`, or a 400."""
+    if isinstance(data, (bytes, str)):
+        data = loads_body(data)
+    else:
+        check_value(data)  # the same checks for bodies given already decoded
+    if not isinstance(data, dict):
+        raise OpenAIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    except RecursionError:
+        raise OpenAIError(400, "request body is nested too deeply") from None
