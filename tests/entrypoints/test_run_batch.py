@@ -83,6 +83,31 @@ def test_every_line_gets_a_record_in_order_and_reruns_agree(llm, tmp_path):
     assert texts(again) == texts(records)
 
 
+def test_poison_line_beside_eight_good_ones(llm, tmp_path):
+    # Issue 12 item 1: a top_k beyond int32 (or a stop id beyond int32 with min_tokens)
+    # failed every line running beside it; now it is refused alone, the rest unchanged.
+    good = [line(f"g{i}", prompt=f"Item {i}: the weather today is", max_tokens=8,
+                 ignore_eos=True) for i in range(8)]
+    poison = [line("p1", prompt="Hello", temperature=1.0, top_k=2**40),
+              line("p2", prompt="Hello", stop_token_ids=[2**40], min_tokens=1)]
+
+    def texts(lines, name):
+        src, dst = tmp_path / f"{name}.in", tmp_path / f"{name}.out"
+        src.write_text("\n".join(lines) + "\n")
+        run_batch_file(llm, [MODEL_NAME], str(src), str(dst), use_tqdm=False)
+        records = {r["custom_id"]: r for r in map(json.loads, dst.read_text().splitlines())}
+        return records, [records[f"g{i}"]["response"]["body"]["choices"][0]["text"]
+                         for i in range(8)]
+
+    _, clean = texts(good, "clean")
+    records, mixed = texts(good[:4] + poison + good[4:], "mixed")
+    assert mixed == clean
+    for cid, param in (("p1", "top_k"), ("p2", "stop_token_ids")):
+        response = records[cid]["response"]
+        assert response["status_code"] == 400
+        assert response["body"]["error"]["param"] == param
+
+
 def test_chat_loop_streams_replies_and_keeps_history(llm):
     stdin = io.StringIO("Hi!\n\n/reset\nWhat is 2+2?\n/exit\nnever read\n")
     stdout = io.StringIO()
