@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# The seed material's comparison points; the last is the default engine.
+# The scheduling modes the benchmarks compare; the last is the default engine.
 SCHEDULING_MODES = ("naive", "static", "continuous", "continuous+chunked")
 DTYPES = ("float32", "bfloat16")
 

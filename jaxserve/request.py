@@ -32,7 +32,7 @@ class RequestStatus(enum.IntEnum):
 
 
 class Request:
-    """One generation request as the engine core sees it (no sampling settings).
+    """One generation request (or one sample of it) as the scheduler and KV cache see it.
 
     `num_computed_tokens` counts tokens whose KV is in the cache; each step schedules
     `{request_id: num_new_tokens}` until it catches up with `num_tokens`. Prefill, chunked
@@ -43,6 +43,14 @@ class Request:
         prompt_token_ids: The prompt; at least one token.
         cache_salt: Optional tenant key; prefix-cache hits only happen inside one salt.
         arrival_time: Seconds (time.time()); defaults to now.
+        sampling_params: The request's `SamplingParams`; the scheduler reads its stop
+            settings (max_tokens, stop ids, min_tokens, ignore_eos) and prompt_logprobs.
+        priority: Lower runs first under the "priority" scheduling policy.
+        eos_token_ids: Token ids that end the request (unless `ignore_eos`).
+        user_request_id: The id the caller gave (a fan-out sample's `request_id` differs);
+            defaults to `request_id`.
+        seeds: One sampling seed per completion; n of them fan the request out into n
+            samples when its prompt completes.
 
     Raises:
         ValueError: Empty id or empty prompt.

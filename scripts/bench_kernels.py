@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxserve.bench.roofline import _median_seconds as bench
 from jaxserve.bench.roofline import measure_peaks
+from jaxserve.utils import cdiv
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 
@@ -43,7 +44,7 @@ def peaks(dtype, iters: int) -> tuple[float, float]:
 def build(args, rng):
     """Pool, metadata and queries for `num_seqs` requests of `q_len` new tokens each."""
     ps, dtype = args.page_size, jnp.dtype(args.dtype)
-    pages_per_seq = -(-args.context_len // ps)
+    pages_per_seq = cdiv(args.context_len, ps)
     num_pages = args.num_seqs * pages_per_seq + 1
     tables = rng.permutation(np.arange(1, num_pages)).reshape(args.num_seqs, pages_per_seq)
     kv_lens = np.full(args.num_seqs, args.context_len, np.int32)

@@ -1,6 +1,6 @@
 """KV cache waste of a contiguous max_model_len reservation per request vs paged allocation.
 
-The seed material's exercise: for a trace of N requests (default 1000, prompts uniform
+The KV-waste exercise: for a trace of N requests (default 1000, prompts uniform
 in [100, 1000] tokens, outputs normal with mean 1500 and sd 600, clipped to at least one
 token and to max_model_len), how much KV memory does (a) reserving max_model_len (8192)
 contiguous slots per request waste, against (b) pages of 16 slots (internal
@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxserve.core import KVCacheManager
 from jaxserve.request import Request
+from jaxserve.utils import cdiv
 
 # SmolLM2-135M: 30 layers, K and V, 3 KV heads, head_dim 64, float32.
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
@@ -48,7 +49,7 @@ def run_paged(prompt_lens: np.ndarray, output_lens: np.ndarray, page_size: int,
               max_model_len: int) -> dict[str, float]:
     """Allocates every request through KVCacheManager; returns slot counts for both views."""
     final_lens = prompt_lens + output_lens
-    num_pages = int(np.sum(-(-final_lens // page_size))) + 1  # exactly enough, + null page
+    num_pages = int(np.sum(cdiv(final_lens, page_size))) + 1  # exactly enough, + null page
     manager = KVCacheManager(num_pages, page_size, enable_prefix_caching=False,
                              watermark=0.0, max_model_len=max_model_len)
     lifetime_slots = lifetime_tokens = 0

@@ -17,14 +17,43 @@ from jaxserve.bench.stats import RequestTiming, summarize
 from jaxserve.bench.workloads import TraceRequest
 
 
-def load_hf_model(gguf_path: str, dtype: str = "float32"):
-    """transformers' model from the same GGUF file the engine loads (as tests/conftest.py)."""
+def torch_missing() -> str | None:
+    """Why the transformers baseline cannot run here (one line with the fix), or None."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "accelerate") if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (f"{' and '.join(missing)} not installed (pip install {' '.join(missing)}; on a "
+            "CPU machine: pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+
+
+def load_hf_model(path: str, dtype: str = "float32"):
+    """transformers' model from the same weights the engine loads (as tests/conftest.py).
+
+    Args:
+        path: A GGUF file or a Hugging Face directory (what `models.loaders.resolve_model`
+            accepts, the embedded default included).
+
+    Raises:
+        ValueError: `path` is a jaxserve (orbax) checkpoint, which transformers cannot read.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
-    directory, name = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
-                                                 dtype=getattr(torch, dtype))
+    from models.loaders import resolve_model
+
+    kind, path = resolve_model(path)
+    if kind == "jaxserve":
+        raise ValueError(f"{path} is a jaxserve checkpoint, which transformers cannot load; "
+                         "give the GGUF file or Hugging Face directory it came from, or "
+                         "--baseline none")
+    if kind == "gguf":
+        directory, name = os.path.split(path)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                     dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model.eval()
     return model
 

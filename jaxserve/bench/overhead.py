@@ -24,12 +24,13 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.utils import cdiv
 
 
 def _steady_scheduler(num_running: int, prompt_len: int, max_tokens: int, page_size: int = 16):
     """A scheduler with `num_running` requests all past their prompts (decoding)."""
     max_model_len = prompt_len + max_tokens + 1
-    pages = num_running * (-(-max_model_len // page_size)) + 16
+    pages = num_running * cdiv(max_model_len, page_size) + 16
     kv = KVCacheManager(pages, page_size, enable_prefix_caching=True,
                         max_model_len=max_model_len)
     budget = max(num_running, 2048)
@@ -63,9 +64,8 @@ def component_overhead(num_running: int, *, prompt_len: int = 64, num_steps: int
     max_tokens = num_steps + 8 + num_running * prompt_len // 2048
     sched, budget = _steady_scheduler(num_running, prompt_len, max_tokens, page_size)
     buckets = token_buckets(budget)
-    max_pages = -(-(prompt_len + max_tokens + 1) // page_size)
-    times = {k: [] for k in ("schedule", "update", "step_arrays", "step_arrays_vectorized",
-                             "pack_inputs",
+    max_pages = cdiv(prompt_len + max_tokens + 1, page_size)
+    times = {k: [] for k in ("schedule", "update", "step_arrays", "pack_inputs",
                              "sampling_metadata", "pack_sampling")}
 
     def timed(key, fn, *a, **kw):
@@ -80,8 +80,6 @@ def component_overhead(num_running: int, *, prompt_len: int = 64, num_steps: int
         num_rows = rows_for_bucket(num_tokens, num_running)
         arrays = timed("step_arrays", build_step_arrays, out, num_tokens, num_rows, page_size,
                        max_pages)
-        timed("step_arrays_vectorized", build_step_arrays_vectorized, out, num_tokens,
-              num_rows, page_size, max_pages)
         timed("pack_inputs", pack, arrays.device_tree())
         rows = []
         for s in out.scheduled:
@@ -101,52 +99,6 @@ def component_overhead(num_running: int, *, prompt_len: int = 64, num_steps: int
                                + ms["pack_sampling"])
     ms["total"] = ms["scheduling"] + ms["input_preparation"]
     return {"num_running": num_running, **ms}
-
-
-def build_step_arrays_vectorized(out, num_tokens: int, num_rows: int, page_size: int,
-                                 max_pages_per_seq: int):
-    """A proposal for the runner: `build_step_arrays` with one NumPy pass per array.
-
-    Same result as `jaxserve.runner.step_input.build_step_arrays` (tested); the per-request
-    Python work shrinks to gathering each request's lists, which `chain` flattens in C.
-    """
-    from itertools import chain
-
-    from jaxserve.runner.step_input import StepArrays
-
-    sched = out.scheduled
-    r = len(sched)
-    if out.total_num_scheduled_tokens > num_tokens or r > num_rows or out.num_rows > num_rows:
-        raise ValueError(f"step of {out.total_num_scheduled_tokens} tokens / {out.num_rows} "
-                         f"rows does not fit bucket ({num_tokens}, {num_rows})")
-    n = np.fromiter((len(s.token_ids) for s in sched), np.int32, r)
-    starts = np.fromiter((s.start_pos for s in sched), np.int32, r)
-    nb = np.fromiter((len(s.block_ids) for s in sched), np.int64, r)
-    samples = np.fromiter((s.num_samples for s in sched), np.int64, r)
-    t = int(n.sum())
-    cu = np.zeros(num_rows + 1, np.int32)
-    np.cumsum(n, out=cu[1:r + 1])
-    cu[r + 1:] = t
-    input_ids = np.zeros(num_tokens, np.int32)
-    input_ids[:t] = np.fromiter(chain.from_iterable(s.token_ids for s in sched), np.int32, t)
-    row_of_token = np.repeat(np.arange(r), n)
-    positions = np.zeros(num_tokens, np.int32)
-    positions[:t] = np.arange(t, dtype=np.int32) - cu[row_of_token] + starts[row_of_token]
-    tables = np.zeros((num_rows, max_pages_per_seq), np.int32)
-    flat = np.fromiter(chain.from_iterable(s.block_ids for s in sched), np.int32, int(nb.sum()))
-    page_start = np.concatenate([[0], np.cumsum(nb)[:-1]]) if r else nb
-    rows = np.repeat(np.arange(r), nb)
-    tables[rows, np.arange(flat.size) - np.repeat(page_start, nb)] = flat
-    slots = np.zeros(num_tokens, np.int32)
-    pos = positions[:t]
-    slots[:t] = tables[row_of_token, pos // page_size] * page_size + pos % page_size
-    kv_lens = np.zeros(num_rows, np.int32)
-    kv_lens[:r] = starts + n
-    logits_indices = np.zeros(num_rows, np.int32)
-    idx = np.repeat(cu[1:r + 1] - 1, samples)
-    logits_indices[:idx.size] = idx
-    row_ids = [s.request_id for s in sched for _ in range(s.num_samples)]
-    return StepArrays(input_ids, positions, slots, tables, kv_lens, cu, logits_indices, row_ids)
 
 
 def tiny_model(vocab_size: int = 49152, max_position_embeddings: int = 4096):

@@ -18,6 +18,7 @@ import time
 
 from jaxserve.bench.engine_run import make_llm, run_trace
 from jaxserve.bench.workloads import TraceRequest
+from jaxserve.utils import cdiv
 
 
 def reset_peak_rss() -> bool:
@@ -49,7 +50,7 @@ def concurrency_sweep(model, tokenizer, levels: list[int], engine_args: dict, *,
     """For each N: N identical-shape requests at once with max_num_seqs=N."""
     rows = []
     for n in levels:
-        pages = n * -(-(prompt_len + output_len) // 16) + 64
+        pages = n * cdiv(prompt_len + output_len, 16) + 64
         args = {**engine_args, "max_num_seqs": n,
                 "max_num_batched_tokens": max(engine_args.get("max_num_batched_tokens", 256), n),
                 "num_kv_blocks": max(engine_args.get("num_kv_blocks", 0), pages)}
@@ -79,7 +80,7 @@ def context_sweep(model, tokenizer, contexts: list[int], engine_args: dict, *,
                   batch: int = 4, output_len: int = 16, log=print) -> list[dict]:
     """For each context length: `batch` requests of that prompt length, one engine."""
     mml = max(contexts) + output_len + 1
-    pages = batch * -(-mml // 16) + 64
+    pages = batch * cdiv(mml, 16) + 64
     args = {**engine_args, "max_model_len": mml, "max_num_seqs": max(batch, 8),
             "num_kv_blocks": max(engine_args.get("num_kv_blocks", 0), pages)}
     llm = make_llm(model, tokenizer, **args)

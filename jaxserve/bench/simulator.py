@@ -15,6 +15,7 @@ from jaxserve.bench.workloads import TraceRequest, trace_token_ids
 from jaxserve.config import SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 
@@ -59,6 +60,49 @@ class SimResult:
     timeline: list[tuple[float, int, int, float, int]] = field(default_factory=list)
 
 
+class _Arrivals:
+    """The trace's requests in arrival order, handed to the scheduler as the clock passes."""
+
+    def __init__(self, trace: list[TraceRequest], seed: int):
+        self.trace = trace
+        self.token_ids = trace_token_ids(trace, 32000, seed=seed)
+        self.order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_time)
+        self.next = 0
+
+    @property
+    def pending(self) -> bool:
+        """Whether requests are still to arrive."""
+        return self.next < len(self.order)
+
+    @property
+    def next_time(self) -> float:
+        """When the next request arrives."""
+        return self.trace[self.order[self.next]].arrival_time
+
+    def admit(self, sched: Scheduler, clock: float, timings: dict[str, RequestTiming]) -> None:
+        """Adds every request that has arrived by `clock` and starts its timing record."""
+        while self.pending and self.next_time <= clock:
+            i = self.order[self.next]
+            r = self.trace[i]
+            req = Request(f"sim-{i}", self.token_ids[i], arrival_time=r.arrival_time,
+                          sampling_params=SamplingParams(max_tokens=r.output_len,
+                                                         ignore_eos=True, temperature=0.0))
+            sched.add_request(req)
+            timings[req.request_id] = RequestTiming(r.arrival_time, r.prompt_len)
+            self.next += 1
+
+
+@dataclass
+class _Totals:
+    """Running totals over the simulated steps."""
+
+    clock: float = 0.0  # simulated seconds
+    busy: float = 0.0  # simulated seconds spent in steps
+    host: float = 0.0  # real seconds spent in schedule + update
+    steps: int = 0
+    batch: int = 0  # scheduled requests, summed over steps
+
+
 def simulate(trace: list[TraceRequest], cost: CostModel, scheduler: SchedulerConfig, *,
              num_pages: int, page_size: int = 16, max_model_len: int = 2048,
              max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
@@ -74,53 +118,56 @@ def simulate(trace: list[TraceRequest], cost: CostModel, scheduler: SchedulerCon
                         swap_space=float(swap_space_pages), bytes_per_page=2**30,
                         max_model_len=max_model_len)
     sched = Scheduler(scheduler, kv, max_model_len, max_num_batched_tokens)
-    ids = trace_token_ids(trace, 32000, seed=seed)
-    order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_time)
+    arrivals = _Arrivals(trace, seed)
     timings: dict[str, RequestTiming] = {}
-    clock, next_arrival, steps, host, batch, busy = 0.0, 0, 0, 0.0, 0, 0.0
+    totals = _Totals()
     result = SimResult({})
-    while next_arrival < len(order) or sched.has_unfinished_requests():
-        while next_arrival < len(order) and trace[order[next_arrival]].arrival_time <= clock:
-            i = order[next_arrival]
-            r = trace[i]
-            req = Request(f"sim-{i}", ids[i], arrival_time=r.arrival_time,
-                          sampling_params=SamplingParams(max_tokens=r.output_len,
-                                                         ignore_eos=True, temperature=0.0))
-            sched.add_request(req)
-            timings[req.request_id] = RequestTiming(r.arrival_time, r.prompt_len)
-            next_arrival += 1
+    while arrivals.pending or sched.has_unfinished_requests():
+        arrivals.admit(sched, totals.clock, timings)
         t0 = time.perf_counter()
         out = sched.schedule()
-        host += time.perf_counter() - t0
+        totals.host += time.perf_counter() - t0
         if out.is_empty:
-            if next_arrival >= len(order):
+            if not arrivals.pending:
                 break  # nothing can run and nothing will arrive
-            clock = max(clock, trace[order[next_arrival]].arrival_time)
+            totals.clock = max(totals.clock, arrivals.next_time)
             continue
-        kv_tokens = sum(s.start_pos + s.num_new_tokens for s in out.scheduled)
-        dt = cost.step_seconds(out.total_num_scheduled_tokens, len(out.scheduled), kv_tokens)
-        clock += dt
-        busy += dt
-        sampled = {s.request_id: [1] * s.num_samples for s in out.scheduled if s.num_samples}
-        t0 = time.perf_counter()
-        for req, tokens in sched.update_from_output(out, sampled):
-            timings[req.request_id].token_times.extend([clock] * len(tokens))
-        host += time.perf_counter() - t0
-        steps += 1
-        batch += len(out.scheduled)
-        result.timeline.append((clock, len(sched.running), len(sched.waiting), kv.usage,
+        _run_step(sched, out, cost, totals, timings)
+        result.timeline.append((totals.clock, len(sched.running), len(sched.waiting), kv.usage,
                                 out.total_num_scheduled_tokens))
-    stats = kv.stats()
-    result.summary = summarize(list(timings.values()), clock)
-    tl = result.timeline
-    result.summary.update({
-        "num_steps": steps, "mean_batch_size": batch / steps if steps else 0.0,
-        "mean_tokens_per_step": sum(x[4] for x in tl) / steps if steps else 0.0,
-        "mean_step_ms": 1000 * busy / steps if steps else 0.0,
-        "max_kv_usage": max((x[3] for x in tl), default=0.0),
-        "max_num_waiting": max((x[2] for x in tl), default=0),
-        "num_preemptions": sched.num_preemptions,
-        "prefix_cache_hit_rate": stats.prefix_hit_rate,
-        "host_ms_per_step": 1000 * host / steps if steps else 0.0,
-    })
+    result.summary = _summary(timings, totals, result.timeline, sched, kv)
     return result
+
+
+def _run_step(sched: Scheduler, out: SchedulerOutput, cost: CostModel, totals: _Totals,
+              timings: dict[str, RequestTiming]) -> None:
+    """Advances the clock by the step's modelled time and feeds back one token per sample."""
+    kv_tokens = sum(s.start_pos + s.num_new_tokens for s in out.scheduled)
+    dt = cost.step_seconds(out.total_num_scheduled_tokens, len(out.scheduled), kv_tokens)
+    totals.clock += dt
+    totals.busy += dt
+    sampled = {s.request_id: [1] * s.num_samples for s in out.scheduled if s.num_samples}
+    t0 = time.perf_counter()
+    for req, tokens in sched.update_from_output(out, sampled):
+        timings[req.request_id].token_times.extend([totals.clock] * len(tokens))
+    totals.host += time.perf_counter() - t0
+    totals.steps += 1
+    totals.batch += len(out.scheduled)
+
+
+def _summary(timings: dict[str, RequestTiming], totals: _Totals, timeline: list[tuple],
+             sched: Scheduler, kv: KVCacheManager) -> dict:
+    """`summarize`'s fields plus the simulator's step and scheduler figures."""
+    summary = summarize(list(timings.values()), totals.clock)
+    steps = totals.steps
+    summary.update({
+        "num_steps": steps, "mean_batch_size": totals.batch / steps if steps else 0.0,
+        "mean_tokens_per_step": sum(x[4] for x in timeline) / steps if steps else 0.0,
+        "mean_step_ms": 1000 * totals.busy / steps if steps else 0.0,
+        "max_kv_usage": max((x[3] for x in timeline), default=0.0),
+        "max_num_waiting": max((x[2] for x in timeline), default=0),
+        "num_preemptions": sched.num_preemptions,
+        "prefix_cache_hit_rate": kv.stats().prefix_hit_rate,
+        "host_ms_per_step": 1000 * totals.host / steps if steps else 0.0,
+    })
+    return summary

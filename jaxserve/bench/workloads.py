@@ -85,7 +85,7 @@ def synthetic_trace(n: int, *, prompt_dist: str = "uniform", prompt_mean: float 
 def mixed_trace(n: int = 32, *, long_fraction: float = 0.25, short_prompt: int = 32,
                 long_prompt: int = 512, short_output: int = 64, long_output: int = 32,
                 rate: float | None = None, seed: int = 0) -> list[TraceRequest]:
-    """The seed material's mixed workload: many short chats and a few long-document prompts.
+    """A mixed serving workload: many short chats and a few long-document prompts.
 
     Long prompts are what freezes decodes without chunked prefill; short ones with longer
     outputs are what static batching pads and waits on.

@@ -1,211 +1,240 @@
-"""Per-request block tables over the device and host pools: free, fork, plans, stats."""
+"""Every request's KV state in one object (`RequestKV`), and the tables that hold them all."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
-import numpy as np
-
-from jaxserve.core.block_pool import NULL_PAGE_ID, BlockPool, HostPool, KVPage
-from jaxserve.core.kv_metrics import KVCacheCounters, KVCacheStats, count_token_slots, make_stats
+from jaxserve.core.kv_metrics import count_token_slots
+from jaxserve.core.page_pool import HostPool, KVPage, PagePool
 from jaxserve.core.plans import KVPlans, PendingPlans
 from jaxserve.core.prefix_cache import update_page_hashes
 from jaxserve.request import Request
 
 
 @dataclass
-class SwappedKV:
-    """What a swapped-out request keeps: its host slots in logical order and progress."""
+class RequestKV:
+    """What the KV cache keeps for one request, in device pages or swapped out to host slots.
 
-    slot_ids: list[int]
-    num_cached_pages: int
-    num_slot_tokens: int
+    Attributes:
+        pages: The block table: device pages in logical order (empty while swapped out).
+        host_slot_ids: Host slots in logical order while swapped out; None on device.
+        num_slot_tokens: Tokens the request keeps in its pages (computed or being computed).
+        num_cached_pages: Leading pages already offered to the prefix cache; while swapped
+            out, those to offer again at swap-in.
+    """
+
+    pages: list[KVPage] = field(default_factory=list)
+    host_slot_ids: list[int] | None = None
+    num_slot_tokens: int = 0
+    num_cached_pages: int = 0
+
+    @property
+    def is_swapped(self) -> bool:
+        """Whether the request's KV sits in host slots."""
+        return self.host_slot_ids is not None
 
 
 class BlockTables:
-    """The state under `KVCacheManager`: block tables, pools, pending plans, counters.
+    """Every request's `RequestKV` over the device and host pools, and this step's moves.
 
-    Holds what every request owns and releases it; allocation and swap policy live in
-    `KVCacheManager`. Constructor arguments are documented there.
+    The mechanism `KVCacheManager` composes: it finds, adds and drops requests' state,
+    releases pages, moves a request between device pages and host slots, and offers full
+    pages to the prefix cache. Whether something may happen (limits, watermark, free
+    slots) is the manager's decision, taken before it calls in here.
+
+    Args:
+        pool: The device page pool.
+        host_pool: The host swap slots.
+        page_size: Token slots per page.
     """
 
-    def __init__(self, num_pages: int, page_size: int = 16, *, enable_prefix_caching: bool = True,
-                 watermark: float = 0.01, swap_space: float = 0.0, bytes_per_page: int = 0,
-                 max_model_len: int | None = None):
-        if page_size <= 0:
-            raise ValueError(f"page_size must be positive, got {page_size}")
-        if not 0.0 <= watermark < 1.0:
-            raise ValueError(f"watermark must lie in [0, 1), got {watermark}")
-        if max_model_len is not None and max_model_len <= 0:
-            raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+    def __init__(self, pool: PagePool, host_pool: HostPool, page_size: int):
+        self.pool = pool
+        self.host_pool = host_pool
         self.page_size = page_size
-        self.max_model_len = max_model_len
-        self.pool = BlockPool(num_pages, enable_caching=enable_prefix_caching)
-        self.host_pool = HostPool.from_swap_space(swap_space, bytes_per_page)
-        self.watermark_pages = int(watermark * self.pool.num_usable_pages)
-        self.counters = KVCacheCounters()
-        self._tables: dict[str, list[KVPage]] = {}
-        self._num_cached_pages: dict[str, int] = {}  # leading pages offered to the cache
-        self._num_slot_tokens: dict[str, int] = {}  # tokens the request keeps in its pages
-        self._swapped: dict[str, SwappedKV] = {}
-        self._pending = PendingPlans()
-        # request id -> (request, tokens its pages will hold) to index at take_plans().
-        self._cache_on_take: dict[str, tuple[Request, int]] = {}
+        self.pending = PendingPlans()
+        self.requests: dict[str, RequestKV] = {}
+        # This step's prefix-cache offers, in the order first queued (of two pages with
+        # equal content, the first offered is indexed): request id -> (request, tokens its
+        # pages will hold). Dropped with the request's device pages.
+        self._offers: dict[str, tuple[Request, int]] = {}
 
     # ----------------------------------------------------------------- lookups
-    def has_request(self, request_id: str) -> bool:
-        """Whether the request holds device pages or host slots."""
-        return request_id in self._tables or request_id in self._swapped
-
-    def is_swapped(self, request_id: str) -> bool:
-        """Whether the request's KV sits in the host pool."""
-        return request_id in self._swapped
-
-    def block_ids(self, request_id: str) -> list[int]:
-        """The request's page ids in logical order. Raises ValueError if unknown."""
-        return [page.page_id for page in self._table(request_id)]
-
-    def get_block_table(self, request: Request, max_num_pages: int | None = None) -> np.ndarray:
-        """The block table as i32, padded with the null page to `max_num_pages` if given.
+    def on_device(self, request_id: str) -> RequestKV:
+        """The state of a request holding device pages.
 
         Raises:
-            ValueError: Unknown request, or more pages than `max_num_pages`.
+            ValueError: The request is swapped out or holds nothing.
         """
-        page_ids = self.block_ids(request.request_id)
-        width = len(page_ids) if max_num_pages is None else max_num_pages
-        if len(page_ids) > width:
-            raise ValueError(f"request {request.request_id!r} holds {len(page_ids)} pages, "
-                             f"more than max_num_pages={width}")
-        table = np.full(width, NULL_PAGE_ID, dtype=np.int32)
-        table[:len(page_ids)] = page_ids
-        return table
+        state = self.requests.get(request_id)
+        if state is None or state.is_swapped:
+            what = "holds no pages" if state is None else "is swapped out"
+            raise ValueError(f"request {request_id!r} {what}")
+        return state
 
-    @property
-    def usage(self) -> float:
-        """Fraction of usable pages owned by requests."""
-        return self.pool.num_used_pages / self.pool.num_usable_pages
+    def swapped_out(self, request_id: str) -> RequestKV:
+        """The state of a swapped-out request. Raises ValueError if it is not swapped out."""
+        state = self.requests.get(request_id)
+        if state is None or not state.is_swapped:
+            raise ValueError(f"request {request_id!r} is not swapped out")
+        return state
 
-    @property
-    def num_allocatable_pages(self) -> int:
-        """Pages an allocation may take now (free plus evictable cached)."""
-        return self.pool.num_allocatable_pages
+    def num_holders(self, page: KVPage) -> int:
+        """Block tables holding `page` (its ref count less pending copies' pins)."""
+        return page.ref_cnt - self.pending.num_pins(page.page_id)
 
-    def free(self, request: Request) -> None:
-        """Releases a finished, aborted or recompute-preempted request's pages or slots.
+    def count_token_slots(self) -> tuple[int, int]:
+        """(allocated slots, slots holding a token) over the distinct pages of all tables."""
+        return count_token_slots(
+            (([page.page_id for page in state.pages], state.num_slot_tokens)
+             for state in self.requests.values()), self.page_size)
 
-        Pages go back tail first, so the request's tail is evicted before its head; cached
-        pages stay reusable until evicted.
+    # --------------------------------------------------------------- lifecycle
+    def add(self, request_id: str) -> RequestKV:
+        """Starts an empty block table for a request that holds nothing yet."""
+        state = self.requests[request_id] = RequestKV()
+        return state
+
+    def share(self, parent: RequestKV, child_id: str) -> None:
+        """Gives `child_id` the parent's pages (one more owner each) and progress."""
+        self.pool.touch(parent.pages)
+        self.requests[child_id] = RequestKV(
+            list(parent.pages), num_slot_tokens=parent.num_slot_tokens,
+            num_cached_pages=parent.num_cached_pages)
+
+    def free(self, request_id: str) -> None:
+        """Drops a request's state, returning its pages (tail first) or its host slots.
 
         Raises:
-            ValueError: The request holds nothing (unknown or already freed).
+            ValueError: The request holds nothing.
         """
-        request_id = request.request_id
-        if request_id in self._swapped:
-            slot_ids = self._swapped.pop(request_id).slot_ids
-            self._pending.drop_swap_out_slots(slot_ids)
-            self.host_pool.free(slot_ids)
-            return
-        self._release(reversed(self._table(request_id)))
-        self._forget(request_id)
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            raise ValueError(f"request {request_id!r} holds no pages")
+        self._offers.pop(request_id, None)
+        if state.is_swapped:
+            self.pending.drop_swap_out_slots(state.host_slot_ids)
+            self.host_pool.free(state.host_slot_ids)
+        else:
+            self.release(reversed(state.pages))
 
-    def fork(self, parent: Request, child: Request) -> None:
-        """Gives `child` the parent's pages, shared by reference count (n > 1, beams).
+    def release(self, ordered_pages: Iterable[KVPage]) -> None:
+        """Drops one owner from each page, forgetting pending moves into unowned ones."""
+        for page in self.pool.free_pages(ordered_pages):
+            self.pending.drop_page(page.page_id)
 
-        Raises:
-            ValueError: Unknown or swapped parent, a child that already holds KV, or a child
-                whose progress or computed tokens differ from the parent's.
+    def copy_on_write(self, state: RequestKV, index: int, copy_content: bool) -> KVPage:
+        """Puts a fresh private page at `index` of the table in place of a shared one.
+
+        Args:
+            state: The request's state.
+            index: The table index of the shared page.
+            copy_content: Whether the page holds computed tokens, so a copy from it is
+                planned (its source pinned until `take()`).
+
+        Returns:
+            The new page.
         """
-        parent_table = self._table(parent.request_id)
-        if self.has_request(child.request_id):
-            raise ValueError(f"cannot fork into {child.request_id!r}: it already holds KV")
-        num_computed = parent.num_computed_tokens
-        if (child.num_computed_tokens != num_computed
-                or child.all_token_ids[:num_computed] != parent.all_token_ids[:num_computed]):
-            raise ValueError(f"child {child.request_id!r} must match parent "
-                             f"{parent.request_id!r} in computed tokens (use Request.fork)")
-        self.pool.touch(parent_table)
-        self._tables[child.request_id] = list(parent_table)
-        self._num_cached_pages[child.request_id] = self._num_cached_pages.get(parent.request_id, 0)
-        self._num_slot_tokens[child.request_id] = self._num_slot_tokens.get(parent.request_id, 0)
+        old = state.pages[index]
+        (page,) = self.pool.get_new_pages(1)
+        if copy_content:
+            src_id = self.pending.resolve_copy_src(old.page_id)
+            self.pool.touch([self.pool.pages[src_id]])
+            self.pending.add_copy(src_id, page.page_id)
+        state.pages[index] = page
+        self.release([old])
+        return page
 
-    # ---------------------------------------------------------- step / metrics
-    def take_plans(self) -> KVPlans:
-        """Drains this step's swap and copy plans for the runner; call once per step.
+    # -------------------------------------------------------------------- swap
+    def num_swap_out_slots(self, state: RequestKV) -> int | None:
+        """Host slots a swap-out needs, or None if a page's content is still in flight."""
+        needed = 0
+        for page in state.pages:
+            if page.page_id in self.pending.swap_in_src:
+                if page.ref_cnt != 1:
+                    return None  # NOTE: shared or pinned mid-swap-in; recompute instead.
+            elif self.pending.resolve_copy_src(page.page_id) in self.pending.swap_in_src:
+                # NOTE: a copy of a page still arriving from the host: swap-out would run
+                # before that swap-in and read nothing.
+                return None
+            else:
+                needed += 1
+        return needed
 
-        NOTE: only now are copy sources unpinned and swap-in host slots reusable, because
-        only now has the runner been handed the moves that read them. Pages filled this
-        step join the prefix cache now too, not at allocation: a request freed or swapped
-        out later in the same scheduling pass never computes its pages, and nobody may
-        have hit them meanwhile.
+    def move_to_host(self, request: Request) -> list[tuple[int, int]]:
+        """Swaps a request out: plans its pages' moves to host slots and frees the pages.
+
+        The caller has checked `num_swap_out_slots` against the free host slots.
+
+        Returns:
+            The (device page, host slot) pairs planned.
         """
-        for request, num_tokens in self._cache_on_take.values():
-            self._register_full_pages(request, num_tokens)
-        self._cache_on_take.clear()
-        plans, pinned_ids, deferred_slot_ids = self._pending.take()
+        state = self.requests[request.request_id]
+        fresh_slots = iter(self.host_pool.allocate(self.num_swap_out_slots(state)))
+        pairs, slot_ids = [], []
+        for page in state.pages:
+            if page.page_id in self.pending.swap_in_src:
+                # NOTE: swapped in this very step: the host slot still holds the content.
+                slot_ids.append(self.pending.reclaim_swap_in(page.page_id))
+                continue
+            slot = next(fresh_slots)
+            pairs.append((self.pending.resolve_copy_src(page.page_id), slot))
+            slot_ids.append(slot)
+        self.pending.swap_out_pairs.extend(pairs)
+        # NOTE: swap-in re-offers these pages to the prefix cache; never pages past the
+        # computed tokens, whose KV the host copy does not hold.
+        state.num_cached_pages = min(state.num_cached_pages,
+                                     request.num_computed_tokens // self.page_size)
+        pages, state.pages, state.host_slot_ids = state.pages, [], slot_ids
+        self._offers.pop(request.request_id, None)
+        self.release(reversed(pages))
+        return pairs
+
+    def move_to_device(self, request: Request) -> list[tuple[int, int]]:
+        """Swaps a request in: fresh device pages in the same logical order as its slots.
+
+        The caller has checked that the pool has the pages.
+
+        Returns:
+            The (host slot, device page) pairs planned.
+        """
+        state = self.requests[request.request_id]
+        slot_ids = state.host_slot_ids
+        pages = self.pool.get_new_pages(len(slot_ids))
+        for slot, page in zip(slot_ids, pages, strict=True):
+            self.pending.add_swap_in(slot, page.page_id)
+        num_to_offer = state.num_cached_pages
+        state.pages, state.host_slot_ids, state.num_cached_pages = pages, None, 0
+        self.queue_for_cache(request, num_to_offer * self.page_size)
+        return [(slot, page.page_id) for slot, page in zip(slot_ids, pages, strict=True)]
+
+    # ------------------------------------------------------ prefix cache, step
+    def queue_for_cache(self, request: Request, num_tokens: int) -> None:
+        """Queues the request's pages covering `num_tokens` for the prefix cache at `take()`."""
+        if self.pool.prefix_cache is not None:
+            self._offers[request.request_id] = (request, num_tokens)
+
+    def take(self) -> KVPlans:
+        """Offers queued full pages to the prefix cache, then drains this step's moves."""
+        for request_id, (request, num_tokens) in self._offers.items():
+            self._offer_full_pages(self.requests[request_id], request, num_tokens)
+        self._offers.clear()
+        plans, pinned_ids, deferred_slot_ids = self.pending.take()
         self.pool.free_pages(self.pool.pages[page_id] for page_id in pinned_ids)
         self.host_pool.free(deferred_slot_ids)
         return plans
 
-    def evict_cached_pages(self, max_num_pages: int | None = None) -> int:
-        """Forgets up to `max_num_pages` unowned cached pages (all if None), LRU first."""
-        return self.pool.evict_cached_pages(max_num_pages)
-
-    def stats(self) -> KVCacheStats:
-        """A snapshot of usage, fragmentation, prefix, copy-on-write and swap figures."""
-        num_allocated, num_token_slots = count_token_slots(
-            {rid: [p.page_id for p in table] for rid, table in self._tables.items()},
-            self._num_slot_tokens, self.page_size)
-        return make_stats(
-            num_total_pages=self.pool.num_usable_pages,
-            num_cached_pages=self.pool.num_cached_free_pages,
-            num_used_pages=self.pool.num_used_pages,
-            num_allocated_slots=num_allocated, num_token_slots=num_token_slots,
-            num_total_host_slots=self.host_pool.num_slots,
-            num_free_host_slots=self.host_pool.num_free_slots, counters=self.counters)
-
-    # ---------------------------------------------------------------- helpers
-    def _table(self, request_id: str) -> list[KVPage]:
-        table = self._tables.get(request_id)
-        if table is None:
-            state = "is swapped out" if request_id in self._swapped else "holds no pages"
-            raise ValueError(f"request {request_id!r} {state}")
-        return table
-
-    def _swapped_request(self, request_id: str) -> SwappedKV:
-        swapped = self._swapped.get(request_id)
-        if swapped is None:
-            raise ValueError(f"request {request_id!r} is not swapped out")
-        return swapped
-
-    def _forget(self, request_id: str) -> None:
-        del self._tables[request_id]
-        self._num_cached_pages.pop(request_id, None)
-        self._num_slot_tokens.pop(request_id, None)
-        self._cache_on_take.pop(request_id, None)
-
-    def _release(self, ordered_pages) -> None:
-        for page in self.pool.free_pages(ordered_pages):
-            self._pending.drop_page(page.page_id)
-
-    def _num_holders(self, page: KVPage) -> int:
-        return page.ref_cnt - self._pending.num_pins(page.page_id)
-
-    def _cache_full_pages(self, request: Request, num_tokens: int) -> None:
-        """Queues the request's pages covering `num_tokens` for indexing at take_plans()."""
-        if self.pool.prefix_cache is not None:
-            self._cache_on_take[request.request_id] = (request, num_tokens)
-
-    def _register_full_pages(self, request: Request, num_tokens: int) -> None:
+    def _offer_full_pages(self, state: RequestKV, request: Request, num_tokens: int) -> None:
         """Offers the request's newly full pages (covering `num_tokens`) to the cache."""
-        request_id, ps = request.request_id, self.page_size
-        table = self._tables[request_id]
-        start = self._num_cached_pages.get(request_id, 0)
-        num_full = min(num_tokens // ps, len(table))
+        ps = self.page_size
+        start = state.num_cached_pages
+        num_full = min(num_tokens // ps, len(state.pages))
         if num_full <= start:
             return
         hashes = update_page_hashes(request, ps)
         token_ids = request.all_token_ids
         for index in range(start, num_full):
-            self.pool.cache_full_page(table[index], hashes[index],
+            self.pool.cache_full_page(state.pages[index], hashes[index],
                                       token_ids[index * ps:(index + 1) * ps])
-        self._num_cached_pages[request_id] = num_full
+        state.num_cached_pages = num_full

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -73,7 +74,7 @@ class KVCacheStats:
     num_swap_fallbacks: int
 
 
-def count_token_slots(page_tables: dict[str, list[int]], num_tokens: dict[str, int],
+def count_token_slots(tables: Iterable[tuple[list[int], int]],
                       page_size: int) -> tuple[int, int]:
     """Allocated slots and slots holding a token over the distinct pages of all tables.
 
@@ -81,18 +82,16 @@ def count_token_slots(page_tables: dict[str, list[int]], num_tokens: dict[str, i
     its fullest holder, so sharing never inflates either figure.
 
     Args:
-        page_tables: request id -> page ids.
-        num_tokens: request id -> tokens the request keeps in its pages.
+        tables: (page ids, tokens the request keeps in them) for every request.
         page_size: Slots per page.
 
     Returns:
         (num_allocated_slots, num_token_slots).
     """
     filled: dict[int, int] = {}
-    for request_id, page_ids in page_tables.items():
-        remaining = num_tokens.get(request_id, 0)
+    for page_ids, num_tokens in tables:
         for index, page_id in enumerate(page_ids):
-            in_page = min(page_size, max(0, remaining - index * page_size))
+            in_page = min(page_size, max(0, num_tokens - index * page_size))
             if in_page > filled.get(page_id, -1):
                 filled[page_id] = in_page
     return len(filled) * page_size, sum(filled.values())

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxserve.core.block_pool import KVPage
+    from jaxserve.core.page_pool import KVPage
     from jaxserve.request import Request
 
 # Digest of a page's whole prefix: sha256(parent digest, token ids, extra keys).
@@ -65,7 +65,7 @@ def update_page_hashes(request: Request, page_size: int) -> list[PageHash]:
 class PrefixCache:
     """Index of full pages by chained hash; a hit must match the hash and the tokens.
 
-    Pages stay indexed while owned and after their last owner leaves, until the block
+    Pages stay indexed while owned and after their last owner leaves, until the page
     pool hands them out again (eviction). One page per hash: a second page filling with
     the same content simply stays unindexed.
     """

@@ -15,6 +15,26 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.core.stop_checker import check_stop
 from jaxserve.request import Request, RequestStatus
+from jaxserve.utils import cdiv
+
+
+class _StepDraft:
+    """The step being built: its entries by request id and the token budget left."""
+
+    def __init__(self, budget: int):
+        self.entries: dict[str, ScheduledRequest] = {}
+        self.budget = budget
+
+    def add(self, entry: ScheduledRequest) -> None:
+        self.entries[entry.request_id] = entry
+        self.budget -= entry.num_new_tokens
+
+    def drop(self, request_id: str) -> bool:
+        """Takes a request's entry back (it was preempted); False if it had none."""
+        entry = self.entries.pop(request_id, None)
+        if entry is not None:
+            self.budget += entry.num_new_tokens
+        return entry is not None
 
 
 class Scheduler:
@@ -42,7 +62,7 @@ class Scheduler:
         # NOTE: a request reaching it ends as length-capped, like at max_model_len; were it
         # to grow on, no preemption could make room (allocation would raise), and a request
         # over the watermark or the budget could never be swapped in or recomputed again.
-        self.max_kv_tokens = (kv.pool.num_usable_pages - kv.watermark_pages) * kv.page_size
+        self.max_kv_tokens = kv.max_tokens_per_request
         if not config.chunked:
             self.max_kv_tokens = min(self.max_kv_tokens, max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
@@ -79,10 +99,11 @@ class Scheduler:
                 raise ValueError(f"prompt of request {request.request_id!r} has "
                                  f"{request.num_prompt_tokens} tokens, more than "
                                  f"max_num_batched_tokens {budget} without chunked prefill")
-            pages = -(-request.num_prompt_tokens // kv.page_size)
-            raise ValueError(f"request {request.request_id!r} needs {pages} KV pages; the "
-                             f"pool has only {kv.pool.num_usable_pages} (watermark "
-                             f"{kv.watermark_pages})")
+            pages, max_pages = (cdiv(request.num_prompt_tokens, kv.page_size),
+                                kv.max_tokens_per_request // kv.page_size)
+            raise ValueError(f"request {request.request_id!r} needs {pages} KV pages; one "
+                             f"request may hold at most {max_pages} (the pool less its "
+                             "admission watermark)")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)
@@ -106,7 +127,7 @@ class Scheduler:
         for queue in (self.running, self.waiting, self.swapped):
             if request in queue:
                 queue.remove(request)
-        if self.kv.has_request(request_id) or self.kv.is_swapped(request_id):
+        if self.kv.has_request(request_id):  # device pages or host slots
             self.kv.free(request)
         request.status = status
         return request
@@ -122,44 +143,39 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Builds the next step (see the module docstring)."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        rows = 0
-        scheduled: dict[str, ScheduledRequest] = {}
+        step = _StepDraft(self.max_num_batched_tokens)
+        self._schedule_running(step, out)
+        if not out.preempted_request_ids:
+            self._resume_swapped(step)
+        if not out.preempted_request_ids and not self.swapped:
+            self._admit_waiting(step)
+        out.scheduled = list(step.entries.values())
+        out.plans = self.kv.take_plans()
+        return out
 
+    def _schedule_running(self, step: _StepDraft, out: SchedulerOutput) -> None:
+        """Running requests in order, preempting from the back when pages run out."""
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new = self._num_new_tokens(request, budget)
+            num_new = self._num_new_tokens(request, step.budget)
             if num_new == 0:
                 index += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_new_tokens
-                    rows = sum(max(1, s.num_samples) for s in scheduled.values())
+                if step.drop(victim.request_id):
                     index -= 1
                 self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                entry = self._entry(request, num_new)
-                scheduled[request.request_id] = entry
-                budget -= num_new
-                rows += max(1, entry.num_samples)
+                step.add(self._entry(request, num_new))
                 index += 1
 
-        if not out.preempted_request_ids:
-            budget, rows = self._resume_swapped(scheduled, budget, rows)
-        if not out.preempted_request_ids and not self.swapped:
-            self._admit_waiting(scheduled, budget, rows)
-
-        out.scheduled = list(scheduled.values())
-        out.plans = self.kv.take_plans()
-        return out
-
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int, num_cached: int = 0) -> int:
+        """Tokens to compute this step past `num_cached` prefix-hit ones (0: none fit)."""
+        num_new = request.num_tokens - request.num_computed_tokens - num_cached
         if self.config.chunked:
             threshold = self.config.long_prefill_token_threshold
             if threshold:
@@ -178,7 +194,7 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:start + num_new],
             start_pos=start,
-            block_ids=self.kv.block_ids(request.request_id),
+            page_ids=self.kv.page_ids(request.request_id),
             num_samples=self._num_samples(request, num_new),
             sampling_counter=request.num_output_tokens)
 
@@ -203,15 +219,13 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         self._enqueue_waiting(request, front=True)
 
-    def _resume_swapped(self, scheduled, budget: int, rows: int) -> tuple[int, int]:
-        while self.swapped and budget > 0 and self._num_slots() < self.max_num_seqs:
+    def _resume_swapped(self, step: _StepDraft) -> None:
+        while self.swapped and step.budget > 0 and self._num_slots() < self.max_num_seqs:
             request = self.swapped[0]
-            num_new = self._num_new_tokens(request, budget)
+            num_new = self._num_new_tokens(request, step.budget)
             # NOTE: the pages for this step's tokens must be free as well; a request swapped
             # in without them would not run and would be swapped straight back out.
-            num_pages = -(-(request.num_computed_tokens + num_new) // self.kv.page_size)
-            if (num_new == 0 or not self.kv.can_swap_in(request)
-                    or num_pages > self.kv.num_allocatable_pages):
+            if num_new == 0 or not self.kv.can_swap_in(request, num_new):
                 break
             self.kv.swap_in(request)
             self.swapped.popleft()
@@ -219,34 +233,22 @@ class Scheduler:
             self.running.append(request)
             if self.kv.allocate_slots(request, num_new) is None:
                 break  # back in device pages; it runs (or is preempted) next step
-            entry = self._entry(request, num_new)
-            scheduled[request.request_id] = entry
-            budget -= num_new
-            rows += max(1, entry.num_samples)
-        return budget, rows
+            step.add(self._entry(request, num_new))
 
-    def _admit_waiting(self, scheduled, budget: int, rows: int) -> None:
-        mode = self.config.scheduling_mode
-        if mode in ("static", "naive"):
+    def _admit_waiting(self, step: _StepDraft) -> None:
+        static = self.config.scheduling_mode in ("static", "naive")
+        if static:
             if self.running:
                 if not self._batch_open:
                     return
             else:
                 self._batch_open = True
-        while self.waiting and budget > 0 and self._num_slots() < self.max_num_seqs:
+        while self.waiting and step.budget > 0 and self._num_slots() < self.max_num_seqs:
             request = self.waiting[0]
-            hit_ids, num_hit = ([], 0)
-            sp = request.sampling_params
-            # NOTE: prompt logprobs need every prompt position computed: no prefix hits.
-            if not self.kv.has_request(request.request_id) and (
-                    sp is None or sp.prompt_logprobs is None):
-                hit_ids, num_hit = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - request.num_computed_tokens - num_hit
-            if not self.config.chunked and num_new > budget:
+            hit_ids, num_hit = self._prefix_hit(request)
+            num_new = self._num_new_tokens(request, step.budget, num_hit)
+            if num_new == 0:
                 break
-            if self.config.chunked and self.config.long_prefill_token_threshold:
-                num_new = min(num_new, self.config.long_prefill_token_threshold)
-            num_new = min(num_new, budget)
             fan_out = request.fan_out if request.num_output_tokens == 0 else 1
             if self._num_slots() + fan_out > self.max_num_seqs and self.running:
                 break
@@ -257,12 +259,18 @@ class Scheduler:
             request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            entry = self._entry(request, num_new)
-            scheduled[request.request_id] = entry
-            budget -= num_new
-            rows += max(1, entry.num_samples)
-        if mode in ("static", "naive") and self.running:
+            step.add(self._entry(request, num_new))
+        if static and self.running:
             self._batch_open = False
+
+    def _prefix_hit(self, request: Request) -> tuple[list[int], int]:
+        """Cached pages for a waiting request's prompt: (page ids, tokens they hold)."""
+        sp = request.sampling_params
+        # NOTE: prompt logprobs need every prompt position computed: no prefix hits.
+        if self.kv.has_request(request.request_id) or (
+                sp is not None and sp.prompt_logprobs is not None):
+            return [], 0
+        return self.kv.get_computed_pages(request)
 
     # ------------------------------------------------------------- update
     def update_from_output(self, out: SchedulerOutput,

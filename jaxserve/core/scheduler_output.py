@@ -15,7 +15,7 @@ class ScheduledRequest:
         request_id: The request.
         token_ids: The `num_new_tokens` tokens whose KV this step computes.
         start_pos: Position of the first of them (the request's computed tokens so far).
-        block_ids: The request's whole block table (page ids, in order).
+        page_ids: The request's whole block table (its page ids, in order).
         num_samples: Tokens to sample from the last position: 0 while a prompt is only
             partly computed, 1 normally, n when a request fans out into n samples.
         sampling_counter: How many tokens the request has generated (seeds the per-row key).
@@ -24,7 +24,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    page_ids: list[int]
     num_samples: int
     sampling_counter: int = 0
 

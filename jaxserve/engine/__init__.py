@@ -1,1 +1,2 @@
-"""Engines that run models: for now the single-request greedy generator."""
+"""Engines that run models: `LLMEngine` (the step loop), `LLM` (offline), `AsyncLLM`
+(serving), plus the detokenizer and beam search they use."""

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.utils import cdiv
 
 logger = logging.getLogger("jaxserve")
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -70,7 +71,7 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
         num_pages = cc.num_kv_blocks
     else:
         num_pages = _pages_from_memory(config, per_page // kv_shards)
-    min_pages = -(-max_model_len // cc.block_size) + 1
+    min_pages = cdiv(max_model_len, cc.block_size) + 1
     if num_pages < 2:
         raise ValueError(f"num_kv_blocks={num_pages}: the pool needs at least 2 pages")
     if num_pages < min_pages:

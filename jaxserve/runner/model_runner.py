@@ -32,6 +32,7 @@ from jaxserve.runner.transfer import Layout, pack, unpack
 from jaxserve.sample.logprobs import compute_prompt_logprobs
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, MAX_LOGPROBS, SamplingMetadata
 from jaxserve.sample.sampler import sample
+from jaxserve.utils import cdiv
 from models.model import Model
 from pallas_kernels import AttentionMetadata
 
@@ -110,7 +111,7 @@ class ModelRunner:
         self.layout = layout
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
-        self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.max_pages_per_seq = cdiv(max_model_len, page_size)
         self.penalty_len = 1 << (max_model_len - 1).bit_length()
         self.banned_len = MAX_BANNED_TOKEN_IDS
         self.buckets = token_buckets(max_num_batched_tokens)
@@ -270,7 +271,7 @@ class ModelRunner:
             cap = self.max_pages_per_seq * self.page_size
             sizes = [min(cap, num_tokens - start) for start in range(0, num_tokens, cap)]
             out = SchedulerOutput(scheduled=[ScheduledRequest(
-                f"warmup-{i}", [0] * n, 0, [0] * -(-n // self.page_size), int(i == 0))
+                f"warmup-{i}", [0] * n, 0, [0] * cdiv(n, self.page_size), int(i == 0))
                 for i, n in enumerate(sizes[:num_rows])])
             for variant in VARIANTS:
                 # The prompt-logprobs program of this bucket too, once.

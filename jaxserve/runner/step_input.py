@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -46,37 +47,62 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
     """Packs the scheduled requests' tokens in order and pads everything to the bucket.
 
     Requests occupy attention rows 0..len(scheduled)-1. Sampling rows list each request
-    with samples `num_samples` times (fan-out rows repeat the request's last token).
+    with samples `num_samples` times (fan-out rows repeat the request's last token). Each
+    array is built in one NumPy pass; the per-request Python work is only gathering each
+    request's fields and lists (`chain` flattens the lists in C).
+
+    Args:
+        out: The step; its requests' tokens are packed in `out.scheduled` order.
+        num_tokens: Token bucket (length of the token arrays).
+        num_rows: Row bucket (attention rows and sampling rows alike).
+        page_size: Slots per KV page.
+        max_pages_per_seq: Width of the block tables.
+
+    Returns:
+        The step's host arrays; padding tokens and rows point at the null page 0.
 
     Raises:
-        ValueError: The step does not fit `num_tokens` tokens or `num_rows` rows.
+        ValueError: The step does not fit `num_tokens` tokens or `num_rows` rows, a block
+            table is wider than `max_pages_per_seq`, or a token's position lies past its
+            request's block table.
     """
-    if out.total_num_scheduled_tokens > num_tokens or len(out.scheduled) > num_rows \
-            or out.num_rows > num_rows:
+    sched = out.scheduled
+    r = len(sched)
+    if out.total_num_scheduled_tokens > num_tokens or r > num_rows or out.num_rows > num_rows:
         raise ValueError(f"step of {out.total_num_scheduled_tokens} tokens / {out.num_rows} "
                          f"rows does not fit bucket ({num_tokens}, {num_rows})")
-    input_ids = np.zeros(num_tokens, np.int32)  # i32[num_tokens]
-    positions = np.zeros(num_tokens, np.int32)  # i32[num_tokens]
-    slots = np.zeros(num_tokens, np.int32)  # i32[num_tokens]
-    tables = np.zeros((num_rows, max_pages_per_seq), np.int32)  # i32[num_rows, max_pages]
-    kv_lens = np.zeros(num_rows, np.int32)  # i32[num_rows]
+    n = np.fromiter((len(s.token_ids) for s in sched), np.int32, r)  # i32[r]
+    starts = np.fromiter((s.start_pos for s in sched), np.int32, r)  # i32[r]
+    num_pages = np.fromiter((len(s.page_ids) for s in sched), np.int64, r)  # i64[r]
+    samples = np.fromiter((s.num_samples for s in sched), np.int64, r)  # i64[r]
+    if r and int(num_pages.max()) > max_pages_per_seq:
+        raise ValueError(f"a block table of {int(num_pages.max())} pages exceeds "
+                         f"max_pages_per_seq={max_pages_per_seq}")
+    t = int(n.sum())
     cu = np.zeros(num_rows + 1, np.int32)  # i32[num_rows + 1]
+    np.cumsum(n, out=cu[1:r + 1])
+    cu[r + 1:] = t
+    row_of_token = np.repeat(np.arange(r), n)  # i64[t]
+    input_ids = np.zeros(num_tokens, np.int32)  # i32[num_tokens]
+    input_ids[:t] = np.fromiter(chain.from_iterable(s.token_ids for s in sched), np.int32, t)
+    positions = np.zeros(num_tokens, np.int32)  # i32[num_tokens]
+    pos = positions[:t]  # i32[t], a view
+    pos[:] = np.arange(t, dtype=np.int32) - cu[row_of_token] + starts[row_of_token]
+    page_of_token = pos // page_size  # i32[t]
+    if t and (page_of_token >= num_pages[row_of_token]).any():
+        raise ValueError("a scheduled token's position lies past its request's block table")
+    tables = np.zeros((num_rows, max_pages_per_seq), np.int32)  # i32[num_rows, max_pages]
+    flat = np.fromiter(chain.from_iterable(s.page_ids for s in sched), np.int32,
+                       int(num_pages.sum()))  # i32[total pages]
+    first_page = np.cumsum(num_pages) - num_pages  # i64[r]; offset of each table in flat
+    tables[np.repeat(np.arange(r), num_pages),
+           np.arange(flat.size) - np.repeat(first_page, num_pages)] = flat
+    slots = np.zeros(num_tokens, np.int32)  # i32[num_tokens]
+    slots[:t] = tables[row_of_token, page_of_token] * page_size + pos % page_size
+    kv_lens = np.zeros(num_rows, np.int32)  # i32[num_rows]
+    kv_lens[:r] = starts + n
     logits_indices = np.zeros(num_rows, np.int32)  # i32[num_rows]
-    row_ids: list[str] = []
-    t = 0
-    for i, s in enumerate(out.scheduled):
-        n = s.num_new_tokens
-        pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
-        block_ids = np.asarray(s.block_ids, np.int32)
-        input_ids[t:t + n] = s.token_ids
-        positions[t:t + n] = pos
-        slots[t:t + n] = block_ids[pos // page_size] * page_size + pos % page_size
-        tables[i, :len(block_ids)] = block_ids
-        kv_lens[i] = s.start_pos + n
-        t += n
-        cu[i + 1] = t
-        for _ in range(s.num_samples):
-            logits_indices[len(row_ids)] = t - 1
-            row_ids.append(s.request_id)
-    cu[len(out.scheduled) + 1:] = t
+    last = np.repeat(cu[1:r + 1] - 1, samples)  # i32[sampling rows]
+    logits_indices[:last.size] = last
+    row_ids = [s.request_id for s in sched for _ in range(s.num_samples)]
     return StepArrays(input_ids, positions, slots, tables, kv_lens, cu, logits_indices, row_ids)

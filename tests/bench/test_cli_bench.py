@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.bench.cli import BENCH_ENGINE_DEFAULTS, bench_engine_args, make_trace
 from jaxserve.entrypoints.cli import build_parser, main
+from jaxserve.entrypoints.cli.bench import BENCH_ENGINE_DEFAULTS, bench_engine_args, make_trace
 
 COMMANDS = ["throughput", "prefix", "latency", "serve", "roofline", "scale", "overhead"]
 

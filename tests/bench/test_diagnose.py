@@ -77,3 +77,28 @@ def test_cli_reads_config_and_result(tmp_path, capsys):
                  str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Bottleneck: chunk") and "P99 ITL" in out
+
+
+def test_advice_never_points_the_wrong_way():
+    # Issue 19 item 9: with nothing limiting, the advice asked for a pool smaller than the
+    # one in use and a max_num_seqs above the current one.
+    import re
+
+    from jaxserve.bench.diagnose import diagnose, format_diagnosis
+
+    for seqs in (1, 4, 16, 64, 256):
+        for blocks in (64, 512, 4096):
+            d = diagnose({"max_num_seqs": seqs, "num_kv_blocks": blocks})
+            for finding in d["findings"]:
+                for advice in finding["advice"]:
+                    m = re.search(r"~(\d+) pages \(now (\d+)\)", advice)
+                    if m:
+                        assert int(m[1]) > int(m[2]), advice
+                    m = re.search(r"lower max_num_seqs to ~(\d+) \(now (\d+)\)", advice)
+                    if m:
+                        assert int(m[1]) < int(m[2]), advice
+                    m = re.search(r"raise max_num_seqs \(now (\d+); the pool holds ~(\d+)", advice)
+                    if m:
+                        assert int(m[2]) > int(m[1]), advice
+    text = format_diagnosis(diagnose({"max_num_seqs": 4}))
+    assert "Assumed: mean prompt of 512 tokens" in text and "no observations" in text

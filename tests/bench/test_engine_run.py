@@ -102,23 +102,3 @@ def test_roofline_rows(tiny):
     rows = roofline_rows(llm.engine, [1, 4], 8, peaks, num_steps=3)
     assert [r["batch"] for r in rows] == [1, 4]
     assert all(r["mfu"] > 0 and r["bw_util"] > 0 and r["step_ms"] > 0 for r in rows)
-
-
-def test_vectorized_step_arrays_match_the_runner():
-    import numpy as np
-
-    from jaxserve.bench.overhead import build_step_arrays_vectorized
-    from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
-    from jaxserve.runner.step_input import build_step_arrays
-
-    out = SchedulerOutput(scheduled=[
-        ScheduledRequest("decode", [5], 20, [3, 9, 4], 1),
-        ScheduledRequest("chunk", list(range(10, 27)), 8, [7, 2, 11, 12], 0),  # mid-prompt
-        ScheduledRequest("fanout", list(range(30, 36)), 0, [6], 2),  # n=2 at prompt end
-        ScheduledRequest("decode2", [8], 7, [1], 1)])
-    for num_tokens, num_rows in ((32, 8), (25, 5)):
-        a = build_step_arrays(out, num_tokens, num_rows, 8, 6)
-        b = build_step_arrays_vectorized(out, num_tokens, num_rows, 8, 6)
-        for key, value in a.device_tree().items():
-            np.testing.assert_array_equal(value, b.device_tree()[key], err_msg=key)
-        assert a.row_request_ids == b.row_request_ids

@@ -1,64 +1,15 @@
-"""Unit tests for KVCacheManager: prefix hits, eviction, fork/CoW, swap, failures, errors."""
+"""Unit tests for KVCacheManager: prefix hits, eviction, fork/CoW, swap, failures, stats."""
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from jaxserve.core import KVCacheManager
 from jaxserve.request import Request, RequestStatus
-
-PS = 4
-
-
-def make(num_pages: int = 17, **kwargs) -> KVCacheManager:
-    kwargs.setdefault("watermark", 0.0)
-    return KVCacheManager(num_pages, PS, **kwargs)
-
-
-def admit(manager: KVCacheManager, request: Request, num_new_tokens: int | None = None):
-    """Prefix lookup, allocation and the step's compute for a new request."""
-    hit_ids, num_hit = manager.get_computed_blocks(request)
-    if num_new_tokens is None:
-        num_new_tokens = request.num_tokens - num_hit
-    new_ids = manager.allocate_slots(request, num_new_tokens, num_hit, hit_ids)
-    if new_ids is not None:
-        request.num_computed_tokens += num_hit + num_new_tokens
-        manager.take_plans()
-    return hit_ids, new_ids
-
-
-def decode(manager: KVCacheManager, request: Request, token_id: int):
-    request.append_output_token_ids(token_id)
-    new_ids = manager.allocate_slots(request, 1)
-    if new_ids is not None:
-        request.num_computed_tokens += 1
-    return new_ids
-
-
-def snapshot(manager: KVCacheManager) -> dict:
-    """Everything observable about the manager, for before/after comparisons."""
-    pool = manager.pool
-    pending = manager._pending
-    return copy.deepcopy({
-        "tables": {rid: manager.block_ids(rid) for rid in manager._tables},
-        "pages": [(p.page_id, p.ref_cnt, p.page_hash, p.token_ids) for p in pool.pages],
-        "free_queue": [p.page_id for p in pool.free_queue],
-        "num_cached_free": pool.num_cached_free_pages,
-        "index": {h: p.page_id for h, p in pool.prefix_cache._pages.items()},
-        "host_free": list(manager.host_pool._free_slot_ids),
-        "swapped": dict(manager._swapped),
-        "num_cached_pages": dict(manager._num_cached_pages),
-        "num_slot_tokens": dict(manager._num_slot_tokens),
-        "cache_on_take": {rid: n for rid, (_, n) in manager._cache_on_take.items()},
-        "pending": (pending.swap_out_pairs, pending.swap_in_src, pending.copy_src,
-                    pending.pins, pending.deferred_slot_ids),
-        "counters": manager.counters,
-    })
+from tests.core.kv_helpers import PS, admit, decode, make, snapshot
 
 
 def test_core_does_not_import_jax():
@@ -84,7 +35,7 @@ def test_prefix_hit_across_requests_with_shared_system_prompt():
     second = Request("b", system + [7, 8])
     hit_ids, new_ids = admit(manager, second)
     assert hit_ids == first_ids[:3]
-    assert manager.block_ids("b")[:3] == hit_ids and len(new_ids) == 1
+    assert manager.page_ids("b")[:3] == hit_ids and len(new_ids) == 1
     assert all(manager.pool.pages[i].ref_cnt == 2 for i in hit_ids)
     stats = manager.stats()
     assert stats.prefix_queries == 15 + 14 and stats.prefix_hits == 12
@@ -97,9 +48,9 @@ def test_hit_is_capped_so_the_last_token_is_computed():
     manager = make()
     prompt = list(range(12))  # exactly three pages
     admit(manager, Request("a", prompt))
-    hit_ids, num_hit = manager.get_computed_blocks(Request("b", prompt))
+    hit_ids, num_hit = manager.get_computed_pages(Request("b", prompt))
     assert len(hit_ids) == 2 and num_hit == 8
-    hit_ids, num_hit = manager.get_computed_blocks(Request("c", prompt + [99]))
+    hit_ids, num_hit = manager.get_computed_pages(Request("c", prompt + [99]))
     assert len(hit_ids) == 3 and num_hit == 12
 
 
@@ -107,38 +58,38 @@ def test_pages_join_the_cache_only_at_take_plans():
     manager = make()
     request = Request("a", list(range(9)))
     manager.allocate_slots(request, 9)
-    assert manager.get_computed_blocks(Request("b", list(range(9)))) == ([], 0)
+    assert manager.get_computed_pages(Request("b", list(range(9)))) == ([], 0)
     manager.take_plans()
-    assert manager.get_computed_blocks(Request("c", list(range(9))))[1] == 8
+    assert manager.get_computed_pages(Request("c", list(range(9))))[1] == 8
 
 
 def test_equal_page_after_a_different_prefix_does_not_hit():
     manager = make()
     admit(manager, Request("a", [1, 1, 1, 1, 2, 2, 2, 2, 9]))
-    assert manager.get_computed_blocks(Request("b", [2, 2, 2, 2, 5])) == ([], 0)
+    assert manager.get_computed_pages(Request("b", [2, 2, 2, 2, 5])) == ([], 0)
 
 
 def test_cache_salt_isolates_tenants():
     manager = make()
     prompt = list(range(9))
     admit(manager, Request("a", prompt, cache_salt="tenant-1"))
-    assert manager.get_computed_blocks(Request("b", prompt, cache_salt="tenant-2")) == ([], 0)
-    assert manager.get_computed_blocks(Request("c", prompt)) == ([], 0)
-    assert manager.get_computed_blocks(Request("d", prompt, cache_salt="tenant-1"))[1] == 8
+    assert manager.get_computed_pages(Request("b", prompt, cache_salt="tenant-2")) == ([], 0)
+    assert manager.get_computed_pages(Request("c", prompt)) == ([], 0)
+    assert manager.get_computed_pages(Request("d", prompt, cache_salt="tenant-1"))[1] == 8
 
 
 def test_lru_eviction_tail_pages_before_head():
     manager = make(num_pages=5)  # four usable pages
     first = Request("a", list(range(13)))  # three full pages and a partial one
     admit(manager, first)
-    head_ids = manager.block_ids("a")
+    head_ids = manager.page_ids("a")
     manager.free(first)
     # The uncached partial page goes first, then the request's tail.
     assert [p.page_id for p in manager.pool.free_queue] == head_ids[::-1]
     assert manager.stats().num_cached_pages == 3
     _, new_ids = admit(manager, Request("b", [500, 501, 502, 503, 504]))
     assert new_ids == [head_ids[3], head_ids[2]]
-    hit_ids, num_hit = manager.get_computed_blocks(Request("c", list(range(13))))
+    hit_ids, num_hit = manager.get_computed_pages(Request("c", list(range(13))))
     assert hit_ids == head_ids[:2] and num_hit == 8
 
 
@@ -150,21 +101,21 @@ def test_lru_eviction_across_requests():
     manager.free(older)
     manager.free(newer)
     assert manager.evict_cached_pages(2) == 2  # the older request's pages
-    assert manager.get_computed_blocks(Request("c", list(range(9)))) == ([], 0)
-    assert manager.get_computed_blocks(Request("d", list(range(50, 59))))[1] == 8
+    assert manager.get_computed_pages(Request("c", list(range(9)))) == ([], 0)
+    assert manager.get_computed_pages(Request("d", list(range(50, 59))))[1] == 8
 
 
 def test_fork_then_copy_on_write_plan():
     manager = make()
     parent = Request("p", [1, 2, 3, 4, 5, 6])  # one full page, one with two tokens
     admit(manager, parent)
-    full_id, partial_id = manager.block_ids("p")
+    full_id, partial_id = manager.page_ids("p")
     child = parent.fork("c")
     manager.fork(parent, child)
     assert manager.pool.pages[partial_id].ref_cnt == 2
     new_ids = decode(manager, child, 7)
-    assert len(new_ids) == 1 and manager.block_ids("c") == [full_id, new_ids[0]]
-    assert manager.block_ids("p") == [full_id, partial_id]
+    assert len(new_ids) == 1 and manager.page_ids("c") == [full_id, new_ids[0]]
+    assert manager.page_ids("p") == [full_id, partial_id]
     # The parent is now the partial page's only table holder: it writes in place.
     assert decode(manager, parent, 8) == []
     plans = manager.take_plans()
@@ -190,7 +141,7 @@ def test_swap_out_of_fresh_cow_page_reads_the_copy_source():
     manager = make(swap_space=1.0, bytes_per_page=2**26)
     parent = Request("p", [1, 2, 3, 4, 5, 6])
     admit(manager, parent)
-    partial_id = manager.block_ids("p")[1]
+    partial_id = manager.page_ids("p")[1]
     child = parent.fork("c")
     manager.fork(parent, child)
     decode(manager, child, 7)
@@ -224,15 +175,15 @@ def test_swap_out_then_swap_in_restores_the_logical_table():
     manager = make(swap_space=1.0, bytes_per_page=2**26, enable_prefix_caching=False)
     request = Request("r", list(range(10)))
     admit(manager, request)
-    before = manager.block_ids("r")
+    before = manager.page_ids("r")
     out = manager.swap_out(request)
     assert manager.is_swapped("r") and [d for d, _ in out.pairs] == before
     with pytest.raises(ValueError, match="is swapped out"):
-        manager.block_ids("r")
+        manager.page_ids("r")
     assert manager.take_plans().swap_out.pairs == out.pairs
     assert manager.stats().num_used_pages == 0
     back = manager.swap_in(request)
-    after = manager.block_ids("r")
+    after = manager.page_ids("r")
     assert len(after) == len(before)
     assert back.pairs == [(slot, page) for (_, slot), page in zip(out.pairs, after, strict=True)]
     assert manager.take_plans().swap_in.pairs == back.pairs
@@ -280,17 +231,16 @@ def test_allocation_failure_returns_none_without_side_effects():
     manager.fork(shared, child)
     decode(manager, child, 42)  # copy-on-write: a pending copy and a pinned source
     big = Request("big", list(range(8)) + list(range(200, 232)))  # 10 pages, 2 of them hit
-    hit_ids, num_hit = manager.get_computed_blocks(big)
-    assert num_hit == 8 and manager.num_allocatable_pages == 7
+    hit_ids, num_hit = manager.get_computed_pages(big)
+    assert num_hit == 8 and manager.pool.num_allocatable_pages == 7
     before = snapshot(manager)
-    assert not manager.can_allocate(big, big.num_tokens - num_hit, num_hit, hit_ids)
     assert manager.allocate_slots(big, big.num_tokens - num_hit, num_hit, hit_ids) is None
     assert snapshot(manager) == before
     # The copy-on-write path fails cleanly too.
     grand = child.fork("g")
     manager.fork(child, grand)
     assert manager.allocate_slots(Request("fill", list(range(300, 328))), 28) is not None
-    assert manager.num_allocatable_pages == 0
+    assert manager.pool.num_allocatable_pages == 0
     grand.append_output_token_ids(1)
     before = snapshot(manager)
     assert manager.allocate_slots(grand, 1) is None
@@ -302,21 +252,11 @@ def test_watermark_applies_to_admission_only():
     running = Request("run", list(range(4)))
     admit(manager, running)  # 1 page; 9 left
     assert manager.allocate_slots(Request("new", list(range(32))), 32) is None  # 8 + 2 > 9
-    assert manager.can_allocate(Request("new", list(range(28))), 28)  # 7 + 2 <= 9
+    fits = Request("new", list(range(28)))
+    assert manager.allocate_slots(fits, 28) is not None  # 7 + 2 <= 9
+    manager.free(fits)
     running.append_output_token_ids(list(range(32)))
     assert len(manager.allocate_slots(running, 32)) == 8  # a running request may dip in
-
-
-def test_get_block_table_pads_with_the_null_page():
-    manager = make()
-    request = Request("r", list(range(6)))
-    admit(manager, request)
-    table = manager.get_block_table(request, max_num_pages=4)
-    assert table.dtype == np.int32
-    assert table.tolist() == manager.block_ids("r") + [0, 0]
-    assert manager.get_block_table(request).tolist() == manager.block_ids("r")
-    with pytest.raises(ValueError, match="more than max_num_pages=1"):
-        manager.get_block_table(request, max_num_pages=1)
 
 
 def test_stats_fragmentation_and_partition():
@@ -340,103 +280,4 @@ def test_aborting_a_scheduled_request_uncaches_its_unwritten_pages():
     manager.allocate_slots(request, 9)
     manager.free(request)  # before the step ran: nothing was written
     manager.take_plans()
-    assert manager.get_computed_blocks(Request("s", list(range(9)))) == ([], 0)
-
-
-# ------------------------------------------------------------------ ValueError paths
-@pytest.mark.parametrize("kwargs, match", [
-    ({"page_size": 0}, "page_size must be positive"),
-    ({"page_size": -4}, "page_size must be positive"),
-    ({"num_pages": 1}, "num_pages must be >= 2"),
-    ({"watermark": 1.0}, "watermark must lie in"),
-    ({"watermark": -0.1}, "watermark must lie in"),
-    ({"max_model_len": 0}, "max_model_len must be positive"),
-    ({"swap_space": -1.0}, "swap_space must be >= 0"),
-    ({"swap_space": 1.0, "bytes_per_page": 0}, "bytes_per_page must be positive"),
-])
-def test_constructor_errors(kwargs, match):
-    args = {"num_pages": 8, "page_size": 4} | kwargs
-    with pytest.raises(ValueError, match=match):
-        KVCacheManager(args.pop("num_pages"), args.pop("page_size"), **args)
-
-
-def test_request_errors():
-    with pytest.raises(ValueError, match="prompt_token_ids is empty"):
-        Request("r", [])
-    with pytest.raises(ValueError, match="non-empty string"):
-        Request("", [1])
-
-
-def test_allocation_errors():
-    manager = make(num_pages=5, max_model_len=14, swap_space=1.0, bytes_per_page=2**26)
-    request = Request("r", list(range(20)))
-    for kwargs, match in [
-        ({"num_new_tokens": -1}, "num_new_tokens must be >= 0"),
-        ({"num_new_tokens": 1, "num_lookahead_tokens": -1}, "num_lookahead_tokens must be"),
-        ({"num_new_tokens": 1, "num_new_computed_tokens": -4}, "num_new_computed_tokens must"),
-        ({"num_new_tokens": 1, "num_new_computed_tokens": 4}, "must equal 0 hit pages"),
-        ({"num_new_tokens": 21}, "has 20 tokens"),
-        ({"num_new_tokens": 15}, "over max_model_len=14"),
-        ({"num_new_tokens": 1, "num_new_computed_tokens": 4, "new_computed_blocks": [0]},
-         "outside"),
-        ({"num_new_tokens": 1, "num_new_computed_tokens": 4, "new_computed_blocks": [2]},
-         "not the cached page 0"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            manager.allocate_slots(request, **kwargs)
-    with pytest.raises(ValueError, match="needs 5 pages; the pool has only 4"):
-        make(num_pages=5).allocate_slots(request, 20)
-    small = Request("s", list(range(12)))
-    admit(manager, small)
-    with pytest.raises(ValueError, match="prefix hits only on its first allocation"):
-        manager.allocate_slots(small, 0, 4, manager.block_ids("s")[:1])
-    with pytest.raises(ValueError, match="already holds KV"):
-        manager.get_computed_blocks(small)
-    manager.swap_out(small)
-    with pytest.raises(ValueError, match="swapped out; swap_in first"):
-        manager.allocate_slots(small, 1)
-
-
-def test_stale_prefix_hit_is_rejected():
-    manager = make()
-    admit(manager, Request("a", list(range(9))))
-    manager.free(Request("a", [0]))
-    late = Request("b", list(range(9)))
-    hit_ids, num_hit = manager.get_computed_blocks(late)
-    manager.evict_cached_pages()
-    with pytest.raises(ValueError, match="stale"):
-        manager.allocate_slots(late, 1, num_hit, hit_ids)
-
-
-def test_unknown_request_errors():
-    manager = make(swap_space=1.0, bytes_per_page=2**26)
-    ghost = Request("ghost", [1, 2])
-    for call in (lambda: manager.block_ids("ghost"), lambda: manager.free(ghost),
-                 lambda: manager.swap_out(ghost), lambda: manager.can_swap_out(ghost),
-                 lambda: manager.fork(ghost, Request("kid", [1, 2]))):
-        with pytest.raises(ValueError, match="'ghost' holds no pages"):
-            call()
-    with pytest.raises(ValueError, match="'ghost' is not swapped out"):
-        manager.swap_in(ghost)
-
-
-def test_fork_swap_and_free_misuse_errors():
-    manager = make(swap_space=1.0, bytes_per_page=2**26)
-    parent = Request("p", list(range(6)))
-    admit(manager, parent)
-    other = Request("o", [9])
-    admit(manager, other)
-    with pytest.raises(ValueError, match="cannot fork into 'o': it already holds KV"):
-        manager.fork(parent, other)
-    with pytest.raises(ValueError, match="must match parent"):
-        manager.fork(parent, Request("k", [5, 5, 5, 5, 5, 5]))
-    with pytest.raises(ValueError, match="'p' is not swapped out"):
-        manager.swap_in(parent)
-    manager.swap_out(parent)
-    with pytest.raises(ValueError, match="already swapped out"):
-        manager.swap_out(parent)
-    with pytest.raises(ValueError, match="'p' is swapped out"):
-        manager.fork(parent, parent.fork("k2"))
-    manager.free(other)
-    with pytest.raises(ValueError, match="'o' holds no pages"):
-        manager.free(other)
+    assert manager.get_computed_pages(Request("s", list(range(9)))) == ([], 0)

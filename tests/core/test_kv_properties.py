@@ -62,11 +62,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         return sorted(rid for rid in self.requests if self.manager.is_swapped(rid))
 
     def snapshot(self):
-        pool, pending = self.manager.pool, self.manager._pending
-        return (sorted((rid, tuple(self.manager.block_ids(rid))) for rid in self.manager._tables),
+        pool, tables = self.manager.pool, self.manager.tables
+        pending, states = tables.pending, tables.requests
+        return (sorted((rid, tuple(p.page_id for p in s.pages)) for rid, s in states.items()
+                       if not s.is_swapped),
                 [(p.ref_cnt, p.page_hash) for p in pool.pages],
                 [p.page_id for p in pool.free_queue], list(self.manager.host_pool._free_slot_ids),
-                sorted(self.manager._swapped), dict(pending.copy_src), dict(pending.pins),
+                sorted(rid for rid, s in states.items() if s.is_swapped),
+                dict(pending.copy_src), dict(pending.pins),
                 dict(pending.swap_in_src), list(pending.swap_out_pairs))
 
     def schedule(self, request: Request, num_new_tokens: int, hit_ids=(), num_hit: int = 0):
@@ -76,7 +79,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.snapshot() == before, "a failed allocation changed the manager"
             return False
         assert NULL_PAGE_ID not in new_ids
-        assert self.manager.block_ids(request.request_id)[:len(hit_ids)] == list(hit_ids)
+        assert self.manager.page_ids(request.request_id)[:len(hit_ids)] == list(hit_ids)
         request.num_computed_tokens += num_hit
         self.scheduled[request.request_id] = num_new_tokens
         return True
@@ -90,7 +93,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def admit(self, data):
         request = self.waiting[data.draw(st.integers(0, len(self.waiting) - 1))]
-        hit_ids, num_hit = self.manager.get_computed_blocks(request)
+        hit_ids, num_hit = self.manager.get_computed_pages(request)
         assert num_hit < request.num_tokens and num_hit == len(hit_ids) * PS
         chunk = data.draw(st.integers(1, request.num_tokens - num_hit))
         if self.schedule(request, chunk, hit_ids, num_hit):
@@ -141,7 +144,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return
         self.scheduled.pop(rid, None)
-        assert len(plan.pairs) <= len(self.manager._swapped[rid].slot_ids)
+        assert len(plan.pairs) <= len(self.manager.tables.requests[rid].host_slot_ids)
 
     @precondition(lambda self: self.swapped_ids())
     @rule(data=st.data())
@@ -152,7 +155,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if plan is None:
             assert self.snapshot() == before
             return
-        assert [d for _, d in plan.pairs] == self.manager.block_ids(rid)
+        assert [d for _, d in plan.pairs] == self.manager.page_ids(rid)
 
     @rule(max_num_pages=st.one_of(st.none(), st.integers(0, 4)))
     def evict(self, max_num_pages):
@@ -169,7 +172,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             if remaining and not self.schedule(request, data.draw(st.integers(1, remaining))):
                 return  # the pool is short; preemption is left to the other rules
         for request in list(self.waiting):
-            hit_ids, num_hit = self.manager.get_computed_blocks(request)
+            hit_ids, num_hit = self.manager.get_computed_pages(request)
             chunk = data.draw(st.integers(1, request.num_tokens - num_hit))
             if not self.schedule(request, chunk, hit_ids, num_hit):
                 return
@@ -190,7 +193,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.device[into[:, 1]] = self.host[into[:, 0]]
         self.device[cp[:, 1]] = self.device[cp[:, 0]]
         for rid, num_new in self.scheduled.items():
-            request, page_ids = self.requests[rid], self.manager.block_ids(rid)
+            request, page_ids = self.requests[rid], self.manager.page_ids(rid)
             for pos in range(request.num_computed_tokens, request.num_computed_tokens + num_new):
                 value = fingerprint(request.all_token_ids, pos)
                 self.device[page_ids[pos // PS], pos % PS] = value
@@ -214,9 +217,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def check_contents(self):
         for rid, request in self.requests.items():
             if self.manager.is_swapped(rid):
-                memory, ids = self.host, self.manager._swapped[rid].slot_ids
+                memory, ids = self.host, self.manager.tables.requests[rid].host_slot_ids
             else:
-                memory, ids = self.device, self.manager.block_ids(rid)
+                memory, ids = self.device, self.manager.page_ids(rid)
             for pos in range(request.num_computed_tokens):
                 expected = fingerprint(request.all_token_ids, pos)
                 assert memory[ids[pos // PS], pos % PS] == expected, (
@@ -227,12 +230,12 @@ class KVCacheMachine(RuleBasedStateMachine):
     def pages_are_consistent(self):
         manager, pool = self.manager, self.manager.pool
         holders = Counter()
-        for rid in manager._tables:
-            page_ids = manager.block_ids(rid)
+        for rid in [rid for rid in manager.tables.requests if not manager.is_swapped(rid)]:
+            page_ids = manager.page_ids(rid)
             assert len(set(page_ids)) == len(page_ids), f"{rid} holds a page twice"
             assert NULL_PAGE_ID not in page_ids
             holders.update(page_ids)
-        holders.update(manager._pending.pins)
+        holders.update(manager.tables.pending.pins)
         for page in pool.pages:
             assert page.ref_cnt == holders[page.page_id], f"page {page.page_id} ref count"
         assert pool.null_page.ref_cnt == 0 and pool.null_page.prev_free is None
@@ -250,8 +253,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     @invariant()
     def host_slots_are_consistent(self):
         manager = self.manager
-        held = [s for swapped in manager._swapped.values() for s in swapped.slot_ids]
-        everything = held + manager._pending.deferred_slot_ids + manager.host_pool._free_slot_ids
+        held = [s for state in manager.tables.requests.values() for s in state.host_slot_ids or ()]
+        pending = manager.tables.pending
+        everything = held + pending.deferred_slot_ids + manager.host_pool._free_slot_ids
         assert sorted(everything) == list(range(NUM_HOST_SLOTS))
         assert {rid for rid in self.requests if manager.has_request(rid)} == set(self.requests)
 
@@ -260,7 +264,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.manager.free(request)
         self.manager.take_plans()
         stats = self.manager.stats()
-        assert stats.num_used_pages == 0 and self.manager._pending.is_empty()
+        assert stats.num_used_pages == 0 and self.manager.tables.pending.is_empty()
         assert stats.num_free_pages + stats.num_cached_pages == NUM_PAGES - 1
         assert stats.num_free_host_slots == NUM_HOST_SLOTS
         assert all(p.ref_cnt == 0 for p in self.manager.pool.pages)

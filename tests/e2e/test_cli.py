@@ -26,3 +26,57 @@ def test_bad_arguments_exit_with_usage(capsys):
         main(["generate", "hi", "--dtype", "float16"])
     assert e.value.code == 2
     assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", ""], "prompt is empty"),
+    (["generate", "  "], "prompt is empty"),
+    (["generate", "hi", "--max-tokens", "0"], "max_tokens must be at least 1"),
+    (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--max-num-seqs", "0"], "max_num_seqs"),
+    (["serve", "--max-num-seqs", "0"], "max_num_seqs"),
+    (["chat", "--swap-space", "-1"], "swap_space"),
+    (["run-batch", "-i", "/no/such/file.jsonl", "-o", "out.jsonl"], "/no/such/file.jsonl"),
+    (["diagnose", "--max-num-seqs", "0"], "max_num_seqs"),
+    (["diagnose", "--metrics", "/no/such/metrics.json"], "/no/such/metrics.json"),
+])
+def test_argument_errors_come_before_any_loading(argv, message, capsys, monkeypatch):
+    # Issue 19 item 6: these used to load the model first (a minute on this machine).
+    import time
+
+    import models.loaders
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models.loaders, "load_model", no_loading)
+    start = time.perf_counter()
+    assert main(argv) == 2
+    assert time.perf_counter() - start < 5
+    assert message in capsys.readouterr().err
+
+
+def test_diagnose_names_a_bad_config_file(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    assert main(["diagnose", "--config", str(bad)]) == 2
+    assert str(bad) in capsys.readouterr().err
+
+
+def test_generate_prints_no_alarming_noise(smollm2_path):
+    # Issue 19 item 7: "PyTorch was not found" and "Unable to initialize backend 'tpu'"
+    # suggested breakage; one line names the backend instead.
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; "
+            "from jaxserve.entrypoints.cli import main; "
+            "sys.exit(main(['generate', 'Hello', '--max-tokens', '2', '--max-model-len', '64', "
+            "'--num-kv-blocks', '16', '--max-num-batched-tokens', '32']))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "PyTorch was not found" not in res.stderr
+    assert "libtpu" not in res.stderr and "Unable to initialize backend" not in res.stderr
+    assert "[jaxserve] JAX" in res.stderr and " on cpu" in res.stderr
+    assert res.stdout.startswith("Hello")

@@ -102,7 +102,7 @@ def test_abort_frees_pages_others_unaffected(llm):
     used = _used(engine)
     engine.abort_request(["x", "w", "no-such-request"])
     # Only a's and b's pages are left.
-    assert _used(engine) == sum(len(engine.kv.block_ids(r)) for r in "ab") < used
+    assert _used(engine) == sum(len(engine.kv.page_ids(r)) for r in "ab") < used
     assert engine.get_num_unfinished_requests() == 2
     got = _run(engine)
     assert got == want  # same tokens as without the aborted requests

@@ -215,12 +215,12 @@ def test_n4_shares_prompt_pages_with_copy_on_write(llm, smollm2_tokenizer):
     names = ["fan", "fan#1", "fan#2", "fan#3"]
     _step_until(engine, lambda: all(engine.kv.has_request(r) for r in names))
     # Right after the fork: the 4 completions hold the prompt's 2 pages, shared.
-    tables = [engine.kv.block_ids(r) for r in names]
+    tables = [engine.kv.page_ids(r) for r in names]
     assert tables == [tables[0]] * 4 and len(tables[0]) == 2
     assert engine.kv.stats().num_used_pages == base_used + 2
     engine.step()
     # Each wrote its first token into the shared, half-full last page: 3 copies on write.
-    tables = [engine.kv.block_ids(r) for r in names]
+    tables = [engine.kv.page_ids(r) for r in names]
     assert {t[0] for t in tables} == {tables[0][0]}
     assert len({t[1] for t in tables}) == 4
     assert engine.kv.stats().num_used_pages == base_used + 1 + 4

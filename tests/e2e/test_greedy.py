@@ -1,10 +1,11 @@
-"""Greedy generation of SmolLM2 through the paged cache equals transformers' generate."""
+"""Greedy generation of SmolLM2 through the engine (as `jaxserve generate` runs it) equals
+transformers' generate."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxserve.engine.greedy import GreedyGenerator, prefill_bucket
+from jaxserve import LLM, SamplingParams
 
 PROMPTS = [
     "Once upon a time",
@@ -17,9 +18,11 @@ MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def generator(smollm2):
-    # A page size of 8 puts 32-token continuations across several pages.
-    return GreedyGenerator(smollm2, page_size=8)
+def llm(smollm2, smollm2_tokenizer):
+    # A page size of 8 puts 32-token continuations across several pages; one request at
+    # a time, as `jaxserve generate` runs it.
+    return LLM(smollm2, tokenizer=smollm2_tokenizer, block_size=8, max_model_len=256,
+               max_num_batched_tokens=64, num_kv_blocks=64, warmup=False)
 
 
 def _chat_ids(tokenizer):
@@ -39,25 +42,24 @@ def _hf_greedy(hf_model, ids, eos):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS + ["<chat>"])
-def test_greedy_matches_transformers(generator, hf_smollm2, smollm2_tokenizer, prompt):
+def test_greedy_matches_transformers(llm, hf_smollm2, smollm2_tokenizer, prompt):
     tok = smollm2_tokenizer
     ids = _chat_ids(tok) if prompt == "<chat>" else tok(prompt).input_ids
     eos = tok.eos_token_id
-    ours = generator.generate(ids, MAX_TOKENS, stop_token_ids=[eos])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    ours = out.token_ids
     assert ours == _hf_greedy(hf_smollm2, ids, eos), tok.decode(ours)
 
 
-def test_bad_requests_raise(generator):
+def test_bad_requests_raise(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises(ValueError, match="prompt is empty"):
-        generator.generate([], 4)
-    with pytest.raises(ValueError, match="max_tokens must be positive"):
-        generator.generate([1, 2], 0)
-    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 49152\)"):
-        generator.generate([1, 49152], 4)
-    with pytest.raises(ValueError, match="exceeds max_model_len 2048"):
-        generator.generate([1] * 2000, 100)
-
-
-def test_prefill_bucket():
-    assert [prefill_bucket(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
-    assert prefill_bucket(3, minimum=4) == 4
+        llm.generate([{"prompt_token_ids": []}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match=r"ids outside \[0, 49152\)"):
+        llm.generate([{"prompt_token_ids": [1, 49152]}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len is 256"):
+        llm.generate([{"prompt_token_ids": [1] * 300}], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

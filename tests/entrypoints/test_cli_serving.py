@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from jaxserve.config import EngineConfig
@@ -54,3 +56,52 @@ def test_run_batch_needs_input_and_output(capsys):
 ])
 def test_default_model_name(source, name):
     assert default_model_name(source) == name
+
+
+COMMANDS = ["serve", "chat", "run-batch", "generate", "convert", "diagnose",
+            *[f"bench {c}" for c in ("throughput", "prefix", "latency", "serve", "roofline",
+                                     "scale", "overhead")]]
+
+
+def command_parser(command: str):
+    parser = build_parser()
+    for word in command.split():
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[word]
+    return parser
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_has_help_and_engine_flags_show_defaults(command, capsys):
+    # Issue 19 item 10: one shared definition of the engine arguments, defaults shown.
+    parser = command_parser(command)
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[0] if action.option_strings else action.dest
+        assert action.help and "the same as MODEL" not in action.help, f"{command} {name}"
+        if name in ("--max-num-seqs", "--dtype", "--block-size", "--warmup"):
+            assert "(default: " in action.help, f"{command} {name}"
+    with pytest.raises(SystemExit) as e:
+        main([*command.split(), "--help"])
+    assert e.value.code == 0 and f"usage: jaxserve {command}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["serve", "generate hi", "diagnose", "bench latency"])
+def test_dtype_has_the_same_choices_everywhere(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*command.split(), "--dtype", "float16"])
+    assert e.value.code == 2 and "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["generate", "hi", "--max-token", "3"], "usage: jaxserve generate"),  # no abbreviations
+    (["generate", "hi", "--no-such-flag"], "usage: jaxserve generate"),
+    (["bench", "latency", "--batch", "4"], "usage: jaxserve bench latency"),
+    (["serve", "--prot", "1"], "usage: jaxserve serve"),
+])
+def test_mistyped_flags_show_the_commands_own_usage(argv, usage, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and usage in err and "unrecognized arguments" in err

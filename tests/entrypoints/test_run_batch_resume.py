@@ -14,6 +14,7 @@ import pytest
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints import cli
+from jaxserve.entrypoints.cli import run_batch as cli_run_batch
 from jaxserve.entrypoints.run_batch import (
     check_paths,
     encode_record,
@@ -230,11 +231,11 @@ def test_cli_reports_counts_and_stops_cleanly_on_sigterm(smollm2_tokenizer, tmp_
                                                           capsys):
     engines = []
 
-    def fake_start(args):
+    def fake_start(args, verbose=True):
         engines.append(make_llm(smollm2_tokenizer, step_seconds=0.04))
         return engines[-1], [MODEL]
 
-    monkeypatch.setattr(cli, "_start_engine", fake_start)
+    monkeypatch.setattr(cli_run_batch, "start_engine", fake_start)
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(batch(5) + ["oops"]) + "\n")
     args = ["run-batch", "-i", str(src), "-o", str(dst), "--no-progress"]

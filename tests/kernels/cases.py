@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.utils import cdiv
 from pallas_kernels import AttentionMetadata
 
 
@@ -46,7 +47,7 @@ def make_pool(g: Geometry, kv_lens, rng, poison=np.nan):
     tables = np.zeros((len(kv_lens), g.width), np.int32)
     free = list(rng.permutation(np.arange(1, g.num_pages)))
     for i, n in enumerate(kv_lens):
-        pages = [free.pop() for _ in range(-(-n // g.page_size))]
+        pages = [free.pop() for _ in range(cdiv(n, g.page_size))]
         tables[i, :len(pages)] = pages
         for p in pages:
             pool[:, :, :, p] = rng.standard_normal(pool[:, :, :, p].shape)

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import numpy as np
 import pytest
 
-from jaxserve.engine.greedy import GreedyGenerator
+from jaxserve import LLM, SamplingParams
 from models.config import ArchConfig
 from models.model import Model, random_params
 
 TINY = ArchConfig("LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96,
                   num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
                   layer_windows=(0, 7, 0), max_position_embeddings=256)
+
+
+def greedy(model, prompt_ids, max_tokens, tokenizer=None, **engine_args):
+    """Greedy ids of one prompt through the engine (`LLM`), ignoring EOS."""
+    tokenizer = tokenizer or SimpleNamespace(eos_token_id=None)  # ids in, ids out
+    llm = LLM(model, tokenizer=tokenizer, warmup=False, max_model_len=128,
+              max_num_batched_tokens=64, num_kv_blocks=64, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
+    out = llm.generate([{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False)
+    return out[0].outputs[0].token_ids
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +36,11 @@ def tiny_params():
 
 @pytest.mark.parametrize("page_size", [8, 16])
 def test_tiny_model_greedy_same_on_both_backends(tiny_params, page_size):
-    prompt = list(np.random.default_rng(0).integers(0, TINY.vocab_size, 21))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, TINY.vocab_size, 21)]
     outs = {}
     for backend in ("xla", "pallas"):
         model = Model(TINY, tiny_params, backend=backend)
-        outs[backend] = GreedyGenerator(model, page_size=page_size).generate(prompt, 24)
+        outs[backend] = greedy(model, prompt, 24, block_size=page_size)
     assert outs["xla"] == outs["pallas"]
     assert len(set(outs["xla"])) > 3  # not a degenerate repetition
 
@@ -36,8 +49,8 @@ def test_tiny_model_greedy_same_on_both_backends(tiny_params, page_size):
 def test_smollm2_greedy_same_on_both_backends(smollm2, smollm2_tokenizer):
     ids = smollm2_tokenizer("The three primary colors are").input_ids
     pallas = Model(smollm2.cfg, smollm2.params, smollm2.dtype, backend="pallas")
-    want = GreedyGenerator(smollm2).generate(ids, 12)
-    assert GreedyGenerator(pallas).generate(ids, 12) == want
+    want = greedy(smollm2, ids, 12, smollm2_tokenizer)
+    assert greedy(pallas, ids, 12, smollm2_tokenizer) == want
 
 
 def test_unknown_backend_is_an_error(tiny_params):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.utils import cdiv
 from pallas_kernels import AttentionMetadata
 
 # One jitted step function per model (keyed by id; the model is kept alive beside it).
@@ -28,7 +29,7 @@ def _step_fn(model):
 
 
 def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
+    return cdiv(n, m) * m
 
 
 def forward_logits(model, token_ids: Sequence[int], page_size: int = 16,
@@ -59,7 +60,7 @@ def forward_logits(model, token_ids: Sequence[int], page_size: int = 16,
     bucket = _round_up(max(chunks), 8)
 
     rng = np.random.default_rng(seed)
-    pages_needed = -(-total // page_size)
+    pages_needed = cdiv(total, page_size)
     num_pages = 2 * pages_needed + 3  # spare pages stay unused
     page_ids = rng.permutation(np.arange(1, num_pages))[:pages_needed].astype(np.int32)
     max_pages_per_seq = pages_needed + 1  # a trailing null entry pads the table

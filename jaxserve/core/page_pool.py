@@ -91,7 +91,7 @@ class FreePageQueue:
         return page
 
 
-class BlockPool:
+class PagePool:
     """All device pages, created once; page 0 is the null page and never handed out.
 
     Unowned pages sit in the free queue: pages with no reusable content at the head,

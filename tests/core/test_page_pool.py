@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.core.block_pool import NULL_PAGE_ID, BlockPool, FreePageQueue, HostPool, KVPage
+from jaxserve.core.page_pool import NULL_PAGE_ID, FreePageQueue, HostPool, KVPage, PagePool
 from jaxserve.core.prefix_cache import PrefixCache, hash_page_tokens, update_page_hashes
 from jaxserve.request import Request
 
@@ -33,7 +33,7 @@ def test_free_queue_errors():
 
 
 def test_null_page_is_never_handed_out():
-    pool = BlockPool(5)
+    pool = PagePool(5)
     pages = pool.get_new_pages(4)
     assert NULL_PAGE_ID not in ids(pages)
     assert pool.null_page.is_null and pool.null_page.ref_cnt == 0
@@ -47,11 +47,11 @@ def test_null_page_is_never_handed_out():
 @pytest.mark.parametrize("num_pages", [0, 1, -3])
 def test_pool_needs_two_pages(num_pages):
     with pytest.raises(ValueError, match="num_pages must be >= 2"):
-        BlockPool(num_pages)
+        PagePool(num_pages)
 
 
 def test_negative_page_count_and_double_free():
-    pool = BlockPool(4)
+    pool = PagePool(4)
     with pytest.raises(ValueError, match="cannot hand out -1 pages"):
         pool.get_new_pages(-1)
     (page,) = pool.get_new_pages(1)
@@ -61,7 +61,7 @@ def test_negative_page_count_and_double_free():
 
 
 def test_free_order_uncached_first_then_lru_cached():
-    pool = BlockPool(6)
+    pool = PagePool(6)
     a, b, c, d = pool.get_new_pages(4)
     pool.cache_full_page(a, b"A" * 32, [1])
     pool.cache_full_page(b, b"B" * 32, [2])
@@ -79,7 +79,7 @@ def test_free_order_uncached_first_then_lru_cached():
 
 
 def test_touch_reclaims_cached_page_from_the_middle():
-    pool = BlockPool(5)
+    pool = PagePool(5)
     pages = pool.get_new_pages(4)
     for i, page in enumerate(pages):
         pool.cache_full_page(page, bytes([i]) * 32, [i])
@@ -92,7 +92,7 @@ def test_touch_reclaims_cached_page_from_the_middle():
 
 
 def test_evict_cached_pages_lru_first():
-    pool = BlockPool(5)
+    pool = PagePool(5)
     pages = pool.get_new_pages(4)
     for i, page in enumerate(pages):
         pool.cache_full_page(page, bytes([i]) * 32, [i])
@@ -104,7 +104,7 @@ def test_evict_cached_pages_lru_first():
 
 
 def test_caching_disabled():
-    pool = BlockPool(3, enable_caching=False)
+    pool = PagePool(3, enable_caching=False)
     (page,) = pool.get_new_pages(1)
     assert not pool.cache_full_page(page, b"x" * 32, [1])
     assert pool.get_cached_page(b"x" * 32, [1]) is None

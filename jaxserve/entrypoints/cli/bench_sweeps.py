@@ -1,59 +1,19 @@
-"""The remaining `jaxserve bench` subcommands and `jaxserve diagnose` (parsers and handlers)."""
+"""`jaxserve bench roofline|scale|overhead`: sweeps over batch size, concurrency, context and
+running requests, printed as tables."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import sys
-
-from jaxserve.bench.cli import (
-    _add_engine_group,
-    _add_trace_args,
-    _plot,
+from jaxserve.bench.report import dump_json, table
+from jaxserve.entrypoints.cli.bench import (
+    add_engine_group,
     bench_engine_args,
     load_model_and_tokenizer,
-    make_trace,
+    plot,
 )
-from jaxserve.bench.report import dump_json, serve_block, table
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
-
-
-# ------------------------------------------------------------------ handlers
-def cmd_latency(args) -> int:
-    from jaxserve.bench.engine_run import make_llm
-    from jaxserve.bench.latency import bench_latency, format_latency
-
-    model, tok, _ = load_model_and_tokenizer(args)
-    eargs = bench_engine_args(args)
-    eargs["max_num_seqs"] = max(eargs["max_num_seqs"], args.batch_size)
-    eargs["max_num_batched_tokens"] = max(eargs["max_num_batched_tokens"], args.batch_size)
-    llm = make_llm(model, tok, **eargs)
-    res = bench_latency(llm.engine, batch_size=args.batch_size, input_len=args.input_len,
-                        output_len=args.output_len, num_iters=args.num_iters,
-                        num_iters_warmup=args.num_iters_warmup)
-    print(format_latency(res))
-    dump_json(args.output_json, {"engine_args": eargs, **res})
-    return 0
-
-
-def cmd_serve(args) -> int:
-    from jaxserve.bench.serve_client import parse_goodput, run_serve_benchmark
-    from jaxserve.bench.workloads import trace_token_ids
-
-    trace = make_trace(args)
-    ids = trace_token_ids(trace, args.vocab_size, avoid=(0, 1, 2))
-    res = asyncio.run(run_serve_benchmark(
-        args.base_url, trace, ids, model=args.served_model, max_concurrency=args.max_concurrency,
-        api_key=args.api_key, goodput=parse_goodput(args.goodput)))
-    print(serve_block(res))
-    if res["errors"]:
-        print(f"{res['failed']} failed; first errors: {res['errors'][:3]}", file=sys.stderr)
-    dump_json(args.output_json, {"request_rate": args.request_rate or "inf",
-                                 "trace": args.trace, **res})
-    return 0 if not res["failed"] else 1
 
 
 def cmd_roofline(args) -> int:
@@ -113,7 +73,7 @@ def cmd_scale(args) -> int:
             ("context", "context", "d"), ("batch", "batch", "d"),
             ("output_throughput", "output tok/s", ".1f"), ("mean_ttft_ms", "mean TTFT ms", ".0f"),
             ("decode_step_ms", "decode step ms", ".0f"), ("peak_rss_mib", "peak RSS MiB", ".0f")]))
-        _plot(args, lambda d: [plots.plot_scale(conc, "concurrency", d, "scale_concurrency"),
+        plot(args, lambda d: [plots.plot_scale(conc, "concurrency", d, "scale_concurrency"),
                                plots.plot_scale(ctx, "context", d, "scale_context")])
     dump_json(args.output_json, out)
     return 0
@@ -137,7 +97,6 @@ def cmd_overhead(args) -> int:
     print(table(comp, [
         ("num_running", "running", "d"), ("schedule", "schedule", ".3f"),
         ("update", "update_from_output", ".3f"), ("step_arrays", "build_step_arrays", ".3f"),
-        ("step_arrays_vectorized", "(vectorized)", ".3f"),
         ("pack_inputs", "pack", ".3f"), ("sampling_metadata", "sampling arrays", ".3f"),
         ("pack_sampling", "pack sampling", ".3f"), ("total", "total", ".3f"),
         ("gpu_step_ms", "gpu-8b step ms", ".1f"), ("share_of_gpu_step", "share", ".1%")]))
@@ -170,90 +129,45 @@ def cmd_overhead(args) -> int:
     return 0
 
 
-def cmd_diagnose(args) -> int:
-    from jaxserve.bench.diagnose import diagnose, format_diagnosis, load_observations
-    from jaxserve.entrypoints.cli import engine_kwargs
-
-    config = {}
-    if args.config:
-        with open(args.config) as f:
-            config = json.load(f)
-        config = config.get("engine_args", config)
-    config.update({k: v for k, v in engine_kwargs(args).items() if k != "model"})
-    metrics = open(args.metrics).read() if args.metrics else None
-    result = json.load(open(args.result)) if args.result else None
-    obs = load_observations(metrics, result, config.get("scheduling_mode"))
-    d = diagnose(config, obs, mean_prompt_len=args.mean_prompt_len,
-                 mean_output_len=args.mean_output_len)
-    print(json.dumps(d, indent=1) if args.json else format_diagnosis(d))
-    return 0
 
 
-# ------------------------------------------------------------------ parsers
-def add_commands(bsub, sub) -> None:
-    """Adds latency, serve, roofline, scale, overhead, and `diagnose`."""
-    lat = bsub.add_parser("latency", help="latency of one batch (like vllm bench latency)")
-    _add_engine_group(lat)
-    lat.add_argument("--batch-size", type=int, default=8)
-    lat.add_argument("--input-len", type=int, default=128)
-    lat.add_argument("--output-len", type=int, default=32)
-    lat.add_argument("--num-iters", type=int, default=3)
-    lat.add_argument("--num-iters-warmup", type=int, default=1)
-    lat.set_defaults(handler=cmd_latency)
-
-    srv = bsub.add_parser("serve", help="online benchmark against a running server")
-    _add_trace_args(srv)
-    srv.add_argument("--base-url", default="http://127.0.0.1:8000")
-    srv.add_argument("--served-model", default=None,
-                     help="model name to request (default: the server's first)")
-    srv.add_argument("--max-concurrency", type=int, default=None)
-    srv.add_argument("--goodput", nargs="*", default=None,
-                     help="SLOs in ms for goodput, e.g. ttft:2000 tpot:500 e2el:10000")
-    srv.add_argument("--api-key", default=None)
-    srv.add_argument("--vocab-size", type=int, default=49152,
-                     help="prompt ids are drawn below min(this, 32000)")
-    srv.add_argument("--output-json", default=None)
-    srv.set_defaults(handler=cmd_serve)
-
+def add_parsers(bsub) -> None:
+    """Adds `bench roofline`, `bench scale` and `bench overhead`."""
     roof = bsub.add_parser("roofline", help="decode-step MFU and bandwidth use per batch size")
-    _add_engine_group(roof)
-    roof.add_argument("--batch-sizes", default="1,8,32")
-    roof.add_argument("--context-len", type=int, default=128)
-    roof.add_argument("--num-steps", type=int, default=5)
+    add_engine_group(roof)
+    roof.add_argument("--batch-sizes", default="1,8,32",
+                      help="comma list of decode batch sizes (default: 1,8,32)")
+    roof.add_argument("--context-len", type=int, default=128,
+                      help="context of every request (default: 128)")
+    roof.add_argument("--num-steps", type=int, default=5,
+                      help="timed decode steps per batch size (default: 5)")
     roof.set_defaults(handler=cmd_roofline)
 
     sc = bsub.add_parser("scale", help="throughput and memory vs concurrency and context; "
                                        "warm-up time cold and with the compilation cache")
-    _add_engine_group(sc)
-    sc.add_argument("--concurrency", default="1,8,32,128")
-    sc.add_argument("--contexts", default="128,512,1024,2048")
-    sc.add_argument("--context-batch", type=int, default=4)
-    sc.add_argument("--input-len", type=int, default=32)
-    sc.add_argument("--output-len", type=int, default=16)
+    add_engine_group(sc)
+    sc.add_argument("--concurrency", default="1,8,32,128",
+                    help="comma list of concurrent requests (default: 1,8,32,128)")
+    sc.add_argument("--contexts", default="128,512,1024,2048",
+                    help="comma list of context lengths (default: 128,512,1024,2048)")
+    sc.add_argument("--context-batch", type=int, default=4,
+                    help="requests per context run (default: 4)")
+    sc.add_argument("--input-len", type=int, default=32,
+                    help="prompt tokens in the concurrency sweep (default: 32)")
+    sc.add_argument("--output-len", type=int, default=16,
+                    help="output tokens per request (default: 16)")
     sc.add_argument("--skip-warmup", action="store_true", help="skip the warm-up probes")
     sc.add_argument("--warmup-only", action="store_true", help="only the warm-up probes")
-    sc.add_argument("--plot-dir", default=None)
+    sc.add_argument("--plot-dir", default=None, help="write PNG plots here (needs matplotlib)")
     sc.set_defaults(handler=cmd_scale)
 
     ov = bsub.add_parser("overhead", help="host time per step at many running requests")
-    ov.add_argument("--num-running", default="16,256,1024")
+    ov.add_argument("--num-running", default="16,256,1024",
+                    help="comma list of running requests (default: 16,256,1024)")
     ov.add_argument("--skip-engine", action="store_true",
                     help="only the model-free component timings")
-    ov.add_argument("--model", default=None, help="where the tokenizer comes from")
-    ov.add_argument("--output-json", default=None)
+    ov.add_argument("--model", default=None,
+                    help="where the tokenizer comes from (default: the embedded model)")
+    ov.add_argument("--output-json", default=None, help="write the full results here as JSON")
     ov.set_defaults(handler=cmd_overhead)
 
-    from jaxserve.entrypoints.cli import add_engine_args
-
-    dg = sub.add_parser("diagnose", help="which scheduling mechanism limits a serving config")
-    dg.add_argument("--config", default=None,
-                    help="engine args as JSON (a bench --output-json file works too)")
-    dg.add_argument("--metrics", default=None,
-                    help="metrics snapshot: get_metrics() JSON or a Prometheus /metrics dump")
-    dg.add_argument("--result", default=None,
-                    help="a benchmark or simulator result JSON")
-    dg.add_argument("--mean-prompt-len", type=float, default=None)
-    dg.add_argument("--mean-output-len", type=float, default=None)
-    dg.add_argument("--json", action="store_true")
-    add_engine_args(dg, positional_model=False)
-    dg.set_defaults(handler=cmd_diagnose)

@@ -1,0 +1,100 @@
+"""Allocation planning: what one `allocate_slots` call would take, and whether it fits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxserve.core.block_tables import BlockTables
+from jaxserve.core.page_pool import KVPage
+from jaxserve.core.prefix_cache import update_page_hashes
+from jaxserve.request import Request
+from jaxserve.utils import cdiv
+
+
+@dataclass
+class AllocationPlan:
+    """What an allocation takes from the pool; nothing has changed yet.
+
+    Attributes:
+        computed_pages: Prefix-hit pages to put at the head of a new table.
+        cow_indices: Table indices of shared pages this step writes into (each gets a
+            private copy).
+        num_new_pages: Pages to append.
+        num_computed_tokens: The request's computed tokens, prefix hits included.
+        num_tokens_after: Tokens the request's pages hold once this step has run.
+        fits: Whether the pool has the pages (the watermark applies to a new table).
+    """
+
+    computed_pages: list[KVPage]
+    cow_indices: list[int]
+    num_new_pages: int
+    num_computed_tokens: int
+    num_tokens_after: int
+    fits: bool
+
+
+def plan_allocation(tables: BlockTables, request: Request, num_new_tokens: int,
+                    num_new_computed_tokens: int, new_computed_page_ids: list[int] | None,
+                    num_lookahead_tokens: int, *, max_model_len: int | None,
+                    watermark_pages: int) -> AllocationPlan:
+    """Plans `KVCacheManager.allocate_slots` (see there for the arguments).
+
+    Raises:
+        ValueError: Negative counts, a swapped-out request, stale or mismatched hit
+            pages, more tokens than the request has, or more pages than exist.
+    """
+    ps, pool, request_id = tables.page_size, tables.pool, request.request_id
+    counts = {"num_new_tokens": num_new_tokens, "num_lookahead_tokens": num_lookahead_tokens,
+              "num_new_computed_tokens": num_new_computed_tokens}
+    for name, value in counts.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    state = tables.requests.get(request_id)
+    if state is not None and state.is_swapped:
+        raise ValueError(f"request {request_id!r} is swapped out; swap_in first")
+    table = state.pages if state is not None else []
+    hit_ids = list(new_computed_page_ids or [])
+    if len(hit_ids) * ps != num_new_computed_tokens:
+        raise ValueError(f"num_new_computed_tokens={num_new_computed_tokens} must equal "
+                         f"{len(hit_ids)} hit pages x page_size {ps}")
+    if hit_ids and (table or request.num_computed_tokens):
+        raise ValueError(f"request {request_id!r}: prefix hits only on its first allocation")
+    computed_pages = [_hit_page(tables, request, i, pid) for i, pid in enumerate(hit_ids)]
+    num_computed = request.num_computed_tokens + num_new_computed_tokens
+    num_tokens_after = num_computed + num_new_tokens
+    if num_tokens_after > request.num_tokens:
+        raise ValueError(f"request {request_id!r} has {request.num_tokens} tokens; cannot "
+                         f"schedule up to token {num_tokens_after}")
+    num_slots = num_tokens_after + num_lookahead_tokens
+    if max_model_len is not None and num_slots > max_model_len:
+        raise ValueError(f"request {request_id!r} needs {num_slots} slots, over "
+                         f"max_model_len={max_model_len}")
+    num_required = cdiv(num_slots, ps)
+    if num_required > pool.num_usable_pages:
+        raise ValueError(f"request {request_id!r} needs {num_required} pages; the pool "
+                         f"has only {pool.num_usable_pages}")
+    num_new_pages = max(0, num_required - len(table) - len(computed_pages))
+    # NOTE: every shared page this step writes into needs a private copy first.
+    last_written = cdiv(num_tokens_after, ps) if num_new_tokens else 0
+    cow_indices = [i for i in range(num_computed // ps, min(len(table), last_written))
+                   if tables.num_holders(table[i]) > 1]
+    num_reclaimed = sum(1 for page in computed_pages if page.ref_cnt == 0)
+    num_needed = num_new_pages + len(cow_indices) + num_reclaimed
+    reserve = watermark_pages if state is None else 0
+    fits = num_needed + reserve <= pool.num_allocatable_pages
+    return AllocationPlan(computed_pages, cow_indices, num_new_pages, num_computed,
+                          num_tokens_after, fits)
+
+
+def _hit_page(tables: BlockTables, request: Request, index: int, page_id: int) -> KVPage:
+    """The cached page `page_id` as page `index` of the request; raises if it is not."""
+    pool = tables.pool
+    if not 0 < page_id < pool.num_pages:
+        raise ValueError(f"new_computed_page_ids holds page id {page_id}, outside "
+                         f"[1, {pool.num_pages})")
+    page = pool.pages[page_id]
+    hashes = update_page_hashes(request, tables.page_size)
+    if index >= len(hashes) or page.page_hash != hashes[index]:
+        raise ValueError(f"page {page_id} is not the cached page {index} of request "
+                         f"{request.request_id!r} (stale get_computed_pages result?)")
+    return page

@@ -1,0 +1,150 @@
+"""What every `jaxserve` command shares: one definition of the engine arguments (vLLM's
+spellings, defaults shown), their validation before anything loads, and quiet start-up."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from jaxserve.config import DTYPES, PREEMPTION_MODES, SCHEDULING_MODES, SCHEDULING_POLICIES
+
+# (flag, type or "bool" for --x/--no-x, choices, default as shown, help). The defaults are
+# EngineConfig's; flags left unset keep them (None is never passed on).
+ENGINE_ARGS = [
+    ("--dtype", str, DTYPES, "float32", "parameter, activation and KV dtype"),
+    ("--max-model-len", int, None, "min(model limit, 2048)", "longest prompt + output"),
+    ("--max-num-seqs", int, None, "64", "most requests in one step"),
+    ("--max-num-batched-tokens", int, None, "512 with chunked prefill, else max-model-len",
+     "token budget of one step; warm-up compiles one program per bucket up to it"),
+    ("--block-size", int, (8, 16, 32, 64, 128), "16", "tokens per KV page"),
+    ("--num-kv-blocks", int, None, "sized from memory", "fix the KV page count"),
+    ("--gpu-memory-utilization", float, None, "0.9",
+     "fraction of accelerator memory for weights + KV"),
+    ("--kv-cache-memory-gib", float, None, "1.0",
+     "KV budget in GiB where the device reports no memory (the CPU)"),
+    ("--swap-space", float, None, "4", "host swap space in GiB for --preemption-mode swap"),
+    ("--enable-prefix-caching", "bool", None, "on", "reuse KV pages of shared prefixes"),
+    ("--enable-chunked-prefill", "bool", None, "on", "split long prompts across steps"),
+    ("--long-prefill-token-threshold", int, None, "0 (no cap)",
+     "cap on one request's prefill chunk"),
+    ("--preemption-mode", str, PREEMPTION_MODES, "recompute", "what preemption does"),
+    ("--scheduling-policy", str, SCHEDULING_POLICIES, "fcfs", "which request runs first"),
+    ("--scheduling-mode", str, SCHEDULING_MODES, "continuous+chunked",
+     "the others exist for benchmarks"),
+    ("--attention-backend", str, ("auto", "xla", "pallas"), "auto", "attention kernels"),
+    ("--seed", int, None, "0", "seed of the engine's random stream"),
+    ("--tensor-parallel-size", int, None, "1", "devices one model is split over"),
+    ("--data-parallel-size", int, None, "1", "engine replicas on disjoint devices"),
+    ("--warmup", "bool", None, "on",
+     "precompile every bucket at start-up (--no-warmup: compile on first use instead)"),
+    ("--compilation-cache-dir", str, None, "~/.cache/jaxserve/jax",
+     "JAX persistent compilation cache (later starts reuse compiled programs)"),
+]
+MODEL_HELP = ("GGUF file, Hugging Face directory or jaxserve checkpoint (default: the "
+              "embedded SmolLM2-135M-Instruct)")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse without abbreviations (`--max-token` is an error, not `--max-tokens`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
+def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True,
+                    defaults: dict | None = None) -> None:
+    """Adds the model (positional MODEL and/or `--model`) and the engine flags.
+
+    Args:
+        p: The command's parser.
+        positional_model: Also accept the model as a positional MODEL.
+        defaults: Command-specific defaults to show instead of EngineConfig's (e.g. the
+            benchmarks'), by destination name.
+    """
+    if positional_model:
+        p.add_argument("model_pos", nargs="?", metavar="MODEL", default=None, help=MODEL_HELP)
+        p.add_argument("--model", default=None, help="the model, as an option (same as MODEL)")
+    else:
+        p.add_argument("--model", default=None, help=MODEL_HELP)
+    group = p.add_argument_group("engine arguments")
+    for flag, kind, choices, shown, text in ENGINE_ARGS:
+        dest = flag[2:].replace("-", "_")
+        shown = (defaults or {}).get(dest, shown)
+        help_text = f"{text} (default: {shown})"
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        else:
+            group.add_argument(flag, type=kind, choices=choices, default=None, help=help_text,
+                               metavar=None if choices else dest.upper())
+
+
+def engine_kwargs(args) -> dict:
+    """`EngineConfig.from_kwargs` arguments from parsed flags (only those given)."""
+    kwargs = {}
+    for flag, *_ in ENGINE_ARGS:
+        dest = flag[2:].replace("-", "_")
+        value = getattr(args, dest, None)
+        if value is not None:
+            kwargs[dest] = value
+    return {"model": getattr(args, "model_pos", None) or getattr(args, "model", None), **kwargs}
+
+
+def check_engine_args(kwargs: dict) -> None:
+    """Validates engine arguments and the model path before anything heavy loads.
+
+    Raises:
+        ValueError: A value out of range (naming it) or a model path that does not exist.
+    """
+    from jaxserve.config import EngineConfig
+
+    EngineConfig.from_kwargs(**kwargs)
+    model = kwargs.get("model")
+    if model is not None and not os.path.exists(model):
+        raise ValueError(f"model path {model} does not exist")
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """Flags of a multi-host start (one process per host; see the README)."""
+    group = p.add_argument_group("multi-host (jax.distributed)")
+    group.add_argument("--coordinator-address", default=None,
+                       help="host:port of process 0, the same on every host")
+    group.add_argument("--num-processes", type=int, default=None, help="processes in all")
+    group.add_argument("--process-id", type=int, default=None, help="this process's index")
+
+
+def init_distributed(args) -> None:
+    """Calls `jax.distributed.initialize` when a coordinator address was given."""
+    if getattr(args, "coordinator_address", None):
+        from jaxserve.parallel.multihost import initialize
+
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
+
+
+def quiet_start(verbose: bool = False) -> None:
+    """Silences start-up noise that suggests breakage where there is none.
+
+    transformers' "PyTorch was not found" advice (jaxserve never needs torch to serve) and
+    JAX's probing of absent TPU/GPU plugins ("Unable to initialize backend 'tpu'") are
+    dropped; jaxserve's own log lines stay at INFO when `verbose`.
+    """
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(levelname)s %(asctime)s %(message)s")
+    for name in ("jax._src.xla_bridge", "jax._src.compiler", "absl"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("jaxserve").setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def print_backend(file=sys.stderr) -> None:
+    """One line naming the JAX backend and devices in use."""
+    import jax
+
+    devices = jax.devices()
+    kinds = sorted({d.device_kind for d in devices})
+    print(f"[jaxserve] JAX {jax.__version__} on {jax.default_backend()}: {len(devices)} "
+          f"device(s) ({', '.join(kinds)})", file=file)

@@ -1,0 +1,34 @@
+"""`jaxserve convert`: a model to a jaxserve (orbax) checkpoint, the fastest to load later."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from jaxserve.config import DTYPES
+from jaxserve.entrypoints.cli.args import quiet_start
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("convert", help="convert a model to a jaxserve (orbax) checkpoint")
+    p.add_argument("src", nargs="?", default=None,
+                   help="GGUF file or Hugging Face directory (default: the embedded model)")
+    p.add_argument("dst", help="new directory to write")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="dtype of the stored weights (default: float32)")
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    if args.src is not None and not os.path.exists(args.src):
+        raise ValueError(f"model path {args.src} does not exist")
+    if os.path.exists(args.dst):
+        raise ValueError(f"{args.dst} exists; give a new directory")
+    quiet_start()
+    from models.loaders import convert
+
+    t0 = time.perf_counter()
+    model = convert(args.src, args.dst, args.dtype)
+    print(f"wrote {args.dst} ({model.cfg.architecture}, {args.dtype}) in "
+          f"{time.perf_counter() - t0:.1f}s")
+    return 0

@@ -1,0 +1,93 @@
+"""`jaxserve serve`: the OpenAI-compatible HTTP server (listening at once, warm-up behind it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from jaxserve.entrypoints.cli.args import (
+    add_distributed_args,
+    add_engine_args,
+    check_engine_args,
+    engine_kwargs,
+    init_distributed,
+    print_backend,
+    quiet_start,
+)
+from jaxserve.entrypoints.cli.engine import add_serving_args, served_names
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                       description="OpenAI-compatible HTTP server. It listens at once; "
+                                   "/health answers 503 with the warm-up progress until the "
+                                   "engine is ready.")
+    add_engine_args(p)
+    add_distributed_args(p)
+    add_serving_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+                        "/detokenize (default: the JAXSERVE_API_KEY environment variable, "
+                        "which keeps the key out of the process list)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM; the "
+                        "rest end with an error (default: 30)")
+    p.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest request body; larger ones get a 413 (default: 8 MiB)")
+    p.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="most prompts one completion request may carry (default: 256)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="(default: info)")
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    kwargs = engine_kwargs(args)
+    check_engine_args(kwargs)
+    for name in ("max_request_body_bytes", "max_prompts_per_request", "port"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    names = served_names(args, kwargs)
+    quiet_start(verbose=True)
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.engine.llm import LLM
+    from jaxserve.entrypoints.openai.api_server import (
+        build_app,
+        make_server,
+        start_in_background,
+    )
+    from jaxserve.entrypoints.openai.serving_engine import ServingLimits
+    from jaxserve.metrics import ServerMetrics
+
+    init_distributed(args)
+    print_backend()
+    limits = ServingLimits(max_prompts_per_request=args.max_prompts_per_request)
+    app = build_app(None, names, api_key=args.api_key, limits=limits,
+                    max_body_bytes=args.max_request_body_bytes)
+    server = make_server(app, args.host, args.port, args.shutdown_timeout,
+                         args.uvicorn_log_level)
+
+    def build(startup):
+        # NOTE: the server listens while the model loads and warms up: /health answers
+        # 503 with the progress, /v1/* a 503 error, until the engine is attached.
+        warmup = kwargs.pop("warmup", True)
+        engine = LLM(**kwargs, warmup=False).engine
+        startup.engine = engine
+        if warmup:
+            startup.phase = "warm-up"
+            engine.warmup()
+        return AsyncLLM(engine, ServerMetrics(names[0]), args.log_interval)
+
+    def failed(_):
+        server.should_exit = True
+
+    start_in_background(app, build, on_error=failed)
+    logging.getLogger("jaxserve").info("jaxserve: serving %s on http://%s:%d (starting)",
+                                       names[0], args.host, args.port)
+    server.run()
+    if app.state.llm is not None:
+        app.state.llm.shutdown()
+    return 1 if app.state.startup.error else 0

@@ -1,0 +1,226 @@
+"""A fake runner for scheduler tests: executes KV plans on simulated pages, checks every step.
+
+The fake runner executes each step's KV plans and writes a fingerprint of every token's
+prefix into a simulated page pool, then checks that each scheduled request reads its own
+prefix back through its block table. `Harness.step` also checks the scheduler's contract
+(budget, sequence limit, queue order, block tables, ref counts) after every step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+
+PS = 4
+EOS = 2
+HOST_PAGE_BYTES = 2**30  # swap_space=N GiB then gives exactly N host slots
+
+
+def make_scheduler(*, num_pages: int = 33, page_size: int = PS, budget: int = 32,
+                   max_model_len: int = 64, host_slots: int = 0, prefix: bool = True,
+                   watermark: float = 0.0, **config) -> Scheduler:
+    kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix, watermark=watermark,
+                        swap_space=float(host_slots), bytes_per_page=HOST_PAGE_BYTES,
+                        max_model_len=max_model_len)
+    return Scheduler(SchedulerConfig(**config), kv, max_model_len, budget)
+
+
+def make_request(request_id: str, prompt: int | list[int], *, max_tokens: int | None = 8,
+                 n: int = 1, priority: int = 0, arrival: float = 0.0, **params) -> Request:
+    if isinstance(prompt, int):  # a prompt of that length, unique to this request
+        base = 1000 + 100 * sum(map(ord, request_id))
+        prompt = [base + i for i in range(prompt)]
+    return Request(request_id, prompt, arrival_time=arrival, priority=priority,
+                   sampling_params=SamplingParams(max_tokens=max_tokens, n=n, **params),
+                   eos_token_ids=(EOS,), seeds=tuple(range(n)))
+
+
+def default_token(request: Request, sample_index: int) -> int:
+    """Distinct per completion, never EOS."""
+    return 10 + 100 * sample_index + request.num_output_tokens
+
+
+def prefix_fingerprints(token_ids: list[int]) -> list[int]:
+    """One value per position standing for the KV there (it depends on the whole prefix)."""
+    fps, h = [], 0
+    for t in token_ids:
+        h = hash((h, t))
+        fps.append(h)
+    return fps
+
+
+class Harness:
+    """Drives a scheduler step by step with a fake runner and checks it after every step.
+
+    Args:
+        scheduler: The scheduler under test.
+        choose: `(request, sample_index) -> token id` for each sampled row.
+    """
+
+    def __init__(self, scheduler: Scheduler, choose=default_token):
+        self.sched = scheduler
+        self.kv = scheduler.kv
+        self.choose = choose
+        self.device: dict[int, list] = {}  # page id -> fingerprints of its slots
+        self.host: dict[int, list] = {}  # host slot -> fingerprints
+        self.outputs: list[SchedulerOutput] = []
+        self.seen: dict[str, Request] = {}  # every request added or forked
+
+    def add(self, *requests: Request) -> None:
+        for request in requests:
+            self.sched.add_request(request)
+            self.seen[request.request_id] = request
+
+    def step(self, sampled: dict[str, list[int]] | None = None):
+        """One engine step; returns (scheduler output, update results)."""
+        sched = self.sched
+        before = ([r.request_id for r in sched.running], [r.request_id for r in sched.swapped],
+                  [r.request_id for r in sched.waiting])
+        out = sched.schedule()
+        self.outputs.append(out)
+        self._check_output(out, before)
+        self._check_state()
+        self._run(out)
+        if sampled is None:
+            sampled = {}
+            for entry in out.scheduled:
+                request = sched.requests[entry.request_id]
+                sampled[entry.request_id] = [
+                    self.choose(request, k if entry.num_samples > 1 else request.sample_index)
+                    for k in range(entry.num_samples)]
+        results = sched.update_from_output(out, sampled)
+        self.seen.update((r.request_id, r) for r, _ in results)
+        self._check_state()
+        return out, results
+
+    def run(self, max_steps: int = 500) -> int:
+        """Steps until every request ends; returns the number of steps."""
+        for num_steps in range(1, max_steps + 1):
+            self.step()
+            if not self.sched.has_unfinished_requests():
+                self.check_drained()
+                return num_steps
+        raise AssertionError(f"not finished after {max_steps} steps: {self.sched.requests}")
+
+    def check_drained(self) -> None:
+        kv = self.kv
+        assert not (self.sched.running or self.sched.waiting or self.sched.swapped)
+        assert kv.usage == 0.0 and kv.pool.num_used_pages == 0
+        assert kv.pool.num_allocatable_pages == kv.pool.num_usable_pages
+        assert kv.host_pool.num_free_slots == kv.host_pool.num_slots
+        assert not kv.tables.requests and kv.tables.pending.is_empty()
+
+    # ------------------------------------------------------------------ checks
+    def _check_output(self, out: SchedulerOutput, before) -> None:
+        sched, kv = self.sched, self.kv
+        ps, config = kv.page_size, sched.config
+        ids = [entry.request_id for entry in out.scheduled]
+        assert len(ids) == len(set(ids))
+        if sched.requests:  # progress: something runs, or a preemption makes room
+            assert ids or out.preempted_request_ids, "an idle step with requests pending"
+        assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+        assert len(ids) <= sched.max_num_seqs and out.num_rows <= sched.max_num_seqs
+        assert sum(r.fan_out for r in sched.running) <= sched.max_num_seqs
+        # Running requests first, then swapped ones back in, then new ones.
+        running_before, swapped_before, _ = before
+        rank = [0 if rid in running_before else 1 if rid in swapped_before else 2 for rid in ids]
+        assert rank == sorted(rank), (ids, before)
+        if 2 in rank:
+            assert not out.preempted_request_ids and not sched.swapped
+        if out.preempted_request_ids:
+            assert 1 not in rank
+        running_ids = {r.request_id for r in sched.running}
+        for entry in out.scheduled:
+            request = sched.requests[entry.request_id]
+            start, num_new = entry.start_pos, entry.num_new_tokens
+            assert entry.request_id in running_ids and request.status == RequestStatus.RUNNING
+            assert start == request.num_computed_tokens and num_new >= 1
+            assert entry.token_ids == request.all_token_ids[start:start + num_new]
+            assert entry.page_ids == kv.page_ids(entry.request_id)
+            assert 0 not in entry.page_ids
+            assert len(entry.page_ids) * ps >= start + num_new
+            assert entry.sampling_counter == request.num_output_tokens
+            if start + num_new < request.num_tokens:
+                assert entry.num_samples == 0
+                assert config.chunked, "without chunking a request's tokens run whole"
+            else:
+                fan_out = request.fan_out if request.num_output_tokens == 0 else 1
+                assert entry.num_samples == fan_out
+            threshold = config.long_prefill_token_threshold
+            if config.chunked and threshold:
+                assert num_new <= threshold
+        for rid in out.preempted_request_ids:
+            assert rid not in ids and rid not in running_ids
+
+    def _check_state(self) -> None:
+        sched, kv = self.sched, self.kv
+        queues = [*sched.running, *sched.waiting, *sched.swapped]
+        assert len(queues) == len({r.request_id for r in queues}), "a request in two queues"
+        assert {r.request_id for r in queues} == set(sched.requests)
+        assert all(sched.requests[r.request_id] is r for r in queues)
+        for r in sched.running:
+            assert r.status == RequestStatus.RUNNING
+            assert kv.has_request(r.request_id) and not kv.is_swapped(r.request_id)
+            assert len(kv.page_ids(r.request_id)) * kv.page_size >= r.num_computed_tokens
+            assert r.num_computed_tokens <= r.num_tokens
+        for r in sched.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert not kv.has_request(r.request_id) and r.num_computed_tokens == 0
+        for r in sched.swapped:
+            assert r.status == RequestStatus.SWAPPED and kv.is_swapped(r.request_id)
+        on_device = {rid for rid in kv.tables.requests if not kv.is_swapped(rid)}
+        assert on_device == {r.request_id for r in sched.running}
+        assert {rid for rid in kv.tables.requests if kv.is_swapped(rid)} == {
+            r.request_id for r in sched.swapped}
+        # Every page's ref count is the number of block tables holding it.
+        holders = Counter(pid for r in sched.running for pid in kv.page_ids(r.request_id))
+        owned = {p.page_id: p.ref_cnt for p in kv.pool.pages if p.ref_cnt}
+        assert holders == owned
+        assert kv.pool.num_used_pages == len(owned)
+        slots = [s for state in kv.tables.requests.values() for s in state.host_slot_ids or ()]
+        assert len(slots) == len(set(slots))
+        assert kv.host_pool.num_free_slots + len(slots) == kv.host_pool.num_slots
+
+    def _run(self, out: SchedulerOutput) -> None:
+        """Executes the plans, writes the step's KV, then checks what attention reads."""
+        ps, plans = self.kv.page_size, out.plans
+        for page, slot in plans.swap_out.pairs:  # a page never written holds garbage
+            self.host[slot] = list(self.device.get(page, [None] * ps))
+        for slot, page in plans.swap_in.pairs:
+            self.device[page] = list(self.host[slot])
+        copies = [(dst, list(self.device[src])) for src, dst in plans.copy.pairs]
+        for dst, content in copies:
+            self.device[dst] = content
+        fingerprints = {}
+        for entry in out.scheduled:
+            fps = prefix_fingerprints(self.sched.requests[entry.request_id].all_token_ids)
+            fingerprints[entry.request_id] = fps
+            for pos in range(entry.start_pos, entry.start_pos + entry.num_new_tokens):
+                page = self.device.setdefault(entry.page_ids[pos // ps], [None] * ps)
+                page[pos % ps] = fps[pos]
+        for entry in out.scheduled:
+            fps = fingerprints[entry.request_id]
+            for pos in range(entry.start_pos + entry.num_new_tokens):
+                page = entry.page_ids[pos // ps]
+                assert self.device[page][pos % ps] == fps[pos], (
+                    f"{entry.request_id} reads wrong KV at position {pos} (page {page})")
+
+
+def scheduled(out: SchedulerOutput) -> dict[str, int]:
+    """The step as `{request_id: num_new_tokens}`."""
+    return out.num_scheduled_tokens
+
+
+def decode_until_preemption(h: Harness, max_steps: int = 50) -> SchedulerOutput:
+    """Steps until a step preempts something; returns that step's output."""
+    for _ in range(max_steps):
+        out, _ = h.step()
+        if out.preempted_request_ids:
+            return out
+    raise AssertionError("no preemption")

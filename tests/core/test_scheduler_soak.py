@@ -1,0 +1,79 @@
+"""Random soak of the scheduler: many configs and seeds, the harness checking every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jaxserve.request import RequestStatus
+from tests.core.scheduler_harness import EOS, Harness, make_request, make_scheduler
+
+SOAK_CONFIGS = [
+    {"preemption_mode": "recompute"},
+    {"preemption_mode": "swap", "host_slots": 6},
+    {"preemption_mode": "swap", "host_slots": 0},
+    {"preemption_mode": "recompute", "scheduling_policy": "priority"},
+    {"preemption_mode": "swap", "host_slots": 12, "scheduling_policy": "priority"},
+    {"preemption_mode": "recompute", "long_prefill_token_threshold": 5, "watermark": 0.2},
+    {"preemption_mode": "swap", "host_slots": 8, "scheduling_mode": "continuous"},
+    {"preemption_mode": "recompute", "scheduling_mode": "static"},
+    {"preemption_mode": "swap", "host_slots": 8, "prefix": False, "watermark": 0.1},
+    {"preemption_mode": "swap", "host_slots": 4, "long_prefill_token_threshold": 3,
+     "scheduling_policy": "priority", "watermark": 0.1},
+    {"preemption_mode": "recompute", "scheduling_mode": "naive"},
+]
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("config", SOAK_CONFIGS, ids=lambda c: "-".join(map(str, c.values())))
+def test_random_soak(config, seed):
+    rng = random.Random(seed)
+    config = dict(config)
+    num_pages = rng.choice([9, 13, 17, 33])
+    max_model_len = 48
+    budget = rng.choice([8, 16, 48]) if config.get("scheduling_mode") is None else 48
+    sched = make_scheduler(num_pages=num_pages, budget=budget, max_model_len=max_model_len,
+                           max_num_seqs=rng.choice([2, 4, 8]), **config)
+
+    def choose(request, sample_index):
+        return EOS if rng.random() < 0.08 else rng.choice([20, 21, 22])
+
+    h = Harness(sched, choose)
+    systems = [[], [5, 6, 7, 8, 5, 6, 7, 8], [9] * 6]
+    num_added = 0
+    for step in range(1500):
+        if step < 60 and rng.random() < 0.4:
+            prompt = rng.choice(systems) + [rng.randrange(30, 40)
+                                            for _ in range(rng.randint(1, 24))]
+            max_tokens = rng.randint(1, 20)
+            n = rng.choice([1, 1, 1, 2, 3][:sched.max_num_seqs + 1])
+            request = make_request(f"s{step}", prompt, max_tokens=max_tokens, n=n,
+                                   priority=rng.randint(0, 3), arrival=step)
+            try:
+                h.add(request)
+                num_added += 1
+            except ValueError:
+                assert len(prompt) > sched.max_kv_tokens
+            else:
+                assert len(prompt) <= sched.max_kv_tokens
+        if sched.requests and rng.random() < 0.03:
+            victim = rng.choice(sorted(sched.requests))
+            sched.finish_request(victim, RequestStatus.FINISHED_ABORTED)
+        h.step()
+        if step >= 60 and not sched.has_unfinished_requests():
+            break
+    else:
+        raise AssertionError(f"livelock: {sched.requests}")
+    h.check_drained()
+    assert num_added > 5
+    cap = sched.max_kv_tokens + 1
+    for r in h.seen.values():
+        longest = min(cap, max_model_len, r.num_prompt_tokens + r.sampling_params.max_tokens)
+        assert r.num_tokens <= longest
+        if r.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            assert r.num_tokens == longest
+        elif r.status == RequestStatus.FINISHED_STOPPED:
+            assert r.output_token_ids[-1] == EOS
+        else:
+            assert r.status == RequestStatus.FINISHED_ABORTED

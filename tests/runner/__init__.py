@@ -1,0 +1,1 @@
+"""Unit tests of the device-side runner helpers (jaxserve/runner/)."""
