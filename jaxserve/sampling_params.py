@@ -72,7 +72,8 @@ class SamplingParams:
 
     NOTE: `seed=None` does not mean "unreproducible" on device: the engine draws a seed
     for such requests from its own seeded RNG at `add_request`, so the sampler always uses
-    per-request keys. For `n > 1` with a seed, child `i` should use `seed + i` (vLLM v1).
+    per-request keys. For `n > 1`, completion 0 uses the seed and completion `i > 0` a
+    stream derived from it (`numpy.random.SeedSequence([seed, n])`; see `make_request`).
 
     Raises:
         ValueError: Any invalid value; the message names the field and the value.

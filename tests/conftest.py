@@ -57,3 +57,58 @@ def hf_smollm2(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     model.eval()
     return model
+
+
+# A tiny random Llama with SmolLM2's tokenizer and vocabulary, as a Hugging Face directory
+# (config.json + model.safetensors + tokenizer files), written without torch. It loads in
+# about a second and compiles quickly, for tests that run documentation and whole commands.
+# NOTE: SmolLM2's 9 query / 3 KV heads and an MLP width with the same divisors (3 x 2^k),
+# so a tensor-parallel size the docs give for SmolLM2 also splits the tiny model (and a
+# hidden size that is a multiple of the heads, which transformers checks).
+TINY_HF_CONFIG = dict(hidden_size=72, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=16,
+                      max_position_embeddings=4096)
+
+
+def write_tiny_hf_dir(directory: str, tokenizer, base_config: dict, seed: int = 0) -> str:
+    """Writes a tiny random model of `base_config`'s family (shrunk to `TINY_HF_CONFIG`, same
+    vocabulary and special tokens) and `tokenizer` into `directory`, as an HF model dir."""
+    import json
+
+    import jax
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from models.loaders.hf_names import hf_name
+    from models.model import random_params
+    from models.registry import arch_config_from_hf
+
+    hf = {**base_config, **TINY_HF_CONFIG, "tie_word_embeddings": True}
+    hf.pop("rope_scaling", None)
+    cfg = arch_config_from_hf(hf)
+    tensors = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(random_params(cfg, seed=seed)):
+        keys = tuple(p.key for p in path)
+        arr = np.asarray(leaf, np.float32)
+        for layer, value in (enumerate(arr) if keys[0] == "layers" else [(None, arr)]):
+            name, transpose = hf_name(keys, layer)
+            tensors[name] = np.ascontiguousarray(value.T if transpose else value)
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**hf, "model_type": "llama", "hidden_act": "silu",
+                   "torch_dtype": "float32"}, f, indent=1)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(smollm2_path, smollm2_tokenizer, tmp_path_factory) -> str:
+    """A tiny random Llama (hidden 72, 2 layers, 9/3 heads of 16) with SmolLM2's tokenizer and
+    vocabulary (49152), as a Hugging Face directory:
+    `LLM(tiny_model_dir)`, `jaxserve generate --model ...` and `jaxserve bench ... --model ...`
+    load it in about a second."""
+    from models.loaders.gguf_file import open_gguf
+
+    directory = str(tmp_path_factory.mktemp("tiny_model") / "tiny-llama")
+    return write_tiny_hf_dir(directory, smollm2_tokenizer, open_gguf(smollm2_path).hf_config())

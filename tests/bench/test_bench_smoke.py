@@ -1,0 +1,259 @@
+"""CI smoke test: every `jaxserve bench ...` subcommand and `jaxserve diagnose` run end to end.
+
+Each command runs through `main([...])` on the tiny random model of `tests/conftest.py` with
+tiny sizes, and must exit 0, print its table and write parseable `--output-json`. The engine
+flags are the same for every command (the persistent compilation cache then serves the
+programs one command compiled to the next). `bench serve` loads an in-process server over
+a fake engine on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import glob
+import io
+import json
+import os
+import re
+import sys
+import threading
+import time
+import tomllib
+from types import SimpleNamespace
+
+import pytest
+
+from jaxserve.entrypoints.cli import main
+
+# One engine shape for every command: a single token bucket (16) with chunked prefill.
+ENGINE = ["--max-model-len", "32", "--num-kv-blocks", "64", "--max-num-batched-tokens", "16",
+          "--max-num-seqs", "4"]
+TRACE = ["--trace", "synthetic", "--num-requests", "3", "--input-len", "8", "--output-len", "4"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Imported by the benchmarks but needed only by the transformers baseline, which is skipped
+# with a note without them.
+OPTIONAL = {"torch", "accelerate"}
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `jaxserve argv` run in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def ok(argv: list[str]) -> tuple[str, str]:
+    """Runs `jaxserve argv`, asserts exit code 0 and no traceback; returns (stdout, stderr)."""
+    code, out, err = run_cli(argv)
+    assert code == 0, f"jaxserve {' '.join(argv)} exited {code}\n{out}\n{err}"
+    assert "Traceback" not in err, err
+    return out, err
+
+
+def read_json(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def model_flags(tiny_model_dir) -> list[str]:
+    return ["--model", tiny_model_dir, *ENGINE]
+
+
+@pytest.fixture(scope="module")
+def throughput_run(model_flags, tmp_path_factory):
+    """`bench throughput` over two scheduling modes, with plots; its JSON feeds `diagnose`."""
+    pytest.importorskip("matplotlib")
+    d = tmp_path_factory.mktemp("throughput")
+    path, plots = str(d / "throughput.json"), str(d / "plots")
+    out, err = ok(["bench", "throughput", *model_flags, *TRACE, "--modes",
+                   "static,continuous+chunked", "--baseline", "none", "--output-json", path,
+                   "--plot-dir", plots])
+    return SimpleNamespace(out=out, err=err, json=path, plots=plots)
+
+
+def test_throughput(throughput_run):
+    assert "| run | req/s | total tok/s | output tok/s |" in throughput_run.out
+    assert "| mode | steps | prefill steps |" in throughput_run.out
+    res = read_json(throughput_run.json)
+    assert set(res["results"]) == {"static", "continuous+chunked"}
+    assert res["engine_args"]["max_model_len"] == 32
+    for r in res["results"].values():
+        assert r["summary"]["completed"] == 3 and r["summary"]["output_throughput"] > 0
+    assert any(f.endswith(".png") for f in os.listdir(throughput_run.plots))
+
+
+def test_throughput_transformers_baseline(model_flags, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("accelerate")
+    path = str(tmp_path / "t.json")
+    out, _ = ok(["bench", "throughput", *model_flags, *TRACE, "--modes", "continuous+chunked",
+                 "--baseline", "transformers", "--hf-batch-size", "2", "--output-json", path])
+    assert "| transformers-static |" in out
+    assert read_json(path)["results"]["transformers-static"]["summary"]["output_throughput"] > 0
+
+
+def test_throughput_without_torch_skips_the_baseline(model_flags, monkeypatch, tmp_path):
+    import jaxserve.bench.hf_baseline as hf_baseline
+
+    monkeypatch.setattr(hf_baseline, "torch_missing",
+                        lambda: "torch not installed (pip install torch)")
+    path = str(tmp_path / "t.json")
+    out, err = ok(["bench", "throughput", *model_flags, *TRACE, "--modes",
+                   "continuous+chunked", "--output-json", path])
+    notes = [line for line in err.splitlines() if "baseline" in line]
+    assert notes == ["[jaxserve] transformers baseline skipped: torch not installed "
+                     "(pip install torch)"], err
+    assert "| continuous+chunked |" in out
+    assert set(read_json(path)["results"]) == {"continuous+chunked"}
+
+
+def test_prefix(tiny_model_dir, tmp_path):
+    path = str(tmp_path / "p.json")
+    # NOTE: the shared-prefix trace's suffixes and outputs average 32 tokens: a longer
+    # max_model_len than the other commands.
+    flags = ENGINE[:]
+    flags[flags.index("--max-model-len") + 1] = "128"
+    out, _ = ok(["bench", "prefix", "--model", tiny_model_dir, *flags, "--num-requests", "3",
+                 "--prefix-len", "16", "--output-json", path])
+    assert "| run | hit rate | mean TTFT ms |" in out
+    res = read_json(path)["results"]
+    assert "prefix caching off" in res and len(res) == 2
+
+
+def test_latency(model_flags, tmp_path):
+    path = str(tmp_path / "l.json")
+    out, _ = ok(["bench", "latency", *model_flags, "--batch-size", "2", "--input-len", "8",
+                 "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1",
+                 "--output-json", path])
+    assert "Avg latency:" in out and "99% percentile latency:" in out
+    assert read_json(path)["engine_args"]["max_num_seqs"] == 4
+
+
+def test_roofline(model_flags, tmp_path):
+    path = str(tmp_path / "r.json")
+    out, _ = ok(["bench", "roofline", *model_flags, "--batch-sizes", "1,2", "--context-len",
+                 "16", "--num-steps", "2", "--output-json", path])
+    assert "| batch | context | step ms |" in out and "peak matmul" in out
+    assert [r["batch"] for r in read_json(path)["rows"]] == [1, 2]
+
+
+def test_scale(model_flags, tmp_path):
+    pytest.importorskip("matplotlib")
+    path, plots = str(tmp_path / "s.json"), str(tmp_path / "plots")
+    out, _ = ok(["bench", "scale", *model_flags, "--concurrency", "1,2", "--contexts", "8,16",
+                 "--context-batch", "2", "--input-len", "8", "--output-len", "4",
+                 "--skip-warmup", "--output-json", path, "--plot-dir", plots])
+    assert "| concurrent requests | output tok/s |" in out
+    assert "| context | batch | output tok/s |" in out
+    res = read_json(path)
+    assert [r["concurrency"] for r in res["concurrency"]] == [1, 2]
+    assert [r["context"] for r in res["context"]] == [8, 16]
+    assert sorted(os.listdir(plots)) == ["scale_concurrency.png", "scale_context.png"]
+
+
+@pytest.mark.slow
+def test_scale_warmup_probes(model_flags, tmp_path):
+    """The cold/warm warm-up probes: two fresh processes, each compiling from nothing."""
+    path = str(tmp_path / "w.json")
+    out, _ = ok(["bench", "scale", *model_flags, "--warmup-only", "--output-json", path])
+    assert "| compilation cache | buckets |" in out and "warm / cold warm-up:" in out
+    assert set(read_json(path)["warmup"]) == {"cold", "warm"}
+
+
+def test_overhead(tiny_model_dir, tmp_path):
+    path = str(tmp_path / "o.json")
+    out, _ = ok(["bench", "overhead", "--model", tiny_model_dir, "--num-running", "2,4",
+                 "--output-json", path])
+    assert "| running | schedule | update_from_output |" in out
+    assert "| running | scheduling | input prep |" in out
+    res = read_json(path)
+    assert [r["num_running"] for r in res["engine"]] == [2, 4]
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    """An OpenAI-compatible server over a fake engine (no model) on a free loopback port."""
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.entrypoints.openai.api_server import build_app, make_server
+    from jaxserve.metrics import ServerMetrics
+    from tests.entrypoints.conftest import free_port
+    from tests.entrypoints.fake_engine import FakeEngine
+
+    engine = FakeEngine(step_seconds=0.002)
+    engine.model = SimpleNamespace(source="fake")  # for /v1/models
+    llm = AsyncLLM(engine, ServerMetrics("fake"), log_interval=0)
+    port = free_port()
+    srv = make_server(build_app(llm, ["fake"]), "127.0.0.1", port, 5.0, "warning")
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    srv.handle_exit(15, None)
+    thread.join(20)
+    llm.shutdown()
+
+
+def test_serve(fake_server, tmp_path):
+    pytest.importorskip("httpx")
+    path = str(tmp_path / "s.json")
+    out, _ = ok(["bench", "serve", "--base-url", fake_server, *TRACE, "--max-concurrency", "2",
+                 "--goodput", "ttft:10000", "--output-json", path])
+    assert "Serving Benchmark Result" in out and "Successful requests:" in out
+    res = read_json(path)
+    assert res["completed"] == 3 and res["failed"] == 0 and res["model_id"] == "fake"
+
+
+def test_diagnose_from_a_bench_result(throughput_run):
+    out, _ = ok(["diagnose", "--config", throughput_run.json, "--result", throughput_run.json])
+    assert all(f"\n[{m}] " in out for m in ("kv", "batch", "chunk")), out
+    assert "of a 16-token budget" in out  # read from the result's engine args and steps
+    out, _ = ok(["diagnose", "--config", throughput_run.json, "--result", throughput_run.json,
+                 "--json"])
+    d = json.loads(out)
+    assert d["bottleneck"] in ("none", "kv", "batch", "chunk") and d["findings"]
+
+
+def test_diagnose_with_engine_flags_only():
+    out, _ = ok(["diagnose", *ENGINE])
+    assert all(f"\n[{m}] " in out for m in ("kv", "batch", "chunk")), out
+    assert "max_num_seqs=4" in out
+
+
+def _requirement_names(reqs: list[str]) -> set[str]:
+    return {re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower().replace("_", "-")
+            for r in reqs}
+
+
+def test_bench_extra_covers_what_the_benchmarks_import():
+    """`pip install -e '.[bench]'` is enough: every third-party module the benchmark code
+    (jaxserve/bench and the `bench` / `diagnose` commands) imports is a core dependency or
+    in the `bench` extra, torch and accelerate (the optional baseline) aside."""
+    from importlib.metadata import packages_distributions
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert "bench" in project["optional-dependencies"]
+    declared = _requirement_names(project["dependencies"]
+                                  + project["optional-dependencies"]["bench"])
+    files = glob.glob(os.path.join(ROOT, "jaxserve", "bench", "*.py")) + glob.glob(
+        os.path.join(ROOT, "jaxserve", "entrypoints", "cli", "bench*.py")) + [
+        os.path.join(ROOT, "jaxserve", "entrypoints", "cli", "diagnose.py")]
+    modules = set()
+    for path in files:
+        with open(path) as f:
+            for node in ast.walk(ast.parse(f.read())):
+                if isinstance(node, ast.Import):
+                    modules |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    modules.add(node.module.split(".")[0])
+    modules -= set(sys.stdlib_module_names) | {"jaxserve", "models", "pallas_kernels"} | OPTIONAL
+    dists = packages_distributions()
+    missing = {m: dists.get(m) for m in modules
+               if not _requirement_names(dists.get(m, [m])) & declared}
+    assert not missing, f"imported by the benchmarks but not in the bench extra: {missing}"
