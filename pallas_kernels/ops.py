@@ -1,7 +1,8 @@
 """The one interface the model calls for KV writes and attention, dispatching on backend.
 
 Backends:
-    "xla":    the pure-jnp references (what the CPU serves with).
+    "xla":    plain XLA: the KV write's reference scatter and `ragged_paged_attention_xla`,
+              whose cost follows the live context (the jnp references stay the oracles).
     "pallas": the Pallas kernels: on TPU the Mosaic ragged kernel (decodes included; the KV
               write is XLA's in-place scatter), on GPU the Triton kernels, and on the CPU
               the GPU kernels in the Pallas interpreter.
@@ -20,7 +21,7 @@ from pallas_kernels.paged_decode_attention.kernel import paged_decode_attention_
 from pallas_kernels.paged_decode_attention.reference import paged_decode_attention_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_kernel
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 
@@ -95,4 +96,4 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
         ppb, _ = kernel_tiles(page_size, width)
         return ragged_paged_attention_kernel(q, kv_pages, layer, md, pages_per_block=ppb,
                                              interpret=_interpret(), **common)
-    return ragged_paged_attention_reference(q, kv_pages, layer, md, **common)
+    return ragged_paged_attention_xla(q, kv_pages, layer, md, **common)

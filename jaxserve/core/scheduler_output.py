@@ -65,3 +65,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def decodes_first(self) -> SchedulerOutput:
+        """Reorders `scheduled` (in place): single-token entries first, each group in its
+        scheduling order; returns self.
+
+        NOTE: the runner packs rows in this order, so decode row i holds token i and
+        attention reads each decode row's context once per row, not once per token
+        (pallas_kernels/ragged_paged_attention/xla.py). The scheduler's own order is kept
+        for its bookkeeping; call this before building the step's sampling rows.
+        """
+        self.scheduled = ([s for s in self.scheduled if s.num_new_tokens == 1]
+                          + [s for s in self.scheduled if s.num_new_tokens != 1])
+        return self

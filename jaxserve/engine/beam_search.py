@@ -192,7 +192,7 @@ def _execute_step(engine):
     """Schedules and runs one step of the engine's requests; None when nothing ran."""
     from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 
-    out = engine.scheduler.schedule()
+    out = engine.scheduler.schedule().decodes_first()
     if out.is_empty:
         return None
     rows = []

@@ -175,7 +175,7 @@ class LLMEngine:
         "error" and the others in the step go on exactly as without it. Only a failure of
         the shared device step itself raises.
         """
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule().decodes_first()
         if out.is_empty:
             return []
         now = time.time()

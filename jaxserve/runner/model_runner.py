@@ -63,9 +63,10 @@ class StepResult:
     prompt_logprobs: object = None
 
 
-def _model_step(model: Model, layout: Layout, params, kv_pages, buf):
+def _model_step(model: Model, layout: Layout, decode_only: bool, params, kv_pages, buf):
     x = unpack(buf, layout)
-    md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"])
+    md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"],
+                           decode_only)
     kv_pages, hidden = model.forward(params, x["input_ids"], x["positions"], kv_pages, md)
     logits = model.compute_logits(params, hidden[x["logits_indices"]])  # f32[rows, vocab]
     return kv_pages, logits, hidden
@@ -140,6 +141,7 @@ class ModelRunner:
         # Compilations inside this runner's steps since warm-up (other engines or user code
         # compiling in the same process are not counted).
         self.num_compilations = 0
+        self.num_decode_steps = 0  # steps that ran the paged decode kernel
         self.warmup_seconds = 0.0
         # (buckets compiled, buckets in all) while warm-up runs; read by `/health`.
         self.warmup_progress = (0, len(self.buckets))
@@ -180,7 +182,9 @@ class ModelRunner:
         model_buf, model_layout = pack(arrays.device_tree())
         sample_buf, sample_layout = pack(sampling)
         model_buf, sample_buf = self._to_device(model_buf), self._to_device(sample_buf)
-        self.kv_pages, logits, hidden = self._step_fn(model_layout)(
+        decode_only = self.is_decode_step(out, num_tokens, num_rows)
+        self.num_decode_steps += decode_only
+        self.kv_pages, logits, hidden = self._step_fn(model_layout, decode_only)(
             self.params, self.kv_pages, model_buf)
         prompt_lp = None
         if prompt_targets is not None:
@@ -213,16 +217,24 @@ class ModelRunner:
             return jax.make_array_from_process_local_data(self._inputs_on, buf)
         return jax.device_put(buf, self._inputs_on)
 
-    def _step_fn(self, layout: Layout):
-        fn = self._steps.get(layout)
+    def _step_fn(self, layout: Layout, decode_only: bool = False):
+        fn = self._steps.get((layout, decode_only))
         if fn is None:
             shardings = {} if self.layout is None else {"out_shardings": (
                 self.layout.kv_pages_sharding(), self.layout.replicated(),
                 self.layout.replicated())}
-            fn = jax.jit(functools.partial(_model_step, self.model, layout), donate_argnums=1,
-                         **shardings)
-            self._steps[layout] = fn
+            fn = jax.jit(functools.partial(_model_step, self.model, layout, decode_only),
+                         donate_argnums=1, **shardings)
+            self._steps[(layout, decode_only)] = fn
         return fn
+
+    def is_decode_step(self, out: SchedulerOutput, num_tokens: int, num_rows: int) -> bool:
+        """Whether a step runs the paged decode kernel: every request has one new token (and
+        request i holds token i: `SchedulerOutput.decodes_first`) in a bucket whose token
+        and row counts are equal, on a backend with a separate decode kernel (Pallas; the
+        XLA path reads decode rows once per row by itself)."""
+        return (self.model.backend == "pallas" and num_tokens == num_rows
+                and all(s.num_new_tokens == 1 for s in out.scheduled))
 
     def _sampler_fn(self, layout: Layout):
         fn = self._samplers.get(layout)
@@ -277,6 +289,10 @@ class ModelRunner:
                 # The prompt-logprobs program of this bucket too, once.
                 targets = np.zeros(num_tokens, np.int32) if variant == VARIANTS[0] else None
                 self.execute(out, make_dummy_sampling(num_rows), variant, targets)
+            decodes = SchedulerOutput(scheduled=[ScheduledRequest(f"warmup-d{i}", [0], 0, [0], 1)
+                                                 for i in range(num_rows)])
+            if self.is_decode_step(decodes, num_tokens, num_rows):  # its own program
+                self.execute(decodes, make_dummy_sampling(num_rows), VARIANTS[0])
         n = len(pad_pairs(np.zeros((0, 2), np.int32)))
         while n <= self.max_plan_pairs:
             pairs = np.zeros((n, 2), np.int32)  # null page onto itself: a no-op

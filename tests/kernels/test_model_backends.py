@@ -17,14 +17,17 @@ TINY = ArchConfig("LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediat
                   layer_windows=(0, 7, 0), max_position_embeddings=256)
 
 
-def greedy(model, prompt_ids, max_tokens, tokenizer=None, **engine_args):
-    """Greedy ids of one prompt through the engine (`LLM`), ignoring EOS."""
+def greedy(model, prompt_ids, max_tokens, tokenizer=None, decode_steps=None, **engine_args):
+    """Greedy ids of one prompt through the engine (`LLM`), ignoring EOS; appends the steps
+    that ran the paged decode kernel to `decode_steps` when given."""
     tokenizer = tokenizer or SimpleNamespace(eos_token_id=None)  # ids in, ids out
-    llm = LLM(model, tokenizer=tokenizer, warmup=False, max_model_len=128,
+    llm = LLM(model, tokenizer=tokenizer, warmup=False, max_model_len=128, max_num_seqs=16,
               max_num_batched_tokens=64, num_kv_blocks=64, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             detokenize=False)
     out = llm.generate([{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False)
+    if decode_steps is not None:
+        decode_steps.append(llm.engine.runner.num_decode_steps)
     return out[0].outputs[0].token_ids
 
 
@@ -37,12 +40,16 @@ def tiny_params():
 @pytest.mark.parametrize("page_size", [8, 16])
 def test_tiny_model_greedy_same_on_both_backends(tiny_params, page_size):
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, TINY.vocab_size, 21)]
-    outs = {}
+    outs, decode_steps = {}, []
     for backend in ("xla", "pallas"):
         model = Model(TINY, tiny_params, backend=backend)
-        outs[backend] = greedy(model, prompt, 24, block_size=page_size)
+        outs[backend] = greedy(model, prompt, 24, decode_steps=decode_steps,
+                               block_size=page_size)
     assert outs["xla"] == outs["pallas"]
     assert len(set(outs["xla"])) > 3  # not a degenerate repetition
+    # Pallas runs pure-decode steps on the paged decode kernel (all 23 after the prefill);
+    # the XLA path has no separate decode program.
+    assert decode_steps == [0, 23]
 
 
 @pytest.mark.slow

@@ -44,7 +44,8 @@ def test_default_model_generates_without_torch(smollm2_path):
         import sys
         sys.modules["torch"] = None  # import torch now fails; transformers sees no torch
         from jaxserve import LLM, SamplingParams
-        llm = LLM(max_model_len=128, max_num_batched_tokens=32, num_kv_blocks=32, warmup=False)
+        llm = LLM(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
+                  num_kv_blocks=32, warmup=False)
         out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=6),
                            use_tqdm=False)
         assert "torch" not in sys.modules or sys.modules["torch"] is None

@@ -90,7 +90,7 @@ def test_smollm2_tp3_under_preemption_and_mixed_load(smollm2, smollm2_tokenizer,
 def _check_collectives(llm):
     """The compiled step all-reduces after row-parallel layers and never gathers the pool."""
     runner = llm.engine.runner
-    (layout, step), *_ = runner._steps.items()
+    ((layout, _), step), *_ = runner._steps.items()
     buf = jax.device_put(np.zeros(layout.size, np.int32), llm.engine.layout.replicated())
     hlo = step.lower(runner.params, runner.kv_pages, buf).compile().as_text()
     assert len(re.findall(r"all-reduce\(", hlo)) >= 2  # attention out + MLP down, per layer

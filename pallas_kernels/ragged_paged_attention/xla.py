@@ -1,0 +1,191 @@
+"""Ragged paged attention in plain XLA whose cost follows the live context, not max_model_len.
+
+The reference (`reference.py`) gathers every query token's whole block table. This path
+splits each token's keys into three disjoint parts and merges them with an online softmax:
+
+* decode part: a request whose single new token sits at token index == its row index (the
+  runner packs decode rows first) reads its context from the pool one gather per *row*,
+  in blocks of `block_kv` keys, for as many blocks as the longest such context needs (a
+  `fori_loop` with a traced trip count: no compile per context length);
+* prefix part: every other token reads the context its request had before this step
+  (prefix-cache hits, earlier chunks) from the pool, one gather per token and block, for as
+  many blocks as the longest such prefix needs (none for fresh prompts);
+* in-step part: those tokens also attend to this step's own tokens of their request,
+  read back from the pool by slot (`[num_tokens]` entries), causally masked, in key tiles;
+  skipped by a `cond` when the step holds decode rows only.
+
+Every key read is masked by the request's length, so free or null pages (even NaN) never
+change a result, as in the reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.ragged_paged_attention.reference import check_shapes, token_positions
+
+_NEG = -1e30  # running max of a row that has seen no key yet (finite: exp(_NEG - m) == 0)
+
+
+def _masked_logits(q, k, mask, sm_scale, soft_cap):
+    """f32 logits [n, kv_heads, group, c] of q [n, kv_heads, group, d] against k
+    [n, kv_heads, c, d], -inf where `mask` [n, c] is False."""
+    logits = jnp.einsum("nkgd,nkcd->nkgc", q, k) * sm_scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    return jnp.where(mask[:, None, None, :], logits, -jnp.inf)
+
+
+def _update(state, logits, v, mask):
+    """One online-softmax step: `state` = (acc [n,k,g,d], m [n,k,g], denom [n,k,g])."""
+    acc, m, denom = state
+    m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+    p = jnp.exp(logits - m_new[..., None])  # 0 where masked (-inf)
+    scale = jnp.exp(m - m_new)
+    v = jnp.where(mask[:, None, :, None], v, 0.0)  # NaN in a masked slot must not leak
+    acc = acc * scale[..., None] + jnp.einsum("nkgc,nkcd->nkgd", p, v)
+    return acc, m_new, denom * scale + jnp.sum(p, axis=-1)
+
+
+def _init(n, kv_heads, group, head_dim):
+    return (jnp.zeros((n, kv_heads, group, head_dim), jnp.float32),
+            jnp.full((n, kv_heads, group), _NEG, jnp.float32),
+            jnp.zeros((n, kv_heads, group), jnp.float32))
+
+
+def _merge(a, b):
+    """Two online-softmax states of the same queries, combined."""
+    m = jnp.maximum(a[1], b[1])
+    sa, sb = jnp.exp(a[1] - m), jnp.exp(b[1] - m)
+    return (a[0] * sa[..., None] + b[0] * sb[..., None], m, a[2] * sa + b[2] * sb)
+
+
+def _window_ok(q_pos, k_pos, window):
+    """bool[n, c]: key positions inside the sliding window of each query (0: no window)."""
+    return (window <= 0) | (q_pos[:, None] - k_pos < window)
+
+
+def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_scale,
+                soft_cap):
+    """Attention of q [n, k, g, d] over positions [0, lens) of the pages `pages` [n, w]."""
+    n, kv_heads, group, head_dim = q.shape
+    page_size = kv_pages.shape[4]
+    ppb = block_kv // page_size
+    width = pages.shape[1]
+    pad = (-width) % ppb
+    if pad:
+        pages = jnp.pad(pages, ((0, 0), (0, pad)))  # i32[n, width + pad]; page 0 is masked
+    num_blocks = (jnp.max(lens, initial=0) + block_kv - 1) // block_kv
+
+    def body(b, state):
+        ids = jax.lax.dynamic_slice_in_dim(pages, b * ppb, ppb, axis=1)  # i32[n, ppb]
+        kv = kv_pages[layer, :, :, ids]  # [n, ppb, 2, kv_heads, page_size, head_dim]
+        kv = jnp.moveaxis(kv, 1, 3).reshape(n, 2, kv_heads, block_kv, head_dim)
+        kv = kv.astype(jnp.float32)
+        k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
+        mask = (k_pos[None, :] < lens[:, None]) & _window_ok(q_pos, k_pos[None, :], window)
+        logits = _masked_logits(q, kv[:, 0], mask, sm_scale, soft_cap)
+        return _update(state, logits, kv[:, 1], mask)
+
+    return jax.lax.fori_loop(0, num_blocks, body, _init(n, kv_heads, group, head_dim))
+
+
+def _in_step_part(q, kv_pages, layer, md, seq_ids, q_pos, queries, window, *, block_q,
+                  sm_scale, soft_cap):
+    """Attention of the `queries` tokens (bool[t]) to this step's own tokens of their
+    request (read back from the pool by slot), causal, in key tiles of `block_q`."""
+    t, kv_heads, group, head_dim = q.shape
+    page_size = kv_pages.shape[4]
+    page_ids, offsets = md.slot_mapping // page_size, md.slot_mapping % page_size
+    kv = kv_pages[layer, :, :, page_ids, offsets]  # [t, 2, kv_heads, head_dim]
+    kv = jnp.moveaxis(kv.astype(jnp.float32), 2, 1)  # [t, kv_heads, 2, head_dim]
+    acc, m, denom = _init(t, kv_heads, group, head_dim)
+    for start in range(0, t, block_q):  # static: t / block_q tiles
+        stop = min(t, start + block_q)
+        keys = jnp.arange(start, stop, dtype=jnp.int32)
+        mask = (queries[:, None] & queries[None, start:stop]
+                & (seq_ids[:, None] == seq_ids[None, start:stop])
+                & (keys[None, :] <= jnp.arange(t, dtype=jnp.int32)[:, None])
+                & _window_ok(q_pos, q_pos[None, start:stop], window))  # bool[t, tile]
+        k, v = kv[start:stop, :, 0], kv[start:stop, :, 1]  # [tile, kv_heads, head_dim]
+        logits = jnp.einsum("tkgd,skd->tkgs", q, k) * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
+        p = jnp.exp(logits - m_new[..., None])
+        scale = jnp.exp(m - m_new)
+        v = jnp.where(jnp.any(mask, axis=0)[:, None, None], v, 0.0)  # unread slots: no NaN
+        acc = acc * scale[..., None] + jnp.einsum("tkgs,skd->tkgd", p, v)
+        m, denom = m_new, denom * scale + jnp.sum(p, axis=-1)
+    return acc, m, denom
+
+
+def ragged_paged_attention_xla(
+    q: jax.Array,
+    kv_pages: jax.Array,
+    layer: jax.Array | int,
+    md: AttentionMetadata,
+    *,
+    sm_scale: float,
+    sliding_window: jax.Array | int = 0,
+    soft_cap: float | None = None,
+    block_kv: int = 128,
+    block_q: int = 256,
+) -> jax.Array:
+    """Causal attention of packed queries over each request's paged K/V (see the module).
+
+    Args:
+        q: [num_tokens, num_q_heads, head_dim] queries (rotary applied); this step's K/V
+            are already written to the pool.
+        kv_pages: dtype[num_layers, 2, num_kv_heads, num_pages, page_size, head_dim].
+        layer: Layer index into the pool (may be traced).
+        md: Attention metadata of this step (any packing; decode rows first is fastest).
+        sm_scale: Scale applied to q.k.
+        sliding_window: Keys older than `window` positions are masked; 0 means none.
+        soft_cap: If set, logits become `soft_cap * tanh(logits / soft_cap)`.
+        block_kv: Keys per gathered block (rounded to whole pages).
+        block_q: Keys per tile of the in-step part.
+
+    Returns:
+        [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
+    """
+    check_shapes(q, kv_pages, md)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = kv_pages.shape[2], kv_pages.shape[4]
+    group = num_q_heads // num_kv_heads
+    block_kv = max(page_size, block_kv // page_size * page_size)
+    window = jnp.asarray(sliding_window, jnp.int32)
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    seq_ids, q_pos, valid = token_positions(md, num_tokens)
+    q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]  # i32[num_rows]
+    common = dict(sm_scale=sm_scale, soft_cap=soft_cap)
+
+    # Decode part: row i's single token is token i.
+    rows = min(md.kv_lens.shape[0], num_tokens)
+    row_ids = jnp.arange(rows, dtype=jnp.int32)
+    aligned = (md.cu_q_lens[:rows] == row_ids) & (q_lens[:rows] == 1)  # bool[rows]
+    dec_lens = jnp.where(aligned, md.kv_lens[:rows], 0)  # i32[rows]
+    decode = _paged_part(qg[:rows], kv_pages, layer, md.block_tables[:rows], dec_lens,
+                         dec_lens - 1, window, block_kv=block_kv, **common)
+    is_decode = jnp.zeros(num_tokens, bool).at[:rows].set(aligned)  # bool[num_tokens]
+
+    # Prefix part: what the other tokens' requests held before this step.
+    others = valid & ~is_decode
+    prefix_lens = jnp.where(others, md.kv_lens[seq_ids] - q_lens[seq_ids], 0)
+    state = _paged_part(qg, kv_pages, layer, md.block_tables[seq_ids], prefix_lens, q_pos,
+                        window, block_kv=block_kv, **common)
+    state = jax.lax.cond(
+        jnp.any(others),
+        lambda s: _merge(s, _in_step_part(qg, kv_pages, layer, md, seq_ids, q_pos, others,
+                                          window, block_q=block_q, **common)),
+        lambda s: s, state)
+    pad = num_tokens - rows
+    decode = tuple(jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=c)
+                   for x, c in zip(decode, (0.0, _NEG, 0.0), strict=True))
+    acc, _, denom = _merge(state, decode)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
