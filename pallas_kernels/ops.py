@@ -18,7 +18,6 @@ from pallas_kernels.kv_write.kernel import write_kv_kernel
 from pallas_kernels.kv_write.reference import write_kv_reference
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_decode_attention.kernel import paged_decode_attention_kernel
-from pallas_kernels.paged_decode_attention.reference import paged_decode_attention_reference
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_kernel
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
@@ -67,9 +66,12 @@ def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mappin
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,
                            sm_scale: float, sliding_window=0, soft_cap: float | None = None,
                            backend: str = "xla") -> jax.Array:
-    """Packed causal attention through block tables; see `ragged_paged_attention_reference`.
+    """Packed causal attention through block tables (the references in
+    `pallas_kernels/*/reference.py` define the result).
 
-    Decode-only steps (`md.decode_only`) go to the paged decode attention path.
+    On the Pallas backend, decode-only steps (`md.decode_only`) go to the paged decode
+    kernel; the XLA path needs no separate decode program (it reads decode rows once per
+    row by itself) and ignores the flag.
     """
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     page_size, width = kv_pages.shape[4], md.block_tables.shape[1]
@@ -81,17 +83,14 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
             return ragged_paged_attention_tpu(q, kv_pages, layer, md, block_q=8,
                                               pages_per_block=ppb, **common)
         return ragged_paged_attention_tpu(q, kv_pages, layer, md, pages_per_block=ppb, **common)
-    if md.decode_only:
+    if md.decode_only and backend == "pallas":
         if q.shape[0] != md.kv_lens.shape[0]:
             raise ValueError(f"decode_only needs one token per request: q {q.shape} vs "
                              f"kv_lens {md.kv_lens.shape}")
-        if backend == "pallas":
-            ppb, splits = kernel_tiles(page_size, width)
-            return paged_decode_attention_kernel(
-                q, kv_pages, layer, md.block_tables, md.kv_lens, pages_per_block=ppb,
-                num_splits=splits, interpret=_interpret(), **common)
-        return paged_decode_attention_reference(q, kv_pages, layer, md.block_tables,
-                                                md.kv_lens, **common)
+        ppb, splits = kernel_tiles(page_size, width)
+        return paged_decode_attention_kernel(
+            q, kv_pages, layer, md.block_tables, md.kv_lens, pages_per_block=ppb,
+            num_splits=splits, interpret=_interpret(), **common)
     if backend == "pallas":
         ppb, _ = kernel_tiles(page_size, width)
         return ragged_paged_attention_kernel(q, kv_pages, layer, md, pages_per_block=ppb,

@@ -67,6 +67,21 @@ def _window_ok(q_pos, k_pos, window):
     return (window <= 0) | (q_pos[:, None] - k_pos < window)
 
 
+def _tiles(kv_pages, layer, page_ids):
+    """K and V tiles of `page_ids` (any shape S) in layer `layer`: [*S, 2, kv_heads,
+    page_size, head_dim], as one gather on a flat view of the pool.
+
+    NOTE: indexing `kv_pages[layer, :, :, ids]` made XLA (CPU) copy the whole layer before
+    gathering; a flat row index per (layer, K/V, head, page) reads only the tiles.
+    """
+    num_layers, _, kv_heads, num_pages, page_size, head_dim = kv_pages.shape
+    flat = kv_pages.reshape(num_layers * 2 * kv_heads * num_pages, page_size, head_dim)
+    base = (layer * 2 * kv_heads + jnp.arange(2 * kv_heads, dtype=jnp.int32)) * num_pages
+    rows = page_ids[..., None] + base  # i32[*S, 2 * kv_heads]
+    tiles = jnp.take(flat, rows, axis=0, mode="clip")  # [*S, 2 * kv_heads, page, head_dim]
+    return tiles.reshape(*page_ids.shape, 2, kv_heads, page_size, head_dim)
+
+
 def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_scale,
                 soft_cap):
     """Attention of q [n, k, g, d] over positions [0, lens) of the pages `pages` [n, w]."""
@@ -81,13 +96,24 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
 
     def body(b, state):
         ids = jax.lax.dynamic_slice_in_dim(pages, b * ppb, ppb, axis=1)  # i32[n, ppb]
-        kv = kv_pages[layer, :, :, ids]  # [n, ppb, 2, kv_heads, page_size, head_dim]
-        kv = jnp.moveaxis(kv, 1, 3).reshape(n, 2, kv_heads, block_kv, head_dim)
-        kv = kv.astype(jnp.float32)
+        kv = _tiles(kv_pages, layer, ids)  # [n, ppb, 2, kv_heads, page_size, head_dim]
+        k = kv[:, :, 0].astype(jnp.float32)  # [n, ppb, kv_heads, page_size, head_dim]
+        v = kv[:, :, 1].astype(jnp.float32)
         k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
         mask = (k_pos[None, :] < lens[:, None]) & _window_ok(q_pos, k_pos[None, :], window)
-        logits = _masked_logits(q, kv[:, 0], mask, sm_scale, soft_cap)
-        return _update(state, logits, kv[:, 1], mask)
+        mask = mask.reshape(n, 1, 1, ppb, page_size)  # bool[n, 1, 1, ppb, page_size]
+        # NOTE: the gathered layout as it comes (pages, then slots): no transpose.
+        logits = jnp.einsum("nkgd,npkcd->nkgpc", q, k) * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(mask, logits, -jnp.inf)  # f32[n, kv_heads, group, ppb, page]
+        acc, m, denom = state
+        m_new = jnp.maximum(m, jnp.max(logits, axis=(3, 4)))
+        p = jnp.exp(logits - m_new[..., None, None])
+        scale = jnp.exp(m - m_new)
+        v = jnp.where(mask.reshape(n, ppb, 1, page_size, 1), v, 0.0)  # NaN must not leak
+        acc = acc * scale[..., None] + jnp.einsum("nkgpc,npkcd->nkgd", p, v)
+        return acc, m_new, denom * scale + jnp.sum(p, axis=(3, 4))
 
     return jax.lax.fori_loop(0, num_blocks, body, _init(n, kv_heads, group, head_dim))
 
@@ -99,7 +125,8 @@ def _in_step_part(q, kv_pages, layer, md, seq_ids, q_pos, queries, window, *, bl
     t, kv_heads, group, head_dim = q.shape
     page_size = kv_pages.shape[4]
     page_ids, offsets = md.slot_mapping // page_size, md.slot_mapping % page_size
-    kv = kv_pages[layer, :, :, page_ids, offsets]  # [t, 2, kv_heads, head_dim]
+    kv = _tiles(kv_pages, layer, page_ids)  # [t, 2, kv_heads, page_size, head_dim]
+    kv = jnp.take_along_axis(kv, offsets[:, None, None, None, None], axis=3)[:, :, :, 0]
     kv = jnp.moveaxis(kv.astype(jnp.float32), 2, 1)  # [t, kv_heads, 2, head_dim]
     acc, m, denom = _init(t, kv_heads, group, head_dim)
     for start in range(0, t, block_q):  # static: t / block_q tiles

@@ -111,4 +111,4 @@ def test_bad_shapes_raise():
         reference(q[0], kv_pages, 0, tables, kv_lens, sm_scale=1.0)
     md = make_metadata(g, [1] * 6, [1] * 6, tables, decode_only=True)
     with pytest.raises(ValueError, match=r"decode_only needs one token per request"):
-        ragged_paged_attention(q[:3], kv_pages, 0, md, sm_scale=1.0)
+        ragged_paged_attention(q[:3], kv_pages, 0, md, sm_scale=1.0, backend="pallas")
