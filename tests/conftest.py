@@ -44,6 +44,16 @@ def smollm2_tokenizer(smollm2_path):
     return load_tokenizer(smollm2_path)
 
 
+@pytest.fixture
+def torch_one_thread():
+    """torch on one thread: on a 2-core machine shared with XLA, two threads run ~5x slower."""
+    torch = pytest.importorskip("torch")
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
     """transformers' SmolLM2 loaded from the same GGUF (the numerics oracle), float32."""

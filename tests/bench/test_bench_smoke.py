@@ -17,8 +17,6 @@ import json
 import os
 import re
 import sys
-import threading
-import time
 import tomllib
 from types import SimpleNamespace
 
@@ -174,35 +172,18 @@ def test_overhead(tiny_model_dir, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def fake_server():
+def fake_server_url():
     """An OpenAI-compatible server over a fake engine (no model) on a free loopback port."""
-    from jaxserve.engine.async_llm import AsyncLLM
-    from jaxserve.entrypoints.openai.api_server import build_app, make_server
-    from jaxserve.metrics import ServerMetrics
-    from tests.entrypoints.conftest import free_port
-    from tests.entrypoints.fake_engine import FakeEngine
+    from tests.entrypoints.conftest import fake_server
 
-    engine = FakeEngine(step_seconds=0.002)
-    engine.model = SimpleNamespace(source="fake")  # for /v1/models
-    llm = AsyncLLM(engine, ServerMetrics("fake"), log_interval=0)
-    port = free_port()
-    srv = make_server(build_app(llm, ["fake"]), "127.0.0.1", port, 5.0, "warning")
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.handle_exit(15, None)
-    thread.join(20)
-    llm.shutdown()
+    with fake_server(step_seconds=0.002) as url:
+        yield url
 
 
-def test_serve(fake_server, tmp_path):
+def test_serve(fake_server_url, tmp_path):
     pytest.importorskip("httpx")
     path = str(tmp_path / "s.json")
-    out, _ = ok(["bench", "serve", "--base-url", fake_server, *TRACE, "--max-concurrency", "2",
+    out, _ = ok(["bench", "serve", "--base-url", fake_server_url, *TRACE, "--max-concurrency", "2",
                  "--goodput", "ttft:10000", "--output-json", path])
     assert "Serving Benchmark Result" in out and "Successful requests:" in out
     res = read_json(path)

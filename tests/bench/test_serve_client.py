@@ -3,40 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
-from types import SimpleNamespace
 
 import pytest
 
 from jaxserve.bench.report import serve_block
 from jaxserve.bench.serve_client import parse_goodput, run_serve_benchmark
 from jaxserve.bench.workloads import synthetic_trace, trace_token_ids
-from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.entrypoints.openai.api_server import build_app, make_server
-from jaxserve.metrics import ServerMetrics
-from tests.entrypoints.conftest import free_port
-from tests.entrypoints.fake_engine import FakeEngine
+from tests.entrypoints.conftest import fake_server
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine = FakeEngine(step_seconds=0.005)
-    engine.model = SimpleNamespace(source="fake")  # for /v1/models
-    llm = AsyncLLM(engine, ServerMetrics("fake"), log_interval=0)
-    app = build_app(llm, ["fake"])
-    port = free_port()
-    srv = make_server(app, "127.0.0.1", port, 5.0, "warning")
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    srv.handle_exit(15, None)
-    thread.join(20)
-    llm.shutdown()
+    with fake_server() as url:
+        yield url
 
 
 def test_poisson_streaming_run_reports_vllm_fields(server):

@@ -188,15 +188,6 @@ def test_divergence_check_tells_near_ties_from_real_flips(ref_llm, prompts, alon
         assert_same_as_alone(ref_llm, [prompt], [flipped], alone, "fabricated flip")
 
 
-@pytest.fixture
-def torch_one_thread():
-    """torch on one thread: on a 2-core machine shared with XLA, two threads run ~5x slower."""
-    torch = pytest.importorskip("torch")
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
 
 @pytest.mark.slow
 def test_greedy_matches_transformers(ref_llm, prompts, hf_smollm2, smollm2_tokenizer,

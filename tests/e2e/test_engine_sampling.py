@@ -77,15 +77,6 @@ def test_top_k_1_equals_greedy(llm, greedy):
         assert out.outputs[0].token_ids == greedy[prompt]
 
 
-@pytest.fixture
-def torch_one_thread():
-    """torch on one thread: on a 2-core machine shared with XLA, two threads run ~5x slower."""
-    torch = pytest.importorskip("torch")
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
 
 @pytest.mark.slow
 def test_logprobs_match_transformers(llm, hf_smollm2, torch_one_thread):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -26,6 +27,43 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(app, shutdown_timeout: float = 5.0):
+    """`app` served by uvicorn in a thread on a free loopback port: yields (server, url);
+    drains and joins it on exit."""
+    port = free_port()
+    server = make_server(app, "127.0.0.1", port, shutdown_timeout, "warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield server, f"http://127.0.0.1:{port}"
+    finally:
+        server.handle_exit(15, None)
+        thread.join(30)
+
+
+@contextlib.contextmanager
+def fake_server(step_seconds: float = 0.005):
+    """An OpenAI server over `FakeEngine` (no model): yields its URL."""
+    from types import SimpleNamespace
+
+    from tests.entrypoints.fake_engine import FakeEngine
+
+    engine = FakeEngine(step_seconds=step_seconds)
+    engine.model = SimpleNamespace(source="fake")  # for /v1/models
+    llm = AsyncLLM(engine, ServerMetrics("fake"), log_interval=0)
+    try:
+        with running_server(build_app(llm, ["fake"])) as (_, url):
+            yield url
+    finally:
+        llm.shutdown()
 
 
 class ServerThread:

@@ -13,22 +13,10 @@ import httpx
 import pytest
 
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.entrypoints.openai.api_server import build_app, make_server, start_in_background
+from jaxserve.entrypoints.openai.api_server import build_app, start_in_background
 from jaxserve.entrypoints.openai.serving_engine import ServingLimits
-from tests.entrypoints.conftest import LIMITS, MODEL_NAME, ServerThread, free_port, sse_events
+from tests.entrypoints.conftest import LIMITS, MODEL_NAME, ServerThread, running_server, sse_events
 from tests.entrypoints.fake_engine import FakeEngine
-
-
-def serve_in_thread(app):
-    port = free_port()
-    server = make_server(app, "127.0.0.1", port, 5.0, "warning")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive()
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{port}"
 
 
 def test_health_reports_start_up_progress_then_ready():
@@ -41,8 +29,7 @@ def test_health_reports_start_up_progress_then_ready():
         assert release.wait(30)
         return AsyncLLM(FakeEngine(), log_interval=0)
 
-    server, thread, url = serve_in_thread(app)
-    try:
+    with running_server(app) as (_, url):
         start_in_background(app, build, on_error=errors.append)
         deadline = time.time() + 10
         while True:
@@ -61,10 +48,7 @@ def test_health_reports_start_up_progress_then_ready():
             assert time.time() < deadline
             time.sleep(0.02)
         assert not errors
-    finally:
         release.set()
-        server.handle_exit(signal.SIGTERM, None)
-        thread.join(30)
 
 
 def test_failed_start_up_is_reported():
@@ -74,15 +58,11 @@ def test_failed_start_up_is_reported():
     def build(startup):
         raise ValueError("no such model file")
 
-    server, thread, url = serve_in_thread(app)
-    try:
+    with running_server(app) as (_, url):
         start_in_background(app, build, on_error=failures.append).join(10)
         r = httpx.get(f"{url}/health")
         assert r.status_code == 503 and r.json()["status"] == "failed"
         assert "no such model file" in r.json()["detail"] and len(failures) == 1
-    finally:
-        server.handle_exit(signal.SIGTERM, None)
-        thread.join(30)
 
 
 @pytest.fixture(scope="module")
