@@ -69,17 +69,13 @@ def _window_ok(q_pos, k_pos, window):
 
 def _tiles(kv_pages, layer, page_ids):
     """K and V tiles of `page_ids` (any shape S) in layer `layer`: [*S, 2, kv_heads,
-    page_size, head_dim], as one gather on a flat view of the pool.
+    page_size, head_dim].
 
-    NOTE: indexing `kv_pages[layer, :, :, ids]` made XLA (CPU) copy the whole layer before
-    gathering; a flat row index per (layer, K/V, head, page) reads only the tiles.
+    NOTE: one gather along the page axis, batched over the K/V and head axes, so under
+    tensor parallelism (the pool split on its head axis) every device reads its own heads;
+    a flat view across the head axis made the partitioner gather the whole pool.
     """
-    num_layers, _, kv_heads, num_pages, page_size, head_dim = kv_pages.shape
-    flat = kv_pages.reshape(num_layers * 2 * kv_heads * num_pages, page_size, head_dim)
-    base = (layer * 2 * kv_heads + jnp.arange(2 * kv_heads, dtype=jnp.int32)) * num_pages
-    rows = page_ids[..., None] + base  # i32[*S, 2 * kv_heads]
-    tiles = jnp.take(flat, rows, axis=0, mode="clip")  # [*S, 2 * kv_heads, page, head_dim]
-    return tiles.reshape(*page_ids.shape, 2, kv_heads, page_size, head_dim)
+    return kv_pages[layer, :, :, page_ids]
 
 
 def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_scale,
@@ -125,8 +121,7 @@ def _in_step_part(q, kv_pages, layer, md, seq_ids, q_pos, queries, window, *, bl
     t, kv_heads, group, head_dim = q.shape
     page_size = kv_pages.shape[4]
     page_ids, offsets = md.slot_mapping // page_size, md.slot_mapping % page_size
-    kv = _tiles(kv_pages, layer, page_ids)  # [t, 2, kv_heads, page_size, head_dim]
-    kv = jnp.take_along_axis(kv, offsets[:, None, None, None, None], axis=3)[:, :, :, 0]
+    kv = kv_pages[layer, :, :, page_ids, offsets]  # [t, 2, kv_heads, head_dim]
     kv = jnp.moveaxis(kv.astype(jnp.float32), 2, 1)  # [t, kv_heads, 2, head_dim]
     acc, m, denom = _init(t, kv_heads, group, head_dim)
     for start in range(0, t, block_q):  # static: t / block_q tiles
