@@ -1,1 +1,3 @@
-"""Benchmark building blocks: synthetic traces, latency statistics, the scheduler simulator."""
+"""Benchmark library the `jaxserve bench` commands call: traces, engine and serving runs,
+baselines, roofline, overhead, scale, statistics, reports, plots, the scheduler simulator
+and the diagnosis."""

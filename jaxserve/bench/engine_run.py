@@ -201,6 +201,12 @@ def run_trace(engine, trace: list[TraceRequest], token_ids: list[list[int]] | No
                 timings[i].token_times.extend([t] * (n - seen[i]))
                 seen[i] = n
         duration = time.perf_counter() - start
+    return _result(engine, m0, timings, steps, duration, slo_ttft_ms, slo_tpot_ms)
+
+
+def _result(engine, m0: dict, timings: list[RequestTiming], steps: list[StepRecord],
+            duration: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> RunResult:
+    """A run's summary from its timings, steps and the engine's metrics before (`m0`)."""
     m1 = engine.get_metrics()
     delta = {k: m1[k] - m0.get(k, 0) for k in m1 if isinstance(m1[k], (int, float))}
     queries = delta.get("jaxserve:prefix_cache_queries", 0)

@@ -1,2 +1,2 @@
-"""Engines that run models: `LLMEngine` (the step loop), `LLM` (offline), `AsyncLLM`
-(serving), plus the detokenizer and beam search they use."""
+"""Engines that run models: `LLMEngine` (input processing, the core step, output processing),
+`LLM` (offline), `AsyncLLM` (serving), plus the detokenizer and beam search they use."""

@@ -79,14 +79,12 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
     Raises:
         ValueError: The engine is busy, or a prompt is invalid or too long.
     """
-    from jaxserve.engine.request_state import tokenize_prompt
-
     if engine.has_unfinished_requests() or engine.scheduler.has_unfinished_requests():
         raise ValueError("beam_search needs an idle engine; finish or abort other requests")
     width, ps = params.beam_width, engine.kv.page_size
     sp = SamplingParams(temperature=0.0, max_tokens=None, logprobs=2 * width, ignore_eos=True,
                         detokenize=False)
-    all_ids = [tokenize_prompt(engine, prompt)[1] for prompt in prompts]
+    all_ids = [engine.inputs.tokenize(prompt)[1] for prompt in prompts]
     for i, ids in enumerate(all_ids):  # validate every prompt before queuing any
         if len(ids) + params.max_tokens >= engine.limits.max_model_len:
             raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_tokens "
@@ -189,23 +187,9 @@ def _finish(group: _Group, req: Request, tokens: list[int], cum: float, reason: 
 
 
 def _execute_step(engine):
-    """Schedules and runs one step of the engine's requests; None when nothing ran."""
-    from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
+    """Runs one core step of the engine's (beam) requests; None when nothing ran."""
+    from jaxserve.sample.metadata import RowSpec
 
-    out = engine.scheduler.schedule().decodes_first()
-    if out.is_empty:
-        return None
-    rows = []
-    for s in out.scheduled:
-        req = engine.scheduler.requests[s.request_id]
-        rows.extend(RowSpec(req.sampling_params, req.prompt_token_ids, req.output_token_ids, 0,
-                            s.sampling_counter) for _ in range(s.num_samples))
-    _, num_rows = engine.runner.step_shape(out)
-    result = engine.runner.execute(out, build_sampling_metadata(
-        rows, num_rows, engine.model.cfg.vocab_size))
-    sampled: dict[str, list[int]] = {}
-    for row, req_id in enumerate(result.row_request_ids):
-        sampled.setdefault(req_id, []).append(int(result.token_ids[row]))
-    requests = {s.request_id: engine.scheduler.requests[s.request_id] for s in out.scheduled}
-    engine.scheduler.update_from_output(out, sampled)
-    return result, requests
+    core = engine.run_core_step(lambda req, s, k: RowSpec(
+        req.sampling_params, req.prompt_token_ids, req.output_token_ids, 0, s.sampling_counter))
+    return None if core is None else (core.result, core.requests)

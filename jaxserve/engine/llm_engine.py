@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import jax
-import numpy as np
 
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.engine.request_state import RequestState, make_request
+from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.output_processor import OutputProcessor, prompt_targets
 from jaxserve.engine.sizing import resolve_limits
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel.sharding import TensorParallel, make_tensor_parallel
@@ -22,6 +23,28 @@ from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
+
+
+@dataclasses.dataclass
+class CoreStep:
+    """What one core step did (`LLMEngine.run_core_step`).
+
+    Attributes:
+        out: The scheduler's step (decode rows first).
+        requests: The scheduled requests by id, as they were before the update.
+        result: The runner's `StepResult` (sampled ids, logprobs, ...).
+        updates: `(request, new token ids)` from `Scheduler.update_from_output`.
+        row_of: Sampling rows of each request id.
+        failed: `{request_id: error}` of requests whose sampling rows could not be built;
+            they are finished (FINISHED_ERROR) and got no token.
+    """
+
+    out: object
+    requests: dict
+    result: object
+    updates: list
+    row_of: dict[str, list[int]]
+    failed: dict[str, BaseException]
 
 
 def tensor_parallel_layout(config: EngineConfig, cfg) -> TensorParallel | None:
@@ -105,10 +128,11 @@ class LLMEngine:
                                   layout=self.layout)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.eos_token_ids = tuple(dict.fromkeys([*self.model.cfg.eos_token_ids, *eos]))
-        self.rng = np.random.default_rng(mc.seed)
-        self.states: dict[str, RequestState] = {}
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0}
-        self.finished_reasons: dict[str, int] = {}
+        self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
+                                     lim.max_model_len, self.scheduler.max_num_seqs,
+                                     self.eos_token_ids, mc.seed)
+        self.outputs = OutputProcessor(self.scheduler)
+        self.counters = {"prompt_tokens": 0, "num_steps": 0}
         logger.info("jaxserve: %d KV pages of %d tokens, max_model_len %d, token buckets %s",
                     lim.num_pages, config.cache.block_size, lim.max_model_len,
                     self.runner.buckets)
@@ -116,6 +140,16 @@ class LLMEngine:
             self.warmup()
 
     # ------------------------------------------------------------ requests
+    @property
+    def states(self) -> dict:
+        """Live user requests by id (their `RequestState`s)."""
+        return self.outputs.states
+
+    @property
+    def finished_reasons(self) -> dict[str, int]:
+        """How many requests finished, by finish reason."""
+        return self.outputs.finished_reasons
+
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None,
                     arrival_time: float | None = None) -> None:
@@ -127,11 +161,11 @@ class LLMEngine:
         """
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        state = make_request(self, request_id, prompt, params or SamplingParams(),
-                             priority=priority, cache_salt=cache_salt,
-                             arrival_time=arrival_time)
+        state = self.inputs.process(request_id, prompt, params or SamplingParams(),
+                                    priority=priority, cache_salt=cache_salt,
+                                    arrival_time=arrival_time)
         self.scheduler.add_request(state.root)
-        self.states[request_id] = state
+        self.outputs.add(state)
         self.counters["prompt_tokens"] += len(state.prompt_token_ids)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -140,25 +174,8 @@ class LLMEngine:
         Returns:
             The final output (finish_reason "abort") of each request that was live.
         """
-        outputs = []
-        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            state = self.states.pop(request_id, None)
-            if state is None:
-                continue
-            for req_id in state.live_request_ids():
-                self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
-            state.abort()
-            self.finished_reasons["abort"] = self.finished_reasons.get("abort", 0) + 1
-            outputs.append(state.make_output())
-        return outputs
-
-    def _fail_request(self, state: RequestState, error: BaseException | str) -> None:
-        """Ends one user request with finish_reason "error" (pages freed); others go on."""
-        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        logger.warning("jaxserve: request %s failed: %s", state.request_id, message)
-        for req_id in state.live_request_ids():
-            self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ERROR)
-        state.fail(message)
+        return self.outputs.abort([request_ids] if isinstance(request_ids, str)
+                                  else list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -170,123 +187,81 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules and runs one step; returns the outputs of requests it advanced.
 
-        NOTE: host-side work that belongs to one request (its sampling row, its
-        detokenization) is isolated: if it fails, that request ends with finish_reason
-        "error" and the others in the step go on exactly as without it. Only a failure of
-        the shared device step itself raises.
+        The core step (schedule, device step, scheduler update) then output processing, as
+        vLLM v1 splits it. A failure in one request's own host work ends that request only
+        (finish_reason "error"); only a failure of the shared device step raises.
+        """
+        now = time.time()
+
+        def row_for(req, s, k):
+            state = self.outputs.row_state(req, now)
+            seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
+            return RowSpec(state.row_params, req.prompt_token_ids, req.output_token_ids, seed,
+                           s.sampling_counter)
+
+        core = self.run_core_step(row_for, self.outputs.record_prompt_logprobs)
+        if core is None:
+            return []
+        self.counters["num_steps"] += 1
+        return self.outputs.process(core)
+
+    def run_core_step(self, row_for, on_prompt_logprobs=None) -> CoreStep | None:
+        """Schedules a step, runs it on the device and advances the scheduler.
+
+        Args:
+            row_for: `(request, scheduled entry, k) -> RowSpec` of the k-th sampling row of
+                a scheduled request.
+            on_prompt_logprobs: `(out, requests, prompt_logprobs)`, called when the step
+                computed prompt logprobs (before the scheduler drops finished requests).
+
+        Returns:
+            The step's `CoreStep`, or None when nothing was scheduled.
         """
         out = self.scheduler.schedule().decodes_first()
         if out.is_empty:
-            return []
-        now = time.time()
-        rows, row_states = [], []
+            return None
+        requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}
+        rows, row_owner = [], []
         for s in out.scheduled:
-            req = self.scheduler.requests[s.request_id]
-            state = self.states[req.user_request_id]
-            state.on_scheduled(now)
             for k in range(s.num_samples):
-                seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
-                rows.append(RowSpec(state.row_params, req.prompt_token_ids,
-                                    req.output_token_ids, seed, s.sampling_counter))
-                row_states.append(state)
+                rows.append(row_for(requests[s.request_id], s, k))
+                row_owner.append(s.request_id)
         _, num_rows = self.runner.step_shape(out)
-        sampling, failed = self._sampling_metadata(rows, row_states, num_rows)
-        targets = self._prompt_targets(out)
+        sampling, failed = self._sampling_metadata(rows, row_owner, num_rows)
+        targets = prompt_targets(out, requests)
         result = self.runner.execute(out, sampling, prompt_targets=targets)
-        if targets is not None:
-            self._record_prompt_logprobs(out, result.prompt_logprobs)
-        self.counters["num_steps"] += 1
-        touched: dict[str, RequestState] = {}
-        for state, error in failed.items():
-            self._fail_request(state, error)
-            touched[state.request_id] = state
-
+        if targets is not None and on_prompt_logprobs is not None:
+            on_prompt_logprobs(out, requests, result.prompt_logprobs)
+        for req_id in failed:  # before the update: it gets no token
+            self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ERROR)
         sampled: dict[str, list[int]] = {}
         row_of: dict[str, list[int]] = {}
         for row, req_id in enumerate(result.row_request_ids):
             sampled.setdefault(req_id, []).append(int(result.token_ids[row]))
             row_of.setdefault(req_id, []).append(row)
-        now = time.time()
-        for req, tokens in self.scheduler.update_from_output(out, sampled):
-            state = self.states[req.user_request_id]
-            if state.error is not None:  # failed earlier in this step
-                if not req.is_finished():  # a sibling forked after the failure
-                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
-                continue
-            own_rows = row_of.get(req.request_id)
-            # A child forked this step sampled from its parent's i-th fan-out row.
-            row = own_rows[0] if own_rows else row_of[req.forked_from][req.sample_index]
-            self.counters["generation_tokens"] += len(tokens)
-            try:
-                stop_str = state.on_tokens(req, tokens, result, row, now)
-            except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
-                self._fail_request(state, e)
-                stop_str = None
-            if stop_str is not None and not req.is_finished():
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            touched[state.request_id] = state
-        outputs = []
-        for state in touched.values():
-            outputs.append(state.make_output())
-            if state.finished:
-                del self.states[state.request_id]
-                for reason in state.finish_reasons():
-                    self.finished_reasons[reason] = self.finished_reasons.get(reason, 0) + 1
-        return outputs
+        updates = self.scheduler.update_from_output(out, sampled)
+        return CoreStep(out, requests, result, updates, row_of, failed)
 
-    def _sampling_metadata(self, rows: list[RowSpec], row_states: list[RequestState],
-                           num_rows: int):
-        """The step's sampling arrays, and `{state: error}` of requests whose rows could
-        not be built (their rows are replaced by inert greedy ones; they fail after the
-        step, which computes the others' tokens exactly as it would without them)."""
+    def _sampling_metadata(self, rows: list[RowSpec], row_owner: list[str], num_rows: int):
+        """The step's sampling arrays, and `{request_id: error}` of requests whose rows could
+        not be built (their rows are replaced by inert greedy ones: the step computes the
+        others' tokens exactly as it would without them)."""
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         vocab = self.model.cfg.vocab_size
         try:
             return build_sampling_metadata(rows, num_rows, vocab, eos_token_id=eos), {}
         except Exception:  # noqa: BLE001 - find the rows at fault, below
             pass
-        failed: dict[RequestState, BaseException] = {}
-        inert = RowSpec(SamplingParams(temperature=0.0), (), (), 0, 0)
+        failed: dict[str, BaseException] = {}
         for i, row in enumerate(rows):
             try:
                 build_sampling_metadata([row], 1, vocab, eos_token_id=eos)
             except Exception as e:  # noqa: BLE001
-                failed.setdefault(row_states[i], e)
-                rows[i] = inert
-        for i, state in enumerate(row_states):
-            if state in failed:
-                rows[i] = inert  # every row of a failed request (n > 1 fan-out)
+                failed.setdefault(row_owner[i], e)
+        inert = RowSpec(SamplingParams(temperature=0.0), (), (), 0, 0)
+        rows = [inert if owner in failed else row for row, owner in zip(rows, row_owner,
+                                                                         strict=True)]
         return build_sampling_metadata(rows, num_rows, vocab, eos_token_id=eos), failed
-
-    # ----------------------------------------------------- prompt logprobs
-    def _prompt_targets(self, out) -> np.ndarray | None:
-        """i32[step tokens]: the next prompt token at each position of requests that asked
-        for prompt logprobs (-1 elsewhere), or None when no request did."""
-        targets, wanted = [], False
-        for s in out.scheduled:
-            req = self.scheduler.requests[s.request_id]
-            row = np.full(s.num_new_tokens, -1, np.int32)
-            if req.sampling_params.prompt_logprobs is not None and req.sample_index == 0:
-                pos = np.arange(s.start_pos, s.start_pos + s.num_new_tokens)
-                keep = pos + 1 < req.num_prompt_tokens
-                row[keep] = np.asarray(req.prompt_token_ids)[pos[keep] + 1]
-                wanted |= bool(keep.any())
-            targets.append(row)
-        return np.concatenate(targets) if wanted else None
-
-    def _record_prompt_logprobs(self, out, lp) -> None:
-        t = 0
-        for s in out.scheduled:
-            req = self.scheduler.requests.get(s.request_id)
-            state = self.states.get(req.user_request_id) if req is not None else None
-            k = req.sampling_params.prompt_logprobs if req is not None else None
-            if state is not None and k is not None and req.sample_index == 0:
-                for i in range(s.num_new_tokens):
-                    pos = s.start_pos + i
-                    if pos + 1 < req.num_prompt_tokens:
-                        state.set_prompt_logprob(pos + 1, req.prompt_token_ids[pos + 1],
-                                                 lp, t + i, k)
-            t += s.num_new_tokens
 
     # -------------------------------------------------------------- warmup
     def warmup(self) -> float:
@@ -318,7 +293,7 @@ class LLMEngine:
             "jaxserve:prefix_cache_hits": stats.prefix_hits,
             "jaxserve:num_preemptions": sched.num_preemptions,
             "jaxserve:prompt_tokens": self.counters["prompt_tokens"],
-            "jaxserve:generation_tokens": self.counters["generation_tokens"],
+            "jaxserve:generation_tokens": self.outputs.num_generation_tokens,
             "jaxserve:num_compilations": self.runner.num_compilations,
             "jaxserve:padding_waste_ratio": padded / total if total else 0.0,
             "jaxserve:warmup_seconds": self.runner.warmup_seconds,

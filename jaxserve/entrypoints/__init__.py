@@ -1,1 +1,2 @@
-"""User-facing entry points: the command line (the HTTP server comes later)."""
+"""User-facing entry points: the `jaxserve` command line (`cli/`), the OpenAI-compatible HTTP
+server (`openai/`), batch files (`run_batch.py`), chat templates and the terminal chat."""

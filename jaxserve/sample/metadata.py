@@ -179,29 +179,12 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
     frequency = column("frequency_penalty", 0.0, np.float32)
     repetition = column("repetition_penalty", 1.0, np.float32)
 
-    seeds = np.zeros((num_rows,), np.uint32)
-    counters = np.zeros((num_rows,), np.int32)
-    for i, r in enumerate(rows):
-        seed = r.params.seed if r.seed is None else r.seed
-        if seed is None and not r.params.is_greedy:
-            raise ValueError(f"row {i}: a random row needs a seed (the engine draws one at "
-                             "add_request for requests without seed), got seed=None")
-        seeds[i] = 0 if seed is None else int(seed) & 0xFFFFFFFF
-        counters[i] = len(r.output_token_ids) if r.counter is None else int(r.counter)
-
+    seeds, counters = _seeds_and_counters(rows, num_rows)
     has_penalties = any(p.has_penalties for p in params)
     prompt_ids = output_ids = None
     if has_penalties:
-        prompt_lists = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else None
-                        for r in rows]
-        output_lists = [r.output_token_ids if r.params.has_penalties else None for r in rows]
-        prompt_ids = _pad_ids(prompt_lists, num_rows,
-                              _width("prompt_len_padded", prompt_len_padded, prompt_lists),
-                              vocab_size)
-        output_ids = _pad_ids(output_lists, num_rows,
-                              _width("output_len_padded", output_len_padded, output_lists),
-                              vocab_size)
-
+        prompt_ids, output_ids = _penalty_ids(rows, num_rows, vocab_size, prompt_len_padded,
+                                              output_len_padded)
     banned_lists = [sorted(r.params.all_stop_token_ids(eos_token_id))
                     if counters[i] < r.params.min_tokens else None
                     for i, r in enumerate(rows)]
@@ -221,6 +204,39 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
         needs_filtering=bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0.0).any()),
         has_penalties=has_penalties, has_banned_tokens=has_banned,
         max_num_logprobs=min(logprobs_bucket(max_logprobs), int(vocab_size)))
+
+
+def _seeds_and_counters(rows: list[RowSpec], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """u32[num_rows] seeds (mod 2**32) and i32[num_rows] counters of the rows.
+
+    Raises:
+        ValueError: A random row without a seed.
+    """
+    seeds = np.zeros((num_rows,), np.uint32)
+    counters = np.zeros((num_rows,), np.int32)
+    for i, r in enumerate(rows):
+        seed = r.params.seed if r.seed is None else r.seed
+        if seed is None and not r.params.is_greedy:
+            raise ValueError(f"row {i}: a random row needs a seed (the engine draws one at "
+                             "add_request for requests without seed), got seed=None")
+        seeds[i] = 0 if seed is None else int(seed) & 0xFFFFFFFF
+        counters[i] = len(r.output_token_ids) if r.counter is None else int(r.counter)
+    return seeds, counters
+
+
+def _penalty_ids(rows: list[RowSpec], num_rows: int, vocab_size: int,
+                 prompt_len_padded: int | None, output_len_padded: int | None):
+    """(i32[R, Lp] prompt ids, i32[R, Lo] output ids) the penalties read, padded with V."""
+    prompt_lists = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else None
+                    for r in rows]
+    output_lists = [r.output_token_ids if r.params.has_penalties else None for r in rows]
+    prompt_ids = _pad_ids(prompt_lists, num_rows,
+                          _width("prompt_len_padded", prompt_len_padded, prompt_lists),
+                          vocab_size)
+    output_ids = _pad_ids(output_lists, num_rows,
+                          _width("output_len_padded", output_len_padded, output_lists),
+                          vocab_size)
+    return prompt_ids, output_ids
 
 
 def _width(name: str, requested: int | None, id_lists: list[Sequence[int] | None]) -> int:

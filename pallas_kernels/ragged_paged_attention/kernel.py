@@ -14,6 +14,7 @@ this file so a Mosaic GPU version can replace it behind `pallas_kernels.ops`.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,16 +66,43 @@ def block_span(b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, 
     return seq, n_valid, kv_len, first_pos, first_blk, num_blk
 
 
-def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref,
-            tables_ref, q_ref, kv_ref, o_ref, *, num_pages, num_kv_heads, page_size,
-            pages_per_block, group, sm_scale, soft_cap):
+class Program(NamedTuple):
+    """What one (query block, KV head) program of a ragged kernel works on."""
+
+    h: jax.Array  # KV head
+    layer: jax.Array
+    window: jax.Array
+    block_q: int
+    gp: int  # padded query heads per KV head
+    head_dim: int
+    rows: int  # block_q * gp
+    block_k: int  # keys per block
+    seq: jax.Array
+    n_valid: jax.Array
+    kv_len: jax.Array
+    first_pos: jax.Array
+    first_blk: jax.Array
+    num_blk: jax.Array
+
+
+def program(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, q_ref,
+            page_size: int, pages_per_block: int) -> Program:
+    """The scalars of this program (shared by the GPU and TPU ragged kernels)."""
     b, h = pl.program_id(0), pl.program_id(1)
     layer, window = scalars_ref[0], scalars_ref[1]
     block_q, gp, head_dim = q_ref.shape[1], q_ref.shape[3], q_ref.shape[4]
-    rows = block_q * gp
     block_k = pages_per_block * page_size
-    seq, n_valid, kv_len, first_pos, first_blk, num_blk = block_span(
-        b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, window, block_k)
+    span = block_span(b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, window,
+                      block_k)
+    return Program(h, layer, window, block_q, gp, head_dim, block_q * gp, block_k, *span)
+
+
+def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref,
+            tables_ref, q_ref, kv_ref, o_ref, *, num_pages, num_kv_heads, page_size,
+            pages_per_block, group, sm_scale, soft_cap):
+    (h, layer, window, block_q, gp, head_dim, rows, block_k, seq, n_valid, kv_len, first_pos,
+     first_blk, num_blk) = program(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref,
+                                   cu_ref, kv_lens_ref, q_ref, page_size, pages_per_block)
     row_tok = lax.broadcasted_iota(jnp.int32, (block_q, gp), 0).reshape(rows)
     row_head = lax.broadcasted_iota(jnp.int32, (block_q, gp), 1).reshape(rows)
     row_pos = first_pos + row_tok  # i32[rows]

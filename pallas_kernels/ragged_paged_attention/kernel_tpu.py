@@ -23,20 +23,16 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.flash import MASK
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.ragged_paged_attention.kernel import block_span, query_blocks, scatter_rows
+from pallas_kernels.ragged_paged_attention.kernel import program, query_blocks, scatter_rows
 from pallas_kernels.ragged_paged_attention.reference import check_shapes
 
 
 def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref,
             tables_ref, q_ref, kv_hbm, o_ref, k_buf, v_buf, sems, *, num_pages, num_kv_heads,
             page_size, pages_per_block, table_width, group, sm_scale, soft_cap):
-    b, h = pl.program_id(0), pl.program_id(1)
-    layer, window = scalars_ref[0], scalars_ref[1]
-    block_q, gp, head_dim = q_ref.shape[1], q_ref.shape[3], q_ref.shape[4]
-    rows = block_q * gp
-    block_k = pages_per_block * page_size
-    seq, n_valid, kv_len, first_pos, first_blk, num_blk = block_span(
-        b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, window, block_k)
+    (h, layer, window, block_q, gp, head_dim, rows, block_k, seq, n_valid, kv_len, first_pos,
+     first_blk, num_blk) = program(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref,
+                                   cu_ref, kv_lens_ref, q_ref, page_size, pages_per_block)
     row_tok = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) // gp
     row_head = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) % gp
     row_pos = first_pos + row_tok  # i32[rows, block_k]

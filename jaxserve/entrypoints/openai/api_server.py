@@ -120,6 +120,13 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
     if llm is not None:
         attach(llm)
 
+    _add_routes(app, state)
+    return app
+
+
+def _add_routes(app: FastAPI, state) -> None:
+    """The endpoints, each answering through the handlers `attach` put on `state`."""
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, e: StarletteHTTPException):
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code)
@@ -176,8 +183,6 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
     @app.get("/version")
     async def version():
         return JSONResponse({"version": jaxserve.__version__})
-
-    return app
 
 
 def start_in_background(app: FastAPI, build, on_error=None) -> threading.Thread:

@@ -1,129 +1,24 @@
-"""Per user request state in the engine: prompt, completions, detokenizers, logprobs, metrics."""
+"""Output processing: per user request state (completions, detokenizers, logprobs, metrics) and
+the turning of each step's sampled tokens into `RequestOutput`s."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-import operator
+import time
 
 import numpy as np
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
-from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 
 _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
            RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_IGNORED: "length",
            RequestStatus.FINISHED_ERROR: "error"}
-
-
-def tokenize_prompt(engine, prompt) -> tuple[str | None, list[int]]:
-    """(text, ids) of a prompt given as text, a list of ids or {"prompt_token_ids": [...]}.
-
-    Raises:
-        ValueError: Empty prompt, ids outside the vocabulary, or an unsupported type.
-    """
-    vocab = engine.model.cfg.vocab_size
-    text = None
-    if isinstance(prompt, str):
-        text, ids = prompt, engine.tokenizer(prompt).input_ids
-    elif isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
-        elif "prompt" in prompt:
-            return tokenize_prompt(engine, prompt["prompt"])
-        else:
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids', got keys "
-                             f"{sorted(prompt)}")
-    elif isinstance(prompt, (list, tuple, np.ndarray)):
-        ids = prompt
-    else:
-        raise ValueError(f"prompt must be a string, token ids or a dict, got "
-                         f"{type(prompt).__name__}")
-    if text is not None and not isinstance(text, str):
-        raise ValueError(f"prompt must be a string, got {type(text).__name__}")
-    try:
-        ids = [operator.index(t) for t in ids]
-    except TypeError:
-        raise ValueError("prompt: prompt_token_ids must be a list of integers") from None
-    if not ids:
-        raise ValueError("prompt is empty: it must hold at least one token")
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt: prompt_token_ids hold ids outside [0, {vocab}): {bad[:5]}")
-    return text, ids
-
-
-def make_request(engine, request_id: str, prompt, params: SamplingParams, *, priority: int,
-                 cache_salt: str | None, arrival_time: float | None) -> RequestState:
-    """Validates and tokenizes a new request; returns its state (root request inside)."""
-    if not isinstance(request_id, str) or not request_id:
-        raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"sampling params must be a SamplingParams, got "
-                         f"{type(params).__name__}")
-    # NOTE: a validated copy: fields set after construction are checked again here, at
-    # add time, so nothing invalid reaches a step that other requests share.
-    params = params.clone()
-    if isinstance(priority, bool) or not isinstance(priority, int) \
-            or not -2**63 <= priority < 2**63:
-        raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-    vocab = engine.model.cfg.vocab_size
-    bad = [t for t in params.stop_token_ids if t >= vocab]
-    if bad:
-        raise ValueError(f"stop_token_ids hold ids outside [0, {vocab}): {bad[:5]}")
-    text, ids = tokenize_prompt(engine, prompt)
-    max_len = engine.limits.max_model_len
-    if len(ids) >= max_len:
-        raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}, which "
-                         "leaves no room to generate")
-    if params.n > engine.scheduler.max_num_seqs:
-        raise ValueError(f"n={params.n} exceeds max_num_seqs={engine.scheduler.max_num_seqs}")
-    if params.max_tokens is None:
-        params = dataclasses.replace(params, max_tokens=max_len - len(ids))
-    base = int(params.seed) if params.seed is not None else int(engine.rng.integers(2**31))
-    # NOTE: completion i of a seeded request gets its own stream, derived from the seed.
-    seeds = [base] + [int(x) for x in np.random.SeedSequence([base, params.n]).generate_state(
-        params.n - 1)]
-    root = Request(request_id, ids, cache_salt=cache_salt, arrival_time=arrival_time,
-                   sampling_params=params, priority=priority, eos_token_ids=engine.eos_token_ids,
-                   seeds=tuple(seeds))
-    state = RequestState(engine.tokenizer, root, text, params)
-    extra_eos = [e for e in engine.eos_token_ids[1:] if e not in (params.stop_token_ids or [])]
-    if params.min_tokens and not params.ignore_eos and extra_eos:
-        # NOTE: the sampler bans `stop_token_ids` and one EOS id below min_tokens; a model
-        # with several EOS ids needs the others banned too.
-        state.row_params = params.clone(
-            stop_token_ids=[*(params.stop_token_ids or []), *extra_eos])
-    check_sampling_row(state.row_params, ids, seeds[0], vocab, engine.eos_token_ids)
-    return state
-
-
-def check_sampling_row(params: SamplingParams, prompt_ids: list[int], seed: int, vocab: int,
-                       eos_token_ids: tuple[int, ...]) -> None:
-    """Builds this request's sampling row alone, as a step would, so that whatever cannot
-    go into a step's arrays is refused now (ValueError) instead of failing the step.
-
-    Raises:
-        ValueError: The row cannot be built, or it bans more tokens below `min_tokens`
-            than the width the sampler was compiled for.
-    """
-    if params.min_tokens:
-        banned = params.all_stop_token_ids(eos_token_ids[0] if eos_token_ids else None)
-        if len(banned) > MAX_BANNED_TOKEN_IDS:
-            raise ValueError(
-                f"stop_token_ids may hold at most {MAX_BANNED_TOKEN_IDS - len(eos_token_ids)} "
-                f"ids when min_tokens > 0 (they are banned on the device until min_tokens), "
-                f"got {len(params.stop_token_ids)}")
-    try:
-        build_sampling_metadata([RowSpec(params, prompt_ids, (), seed, 0)], 1, vocab,
-                                eos_token_id=eos_token_ids[0] if eos_token_ids else None)
-    except (ValueError, TypeError, OverflowError) as e:
-        raise ValueError(f"sampling parameters cannot be used: {e}") from None
+logger = logging.getLogger("jaxserve")
 
 
 class RequestState:
@@ -257,3 +152,123 @@ class RequestState:
                              self.root.num_cached_tokens,
                              None if self.prompt_logprobs is None
                              else list(self.prompt_logprobs), self.error)
+
+
+class OutputProcessor:
+    """The engine's live user requests and what each step turns into `RequestOutput`s.
+
+    Args:
+        scheduler: The engine's scheduler (to end requests that stop on a string or fail).
+    """
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.states: dict[str, RequestState] = {}
+        self.finished_reasons: dict[str, int] = {}
+        self.num_generation_tokens = 0
+
+    def add(self, state: RequestState) -> None:
+        self.states[state.request_id] = state
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Ends requests (finish_reason "abort"); returns their final outputs."""
+        outputs = []
+        for request_id in request_ids:
+            state = self.states.pop(request_id, None)
+            if state is None:
+                continue
+            for req_id in state.live_request_ids():
+                self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+            state.abort()
+            self._count(["abort"])
+            outputs.append(state.make_output())
+        return outputs
+
+    def fail(self, state: RequestState, error: BaseException | str) -> None:
+        """Ends one user request with finish_reason "error" (pages freed); others go on."""
+        message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        logger.warning("jaxserve: request %s failed: %s", state.request_id, message)
+        for req_id in state.live_request_ids():
+            self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ERROR)
+        state.fail(message)
+
+    def row_state(self, req: Request, now: float) -> RequestState:
+        """The state of a scheduled request (marks it scheduled)."""
+        state = self.states[req.user_request_id]
+        state.on_scheduled(now)
+        return state
+
+    def process(self, step, now: float | None = None) -> list[RequestOutput]:
+        """Outputs of the requests a core step advanced (see `LLMEngine.run_core_step`).
+
+        NOTE: a failure in one request's own work (its sampling row, its detokenization)
+        ends that request only, with finish_reason "error".
+        """
+        now = time.time() if now is None else now
+        touched: dict[str, RequestState] = {}
+        for req_id, error in step.failed.items():
+            state = self.states[step.requests[req_id].user_request_id]
+            if state.error is None:
+                self.fail(state, error)
+            touched[state.request_id] = state
+        for req, tokens in step.updates:
+            state = self.states[req.user_request_id]
+            if state.error is not None:  # failed earlier in this step
+                if not req.is_finished():  # a sibling forked after the failure
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+                continue
+            own_rows = step.row_of.get(req.request_id)
+            # A child forked this step sampled from its parent's i-th fan-out row.
+            row = own_rows[0] if own_rows else step.row_of[req.forked_from][req.sample_index]
+            self.num_generation_tokens += len(tokens)
+            try:
+                stop_str = state.on_tokens(req, tokens, step.result, row, now)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
+                self.fail(state, e)
+                stop_str = None
+            if stop_str is not None and not req.is_finished():
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            outputs.append(state.make_output())
+            if state.finished:
+                del self.states[state.request_id]
+                self._count(state.finish_reasons())
+        return outputs
+
+    def _count(self, reasons: list[str]) -> None:
+        for reason in reasons:
+            self.finished_reasons[reason] = self.finished_reasons.get(reason, 0) + 1
+
+    def record_prompt_logprobs(self, out, requests: dict[str, Request], lp) -> None:
+        """Stores the prompt logprobs a step computed (`PromptLogprobs` of host arrays)."""
+        t = 0
+        for s in out.scheduled:
+            req = requests[s.request_id]
+            state = self.states.get(req.user_request_id)
+            k = req.sampling_params.prompt_logprobs
+            if state is not None and k is not None and req.sample_index == 0:
+                for i in range(s.num_new_tokens):
+                    pos = s.start_pos + i
+                    if pos + 1 < req.num_prompt_tokens:
+                        state.set_prompt_logprob(pos + 1, req.prompt_token_ids[pos + 1],
+                                                 lp, t + i, k)
+            t += s.num_new_tokens
+
+
+def prompt_targets(out, requests: dict[str, Request]) -> np.ndarray | None:
+    """i32[step tokens]: the next prompt token at each position of requests that asked for
+    prompt logprobs (-1 elsewhere), or None when no request did."""
+    targets, wanted = [], False
+    for s in out.scheduled:
+        req = requests[s.request_id]
+        row = np.full(s.num_new_tokens, -1, np.int32)
+        sp = req.sampling_params
+        if sp is not None and sp.prompt_logprobs is not None and req.sample_index == 0:
+            pos = np.arange(s.start_pos, s.start_pos + s.num_new_tokens)
+            keep = pos + 1 < req.num_prompt_tokens
+            row[keep] = np.asarray(req.prompt_token_ids)[pos[keep] + 1]
+            wanted |= bool(keep.any())
+        targets.append(row)
+    return np.concatenate(targets) if wanted else None
