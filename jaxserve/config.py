@@ -79,7 +79,8 @@ class CacheConfig:
         num_kv_blocks: Fix the page count (the null page included); None sizes the pool
             from memory.
         gpu_memory_utilization: Fraction of accelerator memory for weights + KV.
-        kv_cache_memory_gib: KV budget where the device reports no memory (the CPU).
+        kv_cache_memory_gib: KV budget where the device reports no memory (the CPU): host
+            memory for one replica's whole pool, all tensor-parallel shards together.
         swap_space: Host swap pool per engine in GiB (preemption_mode="swap").
         enable_prefix_caching: Reuse full pages across requests by content hash.
         watermark: Fraction of pages kept free when admitting new requests.

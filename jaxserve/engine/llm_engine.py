@@ -127,10 +127,10 @@ class LLMEngine:
                                   lim.max_num_batched_tokens, self.kv.host_pool.num_slots,
                                   layout=self.layout)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        self.eos_token_ids = tuple(dict.fromkeys([*self.model.cfg.eos_token_ids, *eos]))
         self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
                                      lim.max_model_len, self.scheduler.max_num_seqs,
-                                     self.eos_token_ids, mc.seed)
+                                     tuple(dict.fromkeys([*self.model.cfg.eos_token_ids, *eos])),
+                                     mc.seed)
         self.outputs = OutputProcessor(self.scheduler)
         self.counters = {"prompt_tokens": 0, "num_steps": 0}
         logger.info("jaxserve: %d KV pages of %d tokens, max_model_len %d, token buckets %s",
@@ -176,6 +176,16 @@ class LLMEngine:
         """
         return self.outputs.abort([request_ids] if isinstance(request_ids, str)
                                   else list(request_ids))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's and tokenizer's EOS ids, the first one the sampler's (held once, by
+        the input processor, which stamps them on each request)."""
+        return self.inputs.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: tuple[int, ...]) -> None:
+        self.inputs.eos_token_ids = tuple(ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)

@@ -81,14 +81,20 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
     return Limits(max_model_len, budget, num_pages, per_page)
 
 
-def _pages_from_memory(config: EngineConfig, per_page: int) -> int:
-    """Pages that fit the memory budget: a fraction of accelerator memory, or a fixed
-    `kv_cache_memory_gib` where the device reports no limit (the CPU)."""
+def _pages_from_memory(config: EngineConfig, per_device_page: int) -> int:
+    """Pages that fit the memory budget: a fraction of each accelerator's memory, or a
+    fixed `kv_cache_memory_gib` of host memory where the device reports no limit (the CPU).
+
+    Args:
+        per_device_page: Bytes of one page on one device (its KV heads' share).
+    """
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     if limit:
         free = limit * config.cache.gpu_memory_utilization - stats.get("bytes_in_use", 0)
         budget = max(free * 0.9, 0)  # NOTE: 10% of it left for activations and logits
-    else:
-        budget = config.cache.kv_cache_memory_gib * 2**30
-    return max(2, int(budget // per_page))
+        return max(2, int(budget // per_device_page))
+    # NOTE: CPU "devices" all live in host memory, so the budget covers every shard of the
+    # replica together (KV heads replicated across shards count once per copy).
+    host_page = per_device_page * config.parallel.tensor_parallel_size
+    return max(2, int(config.cache.kv_cache_memory_gib * 2**30 // host_page))

@@ -143,4 +143,9 @@ def test_checkpoint_restores_straight_into_shards(tiny_model, smollm2_tokenizer,
     q = llm.engine.model.params["layers"]["self_attn"]["q_proj"]["kernel"]  # [L, D, Hq*hd]
     assert len(q.sharding.device_set) == 4
     assert {s.data.shape for s in q.addressable_shards} == {(2, 64, 16)}  # a quarter each
+    # The default CPU pool (kv_cache_memory_gib=1) is host memory for all shards together,
+    # the two replicated copies of each KV head included.
+    kv = llm.engine.runner.kv_pages
+    host_bytes = sum(s.data.nbytes for s in kv.addressable_shards)
+    assert 0.9 * 2**30 < host_bytes <= 2**30
     assert _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False)) == tiny_reference

@@ -14,8 +14,8 @@ from jaxserve.config import SCHEDULING_MODES
 from jaxserve.entrypoints.cli.args import add_engine_args, engine_kwargs
 
 # Engine settings the benchmarks use unless a flag overrides them: sized for a 2-core CPU
-# and SmolLM2-135M (see BENCHMARKS.md). On the CPU the attention backend is "pallas" (the
-# interpreted kernels beat the "xla" reference on whole steps there); elsewhere "auto".
+# and SmolLM2-135M (see BENCHMARKS.md). The attention backend is the engine's own "auto"
+# unless --attention-backend says otherwise.
 BENCH_ENGINE_DEFAULTS = {"max_model_len": 1024, "max_num_seqs": 32,
                          "max_num_batched_tokens": 256, "num_kv_blocks": 1024}
 
@@ -75,12 +75,9 @@ def add_engine_group(p: argparse.ArgumentParser) -> None:
 
 def bench_engine_args(args, **overrides) -> dict:
     """Engine kwargs: the benchmark defaults, then the flags given, then `overrides`."""
-    import jax
-
     kw = engine_kwargs(args)
     kw.pop("model")
-    backend = "pallas" if jax.default_backend() == "cpu" else "auto"
-    return {**BENCH_ENGINE_DEFAULTS, "attention_backend": backend, **kw, **overrides}
+    return {**BENCH_ENGINE_DEFAULTS, **kw, **overrides}
 
 
 def load_model_and_tokenizer(args):
