@@ -18,6 +18,14 @@ SEED_MAX = 2**64 - 1
 MAX_STOP_TOKEN_IDS = 1024
 
 
+class RequestOutputKind(enum.IntEnum):
+    """When the engine emits a request's `RequestOutput` (vLLM's names and values)."""
+
+    CUMULATIVE = 0  # at every step that advances it: everything so far
+    DELTA = 1  # at every step that advances it: only what is new since the last one
+    FINAL_ONLY = 2  # once, when it finishes (`LLM.generate`, non-streaming requests)
+
+
 class SamplingType(enum.IntEnum):
     """How a request picks tokens."""
 
@@ -101,6 +109,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n, 1)
@@ -141,6 +150,12 @@ class SamplingParams:
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            if self.output_kind not in tuple(RequestOutputKind) or isinstance(self.output_kind,
+                                                                               bool):
+                raise ValueError(f"output_kind must be a RequestOutputKind, got "
+                                 f"{self.output_kind!r}")
+            self.output_kind = RequestOutputKind(self.output_kind)
         if self.stop and not self.detokenize:
             raise ValueError(
                 f"stop strings need detokenize=True, got stop={self.stop!r} with detokenize=False")

@@ -137,16 +137,19 @@ def _patched(module, names: list[str], acc: dict):
             setattr(module, n, fn)
 
 
-def engine_overhead(llm, num_running: int, *, prompt_len: int = 32,
-                    num_steps: int = 10) -> dict:
+def engine_overhead(llm, num_running: int, *, prompt_len: int = 32, num_steps: int = 10,
+                    output_kind: str = "CUMULATIVE") -> dict:
     """Per-phase ms of `engine.step()` at a steady decode state of `num_running` requests.
 
     Args:
         llm: An `LLM` whose `max_num_seqs` >= num_running (a tiny model keeps it cheap).
+        output_kind: The requests' `RequestOutputKind` name: CUMULATIVE (an output per
+            step, as a stream reads it) or FINAL_ONLY (as `LLM.generate` runs them).
     """
     import jaxserve.engine.llm_engine as le
     import jaxserve.runner.model_runner as mr
     from jaxserve.bench.engine_run import StepProbe
+    from jaxserve.sampling_params import RequestOutputKind
 
     eng = llm.engine
     rng = np.random.default_rng(num_running)
@@ -155,7 +158,8 @@ def engine_overhead(llm, num_running: int, *, prompt_len: int = 32,
                         {"prompt_token_ids": rng.integers(3, 30000, prompt_len).tolist()},
                         # NOTE: long enough that none ends before the last is admitted
                         SamplingParams(max_tokens=eng.limits.max_model_len - prompt_len - 1,
-                                       ignore_eos=True, temperature=0.0))
+                                       ignore_eos=True, temperature=0.0,
+                                       output_kind=RequestOutputKind[output_kind]))
     sched = eng.scheduler
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()) \
             or len(sched.running) < num_running:
@@ -172,7 +176,7 @@ def engine_overhead(llm, num_running: int, *, prompt_len: int = 32,
             rows.append((rec, dict(acc)))
     eng.abort_request(list(eng.states))
     med = lambda xs: 1000 * float(np.median(xs))
-    res = {"num_running": num_running,
+    res = {"num_running": num_running, "output_kind": output_kind.lower(),
            "step": med([r.seconds for r, _ in rows]),
            "schedule": med([r.schedule_s for r, _ in rows]),
            "update": med([r.update_s for r, _ in rows]),

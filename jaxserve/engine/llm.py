@@ -10,7 +10,7 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _as_prompt_list(prompts) -> list:
@@ -21,6 +21,20 @@ def _as_prompt_list(prompts) -> list:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # a single prompt given as token ids
     return prompts
+
+
+def _final_only(params: list) -> list:
+    """`params` as FINAL_ONLY copies (one per distinct object; others left for add_request
+    to refuse)."""
+    copies: dict[int, SamplingParams] = {}
+    out = []
+    for sp in params:
+        if isinstance(sp, SamplingParams) and sp.output_kind != RequestOutputKind.FINAL_ONLY:
+            if id(sp) not in copies:
+                copies[id(sp)] = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            sp = copies[id(sp)]
+        out.append(sp)
+    return out
 
 
 class LLM:
@@ -91,6 +105,9 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        # NOTE: only final outputs are read here, so (as vLLM's LLM does) requests emit
+        # nothing until they finish; the engine then skips per-step output building.
+        params = _final_only(params)
         ids = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):

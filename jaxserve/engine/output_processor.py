@@ -13,7 +13,7 @@ import numpy as np
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
            RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_IGNORED: "length",
@@ -38,6 +38,14 @@ class RequestState:
         self.prompt_logprobs: list | None = None  # per prompt position, when asked for
         self.error: str | None = None  # why it failed (finish_reason "error")
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        # NOTE: a request read only when it finishes and with no stop string to watch for
+        # is detokenized once, at its end: the same text, without per-step host work.
+        self._text_at_end = (params.output_kind == RequestOutputKind.FINAL_ONLY
+                             and not params.stop)
+        # DELTA: per completion, the tokens, characters and logprobs already sent, and
+        # whether its end was.
+        self._sent: dict[int, tuple[int, int, int, bool]] = {}
+        self._prompt_logprobs_sent = False
 
     @property
     def finished(self) -> bool:
@@ -57,6 +65,7 @@ class RequestState:
         for out in self.outputs:
             if out.finish_reason is None:
                 out.finish_reason = "abort"
+                self._end_text(out, stop_terminated=False, strict=False)
 
     def fail(self, message: str) -> None:
         """Ends every unfinished completion with finish_reason "error"."""
@@ -64,6 +73,25 @@ class RequestState:
         for out in self.outputs:
             if out.finish_reason is None:
                 out.finish_reason = "error"
+                self._end_text(out, stop_terminated=False, strict=False)
+
+    def _end_text(self, out: CompletionOutput, stop_terminated: bool, strict: bool) -> None:
+        """Detokenizes the tokens a text-at-end completion holds (see `__init__`).
+
+        Args:
+            strict: Raise a detokenization failure (False: keep the text as it is).
+        """
+        detok = self._detokenizer(out.index)
+        if detok is None or detok.finished:
+            return
+        try:
+            detok.update(out.token_ids[len(detok.output_token_ids):],
+                         stop_terminated=stop_terminated)
+            detok.finish()
+        except Exception:
+            if strict:
+                raise
+        out.text = detok.output_text
 
     def _detokenizer(self, index: int) -> IncrementalDetokenizer | None:
         p = self.params
@@ -92,9 +120,9 @@ class RequestState:
         if self.params.logprobs is not None:
             self._add_logprobs(out, tokens[-1], result, row)
         stop_str = None
-        detok = self._detokenizer(index)
+        stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
+        detok = None if self._text_at_end else self._detokenizer(index)
         if detok is not None:
-            stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
             stop_str = detok.update(tokens, stop_terminated=stopped_by_token)
             out.text = detok.output_text
         if stop_str is not None:
@@ -105,6 +133,8 @@ class RequestState:
             if detok is not None:
                 detok.finish()
                 out.text = detok.output_text
+            elif self._text_at_end:
+                self._end_text(out, stopped_by_token, strict=True)
             if self.finished:
                 self.metrics.finished_time = now
         return stop_str
@@ -142,16 +172,47 @@ class RequestState:
                 logprob.decoded_token = self.tokenizer.decode([tid])
         self.prompt_logprobs[position] = entry
 
+    @property
+    def wants_output(self) -> bool:
+        """Whether this step's `RequestOutput` is emitted (FINAL_ONLY: only at the end)."""
+        return self.params.output_kind != RequestOutputKind.FINAL_ONLY or self.finished
+
     def make_output(self) -> RequestOutput:
-        """A snapshot `RequestOutput` (lists copied so later steps do not mutate it)."""
-        outputs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
-                                    list(o.logprobs) if o.logprobs is not None else None,
-                                    o.finish_reason, o.stop_reason) for o in self.outputs]
+        """A snapshot `RequestOutput` (lists copied so later steps do not mutate it).
+
+        DELTA requests get only what is new since their previous output: new tokens and
+        logprobs, new text (less the characters a stop string could still claim, until the
+        completion ends), prompt logprobs in the first output only.
+        """
+        if self.params.output_kind != RequestOutputKind.DELTA:
+            outputs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
+                                        list(o.logprobs) if o.logprobs is not None else None,
+                                        o.finish_reason, o.stop_reason) for o in self.outputs]
+            prompt_logprobs = self.prompt_logprobs
+        else:
+            outputs = [c for o in self.outputs if (c := self._delta(o)) is not None]
+            prompt_logprobs = None if self._prompt_logprobs_sent else self.prompt_logprobs
+            self._prompt_logprobs_sent = True
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs,
                              self.finished, dataclasses.replace(self.metrics),
                              self.root.num_cached_tokens,
-                             None if self.prompt_logprobs is None
-                             else list(self.prompt_logprobs), self.error)
+                             None if prompt_logprobs is None else list(prompt_logprobs),
+                             self.error)
+
+    def _delta(self, o: CompletionOutput) -> CompletionOutput | None:
+        """What completion `o` gained since its last DELTA output (None: nothing)."""
+        ntok, nchar, nlp, ended = self._sent.get(o.index, (0, 0, 0, False))
+        end = len(o.text)
+        if o.finish_reason is None:
+            end = max(nchar, end - self.params.output_text_buffer_length)
+        if (len(o.token_ids), end) == (ntok, nchar) and (o.finish_reason is None or ended):
+            return None
+        num_lp = len(o.logprobs) if o.logprobs is not None else 0
+        self._sent[o.index] = (len(o.token_ids), end, num_lp, o.finish_reason is not None)
+        return CompletionOutput(o.index, o.text[nchar:end], o.token_ids[ntok:],
+                                o.cumulative_logprob,
+                                o.logprobs[nlp:] if o.logprobs is not None else None,
+                                o.finish_reason, o.stop_reason)
 
 
 class OutputProcessor:
@@ -231,7 +292,8 @@ class OutputProcessor:
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
-            outputs.append(state.make_output())
+            if state.wants_output:
+                outputs.append(state.make_output())
             if state.finished:
                 del self.states[state.request_id]
                 self._count(state.finish_reasons())

@@ -166,9 +166,10 @@ def test_overhead(tiny_model_dir, tmp_path):
     out, _ = ok(["bench", "overhead", "--model", tiny_model_dir, "--num-running", "2,4",
                  "--output-json", path])
     assert "| running | schedule | update_from_output |" in out
-    assert "| running | scheduling | input prep |" in out
+    assert "| outputs | running | scheduling | input prep |" in out
     res = read_json(path)
-    assert [r["num_running"] for r in res["engine"]] == [2, 4]
+    assert [(r["output_kind"], r["num_running"]) for r in res["engine"]] == [
+        ("cumulative", 2), ("cumulative", 4), ("final_only", 2), ("final_only", 4)]
 
 
 @pytest.fixture(scope="module")

@@ -131,3 +131,16 @@ def test_valid_edges():
 def test_unknown_keyword_is_type_error():
     with pytest.raises(TypeError):
         SamplingParams(best_off=2)
+
+
+@pytest.mark.parametrize("bad", [3, -1, "delta", True, None])
+def test_output_kind_must_be_a_request_output_kind(bad):
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind=bad)
+
+
+def test_output_kind_from_its_value():
+    from jaxserve.sampling_params import RequestOutputKind
+
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+    assert SamplingParams().clone(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY

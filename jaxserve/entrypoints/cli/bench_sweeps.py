@@ -112,14 +112,15 @@ def cmd_overhead(args) -> int:
         # one dummy request, whose block table must fit max_model_len.
         llm = make_llm(tiny_model(), tok, max_model_len=budget, max_num_seqs=top,
                        max_num_batched_tokens=budget, num_kv_blocks=top * 8 + 64)
-        eng = [engine_overhead(llm, n) for n in levels]
+        eng = [engine_overhead(llm, n, output_kind=kind)
+               for kind in ("CUMULATIVE", "FINAL_ONLY") for n in levels]
         for r in eng:
             r["gpu_step_ms"] = gpu_step_ms(r["num_running"])
             r["share_of_gpu_step"] = r["host"] / (r["host"] + r["gpu_step_ms"])
         print("\nWhole engine step over a tiny random model (median ms per decode step):")
         print(table(eng, [
-            ("num_running", "running", "d"), ("scheduling", "scheduling", ".2f"),
-            ("input_preparation", "input prep", ".2f"),
+            ("output_kind", "outputs", "s"), ("num_running", "running", "d"),
+            ("scheduling", "scheduling", ".2f"), ("input_preparation", "input prep", ".2f"),
             ("output_processing", "rows + outputs + detok", ".2f"),
             ("host", "host total", ".2f"), ("device", "device (tiny)", ".2f"),
             ("step", "step", ".2f"), ("host_share", "host share", ".1%"),

@@ -8,6 +8,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.sampling_params import SamplingParams
 
+# The request seed range vLLM's server accepts above zero (a signed 64-bit integer).
+SEED_LIMIT = 2**63 - 1
+# vLLM's structured-output fields: each would change the output, so each is refused until
+# structured output exists (never silently ignored).
+STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                            "structured_outputs")
+# Fields that may be named as `param` of an error raised below.
+REQUEST_FIELDS = frozenset({"stream_options", "response_format", "tools", "tool_choice",
+                            "functions", "function_call", *STRUCTURED_OUTPUT_FIELDS})
+
 
 class OpenAIBaseModel(BaseModel):
     """Base of every request body: unknown fields are ignored, as vLLM does.
@@ -39,7 +49,7 @@ class SamplingFields(OpenAIBaseModel):
     top_p: float | None = None
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_LIMIT)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -58,11 +68,26 @@ class SamplingFields(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     priority: int = 0
     cache_salt: str | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's `SamplingParams` (raises ValueError naming a bad field)."""
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format of type {kind!r} needs structured output, "
+                             "which is not supported")
+        for name in STRUCTURED_OUTPUT_FIELDS:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} needs structured output, which is not supported")
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
@@ -143,15 +168,46 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         """The engine's `SamplingParams`; `max_completion_tokens` wins over `max_tokens`."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        self._check_tools()
         limit = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(limit, logprobs)
+
+
+    def _check_tools(self) -> None:
+        """Tools may be shown to the model (`tool_choice="none"`); a tool call cannot be
+        asked for, since no tool-call parser or structured output exists yet."""
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is deprecated by OpenAI and not supported; use tools "
+                                 "with tool_choice='none'")
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            known = {(t.get("function") or {}).get("name") for t in self.tools or []}
+            if name not in known:
+                raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+        elif choice not in (None, "none", "auto", "required"):
+            raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named "
+                             f"function, got {choice!r}")
+        if choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        if choice is None and self.tools or choice == "auto":
+            raise ValueError("tool_choice 'auto' (the default with tools) is not supported: "
+                             "no tool-call parser; send tool_choice='none' to show the tools "
+                             "to the model without a tool call")
+        if choice == "required" or isinstance(choice, dict):
+            raise ValueError("tool_choice forcing a tool call needs structured output, which "
+                             "is not supported")
 
 
 class TokenizeRequest(OpenAIBaseModel):

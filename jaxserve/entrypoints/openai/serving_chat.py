@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from jaxserve.entrypoints.chat_template import ChatTemplateError, render_chat
-from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from jaxserve.entrypoints.openai.protocol import REQUEST_FIELDS, ChatCompletionRequest, ChatMessage
 from jaxserve.entrypoints.openai.serving_engine import (
     SAMPLING_FIELDS,
     OpenAIError,
     OpenAIServing,
     Prepared,
+    chunk_usage,
     deltas,
     from_value_error,
     now,
@@ -18,7 +19,8 @@ from jaxserve.entrypoints.openai.serving_engine import (
 )
 from jaxserve.outputs import CompletionOutput
 
-_FIELDS = SAMPLING_FIELDS | {"logit_bias", "top_logprobs", "messages", "max_completion_tokens"}
+_FIELDS = SAMPLING_FIELDS | REQUEST_FIELDS | {"logit_bias", "top_logprobs", "messages",
+                                                "max_completion_tokens"}
 
 
 def _entry(token: str, logprob: float) -> dict:
@@ -95,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
         ids = render_messages(self.tokenizer, req.messages, chat_template=req.chat_template,
                               add_generation_prompt=req.add_generation_prompt,
                               continue_final_message=req.continue_final_message,
-                              template_kwargs=req.chat_template_kwargs)
+                              tools=req.tools, template_kwargs=req.chat_template_kwargs)
         self.check_length(len(ids), params, "messages", limit_name)
         last = req.messages[-1]
         echo = last.as_template_message()["content"] if req.echo and last.role == "assistant" \
@@ -121,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
         for c in range(params.n):
             yield {**head, "choices": [{
                 "index": c, "delta": {"role": "assistant", "content": prep.extra["echo"]},
-                "logprobs": None, "finish_reason": None}]}
+                "logprobs": None, "finish_reason": None}], **chunk_usage(req, prep, [None])}
         finals = [None]
         async for d in deltas(streams, params, finals):
             logprobs = chat_logprobs(d.comp, d.token_start, params.logprobs, self.tokenizer) \
@@ -129,6 +131,6 @@ class OpenAIServingChat(OpenAIServing):
             yield {**head, "choices": [{
                 "index": d.comp.index, "delta": {"content": d.text} if d.text else {},
                 "logprobs": logprobs, "finish_reason": d.comp.finish_reason,
-                "stop_reason": d.comp.stop_reason}]}
+                "stop_reason": d.comp.stop_reason}], **chunk_usage(req, prep, finals)}
         if req.stream_options is not None and req.stream_options.include_usage:
             yield {**head, "choices": [], "usage": usage(finals)}

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from jaxserve.entrypoints.openai.protocol import CompletionRequest
+from jaxserve.entrypoints.openai.protocol import REQUEST_FIELDS, CompletionRequest
 from jaxserve.entrypoints.openai.serving_engine import (
     SAMPLING_FIELDS,
     OpenAIError,
     OpenAIServing,
     Prepared,
+    chunk_usage,
     deltas,
     from_value_error,
     now,
@@ -17,7 +18,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
 )
 from jaxserve.outputs import CompletionOutput
 
-_FIELDS = SAMPLING_FIELDS | {"logit_bias", "suffix", "best_of", "prompt"}
+_FIELDS = SAMPLING_FIELDS | REQUEST_FIELDS | {"logit_bias", "suffix", "best_of", "prompt"}
 
 
 def _token_text(entry: dict, token_id: int, tokenizer) -> tuple[str, float]:
@@ -113,6 +114,7 @@ class OpenAIServingCompletion(OpenAIServing):
             yield {**head, "choices": [{"index": d.prompt_index * params.n + d.comp.index,
                                         "text": text, "logprobs": logprobs,
                                         "finish_reason": d.comp.finish_reason,
-                                        "stop_reason": d.comp.stop_reason}]}
+                                        "stop_reason": d.comp.stop_reason}],
+                   **chunk_usage(req, prep, finals)}
         if req.stream_options is not None and req.stream_options.include_usage:
             yield {**head, "choices": [], "usage": usage(finals)}

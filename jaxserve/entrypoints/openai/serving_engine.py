@@ -311,6 +311,20 @@ def usage(outputs: list[RequestOutput]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def chunk_usage(req, prep: Prepared, finals: list[RequestOutput | None]) -> dict:
+    """`{"usage": ...}` so far for a stream chunk when the request asked for
+    `stream_options.continuous_usage_stats` (with `include_usage`), else `{}`."""
+    opts = req.stream_options
+    if opts is None or not (opts.include_usage and opts.continuous_usage_stats):
+        return {}
+    prompt = sum(len(p["prompt_token_ids"]) for p in prep.prompts)
+    completion = sum(len(c.token_ids) for o in finals if o is not None for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals if o is not None)
+    return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                      "total_tokens": prompt + completion,
+                      "prompt_tokens_details": {"cached_tokens": cached}}}
+
+
 def sse(data: dict | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"

@@ -1,0 +1,132 @@
+"""Request fields existing OpenAI/vLLM clients send: usage details (prefix-cache hits, per-chunk
+usage), seeds in vLLM's range with pydantic-style messages, and every field that would
+change the output but is not supported (structured output, tool calls) refused with a 400
+naming it, never silently ignored."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GOOD = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def post(server, path, body):
+    return httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=120)
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/completions", {**GOOD, "response_format": {"type": "json_object"}},
+     "response_format", "structured output"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema",
+                                                          "json_schema": {"name": "x"}}},
+     "response_format", "structured output"),
+    ("/v1/completions", {**GOOD, "guided_json": {"type": "object"}}, "guided_json",
+     "structured output"),
+    ("/v1/chat/completions", {**CHAT, "guided_choice": ["a", "b"]}, "guided_choice",
+     "structured output"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "a+"}},
+     "structured_outputs", "structured output"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL]}, "tool_choice", "tool_choice='none'"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "auto"}, "tool_choice",
+     "not supported"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required"},
+     "tool_choice", "structured output"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+     "structured output"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
+     "not in tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "sometimes"}, "tool_choice", "must be"),
+    ("/v1/chat/completions", {**CHAT, "functions": [TOOL["function"]]}, "functions",
+     "deprecated"),
+    ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}},
+     "stream_options", "stream is true"),
+    ("/v1/chat/completions", {**CHAT, "stream": False, "stream_options": {
+        "include_usage": True}}, "stream_options", "stream is true"),
+    ("/v1/completions", {**GOOD, "seed": -1}, "seed", "greater than or equal to 0"),
+    ("/v1/completions", {**GOOD, "seed": 2**63}, "seed",
+     "less than or equal to 9223372036854775807"),
+    ("/v1/chat/completions", {**CHAT, "seed": 2**64}, "seed", "less than or equal"),
+])
+def test_unsupported_or_out_of_range_fields_are_400s_naming_them(server, path, body, param,
+                                                                 words):
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_largest_seed_and_text_response_format_are_accepted(client):
+    r = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2, seed=2**63 - 1,
+                                  temperature=1.0, extra_body={"response_format": {
+                                      "type": "text"}})
+    assert r.usage.completion_tokens == 2
+
+
+def test_tools_can_be_shown_with_tool_choice_none(client):
+    # SmolLM2's own template ignores tools; this one lists them before the messages.
+    template = ("{% for t in tools or [] %}tool: {{ t.function.name }}\n{% endfor %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    kw = dict(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=2, temperature=0,
+              extra_body={"chat_template": template})
+    with_tools = client.chat.completions.create(tools=[TOOL], tool_choice="none", **kw)
+    plain = client.chat.completions.create(**kw)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens  # tools were rendered
+    assert with_tools.choices[0].message.tool_calls is None
+
+
+def test_cached_tokens_count_prefix_cache_hits(client, server):
+    prefix = "Shared system prompt for the cached-token test: " + "alpha beta gamma " * 12
+    first = client.completions.create(model=MODEL_NAME, prompt=prefix + "first", max_tokens=1,
+                                      temperature=0)
+    second = client.completions.create(model=MODEL_NAME, prompt=prefix + "second",
+                                       max_tokens=1, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Whole 16-token pages of the shared prefix are served from the cache.
+    assert cached > 0 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_give_usage_on_every_chunk(client, chat):
+    kw = dict(model=MODEL_NAME, max_tokens=5, temperature=0, stream=True,
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    if chat:
+        chunks = list(client.chat.completions.create(messages=CHAT["messages"], **kw))
+    else:
+        chunks = list(client.completions.create(prompt="Once upon a time", **kw))
+    assert all(c.usage is not None for c in chunks)
+    prompt = {c.usage.prompt_tokens for c in chunks}
+    assert len(prompt) == 1
+    done = [c.usage.completion_tokens for c in chunks]
+    assert done == sorted(done) and done[-1] == 5
+    assert chunks[-1].choices == []  # the final usage chunk is still sent
+    total = chunks[-1].usage
+    assert total.total_tokens == total.prompt_tokens + 5
+
+
+def test_include_usage_alone_puts_usage_on_the_last_chunk_only(client):
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=3, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_openai_client_gets_the_stream_options_400(client):
+    # The official client sends stream_options only with stream=True; a non-stream call
+    # with it is answered with the 400 above.
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1,
+                                  stream_options={"include_usage": True})
