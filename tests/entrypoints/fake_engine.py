@@ -14,13 +14,16 @@ class FakeEngine:
     Args:
         step_seconds: Time one `step()` blocks, like a jitted step.
         fail_on: Prompt that makes `step()` raise.
+        stall_on: Prompt token ids whose requests get no token (as if waiting for a slot).
     """
 
-    def __init__(self, step_seconds: float = 0.01, fail_on: str | None = None):
+    def __init__(self, step_seconds: float = 0.01, fail_on: str | None = None,
+                 stall_on: list[int] | None = None):
         self.tokenizer = SimpleNamespace(eos_token_id=None)
         self.limits = SimpleNamespace(max_model_len=64)
         self.step_seconds = step_seconds
         self.fail_on = fail_on
+        self.stall_on = stall_on
         self.running: dict[str, tuple] = {}
         self.aborted: list[str] = []
         self.added_at_step: dict[str, int] = {}  # steps run before each request came in
@@ -59,6 +62,8 @@ class FakeEngine:
         for rid, (prompt, params, tokens, metrics) in list(self.running.items()):
             if prompt == self.fail_on:
                 raise RuntimeError("boom")
+            if isinstance(prompt, dict) and prompt.get("prompt_token_ids") == self.stall_on:
+                continue
             tokens.append(len(tokens))
             metrics.first_scheduled_time = metrics.first_scheduled_time or now
             metrics.first_token_time = metrics.first_token_time or now

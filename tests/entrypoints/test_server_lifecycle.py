@@ -108,3 +108,30 @@ def test_sigterm_drains_then_ends_what_is_left_with_an_error_event(draining_serv
     long = sse_events(httpx.Response(200, text="\n".join(events["long"])))
     assert long[-1] == "[DONE]" and long[-2]["error"]["code"] == 503
     assert any(e["choices"][0]["text"] for e in long[:-2])  # it had streamed tokens before
+
+
+def test_clients_leaving_while_their_requests_wait_abort_them_at_once():
+    """Requests that never got a token (waiting for a slot) are aborted as soon as their
+    clients leave, not when they are finally scheduled (issue 13 item 7)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.entrypoints.conftest import fake_server
+
+    engine = FakeEngine(step_seconds=0.01, stall_on=[7, 7, 7])
+
+    def impatient(url):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", timeout=0.5,
+                       json={"model": "fake", "prompt": [7, 7, 7], "max_tokens": 5})
+
+    with fake_server(engine=engine) as url:
+        with ThreadPoolExecutor(10) as pool:
+            list(pool.map(impatient, [url] * 10))
+        left = time.time()
+        while (engine.running or len(engine.aborted) < 10) and time.time() < left + 5:
+            time.sleep(0.02)
+        assert len(engine.aborted) == 10 and not engine.running
+        assert time.time() - left < 2  # a poll interval or so, not "when scheduled"
+        r = httpx.post(f"{url}/v1/completions", timeout=10,
+                       json={"model": "fake", "prompt": [8, 9], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "t0 t1 t2 "

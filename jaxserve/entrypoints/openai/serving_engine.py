@@ -4,6 +4,7 @@ prompts at once, answer whole or streamed), per-completion deltas, usage and SSE
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -184,10 +185,7 @@ class OpenAIServing:
             return self._sse(self.stream_events(req, prep, request_id, streams))
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
-            async for i, out in merge_streams(streams):
-                finals[i] = out
-                if is_disconnected is not None and not out.finished and await is_disconnected():
-                    raise OpenAIError(499, "client disconnected")
+            await _until_done_or_gone(_collect(streams, finals), is_disconnected)
         except RequestFailedError as e:
             raise OpenAIError(500, str(e)) from None
         except EngineDeadError as e:
@@ -233,6 +231,41 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 - reported in-band: the headers are sent
             yield sse(error_body(500, str(e)))
         yield sse("[DONE]")
+
+
+# How often a non-streaming request checks that its client is still there.
+DISCONNECT_POLL_SECONDS = 0.2
+
+
+async def _collect(streams: list[RequestStream], finals: list[RequestOutput | None]) -> None:
+    async for i, out in merge_streams(streams):
+        finals[i] = out
+
+
+async def _until_done_or_gone(work: Awaitable[None],
+                              is_disconnected: Callable[[], Awaitable[bool]] | None) -> None:
+    """Awaits `work`, checking the client meanwhile (whether or not outputs arrive: a
+    request still waiting for a slot has none); a client that left cancels `work`, which
+    aborts its requests at once (a 499).
+
+    Raises:
+        OpenAIError: 499 when the client disconnected; whatever `work` raises.
+    """
+    task = asyncio.ensure_future(work)
+    if is_disconnected is None:
+        return await task
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await is_disconnected():
+                raise OpenAIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()  # NOTE: closing merge_streams aborts every unfinished request
+            with contextlib.suppress(BaseException):
+                await task
 
 
 async def deltas(streams: list[RequestStream], params: SamplingParams,
