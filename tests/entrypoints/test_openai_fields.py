@@ -130,3 +130,67 @@ def test_openai_client_gets_the_stream_options_400(client):
     with pytest.raises(openai.BadRequestError, match="stream_options"):
         client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1,
                                   stream_options={"include_usage": True})
+
+
+def test_invocations_route_by_body(client, server):
+    chat = {**CHAT, "temperature": 0}
+    via = post(server, "/invocations", chat).json()
+    direct = post(server, "/v1/chat/completions", chat).json()
+    assert via["object"] == "chat.completion"
+    assert via["choices"][0]["message"] == direct["choices"][0]["message"]
+    via = post(server, "/invocations", GOOD).json()
+    assert via["object"] == "text_completion"
+    assert via["choices"][0]["text"] == post(server, "/v1/completions", GOOD).json()[
+        "choices"][0]["text"]
+    r = post(server, "/invocations", {"model": MODEL_NAME, "input": "hi"})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    assert post(server, "/invocations", [1]).status_code == 400
+    r = httpx.post(f"{server.url}/invocations", json=GOOD, timeout=30)  # no key
+    assert r.status_code == 401
+
+
+def test_tokenize_renders_tools_and_template(server):
+    template = ("{% for t in tools or [] %}tool: {{ t.function.name }}\n{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    body = {"messages": CHAT["messages"], "chat_template": template}
+    plain = post(server, "/tokenize", body).json()
+    tools = post(server, "/tokenize", {**body, "tools": [TOOL], "return_token_strs": True})
+    assert tools.json()["count"] > plain["count"]
+    assert "weather" in "".join(tools.json()["token_strs"])
+    r = post(server, "/tokenize", {**body, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_load_and_tokenizer_info_behind_their_flags(server, smollm2_tokenizer):
+    import threading
+
+    from jaxserve.entrypoints.openai.api_server import build_app
+    from tests.entrypoints.conftest import running_server
+
+    assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
+    assert httpx.get(f"{server.url}/tokenizer_info", headers=AUTH).status_code == 404
+    app = build_app(server.llm, [MODEL_NAME], api_key=API_KEY, shutdown_engine=False,
+                    enable_server_load_tracking=True, enable_tokenizer_info_endpoint=True)
+    with running_server(app) as (_, url):
+        info = httpx.get(f"{url}/tokenizer_info", headers=AUTH).json()
+        assert info["eos_token"] == smollm2_tokenizer.eos_token and info["chat_template"]
+        assert info["model_max_length"] == 256 and info["vocab_size"] == 49152
+        assert httpx.get(f"{url}/tokenizer_info").status_code == 401  # keyed
+        started = threading.Event()
+        seen = []
+
+        def stream():
+            with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=120,
+                              json={**GOOD, "max_tokens": 40, "ignore_eos": True,
+                                    "stream": True}) as r:
+                for _ in r.iter_lines():
+                    if not started.is_set():
+                        seen.append(httpx.get(f"{url}/load").json()["server_load"])
+                        started.set()
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert started.wait(120)
+        thread.join(120)
+        assert seen == [1]
+        assert httpx.get(f"{url}/load").json() == {"server_load": 0}

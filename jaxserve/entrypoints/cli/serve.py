@@ -38,6 +38,12 @@ def add_parser(sub) -> None:
                    help="largest request body; larger ones get a 413 (default: 8 MiB)")
     p.add_argument("--max-prompts-per-request", type=int, default=256,
                    help="most prompts one completion request may carry (default: 256)")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load reports the completion and chat requests being answered "
+                        "(otherwise 0)")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (the tokenizer's configuration and chat "
+                        "template)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="(default: info)")
@@ -66,7 +72,9 @@ def run(args) -> int:
     print_backend()
     limits = ServingLimits(max_prompts_per_request=args.max_prompts_per_request)
     app = build_app(None, names, api_key=args.api_key, limits=limits,
-                    max_body_bytes=args.max_request_body_bytes)
+                    max_body_bytes=args.max_request_body_bytes,
+                    enable_server_load_tracking=args.enable_server_load_tracking,
+                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     server = make_server(app, args.host, args.port, args.shutdown_timeout,
                          args.uvicorn_log_level)
 

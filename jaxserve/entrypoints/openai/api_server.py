@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
-from jaxserve.entrypoints.openai.errors import OpenAIError, error_body
+from jaxserve.entrypoints.openai.errors import OpenAIError, error_body, loads_body
 from jaxserve.entrypoints.openai.gate import DEFAULT_MAX_BODY_BYTES, ServerGate
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -77,7 +77,9 @@ def _guard(handler):
 
 def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str | None = None,
               shutdown_engine: bool = True, limits: ServingLimits | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              enable_server_load_tracking: bool = False,
+              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
     """The FastAPI app over an engine.
 
     Args:
@@ -88,6 +90,10 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
             `/detokenize` when set.
         shutdown_engine: Shut the engine down when the app's lifespan ends.
         limits: Per-request limits (prompts per request, prompt length pre-check).
+        enable_server_load_tracking: `GET /load` reports the requests being answered
+            (otherwise 0), as vLLM's flag of the same name.
+        enable_tokenizer_info_endpoint: Serve `GET /tokenizer_info` (the tokenizer's
+            configuration, chat template included; off by default, as in vLLM).
         max_body_bytes: Largest request body (413 beyond).
     """
 
@@ -101,6 +107,8 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan)
     state = app.state
     state.llm, state.ready, state.draining = None, False, False
+    state.load_tracking = enable_server_load_tracking
+    state.tokenizer_info = enable_tokenizer_info_endpoint
     state.startup = Startup()
     state.startup_status = state.startup.status
     app.add_middleware(ServerGate, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -183,6 +191,31 @@ def _add_routes(app: FastAPI, state) -> None:
     @app.get("/version")
     async def version():
         return JSONResponse({"version": jaxserve.__version__})
+
+    @app.get("/load")
+    async def load():
+        return JSONResponse({"server_load": state.gate.load if state.load_tracking else 0})
+
+    @app.post("/invocations")
+    @_guard
+    async def invocations(request: Request):
+        """SageMaker-style entry: a chat body (`messages`) or a completion body (`prompt`)."""
+        body = await asyncio.to_thread(loads_body, await request.body())
+        if isinstance(body, dict) and "messages" in body:
+            handler = state.chat
+        elif isinstance(body, dict) and "prompt" in body:
+            handler = state.completion
+        else:
+            raise OpenAIError(400, "an /invocations body holds either messages (chat) or "
+                                   "prompt (completion)")
+        return respond(await handler.create(body, request.is_disconnected))
+
+    @app.get("/tokenizer_info")
+    @_guard
+    async def tokenizer_info():
+        if not state.tokenizer_info:
+            raise OpenAIError(404, "/tokenizer_info is off (--enable-tokenizer-info-endpoint)")
+        return JSONResponse(state.tokenization.tokenizer_info())
 
 
 def start_in_background(app: FastAPI, build, on_error=None) -> threading.Thread:

@@ -9,9 +9,11 @@ import json
 from jaxserve.entrypoints.openai.errors import error_body
 
 # Paths answered whatever the server's state, and without a key.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/load"})
 # Paths that do work on their input: behind the key when one is set.
-KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info")
+# Requests that `/load` counts while they are answered (streams until their last event).
+LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -46,6 +48,7 @@ class ServerGate:
         self.app, self.state, self.api_key = app, state, api_key
         self.max_body_bytes = max_body_bytes
         self.in_flight = 0
+        self.load = 0  # requests on LOAD_PATHS being answered
         state.gate = self
 
     async def __call__(self, scope, receive, send):
@@ -70,11 +73,14 @@ class ServerGate:
             receive = await self._buffer_body(scope, receive, send)
             if receive is None:
                 return
+        counted = int(path in LOAD_PATHS)
         self.in_flight += 1
+        self.load += counted
         try:
             return await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
+            self.load -= counted
 
     async def _buffer_body(self, scope, receive, send):
         """Reads the body up to the limit; a replaying `receive`, or None after a 413."""

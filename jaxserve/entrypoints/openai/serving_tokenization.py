@@ -1,5 +1,5 @@
-"""`POST /tokenize`, `POST /detokenize` and `GET /v1/models`: answered without the engine thread
-(parsing and tokenizing run in a worker thread, off the event loop)."""
+"""Tokenizer endpoints and the model list, answered without the engine thread (parsing and
+tokenizing run in a worker thread, off the event loop)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,13 @@ class OpenAIServingTokenization(OpenAIServing):
             ids = self.encode(req.prompt, add_special_tokens=req.add_special_tokens,
                               check=False)
         else:
-            ids = render_messages(self.tokenizer, req.messages,
-                                  add_generation_prompt=req.add_generation_prompt)
+            if req.continue_final_message and req.add_generation_prompt:
+                raise OpenAIError(400, "continue_final_message needs "
+                                       "add_generation_prompt=false", "messages")
+            ids = render_messages(self.tokenizer, req.messages, chat_template=req.chat_template,
+                                  add_generation_prompt=req.add_generation_prompt,
+                                  continue_final_message=req.continue_final_message,
+                                  tools=req.tools, template_kwargs=req.chat_template_kwargs)
         out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
@@ -52,6 +57,17 @@ class OpenAIServingTokenization(OpenAIServing):
         if bad:
             raise OpenAIError(400, f"tokens hold ids outside [0, {vocab}): {bad[:5]}", "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    def tokenizer_info(self) -> dict:
+        """The tokenizer's configuration (class, special tokens, chat template, limits)."""
+        tok = self.tokenizer
+        info = {"tokenizer_class": type(tok).__name__, "vocab_size": self.vocab_size,
+                "model_max_length": self.max_model_len,
+                "chat_template": getattr(tok, "chat_template", None)}
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            info[name] = getattr(tok, name, None)
+        info["added_special_tokens"] = list(getattr(tok, "all_special_tokens", []))
+        return info
 
     def models(self) -> dict:
         """OpenAI's model list: one card per served name (no file system paths)."""
