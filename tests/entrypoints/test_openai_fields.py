@@ -194,3 +194,79 @@ def test_load_and_tokenizer_info_behind_their_flags(server, smollm2_tokenizer):
         thread.join(120)
         assert seen == [1]
         assert httpx.get(f"{url}/load").json() == {"server_load": 0}
+
+
+CONTEXT, CONTINUATION = "The capital of France is", " Paris"
+
+
+def test_echo_scores_the_prompt_like_an_evaluation_harness(client, server, hf_smollm2,
+                                                           smollm2_tokenizer, torch_one_thread):
+    """lm-evaluation-harness's loglikelihood: echo=True, max_tokens=0, logprobs=1, then the
+    sum of the continuation's token logprobs; checked against transformers."""
+    import torch
+
+    r = client.completions.create(model=MODEL_NAME, prompt=CONTEXT + CONTINUATION,
+                                  max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = r.choices[0]
+    assert choice.text == CONTEXT + CONTINUATION  # the prompt only: nothing generated
+    assert r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    ids = smollm2_tokenizer.encode(CONTEXT + CONTINUATION)
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0], -1).numpy()
+    for pos in range(1, len(ids)):
+        assert abs(lp.token_logprobs[pos] - ref[pos - 1, ids[pos]]) < 1e-3
+        assert len(lp.top_logprobs[pos]) <= 2  # the token and the top 1
+    n_ctx = len(smollm2_tokenizer.encode(CONTEXT))
+    score = sum(lp.token_logprobs[n_ctx:])
+    want = sum(ref[p - 1, ids[p]] for p in range(n_ctx, len(ids)))
+    assert abs(score - want) < 1e-3
+    # The same numbers through vLLM's prompt_logprobs field.
+    raw = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": CONTEXT + CONTINUATION,
+                                           "max_tokens": 1, "temperature": 0,
+                                           "prompt_logprobs": 0}).json()
+    plp = raw["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert all(abs(plp[p][str(ids[p])]["logprob"] - lp.token_logprobs[p]) < 1e-5
+               for p in range(1, len(ids)))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_generation_puts_prompt_then_output_logprobs(client, stream):
+    kw = dict(model=MODEL_NAME, prompt=CONTEXT, max_tokens=3, echo=True, logprobs=2,
+              temperature=0)
+    plain = client.completions.create(model=MODEL_NAME, prompt=CONTEXT, max_tokens=3,
+                                      logprobs=2, temperature=0).choices[0]
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
+                  for t in c.choices[0].logprobs.token_logprobs]
+        offsets = [o for c in chunks if c.choices and c.choices[0].logprobs
+                   for o in c.choices[0].logprobs.text_offset]
+    else:
+        choice = client.completions.create(**kw).choices[0]
+        text, tokens = choice.text, choice.logprobs.token_logprobs
+        offsets = choice.logprobs.text_offset
+    assert text == CONTEXT + plain.text
+    n = len(tokens) - 3
+    assert tokens[0] is None and all(t is not None for t in tokens[1:])
+    assert tokens[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    assert offsets == sorted(offsets) and offsets[n] == len(CONTEXT)
+
+
+def test_echo_only_streams_the_prompt_once(client):
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=CONTEXT, max_tokens=0,
+                                            echo=True, stream=True, temperature=0))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == CONTEXT and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_returns_prompt_logprobs_when_asked(server):
+    r = post(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}).json()
+    plp = r["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == r["usage"]["prompt_tokens"]
+    assert all(len(e) >= 1 for e in plp[1:])
+    assert "prompt_logprobs" not in post(server, "/v1/chat/completions", CHAT).json()

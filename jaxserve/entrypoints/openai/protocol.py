@@ -121,7 +121,18 @@ class CompletionRequest(SamplingFields):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n (best_of > n is not supported), got "
                              f"{self.best_of}")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        # NOTE: echo with max_tokens=0 scores the prompt only (how evaluation harnesses ask
+        # for log-likelihoods): one token is generated and dropped, as vLLM does.
+        params = self.sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params = params.clone(prompt_logprobs=max(params.prompt_logprobs or 0,
+                                                      self.logprobs))
+        return params
+
+    @property
+    def echo_only(self) -> bool:
+        """echo=True with max_tokens=0: the response is the prompt, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
 
 class ContentPart(OpenAIBaseModel):

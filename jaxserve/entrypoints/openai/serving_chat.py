@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 from jaxserve.entrypoints.chat_template import ChatTemplateError, render_chat
 from jaxserve.entrypoints.openai.protocol import REQUEST_FIELDS, ChatCompletionRequest, ChatMessage
+from jaxserve.entrypoints.openai.serving_completion import prompt_logprobs_json
 from jaxserve.entrypoints.openai.serving_engine import (
     SAMPLING_FIELDS,
     OpenAIError,
@@ -113,8 +114,11 @@ class OpenAIServingChat(OpenAIServing):
             if params.logprobs is not None else None,
             "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
         } for comp in final.outputs]
-        return {"id": request_id, "object": "chat.completion", "created": now(),
-                "model": self.model_name, "choices": choices, "usage": usage([final])}
+        response = {"id": request_id, "object": "chat.completion", "created": now(),
+                    "model": self.model_name, "choices": choices, "usage": usage([final])}
+        if req.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(final)
+        return response
 
     async def stream_events(self, req, prep, request_id, streams) -> AsyncIterator[dict]:
         params = prep.params

@@ -16,7 +16,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     now,
     usage,
 )
-from jaxserve.outputs import CompletionOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 
 _FIELDS = SAMPLING_FIELDS | REQUEST_FIELDS | {"logit_bias", "suffix", "best_of", "prompt"}
 
@@ -41,6 +41,42 @@ def completion_logprobs(comp: CompletionOutput, start: int, offset: int, tokeniz
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
+
+
+def _empty_logprobs() -> dict:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def _extend(logprobs: dict, more: dict) -> None:
+    for key, values in more.items():
+        logprobs[key].extend(values)
+
+
+def prompt_part(out: RequestOutput, k: int, tokenizer) -> dict:
+    """OpenAI's legacy logprobs object over the prompt tokens (echo): the first token has
+    no logprob (None), the others their logprob and the top `k` alternatives."""
+    part, offset = _empty_logprobs(), 0
+    lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    for tid, entry in zip(out.prompt_token_ids, lps, strict=True):
+        text, lp = _token_text(entry or {}, tid, tokenizer)
+        part["tokens"].append(text)
+        part["token_logprobs"].append(None if entry is None else lp)
+        part["top_logprobs"].append(None if entry is None else {
+            (v.decoded_token if v.decoded_token is not None else tokenizer.decode([t])):
+            v.logprob for t, v in entry.items() if t == tid or (v.rank or 0) <= k})
+        part["text_offset"].append(offset)
+        offset += len(text)
+    return part
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt position None or {token id: logprob, rank,
+    decoded token}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank,
+                                             "decoded_token": v.decoded_token}
+                                    for t, v in e.items()} for e in out.prompt_logprobs]
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -85,36 +121,48 @@ class OpenAIServingCompletion(OpenAIServing):
             return ""
         return prompt["prompt"] or self.tokenizer.decode(prompt["prompt_token_ids"])
 
+    def _choice(self, req, prep, i: int, out: RequestOutput, comp: CompletionOutput,
+                first: bool, text: str, token_start: int, offset: int) -> dict:
+        """One choice (or stream chunk choice): the echo and prompt logprobs come with the
+        first; echo with max_tokens=0 drops the generated token."""
+        params = prep.params
+        echo = self._echo(req, prep.prompts[i]) if first else ""
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = prompt_part(out, params.logprobs, self.tokenizer) if echo \
+                else _empty_logprobs()
+            if not req.echo_only:
+                _extend(logprobs, completion_logprobs(comp, token_start, offset + len(echo),
+                                                      self.tokenizer))
+        choice = {"index": i * params.n + comp.index,
+                  "text": echo + ("" if req.echo_only else text), "logprobs": logprobs,
+                  "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+        if req.prompt_logprobs is not None and first:
+            choice["prompt_logprobs"] = prompt_logprobs_json(out)
+        return choice
+
     def full_response(self, req, prep, request_id, finals) -> dict:
-        params, choices = prep.params, []
-        for i, out in enumerate(finals):
-            echo = self._echo(req, prep.prompts[i])
-            for comp in out.outputs:
-                choices.append({
-                    "index": i * params.n + comp.index, "text": echo + comp.text,
-                    "logprobs": completion_logprobs(comp, 0, len(echo), self.tokenizer)
-                    if params.logprobs is not None else None,
-                    "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+        choices = [self._choice(req, prep, i, out, comp, True, comp.text, 0, 0)
+                   for i, out in enumerate(finals) for comp in out.outputs]
+        use = usage(finals)
+        if req.echo_only:  # nothing generated
+            use.update(completion_tokens=0, total_tokens=use["prompt_tokens"])
         return {"id": request_id, "object": "text_completion", "created": now(),
-                "model": self.model_name, "choices": choices, "usage": usage(finals)}
+                "model": self.model_name, "choices": choices, "usage": use}
 
     async def stream_events(self, req, prep, request_id, streams) -> AsyncIterator[dict]:
-        params, created = prep.params, now()
-        head = {"id": request_id, "object": "text_completion", "created": created,
+        head = {"id": request_id, "object": "text_completion", "created": now(),
                 "model": self.model_name}
         finals = [None] * len(streams)
         sent = {}  # (prompt, completion) -> characters of text already streamed
-        async for d in deltas(streams, params, finals):
+        async for d in deltas(streams, prep.params, finals):
             key = (d.prompt_index, d.comp.index)
             offset = sent.get(key, 0)
-            text = (self._echo(req, prep.prompts[d.prompt_index]) if d.first else "") + d.text
-            logprobs = completion_logprobs(d.comp, d.token_start, offset, self.tokenizer) \
-                if params.logprobs is not None else None
-            sent[key] = offset + len(d.text)
-            yield {**head, "choices": [{"index": d.prompt_index * params.n + d.comp.index,
-                                        "text": text, "logprobs": logprobs,
-                                        "finish_reason": d.comp.finish_reason,
-                                        "stop_reason": d.comp.stop_reason}],
-                   **chunk_usage(req, prep, finals)}
+            choice = self._choice(req, prep, d.prompt_index, finals[d.prompt_index], d.comp,
+                                  d.first, d.text, d.token_start, offset)
+            sent[key] = offset + len(choice["text"])
+            if req.echo_only and not d.first and d.comp.finish_reason is None:
+                continue
+            yield {**head, "choices": [choice], **chunk_usage(req, prep, finals)}
         if req.stream_options is not None and req.stream_options.include_usage:
             yield {**head, "choices": [], "usage": usage(finals)}
