@@ -270,3 +270,30 @@ def test_chat_returns_prompt_logprobs_when_asked(server):
     assert plp[0] is None and len(plp) == r["usage"]["prompt_tokens"]
     assert all(len(e) >= 1 for e in plp[1:])
     assert "prompt_logprobs" not in post(server, "/v1/chat/completions", CHAT).json()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("use_beam_search", True), ("allowed_token_ids", [1, 2]), ("bad_words", ["bad"]),
+    ("length_penalty", 0.5), ("truncate_prompt_tokens", 4), ("logits_processors", ["x"]),
+])
+def test_vllm_extras_not_built_yet_are_refused_not_ignored(server, field, value):
+    for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", CHAT)):
+        r = post(server, path, {**body, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    # Their neutral values are accepted (clients that always send them keep working).
+    neutral = {"use_beam_search": False, "length_penalty": 1.0}.get(field)
+    assert post(server, "/v1/completions", {**GOOD, field: neutral}).status_code == 200
+
+
+def test_the_field_table_lists_every_field_the_server_parses():
+    import re
+    from pathlib import Path
+
+    from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    doc = (Path(__file__).parents[2] / "docs" / "openai_api.md").read_text()
+    rows = [line.split("|")[1] for line in doc.splitlines() if line.startswith("| `")]
+    listed = {name for cell in rows for name in re.findall(r"`([a-z_]+)`", cell)}
+    parsed = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    assert parsed - listed == set()
+    assert listed - parsed == set()

@@ -14,9 +14,15 @@ SEED_LIMIT = 2**63 - 1
 # structured output exists (never silently ignored).
 STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                             "structured_outputs")
+# vLLM's sampling extras not built yet, with the value that leaves the output unchanged:
+# any other value is refused (a 400 naming the field), never silently ignored.
+UNSUPPORTED_EXTRAS = {"use_beam_search": False, "allowed_token_ids": None, "bad_words": None,
+                      "length_penalty": 1.0, "truncate_prompt_tokens": None,
+                      "logits_processors": None}
 # Fields that may be named as `param` of an error raised below.
 REQUEST_FIELDS = frozenset({"stream_options", "response_format", "tools", "tool_choice",
-                            "functions", "function_call", *STRUCTURED_OUTPUT_FIELDS})
+                            "functions", "function_call", *STRUCTURED_OUTPUT_FIELDS,
+                            *UNSUPPORTED_EXTRAS})
 
 
 class OpenAIBaseModel(BaseModel):
@@ -74,6 +80,12 @@ class SamplingFields(OpenAIBaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    use_beam_search: Any = False
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    length_penalty: Any = 1.0
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's `SamplingParams` (raises ValueError naming a bad field)."""
@@ -88,6 +100,11 @@ class SamplingFields(OpenAIBaseModel):
         for name in STRUCTURED_OUTPUT_FIELDS:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} needs structured output, which is not supported")
+        for name, neutral in UNSUPPORTED_EXTRAS.items():
+            value = getattr(self, name)
+            if value != neutral and not (neutral is None and value in ([], "")):
+                raise ValueError(f"{name} is not supported yet (got {value!r}; it would "
+                                 "change the output, so it is not ignored)")
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
