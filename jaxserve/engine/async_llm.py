@@ -287,6 +287,9 @@ class AsyncLLM:
         try:
             while self._drain(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
+                    # NOTE: arrivals and aborts show in the gauges before the (possibly long)
+                    # step that takes them in, not after it.
+                    self.metrics.update_snapshot(self.engine.get_metrics())
                     self._step()
                 snapshot = self.engine.get_metrics()
                 self.metrics.update_snapshot(snapshot)

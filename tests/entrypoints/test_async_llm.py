@@ -214,3 +214,29 @@ def test_a_failed_request_raises_and_its_neighbours_finish():
             assert outs[-1].finished and outs[-1].outputs[0].token_ids == [0, 1, 2, 3]
     finally:
         llm.shutdown()
+
+
+def test_gauges_show_a_request_before_the_step_that_takes_it_in():
+    """The running/waiting gauges follow arrivals within a step (issue 13 item 9)."""
+    engine = FakeEngine(step_seconds=0.05)
+    llm = AsyncLLM(engine, log_interval=0)
+    seen = []  # (running requests the engine holds, running gauge) at each step's start
+    step = engine.step
+
+    def recording_step():
+        gauge = llm.metrics.snapshot.get("jaxserve:num_requests_running", 0)
+        seen.append((len(engine.running), gauge))
+        return step()
+
+    engine.step = recording_step
+    try:
+        async def main():
+            first = asyncio.ensure_future(collect(llm, "a", 6))
+            await asyncio.sleep(0.12)
+            await collect(llm, "b", 2)
+            await first
+
+        run(main())
+    finally:
+        llm.shutdown()
+    assert len(seen) >= 6 and all(held == gauge for held, gauge in seen)
