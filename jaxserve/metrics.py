@@ -26,6 +26,11 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Token-count edges of the per-request and per-step histograms (vLLM's 1-2-5 series).
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000)
+N_BUCKETS = (1, 2, 5, 10, 20)
+METRIC_PREFIXES = ("jaxserve", "vllm")
 _LABELED = re.compile(r"^(?P<name>[^{]+)\{(?P<labels>[^}]*)\}$")
 
 
@@ -49,47 +54,88 @@ class _SnapshotCollector:
 
     def collect(self):
         model = self.server_metrics.model_name
+        prefix = self.server_metrics.prefix
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for key, value in sorted(self.server_metrics.snapshot.items()):
             name, labels = split_name(key)
+            kind = CounterMetricFamily if name in COUNTERS else GaugeMetricFamily
+            name = prefix + name[len("jaxserve"):] if name.startswith("jaxserve:") else name
             family = families.get(name)
             if family is None:
-                kind = CounterMetricFamily if name in COUNTERS else GaugeMetricFamily
                 family = kind(name, f"{name} (from the engine)",
                               labels=["model_name", *sorted(labels)])
                 families[name] = family
             family.add_metric([model, *(labels[k] for k in sorted(labels))], float(value))
+        info = self.server_metrics.cache_config
+        if info:
+            family = GaugeMetricFamily(f"{prefix}:cache_config_info",
+                                       "Information of the KV cache configuration",
+                                       labels=sorted(info))
+            family.add_metric([str(info[k]) for k in sorted(info)], 1.0)
+            families["cache_config_info"] = family
         yield from families.values()
 
 
 class ServerMetrics:
     """One server's metrics: its own registry, engine snapshot and latency histograms.
 
-    The engine thread calls `update_snapshot` and `observe`; `/metrics` renders `registry`.
+    The engine thread calls `update_snapshot`, `on_added`, `observe` and `observe_step`;
+    `/metrics` renders `registry`.
 
     Args:
         model_name: Value of the `model_name` label.
+        prefix: Metric name prefix: "jaxserve", or "vllm" for vLLM's own names (existing
+            vLLM dashboards then work unchanged).
     """
 
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, model_name: str, prefix: str = "jaxserve"):
+        if prefix not in METRIC_PREFIXES:
+            raise ValueError(f"prefix must be one of {METRIC_PREFIXES}, got {prefix!r}")
+        self.model_name, self.prefix = model_name, prefix
         self.registry = CollectorRegistry()
         self.snapshot: dict[str, float] = {}
+        self.cache_config: dict[str, object] = {}  # labels of cache_config_info
         self.registry.register(_SnapshotCollector(self))
 
         def hist(name, doc, buckets):
-            return Histogram(name, doc, ["model_name"], buckets=buckets,
+            return Histogram(f"{prefix}:{name}", doc, ["model_name"], buckets=buckets,
                              registry=self.registry).labels(model_name)
 
-        self.ttft = hist("jaxserve:time_to_first_token_seconds",
-                         "Time to first token, from arrival", TTFT_BUCKETS)
-        self.itl = hist("jaxserve:inter_token_latency_seconds",
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token, from arrival",
+                         TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds",
                         "Time between a request's consecutive token steps", ITL_BUCKETS)
-        self.e2e = hist("jaxserve:e2e_request_latency_seconds",
-                        "Arrival to finish of a request", REQUEST_BUCKETS)
-        self.queue = hist("jaxserve:request_queue_time_seconds",
-                          "Arrival to first scheduled step", REQUEST_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish of a request",
+                        REQUEST_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled step",
+                          REQUEST_BUCKETS)
+        self.inference = hist("request_inference_time_seconds",
+                              "First scheduled step to finish of a request", REQUEST_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds",
+                            "First scheduled step to first token", REQUEST_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "First token to finish",
+                           REQUEST_BUCKETS)
+        self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens of a finished "
+                                  "request", TOKEN_BUCKETS)
+        self.generation_tokens = hist("request_generation_tokens", "Tokens a finished "
+                                      "request generated (all its completions)", TOKEN_BUCKETS)
+        self.params_n = hist("request_params_n", "The n parameter of finished requests",
+                             N_BUCKETS)
+        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens parameter "
+                                      "of finished requests", TOKEN_BUCKETS)
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per engine "
+                                     "step", TOKEN_BUCKETS)
         self._last_token_time: dict[str, float] = {}
+        self._params: dict[str, tuple[int, int | None]] = {}  # request id -> (n, max_tokens)
+
+    def on_added(self, request_id: str, params) -> None:
+        """Remembers a request's `n` and `max_tokens` for the finish histograms."""
+        self._params[request_id] = (params.n, params.max_tokens)
+
+    def observe_step(self, num_tokens: int) -> None:
+        """Records the tokens one engine step computed."""
+        if num_tokens > 0:
+            self.iteration_tokens.observe(num_tokens)
 
     def update_snapshot(self, snapshot: dict[str, float]) -> None:
         """Replaces the engine figures (a fresh dict each time, so readers never see a mix)."""
@@ -108,13 +154,31 @@ class ServerMetrics:
         if m.last_token_time is not None:
             self._last_token_time[out.request_id] = m.last_token_time
         if out.finished:
+            n, max_tokens = self._params.get(out.request_id, (len(out.outputs), None))
             self.forget(out.request_id)
             end = m.finished_time or now or time.time()
             self.e2e.observe(max(0.0, end - m.arrival_time))
+            self._observe_finished(out, end, n, max_tokens)
+
+    def _observe_finished(self, out: RequestOutput, end: float, n: int,
+                          max_tokens: int | None) -> None:
+        m = out.metrics
+        if m.first_scheduled_time is not None:
+            self.inference.observe(max(0.0, end - m.first_scheduled_time))
+            if m.first_token_time is not None:
+                self.prefill.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        if m.first_token_time is not None:
+            self.decode.observe(max(0.0, end - m.first_token_time))
+        self.prompt_tokens.observe(len(out.prompt_token_ids or []))
+        self.generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
+        self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
 
     def forget(self, request_id: str) -> None:
         """Drops per-request state (finished or aborted request)."""
         self._last_token_time.pop(request_id, None)
+        self._params.pop(request_id, None)
 
 
 class StatLogger:

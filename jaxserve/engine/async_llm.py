@@ -16,6 +16,8 @@ import weakref
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 
+import numpy as np
+
 from jaxserve.metrics import ServerMetrics, StatLogger
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -99,6 +101,26 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
 
+def _scheduled_tokens(engine) -> int:
+    """Tokens the engine's runners computed so far (0 for engines without runners)."""
+    engines = getattr(engine, "replicas", None) or [engine]
+    return sum(getattr(getattr(e, "runner", None), "num_scheduled_tokens", 0) for e in engines)
+
+
+def _cache_config(engine) -> dict[str, object]:
+    """Labels of `cache_config_info` (vLLM's names), or {} for an engine without a config."""
+    config, limits = getattr(engine, "config", None), getattr(engine, "limits", None)
+    cache = getattr(config, "cache", None)
+    if cache is None or limits is None:
+        return {}
+    return {"block_size": cache.block_size, "num_gpu_blocks": limits.num_pages,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "gpu_memory_utilization": cache.gpu_memory_utilization,
+            "swap_space": cache.swap_space,
+            "cache_dtype": np.dtype(engine.model.dtype).name if hasattr(engine, "model")
+            else "auto"}
+
+
 class AsyncLLM:
     """Serves one `LLMEngine` to asyncio code.
 
@@ -121,6 +143,8 @@ class AsyncLLM:
         self._stopped = False
         self.errored: BaseException | None = None
         self.metrics.update_snapshot(engine.get_metrics())
+        self.metrics.cache_config = _cache_config(engine)
+        self._scheduled_tokens = _scheduled_tokens(engine)
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -227,6 +251,7 @@ class AsyncLLM:
                 return
             for stream, _ in batch:
                 self._streams[stream.request_id] = stream
+                self.metrics.on_added(stream.request_id, params)
             done.set_result(None)
         elif kind == "abort":
             # NOTE: the stream may be gone already (dropped by its consumer); the engine
@@ -264,6 +289,9 @@ class AsyncLLM:
             self._fail_all(RuntimeError(f"engine step failed: {e}"))
             return
         now = time.time()
+        scheduled = _scheduled_tokens(self.engine)
+        self.metrics.observe_step(scheduled - self._scheduled_tokens)
+        self._scheduled_tokens = scheduled
         for out in outputs:
             self.metrics.observe(out, now)
             stream = self._streams.get(out.request_id)

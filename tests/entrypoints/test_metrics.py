@@ -87,3 +87,53 @@ def test_stat_logger_reports_throughput_only_when_busy(caplog):
     assert "prefix cache hit rate 25.0%" in line
     idle = {**SNAPSHOT, "jaxserve:num_requests_running": 0, "jaxserve:num_requests_waiting": 0}
     assert log.maybe_log(idle) is None
+
+
+def test_vllm_prefix_exports_vllms_own_names():
+    m = ServerMetrics("tiny", prefix="vllm")
+    m.update_snapshot(SNAPSHOT)
+    fams = families(m)
+    assert not [name for name in fams if name.startswith("jaxserve")]
+    assert fams["vllm:num_requests_running"].type == "gauge"
+    assert fams["vllm:prompt_tokens"].type == "counter"
+    assert fams["vllm:time_to_first_token_seconds"].type == "histogram"
+    success = {s.labels["finished_reason"]: s.value
+               for s in fams["vllm:request_success"].samples if s.name.endswith("_total")}
+    assert success == {"stop": 4, "length": 5}
+
+
+def test_bad_prefix_is_a_clear_error():
+    import pytest
+
+    with pytest.raises(ValueError, match="prefix must be one of"):
+        ServerMetrics("tiny", prefix="prom")
+
+
+def test_request_and_step_histograms_and_cache_config():
+    from jaxserve.sampling_params import SamplingParams
+
+    m = ServerMetrics("tiny")
+    m.cache_config = {"block_size": 16, "num_gpu_blocks": 64, "enable_prefix_caching": True}
+    t0 = 1000.0
+    metrics = RequestMetrics(arrival_time=t0, first_scheduled_time=t0 + 0.5,
+                             first_token_time=t0 + 1.0, last_token_time=t0 + 3.0,
+                             finished_time=t0 + 3.0)
+    m.on_added("r", SamplingParams(n=2, max_tokens=9))
+    m.observe_step(40)
+    m.observe_step(2)
+    m.observe_step(0)  # a step that computed nothing is not an iteration
+    m.observe(RequestOutput("r", "p", [1, 2, 3], [CompletionOutput(0, token_ids=[5, 6]),
+                                                  CompletionOutput(1, token_ids=[7])],
+                            True, metrics))
+    get = lambda name: m.registry.get_sample_value(f"jaxserve:{name}", {"model_name": "tiny"})
+    assert get("iteration_tokens_total_count") == 2 and get("iteration_tokens_total_sum") == 42
+    assert get("request_prompt_tokens_sum") == 3
+    assert get("request_generation_tokens_sum") == 3
+    assert get("request_params_n_sum") == 2 and get("request_params_max_tokens_sum") == 9
+    assert get("request_inference_time_seconds_sum") == 2.5
+    assert get("request_prefill_time_seconds_sum") == 0.5
+    assert get("request_decode_time_seconds_sum") == 2.0
+    info = families(m)["jaxserve:cache_config_info"].samples[0]
+    assert info.value == 1 and info.labels == {"block_size": "16", "num_gpu_blocks": "64",
+                                               "enable_prefix_caching": "True"}
+    assert m._params == {}

@@ -297,3 +297,19 @@ def test_the_field_table_lists_every_field_the_server_parses():
     parsed = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
     assert parsed - listed == set()
     assert listed - parsed == set()
+
+
+def test_metrics_have_vllms_request_and_step_families(server):
+    assert post(server, "/v1/completions", {**GOOD, "n": 2, "temperature": 1.0}).status_code \
+        == 200
+    m = server.metrics()
+    info = [k for k in m if k.startswith("jaxserve:cache_config_info{")]
+    assert info == ["jaxserve:cache_config_info{block_size=16,cache_dtype=float32,"
+                    "enable_prefix_caching=True,gpu_memory_utilization=0.9,num_gpu_blocks=64,"
+                    "swap_space=4.0}"], info
+    assert m["jaxserve:iteration_tokens_total_count"] > 0
+    assert m["jaxserve:request_params_n_sum"] >= 2
+    for name in ("request_prompt_tokens", "request_generation_tokens",
+                 "request_params_max_tokens", "request_inference_time_seconds",
+                 "request_prefill_time_seconds", "request_decode_time_seconds"):
+        assert m[f"jaxserve:{name}_count"] > 0, name

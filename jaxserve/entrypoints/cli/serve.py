@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load reports the completion and chat requests being answered "
                         "(otherwise 0)")
+    p.add_argument("--metric-name-prefix", choices=["jaxserve", "vllm"], default="jaxserve",
+                   help="prefix of the /metrics names; 'vllm' exports vLLM's own names, so "
+                        "existing vLLM dashboards work unchanged (default: jaxserve)")
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (the tokenizer's configuration and chat "
                         "template)")
@@ -87,7 +90,8 @@ def run(args) -> int:
         if warmup:
             startup.phase = "warm-up"
             engine.warmup()
-        return AsyncLLM(engine, ServerMetrics(names[0]), args.log_interval)
+        return AsyncLLM(engine, ServerMetrics(names[0], args.metric_name_prefix),
+                        args.log_interval)
 
     def failed(_):
         server.should_exit = True
