@@ -313,3 +313,26 @@ def test_metrics_have_vllms_request_and_step_families(server):
                  "request_params_max_tokens", "request_inference_time_seconds",
                  "request_prefill_time_seconds", "request_decode_time_seconds"):
         assert m[f"jaxserve:{name}_count"] > 0, name
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_and_whole_agree_with_n_two(client, chat):
+    kw = dict(model=MODEL_NAME, max_tokens=6, n=2, temperature=1.0, seed=11)
+    if chat:
+        full = client.chat.completions.create(messages=CHAT["messages"], **kw)
+        chunks = list(client.chat.completions.create(messages=CHAT["messages"], stream=True,
+                                                     **kw))
+        whole = {c.index: (c.message.content, c.finish_reason) for c in full.choices}
+        text = lambda c: c.delta.content or ""
+    else:
+        full = client.completions.create(prompt="Once upon a time", **kw)
+        chunks = list(client.completions.create(prompt="Once upon a time", stream=True, **kw))
+        whole = {c.index: (c.text, c.finish_reason) for c in full.choices}
+        text = lambda c: c.text
+    streamed = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            got, reason = streamed.get(c.index, ("", None))
+            streamed[c.index] = (got + text(c), c.finish_reason or reason)
+    assert sorted(whole) == [0, 1] and streamed == whole
+    assert whole[0][0] != whole[1][0]
