@@ -16,6 +16,12 @@ FLOAT32_MAX = 3.4028234663852886e38
 SEED_MAX = 2**64 - 1
 # Most stop token ids one request may give (checked on the host every step).
 MAX_STOP_TOKEN_IDS = 1024
+# Widths the sampler compiles for a row's logit_bias entries and allowed_token_ids (as the
+# OpenAI API caps logit_bias at 300 entries); longer lists are refused at construction.
+MAX_LOGIT_BIAS = 300
+MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 64
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -110,6 +116,13 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Token sequences of `bad_words`, set by the engine from its tokenizer (as vLLM's
+    # `_bad_words_token_ids`); not a constructor argument.
+    bad_words_token_ids: list[list[int]] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n, 1)
@@ -141,6 +154,7 @@ class SamplingParams:
             self.seed = _as_int("seed", self.seed, 0, SEED_MAX)
         self._init_stops()
         self._init_lengths()
+        self._init_logit_controls()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:
@@ -196,6 +210,58 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must hold integers in [0, {INT32_MAX}], got "
                              f"{ids!r}") from None
 
+    def _init_logit_controls(self) -> None:
+        """Normalises `logit_bias` ({id: bias in [-100, 100]}, OpenAI's rule; string keys
+        of JSON accepted), `allowed_token_ids` and `bad_words` (None when empty)."""
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got "
+                                 f"{len(bias)}")
+            norm = {}
+            for key, value in bias.items():
+                try:
+                    tid = int(key) if isinstance(key, str) else key
+                except ValueError:
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+                tid = _as_int("logit_bias", tid, 0)
+                value = _as_float("logit_bias", value)
+                if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {value} "
+                                     f"for token {tid}")
+                norm[tid] = value
+            self.logit_bias = norm or None
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__len__"):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {ids!r}")
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} "
+                                 f"ids, got {len(ids)}")
+            if len(ids) == 0:
+                raise ValueError("allowed_token_ids must not be empty (nothing could be "
+                                 "sampled)")
+            self.allowed_token_ids = sorted({_as_int("allowed_token_ids", t, 0) for t in ids})
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, str):
+                words = [words]
+            if not isinstance(words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got "
+                                 f"{self.bad_words!r}")
+            if len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got "
+                                 f"{len(words)}")
+            self.bad_words = list(words) or None
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change this request's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
+
     def _init_lengths(self) -> None:
         """Validates `max_tokens` (None allowed) and `min_tokens`."""
         if self.max_tokens is not None:
@@ -249,4 +315,7 @@ class SamplingParams:
 
     def clone(self, **changes: Any) -> SamplingParams:
         """A validated copy with `changes` applied (e.g. a child's `seed` for n > 1)."""
-        return dataclasses.replace(self, **changes)
+        copy = dataclasses.replace(self, **changes)
+        if "bad_words" not in changes:
+            copy.bad_words_token_ids = self.bad_words_token_ids
+        return copy

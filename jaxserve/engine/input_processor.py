@@ -95,9 +95,12 @@ class InputProcessor:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         vocab = self.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids hold ids outside [0, {vocab}): {bad[:5]}")
+        for name, ids_ in (("stop_token_ids", params.stop_token_ids),
+                           ("logit_bias", list(params.logit_bias or ())),
+                           ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids_ if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} hold ids outside [0, {vocab}): {bad[:5]}")
         text, ids = self.tokenize(prompt)
         max_len = self.max_model_len
         if len(ids) >= max_len:
@@ -121,8 +124,22 @@ class InputProcessor:
             # with several EOS ids needs the others banned too.
             state.row_params = params.clone(
                 stop_token_ids=[*(params.stop_token_ids or []), *extra_eos])
+        if params.bad_words:
+            state.row_params = state.row_params.clone()
+            state.row_params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         check_sampling_row(state.row_params, ids, seeds[0], vocab, self.eos_token_ids)
         return state
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids alone and after a space (how it appears mid-text), as
+        vLLM tokenizes them."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
 
 def check_sampling_row(params: SamplingParams, prompt_ids: list[int], seed: int, vocab: int,
@@ -134,13 +151,18 @@ def check_sampling_row(params: SamplingParams, prompt_ids: list[int], seed: int,
         ValueError: The row cannot be built, or it bans more tokens below `min_tokens`
             than the width the sampler was compiled for.
     """
+    num_bad = len(params.bad_words_token_ids or ())
     if params.min_tokens:
         banned = params.all_stop_token_ids(eos_token_ids[0] if eos_token_ids else None)
-        if len(banned) > MAX_BANNED_TOKEN_IDS:
+        if len(banned) + num_bad > MAX_BANNED_TOKEN_IDS:
             raise ValueError(
-                f"stop_token_ids may hold at most {MAX_BANNED_TOKEN_IDS - len(eos_token_ids)} "
-                f"ids when min_tokens > 0 (they are banned on the device until min_tokens), "
-                f"got {len(params.stop_token_ids)}")
+                f"stop_token_ids may hold at most "
+                f"{MAX_BANNED_TOKEN_IDS - len(eos_token_ids) - num_bad} ids when min_tokens "
+                f"> 0 (they are banned on the device until min_tokens, beside "
+                f"{num_bad} bad-word tokens), got {len(params.stop_token_ids)}")
+    if num_bad > MAX_BANNED_TOKEN_IDS:
+        raise ValueError(f"bad_words: {num_bad} token sequences, more than the "
+                         f"{MAX_BANNED_TOKEN_IDS} the sampler bans per step")
     try:
         build_sampling_metadata([RowSpec(params, prompt_ids, (), seed, 0)], 1, vocab,
                                 eos_token_id=eos_token_ids[0] if eos_token_ids else None)

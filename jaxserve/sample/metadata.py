@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, SamplingParams
 
 # The only non-zero top-logprobs width the sampler compiles for (see `logprobs_bucket`).
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
@@ -19,15 +19,19 @@ MIN_TOKEN_IDS_LEN = 16
 # Width of the banned token id array that warm-up compiles: stop and EOS ids banned below
 # `min_tokens`. The engine refuses requests that would need more (no compile mid-serving).
 MAX_BANNED_TOKEN_IDS = 64
+# Widths of the logit-bias and allowed-id arrays in the compiled "full" sampler.
+LOGIT_BIAS_LEN = 1 << (MAX_LOGIT_BIAS - 1).bit_length()
+ALLOWED_LEN = MAX_ALLOWED_TOKEN_IDS
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_k", "top_p", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seeds", "counters",
-                 "prompt_token_ids", "output_token_ids", "banned_token_ids"],
+                 "prompt_token_ids", "output_token_ids", "banned_token_ids",
+                 "bias_token_ids", "bias_values", "allowed_token_ids", "restricted"],
     meta_fields=["all_greedy", "needs_filtering", "has_penalties", "has_banned_tokens",
-                 "max_num_logprobs"],
+                 "max_num_logprobs", "has_logit_controls"],
 )
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
@@ -58,13 +62,19 @@ class SamplingMetadata:
         prompt_token_ids: i32[R, Lp] or None; for the repetition penalty.
         output_token_ids: i32[R, Lo] or None; for all three penalties.
         banned_token_ids: i32[R, Lb] or None; ids set to -inf before anything else (stop
-            and EOS ids of rows that have not reached `min_tokens`).
+            and EOS ids of rows that have not reached `min_tokens`, and the last token of
+            each bad word whose other tokens end the output).
+        bias_token_ids: i32[R, Lx] or None; `logit_bias` ids, padded with V.
+        bias_values: f32[R, Lx] or None; the biases added to those ids' logits.
+        allowed_token_ids: i32[R, La] or None; `allowed_token_ids`, padded with V.
+        restricted: i32[R] or None; 1 where the row samples only its allowed ids.
         all_greedy: Static; every real row is greedy, so no random draws are compiled.
         needs_filtering: Static; some row uses top-k, top-p or min-p (compiles the filters).
         has_penalties: Static; the penalty arrays are present.
         has_banned_tokens: Static; `banned_token_ids` is present.
         max_num_logprobs: Static; top alternatives returned per row, 0 or MAX_LOGPROBS
             (capped at V).
+        has_logit_controls: Static; the logit-bias and allowed-id arrays are present.
     """
 
     temperature: Any
@@ -79,11 +89,16 @@ class SamplingMetadata:
     prompt_token_ids: Any = None
     output_token_ids: Any = None
     banned_token_ids: Any = None
+    bias_token_ids: Any = None
+    bias_values: Any = None
+    allowed_token_ids: Any = None
+    restricted: Any = None
     all_greedy: bool = True
     needs_filtering: bool = False
     has_penalties: bool = False
     has_banned_tokens: bool = False
     max_num_logprobs: int = 0
+    has_logit_controls: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -185,15 +200,15 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
     if has_penalties:
         prompt_ids, output_ids = _penalty_ids(rows, num_rows, vocab_size, prompt_len_padded,
                                               output_len_padded)
-    banned_lists = [sorted(r.params.all_stop_token_ids(eos_token_id))
-                    if counters[i] < r.params.min_tokens else None
-                    for i, r in enumerate(rows)]
+    banned_lists = [_banned_ids(r, int(counters[i]), eos_token_id) for i, r in enumerate(rows)]
     has_banned = any(ids for ids in banned_lists)
     banned_ids = None
     if has_banned:
         banned_ids = _pad_ids(banned_lists, num_rows, _width("banned", None, banned_lists),
                               vocab_size)
 
+    controls = _logit_controls(params, num_rows, vocab_size) \
+        if any(p.has_logit_controls for p in params) else {}
     max_logprobs = max([p.logprobs or 0 for p in params], default=0)
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -203,7 +218,38 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
         all_greedy=all(p.is_greedy for p in params),
         needs_filtering=bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0.0).any()),
         has_penalties=has_penalties, has_banned_tokens=has_banned,
-        max_num_logprobs=min(logprobs_bucket(max_logprobs), int(vocab_size)))
+        max_num_logprobs=min(logprobs_bucket(max_logprobs), int(vocab_size)),
+        has_logit_controls=bool(controls), **controls)
+
+
+def _banned_ids(row: RowSpec, counter: int, eos_token_id: int | None) -> list[int] | None:
+    """Ids banned for this row's next token: stop and EOS ids below `min_tokens`, and the
+    last token of each bad word whose earlier tokens end the output (vLLM's rule)."""
+    p = row.params
+    banned = set(p.all_stop_token_ids(eos_token_id)) if counter < p.min_tokens else set()
+    out = row.output_token_ids
+    for seq in p.bad_words_token_ids or ():
+        head = len(seq) - 1
+        if head == 0 or (len(out) >= head and list(out[len(out) - head:]) == list(seq[:-1])):
+            banned.add(seq[-1])
+    return sorted(banned) or None
+
+
+def _logit_controls(params: list[SamplingParams], num_rows: int, vocab_size: int) -> dict:
+    """The logit-bias and allowed-id arrays of the rows (padded with V)."""
+    biases = [p.logit_bias or {} for p in params]
+    width = _width("logit_bias", None, [list(b) for b in biases])
+    bias_ids = _pad_ids([list(b) for b in biases], num_rows, width, vocab_size)
+    bias_values = np.zeros((num_rows, width), np.float32)  # f32[R, Lx]
+    for i, b in enumerate(biases):
+        bias_values[i, :len(b)] = list(b.values())
+    allowed = [p.allowed_token_ids for p in params]
+    restricted = np.zeros((num_rows,), np.int32)  # i32[R]
+    restricted[:len(params)] = [a is not None for a in allowed]
+    return {"bias_token_ids": bias_ids, "bias_values": bias_values,
+            "allowed_token_ids": _pad_ids(allowed, num_rows, _width("allowed", None, allowed),
+                                          vocab_size),
+            "restricted": restricted}
 
 
 def _seeds_and_counters(rows: list[RowSpec], num_rows: int) -> tuple[np.ndarray, np.ndarray]:

@@ -51,6 +51,30 @@ def apply_banned_tokens(logits: jax.Array, banned_token_ids: jax.Array) -> jax.A
     return logits.at[rows, banned_token_ids].set(-jnp.inf, mode="drop")
 
 
+def apply_logit_controls(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """`allowed_token_ids` (every other id of a restricted row to -inf) then `logit_bias`
+    (added to the logits, as OpenAI's and vLLM's rules say).
+
+    Args:
+        logits: f32[R, V].
+        md: Metadata with `bias_token_ids`/`bias_values` [R, Lx], `allowed_token_ids`
+            [R, La] (pad ids == V are dropped) and `restricted` i32[R].
+    """
+    num_rows, vocab_size = logits.shape
+    rows = jnp.arange(num_rows)[:, None]  # i32[R, 1]
+    restricted = jnp.asarray(md.restricted) > 0  # bool[R]
+
+    def restrict(x):
+        allowed = jnp.zeros((num_rows, vocab_size), jnp.bool_).at[
+            rows, md.allowed_token_ids].set(True, mode="drop")  # bool[R, V]
+        return jnp.where(restricted[:, None] & ~allowed, -jnp.inf, x)
+
+    # NOTE: the [R, V] mask is built only in steps where some row is restricted.
+    logits = jax.lax.cond(restricted.any(), restrict, lambda x: x, logits)
+    return logits.at[rows, md.bias_token_ids].add(jnp.asarray(md.bias_values, jnp.float32),
+                                                 mode="drop")
+
+
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     """Repetition, frequency and presence penalties (vLLM / transformers / OpenAI rules).
 
@@ -106,7 +130,8 @@ def random_sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array) -> j
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Samples one token per row (jit-able; only `md`'s meta fields are static).
 
-    Order as in vLLM v1: banned ids (min_tokens) -> penalties -> greedy rows take the
+    Order as in vLLM v1: banned ids (min_tokens, bad words) -> allowed ids -> logit bias ->
+    penalties -> greedy rows take the
     argmax -> temperature -> min-p, top-k, top-p -> seeded Gumbel-max draw. The filters
     are compiled only when `md.needs_filtering`, the draw only when not `md.all_greedy`.
 
@@ -121,6 +146,8 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[R, V]
     if md.has_banned_tokens:
         logits = apply_banned_tokens(logits, md.banned_token_ids)
+    if md.has_logit_controls:
+        logits = apply_logit_controls(logits, md)
     if md.has_penalties:
         logits = apply_penalties(logits, md)
     token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[R]

@@ -273,8 +273,7 @@ def test_chat_returns_prompt_logprobs_when_asked(server):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("use_beam_search", True), ("allowed_token_ids", [1, 2]), ("bad_words", ["bad"]),
-    ("length_penalty", 0.5), ("truncate_prompt_tokens", 4), ("logits_processors", ["x"]),
+    ("use_beam_search", True), ("length_penalty", 0.5), ("truncate_prompt_tokens", 4), ("logits_processors", ["x"]),
 ])
 def test_vllm_extras_not_built_yet_are_refused_not_ignored(server, field, value):
     for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", CHAT)):

@@ -33,11 +33,14 @@ PENALISED = [RowSpec(SP(temperature=0.9, repetition_penalty=1.3, presence_penalt
                      [1, 2, 3], [4, 4, 5], seed=7)]
 BANNED = [RowSpec(SP(temperature=0.0, min_tokens=4, stop_token_ids=[9, 10]), (), [1])]
 LOGPROBS = [RowSpec(SP(temperature=0.0, logprobs=3))]
+CONTROLS = [RowSpec(SP(temperature=0.0, logit_bias={5: 50.0, 0: -100.0})),
+            RowSpec(SP(temperature=0.9, allowed_token_ids=[1, 2, 3]), seed=4)]
 
 
 @pytest.mark.parametrize("rows,expected", [
     (GREEDY, "greedy"), (RANDOM, "sample"), (GREEDY + RANDOM[:2], "sample"),
     (FILTERED, "sample"), (GREEDY + PENALISED, "full"), (BANNED, "full"), (LOGPROBS, "full"),
+    (GREEDY + CONTROLS, "full"),
     ([RowSpec(SP(temperature=0.0, top_k=3))], "greedy")])  # greedy drops its filters
 def test_variant_of_is_the_cheapest_that_covers_the_step(rows, expected):
     assert variant_of(md_of(rows)) == expected
@@ -104,8 +107,10 @@ def test_refuses_an_unknown_variant():
 
 
 @pytest.mark.parametrize("rows", [GREEDY + RANDOM, GREEDY[:1] + FILTERED + RANDOM[:3],
-                                  PENALISED + BANNED + LOGPROBS + RANDOM[:2]],
-                         ids=["greedy+random", "filtered", "penalties+banned+logprobs"])
+                                  PENALISED + BANNED + LOGPROBS + RANDOM[:2],
+                                  CONTROLS + RANDOM[:3]],
+                         ids=["greedy+random", "filtered", "penalties+banned+logprobs",
+                              "bias+allowed"])
 def test_promotion_samples_the_same_tokens(rows):
     logits = (np.random.default_rng(len(rows)).standard_normal((R, V)) * 2).astype(np.float32)
     # Token 0 (what a wrongly padded id array would ban or penalise) wins in even rows.

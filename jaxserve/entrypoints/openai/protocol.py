@@ -16,9 +16,8 @@ STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "gui
                             "structured_outputs")
 # vLLM's sampling extras not built yet, with the value that leaves the output unchanged:
 # any other value is refused (a 400 naming the field), never silently ignored.
-UNSUPPORTED_EXTRAS = {"use_beam_search": False, "allowed_token_ids": None, "bad_words": None,
-                      "length_penalty": 1.0, "truncate_prompt_tokens": None,
-                      "logits_processors": None}
+UNSUPPORTED_EXTRAS = {"use_beam_search": False, "length_penalty": 1.0,
+                      "truncate_prompt_tokens": None, "logits_processors": None}
 # Fields that may be named as `param` of an error raised below.
 REQUEST_FIELDS = frozenset({"stream_options", "response_format", "tools", "tool_choice",
                             "functions", "function_call", *STRUCTURED_OUTPUT_FIELDS,
@@ -62,6 +61,8 @@ class SamplingFields(OpenAIBaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -81,16 +82,12 @@ class SamplingFields(OpenAIBaseModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
     use_beam_search: Any = False
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     length_penalty: Any = 1.0
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's `SamplingParams` (raises ValueError naming a bad field)."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         kind = (self.response_format or {}).get("type", "text")
@@ -118,6 +115,8 @@ class SamplingFields(OpenAIBaseModel):
             logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
             **{k: v for k, v in given.items() if v is not None})
 
 
