@@ -152,17 +152,21 @@ def check_sampling_row(params: SamplingParams, prompt_ids: list[int], seed: int,
             than the width the sampler was compiled for.
     """
     num_bad = len(params.bad_words_token_ids or ())
+    if num_bad > MAX_BANNED_TOKEN_IDS:
+        raise ValueError(f"bad_words make {num_bad} token sequences, more than the "
+                         f"{MAX_BANNED_TOKEN_IDS} the sampler can ban per step")
     if params.min_tokens:
         banned = params.all_stop_token_ids(eos_token_ids[0] if eos_token_ids else None)
         if len(banned) + num_bad > MAX_BANNED_TOKEN_IDS:
+            if num_bad:
+                raise ValueError(f"bad_words ({num_bad} token sequences) and stop_token_ids "
+                                 f"with EOS ({len(banned)} ids, banned until min_tokens) "
+                                 f"exceed the {MAX_BANNED_TOKEN_IDS} ids the sampler can ban "
+                                 "per step")
             raise ValueError(
-                f"stop_token_ids may hold at most "
-                f"{MAX_BANNED_TOKEN_IDS - len(eos_token_ids) - num_bad} ids when min_tokens "
-                f"> 0 (they are banned on the device until min_tokens, beside "
-                f"{num_bad} bad-word tokens), got {len(params.stop_token_ids)}")
-    if num_bad > MAX_BANNED_TOKEN_IDS:
-        raise ValueError(f"bad_words: {num_bad} token sequences, more than the "
-                         f"{MAX_BANNED_TOKEN_IDS} the sampler bans per step")
+                f"stop_token_ids may hold at most {MAX_BANNED_TOKEN_IDS - len(eos_token_ids)} "
+                f"ids when min_tokens > 0 (they are banned on the device until min_tokens), "
+                f"got {len(params.stop_token_ids)}")
     try:
         build_sampling_metadata([RowSpec(params, prompt_ids, (), seed, 0)], 1, vocab,
                                 eos_token_id=eos_token_ids[0] if eos_token_ids else None)

@@ -273,14 +273,14 @@ def test_chat_returns_prompt_logprobs_when_asked(server):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("use_beam_search", True), ("length_penalty", 0.5), ("truncate_prompt_tokens", 4), ("logits_processors", ["x"]),
+    ("length_penalty", 0.5), ("truncate_prompt_tokens", 4), ("logits_processors", ["x"]),
 ])
 def test_vllm_extras_not_built_yet_are_refused_not_ignored(server, field, value):
     for path, body in (("/v1/completions", GOOD), ("/v1/chat/completions", CHAT)):
         r = post(server, path, {**body, field: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     # Their neutral values are accepted (clients that always send them keep working).
-    neutral = {"use_beam_search": False, "length_penalty": 1.0}.get(field)
+    neutral = {"length_penalty": 1.0}.get(field)
     assert post(server, "/v1/completions", {**GOOD, field: neutral}).status_code == 200
 
 
@@ -335,3 +335,48 @@ def test_streamed_and_whole_agree_with_n_two(client, chat):
             streamed[c.index] = (got + text(c), c.finish_reason or reason)
     assert sorted(whole) == [0, 1] and streamed == whole
     assert whole[0][0] != whole[1][0]
+
+
+def test_logit_controls_over_http(client, smollm2_tokenizer):
+    steered = client.completions.create(model=MODEL_NAME, prompt="Once upon a time",
+                                        max_tokens=3, temperature=0, logit_bias={"28": 100})
+    assert steered.choices[0].text == smollm2_tokenizer.decode([28, 28, 28])
+    allowed = [28, 260]
+    r = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4,
+                                  temperature=1.0, seed=3, logprobs=0,
+                                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    texts = {smollm2_tokenizer.decode([t]) for t in allowed}
+    assert set(r.choices[0].logprobs.tokens) <= texts
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"],
+                                          max_tokens=2, temperature=0,
+                                          logit_bias={"28": 100})
+    assert chat.choices[0].message.content == smollm2_tokenizer.decode([28, 28])
+
+
+def test_beam_search_over_http_equals_llm_beam_search(client, smollm2, smollm2_tokenizer):
+    from jaxserve import LLM
+    from jaxserve.engine.beam_search import BeamSearchParams
+    from tests.entrypoints.conftest import LIMITS
+
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, n=3,
+                                  extra_body={"use_beam_search": True})
+    llm = LLM(smollm2, tokenizer=smollm2_tokenizer, **LIMITS)
+    (want,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))
+    assert [c.text for c in r.choices] == [s.text for s in want.sequences]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == sum(
+        len(s.tokens) - s.num_prompt_tokens for s in want.sequences)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"],
+                                          max_tokens=4, n=2,
+                                          extra_body={"use_beam_search": True})
+    assert len(chat.choices) == 2 and chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"stream": True}, "does not stream"), ({"n": 11}, "beam width"),
+    ({"logprobs": 2}, "logprobs"), ({"length_penalty": "x"}, "length_penalty"),
+])
+def test_beam_search_refuses_what_it_cannot_do(server, extra, words):
+    r = post(server, "/v1/completions", {**GOOD, "use_beam_search": True, **extra})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text

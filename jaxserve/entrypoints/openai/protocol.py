@@ -16,12 +16,11 @@ STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "gui
                             "structured_outputs")
 # vLLM's sampling extras not built yet, with the value that leaves the output unchanged:
 # any other value is refused (a 400 naming the field), never silently ignored.
-UNSUPPORTED_EXTRAS = {"use_beam_search": False, "length_penalty": 1.0,
-                      "truncate_prompt_tokens": None, "logits_processors": None}
+UNSUPPORTED_EXTRAS = {"truncate_prompt_tokens": None, "logits_processors": None}
 # Fields that may be named as `param` of an error raised below.
 REQUEST_FIELDS = frozenset({"stream_options", "response_format", "tools", "tool_choice",
                             "functions", "function_call", *STRUCTURED_OUTPUT_FIELDS,
-                            *UNSUPPORTED_EXTRAS})
+                            *UNSUPPORTED_EXTRAS, "use_beam_search", "length_penalty"})
 
 
 class OpenAIBaseModel(BaseModel):
@@ -81,8 +80,8 @@ class SamplingFields(OpenAIBaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    use_beam_search: Any = False
-    length_penalty: Any = 1.0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
 
@@ -97,6 +96,10 @@ class SamplingFields(OpenAIBaseModel):
         for name in STRUCTURED_OUTPUT_FIELDS:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} needs structured output, which is not supported")
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.length_penalty != 1.0:
+            raise ValueError("length_penalty applies to beam search only (use_beam_search)")
         for name, neutral in UNSUPPORTED_EXTRAS.items():
             value = getattr(self, name)
             if value != neutral and not (neutral is None and value in ([], "")):
@@ -118,6 +121,27 @@ class SamplingFields(OpenAIBaseModel):
             logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or None,
             **{k: v for k, v in given.items() if v is not None})
+
+    def _check_beam_search(self) -> None:
+        """What beam search over HTTP supports: n beams (1..10), greedy candidates."""
+        if self.stream:
+            raise ValueError("use_beam_search does not stream; send stream=false")
+        if not 1 <= self.n <= SamplingParams.MAX_LOGPROBS // 2:
+            raise ValueError(f"n is the beam width with use_beam_search: 1 to "
+                             f"{SamplingParams.MAX_LOGPROBS // 2}, got {self.n}")
+        if getattr(self, "logprobs", None) or self.prompt_logprobs is not None:
+            raise ValueError("logprobs are not returned with use_beam_search")
+        if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != \
+                self.length_penalty:
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+
+    def beam_search_params(self, max_tokens: int):
+        """The `BeamSearchParams` of a `use_beam_search` request."""
+        from jaxserve.engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens,
+                                ignore_eos=self.ignore_eos,
+                                length_penalty=float(self.length_penalty))
 
 
 class CompletionRequest(SamplingFields):

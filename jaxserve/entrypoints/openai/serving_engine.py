@@ -27,7 +27,7 @@ from jaxserve.entrypoints.openai.errors import (  # noqa: F401 - re-exported
     from_value_error,
     parse_body,
 )
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -179,6 +179,8 @@ class OpenAIServing:
         """
         req, prep = await asyncio.to_thread(self._parse_and_prepare, body)
         request_id = random_id(self.id_prefix)
+        if getattr(req, "use_beam_search", False):
+            return await self._beam_search(req, prep, request_id, is_disconnected)
         streams = await self.start(request_id, prep.prompts, prep.params,
                                    getattr(req, "priority", 0), getattr(req, "cache_salt", None))
         if getattr(req, "stream", False):
@@ -186,6 +188,37 @@ class OpenAIServing:
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             await _until_done_or_gone(_collect(streams, finals), is_disconnected)
+        except RequestFailedError as e:
+            raise OpenAIError(500, str(e)) from None
+        except EngineDeadError as e:
+            raise OpenAIError(503, str(e)) from None
+        return self.full_response(req, prep, request_id, finals)
+
+    async def _beam_search(self, req, prep: Prepared, request_id: str,
+                           is_disconnected=None) -> dict:
+        """A `use_beam_search` request: the best n hypotheses of each prompt as choices."""
+        from jaxserve.entrypoints.openai.beam_search import beam_search
+
+        eos = tuple(getattr(self.llm.engine, "eos_token_ids", None)
+                    or [t for t in [self.tokenizer.eos_token_id] if t is not None])
+        salt = getattr(req, "cache_salt", None)
+
+        async def one(i: int, prompt: dict) -> RequestOutput:
+            ids = prompt["prompt_token_ids"]
+            # NOTE: max_tokens=None runs to max_model_len, as for sampling.
+            bp = req.beam_search_params(prep.params.max_tokens
+                                        or max(1, self.max_model_len - len(ids) - 1))
+            seqs = await beam_search(self.llm, ids, bp, f"{request_id}-{i}", eos, salt)
+            outputs = [CompletionOutput(
+                j, self.tokenizer.decode(s.tokens[len(ids):], skip_special_tokens=True),
+                s.tokens[len(ids):], s.cum_logprob, None, s.finish_reason)
+                for j, s in enumerate(seqs)]
+            return RequestOutput(request_id, prompt.get("prompt"), ids, outputs, True,
+                                 RequestMetrics(arrival_time=time.time()))
+
+        try:
+            finals = await _until_done_or_gone(asyncio.gather(
+                *[one(i, p) for i, p in enumerate(prep.prompts)]), is_disconnected)
         except RequestFailedError as e:
             raise OpenAIError(500, str(e)) from None
         except EngineDeadError as e:
@@ -242,11 +275,14 @@ async def _collect(streams: list[RequestStream], finals: list[RequestOutput | No
         finals[i] = out
 
 
-async def _until_done_or_gone(work: Awaitable[None],
-                              is_disconnected: Callable[[], Awaitable[bool]] | None) -> None:
+async def _until_done_or_gone(work: Awaitable,
+                              is_disconnected: Callable[[], Awaitable[bool]] | None):
     """Awaits `work`, checking the client meanwhile (whether or not outputs arrive: a
     request still waiting for a slot has none); a client that left cancels `work`, which
     aborts its requests at once (a 499).
+
+    Returns:
+        What `work` returns.
 
     Raises:
         OpenAIError: 499 when the client disconnected; whatever `work` raises.
