@@ -8,8 +8,8 @@ splits each token's keys into three disjoint parts and merges them with an onlin
   in blocks of `block_kv` keys, for as many blocks as the longest such context needs (a
   `fori_loop` with a traced trip count: no compile per context length);
 * prefix part: every other token reads the context its request had before this step
-  (prefix-cache hits, earlier chunks) from the pool, one gather per token and block, for as
-  many blocks as the longest such prefix needs (none for fresh prompts);
+  (prefix-cache hits, earlier chunks) from the pool, in tiles of one request's query
+  tokens: a tile gathers its request's pages once per key block (none for fresh prompts);
 * in-step part: those tokens also attend to this step's own tokens of their request,
   read back from the pool by slot (`[num_tokens]` entries), causally masked, in key tiles;
   skipped by a `cond` when the step holds decode rows only.
@@ -114,6 +114,81 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
     return jax.lax.fori_loop(0, num_blocks, body, _init(n, kv_heads, group, head_dim))
 
 
+def _prefix_part(q, kv_pages, layer, md, lens, q_pos, window, *, block_kv, block_q, sm_scale,
+                 soft_cap):
+    """Attention of every token to what its request held before this step (`lens` i32[t]
+    keys, 0 for tokens that need none), in query tiles of `block_q` tokens of one request:
+    each tile gathers its request's pages once per key block and attends with one matmul,
+    instead of one gather per token.
+
+    Tiles are enumerated on the device (rows with a prefix, ceil(q_len / block_q) tiles
+    each) and walked by a `fori_loop` with a traced trip count.
+    """
+    t, kv_heads, group, head_dim = q.shape
+    page_size = kv_pages.shape[4]
+    ppb = block_kv // page_size
+    num_rows = md.kv_lens.shape[0]
+    starts = md.cu_q_lens[:-1]  # i32[rows]
+    q_lens = md.cu_q_lens[1:] - starts  # i32[rows]
+    row_lens = jnp.zeros(num_rows, jnp.int32).at[
+        jnp.searchsorted(md.cu_q_lens[1:], jnp.arange(t, dtype=jnp.int32), side="right")
+        .clip(0, num_rows - 1)].max(lens)  # i32[rows]: each row's prefix (0: none)
+    tiles = jnp.where(row_lens > 0, (q_lens + block_q - 1) // block_q, 0)  # i32[rows]
+    ends = jnp.cumsum(tiles)  # i32[rows]
+    pages = md.block_tables
+    pad = (-pages.shape[1]) % ppb
+    if pad:
+        pages = jnp.pad(pages, ((0, 0), (0, pad)))  # page 0 is masked by `lens`
+    # NOTE: padded by a tile, so a tile's slice is never clamped (shifted) at the end.
+    qp = jnp.pad(q, ((0, block_q), (0, 0), (0, 0), (0, 0)))
+    posp = jnp.pad(q_pos, (0, block_q))
+
+    def tile(i, state):
+        r = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+        first = starts[r] + (i - (ends[r] - tiles[r])) * block_q
+        qt = jax.lax.dynamic_slice_in_dim(qp, first, block_q)  # [block_q, k, g, d]
+        pos = jax.lax.dynamic_slice_in_dim(posp, first, block_q)  # i32[block_q]
+        mine = first + jnp.arange(block_q) < starts[r] + q_lens[r]  # bool[block_q]
+        length = row_lens[r]
+
+        def block(b, st):
+            ids = jax.lax.dynamic_slice_in_dim(pages[r], b * ppb, ppb)  # i32[ppb]
+            kv = _tiles(kv_pages, layer, ids)  # [ppb, 2, kv_heads, page_size, head_dim]
+            k = kv[:, 0].astype(jnp.float32)  # [ppb, kv_heads, page_size, head_dim]
+            v = kv[:, 1].astype(jnp.float32)
+            k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
+            mask = (k_pos[None, :] < length) & _window_ok(pos, k_pos[None, :], window)
+            mask = mask.reshape(block_q, 1, 1, ppb, page_size)
+            logits = jnp.einsum("nkgd,pkcd->nkgpc", qt, k) * sm_scale
+            if soft_cap is not None:
+                logits = soft_cap * jnp.tanh(logits / soft_cap)
+            logits = jnp.where(mask, logits, -jnp.inf)  # f32[block_q, k, g, ppb, page]
+            acc, m, denom = st
+            m_new = jnp.maximum(m, jnp.max(logits, axis=(3, 4)))
+            p = jnp.exp(logits - m_new[..., None, None])
+            scale = jnp.exp(m - m_new)
+            keep = (k_pos < length).reshape(ppb, 1, page_size, 1)
+            v = jnp.where(keep, v, 0.0)  # NaN in a free slot must not leak
+            acc = acc * scale[..., None] + jnp.einsum("nkgpc,pkcd->nkgd", p, v)
+            return acc, m_new, denom * scale + jnp.sum(p, axis=(3, 4))
+
+        num_blocks = (length + block_kv - 1) // block_kv
+        new = jax.lax.fori_loop(0, num_blocks, block, _init(block_q, kv_heads, group, head_dim))
+        out = []
+        for whole, part in zip(state, new, strict=True):
+            old = jax.lax.dynamic_slice_in_dim(whole, first, block_q)
+            keep_new = mine.reshape((block_q,) + (1,) * (part.ndim - 1))
+            out.append(jax.lax.dynamic_update_slice_in_dim(
+                whole, jnp.where(keep_new, part, old), first, axis=0))
+        return tuple(out)
+
+    state = tuple(jnp.pad(x, ((0, block_q),) + ((0, 0),) * (x.ndim - 1), constant_values=c)
+                  for x, c in zip(_init(t, kv_heads, group, head_dim), (0.0, _NEG, 0.0),
+                                  strict=True))
+    state = jax.lax.fori_loop(0, ends[-1], tile, state)
+    return tuple(x[:t] for x in state)
+
+
 def _in_step_part(q, kv_pages, layer, md, seq_ids, q_pos, queries, window, *, block_q,
                   sm_scale, soft_cap):
     """Attention of the `queries` tokens (bool[t]) to this step's own tokens of their
@@ -156,6 +231,7 @@ def ragged_paged_attention_xla(
     soft_cap: float | None = None,
     block_kv: int = 128,
     block_q: int = 256,
+    block_q_prefix: int = 64,
 ) -> jax.Array:
     """Causal attention of packed queries over each request's paged K/V (see the module).
 
@@ -170,6 +246,7 @@ def ragged_paged_attention_xla(
         soft_cap: If set, logits become `soft_cap * tanh(logits / soft_cap)`.
         block_kv: Keys per gathered block (rounded to whole pages).
         block_q: Keys per tile of the in-step part.
+        block_q_prefix: Query tokens (of one request) per tile of the prefix part.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
@@ -197,8 +274,8 @@ def ragged_paged_attention_xla(
     # Prefix part: what the other tokens' requests held before this step.
     others = valid & ~is_decode
     prefix_lens = jnp.where(others, md.kv_lens[seq_ids] - q_lens[seq_ids], 0)
-    state = _paged_part(qg, kv_pages, layer, md.block_tables[seq_ids], prefix_lens, q_pos,
-                        window, block_kv=block_kv, **common)
+    state = _prefix_part(qg, kv_pages, layer, md, prefix_lens, q_pos, window,
+                         block_kv=block_kv, block_q=block_q_prefix, **common)
     state = jax.lax.cond(
         jnp.any(others),
         lambda s: _merge(s, _in_step_part(qg, kv_pages, layer, md, seq_ids, q_pos, others,

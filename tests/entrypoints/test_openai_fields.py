@@ -199,11 +199,24 @@ def test_load_and_tokenizer_info_behind_their_flags(server, smollm2_tokenizer):
 CONTEXT, CONTINUATION = "The capital of France is", " Paris"
 
 
+@pytest.fixture(scope="module")
+def offline_llm(smollm2, smollm2_tokenizer):
+    """`LLM` over the same model and limits as the server (the offline API as an oracle)."""
+    from jaxserve import LLM
+    from tests.entrypoints.conftest import LIMITS
+
+    return LLM(smollm2, tokenizer=smollm2_tokenizer, **LIMITS)
+
+
 def test_echo_scores_the_prompt_like_an_evaluation_harness(client, server, hf_smollm2,
-                                                           smollm2_tokenizer, torch_one_thread):
+                                                           smollm2_tokenizer, torch_one_thread,
+                                                           offline_llm):
     """lm-evaluation-harness's loglikelihood: echo=True, max_tokens=0, logprobs=1, then the
-    sum of the continuation's token logprobs; checked against transformers."""
+    sum of the continuation's token logprobs; checked against transformers and against
+    `LLM.generate`'s prompt logprobs."""
     import torch
+
+    from jaxserve import SamplingParams
 
     r = client.completions.create(model=MODEL_NAME, prompt=CONTEXT + CONTINUATION,
                                   max_tokens=0, echo=True, logprobs=1, temperature=0)
@@ -223,6 +236,12 @@ def test_echo_scores_the_prompt_like_an_evaluation_harness(client, server, hf_sm
     score = sum(lp.token_logprobs[n_ctx:])
     want = sum(ref[p - 1, ids[p]] for p in range(n_ctx, len(ids)))
     assert abs(score - want) < 1e-3
+    (offline,) = offline_llm.generate([CONTEXT + CONTINUATION], SamplingParams(
+        temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    assert offline.prompt_token_ids == ids
+    for pos in range(1, len(ids)):
+        assert abs(offline.prompt_logprobs[pos][ids[pos]].logprob
+                   - lp.token_logprobs[pos]) < 1e-4
     # The same numbers through vLLM's prompt_logprobs field.
     raw = post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": CONTEXT + CONTINUATION,
                                            "max_tokens": 1, "temperature": 0,
@@ -353,16 +372,13 @@ def test_logit_controls_over_http(client, smollm2_tokenizer):
     assert chat.choices[0].message.content == smollm2_tokenizer.decode([28, 28])
 
 
-def test_beam_search_over_http_equals_llm_beam_search(client, smollm2, smollm2_tokenizer):
-    from jaxserve import LLM
+def test_beam_search_over_http_equals_llm_beam_search(client, offline_llm):
     from jaxserve.engine.beam_search import BeamSearchParams
-    from tests.entrypoints.conftest import LIMITS
 
     prompt = "The capital of France is"
     r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=6, n=3,
                                   extra_body={"use_beam_search": True})
-    llm = LLM(smollm2, tokenizer=smollm2_tokenizer, **LIMITS)
-    (want,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))
+    (want,) = offline_llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))
     assert [c.text for c in r.choices] == [s.text for s in want.sequences]
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert r.usage.completion_tokens == sum(

@@ -30,8 +30,10 @@ reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale
 
 @functools.cache
 def xla_path(block_kv: int, block_q: int):
+    # NOTE: the prefix part's query tiles are as small as the in-step part's, so small
+    # `block_q` runs several tiles per request, and tiles that reach into the next one.
     return jax.jit(functools.partial(ragged_paged_attention_xla, block_kv=block_kv,
-                                     block_q=block_q),
+                                     block_q=block_q, block_q_prefix=min(block_q, 64)),
                    static_argnames=("sm_scale", "soft_cap"))
 
 
