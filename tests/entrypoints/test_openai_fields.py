@@ -205,7 +205,9 @@ def offline_llm(smollm2, smollm2_tokenizer):
     from jaxserve import LLM
     from tests.entrypoints.conftest import LIMITS
 
-    return LLM(smollm2, tokenizer=smollm2_tokenizer, **LIMITS)
+    # NOTE: the server's pool size too, so its programs come from the compilation cache.
+    return LLM(smollm2, tokenizer=smollm2_tokenizer, num_kv_blocks=64, warmup=False,
+               **LIMITS)
 
 
 def test_echo_scores_the_prompt_like_an_evaluation_harness(client, server, hf_smollm2,
