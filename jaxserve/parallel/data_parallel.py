@@ -107,6 +107,11 @@ class DataParallelEngine:
         """Which replica serves a live request (None once finished)."""
         return self._owner.get(request_id)
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The replicas' EOS ids (the same model and tokenizer in each)."""
+        return self.replicas[0].eos_token_ids
+
     def get_metrics(self) -> dict[str, float]:
         """Counters summed over replicas; usage and ratios averaged."""
         per = [r.get_metrics() for r in self.replicas]

@@ -1,5 +1,5 @@
 """Request fields existing OpenAI/vLLM clients send: usage details (prefix-cache hits, per-chunk
-usage), seeds in vLLM's range with pydantic-style messages, and every field that would
+usage), seeds up to 2^63 - 1 with pydantic-style messages, and every field that would
 change the output but is not supported (structured output, tool calls) refused with a 400
 naming it, never silently ignored."""
 
@@ -49,6 +49,10 @@ def post(server, path, body):
         "type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "sometimes"}, "tool_choice", "must be"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": "get_weather"}}, "tool_choice", "'function' object"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": "f"}],
+                              "tool_choice": "none"}, "tools", "'function' object"),
     ("/v1/chat/completions", {**CHAT, "functions": [TOOL["function"]]}, "functions",
      "deprecated"),
     ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}},
@@ -394,6 +398,8 @@ def test_beam_search_over_http_equals_llm_beam_search(client, offline_llm):
 @pytest.mark.parametrize("extra, words", [
     ({"stream": True}, "does not stream"), ({"n": 11}, "beam width"),
     ({"logprobs": 2}, "logprobs"), ({"length_penalty": "x"}, "length_penalty"),
+    ({"stop": ["x"]}, "stop is not supported"), ({"temperature": 0.7}, "temperature"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"), ({"min_tokens": 2}, "min_tokens"),
 ])
 def test_beam_search_refuses_what_it_cannot_do(server, extra, words):
     r = post(server, "/v1/completions", {**GOOD, "use_beam_search": True, **extra})

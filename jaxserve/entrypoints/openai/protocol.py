@@ -8,7 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.sampling_params import SamplingParams
 
-# The request seed range vLLM's server accepts above zero (a signed 64-bit integer).
+# Largest request seed (vLLM's server takes any signed 64-bit seed; negative ones are a 400
+# here, as issue 12 settled).
 SEED_LIMIT = 2**63 - 1
 # vLLM's structured-output fields: each would change the output, so each is refused until
 # structured output exists (never silently ignored).
@@ -131,6 +132,19 @@ class SamplingFields(OpenAIBaseModel):
                              f"{SamplingParams.MAX_LOGPROBS // 2}, got {self.n}")
         if getattr(self, "logprobs", None) or self.prompt_logprobs is not None:
             raise ValueError("logprobs are not returned with use_beam_search")
+        # NOTE: beams extend by their top candidates; a field that would change that is
+        # refused by name rather than ignored.
+        changed = [name for name, neutral in (
+            ("logit_bias", None), ("allowed_token_ids", None), ("bad_words", None),
+            ("stop", None), ("stop_token_ids", None), ("min_tokens", 0),
+            ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", None),
+            ("top_k", None), ("top_p", None), ("min_p", None))
+            if getattr(self, name) not in (neutral, [], {})]
+        if self.temperature not in (None, 0, 0.0):
+            changed.insert(0, "temperature")
+        if changed:
+            raise ValueError(f"{changed[0]} is not supported with use_beam_search (beams "
+                             f"extend greedily by their top candidates)")
         if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != \
                 self.length_penalty:
             raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
@@ -242,9 +256,16 @@ class ChatCompletionRequest(SamplingFields):
                 raise ValueError(f"{name} is deprecated by OpenAI and not supported; use tools "
                                  "with tool_choice='none'")
         choice = self.tool_choice
+        for tool in self.tools or []:
+            if not isinstance(tool.get("function"), dict):
+                raise ValueError(f"tools: each tool needs a 'function' object, got {tool!r}")
         if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
-            known = {(t.get("function") or {}).get("name") for t in self.tools or []}
+            function = choice.get("function")
+            if not isinstance(function, dict):
+                raise ValueError(f"tool_choice: a named choice needs a 'function' object, got "
+                                 f"{choice!r}")
+            name = function.get("name")
+            known = {t["function"].get("name") for t in self.tools or []}
             if name not in known:
                 raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
         elif choice not in (None, "none", "auto", "required"):

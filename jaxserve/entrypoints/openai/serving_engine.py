@@ -216,9 +216,16 @@ class OpenAIServing:
             return RequestOutput(request_id, prompt.get("prompt"), ids, outputs, True,
                                  RequestMetrics(arrival_time=time.time()))
 
+        async def every_prompt():
+            tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prep.prompts)]
+            try:
+                return await asyncio.gather(*tasks)
+            finally:  # NOTE: one prompt's failure stops the others' searches
+                for task in tasks:
+                    task.cancel()
+
         try:
-            finals = await _until_done_or_gone(asyncio.gather(
-                *[one(i, p) for i, p in enumerate(prep.prompts)]), is_disconnected)
+            finals = await _until_done_or_gone(every_prompt(), is_disconnected)
         except RequestFailedError as e:
             raise OpenAIError(500, str(e)) from None
         except EngineDeadError as e:
@@ -387,7 +394,8 @@ def chunk_usage(req, prep: Prepared, finals: list[RequestOutput | None]) -> dict
     if opts is None or not (opts.include_usage and opts.continuous_usage_stats):
         return {}
     prompt = sum(len(p["prompt_token_ids"]) for p in prep.prompts)
-    completion = sum(len(c.token_ids) for o in finals if o is not None for c in o.outputs)
+    completion = 0 if getattr(req, "echo_only", False) else sum(
+        len(c.token_ids) for o in finals if o is not None for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in finals if o is not None)
     return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion,
                       "total_tokens": prompt + completion,
