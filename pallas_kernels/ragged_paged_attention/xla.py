@@ -78,6 +78,30 @@ def _tiles(kv_pages, layer, page_ids):
     return kv_pages[layer, :, :, page_ids]
 
 
+def _block_update(state, q, k, v, mask, v_keep, qk, pv, sm_scale, soft_cap):
+    """One online-softmax step over a block of gathered pages.
+
+    Args:
+        state: (acc [n,k,g,d], m [n,k,g], denom [n,k,g]).
+        q, k, v: The queries and the block's keys and values, laid out as the einsum
+            specs `qk` (q, k -> logits [n, k, g, pages, page_size]) and `pv` (p, v -> acc)
+            say: per query (`npkcd`) or shared by the block's queries (`pkcd`).
+        mask: bool, broadcastable to the logits: keys each query may see.
+        v_keep: bool, broadcastable to v: slots read at all (NaN elsewhere must not leak).
+    """
+    logits = jnp.einsum(qk, q, k) * sm_scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    logits = jnp.where(mask, logits, -jnp.inf)  # f32[n, kv_heads, group, ppb, page]
+    acc, m, denom = state
+    m_new = jnp.maximum(m, jnp.max(logits, axis=(3, 4)))
+    p = jnp.exp(logits - m_new[..., None, None])
+    scale = jnp.exp(m - m_new)
+    v = jnp.where(v_keep, v, 0.0)
+    acc = acc * scale[..., None] + jnp.einsum(pv, p, v)
+    return acc, m_new, denom * scale + jnp.sum(p, axis=(3, 4))
+
+
 def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_scale,
                 soft_cap):
     """Attention of q [n, k, g, d] over positions [0, lens) of the pages `pages` [n, w]."""
@@ -99,17 +123,8 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
         mask = (k_pos[None, :] < lens[:, None]) & _window_ok(q_pos, k_pos[None, :], window)
         mask = mask.reshape(n, 1, 1, ppb, page_size)  # bool[n, 1, 1, ppb, page_size]
         # NOTE: the gathered layout as it comes (pages, then slots): no transpose.
-        logits = jnp.einsum("nkgd,npkcd->nkgpc", q, k) * sm_scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        logits = jnp.where(mask, logits, -jnp.inf)  # f32[n, kv_heads, group, ppb, page]
-        acc, m, denom = state
-        m_new = jnp.maximum(m, jnp.max(logits, axis=(3, 4)))
-        p = jnp.exp(logits - m_new[..., None, None])
-        scale = jnp.exp(m - m_new)
-        v = jnp.where(mask.reshape(n, ppb, 1, page_size, 1), v, 0.0)  # NaN must not leak
-        acc = acc * scale[..., None] + jnp.einsum("nkgpc,npkcd->nkgd", p, v)
-        return acc, m_new, denom * scale + jnp.sum(p, axis=(3, 4))
+        return _block_update(state, q, k, v, mask, mask.reshape(n, ppb, 1, page_size, 1),
+                             "nkgd,npkcd->nkgpc", "nkgpc,npkcd->nkgd", sm_scale, soft_cap)
 
     return jax.lax.fori_loop(0, num_blocks, body, _init(n, kv_heads, group, head_dim))
 
@@ -159,18 +174,9 @@ def _prefix_part(q, kv_pages, layer, md, lens, q_pos, window, *, block_kv, block
             k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
             mask = (k_pos[None, :] < length) & _window_ok(pos, k_pos[None, :], window)
             mask = mask.reshape(block_q, 1, 1, ppb, page_size)
-            logits = jnp.einsum("nkgd,pkcd->nkgpc", qt, k) * sm_scale
-            if soft_cap is not None:
-                logits = soft_cap * jnp.tanh(logits / soft_cap)
-            logits = jnp.where(mask, logits, -jnp.inf)  # f32[block_q, k, g, ppb, page]
-            acc, m, denom = st
-            m_new = jnp.maximum(m, jnp.max(logits, axis=(3, 4)))
-            p = jnp.exp(logits - m_new[..., None, None])
-            scale = jnp.exp(m - m_new)
             keep = (k_pos < length).reshape(ppb, 1, page_size, 1)
-            v = jnp.where(keep, v, 0.0)  # NaN in a free slot must not leak
-            acc = acc * scale[..., None] + jnp.einsum("nkgpc,pkcd->nkgd", p, v)
-            return acc, m_new, denom * scale + jnp.sum(p, axis=(3, 4))
+            return _block_update(st, qt, k, v, mask, keep, "nkgd,pkcd->nkgpc",
+                                 "nkgpc,pkcd->nkgd", sm_scale, soft_cap)
 
         num_blocks = (length + block_kv - 1) // block_kv
         new = jax.lax.fori_loop(0, num_blocks, block, _init(block_q, kv_heads, group, head_dim))
