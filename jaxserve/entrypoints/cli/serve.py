@@ -28,9 +28,10 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("JAXSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
-                        "/detokenize (default: the JAXSERVE_API_KEY environment variable, "
-                        "which keeps the key out of the process list)")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, "
+                        "/detokenize, /invocations and /tokenizer_info (default: the "
+                        "JAXSERVE_API_KEY environment variable, which keeps the key out of "
+                        "the process list)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM; the "
                         "rest end with an error (default: 30)")

@@ -86,8 +86,8 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
         llm: The async engine, or None while it is still starting (call `app.state.attach`
             with it once built; until then `/health` and `/v1/*` answer 503).
         served_model_names: Names clients may use; the first is reported.
-        api_key: Require `Authorization: Bearer <api_key>` on `/v1/*`, `/tokenize` and
-            `/detokenize` when set.
+        api_key: Require `Authorization: Bearer <api_key>` on `/v1/*`, `/tokenize`,
+            `/detokenize`, `/invocations` and `/tokenizer_info` when set.
         shutdown_engine: Shut the engine down when the app's lifespan ends.
         limits: Per-request limits (prompts per request, prompt length pre-check).
         enable_server_load_tracking: `GET /load` reports the requests being answered
