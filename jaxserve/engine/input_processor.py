@@ -167,6 +167,12 @@ def check_sampling_row(params: SamplingParams, prompt_ids: list[int], seed: int,
                 f"stop_token_ids may hold at most {MAX_BANNED_TOKEN_IDS - len(eos_token_ids)} "
                 f"ids when min_tokens > 0 (they are banned on the device until min_tokens), "
                 f"got {len(params.stop_token_ids)}")
+    if params.allowed_token_ids is not None and params.min_tokens:
+        banned = params.all_stop_token_ids(eos_token_ids[0] if eos_token_ids else None)
+        banned |= set(eos_token_ids) if not params.ignore_eos else set()
+        if set(params.allowed_token_ids) <= banned:
+            raise ValueError("allowed_token_ids are all stop or EOS ids, banned until "
+                             "min_tokens: nothing could be sampled")
     try:
         build_sampling_metadata([RowSpec(params, prompt_ids, (), seed, 0)], 1, vocab,
                                 eos_token_id=eos_token_ids[0] if eos_token_ids else None)

@@ -67,6 +67,8 @@ def test_bad_words_never_appear(llm):
     (SamplingParams(logit_bias={49152: 1.0}), "logit_bias"),
     (SamplingParams(allowed_token_ids=[5, 10**6]), "allowed_token_ids"),
     (SamplingParams(bad_words=[f"word{i}" for i in range(40)]), "bad_words"),
+    (SamplingParams(allowed_token_ids=[7, 9], stop_token_ids=[7, 9], min_tokens=2),
+     "allowed_token_ids"),
     (SamplingParams(bad_words=[f"w{i}" for i in range(30)], min_tokens=1,
                     stop_token_ids=list(range(10))), "bad_words"),
 ])
