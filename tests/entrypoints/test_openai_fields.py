@@ -287,6 +287,11 @@ def test_echo_only_streams_the_prompt_once(client):
                                             echo=True, stream=True, temperature=0))
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert "".join(texts) == CONTEXT and chunks[-1].choices[0].finish_reason == "length"
+    counted = list(client.completions.create(
+        model=MODEL_NAME, prompt=CONTEXT, max_tokens=0, echo=True, stream=True,
+        temperature=0, stream_options={"include_usage": True,
+                                       "continuous_usage_stats": True}))
+    assert {c.usage.completion_tokens for c in counted} == {0}  # nothing generated
 
 
 def test_chat_returns_prompt_logprobs_when_asked(server):

@@ -144,11 +144,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def full_response(self, req, prep, request_id, finals) -> dict:
         choices = [self._choice(req, prep, i, out, comp, True, comp.text, 0, 0)
                    for i, out in enumerate(finals) for comp in out.outputs]
-        use = usage(finals)
-        if req.echo_only:  # nothing generated
-            use.update(completion_tokens=0, total_tokens=use["prompt_tokens"])
         return {"id": request_id, "object": "text_completion", "created": now(),
-                "model": self.model_name, "choices": choices, "usage": use}
+                "model": self.model_name, "choices": choices, "usage": usage(finals, req)}
 
     async def stream_events(self, req, prep, request_id, streams) -> AsyncIterator[dict]:
         head = {"id": request_id, "object": "text_completion", "created": now(),
@@ -165,4 +162,4 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             yield {**head, "choices": [choice], **chunk_usage(req, prep, finals)}
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield {**head, "choices": [], "usage": usage(finals)}
+            yield {**head, "choices": [], "usage": usage(finals, req)}

@@ -376,12 +376,20 @@ def visible_text(comp: CompletionOutput, params: SamplingParams) -> str:
     return comp.text[:max(0, len(comp.text) - hold)]
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
-    """OpenAI `usage` over every prompt's request and all its completions."""
-    outputs = [o for o in outputs if o is not None]
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in outputs)
+def usage(outputs: list[RequestOutput | None], req=None, prep: Prepared | None = None) -> dict:
+    """OpenAI `usage` over every prompt's request and all its completions.
+
+    Args:
+        outputs: The requests' latest outputs (None: no output yet).
+        req: The request body; echo with max_tokens=0 generated nothing to count.
+        prep: The prepared request; its prompts count even before their first output.
+    """
+    seen = [o for o in outputs if o is not None]
+    prompt = sum(len(p["prompt_token_ids"]) for p in prep.prompts) if prep is not None \
+        else sum(len(o.prompt_token_ids) for o in seen)
+    completion = 0 if getattr(req, "echo_only", False) else sum(
+        len(c.token_ids) for o in seen for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in seen)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -393,13 +401,7 @@ def chunk_usage(req, prep: Prepared, finals: list[RequestOutput | None]) -> dict
     opts = req.stream_options
     if opts is None or not (opts.include_usage and opts.continuous_usage_stats):
         return {}
-    prompt = sum(len(p["prompt_token_ids"]) for p in prep.prompts)
-    completion = 0 if getattr(req, "echo_only", False) else sum(
-        len(c.token_ids) for o in finals if o is not None for c in o.outputs)
-    cached = sum(o.num_cached_tokens for o in finals if o is not None)
-    return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                      "total_tokens": prompt + completion,
-                      "prompt_tokens_details": {"cached_tokens": cached}}}
+    return {"usage": usage(finals, req, prep)}
 
 
 def sse(data: dict | str) -> str:
