@@ -129,12 +129,12 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
     return jax.lax.fori_loop(0, num_blocks, body, _init(n, kv_heads, group, head_dim))
 
 
-def _prefix_part(q, kv_pages, layer, md, lens, q_pos, window, *, block_kv, block_q, sm_scale,
-                 soft_cap):
-    """Attention of every token to what its request held before this step (`lens` i32[t]
-    keys, 0 for tokens that need none), in query tiles of `block_q` tokens of one request:
-    each tile gathers its request's pages once per key block and attends with one matmul,
-    instead of one gather per token.
+def _prefix_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, block_q,
+                 sm_scale, soft_cap):
+    """Attention of every token to what its request held before this step (`row_lens`
+    i32[rows] keys per request, 0 for requests that need none), in query tiles of
+    `block_q` tokens of one request: each tile gathers its request's pages once per key
+    block and attends with one matmul, instead of one gather per token.
 
     Tiles are enumerated on the device (rows with a prefix, ceil(q_len / block_q) tiles
     each) and walked by a `fori_loop` with a traced trip count.
@@ -142,12 +142,8 @@ def _prefix_part(q, kv_pages, layer, md, lens, q_pos, window, *, block_kv, block
     t, kv_heads, group, head_dim = q.shape
     page_size = kv_pages.shape[4]
     ppb = block_kv // page_size
-    num_rows = md.kv_lens.shape[0]
     starts = md.cu_q_lens[:-1]  # i32[rows]
     q_lens = md.cu_q_lens[1:] - starts  # i32[rows]
-    row_lens = jnp.zeros(num_rows, jnp.int32).at[
-        jnp.searchsorted(md.cu_q_lens[1:], jnp.arange(t, dtype=jnp.int32), side="right")
-        .clip(0, num_rows - 1)].max(lens)  # i32[rows]: each row's prefix (0: none)
     tiles = jnp.where(row_lens > 0, (q_lens + block_q - 1) // block_q, 0)  # i32[rows]
     ends = jnp.cumsum(tiles)  # i32[rows]
     pages = md.block_tables
@@ -279,7 +275,8 @@ def ragged_paged_attention_xla(
 
     # Prefix part: what the other tokens' requests held before this step.
     others = valid & ~is_decode
-    prefix_lens = jnp.where(others, md.kv_lens[seq_ids] - q_lens[seq_ids], 0)
+    decode_row = jnp.zeros(md.kv_lens.shape[0], bool).at[:rows].set(aligned)  # bool[rows]
+    prefix_lens = jnp.where(decode_row, 0, md.kv_lens - q_lens)  # i32[rows]; padding: 0
     state = _prefix_part(qg, kv_pages, layer, md, prefix_lens, q_pos, window,
                          block_kv=block_kv, block_q=block_q_prefix, **common)
     state = jax.lax.cond(
