@@ -123,6 +123,11 @@ class SchedulerConfig:
         scheduling_mode: "continuous+chunked" (default), "continuous" (whole prompts),
             "static" (fixed batches that wait for their slowest member) or "naive" (one
             request at a time); the last three exist for the benchmarks.
+        async_scheduling: Schedule and dispatch each step while the previous one runs on
+            the device, its sampled ids fed to the next step there (vLLM's async
+            scheduling); False keeps one step at a time (for debugging). Steps fall back
+            to one at a time while a request needs what they would overlap (penalties,
+            bad words, prompt logprobs, n > 1 forking, beam search).
     """
 
     max_num_seqs: int = 64
@@ -132,6 +137,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
     scheduling_mode: str = "continuous+chunked"
+    async_scheduling: bool = True
 
     def __post_init__(self):
         _check_types(self)

@@ -89,6 +89,9 @@ class Request:
         self.sample_index = 0  # which completion of the user request this is
         self.forked_from: str | None = None
         self.num_cached_tokens = 0
+        # Tokens still to come from steps in flight (async scheduling: a step is
+        # scheduled before the previous one's sampled ids reach the host).
+        self.num_output_placeholders = 0
         self.stop_reason: str | int | None = None
 
     @property
@@ -100,6 +103,11 @@ class Request:
     def num_tokens(self) -> int:
         """Number of prompt plus output tokens."""
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens once every step in flight has delivered its sampled one."""
+        return len(self._all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -296,6 +296,13 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling a token reads the tokens generated before it (penalties, bad
+        words): such a request's next step cannot be scheduled before its previous
+        token is known on the host (no async scheduling)."""
+        return self.has_penalties or bool(self.bad_words_token_ids or self.bad_words)
+
+    @property
     def output_text_buffer_length(self) -> int:
         """Characters the detokenizer holds back so a stop string is never streamed."""
         if self.stop and not self.include_stop_str_in_output:

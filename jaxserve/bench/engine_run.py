@@ -1,9 +1,11 @@
 """Drives a real `LLMEngine` through a trace and records what each step and request did.
 
 Everything is measured from outside the engine: `StepProbe` wraps the scheduler's
-`schedule`/`update_from_output` and the runner's `execute` on the engine's instances
-(the classes are untouched), so a step splits into scheduling, device execution (input
-preparation included) and the rest (sampling metadata, detokenizing, outputs).
+`schedule`/`update_from_output` and the runner's `dispatch`/`fetch` on the engine's
+instances (the classes are untouched), so a step splits into scheduling, device execution
+(input preparation and the wait for the device included) and the rest (sampling metadata,
+detokenizing, outputs). With async scheduling one `engine.step()` schedules and dispatches
+the next step and fetches and processes the one before.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ class StepRecord:
         t: End of the step, seconds after the run started.
         seconds: Whole `engine.step()` wall time.
         schedule_s: In `Scheduler.schedule`.
-        execute_s: In `ModelRunner.execute` (inputs, transfer, model, sampler, fetch).
+        execute_s: In `ModelRunner.dispatch` and `fetch` (inputs, transfer, model, sampler,
+            the wait for the device and the copy back).
         update_s: In `Scheduler.update_from_output`.
         num_tokens: Scheduled tokens.
         num_prefill_tokens: Of them, prompt tokens (chunks and whole prompts).
@@ -57,12 +60,12 @@ class StepProbe:
     def __init__(self, engine):
         self.engine = engine
         self._phase: dict[str, float] = {}
-        self._last = None
+        self._scheduled: list[tuple[int, int, int]] = []
 
     def __enter__(self) -> StepProbe:
         sched, runner = self.engine.scheduler, self.engine.runner
         self._targets = [(sched, "schedule"), (sched, "update_from_output"),
-                         (runner, "execute")]
+                         (runner, "dispatch"), (runner, "fetch")]
         for obj, name in self._targets:
             setattr(obj, name, self._wrap(getattr(obj, name), name))
         return self
@@ -77,32 +80,41 @@ class StepProbe:
             res = fn(*args, **kwargs)
             self._phase[name] = self._phase.get(name, 0.0) + time.perf_counter() - t0
             if name == "schedule":
-                self._last = res
+                self._scheduled.append(self._count(res))
+            if name in ("dispatch", "fetch"):
+                self._phase["execute"] = self._phase.get("execute", 0.0) + (
+                    time.perf_counter() - t0)
             return res
         return timed
 
+    def _count(self, out) -> tuple[int, int, int]:
+        """(tokens, prompt tokens, requests) of a step, counted as it is scheduled."""
+        prefill = 0
+        for s in out.scheduled:
+            req = self.engine.scheduler.requests[s.request_id]
+            prefill += max(0, min(s.start_pos + s.num_new_tokens, req.num_prompt_tokens)
+                           - s.start_pos)
+        return out.total_num_scheduled_tokens, prefill, len(out.scheduled)
+
     def step(self, start: float) -> tuple[list, StepRecord | None]:
-        """Runs `engine.step()`; returns its outputs and the record (None if it was empty)."""
+        """Runs `engine.step()`; returns its outputs and the record (None if it scheduled
+        nothing). With async scheduling the first call may schedule two steps (the first,
+        then the next while the first runs): the record counts both."""
         eng = self.engine
         self._phase.clear()
-        self._last = None
+        self._scheduled.clear()
         t0 = time.perf_counter()
         outputs = eng.step()
         t1 = time.perf_counter()
-        out = self._last
-        if out is None or out.is_empty:
+        counts = [c for c in self._scheduled if c[0]]
+        if not counts:
             return outputs, None
-        prefill = 0
-        for s in out.scheduled:
-            req = eng.scheduler.requests.get(s.request_id)
-            num_prompt = req.num_prompt_tokens if req is not None else 0
-            prefill += max(0, min(s.start_pos + s.num_new_tokens, num_prompt) - s.start_pos)
         rec = StepRecord(
             t=t1 - start, seconds=t1 - t0, schedule_s=self._phase.get("schedule", 0.0),
             execute_s=self._phase.get("execute", 0.0),
             update_s=self._phase.get("update_from_output", 0.0),
-            num_tokens=out.total_num_scheduled_tokens, num_prefill_tokens=prefill,
-            num_seqs=len(out.scheduled), num_running=len(eng.scheduler.running),
+            num_tokens=sum(c[0] for c in counts), num_prefill_tokens=sum(c[1] for c in counts),
+            num_seqs=max(c[2] for c in counts), num_running=len(eng.scheduler.running),
             num_waiting=len(eng.scheduler.waiting), kv_usage=eng.kv.usage)
         return outputs, rec
 

@@ -62,8 +62,9 @@ def plan_allocation(tables: BlockTables, request: Request, num_new_tokens: int,
     computed_pages = [_hit_page(tables, request, i, pid) for i, pid in enumerate(hit_ids)]
     num_computed = request.num_computed_tokens + num_new_computed_tokens
     num_tokens_after = num_computed + num_new_tokens
-    if num_tokens_after > request.num_tokens:
-        raise ValueError(f"request {request_id!r} has {request.num_tokens} tokens; cannot "
+    if num_tokens_after > request.num_tokens_with_placeholders:
+        raise ValueError(f"request {request_id!r} has {request.num_tokens_with_placeholders} "
+                         f"tokens (those in flight included); cannot "
                          f"schedule up to token {num_tokens_after}")
     num_slots = num_tokens_after + num_lookahead_tokens
     if max_model_len is not None and num_slots > max_model_len:

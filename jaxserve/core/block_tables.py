@@ -211,9 +211,13 @@ class BlockTables:
 
     # ------------------------------------------------------ prefix cache, step
     def queue_for_cache(self, request: Request, num_tokens: int) -> None:
-        """Queues the request's pages covering `num_tokens` for the prefix cache at `take()`."""
+        """Queues the request's pages covering `num_tokens` for the prefix cache at `take()`.
+
+        Only known tokens count: a slot reserved for a token still in flight (async
+        scheduling) joins the cache at a later allocation, once the token is known.
+        """
         if self.pool.prefix_cache is not None:
-            self._offers[request.request_id] = (request, num_tokens)
+            self._offers[request.request_id] = (request, min(num_tokens, request.num_tokens))
 
     def take(self) -> KVPlans:
         """Offers queued full pages to the prefix cache, then drains this step's moves."""

@@ -184,7 +184,7 @@ class KVCacheManager:
             return False
         ps, table = self.page_size, state.pages
         num_after = request.num_computed_tokens + num_new_tokens
-        if num_after > len(table) * ps or num_after > request.num_tokens or (
+        if num_after > len(table) * ps or num_after > request.num_tokens_with_placeholders or (
                 self.max_model_len is not None and num_after > self.max_model_len):
             return False
         for index in range(request.num_computed_tokens // ps, cdiv(num_after, ps)):

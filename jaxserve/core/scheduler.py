@@ -12,7 +12,7 @@ from collections import deque
 
 from jaxserve.config import SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.core.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from jaxserve.core.stop_checker import check_stop
 from jaxserve.request import Request, RequestStatus
 from jaxserve.utils import cdiv
@@ -150,6 +150,14 @@ class Scheduler:
         if not out.preempted_request_ids and not self.swapped:
             self._admit_waiting(step)
         out.scheduled = list(step.entries.values())
+        # NOTE: progress is taken at schedule time, not when the step's output comes back,
+        # so the next step can be scheduled while this one runs (async scheduling); a
+        # sampled token still in flight is a placeholder until `update_from_output`.
+        for entry in out.scheduled:
+            request = self.requests[entry.request_id]
+            request.num_computed_tokens += entry.num_new_tokens
+            if entry.num_samples:
+                request.num_output_placeholders += 1
         out.plans = self.kv.take_plans()
         return out
 
@@ -158,7 +166,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and step.budget > 0:
             request = self.running[index]
-            num_new = self._num_new_tokens(request, step.budget)
+            num_new = (0 if self._ends_in_flight(request)
+                       else self._num_new_tokens(request, step.budget))
             if num_new == 0:
                 index += 1
                 continue
@@ -175,7 +184,7 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, budget: int, num_cached: int = 0) -> int:
         """Tokens to compute this step past `num_cached` prefix-hit ones (0: none fit)."""
-        num_new = request.num_tokens - request.num_computed_tokens - num_cached
+        num_new = request.num_tokens_with_placeholders - request.num_computed_tokens - num_cached
         if self.config.chunked:
             threshold = self.config.long_prefill_token_threshold
             if threshold:
@@ -184,19 +193,32 @@ class Scheduler:
         return num_new if num_new <= budget else 0
 
     def _num_samples(self, request: Request, num_new: int) -> int:
-        if request.num_computed_tokens + num_new < request.num_tokens:
+        if request.num_computed_tokens + num_new < request.num_tokens_with_placeholders:
             return 0  # a prompt chunk short of the end: nothing to sample
         return request.fan_out if request.num_output_tokens == 0 else 1
 
     def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        token_ids = request.all_token_ids[start:start + num_new]
+        token_ids += [PLACEHOLDER] * (num_new - len(token_ids))
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
+            token_ids=token_ids,
             start_pos=start,
             page_ids=self.kv.page_ids(request.request_id),
             num_samples=self._num_samples(request, num_new),
-            sampling_counter=request.num_output_tokens)
+            sampling_counter=request.num_output_tokens + request.num_output_placeholders)
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether a token in flight surely ends the request (its length limits): it is
+        not scheduled again, since that step could only compute past its end."""
+        if not request.num_output_placeholders:
+            return False
+        sp = request.sampling_params
+        num_out = request.num_output_tokens + request.num_output_placeholders
+        max_len = min(self.max_model_len, self.max_kv_tokens + 1)
+        return ((sp is not None and sp.max_tokens is not None and num_out >= sp.max_tokens)
+                or request.num_tokens_with_placeholders >= max_len)
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
@@ -272,6 +294,15 @@ class Scheduler:
             return [], 0
         return self.kv.get_computed_pages(request)
 
+    def unschedule(self, out: SchedulerOutput) -> None:
+        """Takes back the progress `schedule()` gave a step that never ran (its dispatch
+        failed): its requests compute those tokens again in a later step."""
+        for entry in out.scheduled:
+            request = self.requests.get(entry.request_id)
+            if request is not None and not request.is_finished():
+                request.num_computed_tokens -= entry.num_new_tokens
+                request.num_output_placeholders -= bool(entry.num_samples)
+
     # ------------------------------------------------------------- update
     def update_from_output(self, out: SchedulerOutput,
                            sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
@@ -291,9 +322,12 @@ class Scheduler:
         results: list[tuple[Request, list[int]]] = []
         for entry in out.scheduled:
             request = self.requests.get(entry.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # finished or preempted meanwhile
-            request.num_computed_tokens += entry.num_new_tokens
+            if request is None or request.is_finished():
+                continue  # finished meanwhile (its pages are gone)
+            if entry.num_samples:
+                request.num_output_placeholders -= 1
+            # NOTE: a request preempted since this step was scheduled (async scheduling)
+            # still takes its token: recompute restarts from the prompt plus outputs.
             tokens = sampled.get(entry.request_id, [])
             if not tokens:
                 continue

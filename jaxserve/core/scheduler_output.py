@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from jaxserve.core.plans import KVPlans
 
+# A token id not known on the host yet: the one the previous step (still in flight) samples
+# for this request. The runner takes it from that step's device output.
+PLACEHOLDER = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -13,7 +17,8 @@ class ScheduledRequest:
 
     Attributes:
         request_id: The request.
-        token_ids: The `num_new_tokens` tokens whose KV this step computes.
+        token_ids: The `num_new_tokens` tokens whose KV this step computes; the last may be
+            `PLACEHOLDER` (async scheduling).
         start_pos: Position of the first of them (the request's computed tokens so far).
         page_ids: The request's whole block table (its page ids, in order).
         num_samples: Tokens to sample from the last position: 0 while a prompt is only

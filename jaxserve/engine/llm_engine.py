@@ -47,6 +47,17 @@ class CoreStep:
     failed: dict[str, BaseException]
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A step handed to the device whose samples the host has not seen yet."""
+
+    out: object  # SchedulerOutput
+    requests: dict
+    pending: object  # runner's PendingStep
+    targets: object  # prompt logprob targets or None
+    failed: dict[str, BaseException]
+
+
 def tensor_parallel_layout(config: EngineConfig, cfg) -> TensorParallel | None:
     """The mesh layout for this engine's devices, or None for the default device.
 
@@ -133,6 +144,11 @@ class LLMEngine:
                                      mc.seed)
         self.outputs = OutputProcessor(self.scheduler)
         self.counters = {"prompt_tokens": 0, "num_steps": 0}
+        # Whether steps overlap (config.scheduler.async_scheduling; may be switched between
+        # steps, as tests do to compare both orders on one compiled engine).
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._pending: _InFlight | None = None  # the step on the device (async scheduling)
+        self._stashed: list[RequestOutput] = []  # outputs of a step finished by `flush`
         logger.info("jaxserve: %d KV pages of %d tokens, max_model_len %d, token buckets %s",
                     lim.num_pages, config.cache.block_size, lim.max_model_len,
                     self.runner.buckets)
@@ -188,35 +204,35 @@ class LLMEngine:
         self.inputs.eos_token_ids = tuple(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.states)
+        return bool(self.states or self._stashed)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.states)
 
     # ---------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns the outputs of requests it advanced.
+        """Runs one step; returns the outputs of requests it advanced.
 
-        The core step (schedule, device step, scheduler update) then output processing, as
-        vLLM v1 splits it. A failure in one request's own host work ends that request only
-        (finish_reason "error"); only a failure of the shared device step raises.
+        With async scheduling (the default) the next step is scheduled and handed to the
+        device before this one's sampled ids are brought back, so the host's update, stop
+        checks and detokenizing run while the device computes; the outputs returned are
+        those of the step that was dispatched by the previous call (or by this one, when
+        nothing could overlap it). A failure in one request's own host work ends that
+        request only (finish_reason "error"); only a failure of the shared device step
+        raises.
         """
-        now = time.time()
-
-        def row_for(req, s, k):
-            state = self.outputs.row_state(req, now)
-            seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
-            return RowSpec(state.row_params, req.prompt_token_ids, req.output_token_ids, seed,
-                           s.sampling_counter)
-
-        core = self.run_core_step(row_for, self.outputs.record_prompt_logprobs)
-        if core is None:
-            return []
-        self.counters["num_steps"] += 1
-        return self.outputs.process(core)
+        outputs, self._stashed = self._stashed, []
+        if self._pending is None:
+            self._pending = self._dispatch()
+            if self._pending is None:
+                return outputs
+        following = self._dispatch(self._pending) if self._can_overlap(self._pending) else None
+        pending, self._pending = self._pending, following
+        return outputs + self._finish(pending)
 
     def run_core_step(self, row_for, on_prompt_logprobs=None) -> CoreStep | None:
-        """Schedules a step, runs it on the device and advances the scheduler.
+        """Schedules a step, runs it on the device and advances the scheduler, alone (a step
+        in flight is finished first; its outputs come with the next `step()`).
 
         Args:
             row_for: `(request, scheduled entry, k) -> RowSpec` of the k-th sampling row of
@@ -227,9 +243,40 @@ class LLMEngine:
         Returns:
             The step's `CoreStep`, or None when nothing was scheduled.
         """
+        self.flush()
+        inflight = self._dispatch(row_for=row_for)
+        return None if inflight is None else self._core(inflight, on_prompt_logprobs)
+
+    def flush(self) -> None:
+        """Finishes the step in flight, if any (its outputs come with the next `step()`)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._stashed.extend(self._finish(pending))
+
+    def _row_for(self, req, s, k) -> RowSpec:
+        state = self.outputs.row_state(req, time.time())
+        seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
+        return RowSpec(state.row_params, req.prompt_token_ids, req.output_token_ids, seed,
+                       s.sampling_counter)
+
+    def _can_overlap(self, inflight: _InFlight) -> bool:
+        """Whether the next step may be scheduled before `inflight`'s samples are known:
+        no request forks on them (n > 1), none waits for prompt logprobs from it, and no
+        running request's sampling reads its previous tokens (penalties, bad words)."""
+        if not self.async_scheduling or jax.process_count() > 1:
+            return False
+        if inflight.targets is not None or any(s.num_samples > 1
+                                               for s in inflight.out.scheduled):
+            return False
+        return not any(r.sampling_params is not None and r.sampling_params.needs_output_history
+                       for r in self.scheduler.running)
+
+    def _dispatch(self, prev: _InFlight | None = None, row_for=None) -> _InFlight | None:
+        """Schedules a step and hands it to the device; None when nothing was scheduled."""
         out = self.scheduler.schedule().decodes_first()
         if out.is_empty:
             return None
+        row_for = row_for or self._row_for
         requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}
         rows, row_owner = [], []
         for s in out.scheduled:
@@ -239,10 +286,21 @@ class LLMEngine:
         _, num_rows = self.runner.step_shape(out)
         sampling, failed = self._sampling_metadata(rows, row_owner, num_rows)
         targets = prompt_targets(out, requests)
-        result = self.runner.execute(out, sampling, prompt_targets=targets)
-        if targets is not None and on_prompt_logprobs is not None:
+        try:
+            pending = self.runner.dispatch(out, sampling, prompt_targets=targets,
+                                           prev=None if prev is None else prev.pending)
+        except BaseException:
+            self.scheduler.unschedule(out)
+            raise
+        return _InFlight(out, requests, pending, targets, failed)
+
+    def _core(self, inflight: _InFlight, on_prompt_logprobs=None) -> CoreStep:
+        """Waits for a dispatched step and advances the scheduler by what it sampled."""
+        result = self.runner.fetch(inflight.pending)
+        out, requests = inflight.out, inflight.requests
+        if inflight.targets is not None and on_prompt_logprobs is not None:
             on_prompt_logprobs(out, requests, result.prompt_logprobs)
-        for req_id in failed:  # before the update: it gets no token
+        for req_id in inflight.failed:  # before the update: it gets no token
             self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ERROR)
         sampled: dict[str, list[int]] = {}
         row_of: dict[str, list[int]] = {}
@@ -250,7 +308,12 @@ class LLMEngine:
             sampled.setdefault(req_id, []).append(int(result.token_ids[row]))
             row_of.setdefault(req_id, []).append(row)
         updates = self.scheduler.update_from_output(out, sampled)
-        return CoreStep(out, requests, result, updates, row_of, failed)
+        return CoreStep(out, requests, result, updates, row_of, inflight.failed)
+
+    def _finish(self, inflight: _InFlight) -> list[RequestOutput]:
+        core = self._core(inflight, self.outputs.record_prompt_logprobs)
+        self.counters["num_steps"] += 1
+        return self.outputs.process(core)
 
     def _sampling_metadata(self, rows: list[RowSpec], row_owner: list[str], num_rows: int):
         """The step's sampling arrays, and `{request_id: error}` of requests whose rows could

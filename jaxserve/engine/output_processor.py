@@ -268,7 +268,9 @@ class OutputProcessor:
         now = time.time() if now is None else now
         touched: dict[str, RequestState] = {}
         for req_id, error in step.failed.items():
-            state = self.states[step.requests[req_id].user_request_id]
+            state = self.states.get(step.requests[req_id].user_request_id)
+            if state is None:
+                continue  # aborted while its step ran (async scheduling)
             if state.error is None:
                 self.fail(state, error)
             touched[state.request_id] = state

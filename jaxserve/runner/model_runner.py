@@ -2,7 +2,11 @@
 
 Per step: execute the KV plans (copies, swaps), build the inputs in NumPy padded to a token
 bucket, send them in one `device_put`, run the jitted model step (pool donated) and the
-jitted sampler, and bring the sampled ids (and logprobs) back.
+jitted sampler (`dispatch`, which returns at once: JAX dispatches asynchronously), and bring
+the sampled ids (and logprobs) back (`fetch`, which waits for the device). A step may be
+dispatched before the previous one is fetched: its placeholder tokens
+(`scheduler_output.PLACEHOLDER`) are the ids the previous step sampled, read on the
+device from that step's output.
 """
 
 from __future__ import annotations
@@ -38,6 +42,30 @@ from pallas_kernels import AttentionMetadata
 
 
 @dataclass
+class PendingStep:
+    """A dispatched step whose outputs may still be computing (device arrays).
+
+    Attributes:
+        row_request_ids: Request of each real sampling row.
+        result: The sampler's `SamplerOutput` (device arrays, bucket-padded rows).
+        next_input_ids: i32[max_rows]: the sampled ids, padded to a fixed length, which the
+            next step reads for its placeholder tokens.
+        num_padded_tokens: Padding in the token bucket.
+        prompt_logprobs: Device `PromptLogprobs` of the bucket's tokens, or None.
+        num_prompt_targets: Real tokens of `prompt_logprobs` (the rest is padding).
+        dispatched_at: `time.perf_counter()` when the step was handed to the device.
+    """
+
+    row_request_ids: list[str]
+    result: object
+    next_input_ids: jax.Array
+    num_padded_tokens: int
+    prompt_logprobs: object = None
+    num_prompt_targets: int = 0
+    dispatched_at: float = 0.0
+
+
+@dataclass
 class StepResult:
     """Host copies of what one step sampled, row by row (padding rows dropped).
 
@@ -63,11 +91,14 @@ class StepResult:
     prompt_logprobs: object = None
 
 
-def _model_step(model: Model, layout: Layout, decode_only: bool, params, kv_pages, buf):
+def _model_step(model: Model, layout: Layout, decode_only: bool, params, kv_pages, buf,
+                prev_ids):
     x = unpack(buf, layout)
     md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"],
                            decode_only)
-    kv_pages, hidden = model.forward(params, x["input_ids"], x["positions"], kv_pages, md)
+    src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
+    input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
+    kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md)
     logits = model.compute_logits(params, hidden[x["logits_indices"]])  # f32[rows, vocab]
     return kv_pages, logits, hidden
 
@@ -78,8 +109,10 @@ def _prompt_logprobs(model: Model, num_logprobs: int, params, hidden, next_token
     return compute_prompt_logprobs(logits, next_token_ids, num_logprobs)
 
 
-def _sample_step(layout: Layout, logits, buf):
-    return sample(logits, unpack(buf, layout))
+def _sample_step(layout: Layout, max_rows: int, logits, buf):
+    res = sample(logits, unpack(buf, layout))
+    ids = res.token_ids  # i32[num_rows]
+    return res, jnp.zeros(max_rows, jnp.int32).at[:ids.shape[0]].set(ids)  # i32[max_rows]
 
 
 def _to_host(tree):
@@ -116,6 +149,7 @@ class ModelRunner:
         self.penalty_len = 1 << (max_model_len - 1).bit_length()
         self.banned_len = MAX_BANNED_TOKEN_IDS
         self.buckets = token_buckets(max_num_batched_tokens)
+        self.max_rows = rows_for_bucket(self.buckets[-1], max_num_seqs)
         # Largest page plan (copy or swap pairs) run as one program; see execute_plans.
         self.max_plan_pairs = 2 * len(pad_pairs(np.zeros((self.max_pages_per_seq, 2))))
         pool_shape = model.kv_pages_shape(num_pages, page_size)
@@ -130,6 +164,8 @@ class ModelRunner:
             self.kv_pages = jax.jit(lambda: jnp.zeros(pool_shape, model.dtype),
                                     out_shardings=layout.kv_pages_sharding())()
             self._inputs_on = layout.replicated()
+        # i32[max_rows]: what a step reads for placeholders when no step precedes it.
+        self._no_prev_ids = self._to_device(np.zeros(self.max_rows, np.int32))
         page_shape = model.kv_pages_shape(1, page_size)
         self.swap = HostSwapSpace(num_swap_slots, page_shape[:3] + page_shape[4:],
                                   np.dtype(model.dtype))
@@ -156,7 +192,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata,
                 variant: str | None = None,
                 prompt_targets: np.ndarray | None = None) -> StepResult:
-        """Runs one step: plans, model, sampler.
+        """Runs one step (`dispatch`, then `fetch`): plans, model, sampler."""
+        return self.fetch(self.dispatch(out, sampling, variant, prompt_targets))
+
+    def dispatch(self, out: SchedulerOutput, sampling: SamplingMetadata,
+                 variant: str | None = None, prompt_targets: np.ndarray | None = None,
+                 prev: PendingStep | None = None) -> PendingStep:
+        """Hands one step to the device and returns without waiting for it.
 
         Args:
             out: The scheduler's step.
@@ -164,19 +206,45 @@ class ModelRunner:
             variant: Force a sampler variant (warm-up); default: the cheapest that fits.
             prompt_targets: i32[total scheduled tokens]: for prompt logprobs, the next
                 prompt token of each position (-1 where not wanted); None skips them.
+            prev: The step before this one, when it has not been fetched yet: placeholder
+                tokens take the ids it samples (on the device).
+
+        Raises:
+            ValueError: A placeholder token whose request sampled nothing in `prev`.
         """
         start = compile_counter.num_compilations()
         try:
-            return self._execute(out, sampling, variant, prompt_targets)
+            return self._dispatch(out, sampling, variant, prompt_targets, prev)
         finally:
             self.num_compilations += compile_counter.num_compilations() - start
 
-    def _execute(self, out: SchedulerOutput, sampling: SamplingMetadata,
-                 variant: str | None, prompt_targets: np.ndarray | None) -> StepResult:
+    def fetch(self, pending: PendingStep) -> StepResult:
+        """Waits for a dispatched step and brings its samples to the host."""
+        start = compile_counter.num_compilations()
+        try:
+            res = _to_host(pending.result)
+            prompt_lp = None
+            if pending.prompt_logprobs is not None:
+                prompt_lp = jax.tree_util.tree_map(lambda x: x[:pending.num_prompt_targets],
+                                                   _to_host(pending.prompt_logprobs))
+        finally:
+            self.num_compilations += compile_counter.num_compilations() - start
+        n = len(pending.row_request_ids)
+        topk_ids = None if res.topk_token_ids is None else res.topk_token_ids[:n]
+        topk_lp = None if res.topk_logprobs is None else res.topk_logprobs[:n]
+        return StepResult(pending.row_request_ids, res.token_ids[:n], res.logprobs[:n],
+                          res.token_ranks[:n], topk_ids, topk_lp, pending.num_padded_tokens,
+                          prompt_lp)
+
+    def _dispatch(self, out: SchedulerOutput, sampling: SamplingMetadata,
+                  variant: str | None, prompt_targets: np.ndarray | None,
+                  prev: PendingStep | None) -> PendingStep:
         self.execute_plans(out.plans)
         num_tokens, num_rows = self.step_shape(out)
+        prev_rows = None if prev is None else {
+            req_id: row for row, req_id in reversed(list(enumerate(prev.row_request_ids)))}
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
-                                   self.max_pages_per_seq)
+                                   self.max_pages_per_seq, prev_rows)
         sampling = promote(sampling, variant or variant_of(sampling),
                            self.model.cfg.vocab_size, self.penalty_len, self.banned_len)
         model_buf, model_layout = pack(arrays.device_tree())
@@ -184,24 +252,21 @@ class ModelRunner:
         model_buf, sample_buf = self._to_device(model_buf), self._to_device(sample_buf)
         decode_only = self.is_decode_step(out, num_tokens, num_rows)
         self.num_decode_steps += decode_only
+        prev_ids = self._no_prev_ids if prev is None else prev.next_input_ids
         self.kv_pages, logits, hidden = self._step_fn(model_layout, decode_only)(
-            self.params, self.kv_pages, model_buf)
+            self.params, self.kv_pages, model_buf, prev_ids)
         prompt_lp = None
         if prompt_targets is not None:
             targets = np.zeros(num_tokens, np.int32)  # i32[num_tokens]; padding: any id
             targets[:len(prompt_targets)] = np.maximum(prompt_targets, 0)
-            prompt_lp = _to_host(self._prompt_fn()(self.params, hidden,
-                                                   self._to_device(targets)))
-            prompt_lp = jax.tree_util.tree_map(lambda x: x[:len(prompt_targets)], prompt_lp)
-        res = _to_host(self._sampler_fn(sample_layout)(logits, sample_buf))
-        n = len(arrays.row_request_ids)
+            prompt_lp = self._prompt_fn()(self.params, hidden, self._to_device(targets))
+        res, next_ids = self._sampler_fn(sample_layout)(logits, sample_buf)
         padded = num_tokens - out.total_num_scheduled_tokens
         self.num_padded_tokens += padded
         self.num_scheduled_tokens += out.total_num_scheduled_tokens
-        topk_ids = None if res.topk_token_ids is None else res.topk_token_ids[:n]
-        topk_lp = None if res.topk_logprobs is None else res.topk_logprobs[:n]
-        return StepResult(arrays.row_request_ids, res.token_ids[:n], res.logprobs[:n],
-                          res.token_ranks[:n], topk_ids, topk_lp, padded, prompt_lp)
+        return PendingStep(arrays.row_request_ids, res, next_ids, padded, prompt_lp,
+                           0 if prompt_targets is None else len(prompt_targets),
+                           time.perf_counter())
 
     def _prompt_fn(self):
         if self._prompt_logprobs is None:
@@ -239,7 +304,7 @@ class ModelRunner:
     def _sampler_fn(self, layout: Layout):
         fn = self._samplers.get(layout)
         if fn is None:
-            fn = jax.jit(functools.partial(_sample_step, layout))
+            fn = jax.jit(functools.partial(_sample_step, layout, self.max_rows))
             self._samplers[layout] = fn
         return fn
 

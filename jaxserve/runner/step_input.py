@@ -7,7 +7,7 @@ from itertools import chain
 
 import numpy as np
 
-from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.core.scheduler_output import PLACEHOLDER, SchedulerOutput
 
 
 @dataclass
@@ -15,7 +15,9 @@ class StepArrays:
     """Host arrays of one step (before packing).
 
     Attributes:
-        input_ids: i32[num_tokens] token ids; padding 0.
+        input_ids: i32[num_tokens] token ids; padding and placeholders 0.
+        prev_rows: i32[num_tokens] for a placeholder token, the previous step's sampling
+            row whose id it takes (on the device); -1 elsewhere.
         positions: i32[num_tokens] absolute positions; padding 0.
         slot_mapping: i32[num_tokens] KV slots; padding 0 (null page, not written).
         block_tables: i32[num_rows, max_pages_per_seq] page ids; padding 0.
@@ -26,6 +28,7 @@ class StepArrays:
     """
 
     input_ids: np.ndarray
+    prev_rows: np.ndarray
     positions: np.ndarray
     slot_mapping: np.ndarray
     block_tables: np.ndarray
@@ -36,14 +39,16 @@ class StepArrays:
 
     def device_tree(self) -> dict:
         """The arrays the jitted step receives."""
-        return {"input_ids": self.input_ids, "positions": self.positions,
+        return {"input_ids": self.input_ids, "prev_rows": self.prev_rows,
+                "positions": self.positions,
                 "slot_mapping": self.slot_mapping, "block_tables": self.block_tables,
                 "kv_lens": self.kv_lens, "cu_q_lens": self.cu_q_lens,
                 "logits_indices": self.logits_indices}
 
 
 def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page_size: int,
-                      max_pages_per_seq: int) -> StepArrays:
+                      max_pages_per_seq: int,
+                      prev_rows: dict[str, int] | None = None) -> StepArrays:
     """Packs the scheduled requests' tokens in order and pads everything to the bucket.
 
     Requests occupy attention rows 0..len(scheduled)-1. Sampling rows list each request
@@ -57,14 +62,17 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
         num_rows: Row bucket (attention rows and sampling rows alike).
         page_size: Slots per KV page.
         max_pages_per_seq: Width of the block tables.
+        prev_rows: `{request_id: first sampling row}` of the previous step, when this one
+            holds placeholders for what that step samples.
 
     Returns:
         The step's host arrays; padding tokens and rows point at the null page 0.
 
     Raises:
         ValueError: The step does not fit `num_tokens` tokens or `num_rows` rows, a block
-            table is wider than `max_pages_per_seq`, or a token's position lies past its
-            request's block table.
+            table is wider than `max_pages_per_seq`, a token's position lies past its
+            request's block table, or a placeholder's request sampled nothing in the
+            previous step.
     """
     sched = out.scheduled
     r = len(sched)
@@ -85,6 +93,16 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
     row_of_token = np.repeat(np.arange(r), n)  # i64[t]
     input_ids = np.zeros(num_tokens, np.int32)  # i32[num_tokens]
     input_ids[:t] = np.fromiter(chain.from_iterable(s.token_ids for s in sched), np.int32, t)
+    src = np.full(num_tokens, -1, np.int32)  # i32[num_tokens]
+    holes = np.flatnonzero(input_ids[:t] == PLACEHOLDER)
+    if holes.size:
+        prev_rows = prev_rows or {}
+        owners = [sched[i].request_id for i in row_of_token[holes]]
+        src[holes] = [prev_rows.get(o, -1) for o in owners]
+        if (src[holes] < 0).any():
+            raise ValueError("a placeholder token's request sampled nothing in the previous "
+                             "step")
+        input_ids[holes] = 0
     positions = np.zeros(num_tokens, np.int32)  # i32[num_tokens]
     pos = positions[:t]  # i32[t], a view
     pos[:] = np.arange(t, dtype=np.int32) - cu[row_of_token] + starts[row_of_token]
@@ -105,4 +123,5 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
     last = np.repeat(cu[1:r + 1] - 1, samples)  # i32[sampling rows]
     logits_indices[:last.size] = last
     row_ids = [s.request_id for s in sched for _ in range(s.num_samples)]
-    return StepArrays(input_ids, positions, slots, tables, kv_lens, cu, logits_indices, row_ids)
+    return StepArrays(input_ids, src, positions, slots, tables, kv_lens, cu, logits_indices,
+                      row_ids)

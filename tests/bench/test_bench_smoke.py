@@ -164,6 +164,7 @@ def test_scale_warmup_probes(model_flags, tmp_path):
 def test_overhead(tiny_model_dir, tmp_path):
     path = str(tmp_path / "o.json")
     out, _ = ok(["bench", "overhead", "--model", tiny_model_dir, "--num-running", "2,4",
+                 "--skip-pipeline",
                  "--output-json", path])
     assert "| running | schedule | update_from_output |" in out
     assert "| outputs | running | scheduling | input prep |" in out

@@ -102,3 +102,28 @@ def test_roofline_rows(tiny):
     rows = roofline_rows(llm.engine, [1, 4], 8, peaks, num_steps=3)
     assert [r["batch"] for r in rows] == [1, 4]
     assert all(r["mfu"] > 0 and r["bw_util"] > 0 and r["step_ms"] > 0 for r in rows)
+
+
+def test_simulated_device_idle_between_steps(tiny):
+    """The pipeline probe: with a slow simulated device (200 ms a step) the host's work
+    between synchronous steps leaves the device idle, and async scheduling dispatches each
+    step before the one before it ends, so the device never waits."""
+    from jaxserve.bench.pipeline import pipeline_run
+
+    model, tok = tiny
+    llm = make_llm(model, tok, **ARGS)
+    seconds = []
+
+    def cost(out):
+        seconds.append(0.2)
+        return 0.2
+
+    sync = pipeline_run(llm, 4, cost, overlap=False, prompt_len=8, num_steps=3)
+    overlapped = pipeline_run(llm, 4, cost, overlap=True, prompt_len=8, num_steps=3)
+    assert sync["idle_ms"] > 0 and 0 < sync["idle_share"] < 1
+    assert overlapped["idle_ms"] == 0.0 and overlapped["idle_share"] == 0.0
+    for row in (sync, overlapped):
+        assert row["device_ms"] == pytest.approx(200.0)
+        assert row["step_ms"] >= 200.0 * 0.99
+    assert len(seconds) >= 2 * (3 + 3)  # every dispatched step was costed
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.usage == 0.0

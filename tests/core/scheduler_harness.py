@@ -13,7 +13,7 @@ from collections import Counter
 from jaxserve.config import SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.core.scheduler_output import PLACEHOLDER, SchedulerOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 
@@ -61,9 +61,12 @@ class Harness:
     Args:
         scheduler: The scheduler under test.
         choose: `(request, sample_index) -> token id` for each sampled row.
+        overlap: Step as the engine's async scheduling does: each step is scheduled
+            before the previous one's samples come back (except after a fan-out step), so
+            its decode tokens are placeholders until then.
     """
 
-    def __init__(self, scheduler: Scheduler, choose=default_token):
+    def __init__(self, scheduler: Scheduler, choose=default_token, overlap: bool = False):
         self.sched = scheduler
         self.kv = scheduler.kv
         self.choose = choose
@@ -71,6 +74,8 @@ class Harness:
         self.host: dict[int, list] = {}  # host slot -> fingerprints
         self.outputs: list[SchedulerOutput] = []
         self.seen: dict[str, Request] = {}  # every request added or forked
+        self.overlap = overlap
+        self.pending: SchedulerOutput | None = None  # overlap: the step "on the device"
 
     def add(self, *requests: Request) -> None:
         for request in requests:
@@ -78,25 +83,53 @@ class Harness:
             self.seen[request.request_id] = request
 
     def step(self, sampled: dict[str, list[int]] | None = None):
-        """One engine step; returns (scheduler output, update results)."""
+        """One engine step; returns (scheduler output, update results).
+
+        With `overlap`, the update is that of the previous step (the one "on the device"
+        while this one was scheduled), and this step's KV is written after it, when its
+        placeholders are known.
+        """
+        if self.overlap:
+            return self._overlapped_step()
+        out = self._schedule()
+        self._run(out)
+        results = self._update(out, sampled)
+        return out, results
+
+    def _schedule(self) -> SchedulerOutput:
         sched = self.sched
         before = ([r.request_id for r in sched.running], [r.request_id for r in sched.swapped],
                   [r.request_id for r in sched.waiting])
+        placeholders = {rid: r.num_output_placeholders for rid, r in sched.requests.items()}
         out = sched.schedule()
         self.outputs.append(out)
-        self._check_output(out, before)
+        self._check_output(out, before, placeholders)
         self._check_state()
-        self._run(out)
+        return out
+
+    def _update(self, out: SchedulerOutput, sampled=None) -> list:
         if sampled is None:
             sampled = {}
             for entry in out.scheduled:
-                request = sched.requests[entry.request_id]
+                request = self.seen[entry.request_id]
                 sampled[entry.request_id] = [
                     self.choose(request, k if entry.num_samples > 1 else request.sample_index)
                     for k in range(entry.num_samples)]
-        results = sched.update_from_output(out, sampled)
+        results = self.sched.update_from_output(out, sampled)
         self.seen.update((r.request_id, r) for r, _ in results)
         self._check_state()
+        return results
+
+    def _overlapped_step(self):
+        prev, results = self.pending, []
+        if prev is not None and any(e.num_samples > 1 for e in prev.scheduled):
+            results = self._update(prev)  # forks need the samples first, as in the engine
+            prev = None
+        out = self._schedule()
+        if prev is not None:
+            results = self._update(prev)
+        self._run(out)  # after the update: the placeholders' tokens are known now
+        self.pending = out if out.scheduled else None
         return out, results
 
     def run(self, max_steps: int = 500) -> int:
@@ -117,12 +150,14 @@ class Harness:
         assert not kv.tables.requests and kv.tables.pending.is_empty()
 
     # ------------------------------------------------------------------ checks
-    def _check_output(self, out: SchedulerOutput, before) -> None:
+    def _check_output(self, out: SchedulerOutput, before, placeholders) -> None:
         sched, kv = self.sched, self.kv
         ps, config = kv.page_size, sched.config
         ids = [entry.request_id for entry in out.scheduled]
         assert len(ids) == len(set(ids))
-        if sched.requests:  # progress: something runs, or a preemption makes room
+        if sched.requests and not any(placeholders.values()):
+            # progress: something runs, or a preemption makes room (or a step in flight
+            # will end the requests)
             assert ids or out.preempted_request_ids, "an idle step with requests pending"
         assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
         assert len(ids) <= sched.max_num_seqs and out.num_rows <= sched.max_num_seqs
@@ -140,13 +175,18 @@ class Harness:
             request = sched.requests[entry.request_id]
             start, num_new = entry.start_pos, entry.num_new_tokens
             assert entry.request_id in running_ids and request.status == RequestStatus.RUNNING
-            assert start == request.num_computed_tokens and num_new >= 1
-            assert entry.token_ids == request.all_token_ids[start:start + num_new]
+            assert start + num_new == request.num_computed_tokens and num_new >= 1
+            in_flight = placeholders.get(entry.request_id, 0)
+            num_known = max(0, min(num_new, request.num_tokens - start))
+            assert num_new - num_known <= in_flight <= 1
+            assert entry.token_ids == (request.all_token_ids[start:start + num_known]
+                                       + [PLACEHOLDER] * (num_new - num_known))
             assert entry.page_ids == kv.page_ids(entry.request_id)
             assert 0 not in entry.page_ids
             assert len(entry.page_ids) * ps >= start + num_new
-            assert entry.sampling_counter == request.num_output_tokens
-            if start + num_new < request.num_tokens:
+            assert entry.sampling_counter == request.num_output_tokens + in_flight
+            assert request.num_output_placeholders == in_flight + bool(entry.num_samples)
+            if start + num_new < request.num_tokens + in_flight:
                 assert entry.num_samples == 0
                 assert config.chunked, "without chunking a request's tokens run whole"
             else:
@@ -168,7 +208,8 @@ class Harness:
             assert r.status == RequestStatus.RUNNING
             assert kv.has_request(r.request_id) and not kv.is_swapped(r.request_id)
             assert len(kv.page_ids(r.request_id)) * kv.page_size >= r.num_computed_tokens
-            assert r.num_computed_tokens <= r.num_tokens
+            assert r.num_computed_tokens <= r.num_tokens_with_placeholders
+            assert 0 <= r.num_output_placeholders <= 1 + self.overlap
         for r in sched.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert not kv.has_request(r.request_id) and r.num_computed_tokens == 0
@@ -199,7 +240,7 @@ class Harness:
             self.device[dst] = content
         fingerprints = {}
         for entry in out.scheduled:
-            fps = prefix_fingerprints(self.sched.requests[entry.request_id].all_token_ids)
+            fps = prefix_fingerprints(self.seen[entry.request_id].all_token_ids)
             fingerprints[entry.request_id] = fps
             for pos in range(entry.start_pos, entry.start_pos + entry.num_new_tokens):
                 page = self.device.setdefault(entry.page_ids[pos // ps], [None] * ps)

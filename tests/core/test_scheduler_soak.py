@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from jaxserve.core.scheduler_output import PLACEHOLDER
 from jaxserve.request import RequestStatus
 from tests.core.scheduler_harness import EOS, Harness, make_request, make_scheduler
 
@@ -25,9 +26,10 @@ SOAK_CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("seed", range(10))
 @pytest.mark.parametrize("config", SOAK_CONFIGS, ids=lambda c: "-".join(map(str, c.values())))
-def test_random_soak(config, seed):
+def test_random_soak(config, seed, overlap):
     rng = random.Random(seed)
     config = dict(config)
     num_pages = rng.choice([9, 13, 17, 33])
@@ -39,7 +41,7 @@ def test_random_soak(config, seed):
     def choose(request, sample_index):
         return EOS if rng.random() < 0.08 else rng.choice([20, 21, 22])
 
-    h = Harness(sched, choose)
+    h = Harness(sched, choose, overlap=overlap)
     systems = [[], [5, 6, 7, 8, 5, 6, 7, 8], [9] * 6]
     num_added = 0
     for step in range(1500):
@@ -77,3 +79,40 @@ def test_random_soak(config, seed):
             assert r.output_token_ids[-1] == EOS
         else:
             assert r.status == RequestStatus.FINISHED_ABORTED
+
+
+@pytest.mark.parametrize("config", SOAK_CONFIGS, ids=lambda c: "-".join(map(str, c.values())))
+def test_overlapped_steps_give_every_request_the_same_tokens(config):
+    """Each token depends only on the request and its position (as seeded sampling on the
+    device), so scheduling a step before the previous one's samples are known (async
+    scheduling) must leave every completion's tokens exactly as synchronous stepping."""
+    def choose(request, sample_index):
+        key = hash((request.user_request_id, sample_index, request.num_output_tokens))
+        return EOS if key % 11 == 0 else 20 + key % 3
+
+    def run(overlap: bool) -> dict:
+        rng = random.Random(7)
+        budget = 16 if config.get("scheduling_mode") is None else 48
+        sched = make_scheduler(num_pages=13, budget=budget, max_model_len=48, max_num_seqs=4,
+                               **config)
+        h = Harness(sched, choose, overlap=overlap)
+        for step in range(400):
+            if step < 30 and step % 2 == 0:
+                prompt = [5, 6, 7, 8, 5, 6, 7, 8] * rng.randint(0, 1) + [
+                    rng.randrange(30, 40) for _ in range(rng.randint(1, 20))]
+                h.add(make_request(f"s{step}", prompt, max_tokens=rng.randint(1, 16),
+                                   n=min(rng.choice([1, 1, 2]), sched.max_num_seqs),
+                                   arrival=step))
+            h.step()
+            if step >= 30 and not sched.has_unfinished_requests():
+                break
+        h.check_drained()
+        placeholders = [e for o in h.outputs for e in o.scheduled if PLACEHOLDER in e.token_ids]
+        assert bool(placeholders) == overlap
+        return {rid: (r.output_token_ids, r.status) for rid, r in h.seen.items()}, sched
+
+    sync, sync_sched = run(False)
+    overlapped, sched = run(True)
+    assert overlapped == sync
+    if config.get("scheduling_mode") is None:
+        assert sync_sched.num_preemptions > 0  # the comparison covers preemption

@@ -179,13 +179,13 @@ def test_failed_step_leaves_nothing_queued(llm, monkeypatch):
     runner = llm.engine.runner
     calls = []
 
-    def failing_execute(*args, **kwargs):
+    def failing_dispatch(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("device lost")
-        return type(runner).execute(runner, *args, **kwargs)
+        return type(runner).dispatch(runner, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", failing_execute)
+    monkeypatch.setattr(runner, "dispatch", failing_dispatch)
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(["Once upon a time", "Hello"], greedy, use_tqdm=False)
     monkeypatch.undo()

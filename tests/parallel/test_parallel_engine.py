@@ -92,7 +92,8 @@ def _check_collectives(llm):
     runner = llm.engine.runner
     ((layout, _), step), *_ = runner._steps.items()
     buf = jax.device_put(np.zeros(layout.size, np.int32), llm.engine.layout.replicated())
-    hlo = step.lower(runner.params, runner.kv_pages, buf).compile().as_text()
+    prev_ids = runner._no_prev_ids
+    hlo = step.lower(runner.params, runner.kv_pages, buf, prev_ids).compile().as_text()
     assert len(re.findall(r"all-reduce\(", hlo)) >= 2  # attention out + MLP down, per layer
     pool = runner.kv_pages.shape
     pool_dims = ",".join(str(d) for d in pool)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.core.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from jaxserve.runner.step_input import build_step_arrays
 
-KEYS = ("input_ids", "positions", "slot_mapping", "block_tables", "kv_lens", "cu_q_lens",
-        "logits_indices")
+KEYS = ("input_ids", "prev_rows", "positions", "slot_mapping", "block_tables", "kv_lens",
+        "cu_q_lens", "logits_indices")
 
 
 def req(rid: str, token_ids: list[int], start_pos: int, pages: list[int],
@@ -21,6 +21,7 @@ def req(rid: str, token_ids: list[int], start_pos: int, pages: list[int],
 def check(arrays, expected: dict) -> None:
     tree = arrays.device_tree()
     assert set(tree) == set(KEYS)
+    expected = {"prev_rows": [-1] * len(expected["input_ids"]), **expected}
     for key in KEYS:
         assert tree[key].dtype == np.int32, key
         np.testing.assert_array_equal(tree[key], np.asarray(expected[key]), err_msg=key)
@@ -54,6 +55,26 @@ def test_decode_batch_that_fills_the_bucket_exactly():
         "block_tables": [[6, 0, 0], [2, 1, 0], [3, 4, 9]], "kv_lens": [1, 16, 17],
         "cu_q_lens": [0, 1, 2, 3], "logits_indices": [0, 1, 2],
         "row_request_ids": ["a", "b", "c"]})
+
+
+def test_placeholders_take_the_previous_steps_sampling_rows():
+    # "b" and "c" decode the token their previous step samples (rows 2 and 0 there).
+    out = SchedulerOutput(scheduled=[req("a", [4], 0, [6], 1),
+                                     req("b", [PLACEHOLDER], 15, [2, 1], 1),
+                                     req("c", [PLACEHOLDER], 16, [3, 4, 9], 1)])
+    check(build_step_arrays(out, 4, 4, 8, 3, prev_rows={"c": 0, "x": 1, "b": 2}), {
+        "input_ids": [4, 0, 0, 0], "prev_rows": [-1, 2, 0, -1],
+        "positions": [0, 15, 16, 0], "slot_mapping": [48, 15, 72, 0],
+        "block_tables": [[6, 0, 0], [2, 1, 0], [3, 4, 9], [0, 0, 0]],
+        "kv_lens": [1, 16, 17, 0], "cu_q_lens": [0, 1, 2, 3, 3],
+        "logits_indices": [0, 1, 2, 0], "row_request_ids": ["a", "b", "c"]})
+
+
+@pytest.mark.parametrize("prev_rows", [None, {"a": 0}])
+def test_placeholder_without_a_previous_row_is_refused(prev_rows):
+    out = SchedulerOutput(scheduled=[req("b", [PLACEHOLDER], 3, [2], 1)])
+    with pytest.raises(ValueError, match="placeholder"):
+        build_step_arrays(out, 4, 4, 8, 3, prev_rows=prev_rows)
 
 
 def test_empty_step_is_all_padding():

@@ -33,6 +33,8 @@ ENGINE_ARGS = [
     ("--scheduling-policy", str, SCHEDULING_POLICIES, "fcfs", "which request runs first"),
     ("--scheduling-mode", str, SCHEDULING_MODES, "continuous+chunked",
      "the others exist for benchmarks"),
+    ("--async-scheduling", "bool", None, "on",
+     "schedule each step while the previous one runs on the device"),
     ("--attention-backend", str, ("auto", "xla", "pallas"), "auto", "attention kernels"),
     ("--seed", int, None, "0", "seed of the engine's random stream"),
     ("--tensor-parallel-size", int, None, "1", "devices one model is split over"),

@@ -126,8 +126,44 @@ def cmd_overhead(args) -> int:
             ("step", "step", ".2f"), ("host_share", "host share", ".1%"),
             ("gpu_step_ms", "gpu-8b step ms", ".1f"), ("share_of_gpu_step", "share", ".1%")]))
         out["engine"] = eng
+    if not args.skip_pipeline:
+        out["pipeline"] = _pipeline_table(args, levels)
     dump_json(args.output_json, out)
     return 0
+
+
+def _pipeline_table(args, levels: list[int]) -> list[dict]:
+    """Device idle between steps on a simulated accelerator, sync vs async, interleaved."""
+    import os
+
+    from jaxserve.bench.engine_run import make_llm
+    from jaxserve.bench.overhead import tiny_model
+    from jaxserve.bench.pipeline import cost_model_seconds, pipeline_run
+    from models.default_model import default_model_path
+    from models.loaders import load_tokenizer
+
+    tok = load_tokenizer(args.model or default_model_path())
+    top = max(levels)
+    budget = max(2 * top, 256)
+    # NOTE: a 2048-token vocabulary (ids valid for the tokenizer) keeps the real CPU step
+    # negligible beside the simulated device's.
+    llm = make_llm(tiny_model(vocab_size=2048), tok, max_model_len=budget, max_num_seqs=top,
+                   max_num_batched_tokens=budget, num_kv_blocks=top * 8 + 64)
+    cost = cost_model_seconds(args.sim_preset)
+    rows = []
+    for n in levels:
+        for overlap in (False, True, False, True):
+            row = pipeline_run(llm, n, cost, overlap=overlap)
+            row["load"] = os.getloadavg()[0]
+            rows.append(row)
+    print(f"\nDevice idle between decode steps, simulated {args.sim_preset} device (ms per "
+          "step; host critical path = idle):")
+    print(table(rows, [
+        ("num_running", "running", "d"), ("async", "async", "s"),
+        ("device_ms", "device", ".2f"), ("idle_ms", "idle (host critical path)", ".2f"),
+        ("step_ms", "step", ".2f"), ("idle_share", "idle share", ".1%"),
+        ("load", "load avg", ".2f")]))
+    return rows
 
 
 
@@ -167,6 +203,10 @@ def add_parsers(bsub) -> None:
                     help="comma list of running requests (default: 16,256,1024)")
     ov.add_argument("--skip-engine", action="store_true",
                     help="only the model-free component timings")
+    ov.add_argument("--skip-pipeline", action="store_true",
+                    help="skip the device-idle comparison of sync and async scheduling")
+    ov.add_argument("--sim-preset", default="gpu-8b",
+                    help="simulated device of the idle comparison (default: gpu-8b)")
     ov.add_argument("--model", default=None,
                     help="where the tokenizer comes from (default: the embedded model)")
     ov.add_argument("--output-json", default=None, help="write the full results here as JSON")

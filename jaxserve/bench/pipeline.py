@@ -1,0 +1,125 @@
+"""Device idle time between steps, synchronous vs async scheduling, on a simulated accelerator.
+
+On this CPU the "device" (XLA) shares the cores with the host, so whether host work hides
+behind the device step cannot be seen directly. This benchmark gives a real `LLMEngine`
+(a tiny random model, real scheduler, detokenizer and outputs) an accelerator that runs
+beside the host: each dispatched step occupies the device for the simulator's cost of that
+step (`bench.simulator` presets), starting when it is dispatched or when the step before it
+ends, whichever is later; fetching a step waits (sleeps) until it ends. Timestamps of
+every dispatch and simulated completion give the device's idle time between steps, and
+with it the host time on the critical path (the host work the device waited for).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+class SimulatedDevice:
+    """Wraps an engine's runner so each step also takes `step_seconds` of device time.
+
+    Args:
+        engine: The `LLMEngine` (its runner's `dispatch`/`fetch` are wrapped on the
+            instance until `close`).
+        step_seconds: `SchedulerOutput -> seconds` of one step on the device.
+    """
+
+    def __init__(self, engine, step_seconds):
+        self.runner = engine.runner
+        self.step_seconds = step_seconds
+        self.spans: list[tuple[float, float, float]] = []  # (dispatched, start, end)
+        self._end: dict[int, float] = {}
+        dispatch, fetch = self.runner.dispatch, self.runner.fetch
+
+        def timed_dispatch(out, *args, **kwargs):
+            pending = dispatch(out, *args, **kwargs)
+            now = time.perf_counter()
+            start = max(now, self.spans[-1][2]) if self.spans else now
+            end = start + self.step_seconds(out)
+            self.spans.append((now, start, end))
+            self._end[id(pending)] = end
+            return pending
+
+        def timed_fetch(pending):
+            result = fetch(pending)
+            wait = self._end.pop(id(pending), 0.0) - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            return result
+
+        self.runner.dispatch, self.runner.fetch = timed_dispatch, timed_fetch
+
+    def close(self) -> None:
+        del self.runner.dispatch, self.runner.fetch
+
+    def idle(self, first: int = 0) -> tuple[float, float]:
+        """(seconds the device sat idle between steps, seconds from the first step's start
+        to the last one's end), over the spans from index `first`."""
+        spans = self.spans[first:]
+        gaps = [max(0.0, b[1] - a[2]) for a, b in zip(spans, spans[1:], strict=False)]
+        return sum(gaps), spans[-1][2] - spans[0][1]
+
+
+def pipeline_run(llm, num_running: int, step_seconds, *, overlap: bool, prompt_len: int = 32,
+                 num_steps: int = 30) -> dict:
+    """Decodes `num_running` requests with a simulated device; idle time and step figures.
+
+    Args:
+        llm: An `LLM` over a cheap model, `max_num_seqs` >= num_running.
+        step_seconds: Device cost model, `SchedulerOutput -> seconds`.
+        overlap: Async scheduling on or off.
+
+    Returns:
+        Per decode step (medians and means over `num_steps` steady steps, ms): wall time,
+        simulated device time, idle time between steps and its share of the span.
+    """
+    eng = llm.engine
+    eng.async_scheduling = overlap
+    rng = np.random.default_rng(num_running)
+    ids = [f"pipe{int(overlap)}-{num_running}-{i}" for i in range(num_running)]
+    top = min(30000, eng.model.cfg.vocab_size)
+    for rid in ids:
+        eng.add_request(rid, {"prompt_token_ids": rng.integers(3, top, prompt_len).tolist()},
+                        SamplingParams(max_tokens=eng.limits.max_model_len - prompt_len - 1,
+                                       ignore_eos=True, temperature=0.0,
+                                       output_kind=RequestOutputKind.CUMULATIVE))
+    sched = eng.scheduler
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
+        eng.step()
+    device = SimulatedDevice(eng, step_seconds)
+    try:
+        for _ in range(3):  # into the steady pipeline
+            eng.step()
+        first = len(device.spans)
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            eng.step()
+        wall = time.perf_counter() - t0
+        idle, span = device.idle(first)
+        busy = sum(e - s for _, s, e in device.spans[first:])
+    finally:
+        device.close()
+        eng.abort_request(ids)
+        eng.flush()
+    n = len(device.spans) - first
+    return {"num_running": num_running, "async": overlap,
+            "step_ms": 1000 * wall / num_steps, "device_ms": 1000 * busy / max(n, 1),
+            "idle_ms": 1000 * idle / max(n - 1, 1),
+            "idle_share": idle / span if span else 0.0}
+
+
+def cost_model_seconds(preset: str):
+    """`SchedulerOutput -> seconds` under a `bench.simulator` preset."""
+    from jaxserve.bench.simulator import PRESETS
+
+    cost = PRESETS[preset]
+
+    def seconds(out) -> float:
+        kv_tokens = sum(s.start_pos + s.num_new_tokens for s in out.scheduled)
+        return cost.step_seconds(out.total_num_scheduled_tokens, len(out.scheduled), kv_tokens)
+
+    return seconds
