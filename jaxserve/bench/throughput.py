@@ -16,6 +16,7 @@ import time
 from jaxserve.bench.engine_run import RunResult, StepRecord, make_llm, run_trace
 from jaxserve.bench.report import table
 from jaxserve.bench.workloads import TraceRequest, trace_token_ids
+from jaxserve.config import SCHEDULING_MODES
 
 BASELINE = "transformers-static"
 
@@ -43,8 +44,14 @@ def breakdown(steps: list[StepRecord]) -> dict:
 
 def compare_modes(model, tokenizer, trace: list[TraceRequest], modes: list[str],
                   engine_args: dict, *, hf_model=None, hf_batch_size: int = 16,
-                  log=print) -> dict:
+                  peer: tuple[str, str] | None = None, log=print) -> dict:
     """Runs `trace` in every mode (and the transformers baseline); returns results by name.
+
+    Args:
+        peer: `(name, base URL)` of another OpenAI-compatible server (say llama.cpp's
+            `llama-server`) serving the same model: the same prompt ids are streamed to
+            its `/v1/completions` after the engine modes (`serve_client`), as one more
+            row.
 
     Each entry: `summary` (the `summarize` fields + step means), `breakdown`,
     `warmup_s` and, for engine modes, `run` (the JSON of the run for plots).
@@ -72,7 +79,40 @@ def compare_modes(model, tokenizer, trace: list[TraceRequest], modes: list[str],
         results[BASELINE] = {"summary": summ, "breakdown": {}, "warmup_s": 0.0}
         log(f"[{BASELINE}] {summ['output_throughput']:.2f} output tok/s in "
             f"{summ['duration']:.1f}s")
+    if peer is not None:
+        results[peer[0]] = run_peer(peer[1], trace, ids, log)
     return results
+
+
+def run_peer(url: str, trace: list[TraceRequest], ids: list[list[int]], log=print) -> dict:
+    """The trace streamed to another OpenAI-compatible server; a results entry.
+
+    Raises:
+        RuntimeError: The server cannot be reached, some request failed (the first errors
+            are named), or it generated other lengths than the trace asks.
+    """
+    import asyncio
+
+    import httpx
+
+    from jaxserve.bench.serve_client import run_serve_benchmark
+
+    log(f"[peer] {len(trace)} requests to {url}")
+    try:
+        res = asyncio.run(run_serve_benchmark(url, trace, ids, timeout_s=1800.0))
+    except (httpx.HTTPError, OSError) as e:
+        raise RuntimeError(f"peer {url}: cannot reach it ({type(e).__name__}: {e})") from e
+    if res["failed"]:
+        raise RuntimeError(f"peer {url}: {res['failed']} of {len(trace)} requests failed: "
+                           f"{res['errors'][:3]}")
+    got, want = sum(res["output_lens"]), sum(r.output_len for r in trace)
+    if got != want:  # the peer must generate exactly the trace's lengths (ignore_eos)
+        raise RuntimeError(f"peer {url} generated {got} tokens, the trace asks {want}")
+    summary = {k: v for k, v in res.items()
+               if not isinstance(v, list) and k not in ("model_id", "errors")}
+    log(f"[peer] {summary['output_throughput']:.2f} output tok/s in "
+        f"{summary['duration']:.1f}s")
+    return {"summary": summary, "breakdown": {}, "warmup_s": 0.0}
 
 
 def mode_rows(results: dict, reference: str = "static") -> list[dict]:
@@ -99,7 +139,8 @@ def format_modes(results: dict, reference: str = "static") -> str:
         ("x_base", "x transformers", ".2f"), ("mean_ttft_ms", "mean TTFT ms", ".0f"),
         ("p99_itl_ms", "P99 ITL ms", ".0f"), ("median_itl_ms", "median ITL ms", ".0f"),
         ("duration", "wall s", ".1f")])
-    eng = [r for r in rows if r["name"] != BASELINE]
+    eng = [r for r in rows if r["name"] in SCHEDULING_MODES]
+    peers = [r for r in rows if r["name"] != BASELINE and r["name"] not in SCHEDULING_MODES]
     t2 = table(eng, [
         ("name", "mode", "s"), ("num_steps", "steps", "d"),
         ("prefill_steps", "prefill steps", "d"), ("prefill_time_s", "prefill s", ".1f"),
@@ -109,6 +150,10 @@ def format_modes(results: dict, reference: str = "static") -> str:
         ("padding_waste_ratio", "pad waste", ".2f")])
     text = t1 + "\n\nWhere the time goes (engine steps that carry prompt tokens vs pure " \
                 "decode steps):\n\n" + t2
+    for peer in peers:
+        ratios = [f"{r['name']} / {peer['name']}: "
+                  f"{r['output_throughput'] / peer['output_throughput']:.2f}x" for r in eng]
+        text += "\n\nOutput tok/s against the peer: " + "; ".join(ratios)
     if BASELINE in results:
         s = results[BASELINE]["summary"]
         useful = s["total_input_tokens"]

@@ -240,3 +240,33 @@ def test_bench_extra_covers_what_the_benchmarks_import():
     missing = {m: dists.get(m) for m in modules
                if not _requirement_names(dists.get(m, [m])) & declared}
     assert not missing, f"imported by the benchmarks but not in the bench extra: {missing}"
+
+
+def test_throughput_peer_row(fake_server_url):
+    """`bench throughput --peer-url`: the trace streamed to another OpenAI-compatible
+    server becomes a row, and the engine modes are compared with it."""
+    pytest.importorskip("httpx")
+    from jaxserve.bench.throughput import format_modes, run_peer
+    from jaxserve.bench.workloads import mixed_trace, trace_token_ids
+
+    trace = mixed_trace(4, short_prompt=8, long_prompt=16, short_output=3, long_output=2,
+                        seed=0)
+    peer = run_peer(fake_server_url, trace, trace_token_ids(trace, 1000), log=lambda *a: None)
+    s = peer["summary"]
+    assert s["completed"] == 4 and s["failed"] == 0
+    assert s["total_output_tokens"] == sum(r.output_len for r in trace)
+    engine = {"summary": {**s, "output_throughput": 2 * s["output_throughput"]}}
+    text = format_modes({"continuous+chunked": engine, "llama-server": peer},
+                        "continuous+chunked")
+    assert "| llama-server |" in text
+    assert "continuous+chunked / llama-server: 2.00x" in text
+
+
+def test_throughput_peer_unreachable():
+    pytest.importorskip("httpx")
+    from jaxserve.bench.throughput import run_peer
+    from jaxserve.bench.workloads import mixed_trace
+
+    trace = mixed_trace(2, short_prompt=4, long_prompt=8, short_output=2, long_output=2)
+    with pytest.raises(RuntimeError, match="peer http://127.0.0.1:9: cannot reach it"):
+        run_peer("http://127.0.0.1:9", trace, [[5, 6, 7]] * 2, log=lambda *a: None)

@@ -118,8 +118,9 @@ def cmd_throughput(args) -> int:
     eargs = bench_engine_args(args)
     print(f"trace {args.trace}: {len(trace)} requests, {sum(r.prompt_len for r in trace)} "
           f"prompt + {sum(r.output_len for r in trace)} output tokens; engine {eargs}")
+    peer = (args.peer_name, args.peer_url) if args.peer_url else None
     res = compare_modes(model, tok, trace, modes, eargs, hf_model=hf,
-                        hf_batch_size=args.hf_batch_size)
+                        hf_batch_size=args.hf_batch_size, peer=peer)
     ref = "static" if "static" in res else modes[0]
     print()
     print(format_modes(res, ref))
@@ -198,6 +199,12 @@ def add_parser(sub) -> None:
                          "with a note without it (default: transformers)")
     tp.add_argument("--hf-batch-size", type=int, default=16,
                     help="static batch size of the transformers baseline (default: 16)")
+    tp.add_argument("--peer-url", default=None,
+                    help="also stream the trace to this OpenAI-compatible server serving "
+                         "the same model (e.g. llama.cpp's llama-server: "
+                         "http://127.0.0.1:8080), after the engine modes")
+    tp.add_argument("--peer-name", default="llama-server",
+                    help="the peer's row name (default: llama-server)")
     tp.add_argument("--plot-dir", default=None, help="write PNG plots here (needs matplotlib)")
     tp.set_defaults(handler=cmd_throughput)
 

@@ -155,11 +155,12 @@ def _pipeline_table(args, levels: list[int]) -> list[dict]:
         for overlap in (False, True, False, True):
             row = pipeline_run(llm, n, cost, overlap=overlap)
             row["load"] = os.getloadavg()[0]
+            row["scheduling"] = "async" if overlap else "sync"
             rows.append(row)
     print(f"\nDevice idle between decode steps, simulated {args.sim_preset} device (ms per "
           "step; host critical path = idle):")
     print(table(rows, [
-        ("num_running", "running", "d"), ("async", "async", "s"),
+        ("num_running", "running", "d"), ("scheduling", "scheduling", "s"),
         ("device_ms", "device", ".2f"), ("idle_ms", "idle (host critical path)", ".2f"),
         ("step_ms", "step", ".2f"), ("idle_share", "idle share", ".1%"),
         ("load", "load avg", ".2f")]))
