@@ -29,11 +29,13 @@ reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale
 
 
 @functools.cache
-def xla_path(block_kv: int, block_q: int):
+def xla_path(block_kv: int, block_q: int, decode_rows: int = 32):
     # NOTE: the prefix part's query tiles are as small as the in-step part's, so small
-    # `block_q` runs several tiles per request, and tiles that reach into the next one.
+    # `block_q` runs several tiles per request, and tiles that reach into the next one;
+    # the decode part's key blocks are `block_kv` too, its rows in groups of `decode_rows`.
     return jax.jit(functools.partial(ragged_paged_attention_xla, block_kv=block_kv,
-                                     block_q=block_q, block_q_prefix=min(block_q, 64)),
+                                     block_q=block_q, block_q_prefix=min(block_q, 64),
+                                     decode_block_kv=block_kv, decode_rows=decode_rows),
                    static_argnames=("sm_scale", "soft_cap"))
 
 
@@ -46,14 +48,15 @@ def inputs(g: Geometry, q_lens, kv_lens, seed=0):
     return q, kv_pages, md
 
 
-def check(g, layout, window=0, soft_cap=None, block_kv=128, block_q=256, seed=0, scale=1.0):
+def check(g, layout, window=0, soft_cap=None, block_kv=128, block_q=256, seed=0, scale=1.0,
+          decode_rows=32):
     q, kv_pages, md = inputs(g, *LAYOUTS[layout], seed=seed)
     q = (q * scale).astype(q.dtype)
     want = np.asarray(reference(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=window,
                                 soft_cap=soft_cap), np.float32)
-    got = np.asarray(xla_path(block_kv, block_q)(q, kv_pages, 1, md, sm_scale=SM_SCALE,
-                                                  sliding_window=window, soft_cap=soft_cap),
-                     np.float32)
+    got = np.asarray(xla_path(block_kv, block_q, decode_rows)(
+        q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=window, soft_cap=soft_cap),
+        np.float32)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=tolerance(g.dtype), rtol=0)
     padded = int(np.asarray(md.cu_q_lens)[-1])
@@ -72,7 +75,9 @@ def test_matches_reference(g, layout, window):
 @pytest.mark.parametrize("layout", ["mixed_mid_page_chunks", "second_chunk_of_a_long_prompt",
                                     "decodes_first_then_chunk"])
 def test_blocks_tiles_and_soft_cap(layout, block_kv, block_q, soft_cap):
-    check(GEOMETRIES[0], layout, 3, soft_cap, block_kv, block_q, seed=2, scale=4.0)
+    # Decode rows in groups of 2: several groups, the last one part padding.
+    check(GEOMETRIES[0], layout, 3, soft_cap, block_kv, block_q, seed=2, scale=4.0,
+          decode_rows=2)
 
 
 def test_random_packings():
@@ -84,7 +89,7 @@ def test_random_packings():
         kv_lens = [int(qn + rng.integers(0 if qn else 0, 60)) if qn else 0 for qn in q_lens]
         LAYOUTS[f"random-{seed}"] = ([int(x) for x in q_lens], kv_lens)
         check(g, f"random-{seed}", window=int(rng.choice([0, 7])), block_kv=32, block_q=16,
-              seed=seed)
+              seed=seed, decode_rows=4)
 
 
 def test_cost_follows_the_live_context():
