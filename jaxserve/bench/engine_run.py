@@ -81,9 +81,6 @@ class StepProbe:
             self._phase[name] = self._phase.get(name, 0.0) + time.perf_counter() - t0
             if name == "schedule":
                 self._scheduled.append(self._count(res))
-            if name in ("dispatch", "fetch"):
-                self._phase["execute"] = self._phase.get("execute", 0.0) + (
-                    time.perf_counter() - t0)
             return res
         return timed
 
@@ -111,7 +108,7 @@ class StepProbe:
             return outputs, None
         rec = StepRecord(
             t=t1 - start, seconds=t1 - t0, schedule_s=self._phase.get("schedule", 0.0),
-            execute_s=self._phase.get("execute", 0.0),
+            execute_s=self._phase.get("dispatch", 0.0) + self._phase.get("fetch", 0.0),
             update_s=self._phase.get("update_from_output", 0.0),
             num_tokens=sum(c[0] for c in counts), num_prefill_tokens=sum(c[1] for c in counts),
             num_seqs=max(c[2] for c in counts), num_running=len(eng.scheduler.running),

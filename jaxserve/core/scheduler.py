@@ -65,6 +65,8 @@ class Scheduler:
         self.max_kv_tokens = kv.max_tokens_per_request
         if not config.chunked:
             self.max_kv_tokens = min(self.max_kv_tokens, max_num_batched_tokens)
+        # Tokens (prompt + outputs) at which a request ends as length-capped.
+        self.length_cap = min(max_model_len, self.max_kv_tokens + 1)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -216,9 +218,8 @@ class Scheduler:
             return False
         sp = request.sampling_params
         num_out = request.num_output_tokens + request.num_output_placeholders
-        max_len = min(self.max_model_len, self.max_kv_tokens + 1)
         return ((sp is not None and sp.max_tokens is not None and num_out >= sp.max_tokens)
-                or request.num_tokens_with_placeholders >= max_len)
+                or request.num_tokens_with_placeholders >= self.length_cap)
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
@@ -354,7 +355,7 @@ class Scheduler:
         reason = check_stop(
             request.output_token_ids, num_prompt_tokens=request.num_prompt_tokens,
             max_tokens=sp.max_tokens,
-            max_model_len=min(self.max_model_len, self.max_kv_tokens + 1),
+            max_model_len=self.length_cap,
             eos_token_ids=request.eos_token_ids, ignore_eos=sp.ignore_eos,
             stop_token_ids=sp.stop_token_ids or (), min_tokens=sp.min_tokens)
         if reason is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -253,8 +254,8 @@ class LLMEngine:
             pending, self._pending = self._pending, None
             self._stashed.extend(self._finish(pending))
 
-    def _row_for(self, req, s, k) -> RowSpec:
-        state = self.outputs.row_state(req, time.time())
+    def _row_for(self, now: float, req, s, k) -> RowSpec:
+        state = self.outputs.row_state(req, now)
         seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
         return RowSpec(state.row_params, req.prompt_token_ids, req.output_token_ids, seed,
                        s.sampling_counter)
@@ -276,7 +277,7 @@ class LLMEngine:
         out = self.scheduler.schedule().decodes_first()
         if out.is_empty:
             return None
-        row_for = row_for or self._row_for
+        row_for = row_for or functools.partial(self._row_for, time.time())
         requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}
         rows, row_owner = [], []
         for s in out.scheduled:

@@ -53,7 +53,6 @@ class PendingStep:
         num_padded_tokens: Padding in the token bucket.
         prompt_logprobs: Device `PromptLogprobs` of the bucket's tokens, or None.
         num_prompt_targets: Real tokens of `prompt_logprobs` (the rest is padding).
-        dispatched_at: `time.perf_counter()` when the step was handed to the device.
     """
 
     row_request_ids: list[str]
@@ -62,7 +61,6 @@ class PendingStep:
     num_padded_tokens: int
     prompt_logprobs: object = None
     num_prompt_targets: int = 0
-    dispatched_at: float = 0.0
 
 
 @dataclass
@@ -265,8 +263,7 @@ class ModelRunner:
         self.num_padded_tokens += padded
         self.num_scheduled_tokens += out.total_num_scheduled_tokens
         return PendingStep(arrays.row_request_ids, res, next_ids, padded, prompt_lp,
-                           0 if prompt_targets is None else len(prompt_targets),
-                           time.perf_counter())
+                           0 if prompt_targets is None else len(prompt_targets))
 
     def _prompt_fn(self):
         if self._prompt_logprobs is None:
