@@ -156,7 +156,7 @@ class Scheduler:
         # so the next step can be scheduled while this one runs (async scheduling); a
         # sampled token still in flight is a placeholder until `update_from_output`.
         for entry in out.scheduled:
-            request = self.requests[entry.request_id]
+            request = out.requests[entry.request_id] = self.requests[entry.request_id]
             request.num_computed_tokens += entry.num_new_tokens
             if entry.num_samples:
                 request.num_output_placeholders += 1
@@ -299,10 +299,18 @@ class Scheduler:
         """Takes back the progress `schedule()` gave a step that never ran (its dispatch
         failed): its requests compute those tokens again in a later step."""
         for entry in out.scheduled:
-            request = self.requests.get(entry.request_id)
+            request = self.scheduled_request(out, entry.request_id)
             if request is not None and not request.is_finished():
                 request.num_computed_tokens -= entry.num_new_tokens
                 request.num_output_placeholders -= bool(entry.num_samples)
+
+    def scheduled_request(self, out: SchedulerOutput, request_id: str) -> Request | None:
+        """The request `out` scheduled as `request_id` if it is still in the scheduler, else
+        None: it ended since, and its id may now belong to a new request (added after an
+        abort while the step was in flight), which the step must not touch."""
+        request = self.requests.get(request_id)
+        scheduled = out.requests.get(request_id, request)
+        return request if request is scheduled else None
 
     # ------------------------------------------------------------- update
     def update_from_output(self, out: SchedulerOutput,
@@ -322,7 +330,7 @@ class Scheduler:
         """
         results: list[tuple[Request, list[int]]] = []
         for entry in out.scheduled:
-            request = self.requests.get(entry.request_id)
+            request = self.scheduled_request(out, entry.request_id)
             if request is None or request.is_finished():
                 continue  # finished meanwhile (its pages are gone)
             if entry.num_samples:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxserve.core.plans import KVPlans
+
+if TYPE_CHECKING:
+    from jaxserve.request import Request
 
 # A token id not known on the host yet: the one the previous step (still in flight) samples
 # for this request. The runner takes it from that step's device output.
@@ -46,6 +50,10 @@ class SchedulerOutput:
         scheduled: Requests in row order (their tokens are packed in this order).
         plans: Page copies (copy-on-write) and swaps the runner executes before the step.
         preempted_request_ids: Requests preempted while building this step.
+        requests: Host only (never sent to the device or other processes): the `Request`
+            each entry was scheduled for. A request that ends while its step is in flight
+            (async scheduling) may see its id reused by a new request; the scheduler updates
+            only the objects it scheduled.
         total_num_scheduled_tokens: Sum of all requests' new tokens.
         num_rows: Sampling rows (sum of `num_samples`, at least one per request).
     """
@@ -53,6 +61,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     plans: KVPlans | None = None
     preempted_request_ids: list[str] = field(default_factory=list)
+    requests: dict[str, Request] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

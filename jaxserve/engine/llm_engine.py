@@ -301,7 +301,10 @@ class LLMEngine:
         out, requests = inflight.out, inflight.requests
         if inflight.targets is not None and on_prompt_logprobs is not None:
             on_prompt_logprobs(out, requests, result.prompt_logprobs)
-        for req_id in inflight.failed:  # before the update: it gets no token
+        # NOTE: a request that ended while the step ran is skipped (its id may be reused).
+        failed = {req_id: error for req_id, error in inflight.failed.items()
+                  if self.scheduler.scheduled_request(out, req_id) is not None}
+        for req_id in failed:  # before the update: it gets no token
             self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ERROR)
         sampled: dict[str, list[int]] = {}
         row_of: dict[str, list[int]] = {}
@@ -309,7 +312,7 @@ class LLMEngine:
             sampled.setdefault(req_id, []).append(int(result.token_ids[row]))
             row_of.setdefault(req_id, []).append(row)
         updates = self.scheduler.update_from_output(out, sampled)
-        return CoreStep(out, requests, result, updates, row_of, inflight.failed)
+        return CoreStep(out, requests, result, updates, row_of, failed)
 
     def _finish(self, inflight: _InFlight) -> list[RequestOutput]:
         core = self._core(inflight, self.outputs.record_prompt_logprobs)

@@ -294,6 +294,29 @@ def test_abort_between_schedule_and_update_is_ignored():
     h.run()
 
 
+def test_an_id_reused_before_update_is_a_new_request_the_late_update_leaves_alone():
+    """Aborted while its step is in flight, then re-added under the same id (async
+    scheduling): the step's update and `unschedule` must not touch the new request."""
+    h = Harness(make_scheduler())
+    h.add(make_request("a", 5), make_request("b", 5, arrival=1))
+    out = h.sched.schedule()
+    h._run(out)
+    h.sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    h.add(make_request("a", 7, arrival=2))
+    fresh = h.sched.requests["a"]
+    assert h.sched.scheduled_request(out, "a") is None
+    assert h.sched.scheduled_request(out, "b") is h.sched.requests["b"]
+    h.sched.unschedule(out)  # as a failed dispatch would: "a" is not this step's "a"
+    assert (fresh.num_computed_tokens, fresh.num_output_placeholders) == (0, 0)
+    h.sched.requests["b"].num_computed_tokens += 5  # undo the unschedule for "b"
+    h.sched.requests["b"].num_output_placeholders += 1
+    results = h.sched.update_from_output(out, {"a": [11], "b": [12]})
+    assert [(r.request_id, t) for r, t in results] == [("b", [12])]
+    assert fresh.output_token_ids == [] and fresh.num_output_placeholders == 0
+    h.run()
+    assert len(fresh.output_token_ids) > 0
+
+
 # ------------------------------------------------------------------------ fan-out
 def test_fan_out_forks_sharing_prompt_pages_then_copies_on_write():
     h = Harness(make_scheduler(budget=4, max_num_seqs=4))

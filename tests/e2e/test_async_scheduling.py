@@ -134,3 +134,32 @@ def test_abort_while_a_step_is_in_flight_frees_everything(llm):
     assert sorted(done) == ["a0", "a2", "a3"]
     assert all(len(o.outputs[0].token_ids) == 30 for o in done.values())
     assert engine.kv.usage == 0.0
+
+
+def test_an_id_reused_after_an_abort_in_flight_starts_afresh(llm):
+    """Aborting while a step is in flight, then adding new requests under the same ids: the
+    step's late samples must not reach the new requests (it once left them a placeholder
+    count of -1, and they were never scheduled)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine.async_scheduling = False
+    expected = [o.outputs[0].token_ids
+                for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
+    engine.async_scheduling = True
+    for round_ in range(2):
+        for i, prompt in enumerate(PROMPTS[:3]):
+            engine.add_request(f"same{i}", prompt, params)
+        outputs = []
+        if round_ == 0:
+            for _ in range(4):
+                outputs += engine.step()
+            assert engine._pending is not None  # a step is on the device now
+            engine.abort_request([f"same{i}" for i in range(3)])
+            continue
+        for _ in range(200):
+            if not engine.has_unfinished_requests():
+                break
+            outputs += engine.step()
+        done = {o.request_id: o.outputs[0].token_ids for o in outputs if o.finished}
+        assert [done.get(f"same{i}") for i in range(3)] == expected
+    assert engine.kv.usage == 0.0
