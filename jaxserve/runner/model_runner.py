@@ -238,32 +238,45 @@ class ModelRunner:
                   variant: str | None, prompt_targets: np.ndarray | None,
                   prev: PendingStep | None) -> PendingStep:
         self.execute_plans(out.plans)
-        num_tokens, num_rows = self.step_shape(out)
-        prev_rows = None if prev is None else {
-            req_id: row for row, req_id in reversed(list(enumerate(prev.row_request_ids)))}
-        arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
-                                   self.max_pages_per_seq, prev_rows)
-        sampling = promote(sampling, variant or variant_of(sampling),
-                           self.model.cfg.vocab_size, self.penalty_len, self.banned_len)
-        model_buf, model_layout = pack(arrays.device_tree())
-        sample_buf, sample_layout = pack(sampling)
-        model_buf, sample_buf = self._to_device(model_buf), self._to_device(sample_buf)
-        decode_only = self.is_decode_step(out, num_tokens, num_rows)
-        self.num_decode_steps += decode_only
-        prev_ids = self._no_prev_ids if prev is None else prev.next_input_ids
-        self.kv_pages, logits, hidden = self._step_fn(model_layout, decode_only)(
-            self.params, self.kv_pages, model_buf, prev_ids)
+        arrays, logits, hidden, num_tokens = self._run_model(out, prev)
         prompt_lp = None
         if prompt_targets is not None:
-            targets = np.zeros(num_tokens, np.int32)  # i32[num_tokens]; padding: any id
-            targets[:len(prompt_targets)] = np.maximum(prompt_targets, 0)
-            prompt_lp = self._prompt_fn()(self.params, hidden, self._to_device(targets))
-        res, next_ids = self._sampler_fn(sample_layout)(logits, sample_buf)
+            prompt_lp = self._run_prompt_logprobs(hidden, prompt_targets, num_tokens)
+        res, next_ids = self._run_sampler(logits, sampling, variant)
         padded = num_tokens - out.total_num_scheduled_tokens
         self.num_padded_tokens += padded
         self.num_scheduled_tokens += out.total_num_scheduled_tokens
         return PendingStep(arrays.row_request_ids, res, next_ids, padded, prompt_lp,
                            0 if prompt_targets is None else len(prompt_targets))
+
+    def _run_model(self, out: SchedulerOutput, prev: PendingStep | None):
+        """Dispatches the model step: (host arrays, logits, hidden states, token bucket)."""
+        num_tokens, num_rows = self.step_shape(out)
+        prev_rows = None if prev is None else {
+            req_id: row for row, req_id in reversed(list(enumerate(prev.row_request_ids)))}
+        arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
+                                   self.max_pages_per_seq, prev_rows)
+        model_buf, model_layout = pack(arrays.device_tree())
+        decode_only = self.is_decode_step(out, num_tokens, num_rows)
+        self.num_decode_steps += decode_only
+        prev_ids = self._no_prev_ids if prev is None else prev.next_input_ids
+        self.kv_pages, logits, hidden = self._step_fn(model_layout, decode_only)(
+            self.params, self.kv_pages, self._to_device(model_buf), prev_ids)
+        return arrays, logits, hidden, num_tokens
+
+    def _run_prompt_logprobs(self, hidden: jax.Array, prompt_targets: np.ndarray,
+                             num_tokens: int):
+        targets = np.zeros(num_tokens, np.int32)  # i32[num_tokens]; padding: any id
+        targets[:len(prompt_targets)] = np.maximum(prompt_targets, 0)
+        return self._prompt_fn()(self.params, hidden, self._to_device(targets))
+
+    def _run_sampler(self, logits: jax.Array, sampling: SamplingMetadata,
+                     variant: str | None):
+        """Dispatches the sampler: (SamplerOutput, i32[max_rows] next input ids)."""
+        sampling = promote(sampling, variant or variant_of(sampling),
+                           self.model.cfg.vocab_size, self.penalty_len, self.banned_len)
+        sample_buf, sample_layout = pack(sampling)
+        return self._sampler_fn(sample_layout)(logits, self._to_device(sample_buf))
 
     def _prompt_fn(self):
         if self._prompt_logprobs is None:
@@ -347,10 +360,14 @@ class ModelRunner:
             out = SchedulerOutput(scheduled=[ScheduledRequest(
                 f"warmup-{i}", [0] * n, 0, [0] * cdiv(n, self.page_size), int(i == 0))
                 for i, n in enumerate(sizes[:num_rows])])
+            # One model step; the prompt-logprobs program and every sampler variant on
+            # its outputs (running the model once per variant cost ~7 s more cold).
+            _, logits, hidden, _ = self._run_model(out, None)
+            jax.block_until_ready(self._run_prompt_logprobs(hidden, np.zeros(0, np.int32),
+                                                            num_tokens))
             for variant in VARIANTS:
-                # The prompt-logprobs program of this bucket too, once.
-                targets = np.zeros(num_tokens, np.int32) if variant == VARIANTS[0] else None
-                self.execute(out, make_dummy_sampling(num_rows), variant, targets)
+                jax.block_until_ready(self._run_sampler(logits, make_dummy_sampling(num_rows),
+                                                        variant))
             decodes = SchedulerOutput(scheduled=[ScheduledRequest(f"warmup-d{i}", [0], 0, [0], 1)
                                                  for i in range(num_rows)])
             if self.is_decode_step(decodes, num_tokens, num_rows):  # its own program
