@@ -1,0 +1,1 @@
+"""Speculative decoding (issue 14): proposers, the acceptance rule and their configuration."""

@@ -1,0 +1,50 @@
+"""`SpeculativeConfig.from_dict`: vLLM's dict shape, defaults, and errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.spec_decode.config import SpeculativeConfig
+
+
+def test_ngram_defaults_and_bounds():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) \
+        == ("ngram", 3, 2, 5)
+    c = SpeculativeConfig.from_dict('{"method": "ngram", "num_speculative_tokens": 4, '
+                                    '"prompt_lookup_max": 1}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (1, 1)
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
+                                     "prompt_lookup_min": 7})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (7, 7)
+    assert SpeculativeConfig.from_dict(None) is None
+    assert SpeculativeConfig.from_dict(c) is c
+
+
+def test_draft_model_needs_its_path():
+    c = SpeculativeConfig.from_dict({"method": "draft_model", "model": "/m/draft.gguf",
+                                     "num_speculative_tokens": 5})
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "/m/draft.gguf", 5)
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 3}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x",
+      "prompt_lookup_max": 3}, "prompt_lookup"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+    ("{not json", "JSON"),
+    ([1, 2], "dict"),
+])
+def test_bad_configs_name_the_field(spec, field):
+    with pytest.raises(ValueError, match=field):
+        SpeculativeConfig.from_dict(spec)
