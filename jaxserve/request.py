@@ -92,6 +92,10 @@ class Request:
         # Tokens still to come from steps in flight (async scheduling: a step is
         # scheduled before the previous one's sampled ids reach the host).
         self.num_output_placeholders = 0
+        # Proposed next tokens (speculative decoding), set by the engine before each
+        # `schedule()`, which consumes them; never part of the request's tokens unless
+        # the target accepts them.
+        self.spec_token_ids: list[int] = []
         self.stop_reason: str | int | None = None
 
     @property

@@ -157,7 +157,9 @@ class Scheduler:
         # sampled token still in flight is a placeholder until `update_from_output`.
         for entry in out.scheduled:
             request = out.requests[entry.request_id] = self.requests[entry.request_id]
-            request.num_computed_tokens += entry.num_new_tokens
+            # NOTE: proposals count once accepted (`update_from_output`).
+            request.num_computed_tokens += entry.num_new_tokens - entry.num_spec_tokens
+            request.spec_token_ids = []
             if entry.num_samples:
                 request.num_output_placeholders += 1
         out.plans = self.kv.take_plans()
@@ -171,6 +173,14 @@ class Scheduler:
             num_new = (0 if self._ends_in_flight(request)
                        else self._num_new_tokens(request, step.budget))
             if num_new == 0:
+                index += 1
+                continue
+            num_spec = self._num_spec(request, num_new, step.budget)
+            if num_spec and self.kv.allocate_slots(request, num_new,
+                                                   num_lookahead_tokens=num_spec) is None:
+                num_spec = 0  # no room for proposals: never preempt anyone for them
+            elif num_spec:
+                step.add(self._entry(request, num_new, num_spec))
                 index += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
@@ -194,22 +204,36 @@ class Scheduler:
             return min(num_new, budget)
         return num_new if num_new <= budget else 0
 
+    def _num_spec(self, request: Request, num_new: int, budget: int) -> int:
+        """Proposals a decoding request verifies this step: its `spec_token_ids`, as many
+        as the budget and its limits allow (the accepted ones and a bonus token must not
+        pass max_tokens or the length cap)."""
+        if not request.spec_token_ids or num_new != 1 or request.num_output_placeholders \
+                or request.num_computed_tokens + 1 != request.num_tokens:
+            return 0
+        room = self.length_cap - request.num_tokens
+        sp = request.sampling_params
+        if sp is not None and sp.max_tokens is not None:
+            room = min(room, sp.max_tokens - request.num_output_tokens)
+        return max(0, min(len(request.spec_token_ids), budget - 1, room - 1))
+
     def _num_samples(self, request: Request, num_new: int) -> int:
         if request.num_computed_tokens + num_new < request.num_tokens_with_placeholders:
             return 0  # a prompt chunk short of the end: nothing to sample
         return request.fan_out if request.num_output_tokens == 0 else 1
 
-    def _entry(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _entry(self, request: Request, num_new: int, num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         token_ids = request.all_token_ids[start:start + num_new]
         token_ids += [PLACEHOLDER] * (num_new - len(token_ids))
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=token_ids,
+            token_ids=token_ids + request.spec_token_ids[:num_spec],
             start_pos=start,
             page_ids=self.kv.page_ids(request.request_id),
             num_samples=self._num_samples(request, num_new),
-            sampling_counter=request.num_output_tokens + request.num_output_placeholders)
+            sampling_counter=request.num_output_tokens + request.num_output_placeholders,
+            num_spec_tokens=num_spec)
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether a token in flight surely ends the request (its length limits): it is
@@ -301,7 +325,7 @@ class Scheduler:
         for entry in out.scheduled:
             request = self.scheduled_request(out, entry.request_id)
             if request is not None and not request.is_finished():
-                request.num_computed_tokens -= entry.num_new_tokens
+                request.num_computed_tokens -= entry.num_new_tokens - entry.num_spec_tokens
                 request.num_output_placeholders -= bool(entry.num_samples)
 
     def scheduled_request(self, out: SchedulerOutput, request_id: str) -> Request | None:
@@ -340,6 +364,12 @@ class Scheduler:
             tokens = sampled.get(entry.request_id, [])
             if not tokens:
                 continue
+            if entry.num_spec_tokens:
+                # Accepted proposals and the token after them: their KV is computed.
+                tokens = tokens[:entry.num_spec_tokens + 1]
+                request.num_computed_tokens += len(tokens) - 1
+                results.append((request, tokens))
+                continue
             results.append((request, tokens[:1]))
             for i, token in enumerate(tokens[1:], start=1):
                 child_id = f"{request.request_id}#{i}"
@@ -353,10 +383,16 @@ class Scheduler:
                 self.running.insert(self.running.index(request) + i, child)
                 results.append((child, [token]))
             request.fan_out = 1
+        kept = []
         for request, tokens in results:
-            request.append_output_token_ids(tokens)
-            self._check_stop(request)
-        return results
+            for i, token in enumerate(tokens):  # NOTE: a stop ends verified tokens there
+                request.append_output_token_ids(token)
+                self._check_stop(request)
+                if request.is_finished():
+                    tokens = tokens[:i + 1]
+                    break
+            kept.append((request, tokens))
+        return kept
 
     def _check_stop(self, request: Request) -> None:
         sp = request.sampling_params

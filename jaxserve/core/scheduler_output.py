@@ -28,6 +28,8 @@ class ScheduledRequest:
         num_samples: Tokens to sample from the last position: 0 while a prompt is only
             partly computed, 1 normally, n when a request fans out into n samples.
         sampling_counter: How many tokens the request has generated (seeds the per-row key).
+        num_spec_tokens: The last this many of `token_ids` are proposals (speculative
+            decoding): the step verifies them, returning 1 + the accepted count tokens.
     """
 
     request_id: str
@@ -36,6 +38,7 @@ class ScheduledRequest:
     page_ids: list[int]
     num_samples: int
     sampling_counter: int = 0
+    num_spec_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:

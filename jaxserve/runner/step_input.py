@@ -69,6 +69,7 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
         The step's host arrays; padding tokens and rows point at the null page 0.
 
     Raises:
+        NotImplementedError: An entry carries speculative proposals (not verified yet).
         ValueError: The step does not fit `num_tokens` tokens or `num_rows` rows, a block
             table is wider than `max_pages_per_seq`, a token's position lies past its
             request's block table, or a placeholder's request sampled nothing in the
@@ -76,6 +77,9 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
     """
     sched = out.scheduled
     r = len(sched)
+    if any(s.num_spec_tokens for s in sched):
+        # TODO(issue 14): logits at each proposal's position, then the rejection rule.
+        raise NotImplementedError("the runner cannot verify speculative proposals yet")
     if out.total_num_scheduled_tokens > num_tokens or r > num_rows or out.num_rows > num_rows:
         raise ValueError(f"step of {out.total_num_scheduled_tokens} tokens / {out.num_rows} "
                          f"rows does not fit bucket ({num_tokens}, {num_rows})")

@@ -66,8 +66,13 @@ class Harness:
             its decode tokens are placeholders until then.
     """
 
-    def __init__(self, scheduler: Scheduler, choose=default_token, overlap: bool = False):
+    def __init__(self, scheduler: Scheduler, choose=default_token, overlap: bool = False,
+                 propose=None, accept=None):
         self.sched = scheduler
+        # Speculative decoding: `propose(request) -> proposals` before each schedule, and
+        # `accept(request, proposals) -> how many the target accepts`.
+        self.propose, self.accept = propose, accept
+        self.proposed: dict[str, list[int]] = {}
         self.kv = scheduler.kv
         self.choose = choose
         self.device: dict[int, list] = {}  # page id -> fingerprints of its slots
@@ -101,6 +106,10 @@ class Harness:
         before = ([r.request_id for r in sched.running], [r.request_id for r in sched.swapped],
                   [r.request_id for r in sched.waiting])
         placeholders = {rid: r.num_output_placeholders for rid, r in sched.requests.items()}
+        if self.propose is not None:
+            for r in sched.running:
+                r.spec_token_ids = list(self.propose(r))
+        self.proposed = {r.request_id: list(r.spec_token_ids) for r in sched.running}
         out = sched.schedule()
         self.outputs.append(out)
         self._check_output(out, before, placeholders)
@@ -115,6 +124,11 @@ class Harness:
                 sampled[entry.request_id] = [
                     self.choose(request, k if entry.num_samples > 1 else request.sample_index)
                     for k in range(entry.num_samples)]
+                if entry.num_spec_tokens:  # accepted proposals, then the target's own
+                    proposals = entry.token_ids[-entry.num_spec_tokens:]
+                    accepted = proposals[:self.accept(request, proposals)]
+                    sampled[entry.request_id] = accepted + [
+                        sampled[entry.request_id][0] + len(accepted)]
         results = self.sched.update_from_output(out, sampled)
         self.seen.update((r.request_id, r) for r, _ in results)
         self._check_state()
@@ -174,16 +188,21 @@ class Harness:
         for entry in out.scheduled:
             request = sched.requests[entry.request_id]
             start, num_new = entry.start_pos, entry.num_new_tokens
+            num_spec = entry.num_spec_tokens
             assert entry.request_id in running_ids and request.status == RequestStatus.RUNNING
+            if num_spec:  # a decode token, then proposals the step verifies
+                assert entry.token_ids[1:] == self.proposed[entry.request_id][:num_spec]
+                assert num_new == 1 + num_spec and entry.num_samples == 1
+                num_new = 1
             assert start + num_new == request.num_computed_tokens and num_new >= 1
             in_flight = placeholders.get(entry.request_id, 0)
             num_known = max(0, min(num_new, request.num_tokens - start))
             assert num_new - num_known <= in_flight <= 1
-            assert entry.token_ids == (request.all_token_ids[start:start + num_known]
-                                       + [PLACEHOLDER] * (num_new - num_known))
+            assert entry.token_ids[:num_new] == (request.all_token_ids[start:start + num_known]
+                                                 + [PLACEHOLDER] * (num_new - num_known))
             assert entry.page_ids == kv.page_ids(entry.request_id)
             assert 0 not in entry.page_ids
-            assert len(entry.page_ids) * ps >= start + num_new
+            assert len(entry.page_ids) * ps >= start + num_new + num_spec
             assert entry.sampling_counter == request.num_output_tokens + in_flight
             assert request.num_output_placeholders == in_flight + bool(entry.num_samples)
             if start + num_new < request.num_tokens + in_flight:
@@ -240,7 +259,10 @@ class Harness:
             self.device[dst] = content
         fingerprints = {}
         for entry in out.scheduled:
-            fps = prefix_fingerprints(self.seen[entry.request_id].all_token_ids)
+            tokens = self.seen[entry.request_id].all_token_ids
+            if entry.num_spec_tokens:  # proposals: KV of tokens the request may never have
+                tokens = tokens[:entry.start_pos + 1] + entry.token_ids[1:]
+            fps = prefix_fingerprints(tokens)
             fingerprints[entry.request_id] = fps
             for pos in range(entry.start_pos, entry.start_pos + entry.num_new_tokens):
                 page = self.device.setdefault(entry.page_ids[pos // ps], [None] * ps)
