@@ -324,6 +324,10 @@ class OutputProcessor:
 def prompt_targets(out, requests: dict[str, Request]) -> np.ndarray | None:
     """i32[step tokens]: the next prompt token at each position of requests that asked for
     prompt logprobs (-1 elsewhere), or None when no request did."""
+    if not any(requests[s.request_id].sampling_params is not None
+               and requests[s.request_id].sampling_params.prompt_logprobs is not None
+               for s in out.scheduled):
+        return None  # NOTE: the common case, without an array per request
     targets, wanted = [], False
     for s in out.scheduled:
         req = requests[s.request_id]
