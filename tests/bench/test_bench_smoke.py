@@ -25,8 +25,11 @@ import pytest
 from jaxserve.entrypoints.cli import main
 
 # One engine shape for every command: a single token bucket (16) with chunked prefill.
-ENGINE = ["--max-model-len", "32", "--num-kv-blocks", "64", "--max-num-batched-tokens", "16",
-          "--max-num-seqs", "4"]
+# NOTE: 8 sequences and 80 pages are also what `bench scale` picks for its 8-request level
+# and its context sweep below (at least 8 sequences, 64 + a few pages), so those engines'
+# programs come from the compilation cache.
+ENGINE = ["--max-model-len", "32", "--num-kv-blocks", "80", "--max-num-batched-tokens", "16",
+          "--max-num-seqs", "8"]
 TRACE = ["--trace", "synthetic", "--num-requests", "3", "--input-len", "8", "--output-len", "4"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Imported by the benchmarks but needed only by the transformers baseline, which is skipped
@@ -127,7 +130,7 @@ def test_latency(model_flags, tmp_path):
                  "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1",
                  "--output-json", path])
     assert "Avg latency:" in out and "99% percentile latency:" in out
-    assert read_json(path)["engine_args"]["max_num_seqs"] == 4
+    assert read_json(path)["engine_args"]["max_num_seqs"] == 8
 
 
 def test_roofline(model_flags, tmp_path):
@@ -141,14 +144,16 @@ def test_roofline(model_flags, tmp_path):
 def test_scale(model_flags, tmp_path):
     pytest.importorskip("matplotlib")
     path, plots = str(tmp_path / "s.json"), str(tmp_path / "plots")
-    out, _ = ok(["bench", "scale", *model_flags, "--concurrency", "1,2", "--contexts", "8,16",
+    # NOTE: the 8-request level and the context sweep (27 + 4 output tokens: max_model_len 32)
+    # run ENGINE's shape; the 1-request level compiles its own.
+    out, _ = ok(["bench", "scale", *model_flags, "--concurrency", "1,8", "--contexts", "8,27",
                  "--context-batch", "2", "--input-len", "8", "--output-len", "4",
                  "--skip-warmup", "--output-json", path, "--plot-dir", plots])
     assert "| concurrent requests | output tok/s |" in out
     assert "| context | batch | output tok/s |" in out
     res = read_json(path)
-    assert [r["concurrency"] for r in res["concurrency"]] == [1, 2]
-    assert [r["context"] for r in res["context"]] == [8, 16]
+    assert [r["concurrency"] for r in res["concurrency"]] == [1, 8]
+    assert [r["context"] for r in res["context"]] == [8, 27]
     assert sorted(os.listdir(plots)) == ["scale_concurrency.png", "scale_context.png"]
 
 
@@ -205,7 +210,7 @@ def test_diagnose_from_a_bench_result(throughput_run):
 def test_diagnose_with_engine_flags_only():
     out, _ = ok(["diagnose", *ENGINE])
     assert all(f"\n[{m}] " in out for m in ("kv", "batch", "chunk")), out
-    assert "max_num_seqs=4" in out
+    assert "max_num_seqs=8" in out
 
 
 def _requirement_names(reqs: list[str]) -> set[str]:

@@ -12,8 +12,10 @@ PROMPTS = ["The capital of France is", "Once upon a time"]
 
 @pytest.fixture(scope="module")
 def llm(smollm2, smollm2_tokenizer):
+    # NOTE: the serving tests' engine sizes (tests/entrypoints/conftest.py), pool included:
+    # the programs its warm-up compiles are the server's, from the compilation cache.
     return LLM(smollm2, tokenizer=smollm2_tokenizer, max_num_seqs=8,
-               max_num_batched_tokens=64, max_model_len=256)
+               max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=64)
 
 
 def test_width_one_is_greedy(llm):

@@ -66,13 +66,20 @@ def test_diagnose_names_a_bad_config_file(tmp_path, capsys):
 def test_generate_prints_no_alarming_noise(smollm2_path):
     # Issue 19 item 7: "PyTorch was not found" and "Unable to initialize backend 'tpu'"
     # suggested breakage; one line names the backend instead.
+    import os
     import subprocess
     import sys
 
+    # NOTE: the serving tests' engine sizes and the suite's compilation cache: the steps it
+    # runs come from the cache, not compiled again in a fresh process.
+    cache = os.environ.get("JAXSERVE_TEST_CACHE", os.path.join(
+        os.path.dirname(__file__), "..", "..", ".jax_cache"))
+    argv = ["generate", "Hello", "--max-tokens", "2", "--max-model-len", "256",
+            "--num-kv-blocks", "64", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
+            "--compilation-cache-dir", os.path.abspath(cache)]
     code = ("import sys; sys.modules['torch'] = None; "
             "from jaxserve.entrypoints.cli import main; "
-            "sys.exit(main(['generate', 'Hello', '--max-tokens', '2', '--max-model-len', '64', "
-            "'--num-kv-blocks', '16', '--max-num-batched-tokens', '32']))")
+            f"sys.exit(main({argv!r}))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -41,8 +41,11 @@ TEXT_PROMPTS = [
 ]
 # Over 512 tokens, for the chunk-512 case (a prompt longer than the chunk).
 VERY_LONG = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(29))
+# NOTE: 64 pages hold the whole batch (~25 pages) without preemption; the serving tests'
+# pool size too, so the steps compiled here are shared through the compilation cache.
 ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN,
-                   enable_prefix_caching=False, attention_backend="xla", warmup=False)
+                   num_kv_blocks=64, enable_prefix_caching=False, attention_backend="xla",
+                   warmup=False)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +70,8 @@ def make_llm(model, tokenizer, **overrides) -> LLM:
 
 @pytest.fixture(scope="module")
 def ref_llm(smollm2, smollm2_tokenizer) -> LLM:
-    """The reference engine: XLA attention, chunk 64, no prefix caching, a large pool."""
+    """The reference engine: XLA attention, chunk 64, no prefix caching, a pool that never
+    preempts."""
     return make_llm(smollm2, smollm2_tokenizer)
 
 
@@ -117,23 +121,33 @@ def assert_same_as_alone(ref_llm: LLM, prompts, outputs, alone, label: str) -> N
               f"prompt: top-2 {top2}, logprob gap {gap:.2e}")
 
 
+@pytest.fixture(scope="module")
+def chunk_512_llm(smollm2, smollm2_tokenizer) -> LLM:
+    """Chunk 512 with room for a 530-token prompt (max_model_len 560): one engine, one set of
+    compiled steps, for both chunk-512 tests."""
+    return make_llm(smollm2, smollm2_tokenizer, max_num_batched_tokens=512, max_model_len=560)
+
+
 @pytest.mark.parametrize("chunk", [16, 64, 512])
 def test_concurrent_requests_and_chunk_sizes(smollm2, smollm2_tokenizer, ref_llm, prompts,
-                                             alone, chunk):
+                                             alone, chunk, request):
     """Eight requests at once; the longest prompt (107 tokens) is chunked at 16 and 64, and
     at 512 every prompt is prefilled in one step."""
-    llm = ref_llm if chunk == 64 else make_llm(smollm2, smollm2_tokenizer,
-                                               max_num_batched_tokens=chunk)
+    if chunk == 64:
+        llm = ref_llm
+    elif chunk == 512:
+        llm = request.getfixturevalue("chunk_512_llm")
+    else:
+        llm = make_llm(smollm2, smollm2_tokenizer, max_num_batched_tokens=chunk)
     assert_same_as_alone(ref_llm, prompts, token_ids(llm, prompts), alone, f"chunk {chunk}")
     assert llm.get_metrics()["jaxserve:num_preemptions"] == 0
 
 
 @pytest.mark.slow
-def test_chunk_512_with_longer_prompt(smollm2, smollm2_tokenizer, prompts, alone):
+def test_chunk_512_with_longer_prompt(chunk_512_llm, smollm2_tokenizer, prompts, alone):
     """A 530-token prompt at chunk 512: alone it is cut 512 + 18; after two short prompts
     (18 tokens) 494 + 36. Its alone run is on the same engine (max_model_len 560)."""
-    llm = make_llm(smollm2, smollm2_tokenizer, max_num_batched_tokens=512, max_model_len=560,
-                   max_num_seqs=4)
+    llm = chunk_512_llm
     long_prompt = list(smollm2_tokenizer(VERY_LONG).input_ids)
     assert 512 < len(long_prompt) <= 560 - MAX_TOKENS
     batch = [prompts[0], prompts[5], long_prompt]

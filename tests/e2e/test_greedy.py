@@ -20,9 +20,10 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="module")
 def llm(smollm2, smollm2_tokenizer):
     # A page size of 8 puts 32-token continuations across several pages; one request at
-    # a time, as `jaxserve generate` runs it.
+    # a time, as `jaxserve generate` runs it. NOTE: 8 sequences, as the serving tests' engine:
+    # the sampler programs (8 rows) come from the compilation cache.
     return LLM(smollm2, tokenizer=smollm2_tokenizer, block_size=8, max_model_len=256,
-               max_num_batched_tokens=64, num_kv_blocks=64, warmup=False)
+               max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=64, warmup=False)
 
 
 def _chat_ids(tokenizer):

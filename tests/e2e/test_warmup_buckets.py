@@ -12,10 +12,13 @@ TINY = ArchConfig("LlamaForCausalLM", vocab_size=256, hidden_size=64, intermedia
 
 
 def test_budget_larger_than_max_model_len(smollm2_tokenizer):
-    llm = LLM(Model(TINY, random_params(TINY)), tokenizer=smollm2_tokenizer, max_model_len=256,
-              max_num_batched_tokens=1024, max_num_seqs=8)
-    assert llm.engine.runner.buckets[-1] == 1024
-    prompt = {"prompt_token_ids": list(range(3, 200))}
+    # NOTE: small sizes keep warm-up to two buckets (a budget of 1024 compiled eight). A
+    # sequence holds 24 tokens (3 pages of 8), so the 32 bucket needs two dummy requests, the
+    # second one shorter (24 + 8).
+    llm = LLM(Model(TINY, random_params(TINY)), tokenizer=smollm2_tokenizer, block_size=8,
+              max_model_len=24, max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=64)
+    assert llm.engine.runner.buckets == [16, 32]
+    prompt = {"prompt_token_ids": list(range(3, 13))}  # 3 x 10 tokens: the 32 bucket
     outs = llm.generate([prompt] * 3, SamplingParams(temperature=0, max_tokens=4,
                                                      detokenize=False), use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]

@@ -119,16 +119,22 @@ def test_chat_loop_streams_replies_and_keeps_history(llm):
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CLI_LIMITS = ["--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
-              "--num-kv-blocks", "64", "--compilation-cache-dir", os.path.join(REPO, ".jax_cache"),
+CACHE_DIR = os.environ.get("JAXSERVE_TEST_CACHE", os.path.join(REPO, ".jax_cache"))
+# NOTE: the sizes of tests/e2e/test_logit_controls.py's engine over the same tiny model, so
+# warm-up's programs come from the (shared) compilation cache.
+TINY_LIMITS = dict(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=8,
+                   num_kv_blocks=64)
+CLI_LIMITS = [*(f"--{k.replace('_', '-')}={v}" for k, v in TINY_LIMITS.items()),
+              "--compilation-cache-dir", CACHE_DIR, "--served-model-name", MODEL_NAME,
               "--no-progress", "--log-interval", "0"]
 
 
 def kill_batch() -> list[str]:
-    """24 greedy lines of varied lengths (some finish early), completions and chat."""
+    """24 greedy lines of varied lengths (some finish early), completions and chat. The
+    longer ones keep the run going for many steps after the first lines are written."""
     lines = []
     for i in range(24):
-        body = {"max_tokens": [2, 3, 4, 8, 12, 16][i % 6], "ignore_eos": True}
+        body = {"max_tokens": [2, 3, 4, 16, 32, 48][i % 6], "ignore_eos": True}
         if i % 4 == 3:
             lines.append(line(f"r{i}", url="/v1/chat/completions", **body,
                               messages=[{"role": "user", "content": f"Count to {i}."}]))
@@ -150,12 +156,15 @@ def comparable(records) -> list:
 
 
 @pytest.mark.slow
-def test_sigkill_midway_keeps_finished_lines_and_resume_completes_them(llm, smollm2_path,
+def test_sigkill_midway_keeps_finished_lines_and_resume_completes_them(tiny_model_dir,
                                                                      tmp_path):
+    # NOTE: the tiny random model (SmolLM2's tokenizer) stands in for the default one: the
+    # kill, the resume and the output file are checked, not the text (loading the 135M GGUF
+    # cost ~12 s in each of the two processes).
     src, dst, ref = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "ref.jsonl"
     src.write_text("\n".join(kill_batch()) + "\n")
     cmd = [sys.executable, "-m", "jaxserve.entrypoints.cli", "run-batch", "-i", str(src),
-           "-o", str(dst), "--model", smollm2_path, *CLI_LIMITS]
+           "-o", str(dst), "--model", tiny_model_dir, *CLI_LIMITS]
     with open(tmp_path / "killed.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -177,7 +186,11 @@ def test_sigkill_midway_keeps_finished_lines_and_resume_completes_them(llm, smol
     assert f"24 requests: 24 succeeded, 0 failed, {len(left)} skipped" in done.stderr
     resumed = [json.loads(x) for x in dst.read_text().splitlines()]
 
-    run_batch_file(llm, [MODEL_NAME], str(src), str(ref), use_tqdm=False)  # uninterrupted
+    uninterrupted = AsyncLLM.from_engine_args(tiny_model_dir, log_interval=0, **TINY_LIMITS)
+    try:
+        run_batch_file(uninterrupted, [MODEL_NAME], str(src), str(ref), use_tqdm=False)
+    finally:
+        uninterrupted.shutdown()
     reference = [json.loads(x) for x in ref.read_text().splitlines()]
     assert [r["custom_id"] for r in resumed] == [f"r{i}" for i in range(24)]
     assert comparable(resumed) == comparable(reference)

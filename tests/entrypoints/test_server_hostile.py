@@ -15,6 +15,9 @@ from tests.entrypoints.conftest import API_KEY, MODEL_NAME, sse_events
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GOOD = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+# The completion sent after each hostile body: one token (a prefill step), on the same
+# connection.
+PROBE = {**GOOD, "max_tokens": 1}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 NESTED = "[" * 100_000 + "]" * 100_000
 
@@ -137,7 +140,7 @@ def test_hostile_bodies_get_json_errors_and_the_connection_stays_usable(server):
                 assert error["code"] == r.status_code and error["message"], where
                 assert "transformers." not in error["message"], where
                 assert "Traceback" not in error["message"], where
-            good = client.post("/v1/completions", json=GOOD, headers=AUTH)  # same connection
+            good = client.post("/v1/completions", json=PROBE, headers=AUTH)  # same connection
             assert good.status_code == 200, (where, good.text[:300])
     assert server.wait_idle()["jaxserve:kv_cache_usage_perc"] == 0
 
@@ -210,12 +213,19 @@ def test_poison_beside_eight_running_requests(server):
                           timeout=300) as r:
             return "".join(e["choices"][0]["text"] for e in sse_events(r) if e != "[DONE]")
 
-    clean = [stream(p) for p in prompts]
-    results = [None] * 8
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream(prompts[i])))
-               for i in range(8)]
+    def start_all():
+        results = [None] * 8
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream(prompts[i])))
+                   for i in range(8)]
+        for t in threads:
+            t.start()
+        return results, threads
+
+    # The eight at once without any poison beside them (the reference), then with poison.
+    clean, threads = start_all()
     for t in threads:
-        t.start()
+        t.join()
+    results, threads = start_all()
     time.sleep(0.5)
     for poison in ({**GOOD, "top_k": 2**40, "temperature": 1.0},
                    {**GOOD, "stop_token_ids": [2**40], "min_tokens": 1}):

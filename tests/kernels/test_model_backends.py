@@ -21,8 +21,10 @@ def greedy(model, prompt_ids, max_tokens, tokenizer=None, decode_steps=None, **e
     """Greedy ids of one prompt through the engine (`LLM`), ignoring EOS; appends the steps
     that ran the paged decode kernel to `decode_steps` when given."""
     tokenizer = tokenizer or SimpleNamespace(eos_token_id=None)  # ids in, ids out
+    # NOTE: a budget of 16 (the smallest bucket, the prompt prefilled in chunks): each
+    # backend compiles one mixed step (and Pallas its decode step), not one per bucket.
     llm = LLM(model, tokenizer=tokenizer, warmup=False, max_model_len=128, max_num_seqs=16,
-              max_num_batched_tokens=64, num_kv_blocks=64, **engine_args)
+              max_num_batched_tokens=16, num_kv_blocks=64, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             detokenize=False)
     out = llm.generate([{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False)

@@ -39,7 +39,8 @@ def forward_logits(model, token_ids: Sequence[int], page_size: int = 16,
     The prompt's pages are a shuffled, non-contiguous pick from a pool larger than needed
     (page 0 stays the null page). Each chunk is one step whose token axis is padded to a
     common bucket (padded tokens write the null page), beside an empty padded request, so
-    chunked prefill, decode-sized steps and padding all go through the real paths.
+    chunked prefill, decode-sized steps and padding all go through the real paths. Every
+    step has the same (padded) size, so the chunkings of one prompt share a compiled step.
 
     Args:
         model: A `models.model.Model`.
@@ -57,7 +58,10 @@ def forward_logits(model, token_ids: Sequence[int], page_size: int = 16,
     chunks = [total] if chunks is None else list(chunks)
     if sum(chunks) != total or min(chunks) <= 0:
         raise ValueError(f"chunks {chunks} do not split a {total}-token prompt")
-    bucket = _round_up(max(chunks), 8)
+    # NOTE: every step is padded to the whole prompt's bucket, whatever the chunking: one
+    # compiled step per model and prompt length (a compile costs seconds here, a padded
+    # token next to nothing), and short chunks run beside more padding.
+    bucket = _round_up(total, 8)
 
     rng = np.random.default_rng(seed)
     pages_needed = cdiv(total, page_size)
