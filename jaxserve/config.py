@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from jaxserve.spec_decode.config import SpeculativeConfig
+
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # The scheduling modes the benchmarks compare; the last is the default engine.
@@ -194,6 +196,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     warmup: bool = True
     compilation_cache_dir: str | None = None
+    # vLLM's `speculative_config` (dict or JSON), parsed by `from_kwargs`; None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -206,11 +210,14 @@ class EngineConfig:
         groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                   "parallel": ParallelConfig}
         known = {f.name: g for g, c in groups.items() for f in dataclasses.fields(c)}
-        top = {"warmup", "compilation_cache_dir"}
+        top = {"warmup", "compilation_cache_dir", "speculative_config"}
         unknown = sorted(set(kwargs) - set(known) - top)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {', '.join(unknown)}; known: "
                              f"{', '.join(sorted([*known, *top]))}")
         parts = {g: c(**{k: v for k, v in kwargs.items() if known.get(k) == g})
                  for g, c in groups.items()}
-        return cls(**parts, **{k: kwargs[k] for k in top if k in kwargs})
+        extra = {k: kwargs[k] for k in top if k in kwargs}
+        if "speculative_config" in extra:
+            extra["speculative_config"] = SpeculativeConfig.from_dict(extra["speculative_config"])
+        return cls(**parts, **extra)

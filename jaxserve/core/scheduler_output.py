@@ -58,7 +58,8 @@ class SchedulerOutput:
             (async scheduling) may see its id reused by a new request; the scheduler updates
             only the objects it scheduled.
         total_num_scheduled_tokens: Sum of all requests' new tokens.
-        num_rows: Sampling rows (sum of `num_samples`, at least one per request).
+        num_rows: Sampling rows (sum of `num_samples`, at least one per request, plus one
+            per proposal verified).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -77,7 +78,7 @@ class SchedulerOutput:
 
     @property
     def num_rows(self) -> int:
-        return sum(max(1, s.num_samples) for s in self.scheduled)
+        return sum(max(1, s.num_samples) + s.num_spec_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:

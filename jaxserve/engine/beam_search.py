@@ -77,8 +77,12 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
     """Runs beam search for each prompt on `engine` (which must have no other requests).
 
     Raises:
-        ValueError: The engine is busy, or a prompt is invalid or too long.
+        ValueError: The engine is busy or speculates (`speculative_config`), or a prompt is
+            invalid or too long.
     """
+    if engine.speculator is not None:
+        raise ValueError("speculative_config: beam search does not combine with speculative "
+                         "decoding; use an engine without speculative_config")
     if engine.has_unfinished_requests() or engine.scheduler.has_unfinished_requests():
         raise ValueError("beam_search needs an idle engine; finish or abort other requests")
     width, ps = params.beam_width, engine.kv.page_size

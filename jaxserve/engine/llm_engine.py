@@ -22,6 +22,7 @@ from jaxserve.request import RequestStatus
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_decode.speculator import make_speculator
 
 logger = logging.getLogger("jaxserve")
 
@@ -134,10 +135,12 @@ class LLMEngine:
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
                                    lim.max_num_batched_tokens)
+        self.speculator = make_speculator(config.speculative_config)
         self.runner = ModelRunner(self.model, lim.num_pages, config.cache.block_size,
                                   lim.max_model_len, self.scheduler.max_num_seqs,
                                   lim.max_num_batched_tokens, self.kv.host_pool.num_slots,
-                                  layout=self.layout)
+                                  layout=self.layout,
+                                  num_spec_tokens=self.speculator.k if self.speculator else 0)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
                                      lim.max_model_len, self.scheduler.max_num_seqs,
@@ -147,7 +150,9 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "num_steps": 0}
         # Whether steps overlap (config.scheduler.async_scheduling; may be switched between
         # steps, as tests do to compare both orders on one compiled engine).
-        self.async_scheduling = config.scheduler.async_scheduling
+        # NOTE: proposals are made from each request's latest tokens, which an overlapped
+        # step would not know yet: speculative decoding steps one at a time.
+        self.async_scheduling = config.scheduler.async_scheduling and self.speculator is None
         self._pending: _InFlight | None = None  # the step on the device (async scheduling)
         self._stashed: list[RequestOutput] = []  # outputs of a step finished by `flush`
         logger.info("jaxserve: %d KV pages of %d tokens, max_model_len %d, token buckets %s",
@@ -257,6 +262,13 @@ class LLMEngine:
     def _row_for(self, now: float, req, s, k) -> RowSpec:
         state = self.outputs.row_state(req, now)
         seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
+        if s.num_spec_tokens and k:
+            # Row k samples the token after proposal k-1: as if proposals 0..k-1 were
+            # output already (penalties, min_tokens and bad words see them; the counter
+            # is that output position's, so seeded draws match a run without proposals).
+            drafts = s.token_ids[len(s.token_ids) - s.num_spec_tokens:][:k]
+            return RowSpec(state.row_params, req.prompt_token_ids,
+                           [*req.output_token_ids, *drafts], seed, s.sampling_counter + k)
         return RowSpec(state.row_params, req.prompt_token_ids, req.output_token_ids, seed,
                        s.sampling_counter)
 
@@ -274,6 +286,8 @@ class LLMEngine:
 
     def _dispatch(self, prev: _InFlight | None = None, row_for=None) -> _InFlight | None:
         """Schedules a step and hands it to the device; None when nothing was scheduled."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule().decodes_first()
         if out.is_empty:
             return None
@@ -281,7 +295,7 @@ class LLMEngine:
         requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}
         rows, row_owner = [], []
         for s in out.scheduled:
-            for k in range(s.num_samples):
+            for k in range(s.num_samples + s.num_spec_tokens):
                 rows.append(row_for(requests[s.request_id], s, k))
                 row_owner.append(s.request_id)
         _, num_rows = self.runner.step_shape(out)
@@ -311,6 +325,10 @@ class LLMEngine:
         for row, req_id in enumerate(result.row_request_ids):
             sampled.setdefault(req_id, []).append(int(result.token_ids[row]))
             row_of.setdefault(req_id, []).append(row)
+        for s in out.scheduled:
+            if s.num_spec_tokens and s.request_id in sampled and s.request_id not in failed:
+                sampled[s.request_id] = self.speculator.verify(
+                    s.token_ids[len(s.token_ids) - s.num_spec_tokens:], sampled[s.request_id])
         updates = self.scheduler.update_from_output(out, sampled)
         return CoreStep(out, requests, result, updates, row_of, failed)
 
@@ -378,6 +396,8 @@ class LLMEngine:
             "jaxserve:num_swap_outs": stats.num_swap_outs,
             "jaxserve:num_swap_ins": stats.num_swap_ins,
         }
+        if self.speculator is not None:
+            metrics.update(self.speculator.metrics())
         for reason, count in self.finished_reasons.items():
             metrics[f"jaxserve:request_success{{finished_reason={reason}}}"] = count
         return metrics

@@ -105,26 +105,42 @@ class RequestState:
                 min_tokens=p.min_tokens)
         return self._detok[index]
 
-    def on_tokens(self, req: Request, tokens: list[int], result, row: int,
+    def on_tokens(self, req: Request, tokens: list[int], result, rows: list[int],
                   now: float) -> str | None:
-        """Records a completion's new token(s); returns a stop string if one matched."""
+        """Records a completion's new token(s); returns a stop string if one matched.
+
+        Args:
+            rows: The sampling row of each token (several when proposals were accepted).
+        """
         index = req.sample_index
         self.requests[index] = req
         out = self.outputs[index]
-        out.token_ids.extend(tokens)
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
         self.metrics.num_cached_tokens = self.root.num_cached_tokens
         self.metrics.num_preemptions = max(r.num_preemptions for r in self.requests.values())
-        if self.params.logprobs is not None:
-            self._add_logprobs(out, tokens[-1], result, row)
         stop_str = None
         stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
         detok = None if self._text_at_end else self._detokenizer(index)
-        if detok is not None:
+        if detok is not None and len(tokens) > 1 and self.params.stop:
+            # NOTE: a stop string ends the output at the token that completed it, as if
+            # the tokens had come one step at a time (verified proposals come together).
+            for i in range(len(tokens)):
+                last = i == len(tokens) - 1
+                stop_str = detok.update(tokens[i:i + 1],
+                                        stop_terminated=stopped_by_token and last)
+                if stop_str is not None:
+                    tokens = tokens[:i + 1]
+                    break
+            out.text = detok.output_text
+        elif detok is not None:
             stop_str = detok.update(tokens, stop_terminated=stopped_by_token)
             out.text = detok.output_text
+        out.token_ids.extend(tokens)
+        if self.params.logprobs is not None:
+            for token, row in zip(tokens, rows, strict=False):
+                self._add_logprobs(out, token, result, row)
         if stop_str is not None:
             out.finish_reason, out.stop_reason = "stop", stop_str
         elif req.is_finished():
@@ -280,12 +296,12 @@ class OutputProcessor:
                 if not req.is_finished():  # a sibling forked after the failure
                     self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
                 continue
-            own_rows = step.row_of.get(req.request_id)
             # A child forked this step sampled from its parent's i-th fan-out row.
-            row = own_rows[0] if own_rows else step.row_of[req.forked_from][req.sample_index]
+            rows = step.row_of.get(req.request_id) \
+                or [step.row_of[req.forked_from][req.sample_index]]
             self.num_generation_tokens += len(tokens)
             try:
-                stop_str = state.on_tokens(req, tokens, step.result, row, now)
+                stop_str = state.on_tokens(req, tokens, step.result, rows, now)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
                 self.fail(state, e)
                 stop_str = None

@@ -133,21 +133,25 @@ class ModelRunner:
         num_swap_slots: Host pages for swapped-out requests.
         layout: Tensor-parallel layout (mesh and shardings); None runs on the default
             device.
+        num_spec_tokens: Most proposals a request verifies per step (speculative
+            decoding): each such request needs 1 + that many sampling rows, so a bucket
+            has up to `max_num_seqs * (1 + num_spec_tokens)` of them.
     """
 
     def __init__(self, model: Model, num_pages: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_swap_slots: int = 0,
-                 layout: TensorParallel | None = None):
+                 layout: TensorParallel | None = None, num_spec_tokens: int = 0):
         compile_counter.install()
         self.model = model
         self.layout = layout
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
+        self.num_spec_tokens = num_spec_tokens
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
         self.penalty_len = 1 << (max_model_len - 1).bit_length()
         self.banned_len = MAX_BANNED_TOKEN_IDS
         self.buckets = token_buckets(max_num_batched_tokens)
-        self.max_rows = rows_for_bucket(self.buckets[-1], max_num_seqs)
+        self.max_rows = self.sample_rows(self.buckets[-1])
         # Largest page plan (copy or swap pairs) run as one program; see execute_plans.
         self.max_plan_pairs = 2 * len(pad_pairs(np.zeros((self.max_pages_per_seq, 2))))
         pool_shape = model.kv_pages_shape(num_pages, page_size)
@@ -181,11 +185,16 @@ class ModelRunner:
         self.warmup_progress = (0, len(self.buckets))
 
     # --------------------------------------------------------------- step
+    def sample_rows(self, num_tokens: int) -> int:
+        """Sampling rows of a token bucket (its attention rows are
+        `rows_for_bucket(num_tokens, max_num_seqs)`)."""
+        return rows_for_bucket(num_tokens, self.max_num_seqs * (1 + self.num_spec_tokens))
+
     def step_shape(self, out: SchedulerOutput) -> tuple[int, int]:
         """(num_tokens, num_rows) bucket of a step: the sampling rows must be num_rows."""
         num_tokens = pick_bucket(self.buckets, max(out.total_num_scheduled_tokens,
                                                    out.num_rows))
-        return num_tokens, rows_for_bucket(num_tokens, self.max_num_seqs)
+        return num_tokens, self.sample_rows(num_tokens)
 
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata,
                 variant: str | None = None,
@@ -251,11 +260,12 @@ class ModelRunner:
 
     def _run_model(self, out: SchedulerOutput, prev: PendingStep | None):
         """Dispatches the model step: (host arrays, logits, hidden states, token bucket)."""
-        num_tokens, num_rows = self.step_shape(out)
+        num_tokens, num_sample_rows = self.step_shape(out)
+        num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)
         prev_rows = None if prev is None else {
             req_id: row for row, req_id in reversed(list(enumerate(prev.row_request_ids)))}
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
-                                   self.max_pages_per_seq, prev_rows)
+                                   self.max_pages_per_seq, prev_rows, num_sample_rows)
         model_buf, model_layout = pack(arrays.device_tree())
         decode_only = self.is_decode_step(out, num_tokens, num_rows)
         self.num_decode_steps += decode_only
@@ -352,7 +362,8 @@ class ModelRunner:
         for done, num_tokens in enumerate(tqdm(self.buckets, desc="jaxserve warm-up",
                                                unit="bucket")):
             self.warmup_progress = (done, len(self.buckets))
-            num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)
+            num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)  # attention rows
+            num_sample_rows = self.sample_rows(num_tokens)
             # NOTE: dummy requests of at most max_model_len tokens each (a bucket may be
             # larger than one sequence's block table), all in the null page.
             cap = self.max_pages_per_seq * self.page_size
@@ -366,12 +377,12 @@ class ModelRunner:
             jax.block_until_ready(self._run_prompt_logprobs(hidden, np.zeros(0, np.int32),
                                                             num_tokens))
             for variant in VARIANTS:
-                jax.block_until_ready(self._run_sampler(logits, make_dummy_sampling(num_rows),
-                                                        variant))
+                jax.block_until_ready(self._run_sampler(
+                    logits, make_dummy_sampling(num_sample_rows), variant))
             decodes = SchedulerOutput(scheduled=[ScheduledRequest(f"warmup-d{i}", [0], 0, [0], 1)
                                                  for i in range(num_rows)])
             if self.is_decode_step(decodes, num_tokens, num_rows):  # its own program
-                self.execute(decodes, make_dummy_sampling(num_rows), VARIANTS[0])
+                self.execute(decodes, make_dummy_sampling(num_sample_rows), VARIANTS[0])
         n = len(pad_pairs(np.zeros((0, 2), np.int32)))
         while n <= self.max_plan_pairs:
             pairs = np.zeros((n, 2), np.int32)  # null page onto itself: a no-op

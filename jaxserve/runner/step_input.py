@@ -23,7 +23,7 @@ class StepArrays:
         block_tables: i32[num_rows, max_pages_per_seq] page ids; padding 0.
         kv_lens: i32[num_rows] context length after the step; padded rows 0.
         cu_q_lens: i32[num_rows + 1] cumulative new-token counts.
-        logits_indices: i32[num_rows] token whose logits each sampling row uses.
+        logits_indices: i32[num_sample_rows] token whose logits each sampling row uses.
         row_request_ids: Request id of each real sampling row (host only, not sent).
     """
 
@@ -48,18 +48,21 @@ class StepArrays:
 
 def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page_size: int,
                       max_pages_per_seq: int,
-                      prev_rows: dict[str, int] | None = None) -> StepArrays:
+                      prev_rows: dict[str, int] | None = None,
+                      num_sample_rows: int | None = None) -> StepArrays:
     """Packs the scheduled requests' tokens in order and pads everything to the bucket.
 
     Requests occupy attention rows 0..len(scheduled)-1. Sampling rows list each request
-    with samples `num_samples` times (fan-out rows repeat the request's last token). Each
-    array is built in one NumPy pass; the per-request Python work is only gathering each
-    request's fields and lists (`chain` flattens the lists in C).
+    with samples `num_samples` times (fan-out rows repeat the request's last token); a
+    request verifying s proposals has 1 + s rows, on its last 1 + s tokens (the target's
+    next token after each prefix). Each array is built in one NumPy pass; the per-request
+    Python work is only gathering each request's fields and lists (`chain` flattens the
+    lists in C).
 
     Args:
         out: The step; its requests' tokens are packed in `out.scheduled` order.
         num_tokens: Token bucket (length of the token arrays).
-        num_rows: Row bucket (attention rows and sampling rows alike).
+        num_rows: Row bucket of attention (requests).
         page_size: Slots per KV page.
         max_pages_per_seq: Width of the block tables.
         prev_rows: `{request_id: first sampling row}` of the previous step, when this one
@@ -69,7 +72,6 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
         The step's host arrays; padding tokens and rows point at the null page 0.
 
     Raises:
-        NotImplementedError: An entry carries speculative proposals (not verified yet).
         ValueError: The step does not fit `num_tokens` tokens or `num_rows` rows, a block
             table is wider than `max_pages_per_seq`, a token's position lies past its
             request's block table, or a placeholder's request sampled nothing in the
@@ -77,16 +79,17 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
     """
     sched = out.scheduled
     r = len(sched)
-    if any(s.num_spec_tokens for s in sched):
-        # TODO(issue 14): logits at each proposal's position, then the rejection rule.
-        raise NotImplementedError("the runner cannot verify speculative proposals yet")
-    if out.total_num_scheduled_tokens > num_tokens or r > num_rows or out.num_rows > num_rows:
-        raise ValueError(f"step of {out.total_num_scheduled_tokens} tokens / {out.num_rows} "
-                         f"rows does not fit bucket ({num_tokens}, {num_rows})")
+    num_sample_rows = num_rows if num_sample_rows is None else num_sample_rows
+    if out.total_num_scheduled_tokens > num_tokens or r > num_rows \
+            or out.num_rows > num_sample_rows:
+        raise ValueError(f"step of {out.total_num_scheduled_tokens} tokens / {r} requests / "
+                         f"{out.num_rows} sampling rows does not fit bucket ({num_tokens}, "
+                         f"{num_rows}, {num_sample_rows})")
     n = np.fromiter((len(s.token_ids) for s in sched), np.int32, r)  # i32[r]
     starts = np.fromiter((s.start_pos for s in sched), np.int32, r)  # i32[r]
     num_pages = np.fromiter((len(s.page_ids) for s in sched), np.int64, r)  # i64[r]
     samples = np.fromiter((s.num_samples for s in sched), np.int64, r)  # i64[r]
+    spec = np.fromiter((s.num_spec_tokens for s in sched), np.int64, r)  # i64[r]
     if r and int(num_pages.max()) > max_pages_per_seq:
         raise ValueError(f"a block table of {int(num_pages.max())} pages exceeds "
                          f"max_pages_per_seq={max_pages_per_seq}")
@@ -123,9 +126,14 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
     slots[:t] = tables[row_of_token, page_of_token] * page_size + pos % page_size
     kv_lens = np.zeros(num_rows, np.int32)  # i32[num_rows]
     kv_lens[:r] = starts + n
-    logits_indices = np.zeros(num_rows, np.int32)  # i32[num_rows]
-    last = np.repeat(cu[1:r + 1] - 1, samples)  # i32[sampling rows]
+    logits_indices = np.zeros(num_sample_rows, np.int32)  # i32[num_sample_rows]
+    rows_per = samples + spec  # i64[r]: a verifying request's 1 + s rows
+    last = np.repeat(cu[1:r + 1] - 1, rows_per)  # i32[sampling rows]
+    if spec.any():  # row j of a verifying request reads position last - (s - j)
+        first_row = np.repeat(np.cumsum(rows_per) - rows_per, rows_per)  # i64[rows]
+        j = np.arange(last.size) - first_row
+        last = last - np.where(np.repeat(spec, rows_per) > 0, np.repeat(spec, rows_per) - j, 0)
     logits_indices[:last.size] = last
-    row_ids = [s.request_id for s in sched for _ in range(s.num_samples)]
+    row_ids = [s.request_id for s in sched for _ in range(s.num_samples + s.num_spec_tokens)]
     return StepArrays(input_ids, src, positions, slots, tables, kv_lens, cu, logits_indices,
                       row_ids)

@@ -158,8 +158,10 @@ def test_chunk_512_with_longer_prompt(chunk_512_llm, smollm2_tokenizer, prompts,
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption(smollm2, smollm2_tokenizer, ref_llm, prompts, alone, mode):
-    """A pool of 11 usable pages cannot hold the batch (~26 pages): requests are preempted."""
-    llm = make_llm(smollm2, smollm2_tokenizer, num_kv_blocks=12, preemption_mode=mode)
+    """A pool of 15 usable pages cannot hold the batch (~26 pages): requests are preempted.
+    (tests/e2e/test_async_scheduling.py's pool size: the steps come from the compilation
+    cache.)"""
+    llm = make_llm(smollm2, smollm2_tokenizer, num_kv_blocks=16, preemption_mode=mode)
     assert_same_as_alone(ref_llm, prompts, token_ids(llm, prompts), alone, f"preempt {mode}")
     metrics = llm.get_metrics()
     assert metrics["jaxserve:num_preemptions"] > 0
@@ -191,6 +193,71 @@ def test_pallas_backend(smollm2, smollm2_tokenizer, ref_llm, prompts, alone):
     llm = make_llm(smollm2, smollm2_tokenizer, attention_backend="pallas")
     assert llm.engine.model.backend == "pallas"
     assert_same_as_alone(ref_llm, prompts, token_ids(llm, prompts), alone, "pallas")
+
+
+# Prompts whose continuations copy spans of themselves, where n-gram proposals hold.
+COPY_PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3
+    + "Repeat the sentence above exactly: The quick brown fox",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in range(10):\n",
+]
+
+
+@pytest.fixture(scope="module")
+def spec_prompts(smollm2_tokenizer, prompts, ref_llm, alone) -> list[list[int]]:
+    """The eight prompts and two copying ones (their alone runs added to `alone`)."""
+    extra = [list(smollm2_tokenizer(text).input_ids) for text in COPY_PROMPTS]
+    for ids in extra:
+        (out,) = ref_llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+        alone[tuple(ids)] = out.outputs[0].token_ids
+    return prompts[:6] + extra
+
+
+def ngram(k: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k}
+
+
+def assert_speculated(llm: LLM) -> None:
+    """Proposals were made and some accepted (else a speculation test proves nothing)."""
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:spec_decode_num_drafts"] > 0
+    assert 0 < metrics["jaxserve:spec_decode_num_accepted_tokens"] \
+        <= metrics["jaxserve:spec_decode_num_draft_tokens"]
+
+
+@pytest.mark.parametrize("chunk,k", [(16, 2), (64, 5)])
+def test_ngram_speculation(smollm2, smollm2_tokenizer, ref_llm, spec_prompts, alone, chunk,
+                           k):
+    """N-gram proposals verified in packed steps beside prefill chunks: at chunk 16 the
+    budget cuts proposals (8 decodes x 3 tokens > 16), at chunk 64 each gets up to 5."""
+    llm = make_llm(smollm2, smollm2_tokenizer, max_num_batched_tokens=chunk,
+                   speculative_config=ngram(k))
+    assert_same_as_alone(ref_llm, spec_prompts, token_ids(llm, spec_prompts), alone,
+                         f"ngram {chunk}")
+    assert_speculated(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_ngram_speculation_with_preemption(smollm2, smollm2_tokenizer, ref_llm, spec_prompts,
+                                           alone, mode):
+    """Proposals' KV slots come out of a pool too small for the batch: requests are
+    preempted (proposals never are the cause: they are dropped when pages run out)."""
+    llm = make_llm(smollm2, smollm2_tokenizer, num_kv_blocks=16, preemption_mode=mode,
+                   speculative_config=ngram(3))
+    assert_same_as_alone(ref_llm, spec_prompts, token_ids(llm, spec_prompts), alone,
+                         f"ngram, preempt {mode}")
+    assert_speculated(llm)
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:num_preemptions"] > 0
+    assert metrics["jaxserve:kv_cache_usage_perc"] == 0.0
+
+
+def test_ngram_speculation_pallas(smollm2, smollm2_tokenizer, ref_llm, spec_prompts, alone):
+    """Verification through the Pallas ragged kernel (interpreted on the CPU)."""
+    llm = make_llm(smollm2, smollm2_tokenizer, attention_backend="pallas",
+                   enable_prefix_caching=True, speculative_config=ngram(3))
+    assert_same_as_alone(ref_llm, spec_prompts, token_ids(llm, spec_prompts), alone, "ngram pallas")
+    assert_speculated(llm)
 
 
 def test_divergence_check_tells_near_ties_from_real_flips(ref_llm, prompts, alone):

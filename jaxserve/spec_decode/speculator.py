@@ -1,0 +1,99 @@
+"""The engine's side of speculative decoding: propose before a step, verify after it, count.
+
+Verification of n-gram proposals needs no probabilities. A proposal d is a one-hot draft,
+for which the rejection rule (accept with min(1, p(d)/q(d)), else draw from the residual)
+is the same as: draw x from the target's distribution p at that position, accept d if
+x == d, else emit x (x is then distributed as p without d, renormalised: the residual).
+So each verified position is one ordinary sampling row (temperature, top-k/p, penalties
+and seeds as without speculation) and the step's tokens are its rows' samples up to and
+including the first that differs from its proposal. A seeded row draws with the counter of
+the output position it samples, so a seeded request produces the same tokens with or
+without speculation; a greedy row is the argmax rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from jaxserve.request import Request
+from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.ngram import propose_ngram
+
+
+def accepted_prefix(draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> int:
+    """How many proposals hold: the longest prefix of `draft_ids` equal to `sampled_ids`
+    (the target's sample at each proposal's position)."""
+    n = min(len(draft_ids), len(sampled_ids))
+    differ = np.flatnonzero(np.asarray(draft_ids[:n]) != np.asarray(sampled_ids[:n]))
+    return int(differ[0]) if differ.size else n
+
+
+class NgramSpeculator:
+    """Proposes from each request's own tokens and keeps vLLM's acceptance counters.
+
+    Args:
+        config: The engine's `SpeculativeConfig` (method "ngram").
+    """
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k  # i-th proposal accepted, by position
+
+    def propose(self, requests: Iterable[Request]) -> None:
+        """Sets `spec_token_ids` of each request that decodes next step (all its tokens
+        but the last computed, nothing in flight); the scheduler takes what fits."""
+        cfg = self.config
+        for request in requests:
+            if request.num_output_placeholders or request.is_finished() \
+                    or request.num_computed_tokens + 1 != request.num_tokens:
+                continue
+            request.spec_token_ids = propose_ngram(
+                request.all_token_ids, self.k, cfg.prompt_lookup_min,
+                cfg.prompt_lookup_max).tolist()
+
+    def verify(self, draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> list[int]:
+        """The tokens a verifying request produced this step, and counts them.
+
+        Args:
+            draft_ids: Its s proposals.
+            sampled_ids: Its 1 + s rows' samples (the target's token after each prefix).
+
+        Returns:
+            The accepted proposals and the token after them (1 + accepted tokens).
+        """
+        num_accepted = accepted_prefix(draft_ids, sampled_ids)
+        self.num_drafts += 1
+        self.num_draft_tokens += len(draft_ids)
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+        return list(sampled_ids[:num_accepted + 1])
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's counters with the `jaxserve:` prefix (per-position acceptance labelled)."""
+        out = {"jaxserve:spec_decode_num_drafts": self.num_drafts,
+               "jaxserve:spec_decode_num_draft_tokens": self.num_draft_tokens,
+               "jaxserve:spec_decode_num_accepted_tokens": self.num_accepted_tokens}
+        for i, n in enumerate(self.accepted_per_pos):
+            out[f"jaxserve:spec_decode_num_accepted_tokens_per_pos{{position={i}}}"] = n
+        return out
+
+
+def make_speculator(config: SpeculativeConfig | None) -> NgramSpeculator | None:
+    """The engine's speculator for `config` (None: speculation off).
+
+    Raises:
+        NotImplementedError: A method the engine cannot run yet (draft_model).
+    """
+    if config is None:
+        return None
+    if config.method != "ngram":
+        raise NotImplementedError(f"speculative_config.method={config.method!r}: only "
+                                  "'ngram' runs in this version")
+    return NgramSpeculator(config)
