@@ -1,0 +1,141 @@
+"""N-gram speculation on SmolLM2 against the same engine settings without it: seeded
+sampling, logprobs, stop strings, n > 1 and penalties give the same outputs; metrics add
+up; nothing compiles after warm-up; bad configurations are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.beam_search import BeamSearchParams
+
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                   num_kv_blocks=64, enable_prefix_caching=False, attention_backend="xla")
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+# Continuations that copy spans of their prompts, so proposals are made and accepted.
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3
+    + "Repeat the sentence above exactly: The quick brown fox",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(j)\nfor k in range(10):\n",
+    "Alice said: 'I will be there at noon.' Bob asked what Alice said. Alice said: '",
+    "red, green, blue, red, green, blue, red, green,",
+]
+
+
+@pytest.fixture(scope="module")
+def base(smollm2, smollm2_tokenizer) -> LLM:
+    return LLM(smollm2, tokenizer=smollm2_tokenizer, warmup=False, **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def spec(smollm2, smollm2_tokenizer) -> LLM:
+    """Warmed up, so that the test can assert nothing compiles afterwards."""
+    return LLM(smollm2, tokenizer=smollm2_tokenizer, speculative_config=SPEC, **ENGINE_ARGS)
+
+
+def run(llm: LLM, params) -> list:
+    return [o.outputs for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def spec_counts(llm: LLM) -> tuple[int, int, int]:
+    m = llm.get_metrics()
+    return (m["jaxserve:spec_decode_num_drafts"], m["jaxserve:spec_decode_num_draft_tokens"],
+            m["jaxserve:spec_decode_num_accepted_tokens"])
+
+
+def test_seeded_sampling_keeps_its_tokens(base, spec):
+    """Each verified position draws with its output position's seed and counter, so a
+    seeded request samples the same tokens with and without proposals."""
+    before = spec_counts(spec)
+    params = [SamplingParams(temperature=0.7, top_p=0.95, seed=100 + i, max_tokens=24)
+              for i in range(len(PROMPTS))]
+    want = [[c.token_ids for c in outs] for outs in run(base, params)]
+    got = [[c.token_ids for c in outs] for outs in run(spec, params)]
+    assert got == want
+    after = spec_counts(spec)
+    assert after[2] > before[2]  # some proposals held under sampling too
+
+
+def test_greedy_logprobs_of_accepted_tokens(base, spec):
+    """Every token (proposal or not) carries its own position's logprob and top-3."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=3)
+    for want, got in zip(run(base, params), run(spec, params), strict=True):
+        w, g = want[0], got[0]
+        assert g.token_ids == w.token_ids
+        assert len(g.logprobs) == len(g.token_ids)
+        for lw, lg in zip(w.logprobs, g.logprobs, strict=True):
+            assert lg.keys() == lw.keys()
+            for tid in lw:
+                assert lg[tid].logprob == pytest.approx(lw[tid].logprob, abs=1e-4)
+                assert lg[tid].rank == lw[tid].rank
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+
+
+def test_stop_string_inside_accepted_tokens(base, spec):
+    """A stop string completed by an accepted proposal ends the output at that token."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, stop=["lazy", "print(k"])
+    for want, got in zip(run(base, params), run(spec, params), strict=True):
+        assert (got[0].token_ids, got[0].text, got[0].finish_reason, got[0].stop_reason) \
+            == (want[0].token_ids, want[0].text, want[0].finish_reason, want[0].stop_reason)
+    assert run(spec, params)[0][0].stop_reason == "lazy"
+
+
+def test_n_samples_and_penalties(base, spec):
+    """Fan-out children speculate on their own; penalties see the proposals before each
+    position as output already."""
+    params = [SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=16),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16),
+              SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3,
+                             max_tokens=16),
+              SamplingParams(temperature=0.0, min_tokens=12, max_tokens=14)]
+    want = [[c.token_ids for c in outs] for outs in run(base, params)]
+    got = [[c.token_ids for c in outs] for outs in run(spec, params)]
+    assert got == want
+    assert len(got[0]) == 2
+
+
+def test_metrics_add_up_and_nothing_compiles(spec):
+    """Per-position acceptance is non-increasing and sums to the accepted count; no step
+    of the runs above compiled (warm-up covered the verification rows)."""
+    m = spec.get_metrics()
+    drafts, draft_tokens, accepted = spec_counts(spec)
+    per_pos = [m[f"jaxserve:spec_decode_num_accepted_tokens_per_pos{{position={i}}}"]
+               for i in range(SPEC["num_speculative_tokens"])]
+    assert 0 < accepted <= draft_tokens <= 3 * drafts
+    assert sum(per_pos) == accepted
+    assert per_pos == sorted(per_pos, reverse=True)
+    assert per_pos[0] <= drafts
+    assert m["jaxserve:num_compilations"] == 0
+    assert m["jaxserve:kv_cache_usage_perc"] == 0.0
+
+
+def test_max_tokens_is_never_passed(spec):
+    """Proposals that would run past max_tokens are not verified."""
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    assert all(len(outs[0].token_ids) == 5 for outs in run(spec, params))
+
+
+def test_beam_search_refuses_a_speculating_engine(spec):
+    with pytest.raises(ValueError, match="speculative_config"):
+        spec.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "eagle9", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ("{not json", "speculative_config"),
+])
+def test_bad_configs_name_the_field(smollm2, smollm2_tokenizer, config, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(smollm2, tokenizer=smollm2_tokenizer, warmup=False, speculative_config=config,
+            **ENGINE_ARGS)
+
+
+def test_draft_model_is_not_available_yet(smollm2, smollm2_tokenizer, tiny_model_dir):
+    with pytest.raises(NotImplementedError, match="draft_model"):
+        LLM(smollm2, tokenizer=smollm2_tokenizer, warmup=False, speculative_config={
+            "method": "draft_model", "model": tiny_model_dir, "num_speculative_tokens": 2},
+            **ENGINE_ARGS)
