@@ -131,14 +131,15 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
 
 
 def _prefix_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, block_q,
-                 sm_scale, soft_cap):
+                 sm_scale, soft_cap, state=None):
     """Attention of every token to what its request held before this step (`row_lens`
     i32[rows] keys per request, 0 for requests that need none), in query tiles of
     `block_q` tokens of one request: each tile gathers its request's pages once per key
     block and attends with one matmul, instead of one gather per token.
 
     Tiles are enumerated on the device (rows with a prefix, ceil(q_len / block_q) tiles
-    each) and walked by a `fori_loop` with a traced trip count.
+    each) and walked by a `fori_loop` with a traced trip count. `state` ([t, ...]
+    online-softmax state) carries the results of an earlier pass over other rows.
     """
     t, kv_heads, group, head_dim = q.shape
     page_size = kv_pages.shape[4]
@@ -185,9 +186,9 @@ def _prefix_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, b
                 whole, jnp.where(keep_new, part, old), first, axis=0))
         return tuple(out)
 
+    state = _init(t, kv_heads, group, head_dim) if state is None else state
     state = tuple(jnp.pad(x, ((0, block_q),) + ((0, 0),) * (x.ndim - 1), constant_values=c)
-                  for x, c in zip(_init(t, kv_heads, group, head_dim), (0.0, _NEG, 0.0),
-                                  strict=True))
+                  for x, c in zip(state, (0.0, _NEG, 0.0), strict=True))
     state = jax.lax.fori_loop(0, ends[-1], tile, state)
     return tuple(x[:t] for x in state)
 
@@ -235,6 +236,7 @@ def ragged_paged_attention_xla(
     block_kv: int = 128,
     block_q: int = 256,
     block_q_prefix: int = 64,
+    block_q_short: int = 8,
     decode_block_kv: int = 64,
     decode_rows: int = 32,
 ) -> jax.Array:
@@ -252,6 +254,9 @@ def ragged_paged_attention_xla(
         block_kv: Keys per gathered block (rounded to whole pages).
         block_q: Keys per tile of the in-step part.
         block_q_prefix: Query tokens (of one request) per tile of the prefix part.
+        block_q_short: Tile of the prefix part for requests with at most this many new
+            tokens (proposals being verified, a chunk's short tail): their own pass, so a
+            4-token request does not fill a 64-query tile with padding.
         decode_block_kv: Keys per gathered block of the decode part.
         decode_rows: Decode rows per group: each group of rows runs its own loop over
             key blocks (as many as its longest context needs), so a gathered block
@@ -290,8 +295,12 @@ def ragged_paged_attention_xla(
     others = valid & ~is_decode
     decode_row = jnp.zeros(md.kv_lens.shape[0], bool).at[:rows].set(aligned)  # bool[rows]
     prefix_lens = jnp.where(decode_row, 0, md.kv_lens - q_lens)  # i32[rows]; padding: 0
-    state = _prefix_part(qg, kv_pages, layer, md, prefix_lens, q_pos, window,
-                         block_kv=block_kv, block_q=block_q_prefix, **common)
+    short = q_lens <= block_q_short  # bool[rows]
+    state = _prefix_part(qg, kv_pages, layer, md, jnp.where(short, prefix_lens, 0), q_pos,
+                         window, block_kv=block_kv, block_q=block_q_short, **common)
+    state = _prefix_part(qg, kv_pages, layer, md, jnp.where(short, 0, prefix_lens), q_pos,
+                         window, block_kv=block_kv, block_q=block_q_prefix, state=state,
+                         **common)
     state = jax.lax.cond(
         jnp.any(others),
         lambda s: _merge(s, _in_step_part(qg, kv_pages, layer, md, seq_ids, q_pos, others,

@@ -23,6 +23,9 @@ LAYOUTS = {
     "chunk_then_decodes": ([20, 1, 1, 1], [26, 9, 30, 2]),
     "second_chunk_of_a_long_prompt": ([16, 1, 0, 0], [48, 11, 0, 0]),
     "decode_rows_beside_a_fresh_prompt": ([1, 1, 17, 0], [40, 7, 17, 0]),
+    # Requests verifying proposals (a few tokens after a context: the prefix part's short
+    # pass) beside a chunk with a prefix (its long pass).
+    "verifying_rows_beside_a_chunk": ([4, 1, 6, 20], [40, 9, 23, 46]),
 }
 
 reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "soft_cap"))
@@ -35,6 +38,7 @@ def xla_path(block_kv: int, block_q: int, decode_rows: int = 32):
     # the decode part's key blocks are `block_kv` too, its rows in groups of `decode_rows`.
     return jax.jit(functools.partial(ragged_paged_attention_xla, block_kv=block_kv,
                                      block_q=block_q, block_q_prefix=min(block_q, 64),
+                                     block_q_short=min(block_q, 8),
                                      decode_block_kv=block_kv, decode_rows=decode_rows),
                    static_argnames=("sm_scale", "soft_cap"))
 
@@ -73,7 +77,7 @@ def test_matches_reference(g, layout, window):
 @pytest.mark.parametrize("soft_cap", [None, 2.0])
 @pytest.mark.parametrize("block_kv,block_q", [(8, 4), (16, 7), (64, 32)])
 @pytest.mark.parametrize("layout", ["mixed_mid_page_chunks", "second_chunk_of_a_long_prompt",
-                                    "decodes_first_then_chunk"])
+                                    "decodes_first_then_chunk", "verifying_rows_beside_a_chunk"])
 def test_blocks_tiles_and_soft_cap(layout, block_kv, block_q, soft_cap):
     # Decode rows in groups of 2: several groups, the last one part padding.
     check(GEOMETRIES[0], layout, 3, soft_cap, block_kv, block_q, seed=2, scale=4.0,
