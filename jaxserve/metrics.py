@@ -18,6 +18,11 @@ COUNTERS = frozenset({
     "jaxserve:prefix_cache_queries", "jaxserve:prefix_cache_hits", "jaxserve:num_preemptions",
     "jaxserve:prompt_tokens", "jaxserve:generation_tokens", "jaxserve:request_success",
     "jaxserve:num_cow_copies", "jaxserve:num_swap_outs", "jaxserve:num_swap_ins",
+    # Speculative decoding (only in snapshots of a speculating engine); the per-position
+    # one carries a `position` label.
+    "jaxserve:spec_decode_num_drafts", "jaxserve:spec_decode_num_draft_tokens",
+    "jaxserve:spec_decode_num_accepted_tokens",
+    "jaxserve:spec_decode_num_accepted_tokens_per_pos",
 })
 # vLLM's bucket edges (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

@@ -4,14 +4,15 @@ spellings, defaults shown), their validation before anything loads, and quiet st
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 
 from jaxserve.config import DTYPES, PREEMPTION_MODES, SCHEDULING_MODES, SCHEDULING_POLICIES
 
-# (flag, type or "bool" for --x/--no-x, choices, default as shown, help). The defaults are
-# EngineConfig's; flags left unset keep them (None is never passed on).
+# (flag, type or "bool" for --x/--no-x or "json" for a JSON object, choices, default as shown,
+# help). The defaults are EngineConfig's; flags left unset keep them (None is never passed on).
 ENGINE_ARGS = [
     ("--dtype", str, DTYPES, "float32", "parameter, activation and KV dtype"),
     ("--max-model-len", int, None, "min(model limit, 2048)", "longest prompt + output"),
@@ -43,6 +44,9 @@ ENGINE_ARGS = [
      "precompile every bucket at start-up (--no-warmup: compile on first use instead)"),
     ("--compilation-cache-dir", str, None, "~/.cache/jaxserve/jax",
      "JAX persistent compilation cache (later starts reuse compiled programs)"),
+    ("--speculative-config", "json", None, "off",
+     'speculative decoding, vLLM\'s JSON object, e.g. \'{"method": "ngram", '
+     '"num_speculative_tokens": 3}\' (optional: prompt_lookup_min, prompt_lookup_max)'),
 ]
 MODEL_HELP = ("GGUF file, Hugging Face directory or jaxserve checkpoint (default: the "
               "embedded SmolLM2-135M-Instruct)")
@@ -79,17 +83,31 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True,
         if kind == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
+        elif kind == "json":
+            group.add_argument(flag, type=str, default=None, help=help_text, metavar="JSON")
         else:
             group.add_argument(flag, type=kind, choices=choices, default=None, help=help_text,
                                metavar=None if choices else dest.upper())
 
 
 def engine_kwargs(args) -> dict:
-    """`EngineConfig.from_kwargs` arguments from parsed flags (only those given)."""
+    """`EngineConfig.from_kwargs` arguments from parsed flags (only those given).
+
+    A JSON flag (`--speculative-config`) becomes the object it spells, as vLLM's engine
+    arguments hold it; its fields are checked by `check_engine_args`.
+
+    Raises:
+        ValueError: A JSON flag's text is not JSON (the message names the argument).
+    """
     kwargs = {}
-    for flag, *_ in ENGINE_ARGS:
+    for flag, kind, *_ in ENGINE_ARGS:
         dest = flag[2:].replace("-", "_")
         value = getattr(args, dest, None)
+        if value is not None and kind == "json":
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{dest}: not valid JSON ({e})") from None
         if value is not None:
             kwargs[dest] = value
     return {"model": getattr(args, "model_pos", None) or getattr(args, "model", None), **kwargs}
@@ -98,12 +116,18 @@ def engine_kwargs(args) -> dict:
 def check_engine_args(kwargs: dict) -> None:
     """Validates engine arguments and the model path before anything heavy loads.
 
+    `speculative_config` (vLLM's dict or its JSON) is parsed by `SpeculativeConfig.from_dict`
+    and must name a method the engine runs.
+
     Raises:
-        ValueError: A value out of range (naming it) or a model path that does not exist.
+        ValueError: A value out of range (naming it), a model path that does not exist, or
+            a bad `speculative_config` (the message names the field).
     """
     from jaxserve.config import EngineConfig
-
-    EngineConfig.from_kwargs(**kwargs)
+    config = EngineConfig.from_kwargs(**kwargs)  # parses speculative_config (from_dict)
+    spec = config.speculative_config
+    if spec is not None and spec.model is not None and not os.path.exists(spec.model):
+        raise ValueError(f"speculative_config.model: path {spec.model} does not exist")
     model = kwargs.get("model")
     if model is not None and not os.path.exists(model):
         raise ValueError(f"model path {model} does not exist")
