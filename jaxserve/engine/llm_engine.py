@@ -135,7 +135,12 @@ class LLMEngine:
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
                                    lim.max_num_batched_tokens)
-        self.speculator = make_speculator(config.speculative_config)
+        self.speculator = make_speculator(
+            config.speculative_config, vocab_size=self.model.cfg.vocab_size, dtype=mc.dtype,
+            backend=mc.attention_backend, num_pages=lim.num_pages,
+            page_size=config.cache.block_size, max_model_len=lim.max_model_len,
+            max_num_seqs=self.scheduler.max_num_seqs,
+            max_num_batched_tokens=lim.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, lim.num_pages, config.cache.block_size,
                                   lim.max_model_len, self.scheduler.max_num_seqs,
                                   lim.max_num_batched_tokens, self.kv.host_pool.num_slots,
@@ -368,6 +373,8 @@ class LLMEngine:
                                            self.model.cfg.vocab_size)
 
         seconds = self.runner.warmup(dummy)
+        if self.speculator is not None:
+            seconds += self.speculator.warmup(dummy)
         logger.info("jaxserve: warm-up compiled %d buckets in %.1fs", len(self.runner.buckets),
                     seconds)
         return seconds
@@ -389,7 +396,8 @@ class LLMEngine:
             "jaxserve:num_preemptions": sched.num_preemptions,
             "jaxserve:prompt_tokens": self.counters["prompt_tokens"],
             "jaxserve:generation_tokens": self.outputs.num_generation_tokens,
-            "jaxserve:num_compilations": self.runner.num_compilations,
+            "jaxserve:num_compilations": self.runner.num_compilations + (
+                self.speculator.num_compilations if self.speculator is not None else 0),
             "jaxserve:padding_waste_ratio": padded / total if total else 0.0,
             "jaxserve:warmup_seconds": self.runner.warmup_seconds,
             "jaxserve:num_cow_copies": stats.num_cow_copies,

@@ -21,14 +21,15 @@ class SpeculativeConfig:
             computes up to 1 + k query tokens for a decoding request).
         prompt_lookup_min: Shortest suffix n-gram that may match (ngram).
         prompt_lookup_max: Longest suffix n-gram tried first (ngram).
-        model: Path of the draft model (draft_model): same tokenizer as the target.
+        model: The draft model (draft_model): its path, or a loaded `models.model.Model`
+            (Python API); same tokenizer and vocabulary as the target.
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    model: str | None = None
+    model: Any = None
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | str | SpeculativeConfig | None
@@ -81,9 +82,10 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config.model: only the draft_model method "
                                  "takes a model")
         else:
-            if not isinstance(model, str) or not model:
+            loaded = hasattr(model, "cfg") and hasattr(model, "params")  # a loaded Model
+            if not loaded and (not isinstance(model, str) or not model):
                 raise ValueError("speculative_config.model: the draft_model method needs "
-                                 "the draft's path")
+                                 "the draft's path (or a loaded model)")
             if lo is not None or hi is not None:
                 raise ValueError("speculative_config.prompt_lookup_min/max: only the ngram "
                                  "method takes them")

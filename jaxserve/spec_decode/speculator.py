@@ -30,11 +30,11 @@ def accepted_prefix(draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> int
     return int(differ[0]) if differ.size else n
 
 
-class NgramSpeculator:
-    """Proposes from each request's own tokens and keeps vLLM's acceptance counters.
+class Speculator:
+    """Verification and vLLM's acceptance counters, shared by the proposers.
 
     Args:
-        config: The engine's `SpeculativeConfig` (method "ngram").
+        config: The engine's `SpeculativeConfig`.
     """
 
     def __init__(self, config: SpeculativeConfig):
@@ -45,17 +45,25 @@ class NgramSpeculator:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k  # i-th proposal accepted, by position
 
+    @staticmethod
+    def wants_proposals(request: Request) -> bool:
+        """Whether a request decodes next step: all its tokens but the last computed and
+        nothing in flight (the scheduler then takes the proposals that fit)."""
+        return not (request.num_output_placeholders or request.is_finished()
+                    or request.num_computed_tokens + 1 != request.num_tokens)
+
     def propose(self, requests: Iterable[Request]) -> None:
-        """Sets `spec_token_ids` of each request that decodes next step (all its tokens
-        but the last computed, nothing in flight); the scheduler takes what fits."""
-        cfg = self.config
-        for request in requests:
-            if request.num_output_placeholders or request.is_finished() \
-                    or request.num_computed_tokens + 1 != request.num_tokens:
-                continue
-            request.spec_token_ids = propose_ngram(
-                request.all_token_ids, self.k, cfg.prompt_lookup_min,
-                cfg.prompt_lookup_max).tolist()
+        """Sets `spec_token_ids` of the requests that decode next step."""
+        raise NotImplementedError
+
+    def warmup(self, make_dummy_sampling) -> float:
+        """Compiles what proposing runs (nothing for host-side proposers); seconds."""
+        return 0.0
+
+    @property
+    def num_compilations(self) -> int:
+        """Compilations of the proposer's own programs since warm-up."""
+        return 0
 
     def verify(self, draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> list[int]:
         """The tokens a verifying request produced this step, and counts them.
@@ -85,15 +93,33 @@ class NgramSpeculator:
         return out
 
 
-def make_speculator(config: SpeculativeConfig | None) -> NgramSpeculator | None:
+class NgramSpeculator(Speculator):
+    """Proposes what followed the latest earlier occurrence of each request's suffix."""
+
+    def propose(self, requests: Iterable[Request]) -> None:
+        cfg = self.config
+        for request in requests:
+            if self.wants_proposals(request):
+                request.spec_token_ids = propose_ngram(
+                    request.all_token_ids, self.k, cfg.prompt_lookup_min,
+                    cfg.prompt_lookup_max).tolist()
+
+
+def make_speculator(config: SpeculativeConfig | None, **runner_args) -> Speculator | None:
     """The engine's speculator for `config` (None: speculation off).
 
+    Args:
+        runner_args: For a draft model: the target's `vocab_size`, `dtype`, `backend` and
+            the runner sizes (`num_pages`, `page_size`, `max_model_len`, `max_num_seqs`,
+            `max_num_batched_tokens`); see `DraftModelSpeculator`.
+
     Raises:
-        NotImplementedError: A method the engine cannot run yet (draft_model).
+        ValueError: A draft model with another vocabulary than the target's.
     """
     if config is None:
         return None
-    if config.method != "ngram":
-        raise NotImplementedError(f"speculative_config.method={config.method!r}: only "
-                                  "'ngram' runs in this version")
-    return NgramSpeculator(config)
+    if config.method == "ngram":
+        return NgramSpeculator(config)
+    from jaxserve.spec_decode.draft import DraftModelSpeculator
+
+    return DraftModelSpeculator(config, **runner_args)

@@ -132,10 +132,3 @@ def test_bad_configs_name_the_field(smollm2, smollm2_tokenizer, config, field):
     with pytest.raises(ValueError, match=field):
         LLM(smollm2, tokenizer=smollm2_tokenizer, warmup=False, speculative_config=config,
             **ENGINE_ARGS)
-
-
-def test_draft_model_is_not_available_yet(smollm2, smollm2_tokenizer, tiny_model_dir):
-    with pytest.raises(NotImplementedError, match="draft_model"):
-        LLM(smollm2, tokenizer=smollm2_tokenizer, warmup=False, speculative_config={
-            "method": "draft_model", "model": tiny_model_dir, "num_speculative_tokens": 2},
-            **ENGINE_ARGS)

@@ -126,7 +126,7 @@ def check_engine_args(kwargs: dict) -> None:
     from jaxserve.config import EngineConfig
     config = EngineConfig.from_kwargs(**kwargs)  # parses speculative_config (from_dict)
     spec = config.speculative_config
-    if spec is not None and spec.model is not None and not os.path.exists(spec.model):
+    if spec is not None and isinstance(spec.model, str) and not os.path.exists(spec.model):
         raise ValueError(f"speculative_config.model: path {spec.model} does not exist")
     model = kwargs.get("model")
     if model is not None and not os.path.exists(model):

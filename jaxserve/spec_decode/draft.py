@@ -1,0 +1,191 @@
+"""Draft-model proposals: a smaller model with the target's vocabulary, its own page pool.
+
+Before each step the draft catches up on the tokens each decoding request gained since it
+last ran (the accepted proposals and the token after them; a whole prompt the first time),
+then runs k - 1 more single-token steps, each taking its own argmax: k greedy proposals.
+Greedy proposals are one-hot drafts, so the engine verifies them like n-gram ones (see
+`speculator`): the output distribution is the target's whatever the draft's quality.
+
+The draft's KV lives in its own pool (its layers and heads differ from the target's) with
+its own page allocator: a request's draft pages hold the KV of its first
+`num_computed` tokens and are freed when the request finishes. Tokens never change once
+known, so the draft's KV stays valid across preemption (recompute or swap) of the target;
+the positions proposals were written at are simply written again by the next catch-up.
+The draft runs through a `ModelRunner` of its own: the same buckets, warm-up and compile
+counting as the target (no new program kinds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import jax
+
+from jaxserve.core.page_pool import KVPage, PagePool
+from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.request import Request
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.speculator import Speculator
+from jaxserve.utils import cdiv
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+def truncate_layers(model, num_layers: int):
+    """A copy of `model` that keeps only its first `num_layers` decoder layers (same
+    embeddings, final norm and LM head): a cheap draft for a benchmark or a test.
+
+    Raises:
+        ValueError: `num_layers` not in [1, the model's layers].
+    """
+    from models.model import Model
+
+    if not 1 <= num_layers <= model.cfg.num_layers:
+        raise ValueError(f"num_layers must be in [1, {model.cfg.num_layers}], got {num_layers}")
+    cfg = dataclasses.replace(model.cfg, num_layers=num_layers,
+                              layer_windows=model.cfg.layer_windows[:num_layers])
+    params = {**model.params, "layers": jax.tree_util.tree_map(lambda x: x[:num_layers],
+                                                               model.params["layers"])}
+    return Model(cfg, params, model.dtype, f"{model.source} (first {num_layers} layers)",
+                 backend=model.backend)
+
+
+@dataclasses.dataclass
+class _DraftSeq:
+    """One request's state in the draft pool."""
+
+    request: Request
+    pages: list[KVPage]
+    num_computed: int = 0  # leading tokens whose draft KV is in `pages`
+
+
+class DraftModelSpeculator(Speculator):
+    """Proposes with a draft model (see the module docstring).
+
+    Args:
+        config: `SpeculativeConfig` of method "draft_model" (`model`: path or `Model`).
+        vocab_size: The target's vocabulary size (the draft's must equal it).
+        dtype: Dtype to load a draft given by path in.
+        backend: Attention backend of the draft.
+        num_pages, page_size, max_model_len, max_num_seqs, max_num_batched_tokens: Sizes
+            of the draft's pool and runner (the target's).
+
+    Raises:
+        ValueError: The draft's vocabulary differs from the target's.
+    """
+
+    def __init__(self, config: SpeculativeConfig, *, vocab_size: int, dtype: str = "float32",
+                 backend: str = "auto", num_pages: int, page_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int):
+        super().__init__(config)
+        draft = config.model
+        if isinstance(draft, str):
+            from models.loaders import load_model
+
+            draft = load_model(draft, dtype, backend)
+        if draft.cfg.vocab_size != vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary has "
+                             f"{draft.cfg.vocab_size} tokens, the target's {vocab_size}")
+        self.model = draft
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.runner = ModelRunner(draft, num_pages, page_size, max_model_len, max_num_seqs,
+                                  max_num_batched_tokens)
+        self.pool = PagePool(num_pages, enable_caching=False)
+        self.seqs: dict[str, _DraftSeq] = {}
+        self.max_tokens_per_call = self.runner.buckets[-1]
+        self.max_rows = max_num_seqs
+
+    def warmup(self, make_dummy_sampling) -> float:
+        return self.runner.warmup(make_dummy_sampling)
+
+    @property
+    def num_compilations(self) -> int:
+        return self.runner.num_compilations
+
+    # ------------------------------------------------------------ propose
+    def propose(self, requests: Iterable[Request]) -> None:
+        self._release_finished()
+        seqs = [seq for request in requests if self.wants_proposals(request)
+                and (seq := self._reserve(request)) is not None]
+        if not seqs:
+            return
+        last = self._catch_up(seqs)  # {request_id: first proposal}
+        proposals = {seq.request.request_id: [last[seq.request.request_id]] for seq in seqs}
+        for j in range(1, self.k):
+            out = SchedulerOutput(scheduled=[ScheduledRequest(
+                seq.request.request_id, [proposals[seq.request.request_id][-1]],
+                seq.request.num_tokens + j - 1, [p.page_id for p in seq.pages], 1)
+                for seq in seqs])
+            for req_id, token in self._run(out).items():
+                proposals[req_id].append(token)
+        for seq in seqs:
+            seq.request.spec_token_ids = proposals[seq.request.request_id]
+
+    def _release_finished(self) -> None:
+        for req_id in [i for i, s in self.seqs.items() if s.request.is_finished()]:
+            self._free(req_id)
+
+    def _free(self, req_id: str) -> None:
+        seq = self.seqs.pop(req_id)
+        self.pool.free_pages(reversed(seq.pages))
+
+    def _reserve(self, request: Request) -> _DraftSeq | None:
+        """The request's draft state with pages for its tokens and k - 1 proposals; None
+        when the draft pool is out of pages or the proposals would pass max_model_len."""
+        seq = self.seqs.get(request.request_id)
+        if seq is not None and seq.request is not request:  # the id was reused
+            self._free(request.request_id)
+            seq = None
+        if seq is None:
+            seq = self.seqs[request.request_id] = _DraftSeq(request, [])
+        length = request.num_tokens + self.k - 1
+        if length > self.max_model_len:
+            return None
+        need = cdiv(length, self.page_size) - len(seq.pages)
+        if need > self.pool.num_allocatable_pages:
+            return None
+        if need > 0:
+            seq.pages.extend(self.pool.get_new_pages(need))
+        return seq
+
+    def _catch_up(self, seqs: list[_DraftSeq]) -> dict[str, int]:
+        """Computes each request's missing draft KV, in steps of at most a bucket of
+        tokens and `max_rows` requests; returns the draft's argmax after each last token."""
+        first: dict[str, int] = {}
+        todo = list(seqs)
+        while todo:
+            budget, entries, rest = self.max_tokens_per_call, [], []
+            for seq in todo:
+                request = seq.request
+                # NOTE: at least the last token is recomputed: its logits make proposal 1.
+                start = min(seq.num_computed, request.num_tokens - 1)
+                n = min(request.num_tokens - start, budget)
+                if n <= 0 or len(entries) == self.max_rows:
+                    rest.append(seq)
+                    continue
+                done = start + n == request.num_tokens
+                entries.append(ScheduledRequest(
+                    request.request_id, request.all_token_ids[start:start + n], start,
+                    [p.page_id for p in seq.pages], int(done)))
+                budget -= n
+                seq.num_computed = start + n
+                if not done:
+                    rest.append(seq)
+            first.update(self._run(SchedulerOutput(scheduled=entries)))
+            todo = rest
+        return first
+
+    def _run(self, out: SchedulerOutput) -> dict[str, int]:
+        """One draft step: `{request_id: argmax}` of the entries that sample."""
+        out.decodes_first()
+        num_rows = self.runner.step_shape(out)[1]
+        rows = [RowSpec(_GREEDY, (), (), 0, 0)] * sum(s.num_samples for s in out.scheduled)
+        sampling = build_sampling_metadata(rows, num_rows, self.model.cfg.vocab_size)
+        result = self.runner.execute(out, sampling)
+        return {req_id: int(t) for req_id, t in zip(result.row_request_ids, result.token_ids,
+                                                   strict=True)}

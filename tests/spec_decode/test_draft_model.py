@@ -1,0 +1,146 @@
+"""Draft-model speculation on SmolLM2: greedy outputs equal the engine's without it (chunked,
+preempted), a draft identical to the target has its proposals accepted (its KV is kept
+right across steps), a bad draft leaves the sampled distribution the target's, and bad
+drafts are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.spec_decode.draft import truncate_layers
+from models.model import Model
+
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                   num_kv_blocks=64, enable_prefix_caching=False, attention_backend="xla",
+                   warmup=False)
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3 + "Repeat it: The quick brown fox",
+    "def fibonacci(n):",
+    "The history of the city begins with a small fishing village on the river bank. Over "
+    "the centuries, merchants arrived from distant lands, bringing spices, silk and new "
+    "ideas. In summary, the city's story is one of",
+    "Once upon a time",
+    "1, 2, 3, 4, 5,",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Chi-square critical value at p = 0.001 (z = 3.09), Wilson-Hilferty: within 3% of the
+    tables (11.16 for 10.83 at 1 degree of freedom, 29.76 for 29.59 at 10)."""
+    c = 2.0 / (9.0 * df)
+    return df * (1.0 - c + z * np.sqrt(c)) ** 3
+
+
+def draft_config(draft, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def base(smollm2, smollm2_tokenizer) -> LLM:
+    return LLM(smollm2, tokenizer=smollm2_tokenizer, **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def want(base) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in base.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def token_ids(llm: LLM, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def acceptance(llm: LLM) -> float:
+    m = llm.get_metrics()
+    assert m["jaxserve:spec_decode_num_drafts"] > 0
+    return m["jaxserve:spec_decode_num_accepted_tokens"] / m[
+        "jaxserve:spec_decode_num_draft_tokens"]
+
+
+def test_self_draft_is_accepted(smollm2, smollm2_tokenizer, want):
+    """The target as its own draft: every proposal is the target's greedy token, so all
+    are accepted unless the draft's KV went wrong between steps (catch-up, proposals'
+    slots written again)."""
+    llm = LLM(smollm2, tokenizer=smollm2_tokenizer, speculative_config=draft_config(smollm2),
+              **ENGINE_ARGS)
+    assert token_ids(llm) == want
+    assert acceptance(llm) > 0.95
+
+
+@pytest.mark.parametrize("overrides", [
+    {"max_num_batched_tokens": 16},
+    {"num_kv_blocks": 9, "preemption_mode": "recompute"},
+    {"num_kv_blocks": 9, "preemption_mode": "swap"},
+], ids=["chunk16", "recompute", "swap"])
+def test_truncated_draft_greedy_parity(smollm2, smollm2_tokenizer, want, overrides):
+    """A 20-layer copy proposes (mostly wrongly: it agrees with the target ~14% of the
+    time); outputs are the target's under chunking and preemption."""
+    llm = LLM(smollm2, tokenizer=smollm2_tokenizer,
+              speculative_config=draft_config(truncate_layers(smollm2, 20), k=2),
+              **{**ENGINE_ARGS, **overrides})
+    assert token_ids(llm) == want
+    acceptance(llm)
+    metrics = llm.get_metrics()
+    if "num_kv_blocks" in overrides:
+        assert metrics["jaxserve:num_preemptions"] > 0
+    assert metrics["jaxserve:kv_cache_usage_perc"] == 0.0
+
+
+def test_bad_draft_keeps_the_target_distribution(smollm2, smollm2_tokenizer, tiny_model_dir,
+                                                 base):
+    """Temperature 1 with a random tiny draft (loaded by path): the second token, given the
+    most frequent first one, follows the target's own distribution (chi-square over the
+    target's top tokens), and each seeded request samples what it samples without a draft.
+    """
+    prompt = "The capital of France is"
+    num = 240
+    llm = LLM(smollm2, tokenizer=smollm2_tokenizer, speculative_config=draft_config(
+        tiny_model_dir, k=3), **{**ENGINE_ARGS, "max_num_seqs": 16})
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True)
+              for i in range(num)]
+    got = token_ids_of(llm, prompt, params)
+    assert llm.get_metrics()["jaxserve:spec_decode_num_draft_tokens"] >= num
+    firsts = np.array([g[0] for g in got])
+    t0 = int(np.bincount(firsts).argmax())
+    seconds = np.array([g[1] for g in got if g[0] == t0])
+    (ref,) = base.generate({"prompt_token_ids": prompt_ids(smollm2_tokenizer, prompt) + [t0]},
+                           SamplingParams(temperature=0.0, max_tokens=1, logprobs=20),
+                           use_tqdm=False)
+    top = ref.outputs[0].logprobs[0]
+    ids = sorted(top, key=lambda t: -top[t].logprob)
+    probs = np.exp([top[t].logprob for t in ids])
+    keep = probs * len(seconds) >= 5  # bins with an expected count of at least 5
+    expected = np.append(probs[keep], 1.0 - probs[keep].sum()) * len(seconds)
+    observed = np.append([np.sum(seconds == t) for t in np.array(ids)[keep]],
+                         np.sum(~np.isin(seconds, np.array(ids)[keep])))
+    stat = float(np.sum((observed - expected) ** 2 / expected))
+    assert len(seconds) >= 50 and keep.sum() >= 2, (t0, len(seconds), probs)
+    assert stat < chi2_critical(int(keep.sum())), (stat, observed, expected)
+    assert got[:40] == token_ids_of(base, prompt, params[:40])
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text).input_ids)
+
+
+def token_ids_of(llm: LLM, prompt: str, params: list) -> list[list[int]]:
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_draft_with_another_vocabulary_is_refused(smollm2, smollm2_tokenizer):
+    other = Model(dataclasses.replace(smollm2.cfg, vocab_size=32000), smollm2.params,
+                  smollm2.dtype, "other")
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        LLM(smollm2, tokenizer=smollm2_tokenizer, speculative_config=draft_config(other),
+            **ENGINE_ARGS)
+
+
+def test_truncate_layers_checks_its_argument(smollm2):
+    with pytest.raises(ValueError, match="num_layers"):
+        truncate_layers(smollm2, 31)
+    assert truncate_layers(smollm2, 3).cfg.num_layers == 3
