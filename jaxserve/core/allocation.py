@@ -76,7 +76,8 @@ def plan_allocation(tables: BlockTables, request: Request, num_new_tokens: int,
                          f"has only {pool.num_usable_pages}")
     num_new_pages = max(0, num_required - len(table) - len(computed_pages))
     # NOTE: every shared page this step writes into needs a private copy first.
-    last_written = cdiv(num_tokens_after, ps) if num_new_tokens else 0
+    # (proposals' lookahead slots are written too: speculative decoding)
+    last_written = cdiv(num_slots, ps) if num_new_tokens else 0
     cow_indices = [i for i in range(num_computed // ps, min(len(table), last_written))
                    if tables.num_holders(table[i]) > 1]
     num_reclaimed = sum(1 for page in computed_pages if page.ref_cnt == 0)

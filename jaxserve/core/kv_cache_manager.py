@@ -194,6 +194,23 @@ class KVCacheManager:
         self.tables.queue_for_cache(request, num_after)
         return True
 
+    def trim(self, request: Request) -> int:
+        """Frees the request's pages past its known tokens (those only rejected proposals
+        were written into: speculative decoding), tail first; returns how many.
+
+        NOTE: its slot count drops to its known tokens; the next step allocates again.
+        """
+        state = self.tables.requests.get(request.request_id)
+        if state is None or state.is_swapped:
+            return 0
+        keep = cdiv(request.num_tokens_with_placeholders, self.page_size)
+        extra = state.pages[keep:]
+        if extra:
+            del state.pages[keep:]
+            self.tables.release(reversed(extra))
+        state.num_slot_tokens = min(state.num_slot_tokens, request.num_tokens_with_placeholders)
+        return len(extra)
+
     # -------------------------------------------------------------- lifecycle
     def free(self, request: Request) -> None:
         """Releases a finished, aborted or recompute-preempted request's pages or slots.

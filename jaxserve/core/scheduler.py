@@ -353,6 +353,7 @@ class Scheduler:
             finished ones have a finished status and no pages any more.
         """
         results: list[tuple[Request, list[int]]] = []
+        rejected: list[Request] = []  # requests that verified proposals
         for entry in out.scheduled:
             request = self.scheduled_request(out, entry.request_id)
             if request is None or request.is_finished():
@@ -369,6 +370,7 @@ class Scheduler:
                 tokens = tokens[:entry.num_spec_tokens + 1]
                 request.num_computed_tokens += len(tokens) - 1
                 results.append((request, tokens))
+                rejected.append(request)
                 continue
             results.append((request, tokens[:1]))
             for i, token in enumerate(tokens[1:], start=1):
@@ -392,6 +394,9 @@ class Scheduler:
                     tokens = tokens[:i + 1]
                     break
             kept.append((request, tokens))
+        for request in rejected:  # pages only rejected proposals were written into
+            if not request.is_finished():
+                self.kv.trim(request)
         return kept
 
     def _check_stop(self, request: Request) -> None:

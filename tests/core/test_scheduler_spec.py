@@ -95,3 +95,20 @@ def test_rejected_proposals_do_not_count_as_progress():
     assert request.num_computed_tokens == before + 2  # the decode token and 1 proposal
     assert request.num_tokens == request.num_computed_tokens + 1
     h.run()
+
+
+def test_pages_only_rejected_proposals_used_are_freed():
+    """Proposals reach two pages past the request's tokens; all are rejected: those pages
+    go back to the pool at once (they are allocated again when needed)."""
+    h = Harness(make_scheduler(num_pages=16, budget=32), propose=proposer(8),
+                accept=lambda r, p: 0)
+    h.add(make_request("a", 4, max_tokens=20))  # 4 prompt tokens fill page 0
+    h.step()
+    request = h.seen["a"]
+    used_before = h.kv.pool.num_used_pages
+    out, _ = h.step()  # token 5 at position 4 plus 8 proposals: slots 4..12, pages 1..3
+    assert out.scheduled[0].num_spec_tokens == 8
+    assert len(h.kv.page_ids("a")) == 2  # tokens 0..5: pages 0 and 1
+    assert h.kv.pool.num_used_pages == used_before + 1
+    assert request.num_computed_tokens == 5
+    h.run()
