@@ -23,6 +23,8 @@ class TraceRequest:
         arrival_time: Seconds after the start of the run.
         prefix_id: Requests with the same id share their first `prefix_len` tokens.
         prefix_len: Length of that shared prefix (0: none).
+        prompt_ids: The prompt's token ids when the trace has real text (the copying
+            trace); None: `trace_token_ids` draws random ids.
     """
 
     prompt_len: int
@@ -30,6 +32,7 @@ class TraceRequest:
     arrival_time: float = 0.0
     prefix_id: int | None = None
     prefix_len: int = 0
+    prompt_ids: tuple[int, ...] | None = None
 
 
 def sample_lengths(rng: np.random.Generator, dist: str, n: int, mean: float, spread: float,
@@ -126,6 +129,9 @@ def trace_token_ids(trace: list[TraceRequest], vocab_size: int, seed: int = 0,
     prefixes: dict[int, np.ndarray] = {}
     out = []
     for r in trace:
+        if r.prompt_ids is not None:
+            out.append(list(r.prompt_ids))
+            continue
         ids = rng.choice(allowed, r.prompt_len)
         if r.prefix_id is not None and r.prefix_len:
             if r.prefix_id not in prefixes:
@@ -154,7 +160,10 @@ def load_trace(path: str) -> list[TraceRequest]:
             if not line.strip():
                 continue
             try:
-                out.append(TraceRequest(**json.loads(line)))
+                fields = json.loads(line)
+                if fields.get("prompt_ids") is not None:
+                    fields["prompt_ids"] = tuple(fields["prompt_ids"])
+                out.append(TraceRequest(**fields))
             except (json.JSONDecodeError, TypeError) as e:
                 raise ValueError(f"{path}:{i}: not a trace request ({e})") from None
     return out

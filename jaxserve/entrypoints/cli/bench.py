@@ -24,8 +24,9 @@ def add_trace_args(p: argparse.ArgumentParser, default: str = "mixed",
                     num: int = 32) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--trace", default=default,
-                   help="mixed, synthetic, shared-prefix, or a JSONL file from save_trace "
-                        f"(default {default})")
+                   help="mixed, synthetic, shared-prefix, copying (tasks whose answers "
+                        "copy the prompt: n-gram speculation's case), or a JSONL file from "
+                        f"save_trace (default {default})")
     g.add_argument("--num-requests", type=int, default=num,
                    help=f"requests in the trace (default: {num})")
     g.add_argument("--input-len", type=int, default=128,
@@ -59,6 +60,13 @@ def make_trace(args):
                                   seed=seed)
     elif args.trace == "shared-prefix":
         trace = w.shared_prefix_trace(n, prefix_len=args.prefix_len, rate=rate, seed=seed)
+    elif args.trace == "copying":
+        from jaxserve.bench.copying import copying_trace
+        from models.default_model import default_model_path
+        from models.loaders import load_tokenizer
+
+        tokenizer = load_tokenizer(getattr(args, "model", None) or default_model_path())
+        trace = copying_trace(tokenizer, n, rate=rate, seed=seed)
     else:
         trace = w.load_trace(args.trace)
     if args.save_trace:
@@ -179,6 +187,27 @@ def cmd_serve(args) -> int:
     return 0 if not res["failed"] else 1
 
 
+def cmd_spec(args) -> int:
+    from jaxserve.bench.report import dump_json
+    from jaxserve.bench.speculation import compare_speculation, format_speculation
+
+    trace = make_trace(args)
+    model, tok, _ = load_model_and_tokenizer(args)
+    eargs = bench_engine_args(args)
+    spec = eargs.pop("speculative_config", None)
+    if args.draft_layers is not None:
+        from jaxserve.spec_decode.draft import truncate_layers
+
+        spec = {"num_speculative_tokens": 3, **(spec or {}), "method": "draft_model",
+                "model": truncate_layers(model, args.draft_layers)}
+    print(f"trace {args.trace}: {len(trace)} requests, {sum(r.prompt_len for r in trace)} "
+          f"prompt + {sum(r.output_len for r in trace)} output tokens; engine {eargs}")
+    res = compare_speculation(model, tok, trace, eargs, spec, repeats=args.repeats)
+    print()
+    print(format_speculation(res))
+    dump_json(args.output_json, {"engine_args": eargs, "results": res})
+    return 0
+
 
 def add_parser(sub) -> None:
     """Adds `bench` with its subcommands."""
@@ -207,6 +236,16 @@ def add_parser(sub) -> None:
                     help="the peer's row name (default: llama-server)")
     tp.add_argument("--plot-dir", default=None, help="write PNG plots here (needs matplotlib)")
     tp.set_defaults(handler=cmd_throughput)
+
+    sp = bsub.add_parser("spec", help="speculative decoding on/off on one trace, interleaved")
+    add_trace_args(sp, default="copying", num=8)
+    add_engine_group(sp)
+    sp.add_argument("--repeats", type=int, default=2,
+                    help="runs per engine, interleaved off/on (default: 2)")
+    sp.add_argument("--draft-layers", type=int, default=None,
+                    help="speculate with a draft made of the model's first N layers "
+                         "(method draft_model; k from --speculative-config, default 3)")
+    sp.set_defaults(handler=cmd_spec)
 
     px = bsub.add_parser("prefix", help="prefix caching on/off on a shared-prompt trace")
     add_trace_args(px, default="shared-prefix")
