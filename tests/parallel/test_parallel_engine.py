@@ -70,6 +70,23 @@ def test_tiny_tensor_parallel_matches_one_device(tiny_model, smollm2_tokenizer, 
     assert pool.sharding.spec[2] == "kv" and len(pool.sharding.device_set) == size
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_under_tensor_parallelism(tiny_model, smollm2_tokenizer, tiny_reference,
+                                              method):
+    """Proposals verified by a tp=2 target (n-gram, or the tiny model itself as a draft on
+    one device): the one-device greedy tokens."""
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = tiny_model
+    llm = LLM(tiny_model, tokenizer=smollm2_tokenizer, tensor_parallel_size=2,
+              num_kv_blocks=64, warmup=False, speculative_config=spec, **SMALL)
+    assert _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False)) == tiny_reference
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:spec_decode_num_draft_tokens"] > 0  # verified on the mesh
+    if method == "draft_model":  # the target itself proposes: its own greedy tokens
+        assert metrics["jaxserve:spec_decode_num_accepted_tokens"] > 0
+
+
 @pytest.fixture(scope="module")
 def tiny9(tiny_model_dir):
     """The conftest's tiny Llama (SmolLM2's 9 query / 3 KV heads and 49152-token vocabulary,
