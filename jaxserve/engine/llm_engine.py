@@ -140,7 +140,8 @@ class LLMEngine:
             backend=mc.attention_backend, num_pages=lim.num_pages,
             page_size=config.cache.block_size, max_model_len=lim.max_model_len,
             max_num_seqs=self.scheduler.max_num_seqs,
-            max_num_batched_tokens=lim.max_num_batched_tokens)
+            max_num_batched_tokens=lim.max_num_batched_tokens,
+            target_params=sum(x.size for x in jax.tree_util.tree_leaves(self.model.params)))
         self.runner = ModelRunner(self.model, lim.num_pages, config.cache.block_size,
                                   lim.max_model_len, self.scheduler.max_num_seqs,
                                   lim.max_num_batched_tokens, self.kv.host_pool.num_slots,
@@ -155,9 +156,7 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "num_steps": 0}
         # Whether steps overlap (config.scheduler.async_scheduling; may be switched between
         # steps, as tests do to compare both orders on one compiled engine).
-        # NOTE: proposals are made from each request's latest tokens, which an overlapped
-        # step would not know yet: speculative decoding steps one at a time.
-        self.async_scheduling = config.scheduler.async_scheduling and self.speculator is None
+        self.async_scheduling = config.scheduler.async_scheduling
         self._pending: _InFlight | None = None  # the step on the device (async scheduling)
         self._stashed: list[RequestOutput] = []  # outputs of a step finished by `flush`
         logger.info("jaxserve: %d KV pages of %d tokens, max_model_len %d, token buckets %s",
@@ -279,9 +278,14 @@ class LLMEngine:
 
     def _can_overlap(self, inflight: _InFlight) -> bool:
         """Whether the next step may be scheduled before `inflight`'s samples are known:
-        no request forks on them (n > 1), none waits for prompt logprobs from it, and no
-        running request's sampling reads its previous tokens (penalties, bad words)."""
+        no request forks on them (n > 1), none waits for prompt logprobs from it, no
+        running request's sampling reads its previous tokens (penalties, bad words), and
+        no proposals are being made (speculative decoding, unless its gate pauses it)."""
         if not self.async_scheduling or jax.process_count() > 1:
+            return False
+        # NOTE: proposals are made from each request's latest tokens, which an overlapped
+        # step would not know yet: speculation steps one at a time (unless paused).
+        if self.speculator is not None and self.speculator.active:
             return False
         if inflight.targets is not None or any(s.num_samples > 1
                                                for s in inflight.out.scheduled):
@@ -292,7 +296,7 @@ class LLMEngine:
     def _dispatch(self, prev: _InFlight | None = None, row_for=None) -> _InFlight | None:
         """Schedules a step and hands it to the device; None when nothing was scheduled."""
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.step(self.scheduler.running)
         out = self.scheduler.schedule().decodes_first()
         if out.is_empty:
             return None

@@ -54,6 +54,10 @@ def truncate_layers(model, num_layers: int):
                  backend=model.backend)
 
 
+def _num_params(model) -> int:
+    return sum(x.size for x in jax.tree_util.tree_leaves(model.params))
+
+
 @dataclasses.dataclass
 class _DraftSeq:
     """One request's state in the draft pool."""
@@ -73,6 +77,8 @@ class DraftModelSpeculator(Speculator):
         backend: Attention backend of the draft.
         num_pages, page_size, max_model_len, max_num_seqs, max_num_batched_tokens: Sizes
             of the draft's pool and runner (the target's).
+        target_params: The target's parameter count (the draft's relative cost, for the
+            gate that pauses proposals while they do not pay).
 
     Raises:
         ValueError: The draft's vocabulary differs from the target's.
@@ -80,8 +86,7 @@ class DraftModelSpeculator(Speculator):
 
     def __init__(self, config: SpeculativeConfig, *, vocab_size: int, dtype: str = "float32",
                  backend: str = "auto", num_pages: int, page_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int):
-        super().__init__(config)
+                 max_num_seqs: int, max_num_batched_tokens: int, target_params: int = 0):
         draft = config.model
         if isinstance(draft, str):
             from models.loaders import load_model
@@ -90,6 +95,8 @@ class DraftModelSpeculator(Speculator):
         if draft.cfg.vocab_size != vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary has "
                              f"{draft.cfg.vocab_size} tokens, the target's {vocab_size}")
+        super().__init__(config, draft_cost=min(1.0, _num_params(draft) / target_params)
+                         if target_params else 1.0)
         self.model = draft
         self.page_size = page_size
         self.max_model_len = max_model_len

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxserve.request import Request
 from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.spec_decode.gate import VERIFY_OVERHEAD, AcceptanceGate
 from jaxserve.spec_decode.ngram import propose_ngram
 
 
@@ -37,13 +38,25 @@ class Speculator:
         config: The engine's `SpeculativeConfig`.
     """
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, draft_cost: float = 0.0):
         self.config = config
         self.k = config.num_speculative_tokens
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k  # i-th proposal accepted, by position
+        # NOTE: a draft step costs about `draft_cost` target steps (its relative size).
+        self.gate = AcceptanceGate(self.k, 1.0 + VERIFY_OVERHEAD + self.k * draft_cost)
+
+    @property
+    def active(self) -> bool:
+        """Whether proposals are made now (the gate pauses them while they do not pay)."""
+        return self.gate.active
+
+    def step(self, requests: Iterable[Request]) -> None:
+        """Before a step: proposes for `requests` unless the gate pauses proposals."""
+        if self.gate.tick():
+            self.propose(requests)
 
     @staticmethod
     def wants_proposals(request: Request) -> bool:
@@ -76,6 +89,7 @@ class Speculator:
             The accepted proposals and the token after them (1 + accepted tokens).
         """
         num_accepted = accepted_prefix(draft_ids, sampled_ids)
+        self.gate.record(len(draft_ids), num_accepted)
         self.num_drafts += 1
         self.num_draft_tokens += len(draft_ids)
         self.num_accepted_tokens += num_accepted
@@ -90,6 +104,7 @@ class Speculator:
                "jaxserve:spec_decode_num_accepted_tokens": self.num_accepted_tokens}
         for i, n in enumerate(self.accepted_per_pos):
             out[f"jaxserve:spec_decode_num_accepted_tokens_per_pos{{position={i}}}"] = n
+        out["jaxserve:spec_decode_num_pauses"] = self.gate.num_pauses
         return out
 
 
@@ -109,9 +124,10 @@ def make_speculator(config: SpeculativeConfig | None, **runner_args) -> Speculat
     """The engine's speculator for `config` (None: speculation off).
 
     Args:
-        runner_args: For a draft model: the target's `vocab_size`, `dtype`, `backend` and
-            the runner sizes (`num_pages`, `page_size`, `max_model_len`, `max_num_seqs`,
-            `max_num_batched_tokens`); see `DraftModelSpeculator`.
+        runner_args: For a draft model: the target's `vocab_size`, `dtype`, `backend`,
+            `target_params` (its parameter count) and the runner sizes (`num_pages`,
+            `page_size`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`); see
+            `DraftModelSpeculator`.
 
     Raises:
         ValueError: A draft model with another vocabulary than the target's.

@@ -100,6 +100,7 @@ def test_bad_draft_keeps_the_target_distribution(smollm2, smollm2_tokenizer, tin
     num = 240
     llm = LLM(smollm2, tokenizer=smollm2_tokenizer, speculative_config=draft_config(
         tiny_model_dir, k=3), **{**ENGINE_ARGS, "max_num_seqs": 16})
+    llm.engine.speculator.gate.min_acceptance = 0.0  # verify every proposal, however bad
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=3, ignore_eos=True)
               for i in range(num)]
     got = token_ids_of(llm, prompt, params)
@@ -130,6 +131,18 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
 def token_ids_of(llm: LLM, prompt: str, params: list) -> list[list[int]]:
     outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def test_a_draft_that_never_pays_is_paused(smollm2, smollm2_tokenizer, want, tiny_model_dir):
+    """The random tiny draft is almost never right: after a window of rejected proposals
+    the gate stops proposing (steps overlap again); outputs are unchanged."""
+    llm = LLM(smollm2, tokenizer=smollm2_tokenizer,
+              speculative_config=draft_config(tiny_model_dir, k=3), **ENGINE_ARGS)
+    assert token_ids(llm) == want
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:spec_decode_num_pauses"] >= 1
+    # Decoding 5 x 15 tokens would verify up to 225 proposals; the pauses skip most.
+    assert metrics["jaxserve:spec_decode_num_draft_tokens"] < 150
 
 
 def test_draft_with_another_vocabulary_is_refused(smollm2, smollm2_tokenizer):
