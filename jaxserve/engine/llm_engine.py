@@ -287,7 +287,9 @@ class LLMEngine:
         # step would not know yet: speculation steps one at a time (unless paused).
         if self.speculator is not None and self.speculator.active:
             return False
-        if inflight.targets is not None or any(s.num_samples > 1
+        # NOTE: a step verifying proposals yields an unknown number of tokens per request;
+        # nothing can be scheduled on top of it.
+        if inflight.targets is not None or any(s.num_samples > 1 or s.num_spec_tokens
                                                for s in inflight.out.scheduled):
             return False
         return not any(r.sampling_params is not None and r.sampling_params.needs_output_history

@@ -113,11 +113,17 @@ class NgramSpeculator(Speculator):
 
     def propose(self, requests: Iterable[Request]) -> None:
         cfg = self.config
+        num_unmatched = 0
         for request in requests:
             if self.wants_proposals(request):
                 request.spec_token_ids = propose_ngram(
                     request.all_token_ids, self.k, cfg.prompt_lookup_min,
                     cfg.prompt_lookup_max).tolist()
+                num_unmatched += not request.spec_token_ids
+        # NOTE: for the gate, a request whose text has no match is k proposals that did
+        # not pay: text that never repeats pauses lookups, and steps overlap again.
+        if num_unmatched:
+            self.gate.record(self.k * num_unmatched, 0)
 
 
 def make_speculator(config: SpeculativeConfig | None, **runner_args) -> Speculator | None:
