@@ -17,7 +17,7 @@ from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor, prompt_targets
 from jaxserve.engine.sizing import resolve_limits
 from jaxserve.outputs import RequestOutput
-from jaxserve.parallel.sharding import TensorParallel, make_tensor_parallel
+from jaxserve.parallel.sharding import tensor_parallel_layout
 from jaxserve.request import RequestStatus
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
@@ -58,32 +58,6 @@ class _InFlight:
     pending: object  # runner's PendingStep
     targets: object  # prompt logprob targets or None
     failed: dict[str, BaseException]
-
-
-def tensor_parallel_layout(config: EngineConfig, cfg) -> TensorParallel | None:
-    """The mesh layout for this engine's devices, or None for the default device.
-
-    Raises:
-        ValueError: data_parallel_size > 1 (use `LLM` or `DataParallelEngine`), unknown
-            device ids, or a tensor-parallel size the model's heads do not allow.
-    """
-    par = config.parallel
-    if par.data_parallel_size > 1:
-        raise ValueError("LLMEngine serves one replica; data_parallel_size > 1 needs "
-                         "jaxserve.parallel.data_parallel.DataParallelEngine (LLM picks it)")
-    if par.tensor_parallel_size == 1 and par.device_ids is None:
-        return None
-    devices = jax.devices()
-    if par.device_ids is not None:
-        by_id = {d.id: d for d in devices}
-        missing = [i for i in par.device_ids if i not in by_id]
-        if missing:
-            raise ValueError(f"device_ids {missing} do not exist; devices: {sorted(by_id)}")
-        devices = [by_id[i] for i in par.device_ids]
-    layout = make_tensor_parallel(cfg, par.tensor_parallel_size, devices)
-    logger.info("jaxserve: tensor parallel over %s (mesh %s)",
-                [d.id for d in layout.mesh.devices.flat], dict(layout.mesh.shape))
-    return layout
 
 
 class LLMEngine:

@@ -122,3 +122,30 @@ def make_tensor_parallel(cfg: ArchConfig, size: int,
                        "pages) is replicated on %d devices", cfg.num_kv_heads, size,
                        size // num_kv)
     return TensorParallel(mesh)
+
+
+def tensor_parallel_layout(config, cfg: ArchConfig) -> TensorParallel | None:
+    """The mesh layout of an engine's devices (`config.parallel` of an `EngineConfig`),
+    or None for the default device.
+
+    Raises:
+        ValueError: data_parallel_size > 1 (use `LLM` or `DataParallelEngine`), unknown
+            device ids, or a tensor-parallel size the model's heads do not allow.
+    """
+    par = config.parallel
+    if par.data_parallel_size > 1:
+        raise ValueError("LLMEngine serves one replica; data_parallel_size > 1 needs "
+                         "jaxserve.parallel.data_parallel.DataParallelEngine (LLM picks it)")
+    if par.tensor_parallel_size == 1 and par.device_ids is None:
+        return None
+    devices = jax.devices()
+    if par.device_ids is not None:
+        by_id = {d.id: d for d in devices}
+        missing = [i for i in par.device_ids if i not in by_id]
+        if missing:
+            raise ValueError(f"device_ids {missing} do not exist; devices: {sorted(by_id)}")
+        devices = [by_id[i] for i in par.device_ids]
+    layout = make_tensor_parallel(cfg, par.tensor_parallel_size, devices)
+    logger.info("jaxserve: tensor parallel over %s (mesh %s)",
+                [d.id for d in layout.mesh.devices.flat], dict(layout.mesh.shape))
+    return layout
