@@ -75,13 +75,16 @@ def test_self_draft_is_accepted(smollm2, smollm2_tokenizer, want):
     {"max_num_batched_tokens": 16},
     {"num_kv_blocks": 9, "preemption_mode": "recompute"},
     {"num_kv_blocks": 9, "preemption_mode": "swap"},
-], ids=["chunk16", "recompute", "swap"])
+    {"attention_backend": "pallas"},
+], ids=["chunk16", "recompute", "swap", "pallas"])
 def test_truncated_draft_greedy_parity(smollm2, smollm2_tokenizer, want, overrides):
     """A 20-layer copy proposes (mostly wrongly: it agrees with the target ~14% of the
-    time); outputs are the target's under chunking and preemption."""
+    time); outputs are the target's under chunking, preemption and the Pallas kernels
+    (the target's; the draft keeps its XLA attention)."""
     llm = LLM(smollm2, tokenizer=smollm2_tokenizer,
               speculative_config=draft_config(truncate_layers(smollm2, 20), k=2),
               **{**ENGINE_ARGS, **overrides})
+    llm.engine.speculator.gate.min_acceptance = 0.0  # verify every step, though it never pays
     assert token_ids(llm) == want
     acceptance(llm)
     metrics = llm.get_metrics()
