@@ -2,7 +2,8 @@
 
 Before each step the draft catches up on the tokens each decoding request gained since it
 last ran (the accepted proposals and the token after them; a whole prompt the first time),
-then runs k - 1 more single-token steps, each taking its own argmax: k greedy proposals.
+then runs k - 1 more single-token steps, each taking its own argmax, in one jitted
+program (a `fori_loop`, one compile per row bucket): k greedy proposals.
 Greedy proposals are one-hot drafts, so the engine verifies them like n-gram ones (see
 `speculator`): the output distribution is the target's whatever the draft's quality.
 
@@ -11,26 +12,34 @@ its own page allocator: a request's draft pages hold the KV of its first
 `num_computed` tokens and are freed when the request finishes. Tokens never change once
 known, so the draft's KV stays valid across preemption (recompute or swap) of the target;
 the positions proposals were written at are simply written again by the next catch-up.
-The draft runs through a `ModelRunner` of its own: the same buckets, warm-up and compile
-counting as the target (no new program kinds).
+The draft's catch-up runs through a `ModelRunner` of its own (the same buckets, warm-up
+and compile counting as the target); its k - 1 single-token steps are one more program
+per row bucket, compiled at warm-up too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from collections.abc import Iterable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from jaxserve.core.buckets import pick_bucket
 from jaxserve.core.page_pool import KVPage, PagePool
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.request import Request
+from jaxserve.runner import compile_counter
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.speculator import Speculator
 from jaxserve.utils import cdiv
+from pallas_kernels import AttentionMetadata
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -52,6 +61,39 @@ def truncate_layers(model, num_layers: int):
                                                                model.params["layers"])}
     return Model(cfg, params, model.dtype, f"{model.source} (first {num_layers} layers)",
                  backend=model.backend)
+
+
+def _propose_loop(model, num_steps: int, page_size: int, params, kv_pages, ids, positions,
+                  tables, num_real):
+    """`num_steps` greedy single-token steps of the draft, in one program.
+
+    Args:
+        ids: i32[R] each row's latest token (rows past `num_real` are padding).
+        positions: i32[R] its position.
+        tables: i32[R, max_pages_per_seq] the rows' draft block tables.
+        num_real: i32[] real rows (the first ones).
+
+    Returns:
+        (kv_pages, i32[R, num_steps] the argmax after each step).
+    """
+    num_rows = ids.shape[0]
+    rows = jnp.arange(num_rows, dtype=jnp.int32)  # i32[R]
+    real = rows < num_real  # bool[R]
+    cu_q_lens = jnp.minimum(jnp.arange(num_rows + 1, dtype=jnp.int32), num_real)  # i32[R+1]
+
+    def step(j, carry):
+        kv_pages, ids, out = carry
+        pos = jnp.where(real, positions + j, 0)  # i32[R]
+        page = tables[rows, pos // page_size]  # i32[R]
+        md = AttentionMetadata(jnp.where(real, page * page_size + pos % page_size, 0), tables,
+                               jnp.where(real, pos + 1, 0), cu_q_lens)
+        kv_pages, hidden = model.forward(params, ids, pos, kv_pages, md)
+        nxt = jnp.argmax(model.compute_logits(params, hidden), axis=-1).astype(jnp.int32)
+        return kv_pages, nxt, out.at[:, j].set(nxt)
+
+    out = jnp.zeros((num_rows, num_steps), jnp.int32)  # i32[R, num_steps]
+    kv_pages, _, out = jax.lax.fori_loop(0, num_steps, step, (kv_pages, ids, out))
+    return kv_pages, out
 
 
 def _num_params(model) -> int:
@@ -106,9 +148,19 @@ class DraftModelSpeculator(Speculator):
         self.seqs: dict[str, _DraftSeq] = {}
         self.max_tokens_per_call = self.runner.buckets[-1]
         self.max_rows = max_num_seqs
+        # Row buckets of the k - 1 step program (one compile each).
+        self.row_buckets = [b for b in self.runner.buckets if b < max_num_seqs]
+        self.row_buckets.append(pick_bucket(self.runner.buckets, max_num_seqs))
+        self._loops: dict[int, object] = {}
 
     def warmup(self, make_dummy_sampling) -> float:
-        return self.runner.warmup(make_dummy_sampling)
+        seconds = self.runner.warmup(make_dummy_sampling)
+        start = time.perf_counter()
+        if self.k > 1:
+            for num_rows in self.row_buckets:
+                jax.block_until_ready(self._loop_call(num_rows, [], [], []))
+        self.runner.num_compilations = 0
+        return seconds + time.perf_counter() - start
 
     @property
     def num_compilations(self) -> int:
@@ -121,17 +173,37 @@ class DraftModelSpeculator(Speculator):
                 and (seq := self._reserve(request)) is not None]
         if not seqs:
             return
-        last = self._catch_up(seqs)  # {request_id: first proposal}
-        proposals = {seq.request.request_id: [last[seq.request.request_id]] for seq in seqs}
-        for j in range(1, self.k):
-            out = SchedulerOutput(scheduled=[ScheduledRequest(
-                seq.request.request_id, [proposals[seq.request.request_id][-1]],
-                seq.request.num_tokens + j - 1, [p.page_id for p in seq.pages], 1)
-                for seq in seqs])
-            for req_id, token in self._run(out).items():
-                proposals[req_id].append(token)
-        for seq in seqs:
-            seq.request.spec_token_ids = proposals[seq.request.request_id]
+        first = self._catch_up(seqs)  # {request_id: first proposal}
+        firsts = [first[seq.request.request_id] for seq in seqs]
+        rest = np.zeros((len(seqs), 0), np.int32)
+        if self.k > 1:
+            num_rows = pick_bucket(self.row_buckets, len(seqs))
+            start = compile_counter.num_compilations()
+            rest = np.asarray(self._loop_call(
+                num_rows, firsts, [seq.request.num_tokens for seq in seqs],
+                [[p.page_id for p in seq.pages] for seq in seqs]))[:len(seqs)]
+            self.runner.num_compilations += compile_counter.num_compilations() - start
+        for seq, token, more in zip(seqs, firsts, rest, strict=True):
+            seq.request.spec_token_ids = [token, *more.tolist()]
+
+    def _loop_call(self, num_rows: int, ids, positions, tables) -> jax.Array:
+        """Runs the k - 1 step program on `len(ids)` rows padded to `num_rows`; returns the
+        device array i32[num_rows, k - 1] (the pool is updated in place)."""
+        n, width = len(ids), self.runner.max_pages_per_seq
+        ids_a = np.zeros(num_rows, np.int32)  # i32[R]
+        ids_a[:n] = ids
+        pos_a = np.zeros(num_rows, np.int32)  # i32[R]
+        pos_a[:n] = positions
+        tables_a = np.zeros((num_rows, width), np.int32)  # i32[R, max_pages_per_seq]
+        for i, table in enumerate(tables):
+            tables_a[i, :len(table)] = table
+        fn = self._loops.get(num_rows)
+        if fn is None:
+            fn = self._loops[num_rows] = jax.jit(functools.partial(
+                _propose_loop, self.model, self.k - 1, self.page_size), donate_argnums=1)
+        self.runner.kv_pages, out = fn(self.model.params, self.runner.kv_pages, ids_a, pos_a,
+                                       tables_a, np.int32(n))
+        return out
 
     def _release_finished(self) -> None:
         for req_id in [i for i, s in self.seqs.items() if s.request.is_finished()]:

@@ -148,6 +148,19 @@ def test_a_draft_that_never_pays_is_paused(smollm2, smollm2_tokenizer, want, tin
     assert metrics["jaxserve:spec_decode_num_draft_tokens"] < 150
 
 
+def test_nothing_compiles_after_warm_up(tiny_model_dir, smollm2_tokenizer):
+    """Warm-up compiles the draft's steps and its k - 1 step program for every row bucket
+    (the tiny model drafting for itself: every proposal holds)."""
+    llm = LLM(tiny_model_dir, tokenizer=smollm2_tokenizer, max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32, num_kv_blocks=48, speculative_config=draft_config(
+                  tiny_model_dir, k=3))
+    outs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=12,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    assert acceptance(llm) > 0.95
+    assert llm.get_metrics()["jaxserve:num_compilations"] == 0
+
+
 def test_draft_with_another_vocabulary_is_refused(smollm2, smollm2_tokenizer):
     other = Model(dataclasses.replace(smollm2.cfg, vocab_size=32000), smollm2.params,
                   smollm2.dtype, "other")
