@@ -114,6 +114,13 @@ class Request:
         return len(self._all_token_ids) + self.num_output_placeholders
 
     @property
+    def decodes_next(self) -> bool:
+        """Whether its next step is a plain decode: every token but the last computed and
+        nothing in flight (the only state in which proposals can be verified)."""
+        return (not self.num_output_placeholders
+                and self.num_computed_tokens + 1 == len(self._all_token_ids))
+
+    @property
     def num_prompt_tokens(self) -> int:
         """Number of prompt tokens."""
         return len(self.prompt_token_ids)

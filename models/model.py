@@ -86,6 +86,11 @@ class Model:
         """Pure LM head (jit-able): f32[num_rows, vocab_size]."""
         return self.module.apply({"params": params}, hidden, method=Decoder.compute_logits)
 
+    @property
+    def num_params(self) -> int:
+        """Parameter count (every leaf of `params`)."""
+        return sum(x.size for x in jax.tree_util.tree_leaves(self.params))
+
     def kv_pages_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
         """Shape of this model's page pool for `num_pages` pages of `page_size` slots."""
         return kv_pages_shape(self.cfg.num_layers, self.cfg.num_kv_heads, num_pages, page_size,

@@ -208,8 +208,7 @@ class Scheduler:
         """Proposals a decoding request verifies this step: its `spec_token_ids`, as many
         as the budget and its limits allow (the accepted ones and a bonus token must not
         pass max_tokens or the length cap)."""
-        if not request.spec_token_ids or num_new != 1 or request.num_output_placeholders \
-                or request.num_computed_tokens + 1 != request.num_tokens:
+        if not request.spec_token_ids or num_new != 1 or not request.decodes_next:
             return 0
         room = self.length_cap - request.num_tokens
         sp = request.sampling_params
@@ -353,7 +352,7 @@ class Scheduler:
             finished ones have a finished status and no pages any more.
         """
         results: list[tuple[Request, list[int]]] = []
-        rejected: list[Request] = []  # requests that verified proposals
+        verified: list[Request] = []  # requests that verified proposals
         for entry in out.scheduled:
             request = self.scheduled_request(out, entry.request_id)
             if request is None or request.is_finished():
@@ -370,7 +369,7 @@ class Scheduler:
                 tokens = tokens[:entry.num_spec_tokens + 1]
                 request.num_computed_tokens += len(tokens) - 1
                 results.append((request, tokens))
-                rejected.append(request)
+                verified.append(request)
                 continue
             results.append((request, tokens[:1]))
             for i, token in enumerate(tokens[1:], start=1):
@@ -394,7 +393,7 @@ class Scheduler:
                     tokens = tokens[:i + 1]
                     break
             kept.append((request, tokens))
-        for request in rejected:  # pages only rejected proposals were written into
+        for request in verified:  # pages only rejected proposals were written into
             if not request.is_finished():
                 self.kv.trim(request)
         return kept

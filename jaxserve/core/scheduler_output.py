@@ -44,6 +44,11 @@ class ScheduledRequest:
     def num_new_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def spec_token_ids(self) -> list[int]:
+        """The proposals this step verifies (the last `num_spec_tokens` of `token_ids`)."""
+        return self.token_ids[len(self.token_ids) - self.num_spec_tokens:]
+
 
 @dataclass
 class SchedulerOutput:

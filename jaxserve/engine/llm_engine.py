@@ -115,7 +115,7 @@ class LLMEngine:
             page_size=config.cache.block_size, max_model_len=lim.max_model_len,
             max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=lim.max_num_batched_tokens,
-            target_params=sum(x.size for x in jax.tree_util.tree_leaves(self.model.params)))
+            target_params=self.model.num_params)
         self.runner = ModelRunner(self.model, lim.num_pages, config.cache.block_size,
                                   lim.max_model_len, self.scheduler.max_num_seqs,
                                   lim.max_num_batched_tokens, self.kv.host_pool.num_slots,
@@ -244,9 +244,9 @@ class LLMEngine:
             # Row k samples the token after proposal k-1: as if proposals 0..k-1 were
             # output already (penalties, min_tokens and bad words see them; the counter
             # is that output position's, so seeded draws match a run without proposals).
-            drafts = s.token_ids[len(s.token_ids) - s.num_spec_tokens:][:k]
             return RowSpec(state.row_params, req.prompt_token_ids,
-                           [*req.output_token_ids, *drafts], seed, s.sampling_counter + k)
+                           [*req.output_token_ids, *s.spec_token_ids[:k]], seed,
+                           s.sampling_counter + k)
         return RowSpec(state.row_params, req.prompt_token_ids, req.output_token_ids, seed,
                        s.sampling_counter)
 
@@ -312,8 +312,8 @@ class LLMEngine:
             row_of.setdefault(req_id, []).append(row)
         for s in out.scheduled:
             if s.num_spec_tokens and s.request_id in sampled and s.request_id not in failed:
-                sampled[s.request_id] = self.speculator.verify(
-                    s.token_ids[len(s.token_ids) - s.num_spec_tokens:], sampled[s.request_id])
+                sampled[s.request_id] = self.speculator.verify(s.spec_token_ids,
+                                                               sampled[s.request_id])
         updates = self.scheduler.update_from_output(out, sampled)
         return CoreStep(out, requests, result, updates, row_of, failed)
 

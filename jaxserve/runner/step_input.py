@@ -131,8 +131,8 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
     last = np.repeat(cu[1:r + 1] - 1, rows_per)  # i32[sampling rows]
     if spec.any():  # row j of a verifying request reads position last - (s - j)
         first_row = np.repeat(np.cumsum(rows_per) - rows_per, rows_per)  # i64[rows]
-        j = np.arange(last.size) - first_row
-        last = last - np.where(np.repeat(spec, rows_per) > 0, np.repeat(spec, rows_per) - j, 0)
+        s_of_row = np.repeat(spec, rows_per)  # i64[rows]
+        last = last - np.where(s_of_row > 0, s_of_row - (np.arange(last.size) - first_row), 0)
     logits_indices[:last.size] = last
     row_ids = [s.request_id for s in sched for _ in range(s.num_samples + s.num_spec_tokens)]
     return StepArrays(input_ids, src, positions, slots, tables, kv_lens, cu, logits_indices,

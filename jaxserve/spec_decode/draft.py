@@ -96,10 +96,6 @@ def _propose_loop(model, num_steps: int, page_size: int, params, kv_pages, ids, 
     return kv_pages, out
 
 
-def _num_params(model) -> int:
-    return sum(x.size for x in jax.tree_util.tree_leaves(model.params))
-
-
 @dataclasses.dataclass
 class _DraftSeq:
     """One request's state in the draft pool."""
@@ -137,7 +133,7 @@ class DraftModelSpeculator(Speculator):
         if draft.cfg.vocab_size != vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary has "
                              f"{draft.cfg.vocab_size} tokens, the target's {vocab_size}")
-        super().__init__(config, draft_cost=min(1.0, _num_params(draft) / target_params)
+        super().__init__(config, draft_cost=min(1.0, draft.num_params / target_params)
                          if target_params else 1.0)
         self.model = draft
         self.page_size = page_size

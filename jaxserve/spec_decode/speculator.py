@@ -62,8 +62,7 @@ class Speculator:
     def wants_proposals(request: Request) -> bool:
         """Whether a request decodes next step: all its tokens but the last computed and
         nothing in flight (the scheduler then takes the proposals that fit)."""
-        return not (request.num_output_placeholders or request.is_finished()
-                    or request.num_computed_tokens + 1 != request.num_tokens)
+        return request.decodes_next and not request.is_finished()
 
     def propose(self, requests: Iterable[Request]) -> None:
         """Sets `spec_token_ids` of the requests that decode next step."""
