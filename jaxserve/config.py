@@ -9,12 +9,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from jaxserve.spec_decode.config import SpeculativeConfig
+from models.quant import QUANTIZATIONS
 
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # The scheduling modes the benchmarks compare; the last is the default engine.
 SCHEDULING_MODES = ("naive", "static", "continuous", "continuous+chunked")
 DTYPES = ("float32", "bfloat16")
+# "auto": the model dtype; "fp8" is vLLM's alias of "fp8_e4m3".
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _check(cond: bool, name: str, value, must: str) -> None:
@@ -56,6 +59,9 @@ class ModelConfig:
         max_model_len: Longest prompt + output; None means min(model limit, 2048).
         attention_backend: "auto", "xla" or "pallas".
         seed: Seed of the engine's random stream (unseeded requests draw from it).
+        quantization: Weight format on the device: None (the source's own: a GGUF file
+            stays in its quantized types), "none" (dense `dtype`), "gguf", "int8"
+            (weight-only, per output channel) or "q8_0" (int8 in blocks of 32).
     """
 
     model: str | None = None
@@ -63,6 +69,7 @@ class ModelConfig:
     max_model_len: int | None = None
     attention_backend: str = "auto"
     seed: int = 0
+    quantization: str | None = None
 
     def __post_init__(self):
         _check_types(self)
@@ -70,6 +77,8 @@ class ModelConfig:
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                self.max_model_len, "a positive integer")
         _check(isinstance(self.seed, int), "seed", self.seed, "an integer")
+        _check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+               self.quantization, f"None or one of {QUANTIZATIONS}")
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,8 @@ class CacheConfig:
         swap_space: Host swap pool per engine in GiB (preemption_mode="swap").
         enable_prefix_caching: Reuse full pages across requests by content hash.
         watermark: Fraction of pages kept free when admitting new requests.
+        kv_cache_dtype: "auto" (the model dtype), "int8", "fp8" / "fp8_e4m3" or "fp8_e5m2":
+            8-bit K/V with one float32 scale per token and head, stored in the page.
     """
 
     block_size: int = 16
@@ -95,6 +106,7 @@ class CacheConfig:
     swap_space: float = 4.0
     enable_prefix_caching: bool = True
     watermark: float = 0.01
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         _check_types(self)
@@ -108,6 +120,8 @@ class CacheConfig:
                "positive")
         _check(self.swap_space >= 0, "swap_space", self.swap_space, "non-negative (GiB)")
         _check(0 <= self.watermark < 1, "watermark", self.watermark, "in [0, 1)")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+               f"one of {KV_CACHE_DTYPES}")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 
 from models.config import ArchConfig
 from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
+from models.qlayers import QEmbed, dense
+from models.quant import QuantPlan
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
 
 
@@ -23,16 +25,16 @@ class Attention(nn.Module):
     cfg: ArchConfig
     dtype: jnp.dtype
     backend: str
+    quant: QuantPlan = QuantPlan()
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata):
         cfg = self.cfg
         num_tokens = x.shape[0]
-        dense = lambda n, bias, name: nn.Dense(n, use_bias=bias, dtype=self.dtype,
-                                               param_dtype=self.dtype, name=name)
-        q = dense(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj")(x)
-        k = dense(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj")(x)
-        v = dense(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj")(x)
+        proj = lambda n, bias, name: dense(self.quant, name, n, bias, self.dtype, self.backend)
+        q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj")(x)
+        k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj")(x)
+        v = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj")(x)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
@@ -46,7 +48,7 @@ class Attention(nn.Module):
         out = ragged_paged_attention(q, kv_pages, layer, md, sm_scale=cfg.head_dim ** -0.5,
                                      sliding_window=window, backend=self.backend)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
-        return dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out), kv_pages
+        return proj(cfg.hidden_size, cfg.o_bias, "o_proj")(out), kv_pages
 
 
 class DecoderLayer(nn.Module):
@@ -55,6 +57,7 @@ class DecoderLayer(nn.Module):
     cfg: ArchConfig
     dtype: jnp.dtype
     backend: str
+    quant: QuantPlan = QuantPlan()
 
     @nn.compact
     def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
@@ -62,11 +65,13 @@ class DecoderLayer(nn.Module):
         layer, window = xs
         eps = self.cfg.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_layernorm")(hidden)
-        attn_out, kv_pages = Attention(self.cfg, self.dtype, self.backend, name="self_attn")(
+        attn_out, kv_pages = Attention(self.cfg, self.dtype, self.backend, self.quant,
+                                       name="self_attn")(
             h, cos, sin, kv_pages, layer, window, md)
         hidden = hidden + attn_out
         h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(hidden)
-        hidden = hidden + GatedMLP(self.cfg, self.dtype, name="mlp")(h)
+        hidden = hidden + GatedMLP(self.cfg, self.dtype, self.quant, self.backend,
+                                           name="mlp")(h)
         return (hidden, kv_pages), None
 
 
@@ -77,27 +82,34 @@ class Decoder(nn.Module):
         cfg: Architecture config.
         dtype: Parameter and activation dtype (float32 or bfloat16).
         backend: Attention backend name (see `pallas_kernels.ATTENTION_BACKENDS`).
+        quant: Which weights are quantized (`models.quant`); empty means none.
     """
 
     cfg: ArchConfig
     dtype: jnp.dtype = jnp.float32
     backend: str = "xla"
+    quant: QuantPlan = QuantPlan()
 
     def setup(self):
         cfg = self.cfg
-        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
-                                     param_dtype=self.dtype)
+        embed_fmt = self.quant.get("embed_tokens")
+        if embed_fmt is None:
+            self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
+                                         param_dtype=self.dtype)
+        else:
+            self.embed_tokens = QEmbed(cfg.vocab_size, cfg.hidden_size, embed_fmt, self.dtype,
+                                       self.backend)
         self.layers = nn.scan(
             DecoderLayer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
-        )(cfg, self.dtype, self.backend)
+        )(cfg, self.dtype, self.backend, self.quant)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
-                                    param_dtype=self.dtype)
+            self.lm_head = dense(self.quant, "lm_head", cfg.vocab_size, False, self.dtype,
+                                 self.backend, in_setup=True)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_pages: jax.Array,
                  md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:

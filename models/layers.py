@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ArchConfig, RopeScaling
+from models.qlayers import dense as make_dense
+from models.quant import QuantPlan
 
 
 class RMSNorm(nn.Module):
@@ -69,11 +71,13 @@ class GatedMLP(nn.Module):
 
     cfg: ArchConfig
     dtype: jnp.dtype = jnp.float32
+    quant: QuantPlan = QuantPlan()
+    backend: str = "xla"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        dense = lambda n, name: nn.Dense(n, use_bias=self.cfg.mlp_bias, dtype=self.dtype,
-                                         param_dtype=self.dtype, name=name)
+        dense = lambda n, name: make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype,
+                                           self.backend)
         h = nn.silu(dense(self.cfg.intermediate_size, "gate_proj")(x))
         h = h * dense(self.cfg.intermediate_size, "up_proj")(x)
         return dense(self.cfg.hidden_size, "down_proj")(h)

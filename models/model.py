@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from models.config import ArchConfig
 from models.decoder import Decoder
+from models.quant import QuantPlan, quantize_params
 from pallas_kernels import AttentionMetadata, kv_pages_shape, resolve_backend
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -26,9 +27,9 @@ def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-def _init_fn(cfg: ArchConfig, dtype):
+def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = QuantPlan()):
     """A function of an RNG key that initialises every parameter (LM head included)."""
-    module = Decoder(cfg, parse_dtype(dtype))
+    module = Decoder(cfg, parse_dtype(dtype), quant=quant)
     md = AttentionMetadata(slot_mapping=jnp.zeros(1, jnp.int32),
                            block_tables=jnp.zeros((1, 1), jnp.int32),
                            kv_lens=jnp.ones(1, jnp.int32),
@@ -46,14 +47,17 @@ def _init_fn(cfg: ArchConfig, dtype):
                                    md, method=forward_and_logits)["params"]
 
 
-def abstract_params(cfg: ArchConfig, dtype) -> dict:
+def abstract_params(cfg: ArchConfig, dtype, quant: QuantPlan = QuantPlan()) -> dict:
     """The params tree as `jax.ShapeDtypeStruct`s, without allocating anything."""
-    return jax.eval_shape(_init_fn(cfg, dtype), jax.random.key(0))
+    return jax.eval_shape(_init_fn(cfg, dtype, quant), jax.random.key(0))
 
 
-def random_params(cfg: ArchConfig, dtype="float32", seed: int = 0) -> dict:
-    """Randomly initialised params (Flax default initialisers), for tests and benchmarks."""
-    return jax.jit(_init_fn(cfg, dtype))(jax.random.key(seed))
+def random_params(cfg: ArchConfig, dtype="float32", seed: int = 0,
+                  quant: QuantPlan = QuantPlan()) -> dict:
+    """Randomly initialised params (Flax default initialisers), for tests and benchmarks;
+    with a `quant` plan, the random float weights quantized by it."""
+    params = jax.jit(_init_fn(cfg, dtype))(jax.random.key(seed))
+    return jax.device_put(quantize_params(params, quant)) if quant else params
 
 
 @dataclasses.dataclass
@@ -66,6 +70,7 @@ class Model:
         dtype: Parameter/activation dtype.
         source: Where the weights came from (path), for logs and errors.
         backend: Attention backend ("auto" resolves per platform).
+        quant: Which weights `params` holds quantized (`models.quant`).
     """
 
     cfg: ArchConfig
@@ -73,10 +78,11 @@ class Model:
     dtype: jnp.dtype = jnp.float32
     source: str = ""
     backend: str = "auto"
+    quant: QuantPlan = QuantPlan()
 
     def __post_init__(self):
         self.backend = resolve_backend(self.backend)
-        self.module = Decoder(self.cfg, self.dtype, self.backend)
+        self.module = Decoder(self.cfg, self.dtype, self.backend, self.quant)
 
     def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata):
         """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size])."""
@@ -88,8 +94,13 @@ class Model:
 
     @property
     def num_params(self) -> int:
-        """Parameter count (every leaf of `params`)."""
+        """Parameter count (every leaf of `params`; a q4 byte holds two weights)."""
         return sum(x.size for x in jax.tree_util.tree_leaves(self.params))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the parameters occupy (codes, scales and dense leaves together)."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.params))
 
     def kv_pages_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
         """Shape of this model's page pool for `num_pages` pages of `page_size` slots."""

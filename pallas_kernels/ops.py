@@ -18,6 +18,8 @@ from pallas_kernels.kv_write.kernel import write_kv_kernel
 from pallas_kernels.kv_write.reference import write_kv_reference
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.paged_decode_attention.kernel import paged_decode_attention_kernel
+from pallas_kernels.quant_matmul.kernel import quant_matmul_kernel
+from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_kernel
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
@@ -96,3 +98,12 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
         return ragged_paged_attention_kernel(q, kv_pages, layer, md, pages_per_block=ppb,
                                              interpret=_interpret(), **common)
     return ragged_paged_attention_xla(q, kv_pages, layer, md, **common)
+
+
+def quant_matmul(x: jax.Array, w: dict, kind: str, *, backend: str = "xla") -> jax.Array:
+    """x [..., K] @ a quantized weight [K, N] (see `pallas_kernels.quant_matmul`)."""
+    if backend == "pallas":
+        lead = x.shape[:-1]
+        y = quant_matmul_kernel(x.reshape(-1, x.shape[-1]), w, kind, interpret=_interpret())
+        return y.reshape(*lead, y.shape[-1])
+    return quant_matmul_xla(x, w, kind)

@@ -46,7 +46,8 @@ class LLM:
         tokenizer: The tokenizer to use with a loaded model (default: load it).
         **engine_args: vLLM-style engine arguments (`block_size`, `max_num_seqs`,
             `max_num_batched_tokens`, `max_model_len`, `enable_chunked_prefill`,
-            `enable_prefix_caching`, `swap_space`, `dtype`, `seed`,
+            `enable_prefix_caching`, `swap_space`, `dtype`, `quantization`,
+            `kv_cache_dtype`, `seed`,
             `gpu_memory_utilization`, `num_kv_blocks`, `attention_backend`,
             `preemption_mode`, `scheduling_policy`, `long_prefill_token_threshold`,
             `scheduling_mode`, ...).
@@ -65,6 +66,9 @@ class LLM:
         if loaded is not None and np.dtype(loaded.dtype).name != config.model.dtype:
             raise ValueError(f"dtype={config.model.dtype!r} differs from the loaded model's "
                              f"{loaded.dtype}")
+        if loaded is not None and config.model.quantization not in (None, loaded.quant.name):
+            raise ValueError(f"quantization={config.model.quantization!r} differs from the "
+                             f"loaded model's {loaded.quant.name!r}")
         if config.parallel.data_parallel_size > 1:
             from jaxserve.parallel.data_parallel import DataParallelEngine
 

@@ -81,11 +81,12 @@ class LLMEngine:
         mc = config.model
         if model is not None and mc.attention_backend != "auto":
             model = Model(model.cfg, model.params, model.dtype, model.source,
-                          backend=mc.attention_backend)
+                          backend=mc.attention_backend, quant=model.quant)
         if model is None:
             self.layout = tensor_parallel_layout(config, read_arch_config(mc.model))
             shardings = self.layout.param_shardings if self.layout is not None else None
-            model = load_model(mc.model, mc.dtype, mc.attention_backend, shardings=shardings)
+            model = load_model(mc.model, mc.dtype, mc.attention_backend, shardings=shardings,
+                               quantization=mc.quantization)
         else:
             self.layout = tensor_parallel_layout(config, model.cfg)
         self.model = model
@@ -115,7 +116,7 @@ class LLMEngine:
             page_size=config.cache.block_size, max_model_len=lim.max_model_len,
             max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=lim.max_num_batched_tokens,
-            target_params=self.model.num_params)
+            target_params=self.model.weight_bytes)
         self.runner = ModelRunner(self.model, lim.num_pages, config.cache.block_size,
                                   lim.max_model_len, self.scheduler.max_num_seqs,
                                   lim.max_num_batched_tokens, self.kv.host_pool.num_slots,

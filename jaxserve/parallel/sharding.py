@@ -31,11 +31,12 @@ ALL = (KV, REP)  # head- and unit-parallel dimensions split over every device
 
 # Leaf path suffix -> which axis of the (stacked) parameter is split: "out" = last axis
 # (column parallel), "in" = the input axis (row parallel). Unlisted leaves are replicated.
-_COLUMN = {("q_proj", "kernel"), ("q_proj", "bias"), ("gate_proj", "kernel"),
-           ("up_proj", "kernel"), ("gate_proj", "bias"), ("up_proj", "bias")}
-_KV_COLUMN = {("k_proj", "kernel"), ("k_proj", "bias"), ("v_proj", "kernel"),
-              ("v_proj", "bias")}
-_ROW = {("o_proj", "kernel"), ("down_proj", "kernel")}
+# Quantized weights (`models.quant`: codes, scales, zeros, all laid out [K..., N]) split
+# like the float kernel they replace.
+_WEIGHTS = ("kernel", "qweight", "scales", "zeros")
+_COLUMN = {(m, leaf) for m in ("q_proj", "gate_proj", "up_proj") for leaf in (*_WEIGHTS, "bias")}
+_KV_COLUMN = {(m, leaf) for m in ("k_proj", "v_proj") for leaf in (*_WEIGHTS, "bias")}
+_ROW = {(m, leaf) for m in ("o_proj", "down_proj") for leaf in _WEIGHTS}
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class TensorParallel:
             if tail in _KV_COLUMN:
                 return P(*([None] * (ndim - 1)), KV)
             if tail in _ROW:
+                if np.shape(leaf)[-2] % self.size:  # one scale per column: replicated
+                    return P()
                 return P(*([None] * (ndim - 2)), ALL, None)
             if keys[0] == "lm_head" and np.shape(leaf)[-1] % self.size == 0:
                 return P(None, ALL)  # vocabulary split; logits are gathered

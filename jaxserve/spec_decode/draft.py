@@ -60,7 +60,7 @@ def truncate_layers(model, num_layers: int):
     params = {**model.params, "layers": jax.tree_util.tree_map(lambda x: x[:num_layers],
                                                                model.params["layers"])}
     return Model(cfg, params, model.dtype, f"{model.source} (first {num_layers} layers)",
-                 backend=model.backend)
+                 backend=model.backend, quant=model.quant)
 
 
 def _propose_loop(model, num_steps: int, page_size: int, params, kv_pages, ids, positions,
@@ -133,7 +133,7 @@ class DraftModelSpeculator(Speculator):
         if draft.cfg.vocab_size != vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary has "
                              f"{draft.cfg.vocab_size} tokens, the target's {vocab_size}")
-        super().__init__(config, draft_cost=min(1.0, draft.num_params / target_params)
+        super().__init__(config, draft_cost=min(1.0, draft.weight_bytes / target_params)
                          if target_params else 1.0)
         self.model = draft
         self.page_size = page_size

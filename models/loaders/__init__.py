@@ -18,7 +18,47 @@ from models.loaders.gguf_tokenizer import tokenizer_from_gguf
 from models.loaders.hf_names import build_params
 from models.loaders.safetensors_dir import SafetensorsDir, read_config
 from models.model import Model, abstract_params, parse_dtype
+from models.quant import QUANTIZATIONS, QuantFormat, QuantPlan, quantize_params, uniform_plan
 from models.registry import arch_config_from_hf
+
+# quantization -> plan for any dense source ("gguf" and "none" are resolved per source).
+_UNIFORM = {"int8": QuantFormat("q8", 0), "q8_0": QuantFormat("q8", 32)}
+
+
+def check_quantization(quantization: str | None) -> None:
+    """ValueError naming `quantization` when it is not a known setting."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of None (the "
+                         f"source's own form), {', '.join(QUANTIZATIONS)}")
+
+
+def quant_plan_for(kind: str, path: str, quantization: str | None) -> QuantPlan:
+    """The weight plan a source loads with.
+
+    `None` keeps the source's own form: a GGUF file's quantized tensors stay quantized on
+    the device (measured faster than float32 on the CPU; BENCHMARKS.md "Quantization"),
+    a checkpoint keeps what it stores, a Hugging Face directory is dense.
+
+    Raises:
+        ValueError: Unknown setting, "gguf" for a source that is not a GGUF file, or a
+            checkpoint stored quantized asked for another quantization.
+    """
+    check_quantization(quantization)
+    if kind == "jaxserve":
+        stored = orbax_ckpt.read_checkpoint_quant(path)
+        if quantization is None or quantization == stored.name:
+            return stored
+        if stored:
+            raise ValueError(f"quantization={quantization!r}: {path} is stored as "
+                             f"{stored.name!r}; convert the original model again")
+    if quantization == "gguf" or (quantization is None and kind == "gguf"):
+        if kind != "gguf":
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized tensors; "
+                             f"{path} is a {kind} model")
+        return open_gguf(path).quant_plan()
+    if quantization in _UNIFORM:
+        return uniform_plan(quantization, _UNIFORM[quantization])
+    return QuantPlan()
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
@@ -60,13 +100,16 @@ def read_arch_config(model: str | None = None) -> ArchConfig:
 
 
 def load_model(model: str | None = None, dtype: str = "float32", backend: str = "auto",
-               shardings=None) -> Model:
+               shardings=None, quantization: str | None = None) -> Model:
     """Loads weights into a `Model`.
 
     Args:
         model: GGUF file, HF directory, jaxserve checkpoint, or None for the default model.
         dtype: "float32" or "bfloat16".
         backend: Attention backend.
+        quantization: Weight format on the device (`quant_plan_for`): None (the source's
+            own), "none" (dense `dtype`), "gguf" (GGUF blocks kept), "int8" (weight-only,
+            per output channel) or "q8_0" (int8 in blocks of 32).
         shardings: Optional `abstract params -> sharding tree` (a tensor-parallel layout's
             `param_shardings`): weights then go to their devices shard by shard (orbax
             restores each shard directly) and are never whole on one device.
@@ -77,22 +120,36 @@ def load_model(model: str | None = None, dtype: str = "float32", backend: str = 
     """
     jdtype = parse_dtype(dtype)
     kind, path = resolve_model(model)
+    plan = quant_plan_for(kind, path, quantization)
     start = time.perf_counter()
     cfg = read_arch_config(path)
     if kind == "jaxserve":
         saved = parse_dtype(orbax_ckpt.read_checkpoint_meta(path)[1])
-        abstract = abstract_params(cfg, saved)
+        stored = orbax_ckpt.read_checkpoint_quant(path)
+        abstract = abstract_params(cfg, saved, stored)
         params = orbax_ckpt.restore_params(path, abstract, shardings and shardings(abstract))
         if saved != jdtype:
-            params = jax.tree_util.tree_map(lambda x: x.astype(jdtype), params)
+            params = jax.tree_util.tree_map(
+                lambda x: x.astype(jdtype) if x.dtype == saved else x, params)
+        if plan and not stored:
+            params = _place(quantize_params(params, plan), cfg, jdtype, plan, shardings)
     else:
         source = open_gguf(path) if kind == "gguf" else SafetensorsDir(path)
-        abstract = abstract_params(cfg, jdtype)
-        host = build_params(cfg, abstract, source, jdtype)
-        params = jax.device_put(host, shardings(abstract) if shardings else None)
-    m = Model(cfg, params, jdtype, source=path, backend=backend)
+        keep = plan if plan.name == "gguf" else QuantPlan()
+        host = build_params(cfg, abstract_params(cfg, jdtype, keep), source, jdtype,
+                            quant_rows=getattr(source, "get_quant_rows", None))
+        if plan and not keep:
+            host = quantize_params(host, plan)
+        params = _place(host, cfg, jdtype, plan, shardings)
+    m = Model(cfg, params, jdtype, source=path, backend=backend, quant=plan)
     m.load_seconds = time.perf_counter() - start
     return m
+
+
+def _place(host, cfg, dtype, plan, shardings):
+    """Puts a host params tree on its devices (shard by shard under tensor parallelism)."""
+    return jax.device_put(host, shardings(abstract_params(cfg, dtype, plan)) if shardings
+                          else None)
 
 
 def load_tokenizer(model: str | None = None):
@@ -110,16 +167,22 @@ def load_tokenizer(model: str | None = None):
     return AutoTokenizer.from_pretrained(path)
 
 
-def convert(src: str | None, dst: str, dtype: str = "float32") -> Model:
-    """Converts any supported source to a jaxserve (orbax) checkpoint at `dst`."""
+def convert(src: str | None, dst: str, dtype: str = "float32",
+            quantization: str | None = "none") -> Model:
+    """Converts any supported source to a jaxserve (orbax) checkpoint at `dst`.
+
+    The checkpoint stores the weights in the form `quantization` gives them (default: dense
+    `dtype`), so a quantized checkpoint loads without quantizing again.
+    """
     if os.path.exists(dst):
         raise ValueError(f"destination {os.path.abspath(dst)} already exists; choose a new "
                          "directory")
-    m = load_model(src, dtype)
+    m = load_model(src, dtype, quantization=quantization)
     _, path = resolve_model(src)
     try:
         tokenizer = load_tokenizer(src)
     except (OSError, ValueError):
         tokenizer = None  # weights-only directories still convert
-    orbax_ckpt.save_checkpoint(dst, m.cfg, m.params, dtype, tokenizer, source=path)
+    orbax_ckpt.save_checkpoint(dst, m.cfg, m.params, dtype, tokenizer, source=path,
+                               quant=m.quant)
     return m

@@ -15,6 +15,9 @@ import gguf
 import numpy as np
 from gguf.quants import dequantize
 
+from models.loaders.gguf_quant import GGUF_KEPT, decode_gguf_rows
+from models.quant import QUANT_MODULES, QuantPlan
+
 # GGUF architecture -> HF architecture name.
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "qwen3": "Qwen3ForCausalLM"}
@@ -95,6 +98,38 @@ class GGUFFile:
                                       else "num_key_value_heads"]
             arr = _unpermute(arr, heads)
         return arr
+
+    def tensor_type(self, name: str) -> str:
+        """GGUF storage type of an HF-named tensor ("F32", "Q4_1", ...)."""
+        return self._tensors[name].tensor_type.name
+
+    def get_quant_rows(self, name: str) -> dict[str, np.ndarray]:
+        """Row-form quantized leaves of a tensor kept in its stored type (`gguf_quant`)."""
+        t = self._tensors[name]
+        rows = decode_gguf_rows(t.tensor_type.name, t.data, int(t.shape[0]))
+        if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = self.hf_config()["num_attention_heads" if ".q_proj." in name
+                                      else "num_key_value_heads"]
+            rows = {k: _unpermute(v, heads) for k, v in rows.items()}
+        return rows
+
+    def quant_plan(self) -> QuantPlan:
+        """The plan that keeps every module whose tensors share one kept type quantized.
+
+        A module (say `down_proj`) stays quantized when all its layers are stored in types
+        of one on-device format (Q8_0; or Q4_0/Q4_1/Q4_K); otherwise (F16, Q6_K, mixed
+        types) it is dequantized to the model dtype.
+        """
+        kinds: dict[str, set] = {}
+        for hf, t in self._tensors.items():
+            module = hf.split(".")[-2]
+            if module not in QUANT_MODULES or not hf.endswith(".weight"):
+                continue
+            fmt = GGUF_KEPT.get(t.tensor_type.name)
+            kinds.setdefault(module, set()).add(fmt)
+        formats = tuple((m, next(iter(f))) for m, f in sorted(kinds.items())
+                        if len(f) == 1 and None not in f)
+        return QuantPlan(formats, "gguf")
 
     def hf_config(self) -> dict:
         """An HF-style `config.json` dict built from the GGUF metadata (computed once)."""

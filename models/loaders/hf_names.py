@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ArchConfig
+from models.quant import to_leaves
 
 
 class TensorSource(Protocol):
@@ -44,20 +45,26 @@ def hf_name(path: tuple[str, ...], layer: int | None) -> tuple[str, bool]:
         return "lm_head.weight", True
     prefix = "model." + (f"layers.{layer}." if mods[0] == "layers" else "")
     mods = mods[1:] if mods[0] == "layers" else mods
-    suffix = {"kernel": "weight", "scale": "weight", "bias": "bias"}[leaf]
+    suffix = "bias" if leaf == "bias" else "weight"
     return prefix + ".".join(mods) + "." + suffix, leaf == "kernel"
 
 
+QUANT_LEAVES = ("qweight", "scales", "zeros")
+
+
 def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
-                 transform: Callable[[str, np.ndarray], np.ndarray] | None = None):
+                 transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
+                 quant_rows: Callable[[str], dict[str, np.ndarray]] | None = None):
     """Fills the expected params tree from `source`.
 
     Args:
         cfg: Architecture config (for the layer count).
         expected: Tree of `jax.ShapeDtypeStruct` (the model's init under eval_shape).
         source: Where tensors come from.
-        dtype: Target dtype of every parameter.
+        dtype: Target dtype of every float parameter.
         transform: Optional per-tensor fix-up applied before shape checks.
+        quant_rows: For quantized leaves (`QUANT_LEAVES`): a tensor's row-form quantized
+            leaves (see `models.quant`), kept in their own dtypes.
 
     Returns:
         The params tree as host NumPy arrays in `dtype` (the caller places them on devices,
@@ -86,8 +93,30 @@ def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
             )
         return arr
 
+    decoded: dict[str, dict[str, np.ndarray]] = {}
+
+    def fetch_quant(name: str, leaf_name: str, want: tuple[int, ...]) -> np.ndarray:
+        if name not in decoded:
+            try:
+                decoded[name] = to_leaves(quant_rows(name))
+            except KeyError:
+                raise ValueError(f"tensor {name!r} is missing from {source.where(name)}") from None
+        # Each leaf is taken once; a tensor is decoded once and dropped after its last leaf.
+        arr = decoded[name].pop(leaf_name)
+        if not decoded[name]:
+            del decoded[name]
+        if tuple(arr.shape) != tuple(want):
+            raise ValueError(f"quantized tensor {name!r} in {source.where(name)}: {leaf_name} "
+                             f"has shape {arr.shape}, expected {want} for {cfg.architecture}")
+        return arr
+
     def leaf(path, spec):
         keys = tuple(p.key for p in path)
+        if keys[-1] in QUANT_LEAVES:
+            if keys[0] == "layers":
+                return np.stack([fetch_quant(hf_name(keys, i)[0], keys[-1], spec.shape[1:])
+                                 for i in range(cfg.num_layers)])
+            return fetch_quant(hf_name(keys, None)[0], keys[-1], spec.shape)
         if keys[0] == "layers":
             per_layer = spec.shape[1:]
             arrays = [fetch(*hf_name(keys, i), per_layer) for i in range(cfg.num_layers)]

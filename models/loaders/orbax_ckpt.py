@@ -1,7 +1,8 @@
 """jaxserve's own checkpoint format: orbax params + architecture JSON + tokenizer files.
 
 Layout of a converted directory:
-    jaxserve_model.json   {"format": 1, "dtype": ..., "source": ..., "arch": {...}}
+    jaxserve_model.json   {"format": 1, "dtype": ..., "source": ..., "arch": {...},
+                           "quantization": {"name": ..., "formats": {module: [kind, block]}}}
     params/               orbax StandardCheckpointer output
     tokenizer/            tokenizer.save_pretrained output (tokenizer.json, chat template)
 """
@@ -15,6 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from models.config import ArchConfig
+from models.quant import QuantPlan
 
 MARKER = "jaxserve_model.json"
 FORMAT_VERSION = 1
@@ -26,7 +28,7 @@ def is_jaxserve_checkpoint(path: str) -> bool:
 
 
 def save_checkpoint(dst: str, cfg: ArchConfig, params, dtype: str, tokenizer,
-                    source: str = "") -> None:
+                    source: str = "", quant: QuantPlan = QuantPlan()) -> None:
     """Writes params (orbax), config and tokenizer to `dst`, which must not exist yet.
 
     Raises:
@@ -42,13 +44,24 @@ def save_checkpoint(dst: str, cfg: ArchConfig, params, dtype: str, tokenizer,
     if tokenizer is not None:
         tokenizer.save_pretrained(os.path.join(dst, "tokenizer"))
     meta = {"format": FORMAT_VERSION, "dtype": dtype, "source": source,
-            "arch": json.loads(cfg.to_json())}
+            "arch": json.loads(cfg.to_json()), "quantization": quant.to_dict()}
     with open(os.path.join(dst, MARKER), "w") as f:
         json.dump(meta, f, indent=2)
 
 
+def read_checkpoint_quant(path: str) -> QuantPlan:
+    """The weight plan a checkpoint was saved with (empty: dense; older checkpoints)."""
+    meta = _read_meta(path)
+    return QuantPlan.from_dict(meta["quantization"]) if "quantization" in meta else QuantPlan()
+
+
 def read_checkpoint_meta(path: str) -> tuple[ArchConfig, str]:
     """Returns (arch config, dtype name) of a jaxserve checkpoint."""
+    meta = _read_meta(path)
+    return ArchConfig.from_json(json.dumps(meta["arch"])), meta["dtype"]
+
+
+def _read_meta(path: str) -> dict:
     with open(os.path.join(path, MARKER)) as f:
         try:
             meta = json.load(f)
@@ -57,7 +70,7 @@ def read_checkpoint_meta(path: str) -> tuple[ArchConfig, str]:
     if meta.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not "
                          f"{FORMAT_VERSION}; convert the model again")
-    return ArchConfig.from_json(json.dumps(meta["arch"])), meta["dtype"]
+    return meta
 
 
 def restore_params(path: str, abstract, shardings=None) -> dict:

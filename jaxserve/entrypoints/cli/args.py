@@ -9,12 +9,23 @@ import logging
 import os
 import sys
 
-from jaxserve.config import DTYPES, PREEMPTION_MODES, SCHEDULING_MODES, SCHEDULING_POLICIES
+from jaxserve.config import (
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    SCHEDULING_MODES,
+    SCHEDULING_POLICIES,
+)
+from models.quant import QUANTIZATIONS
 
 # (flag, type or "bool" for --x/--no-x or "json" for a JSON object, choices, default as shown,
 # help). The defaults are EngineConfig's; flags left unset keep them (None is never passed on).
 ENGINE_ARGS = [
     ("--dtype", str, DTYPES, "float32", "parameter, activation and KV dtype"),
+    ("--quantization", str, QUANTIZATIONS, "the model's own (GGUF: kept quantized)",
+     "weight format on the device"),
+    ("--kv-cache-dtype", str, KV_CACHE_DTYPES, "auto",
+     "KV page dtype (8-bit: a float32 scale per token and head)"),
     ("--max-model-len", int, None, "min(model limit, 2048)", "longest prompt + output"),
     ("--max-num-seqs", int, None, "64", "most requests in one step"),
     ("--max-num-batched-tokens", int, None, "512 with chunked prefill, else max-model-len",

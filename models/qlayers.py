@@ -1,0 +1,70 @@
+"""Flax modules for quantized weights (`QDense`, `QEmbed`) and the plan-driven factories.
+
+A module with a format in the model's `QuantPlan` holds the leaves of `models.quant`
+(codes, f16 scales, q4 zeros) instead of a float kernel; every matmul goes through
+`pallas_kernels.quant_matmul`, which never keeps a dequantized copy of the weight.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.quant import QuantFormat, QuantPlan
+from pallas_kernels import quant_embed, quant_matmul
+
+
+def _quant_params(module: nn.Module, fmt: QuantFormat, k: int, n: int) -> dict:
+    return {name: module.param(name, nn.initializers.zeros, shape, jnp.dtype(dtype))
+            for name, (shape, dtype) in fmt.leaf_shapes(k, n).items()}
+
+
+class QDense(nn.Module):
+    """A Dense layer over a quantized kernel [in, out] (see `models.quant`)."""
+
+    features: int
+    fmt: QuantFormat
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+    backend: str = "xla"
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = _quant_params(self, self.fmt, x.shape[-1], self.features)
+        y = quant_matmul(x.astype(self.dtype), w, self.fmt.kind, backend=self.backend)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+class QEmbed(nn.Module):
+    """Token embedding stored quantized as [hidden, vocab] (the tied LM head's layout)."""
+
+    num_embeddings: int
+    features: int
+    fmt: QuantFormat
+    dtype: jnp.dtype = jnp.float32
+    backend: str = "xla"
+
+    def setup(self):
+        self.w = _quant_params(self, self.fmt, self.features, self.num_embeddings)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """dtype[T, hidden] rows of `ids`."""
+        return quant_embed(self.w, self.fmt.kind, ids, self.dtype)
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """Logits [T, vocab] of hidden states against the (tied) embedding."""
+        return quant_matmul(h.astype(self.dtype), self.w, self.fmt.kind, backend=self.backend)
+
+
+def dense(plan: QuantPlan, name: str, features: int, bias: bool, dtype, backend: str,
+          in_setup: bool = False):
+    """`nn.Dense` or, when `plan` quantizes `name`, a `QDense`, named `name` (unless built
+    in a `setup`, where Flax names it after the attribute)."""
+    fmt = plan.get(name)
+    kw = {} if in_setup else {"name": name}
+    if fmt is None:
+        return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, **kw)
+    return QDense(features, fmt, bias, dtype, backend, **kw)

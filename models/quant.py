@@ -1,0 +1,212 @@
+"""Weight quantization formats: what a quantized projection stores, and host-side quantizers.
+
+Two on-device formats cover every mode (`QuantFormat.kind`):
+
+* ``q8``: ``qweight`` i8[K, N] with ``scales`` f16[K // block, N]; w = q * scale. Q8_0
+  (block 32) and int8 weight-only (per output channel: block = K) are both ``q8``.
+* ``q4``: ``qweight`` u8[K // 2, N] (two 4-bit values per byte) with ``scales`` and
+  ``zeros`` f16[K // 32, N]; w = q * scale + zero. GGUF's Q4_0 (zero = -8 * scale), Q4_1
+  (zero = its min) and Q4_K (each 32-weight sub-block's 6-bit scale and min expanded to
+  f16) all map onto it without re-quantizing.
+
+Layout: K (the contraction axis) leads, as in a Flax `Dense` kernel [in, out]; the tied
+embedding is stored the same way ([hidden, vocab]: the LM head's layout) and looked up by
+column. In a ``q4`` block b, packed row ``b * 16 + j`` holds value ``b * 32 + j`` in its
+low nibble and ``b * 32 + 16 + j`` in its high nibble (GGUF's Q4_0 byte order).
+
+Host-side functions here work on the *row form* [N, K] that checkpoints use (HF Linear
+weights, GGUF rows); `to_leaves` transposes into the on-device layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+QUANTIZATIONS = ("none", "gguf", "int8", "q8_0")
+# Modules a plan may quantize: the decoder's projections, the embedding and the LM head.
+QUANT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                 "embed_tokens", "lm_head")
+Q4_BLOCK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """On-device format of one quantized weight.
+
+    Attributes:
+        kind: "q8" or "q4".
+        block: Values per scale along K (0: one scale per output channel, i.e. block = K).
+    """
+
+    kind: str
+    block: int = 32
+
+    def block_for(self, k: int) -> int:
+        """The block length for a weight with contraction size `k`."""
+        return k if self.block == 0 else self.block
+
+    def leaf_shapes(self, k: int, n: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{leaf name: (shape, dtype name)} of a [k, n] weight in this format.
+
+        Raises:
+            ValueError: `k` is not a multiple of the block (or of 2 for 4-bit packing).
+        """
+        block = self.block_for(k)
+        if k % block:
+            raise ValueError(f"{self.kind} block {block} does not divide the input size {k}")
+        if self.kind == "q8":
+            return {"qweight": ((k, n), "int8"), "scales": ((k // block, n), "float16")}
+        return {"qweight": ((k // 2, n), "uint8"), "scales": ((k // block, n), "float16"),
+                "zeros": ((k // block, n), "float16")}
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.kind == "q8" else 4
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantPlan:
+    """Which modules are quantized, and how (hashable: a static part of the model).
+
+    Attributes:
+        formats: (module name, format) pairs; modules not listed stay dense.
+        name: The `quantization` setting the plan came from ("int8", "gguf", ...).
+    """
+
+    formats: tuple[tuple[str, QuantFormat], ...] = ()
+    name: str = "none"
+
+    def get(self, module: str) -> QuantFormat | None:
+        return dict(self.formats).get(module)
+
+    def __bool__(self) -> bool:
+        return bool(self.formats)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name,
+                "formats": {m: [f.kind, f.block] for m, f in self.formats}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantPlan:
+        return cls(tuple((m, QuantFormat(k, b)) for m, (k, b) in d["formats"].items()),
+                   d["name"])
+
+
+def uniform_plan(name: str, fmt: QuantFormat, modules=QUANT_MODULES) -> QuantPlan:
+    """A plan quantizing every module in `modules` to `fmt`."""
+    return QuantPlan(tuple((m, fmt) for m in modules), name)
+
+
+def quantize_q8_rows(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 quantization of row-form weights.
+
+    Args:
+        w: f32[N, K].
+        block: Values per scale along K (K: per row).
+
+    Returns:
+        (q i8[N, K], scales f16[N, K // block]); w ~= q * scale. The scale is rounded to
+        f16 *before* q is computed, so q * scale is exactly what the device computes.
+    """
+    n, k = w.shape
+    wb = w.reshape(n, k // block, block).astype(np.float32)
+    scale = (np.abs(wb).max(axis=-1) / 127.0).astype(np.float16)  # f16[N, K // block]
+    s32 = scale.astype(np.float32)[..., None]
+    q = np.where(s32 > 0, np.rint(wb / np.where(s32 > 0, s32, 1.0)), 0.0)
+    return np.clip(q, -127, 127).astype(np.int8).reshape(n, k), scale
+
+
+def pack_q4_rows(values: np.ndarray) -> np.ndarray:
+    """u8[N, K] values in 0..15 -> u8[N, K // 2] in the module docstring's byte order."""
+    n, k = values.shape
+    v = values.reshape(n, k // Q4_BLOCK, 2, Q4_BLOCK // 2).astype(np.uint8)
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_q4_rows(packed: np.ndarray) -> np.ndarray:
+    """Inverse of `pack_q4_rows`: u8[N, K // 2] -> u8[N, K]."""
+    n, half = packed.shape
+    p = packed.reshape(n, half // (Q4_BLOCK // 2), 1, Q4_BLOCK // 2)
+    return np.concatenate([p & 15, p >> 4], axis=2).reshape(n, half * 2)
+
+
+def dequantize_rows(fmt: QuantFormat, rows: dict[str, np.ndarray]) -> np.ndarray:
+    """f32[N, K] from row-form leaves ({"qweight", "scales"[, "zeros"]}); the numpy oracle."""
+    q, scale = rows["qweight"], rows["scales"].astype(np.float32)
+    if fmt.kind == "q4":
+        q = unpack_q4_rows(q)
+    n, k = q.shape
+    block = k // scale.shape[1]
+    w = q.reshape(n, k // block, block).astype(np.float32) * scale[..., None]
+    if fmt.kind == "q4":
+        w = w + rows["zeros"].astype(np.float32)[..., None]
+    return w.reshape(n, k)
+
+
+def quantize_rows(fmt: QuantFormat, w: np.ndarray) -> dict[str, np.ndarray]:
+    """Quantizes f32[N, K] row-form weights into `fmt`'s row-form leaves.
+
+    ``q4`` uses GGUF Q4_1's rule (per block: min and (max - min) / 15), the one 4-bit
+    quantizer needed when a checkpoint is dense.
+    """
+    n, k = w.shape
+    block = fmt.block_for(k)
+    if fmt.kind == "q8":
+        q, scale = quantize_q8_rows(w, block)
+        return {"qweight": q, "scales": scale}
+    wb = w.reshape(n, k // block, block).astype(np.float32)
+    lo, hi = wb.min(axis=-1), wb.max(axis=-1)
+    scale = ((hi - lo) / 15.0).astype(np.float16)
+    zero = lo.astype(np.float16)
+    s32 = scale.astype(np.float32)[..., None]
+    q = np.rint((wb - zero.astype(np.float32)[..., None]) / np.where(s32 > 0, s32, 1.0))
+    q = np.clip(np.where(s32 > 0, q, 0), 0, 15).astype(np.uint8).reshape(n, k)
+    return {"qweight": pack_q4_rows(q), "scales": scale, "zeros": zero}
+
+
+def to_leaves(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Row form [N, ...] -> the on-device layout [..., N] (every leaf transposed)."""
+    return {name: np.ascontiguousarray(a.T) for name, a in rows.items()}
+
+
+def permute_rows(rows: dict[str, np.ndarray], order: np.ndarray) -> dict[str, np.ndarray]:
+    """Reorders the output channels (rows) of every leaf, e.g. to undo a q/k permutation."""
+    return {name: a[order] for name, a in rows.items()}
+
+
+def quantize_params(params: dict, plan: QuantPlan) -> dict:
+    """Quantizes a dense params tree (host or device arrays) as `plan` says, on the host.
+
+    Dense kernels [in, out] (stacked layers: [L, in, out]) and the embedding [vocab, hidden]
+    of every module the plan names become that module's quantized leaves (NumPy); all other
+    leaves are returned as they are.
+    """
+
+    def convert(fmt: QuantFormat, rows_of: list[np.ndarray], stack: bool) -> dict:
+        leaves = [to_leaves(quantize_rows(fmt, r)) for r in rows_of]
+        return {k: np.stack([x[k] for x in leaves]) if stack else leaves[0][k]
+                for k in leaves[0]}
+
+    def walk(tree: dict, stacked: bool) -> dict:
+        out = {}
+        for key, sub in tree.items():
+            fmt = plan.get(key) if isinstance(sub, dict) else None
+            if fmt is not None and ("kernel" in sub or "embedding" in sub):
+                if "embedding" in sub:
+                    leaves = convert(fmt, [np.asarray(sub["embedding"], np.float32)], False)
+                else:
+                    kernel = np.asarray(sub["kernel"], np.float32)
+                    per_layer = list(kernel) if stacked else [kernel]
+                    leaves = convert(fmt, [k.T for k in per_layer], stacked)
+                if "bias" in sub:
+                    leaves["bias"] = sub["bias"]
+                out[key] = leaves
+            elif isinstance(sub, dict):
+                out[key] = walk(sub, stacked or key == "layers")
+            else:
+                out[key] = sub
+        return out
+
+    return walk(params, False)

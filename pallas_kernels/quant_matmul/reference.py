@@ -1,0 +1,59 @@
+"""Pure-jnp quantized matmul: dequantize the whole weight, then one dot (the kernels' oracle).
+
+Weights arrive as the leaves of one quantized module in the on-device layout of
+`models.quant`: ``qweight`` (i8[K, N] for q8, u8[K // 2, N] for q4), ``scales``
+f16[K // block, N] and, for q4, ``zeros`` f16[K // 32, N].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Q4_HALF = 16  # values per nibble half of a 32-value q4 block
+
+
+def check_quant_weight(w: dict, kind: str) -> tuple[int, int]:
+    """(K, N) of a quantized weight; ValueError naming the leaf whose shape is wrong."""
+    if kind not in ("q8", "q4"):
+        raise ValueError(f"unknown quantized format {kind!r}; expected 'q8' or 'q4'")
+    q, scales = w["qweight"], w["scales"]
+    k = q.shape[0] * (2 if kind == "q4" else 1)
+    n = q.shape[1]
+    if scales.ndim != 2 or scales.shape[1] != n or k % scales.shape[0]:
+        raise ValueError(f"scales {scales.shape} do not fit qweight {q.shape} ({kind})")
+    if kind == "q4":
+        if k % 32 or scales.shape[0] != k // 32:
+            raise ValueError(f"q4 qweight {q.shape} needs blocks of 32 values and scales "
+                             f"[{k // 32}, {n}], got {scales.shape}")
+        if w["zeros"].shape != scales.shape:
+            raise ValueError(f"zeros {w['zeros'].shape} differ from scales {scales.shape}")
+    return k, n
+
+
+def dequantize(w: dict, kind: str, dtype=jnp.float32) -> jax.Array:
+    """The dense weight dtype[K, N] of a quantized module."""
+    k, n = check_quant_weight(w, kind)
+    scales = w["scales"].astype(jnp.float32)
+    nb = scales.shape[0]
+    if kind == "q8":
+        q = w["qweight"].astype(jnp.float32).reshape(nb, k // nb, n)
+        return (q * scales[:, None, :]).reshape(k, n).astype(dtype)
+    p = w["qweight"].reshape(nb, 1, Q4_HALF, n)
+    q = jnp.concatenate([p & 15, p >> 4], axis=1).astype(jnp.float32).reshape(nb, 32, n)
+    deq = q * scales[:, None, :] + w["zeros"].astype(jnp.float32)[:, None, :]
+    return deq.reshape(k, n).astype(dtype)
+
+
+def quant_matmul_reference(x: jax.Array, w: dict, kind: str) -> jax.Array:
+    """x [M, K] @ dequantize(w) [K, N] in float32, returned in x's dtype."""
+    return (x.astype(jnp.float32) @ dequantize(w, kind)).astype(x.dtype)
+
+
+def quant_embed(w: dict, kind: str, ids: jax.Array, dtype) -> jax.Array:
+    """Embedding rows dtype[T, K] of token `ids` from a quantized [K, vocab] table.
+
+    Gathers only the `ids` columns (their codes and scales), then dequantizes those.
+    """
+    cols = {name: jnp.take(leaf, ids, axis=1) for name, leaf in w.items()}
+    return dequantize(cols, kind, dtype).T
