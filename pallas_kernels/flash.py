@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kv_quant import dequantize_kv
+
 MASK = -1e30  # finite "minus infinity": exp(MASK - m) underflows to 0 without NaN
 
 
@@ -22,14 +24,16 @@ def init_carry(rows: int, head_dim: int):
 
 def load_pages(kv_ref, tables_ref, row, j: jax.Array, page_base, v_offset, pages_per_block: int,
                head_dim: int):
-    """K (f32) and V (stored dtype) of block `j` of table row `row`: [block_k, head_dim].
+    """K and V (f32) of block `j` of table row `row`: [block_k, head_dim].
 
-    `kv_ref` is the pool flattened to [pages of all layers/K-V/heads, page_size, D];
-    `page_base` selects (layer, K, head), `page_base + v_offset` the matching V pages.
+    `kv_ref` is the pool flattened to [pages of all layers/K-V/heads, page_size, row];
+    `page_base` selects (layer, K, head), `page_base + v_offset` the matching V pages. An
+    8-bit pool's rows (codes + scale, `pallas_kernels.kv_quant`) are dequantized here.
     """
     pages = tables_ref[row, pl.ds(j * pages_per_block, pages_per_block)]
-    k = kv_ref[page_base + pages].reshape(-1, head_dim).astype(jnp.float32)
-    v = kv_ref[page_base + v_offset + pages].reshape(-1, head_dim)
+    width = kv_ref.shape[-1]
+    k = dequantize_kv(kv_ref[page_base + pages].reshape(-1, width))
+    v = dequantize_kv(kv_ref[page_base + v_offset + pages].reshape(-1, width))
     return k, v
 
 

@@ -16,8 +16,6 @@ import weakref
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 
-import numpy as np
-
 from jaxserve.metrics import ServerMetrics, StatLogger
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -117,8 +115,7 @@ def _cache_config(engine) -> dict[str, object]:
             "enable_prefix_caching": cache.enable_prefix_caching,
             "gpu_memory_utilization": cache.gpu_memory_utilization,
             "swap_space": cache.swap_space,
-            "cache_dtype": np.dtype(engine.model.dtype).name if hasattr(engine, "model")
-            else "auto"}
+            "cache_dtype": cache.kv_cache_dtype}
 
 
 class AsyncLLM:

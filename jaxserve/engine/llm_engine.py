@@ -121,7 +121,8 @@ class LLMEngine:
                                   lim.max_model_len, self.scheduler.max_num_seqs,
                                   lim.max_num_batched_tokens, self.kv.host_pool.num_slots,
                                   layout=self.layout,
-                                  num_spec_tokens=self.speculator.k if self.speculator else 0)
+                                  num_spec_tokens=self.speculator.k if self.speculator else 0,
+                                  kv_cache_dtype=config.cache.kv_cache_dtype)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
                                      lim.max_model_len, self.scheduler.max_num_seqs,
@@ -134,9 +135,12 @@ class LLMEngine:
         self.async_scheduling = config.scheduler.async_scheduling
         self._pending: _InFlight | None = None  # the step on the device (async scheduling)
         self._stashed: list[RequestOutput] = []  # outputs of a step finished by `flush`
-        logger.info("jaxserve: %d KV pages of %d tokens, max_model_len %d, token buckets %s",
-                    lim.num_pages, config.cache.block_size, lim.max_model_len,
-                    self.runner.buckets)
+        logger.info("jaxserve: weights %s (%.0f MiB); KV cache %s: %d pages of %d tokens = "
+                    "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
+                    self.model.quant.name, self.model.weight_bytes / 2**20,
+                    config.cache.kv_cache_dtype, lim.num_pages, config.cache.block_size,
+                    self.kv_capacity_tokens, lim.num_pages * lim.bytes_per_page / 2**20,
+                    lim.max_model_len, self.runner.buckets)
         if config.warmup:
             self.warmup()
 
@@ -361,6 +365,11 @@ class LLMEngine:
         return seconds
 
     # ------------------------------------------------------------- metrics
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds (every page but the null page)."""
+        return (self.limits.num_pages - 1) * self.config.cache.block_size
+
     def get_metrics(self) -> dict[str, float]:
         """Counters and gauges, named like vLLM's with a `jaxserve:` prefix."""
         stats = self.kv.stats()
@@ -372,6 +381,10 @@ class LLMEngine:
             "jaxserve:num_requests_waiting": len(sched.waiting),
             "jaxserve:num_requests_swapped": len(sched.swapped),
             "jaxserve:kv_cache_usage_perc": stats.usage,
+            "jaxserve:kv_cache_capacity_tokens": self.kv_capacity_tokens,
+            "jaxserve:kv_cache_bytes_per_token": self.limits.bytes_per_page
+            / self.config.cache.block_size,
+            "jaxserve:weight_bytes": self.model.weight_bytes,
             "jaxserve:prefix_cache_queries": stats.prefix_queries,
             "jaxserve:prefix_cache_hits": stats.prefix_hits,
             "jaxserve:num_preemptions": sched.num_preemptions,

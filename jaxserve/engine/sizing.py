@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.utils import cdiv
+from pallas_kernels.kv_quant import kv_pool_layout
 
 logger = logging.getLogger("jaxserve")
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -33,11 +34,11 @@ class Limits:
     bytes_per_page: int
 
 
-def page_bytes(model, block_size: int) -> int:
-    """Bytes of one KV page of `model` across layers, K and V."""
-    cfg = model.cfg
-    return (cfg.num_layers * 2 * cfg.num_kv_heads * block_size * cfg.head_dim
-            * np.dtype(model.dtype).itemsize)
+def page_bytes(model, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one KV page of `model` across layers, K and V (8-bit: codes + scales)."""
+    shape, dtype = kv_pool_layout(model.kv_pages_shape(1, block_size), model.dtype,
+                                  kv_cache_dtype)
+    return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
 def resolve_limits(config: EngineConfig, model) -> Limits:
@@ -64,7 +65,7 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
             raise ValueError(f"max_num_batched_tokens={budget} is smaller than max_model_len="
                              f"{max_model_len}; without chunked prefill a whole prompt must "
                              "fit one step (enable chunked prefill or raise the budget)")
-    per_page = page_bytes(model, cc.block_size)
+    per_page = page_bytes(model, cc.block_size, cc.kv_cache_dtype)
     # NOTE: under tensor parallelism each device holds its KV heads' share of a page.
     kv_shards = min(config.parallel.tensor_parallel_size, model.cfg.num_kv_heads)
     if cc.num_kv_blocks is not None:

@@ -39,6 +39,7 @@ from jaxserve.sample.sampler import sample
 from jaxserve.utils import cdiv
 from models.model import Model
 from pallas_kernels import AttentionMetadata
+from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
 
 
 @dataclass
@@ -136,11 +137,14 @@ class ModelRunner:
         num_spec_tokens: Most proposals a request verifies per step (speculative
             decoding): each such request needs 1 + that many sampling rows, so a bucket
             has up to `max_num_seqs * (1 + num_spec_tokens)` of them.
+        kv_cache_dtype: "auto" (the model dtype) or an 8-bit KV format
+            (`pallas_kernels.kv_quant`).
     """
 
     def __init__(self, model: Model, num_pages: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_swap_slots: int = 0,
-                 layout: TensorParallel | None = None, num_spec_tokens: int = 0):
+                 layout: TensorParallel | None = None, num_spec_tokens: int = 0,
+                 kv_cache_dtype: str = "auto"):
         compile_counter.install()
         self.model = model
         self.layout = layout
@@ -154,23 +158,24 @@ class ModelRunner:
         self.max_rows = self.sample_rows(self.buckets[-1])
         # Largest page plan (copy or swap pairs) run as one program; see execute_plans.
         self.max_plan_pairs = 2 * len(pad_pairs(np.zeros((self.max_pages_per_seq, 2))))
-        pool_shape = model.kv_pages_shape(num_pages, page_size)
+        check_kv_cache_dtype(kv_cache_dtype, model.backend)
+        pool_shape, pool_dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size),
+                                                model.dtype, kv_cache_dtype)
         if layout is None:
             self.params = model.params
-            self.kv_pages = jnp.zeros(pool_shape, model.dtype)
+            self.kv_pages = jnp.zeros(pool_shape, pool_dtype)
             self._inputs_on = None  # the default device
         else:
             # NOTE: params go shard by shard and the pool is created already split, so
             # neither is ever whole on one device.
             self.params = layout.shard_params(model.params)
-            self.kv_pages = jax.jit(lambda: jnp.zeros(pool_shape, model.dtype),
+            self.kv_pages = jax.jit(lambda: jnp.zeros(pool_shape, pool_dtype),
                                     out_shardings=layout.kv_pages_sharding())()
             self._inputs_on = layout.replicated()
         # i32[max_rows]: what a step reads for placeholders when no step precedes it.
         self._no_prev_ids = self._to_device(np.zeros(self.max_rows, np.int32))
-        page_shape = model.kv_pages_shape(1, page_size)
-        self.swap = HostSwapSpace(num_swap_slots, page_shape[:3] + page_shape[4:],
-                                  np.dtype(model.dtype))
+        page_shape = pool_shape[:3] + pool_shape[4:]  # one page: [L, 2, Hkv, page_size, row]
+        self.swap = HostSwapSpace(num_swap_slots, page_shape, pool_dtype)
         self._steps: dict[Layout, object] = {}
         self._samplers: dict[Layout, object] = {}
         self._prompt_logprobs = None

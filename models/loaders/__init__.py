@@ -168,11 +168,12 @@ def load_tokenizer(model: str | None = None):
 
 
 def convert(src: str | None, dst: str, dtype: str = "float32",
-            quantization: str | None = "none") -> Model:
+            quantization: str | None = None) -> Model:
     """Converts any supported source to a jaxserve (orbax) checkpoint at `dst`.
 
-    The checkpoint stores the weights in the form `quantization` gives them (default: dense
-    `dtype`), so a quantized checkpoint loads without quantizing again.
+    The checkpoint stores the weights in the form `quantization` gives them (default: the
+    source's own, so a GGUF file stays in its quantized types), and a quantized checkpoint
+    loads without quantizing again.
     """
     if os.path.exists(dst):
         raise ValueError(f"destination {os.path.abspath(dst)} already exists; choose a new "

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.kv_quant import pack_for_pool
 from pallas_kernels.kv_write.reference import check_kv_write_shapes
 
 
@@ -35,7 +36,11 @@ def _kernel(layer_ref, slots_ref, k_ref, v_ref, kv_in_ref, kv_ref, *, num_kv_hea
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0,))
 def write_kv_kernel(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array,
                     slot_mapping: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """Pallas KV write; same contract as `write_kv_reference` (the pool is donated)."""
+    """Pallas KV write; same contract as `write_kv_reference` (the pool is donated).
+
+    For an 8-bit pool the rows are quantized (codes + scale) before the kernel copies them.
+    """
+    k, v = pack_for_pool(kv_pages, k, v)
     check_kv_write_shapes(kv_pages, k, v, slot_mapping)
     shape = kv_pages.shape
     num_kv_heads, num_pages, page_size, head_dim = shape[2], shape[3], shape[4], shape[5]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import pack_for_pool
+
 
 def check_kv_write_shapes(kv_pages: jax.Array, k: jax.Array, v: jax.Array,
                           slot_mapping: jax.Array) -> None:
@@ -34,8 +36,10 @@ def write_kv_reference(kv_pages: jax.Array, layer: jax.Array | int, k: jax.Array
             the null page (padded tokens carry slot 0) are dropped: nothing is written.
 
     Returns:
-        The updated pool (same shape and dtype).
+        The updated pool (same shape and dtype). An 8-bit pool (`pallas_kernels.kv_quant`)
+        receives each row quantized with its scale.
     """
+    k, v = pack_for_pool(kv_pages, k, v)
     check_kv_write_shapes(kv_pages, k, v, slot_mapping)
     num_pages, page_size = kv_pages.shape[3], kv_pages.shape[4]
     page_ids = slot_mapping // page_size  # i32[num_tokens]

@@ -83,7 +83,8 @@ def paged_decode_attention_kernel(q, kv_pages, layer, block_tables, kv_lens, *, 
     width = block_tables.shape[1]
     pages_per_split = pl.cdiv(pl.cdiv(width, num_splits), pages_per_block) * pages_per_block
     tables = jnp.pad(block_tables, ((0, 0), (0, pages_per_split * num_splits - width)))
-    kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size, head_dim)
+    kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size,
+                               kv_pages.shape[-1])  # rows: head_dim (+ scale if 8-bit)
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
 
     kernel = functools.partial(

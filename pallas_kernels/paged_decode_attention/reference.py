@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import dequantize_kv, is_quantized, kv_head_dim
+
 
 def check_decode_shapes(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Array,
                         kv_lens: jax.Array) -> None:
@@ -14,14 +16,14 @@ def check_decode_shapes(q: jax.Array, kv_pages: jax.Array, block_tables: jax.Arr
     if kv_pages.ndim != 6 or kv_pages.shape[1] != 2:
         raise ValueError("kv_pages must be [num_layers, 2, num_kv_heads, num_pages, page_size, "
                          f"head_dim], got shape {kv_pages.shape}")
-    if q.shape[2] != kv_pages.shape[5] or q.shape[1] % kv_pages.shape[2]:
+    if q.shape[2] != kv_head_dim(kv_pages) or q.shape[1] % kv_pages.shape[2]:
         raise ValueError(f"q {q.shape} does not fit kv_pages {kv_pages.shape}: head_dim must "
                          "match and num_q_heads be a multiple of num_kv_heads")
     if block_tables.ndim != 2 or block_tables.shape[0] != q.shape[0] or \
             kv_lens.shape != (q.shape[0],):
         raise ValueError(f"block_tables {block_tables.shape} and kv_lens {kv_lens.shape} must "
                          f"have one row per query of q {q.shape}")
-    if q.dtype != kv_pages.dtype:
+    if q.dtype != kv_pages.dtype and not is_quantized(kv_pages.dtype):
         raise ValueError(f"q dtype {q.dtype} differs from kv_pages dtype {kv_pages.dtype}")
 
 
@@ -44,8 +46,8 @@ def paged_decode_attention_reference(q, kv_pages, layer, block_tables, kv_lens, 
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_pages.shape[2], kv_pages.shape[4]
     max_ctx = block_tables.shape[1] * page_size
-    kv = kv_pages[layer][:, :, block_tables]  # [2, Hkv, num_seqs, max_pages, page, D]
-    kv = kv.reshape(2, num_kv_heads, num_seqs, max_ctx, head_dim).astype(jnp.float32)
+    kv = dequantize_kv(kv_pages[layer][:, :, block_tables])  # f32[2, Hkv, seqs, pages, page, D]
+    kv = kv.reshape(2, num_kv_heads, num_seqs, max_ctx, head_dim)
     qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, -1, head_dim)
     logits = jnp.einsum("skgd,kscd->skgc", qg, kv[0]) * sm_scale
     if soft_cap is not None:

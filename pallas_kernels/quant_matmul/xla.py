@@ -11,7 +11,6 @@ interleaves anything.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from pallas_kernels.quant_matmul.reference import Q4_HALF, check_quant_weight
 

@@ -157,7 +157,8 @@ def ragged_paged_attention_kernel(q, kv_pages, layer, md: AttentionMetadata, *, 
 
     width = md.block_tables.shape[1]
     tables = jnp.pad(md.block_tables, ((0, 0), (0, -width % pages_per_block)))
-    kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size, head_dim)
+    kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size,
+                               kv_pages.shape[-1])  # rows: head_dim (+ scale if 8-bit)
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
 
     kernel = functools.partial(

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.flash import MASK
+from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.kernel import program, query_blocks, scatter_rows
 from pallas_kernels.ragged_paged_attention.reference import check_shapes
@@ -58,8 +59,8 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
             dma.start()
         for dma in dmas:
             dma.wait()
-        k = k_buf[...].reshape(block_k, head_dim).astype(jnp.float32)
-        v = v_buf[...].reshape(block_k, head_dim).astype(jnp.float32)
+        k = dequantize_kv(k_buf[...].reshape(block_k, k_buf.shape[-1]))  # f32[block_k, D]
+        v = dequantize_kv(v_buf[...].reshape(block_k, v_buf.shape[-1]))
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * sm_scale  # [rows, block_k]
         if soft_cap is not None:
@@ -109,7 +110,8 @@ def ragged_paged_attention_tpu(q, kv_pages, layer, md: AttentionMetadata, *, sm_
     width = md.block_tables.shape[1]
     width_padded = pages_per_block * pl.cdiv(width, pages_per_block)
     tables = jnp.pad(md.block_tables, ((0, 0), (0, width_padded - width))).reshape(-1)
-    kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size, head_dim)
+    kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size,
+                               kv_pages.shape[-1])  # rows: head_dim (+ scale if 8-bit)
     scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
 
     kernel = functools.partial(
@@ -122,8 +124,10 @@ def ragged_paged_attention_tpu(q, kv_pages, layer, md: AttentionMetadata, *, sm_
         grid=(blk_seq.shape[0], num_kv_heads),
         in_specs=[block, pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=block,
-        scratch_shapes=[pltpu.VMEM((pages_per_block, page_size, head_dim), kv_pages.dtype),
-                        pltpu.VMEM((pages_per_block, page_size, head_dim), kv_pages.dtype),
+        scratch_shapes=[pltpu.VMEM((pages_per_block, page_size, kv_pages.shape[-1]),
+                                   kv_pages.dtype),
+                        pltpu.VMEM((pages_per_block, page_size, kv_pages.shape[-1]),
+                                   kv_pages.dtype),
                         pltpu.SemaphoreType.DMA((2, pages_per_block))])
     out = pl.pallas_call(
         kernel,

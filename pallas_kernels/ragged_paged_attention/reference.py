@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import dequantize_kv, is_quantized, kv_head_dim
 from pallas_kernels.metadata import AttentionMetadata
 
 
@@ -21,7 +22,7 @@ def check_shapes(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata) -> No
                          f"head_dim], got shape {kv_pages.shape}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pages.shape[2]
-    if kv_pages.shape[5] != head_dim:
+    if kv_head_dim(kv_pages) != head_dim:
         raise ValueError(f"head_dim of q {q.shape} and kv_pages {kv_pages.shape} differ")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} (q {q.shape}) is not a multiple of "
@@ -40,7 +41,7 @@ def check_shapes(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata) -> No
         dtype = getattr(md, name).dtype
         if dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {dtype}")
-    if q.dtype != kv_pages.dtype:
+    if q.dtype != kv_pages.dtype and not is_quantized(kv_pages.dtype):
         raise ValueError(f"q dtype {q.dtype} differs from kv_pages dtype {kv_pages.dtype}")
 
 
@@ -96,8 +97,8 @@ def ragged_paged_attention_reference(
     seq_ids, q_pos, valid = token_positions(md, num_tokens)
     pages = md.block_tables[seq_ids]  # i32[num_tokens, max_pages_per_seq]
     # kv: [2, num_kv_heads, num_tokens, max_pages_per_seq, page_size, head_dim]
-    kv = kv_pages[layer][:, :, pages]
-    kv = kv.reshape(2, num_kv_heads, num_tokens, max_ctx, head_dim).astype(jnp.float32)
+    kv = dequantize_kv(kv_pages[layer][:, :, pages])
+    kv = kv.reshape(2, num_kv_heads, num_tokens, max_ctx, head_dim)
     k, v = kv[0], kv[1]
 
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import check_shapes, token_positions
 
@@ -69,14 +70,14 @@ def _window_ok(q_pos, k_pos, window):
 
 
 def _tiles(kv_pages, layer, page_ids):
-    """K and V tiles of `page_ids` (any shape S) in layer `layer`: [*S, 2, kv_heads,
-    page_size, head_dim].
+    """K and V tiles (f32) of `page_ids` (any shape S) in layer `layer`: [*S, 2, kv_heads,
+    page_size, head_dim], dequantized when the pool is 8-bit.
 
     NOTE: one gather along the page axis, batched over the K/V and head axes, so under
     tensor parallelism (the pool split on its head axis) every device reads its own heads;
     a flat view across the head axis made the partitioner gather the whole pool.
     """
-    return kv_pages[layer, :, :, page_ids]
+    return dequantize_kv(kv_pages[layer, :, :, page_ids])
 
 
 def _block_update(state, q, k, v, mask, v_keep, qk, pv, sm_scale, soft_cap):
@@ -118,8 +119,8 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
     def body(b, state):
         ids = jax.lax.dynamic_slice_in_dim(pages, b * ppb, ppb, axis=1)  # i32[n, ppb]
         kv = _tiles(kv_pages, layer, ids)  # [n, ppb, 2, kv_heads, page_size, head_dim]
-        k = kv[:, :, 0].astype(jnp.float32)  # [n, ppb, kv_heads, page_size, head_dim]
-        v = kv[:, :, 1].astype(jnp.float32)
+        k = kv[:, :, 0]  # f32[n, ppb, kv_heads, page_size, head_dim]
+        v = kv[:, :, 1]
         k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
         mask = (k_pos[None, :] < lens[:, None]) & _window_ok(q_pos, k_pos[None, :], window)
         mask = mask.reshape(n, 1, 1, ppb, page_size)  # bool[n, 1, 1, ppb, page_size]
@@ -167,8 +168,8 @@ def _prefix_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, b
         def block(b, st):
             ids = jax.lax.dynamic_slice_in_dim(pages[r], b * ppb, ppb)  # i32[ppb]
             kv = _tiles(kv_pages, layer, ids)  # [ppb, 2, kv_heads, page_size, head_dim]
-            k = kv[:, 0].astype(jnp.float32)  # [ppb, kv_heads, page_size, head_dim]
-            v = kv[:, 1].astype(jnp.float32)
+            k = kv[:, 0]  # f32[ppb, kv_heads, page_size, head_dim]
+            v = kv[:, 1]
             k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
             mask = (k_pos[None, :] < length) & _window_ok(pos, k_pos[None, :], window)
             mask = mask.reshape(block_q, 1, 1, ppb, page_size)
@@ -201,7 +202,7 @@ def _in_step_part(q, kv_pages, layer, md, seq_ids, q_pos, queries, window, *, bl
     page_size = kv_pages.shape[4]
     page_ids, offsets = md.slot_mapping // page_size, md.slot_mapping % page_size
     kv = kv_pages[layer, :, :, page_ids, offsets]  # [t, 2, kv_heads, head_dim]
-    kv = jnp.moveaxis(kv.astype(jnp.float32), 2, 1)  # [t, kv_heads, 2, head_dim]
+    kv = jnp.moveaxis(dequantize_kv(kv), 2, 1)  # f32[t, kv_heads, 2, head_dim]
     acc, m, denom = _init(t, kv_heads, group, head_dim)
     for start in range(0, t, block_q):  # static: t / block_q tiles
         stop = min(t, start + block_q)

@@ -333,7 +333,7 @@ def test_metrics_have_vllms_request_and_step_families(server):
         == 200
     m = server.metrics()
     info = [k for k in m if k.startswith("jaxserve:cache_config_info{")]
-    assert info == ["jaxserve:cache_config_info{block_size=16,cache_dtype=float32,"
+    assert info == ["jaxserve:cache_config_info{block_size=16,cache_dtype=auto,"
                     "enable_prefix_caching=True,gpu_memory_utilization=0.9,num_gpu_blocks=64,"
                     "swap_space=4.0}"], info
     assert m["jaxserve:iteration_tokens_total_count"] > 0

@@ -7,6 +7,7 @@ import time
 
 from jaxserve.config import DTYPES
 from jaxserve.entrypoints.cli.args import quiet_start
+from models.quant import QUANTIZATIONS
 
 
 def add_parser(sub) -> None:
@@ -16,6 +17,9 @@ def add_parser(sub) -> None:
     p.add_argument("dst", help="new directory to write")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="dtype of the stored weights (default: float32)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="stored weight format (default: the source's own; a GGUF file keeps "
+                        "its quantized types)")
     p.set_defaults(handler=run)
 
 
@@ -28,7 +32,8 @@ def run(args) -> int:
     from models.loaders import convert
 
     t0 = time.perf_counter()
-    model = convert(args.src, args.dst, args.dtype)
-    print(f"wrote {args.dst} ({model.cfg.architecture}, {args.dtype}) in "
+    model = convert(args.src, args.dst, args.dtype, args.quantization)
+    print(f"wrote {args.dst} ({model.cfg.architecture}, {args.dtype}, weights "
+          f"{model.quant.name}, {model.weight_bytes / 2**20:.0f} MiB) in "
           f"{time.perf_counter() - t0:.1f}s")
     return 0

@@ -1,0 +1,104 @@
+"""8-bit KV pages: int8 or fp8 values with one float32 scale per token and KV head.
+
+A quantized pool has the storage dtype (int8, float8_e4m3fn or float8_e5m2) and a last
+axis of `head_dim + 4`: each token's row of one head holds its `head_dim` codes followed by
+the 4 bytes of its float32 scale (x = code * scale, scale = max|x| / the dtype's largest
+code). Keeping the scale inside the row means every page operation (copy-on-write, swap,
+prefix sharing, tensor-parallel sharding on the head axis) moves scales with their pages
+unchanged, and a token's scale never changes after its write, so pages fill one token at
+a time without re-quantizing what they already hold.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SCALE_BYTES = 4
+# kv_cache_dtype -> storage dtype ("fp8" is vLLM's alias of e4m3).
+KV_CACHE_STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn,
+                    "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+_QMAX = {np.dtype(jnp.int8): 127.0, np.dtype(jnp.float8_e4m3fn): 448.0,
+         np.dtype(jnp.float8_e5m2): 57344.0}
+
+
+def is_quantized(dtype) -> bool:
+    """Whether a pool of this dtype holds 8-bit codes with in-row scales."""
+    return np.dtype(dtype) in _QMAX
+
+
+def kv_head_dim(kv_pages) -> int:
+    """The model's head_dim for a pool (the last axis, less the scale bytes if quantized)."""
+    return kv_pages.shape[-1] - (SCALE_BYTES if is_quantized(kv_pages.dtype) else 0)
+
+
+def quantize_kv(x: jax.Array, dtype) -> jax.Array:
+    """f32-able [..., D] -> dtype[..., D + 4]: codes, then the row's scale bytes."""
+    dtype = np.dtype(dtype)
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / _QMAX[dtype]  # f32[..., 1]
+    scale = jnp.where(scale > 0, scale, 1.0)
+    scaled = x / scale
+    if dtype == np.dtype(jnp.int8):
+        codes = jnp.clip(jnp.round(scaled), -127, 127).astype(dtype)
+    else:
+        codes = scaled.astype(dtype)
+    scale_bytes = jax.lax.bitcast_convert_type(scale[..., 0], jnp.uint8)  # u8[..., 4]
+    return jnp.concatenate([codes, jax.lax.bitcast_convert_type(scale_bytes, dtype)], axis=-1)
+
+
+def _scale_of(tail: jax.Array) -> jax.Array:
+    """f32[...] scale from the 4 stored bytes tail [..., 4] (little-endian, as written)."""
+    b = jax.lax.bitcast_convert_type(tail, jnp.uint8).astype(jnp.uint32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    return jax.lax.bitcast_convert_type(word, jnp.float32)
+
+
+def dequantize_kv(rows: jax.Array) -> jax.Array:
+    """dtype[..., D + 4] -> f32[..., D]; pools that are not quantized are cast to f32."""
+    if not is_quantized(rows.dtype):
+        return rows.astype(jnp.float32)
+    d = rows.shape[-1] - SCALE_BYTES
+    return rows[..., :d].astype(jnp.float32) * _scale_of(rows[..., d:])[..., None]
+
+
+def pack_for_pool(kv_pages: jax.Array, k: jax.Array, v: jax.Array):
+    """This step's K and V as the pool stores them (quantized rows for an 8-bit pool)."""
+    if is_quantized(kv_pages.dtype) and k.shape[-1] == kv_head_dim(kv_pages):
+        return quantize_kv(k, kv_pages.dtype), quantize_kv(v, kv_pages.dtype)
+    return k, v
+
+
+def kv_pool_layout(shape: tuple[int, ...], model_dtype, kv_cache_dtype: str):
+    """(shape, dtype) of a page pool whose unquantized shape is `shape`.
+
+    Args:
+        shape: [num_layers, 2, num_kv_heads, num_pages, page_size, head_dim].
+        model_dtype: The dtype "auto" stores.
+        kv_cache_dtype: "auto", "int8", "fp8", "fp8_e4m3" or "fp8_e5m2".
+    """
+    if kv_cache_dtype == "auto":
+        return tuple(shape), np.dtype(model_dtype)
+    return (*shape[:-1], shape[-1] + SCALE_BYTES), np.dtype(KV_CACHE_STORAGE[kv_cache_dtype])
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, backend: str) -> None:
+    """Refuses 8-bit KV where the attention kernels cannot read it.
+
+    Raises:
+        ValueError: fp8 with the Pallas kernels on a GPU without fp8 conversions (compute
+            capability below 8.9) or on a TPU (its kernel is not built for fp8 pages).
+    """
+    if not kv_cache_dtype.startswith("fp8") or backend != "pallas":
+        return
+    platform = jax.default_backend()
+    if platform == "tpu":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by the TPU "
+                         "Pallas kernel; use kv_cache_dtype='int8' or attention_backend='xla'")
+    if platform == "gpu":
+        cc = getattr(jax.devices()[0], "compute_capability", "0")
+        if tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 9):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs fp8 conversions "
+                             f"(GPU compute capability 8.9+, this one has {cc}); use "
+                             "kv_cache_dtype='int8'")
