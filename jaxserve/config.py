@@ -59,9 +59,10 @@ class ModelConfig:
         max_model_len: Longest prompt + output; None means min(model limit, 2048).
         attention_backend: "auto", "xla" or "pallas".
         seed: Seed of the engine's random stream (unseeded requests draw from it).
-        quantization: Weight format on the device: None (the source's own: a GGUF file
-            stays in its quantized types), "none" (dense `dtype`), "gguf", "int8"
-            (weight-only, per output channel) or "q8_0" (int8 in blocks of 32).
+        quantization: Weight format on the device: None (the source's own; a GGUF file
+            keeps its quantized types on GPU/TPU and is dequantized on the CPU, where that
+            is faster), "none" (dense `dtype`), "gguf", "int8" (weight-only, per output
+            channel) or "q8_0" (int8 in blocks of 32).
     """
 
     model: str | None = None

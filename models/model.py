@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from models.config import ArchConfig
 from models.decoder import Decoder
-from models.quant import QuantPlan, quantize_params
+from models.quant import NO_QUANT, QuantPlan, quantize_params
 from pallas_kernels import AttentionMetadata, kv_pages_shape, resolve_backend
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -27,7 +27,7 @@ def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = QuantPlan()):
+def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT):
     """A function of an RNG key that initialises every parameter (LM head included)."""
     module = Decoder(cfg, parse_dtype(dtype), quant=quant)
     md = AttentionMetadata(slot_mapping=jnp.zeros(1, jnp.int32),
@@ -47,13 +47,13 @@ def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = QuantPlan()):
                                    md, method=forward_and_logits)["params"]
 
 
-def abstract_params(cfg: ArchConfig, dtype, quant: QuantPlan = QuantPlan()) -> dict:
+def abstract_params(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT) -> dict:
     """The params tree as `jax.ShapeDtypeStruct`s, without allocating anything."""
     return jax.eval_shape(_init_fn(cfg, dtype, quant), jax.random.key(0))
 
 
 def random_params(cfg: ArchConfig, dtype="float32", seed: int = 0,
-                  quant: QuantPlan = QuantPlan()) -> dict:
+                  quant: QuantPlan = NO_QUANT) -> dict:
     """Randomly initialised params (Flax default initialisers), for tests and benchmarks;
     with a `quant` plan, the random float weights quantized by it."""
     params = jax.jit(_init_fn(cfg, dtype))(jax.random.key(seed))
@@ -78,7 +78,7 @@ class Model:
     dtype: jnp.dtype = jnp.float32
     source: str = ""
     backend: str = "auto"
-    quant: QuantPlan = QuantPlan()
+    quant: QuantPlan = NO_QUANT
 
     def __post_init__(self):
         self.backend = resolve_backend(self.backend)

@@ -94,6 +94,9 @@ class QuantPlan:
                    d["name"])
 
 
+NO_QUANT = QuantPlan()  # every weight dense
+
+
 def uniform_plan(name: str, fmt: QuantFormat, modules=QUANT_MODULES) -> QuantPlan:
     """A plan quantizing every module in `modules` to `fmt`."""
     return QuantPlan(tuple((m, fmt) for m in modules), name)

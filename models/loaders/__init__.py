@@ -35,9 +35,12 @@ def check_quantization(quantization: str | None) -> None:
 def quant_plan_for(kind: str, path: str, quantization: str | None) -> QuantPlan:
     """The weight plan a source loads with.
 
-    `None` keeps the source's own form: a GGUF file's quantized tensors stay quantized on
-    the device (measured faster than float32 on the CPU; BENCHMARKS.md "Quantization"),
-    a checkpoint keeps what it stores, a Hugging Face directory is dense.
+    `None` is the source's own form, except that on the CPU a GGUF file is dequantized:
+    XLA's CPU backend converts int8/4-bit codes far slower than it reads float32 (a
+    decode step with the Q4_1/Q8_0 blocks kept took 1.1-2.4x longer, BENCHMARKS.md
+    "Quantization"), while on a GPU or TPU the Pallas kernel dequantizes in registers
+    and decode is bound by weight bytes, so the blocks stay quantized there. A checkpoint
+    keeps what it stores, a Hugging Face directory is dense.
 
     Raises:
         ValueError: Unknown setting, "gguf" for a source that is not a GGUF file, or a
@@ -51,7 +54,9 @@ def quant_plan_for(kind: str, path: str, quantization: str | None) -> QuantPlan:
         if stored:
             raise ValueError(f"quantization={quantization!r}: {path} is stored as "
                              f"{stored.name!r}; convert the original model again")
-    if quantization == "gguf" or (quantization is None and kind == "gguf"):
+    if quantization is None and kind == "gguf":
+        quantization = "none" if jax.default_backend() == "cpu" else "gguf"
+    if quantization == "gguf":
         if kind != "gguf":
             raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized tensors; "
                              f"{path} is a {kind} model")
@@ -171,9 +176,9 @@ def convert(src: str | None, dst: str, dtype: str = "float32",
             quantization: str | None = None) -> Model:
     """Converts any supported source to a jaxserve (orbax) checkpoint at `dst`.
 
-    The checkpoint stores the weights in the form `quantization` gives them (default: the
-    source's own, so a GGUF file stays in its quantized types), and a quantized checkpoint
-    loads without quantizing again.
+    The checkpoint stores the weights in the form `quantization` gives them (default: as
+    `load_model` would; `quantization="gguf"` keeps a GGUF file's blocks), and a quantized
+    checkpoint loads without quantizing again.
     """
     if os.path.exists(dst):
         raise ValueError(f"destination {os.path.abspath(dst)} already exists; choose a new "

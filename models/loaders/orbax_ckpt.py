@@ -16,7 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from models.config import ArchConfig
-from models.quant import QuantPlan
+from models.quant import NO_QUANT, QuantPlan
 
 MARKER = "jaxserve_model.json"
 FORMAT_VERSION = 1
@@ -28,7 +28,7 @@ def is_jaxserve_checkpoint(path: str) -> bool:
 
 
 def save_checkpoint(dst: str, cfg: ArchConfig, params, dtype: str, tokenizer,
-                    source: str = "", quant: QuantPlan = QuantPlan()) -> None:
+                    source: str = "", quant: QuantPlan = NO_QUANT) -> None:
     """Writes params (orbax), config and tokenizer to `dst`, which must not exist yet.
 
     Raises:

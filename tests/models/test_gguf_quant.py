@@ -93,8 +93,8 @@ def test_q4_k_matches_gguf_within_f16_rounding_of_the_sub_block_scales():
     Bound per value of sub-block (sc, m) with code q <= 15: rounding d * sc costs at most
     F16_EPS * d * sc per unit of q, rounding dmin * m at most F16_EPS * dmin * m, so
     |err| <= F16_EPS * (15 * d * sc + dmin * m), plus one f32 rounding of the result on
-    each side (2 ** -23 * |value|). d * sc >= 1e-3 (or 0), far above f16's normal range
-    floor (6.1e-5), so no subnormal rounding enters.
+    each side (2 ** -24 * |value| each; 2 ** -22 allowed). d * sc >= 1e-3 (or 0), far
+    above f16's smallest normal (6.1e-5), so no subnormal rounding enters.
     """
     rng = np.random.default_rng(2)
     raw = _random_q4_k(7, 2, rng)

@@ -169,8 +169,45 @@ def _pipeline_table(args, levels: list[int]) -> list[dict]:
 
 
 
+def cmd_quant(args) -> int:
+    from jaxserve.bench.quant import MODES, run_quant_bench
+
+    names = [m[0] for m in MODES]
+    wanted = [x.strip() for x in args.modes.split(",")] if args.modes else names
+    unknown = [w for w in wanted if w not in names]
+    if unknown:
+        raise ValueError(f"--modes: unknown {unknown}; choose from {names}")
+    modes = [m for m in MODES if m[0] in wanted]
+    batches = _ints(args.batch_sizes)
+    rows = run_quant_bench(args.model, modes, greedy_prompts=args.greedy_prompts,
+                           greedy_tokens=args.greedy_tokens, batches=batches,
+                           context=args.context_len)
+    print(f"perplexity of transformers float32 on the text: {rows[0]['ref_ppl']:.3f}")
+    print(table(rows, [
+        ("mode", "mode", "s"), ("max_abs_logit", "max |dlogit|", ".3f"), ("kl", "KL", ".2e"),
+        ("ppl", "ppl", ".3f"), ("ppl_ratio", "ppl / f32 HF", ".4f"),
+        ("greedy_prefix", "greedy agree", ".3f"), ("greedy_identical", "identical", ".2f"),
+        ("weight_mib", "weights MiB", ".1f"), ("kv_bytes_per_token", "KV B/token", ".0f"),
+        ("kv_capacity_tokens", "KV tokens/GiB", "d"),
+        *[(f"tok_s_b{b}", f"tok/s b{b}", ".1f") for b in batches],
+        ("load_avg", "load", ".1f")]))
+    dump_json(args.output_json, {"rows": rows})
+    return 0
+
+
 def add_parsers(bsub) -> None:
-    """Adds `bench roofline`, `bench scale` and `bench overhead`."""
+    """Adds `bench roofline`, `bench scale`, `bench overhead` and `bench quant`."""
+    qb = bsub.add_parser("quant", help="accuracy, memory and speed of weight / KV formats")
+    qb.add_argument("--model", default=None, help="GGUF file or HF directory (default: the "
+                                                    "embedded SmolLM2-135M-Instruct)")
+    qb.add_argument("--modes", default="", help="comma list of modes (default: all)")
+    qb.add_argument("--greedy-prompts", type=int, default=16, help="prompts (default: 16)")
+    qb.add_argument("--greedy-tokens", type=int, default=256,
+                    help="greedy tokens per prompt (default: 256)")
+    qb.add_argument("--batch-sizes", default="1,32", help="decode batches (default: 1,32)")
+    qb.add_argument("--context-len", type=int, default=128, help="decode context (128)")
+    qb.add_argument("--output-json", default=None, help="also write the rows as JSON")
+    qb.set_defaults(handler=cmd_quant)
     roof = bsub.add_parser("roofline", help="decode-step MFU and bandwidth use per batch size")
     add_engine_group(roof)
     roof.add_argument("--batch-sizes", default="1,8,32",

@@ -18,8 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="dtype of the stored weights (default: float32)")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                   help="stored weight format (default: the source's own; a GGUF file keeps "
-                        "its quantized types)")
+                   help="stored weight format (default: as loading would; gguf keeps a GGUF "
+                        "file's quantized blocks)")
     p.set_defaults(handler=run)
 
 

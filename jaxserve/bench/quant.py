@@ -1,0 +1,180 @@
+"""Accuracy, memory and speed of each weight / KV-cache format, measured in one run.
+
+Accuracy is measured against float32 transformers on the same weights (the dequantized
+GGUF file): teacher-forced logits of fixed prompts (max |diff| and KL(hf || mode)), and
+perplexity of a fixed public-domain text. Greedy agreement compares 256-token greedy
+continuations of 16 prompts with the float32 engine's, which the test suite holds
+token-identical to transformers' greedy decoding.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import AttentionMetadata
+from pallas_kernels.kv_quant import kv_pool_layout
+
+# (name, load arguments, kv_cache_dtype): the modes of the table, the float32 baseline first.
+MODES = [
+    ("float32", {"quantization": "none"}, "auto"),
+    ("gguf (as stored)", {"quantization": "gguf"}, "auto"),
+    ("q8_0", {"quantization": "q8_0"}, "auto"),
+    ("int8", {"quantization": "int8"}, "auto"),
+    ("bfloat16", {"quantization": "none", "dtype": "bfloat16"}, "auto"),
+    ("kv int8", {"quantization": "none"}, "int8"),
+    ("kv fp8_e4m3", {"quantization": "none"}, "fp8_e4m3"),
+    ("kv fp8_e5m2", {"quantization": "none"}, "fp8_e5m2"),
+    ("gguf + kv int8", {"quantization": "gguf"}, "int8"),
+]
+LOGIT_PROMPTS = [
+    "The history of the Roman Empire",
+    "def quicksort(items):\n    ",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+    "In 1969, the first humans landed on",
+]
+# 16 chat prompts for the greedy-agreement column (ChatML, the default model's template).
+GREEDY_QUESTIONS = [
+    "Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
+    "List five uses of vinegar at home.", "What causes the seasons on Earth?",
+    "Describe the water cycle for a child.", "Give me a recipe for pancakes.",
+    "Why is the sky blue?", "Write a poem about autumn leaves.",
+    "How do vaccines train the immune system?", "Summarize the plot of Cinderella.",
+    "What is a prime number? Give examples.", "Explain recursion in programming.",
+    "Plan a one-day trip to a mountain lake.", "What are the planets of the solar system?",
+    "How do I care for a cactus?", "Tell me about the history of tea.",
+]
+GREEDY_PROMPTS = [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+                  for q in GREEDY_QUESTIONS]
+TEXT_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data",
+                         "pride_and_prejudice.txt")
+
+
+def teacher_forced_logits(model, token_ids: list[int], kv_cache_dtype: str = "auto",
+                          page_size: int = 16) -> np.ndarray:
+    """f32[T, vocab] logits of one sequence in one step through a page pool of the format."""
+    t = len(token_ids)
+    num_pages = -(-t // page_size) + 1
+    shape, dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size), model.dtype,
+                                  kv_cache_dtype)
+    pages = np.arange(1, num_pages, dtype=np.int32)
+    pos = np.arange(t, dtype=np.int32)
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(pages[pos // page_size] * page_size + pos % page_size),
+        block_tables=jnp.asarray(pages[None]), kv_lens=jnp.asarray([t], jnp.int32),
+        cu_q_lens=jnp.asarray([0, t], jnp.int32))
+
+    @jax.jit
+    def run(params, ids, positions, kv, md):
+        _, hidden = model.forward(params, ids, positions, kv, md)
+        return model.compute_logits(params, hidden)
+
+    return np.asarray(run(model.params, jnp.asarray(token_ids, jnp.int32), jnp.asarray(pos),
+                          jnp.zeros(shape, dtype), md))
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def perplexity(logits: np.ndarray, token_ids: list[int]) -> float:
+    """exp(mean NLL) of tokens 1.. given their prefixes (row t predicts token t + 1)."""
+    lp = log_softmax(logits[:-1])
+    return float(np.exp(-lp[np.arange(len(token_ids) - 1), token_ids[1:]].mean()))
+
+
+def logit_errors(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """(max |ours - ref|, mean KL(ref || ours)) over positions."""
+    lr, lo = log_softmax(ref), log_softmax(ours)
+    kl = (np.exp(lr) * (lr - lo)).sum(-1).mean()
+    return float(np.abs(ours - ref).max()), float(kl)
+
+
+def hf_reference(path, tokenizer, prompts_ids: list[list[int]], text_ids: list[int]) -> dict:
+    """transformers float32 logits of each prompt and of the text."""
+    import torch
+
+    from jaxserve.bench.hf_baseline import load_hf_model
+
+    hf = load_hf_model(path, "float32")
+    with torch.no_grad():
+        run = lambda ids: hf(torch.tensor([ids])).logits[0].float().numpy()
+        return {"prompts": [run(ids) for ids in prompts_ids], "text": run(text_ids)}
+
+
+def greedy_outputs(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from jaxserve.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def agreement(outs: list[list[int]], ref: list[list[int]]) -> tuple[float, float]:
+    """(mean fraction of tokens before the first divergence, fraction of identical outputs)."""
+    prefix = []
+    for a, b in zip(outs, ref, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(b))
+        prefix.append(n / len(b))
+    return float(np.mean(prefix)), float(np.mean([a == b for a, b in zip(outs, ref,
+                                                                           strict=True)]))
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def run_quant_bench(model_path, modes=MODES, *, greedy_prompts: int = 16,
+                    greedy_tokens: int = 256, batches=(1, 32), context: int = 128,
+                    kv_gib: float = 1.0, num_steps: int = 5) -> list[dict]:
+    """One row per mode: accuracy, measured bytes, KV capacity and decode speed."""
+    from jaxserve.bench.engine_run import make_llm
+    from jaxserve.bench.roofline import measure_decode
+    from models.loaders import load_model, load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    with open(TEXT_PATH) as f:
+        text_ids = tok.encode(f.read())
+    prompts_ids = [tok.encode(p) for p in LOGIT_PROMPTS]
+    ref = hf_reference(model_path, tok, prompts_ids, text_ids)
+    ref_ppl = perplexity(ref["text"], text_ids)
+    greedy = GREEDY_PROMPTS[:greedy_prompts]
+    rows, ref_greedy = [], None
+    for name, load_args, kv in modes:
+        rss0 = rss_mib()
+        model = load_model(model_path, **load_args)
+        weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+        rss_load = rss_mib() - rss0
+        errs = [logit_errors(teacher_forced_logits(model, ids, kv), r)
+                for ids, r in zip(prompts_ids, ref["prompts"], strict=True)]
+        ppl = perplexity(teacher_forced_logits(model, text_ids, kv), text_ids)
+        llm = make_llm(model, tok, kv_cache_dtype=kv, max_num_seqs=max(batches),
+                       max_num_batched_tokens=max(64, max(batches)), max_model_len=512,
+                       kv_cache_memory_gib=kv_gib, dtype=load_args.get("dtype", "float32"))
+        eng = llm.engine
+        outs = greedy_outputs(llm, greedy, greedy_tokens)
+        ref_greedy = ref_greedy or outs
+        agree, identical = agreement(outs, ref_greedy)
+        row = {"mode": name, "max_abs_logit": max(e[0] for e in errs),
+               "kl": float(np.mean([e[1] for e in errs])), "ppl": ppl,
+               "ppl_ratio": ppl / ref_ppl, "ref_ppl": ref_ppl, "greedy_prefix": agree,
+               "greedy_identical": identical, "weight_mib": weight_bytes / 2**20,
+               "rss_load_mib": rss_load,
+               "kv_bytes_per_token": eng.runner.kv_pages.nbytes
+               / (eng.limits.num_pages * eng.config.cache.block_size),
+               "kv_capacity_tokens": eng.kv_capacity_tokens}
+        for b in batches:
+            m = measure_decode(eng, b, context, num_steps)
+            row[f"tok_s_b{b}"] = b / m["step_s"]
+        row["load_avg"] = os.getloadavg()[0]
+        rows.append(row)
+        print(row, flush=True)
+        del llm, eng, model
+    return rows
+
