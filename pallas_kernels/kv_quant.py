@@ -3,10 +3,10 @@
 A quantized pool has the storage dtype (int8, float8_e4m3fn or float8_e5m2) and a last
 axis of `head_dim + 4`: each token's row of one head holds its `head_dim` codes followed by
 the 4 bytes of its float32 scale (x = code * scale, scale = max|x| / the dtype's largest
-code). Keeping the scale inside the row means every page operation (copy-on-write, swap,
-prefix sharing, tensor-parallel sharding on the head axis) moves scales with their pages
-unchanged, and a token's scale never changes after its write, so pages fill one token at
-a time without re-quantizing what they already hold.
+code; rounded up to a power of two for fp8). Keeping the scale inside the row means every
+page operation (copy-on-write, swap, prefix sharing, tensor-parallel sharding on the head
+axis) moves scales with their pages unchanged, and a token's scale never changes after
+its write, so pages fill one token at a time without re-quantizing what they hold.
 """
 
 from __future__ import annotations
@@ -39,6 +39,15 @@ def quantize_kv(x: jax.Array, dtype) -> jax.Array:
     x = x.astype(jnp.float32)
     scale = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / _QMAX[dtype]  # f32[..., 1]
     scale = jnp.where(scale > 0, scale, 1.0)
+    if dtype != np.dtype(jnp.int8):
+        # NOTE: fp8 scales are powers of two. For a float code that costs no precision (it
+        # shifts exponents), and the scale's bytes (0x00 or 0x80 below the exponent byte)
+        # are then never fp8 NaN codes: XLA's CPU backend rewrites every e5m2 NaN to one
+        # canonical byte whenever it moves fp8 data, which corrupted arbitrary scales.
+        mant, exp = jnp.frexp(scale)  # scale = mant * 2**exp, mant in [0.5, 1)
+        exp = jnp.where(mant == 0.5, exp - 1, exp)  # already a power of two
+        # 2**exp built from its bits: XLA's exp2 on the CPU is not exact.
+        scale = jax.lax.bitcast_convert_type((exp + 127) << 23, jnp.float32)
     scaled = x / scale
     if dtype == np.dtype(jnp.int8):
         codes = jnp.clip(jnp.round(scaled), -127, 127).astype(dtype)

@@ -22,7 +22,8 @@ from models.quant import QUANTIZATIONS
 # help). The defaults are EngineConfig's; flags left unset keep them (None is never passed on).
 ENGINE_ARGS = [
     ("--dtype", str, DTYPES, "float32", "parameter, activation and KV dtype"),
-    ("--quantization", str, QUANTIZATIONS, "the model's own (GGUF: kept quantized on GPU/TPU, dequantized on the CPU)",
+    ("--quantization", str, QUANTIZATIONS,
+     "the model's own (GGUF: kept quantized on GPU/TPU, dequantized on the CPU)",
      "weight format on the device"),
     ("--kv-cache-dtype", str, KV_CACHE_DTYPES, "auto",
      "KV page dtype (8-bit: a float32 scale per token and head)"),

@@ -1,0 +1,60 @@
+"""Accuracy of each weight / KV format against float32 transformers on the same weights:
+perplexity of a public-domain text (tests/data) and teacher-forced logits."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from jaxserve.bench.quant import TEXT_PATH, logit_errors, perplexity, teacher_forced_logits
+from models.loaders import load_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def text_ids(smollm2_tokenizer):
+    assert os.path.exists(TEXT_PATH)
+    with open(TEXT_PATH) as f:
+        return smollm2_tokenizer.encode(f.read())[:192]
+
+
+@pytest.fixture(scope="module")
+def hf_text_logits(hf_smollm2, text_ids):
+    import torch
+
+    with torch.no_grad():
+        return hf_smollm2(torch.tensor([text_ids])).logits[0].float().numpy()
+
+
+@pytest.mark.parametrize("quantization,kv,limit", [
+    ("gguf", "auto", 1e-4),  # the file's own blocks: the same weights, so ~exact
+    ("q8_0", "auto", 0.01),
+    ("int8", "auto", 0.01),
+    ("gguf", "int8", 0.02),
+    ("gguf", "fp8_e4m3", 0.02),
+    ("gguf", "fp8_e5m2", 0.02),
+])
+def test_perplexity_within_limits(smollm2_path, text_ids, hf_text_logits, quantization, kv,
+                                  limit):
+    model = load_model(smollm2_path, quantization=quantization)
+    logits = teacher_forced_logits(model, text_ids, kv)
+    ref = perplexity(hf_text_logits, text_ids)
+    ppl = perplexity(logits, text_ids)
+    assert abs(ppl / ref - 1) <= limit, (quantization, kv, ppl, ref)
+    max_abs, kl = logit_errors(logits, hf_text_logits)
+    if quantization == "gguf" and kv == "auto":
+        assert max_abs < 1e-2 and kl < 1e-6
+    else:
+        assert 0 < kl < 0.05  # quantized: close, but not the same numbers
+    assert np.isfinite(logits).all()
+
+
+def test_bfloat16_end_to_end_close(smollm2_path, text_ids, hf_text_logits):
+    model = load_model(smollm2_path, "bfloat16", quantization="none")
+    logits = teacher_forced_logits(model, text_ids)
+    assert logits.dtype == np.float32  # logits in float32 even for bf16 weights
+    ratio = perplexity(logits, text_ids) / perplexity(hf_text_logits, text_ids)
+    assert abs(ratio - 1) < 0.03
