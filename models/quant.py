@@ -174,10 +174,6 @@ def to_leaves(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(a.T) for name, a in rows.items()}
 
 
-def permute_rows(rows: dict[str, np.ndarray], order: np.ndarray) -> dict[str, np.ndarray]:
-    """Reorders the output channels (rows) of every leaf, e.g. to undo a q/k permutation."""
-    return {name: a[order] for name, a in rows.items()}
-
 
 def quantize_params(params: dict, plan: QuantPlan) -> dict:
     """Quantizes a dense params tree (host or device arrays) as `plan` says, on the host.

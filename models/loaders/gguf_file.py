@@ -93,11 +93,15 @@ class GGUFFile:
         t = self._tensors[name]
         arr = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
         arr = np.asarray(arr, dtype=np.float32)
-        if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = self.hf_config()["num_attention_heads" if ".q_proj." in name
-                                      else "num_key_value_heads"]
-            arr = _unpermute(arr, heads)
-        return arr
+        heads = self._permuted_heads(name)
+        return _unpermute(arr, heads) if heads else arr
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """Head count of a tensor whose rows llama.cpp stored permuted (Llama q/k), else None."""
+        if self.arch != "llama" or not (".q_proj." in name or ".k_proj." in name):
+            return None
+        return self.hf_config()["num_attention_heads" if ".q_proj." in name
+                                else "num_key_value_heads"]
 
     def tensor_type(self, name: str) -> str:
         """GGUF storage type of an HF-named tensor ("F32", "Q4_1", ...)."""
@@ -107,11 +111,8 @@ class GGUFFile:
         """Row-form quantized leaves of a tensor kept in its stored type (`gguf_quant`)."""
         t = self._tensors[name]
         rows = decode_gguf_rows(t.tensor_type.name, t.data, int(t.shape[0]))
-        if self.arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = self.hf_config()["num_attention_heads" if ".q_proj." in name
-                                      else "num_key_value_heads"]
-            rows = {k: _unpermute(v, heads) for k, v in rows.items()}
-        return rows
+        heads = self._permuted_heads(name)
+        return {k: _unpermute(v, heads) for k, v in rows.items()} if heads else rows
 
     def quant_plan(self) -> QuantPlan:
         """The plan that keeps every module whose tensors share one kept type quantized.

@@ -19,31 +19,24 @@ GGUF_KEPT = {"Q8_0": QuantFormat("q8", 32), "Q4_0": QuantFormat("q4", 32),
              "Q4_1": QuantFormat("q4", 32), "Q4_K": QuantFormat("q4", 32)}
 
 
-def _f16(raw: np.ndarray, start: int) -> np.ndarray:
-    """f32 view of the f16 stored at byte `start` of every block (raw: u8[..., bytes])."""
-    return np.ascontiguousarray(raw[..., start:start + 2]).view(np.float16)[..., 0].astype(
-        np.float32)
-
-
-def _split_nibbles(qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return qs & 15, qs >> 4
+def _half(raw: np.ndarray, start: int) -> np.ndarray:
+    """The f16 stored at byte `start` of every block (raw: u8[..., bytes])."""
+    return np.ascontiguousarray(raw[..., start:start + 2]).view(np.float16)[..., 0]
 
 
 def _decode_q8_0(raw):  # raw: u8[N, nb, 34]
-    scale = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
     q = np.ascontiguousarray(raw[..., 2:]).view(np.int8)
-    return {"qweight": q.reshape(raw.shape[0], -1), "scales": scale}
+    return {"qweight": q.reshape(raw.shape[0], -1), "scales": _half(raw, 0)}
 
 
 def _decode_q4_0(raw):  # raw: u8[N, nb, 18]
-    d = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
+    d = _half(raw, 0)
     qs = np.ascontiguousarray(raw[..., 2:]).reshape(raw.shape[0], -1)
     return {"qweight": qs, "scales": d, "zeros": (d.astype(np.float32) * -8).astype(np.float16)}
 
 
 def _decode_q4_1(raw):  # raw: u8[N, nb, 20]
-    d = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
-    m = np.ascontiguousarray(raw[..., 2:4]).view(np.float16)[..., 0]
+    d, m = _half(raw, 0), _half(raw, 2)
     qs = np.ascontiguousarray(raw[..., 4:]).reshape(raw.shape[0], -1)
     return {"qweight": qs, "scales": d, "zeros": m}
 
@@ -62,10 +55,11 @@ def _q4_k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _decode_q4_k(raw):  # raw: u8[N, nsb, 144]
     n, nsb = raw.shape[:2]
-    d, dmin = _f16(raw, 0)[..., None], _f16(raw, 2)[..., None]  # f32[N, nsb, 1]
+    d = _half(raw, 0).astype(np.float32)[..., None]  # f32[N, nsb, 1]
+    dmin = _half(raw, 2).astype(np.float32)[..., None]
     sc, mn = _q4_k_scales(raw[..., 4:16])  # u8[N, nsb, 8]
     qs = raw[..., 16:].reshape(n, nsb, 4, 32)
-    lo, hi = _split_nibbles(qs)  # sub-blocks 2c (low nibbles) and 2c + 1 (high)
+    lo, hi = qs & 15, qs >> 4  # sub-blocks 2c (low nibbles) and 2c + 1 (high)
     values = np.stack([lo, hi], axis=3).reshape(n, nsb * 256)  # u8[N, K]
     scale = (d * sc).astype(np.float16).reshape(n, nsb * 8)
     zero = (-dmin * mn).astype(np.float16).reshape(n, nsb * 8)
