@@ -17,6 +17,7 @@ from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
 from models.qlayers import QEmbed, dense
 from models.quant import QuantPlan
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
+from pallas_kernels.kv_quant import kv_rotation
 
 
 class Attention(nn.Module):
@@ -44,9 +45,15 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
+        rot = kv_rotation(kv_pages.dtype, cfg.head_dim)  # f32[D, D] or None
+        if rot is not None:  # 8-bit pages that quantize better rotated (kv_quant.py)
+            rot = jnp.asarray(rot, q.dtype)
+            q, k, v = q @ rot, k @ rot, v @ rot
         kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping, backend=self.backend)
         out = ragged_paged_attention(q, kv_pages, layer, md, sm_scale=cfg.head_dim ** -0.5,
                                      sliding_window=window, backend=self.backend)
+        if rot is not None:
+            out = out @ rot.T
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
         return proj(cfg.hidden_size, cfg.o_bias, "o_proj")(out), kv_pages
 

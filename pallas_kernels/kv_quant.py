@@ -7,6 +7,15 @@ code; rounded up to a power of two for fp8). Keeping the scale inside the row me
 page operation (copy-on-write, swap, prefix sharing, tensor-parallel sharding on the head
 axis) moves scales with their pages unchanged, and a token's scale never changes after
 its write, so pages fill one token at a time without re-quantizing what they hold.
+
+int8 and fp8_e5m2 pages hold K and V rotated by an orthonormal matrix over head_dim
+(`kv_rotation`, applied by the model around the attention call): Q.K and the attention
+output are unchanged in exact arithmetic, but the rotation spreads the few large channels
+of LLM keys over all of them, so a row's scale fits its values better and the rounding
+errors of the shared outlier channels stop dominating Q.K. Measured on the default model
+(teacher-forced KL to float32 KV, 192 tokens): int8 0.00076 -> 0.00032, fp8_e5m2
+0.0217 -> 0.0169 (perplexity +2.9% -> +1.1%); fp8_e4m3 got worse (0.0052 -> 0.0081), so
+its pages are not rotated.
 """
 
 from __future__ import annotations
@@ -21,6 +30,29 @@ KV_CACHE_STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn,
                     "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
 _QMAX = {np.dtype(jnp.int8): 127.0, np.dtype(jnp.float8_e4m3fn): 448.0,
          np.dtype(jnp.float8_e5m2): 57344.0}
+
+
+# Storage dtypes whose pages hold rotated K/V (measured above).
+_ROTATED = (np.dtype(jnp.int8), np.dtype(jnp.float8_e5m2))
+
+
+def kv_rotation(dtype, head_dim: int) -> np.ndarray | None:
+    """f32[head_dim, head_dim] orthonormal R that K, V and Q are multiplied by (x @ R) for
+    a pool of `dtype`, or None where pages hold K/V as they are. Attention output comes back
+    rotated too: multiply it by R.T.
+
+    A normalized Hadamard matrix for power-of-two head_dim; otherwise a fixed seeded random
+    orthogonal matrix (the same on every host and run).
+    """
+    if np.dtype(dtype) not in _ROTATED:
+        return None
+    if head_dim & (head_dim - 1) == 0:
+        r = np.ones((1, 1), np.float64)
+        while r.shape[0] < head_dim:
+            r = np.block([[r, r], [r, -r]])
+        return (r / np.sqrt(head_dim)).astype(np.float32)
+    q, rr = np.linalg.qr(np.random.RandomState(0).randn(head_dim, head_dim))
+    return (q * np.sign(np.diag(rr))).astype(np.float32)
 
 
 def is_quantized(dtype) -> bool:

@@ -280,6 +280,10 @@ class LLMEngine:
             self.speculator.step(self.scheduler.running)
         out = self.scheduler.schedule().decodes_first()
         if out.is_empty:
+            # NOTE: a pass may schedule nothing yet plan moves (a swap-out that made room
+            # for a swap-in that still does not fit): run them now, or the host slots the
+            # scheduler counts as written would never be.
+            self.runner.execute_plans(out.plans)
             return None
         row_for = row_for or functools.partial(self._row_for, time.time())
         requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}

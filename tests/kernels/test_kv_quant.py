@@ -15,6 +15,7 @@ from pallas_kernels.kv_quant import (
     dequantize_kv,
     is_quantized,
     kv_head_dim,
+    kv_rotation,
     quantize_kv,
 )
 from pallas_kernels.kv_write.kernel import write_kv_kernel
@@ -188,6 +189,34 @@ def test_pool_dtypes_and_head_dim():
         assert kv_head_dim(pool) == 36
         out = dequantize_kv(pool)
         assert out.dtype == jnp.float32 and out.shape == pool.shape
+
+
+@pytest.mark.parametrize("head_dim", [64, 72])
+def test_kv_rotation_is_orthonormal_and_chosen_per_dtype(head_dim):
+    r = kv_rotation(jnp.int8, head_dim)
+    assert r.shape == (head_dim, head_dim) and r.dtype == np.float32
+    np.testing.assert_allclose(r @ r.T, np.eye(head_dim), atol=1e-5)
+    np.testing.assert_array_equal(r, kv_rotation(jnp.float8_e5m2, head_dim))  # deterministic
+    for dtype in (jnp.float8_e4m3fn, jnp.float32, jnp.bfloat16):
+        assert kv_rotation(dtype, head_dim) is None
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e5m2"])
+def test_rotation_cuts_qk_error_on_keys_with_outlier_channels(name):
+    """LLM keys carry a few large channels; quantized rotated, Q.K comes back closer."""
+    dtype, d = KV_CACHE_STORAGE[name], 64
+    rng = np.random.RandomState(0)
+    k = rng.randn(256, d).astype(np.float32)
+    k[:, [3, 17]] *= 30.0  # outlier channels shared by every key and query
+    q = rng.randn(8, d).astype(np.float32)
+    q[:, [3, 17]] *= 5.0
+    exact = q @ k.T
+    r = kv_rotation(dtype, d)
+    plain = q @ np.asarray(dequantize_kv(quantize_kv(jnp.asarray(k), dtype))).T
+    rotated = (q @ r) @ np.asarray(dequantize_kv(quantize_kv(jnp.asarray(k @ r), dtype))).T
+    err = lambda s: np.sqrt(np.mean((s - exact) ** 2))
+    assert err(rotated) < 0.7 * err(plain), (err(rotated), err(plain))
+    np.testing.assert_allclose((q @ r) @ (k @ r).T, exact, rtol=1e-4, atol=1e-2)
 
 
 # ---------------------------------------------------------------- attention over 8-bit pools

@@ -1,0 +1,50 @@
+"""Tensor parallelism over quantized weights and 8-bit KV pages: the one-device greedy tokens,
+with codes, scales and zeros sharded like the float kernels they replace and the page pool
+(codes and in-row scales) split on its KV-head axis."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from models.model import Model, random_params
+from models.quant import QuantFormat, uniform_plan
+from tests.parallel.test_parallel_engine import SMALL, TINY, _tiny_prompts, _tokens
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, detokenize=False)
+# 4-bit blocks of 32 and int8 per output channel: row-parallel o/down_proj split K, so at
+# tp=4 a 64-wide K holds half a block per device (the scales are then replicated).
+PLANS = {"q4": uniform_plan("q4", QuantFormat("q4", 32)),
+         "int8": uniform_plan("int8", QuantFormat("q8", 0))}
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
+
+
+@pytest.fixture(scope="module", params=sorted(PLANS))
+def quantized(request, smollm2_tokenizer):
+    """(model, one-device greedy tokens over an int8 KV pool)."""
+    plan = PLANS[request.param]
+    params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(TINY, seed=3))
+    from models.quant import quantize_params
+
+    model = Model(TINY, jax.device_put(quantize_params(params, plan)), quant=plan)
+    llm = LLM(model, tokenizer=smollm2_tokenizer, kv_cache_dtype="int8", num_kv_blocks=64,
+              warmup=False, **SMALL)
+    return model, _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_quantized_tensor_parallel_matches_one_device(quantized, smollm2_tokenizer, size):
+    model, want = quantized
+    llm = LLM(model, tokenizer=smollm2_tokenizer, tensor_parallel_size=size,
+              kv_cache_dtype="int8", num_kv_blocks=64, warmup=False, **SMALL)
+    assert _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False)) == want
+    params = llm.engine.runner.params
+    qweight = params["layers"]["self_attn"]["q_proj"]["qweight"]
+    assert qweight.dtype in (np.int8, np.uint8)  # still quantized on the mesh
+    assert len(qweight.sharding.device_set) == size
+    assert qweight.sharding.spec[-1] is not None  # column-parallel codes are split
+    pool = llm.engine.runner.kv_pages
+    assert pool.dtype == np.int8 and pool.sharding.spec[2] == "kv"
