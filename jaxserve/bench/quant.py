@@ -10,7 +10,6 @@ token-identical to transformers' greedy decoding.
 from __future__ import annotations
 
 import os
-import resource
 
 import jax
 import jax.numpy as jnp
@@ -125,11 +124,6 @@ def agreement(outs: list[list[int]], ref: list[list[int]]) -> tuple[float, float
                                                                            strict=True)]))
 
 
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-
-
 def run_quant_bench(model_path, modes=MODES, *, greedy_prompts: int = 16,
                     greedy_tokens: int = 256, batches=(1, 32), context: int = 128,
                     kv_gib: float = 1.0, num_steps: int = 5) -> list[dict]:
@@ -147,10 +141,8 @@ def run_quant_bench(model_path, modes=MODES, *, greedy_prompts: int = 16,
     greedy = GREEDY_PROMPTS[:greedy_prompts]
     rows, ref_greedy = [], None
     for name, load_args, kv in modes:
-        rss0 = rss_mib()
         model = load_model(model_path, **load_args)
         weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
-        rss_load = rss_mib() - rss0
         errs = [logit_errors(teacher_forced_logits(model, ids, kv), r)
                 for ids, r in zip(prompts_ids, ref["prompts"], strict=True)]
         ppl = perplexity(teacher_forced_logits(model, text_ids, kv), text_ids)
@@ -165,7 +157,6 @@ def run_quant_bench(model_path, modes=MODES, *, greedy_prompts: int = 16,
                "kl": float(np.mean([e[1] for e in errs])), "ppl": ppl,
                "ppl_ratio": ppl / ref_ppl, "ref_ppl": ref_ppl, "greedy_prefix": agree,
                "greedy_identical": identical, "weight_mib": weight_bytes / 2**20,
-               "rss_load_mib": rss_load,
                "kv_bytes_per_token": eng.runner.kv_pages.nbytes
                / (eng.limits.num_pages * eng.config.cache.block_size),
                "kv_capacity_tokens": eng.kv_capacity_tokens}
