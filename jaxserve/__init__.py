@@ -5,7 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput",
-           "SamplingParams"]
+           "SamplingParams", "StructuredOutputsParams"]
 
 # NOTE: resolved lazily, so `import jaxserve.core` (plain Python, no JAX) stays light.
 _LAZY = {
@@ -15,6 +15,7 @@ _LAZY = {
     "RequestOutput": "jaxserve.outputs",
     "CompletionOutput": "jaxserve.outputs",
     "SamplingParams": "jaxserve.sampling_params",
+    "StructuredOutputsParams": "jaxserve.structured.params",
 }
 
 

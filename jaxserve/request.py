@@ -97,6 +97,8 @@ class Request:
         # the target accepts them.
         self.spec_token_ids: list[int] = []
         self.stop_reason: str | int | None = None
+        # Structured outputs: the `RequestGrammar` that masks this request's next token.
+        self.grammar = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -168,6 +170,7 @@ class Request:
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child.page_hashes = list(self.page_hashes)
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     def __repr__(self) -> str:

@@ -7,6 +7,8 @@ import enum
 import operator
 from typing import Any, ClassVar
 
+from jaxserve.structured.params import StructuredOutputsParams
+
 # Temperatures below this mean greedy decoding (vLLM's `_SAMPLING_EPS`).
 SAMPLING_EPS = 1e-5
 # Integers that reach the device (top_k, token ids, lengths, counters) are int32 there.
@@ -119,6 +121,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # A constraint the output follows (JSON schema, regex, choice, grammar); a dict of
+    # `StructuredOutputsParams` fields is accepted and converted.
+    structured_outputs: StructuredOutputsParams | None = None
     # Token sequences of `bad_words`, set by the engine from its tokenizer (as vLLM's
     # `_bad_words_token_ids`); not a constructor argument.
     bad_words_token_ids: list[list[int]] | None = dataclasses.field(
@@ -155,6 +160,8 @@ class SamplingParams:
         self._init_stops()
         self._init_lengths()
         self._init_logit_controls()
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:
@@ -299,8 +306,10 @@ class SamplingParams:
     def needs_output_history(self) -> bool:
         """Whether sampling a token reads the tokens generated before it (penalties, bad
         words): such a request's next step cannot be scheduled before its previous
-        token is known on the host (no async scheduling)."""
-        return self.has_penalties or bool(self.bad_words_token_ids or self.bad_words)
+        token is known on the host (no async scheduling). A structured-output constraint
+        does too: its next mask follows the previous token."""
+        return (self.has_penalties or bool(self.bad_words_token_ids or self.bad_words)
+                or self.structured_outputs is not None)
 
     @property
     def output_text_buffer_length(self) -> int:

@@ -15,6 +15,7 @@ from jaxserve.engine.output_processor import RequestState
 from jaxserve.request import Request
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured import GrammarCompiler
 
 
 class InputProcessor:
@@ -37,6 +38,8 @@ class InputProcessor:
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = eos_token_ids
         self.rng = np.random.default_rng(seed)
+        # Structured-output grammars (llguidance's tokenizer is built on first use).
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         """(text, ids) of a prompt given as text, a list of ids or {"prompt_token_ids": [...]}.
@@ -128,6 +131,8 @@ class InputProcessor:
             state.row_params = state.row_params.clone()
             state.row_params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         check_sampling_row(state.row_params, ids, seeds[0], vocab, self.eos_token_ids)
+        if params.structured_outputs is not None:
+            root.grammar = self.grammars.matcher(params.structured_outputs)
         return state
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:

@@ -25,6 +25,9 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.speculator import make_speculator
 
 logger = logging.getLogger("jaxserve")
+# The row that stands in for a request whose own row could not be built (it computes
+# nothing another row reads).
+_INERT_ROW = RowSpec(SamplingParams(temperature=0.0), (), (), 0, 0)
 
 
 @dataclasses.dataclass
@@ -245,15 +248,19 @@ class LLMEngine:
     def _row_for(self, now: float, req, s, k) -> RowSpec:
         state = self.outputs.row_state(req, now)
         seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
-        if s.num_spec_tokens and k:
+        proposals = s.spec_token_ids[:k] if s.num_spec_tokens and k else []
+        mask = None if req.grammar is None \
+            else req.grammar.bitmask(req.output_token_ids, proposals)  # i32[W]
+        if proposals:
             # Row k samples the token after proposal k-1: as if proposals 0..k-1 were
-            # output already (penalties, min_tokens and bad words see them; the counter
-            # is that output position's, so seeded draws match a run without proposals).
+            # output already (penalties, min_tokens, bad words and the grammar see them;
+            # the counter is that output position's, so seeded draws match a run without
+            # proposals).
             return RowSpec(state.row_params, req.prompt_token_ids,
-                           [*req.output_token_ids, *s.spec_token_ids[:k]], seed,
-                           s.sampling_counter + k)
+                           [*req.output_token_ids, *proposals], seed,
+                           s.sampling_counter + k, mask)
         return RowSpec(state.row_params, req.prompt_token_ids, req.output_token_ids, seed,
-                       s.sampling_counter)
+                       s.sampling_counter, mask)
 
     def _can_overlap(self, inflight: _InFlight) -> bool:
         """Whether the next step may be scheduled before `inflight`'s samples are known:
@@ -271,8 +278,13 @@ class LLMEngine:
         if inflight.targets is not None or any(s.num_samples > 1 or s.num_spec_tokens
                                                for s in inflight.out.scheduled):
             return False
-        return not any(r.sampling_params is not None and r.sampling_params.needs_output_history
-                       for r in self.scheduler.running)
+        if any(r.sampling_params is not None and r.sampling_params.needs_output_history
+               for r in self.scheduler.running):
+            return False
+        # NOTE: a constrained request's mask follows its previous token, also when it
+        # comes back from preemption (not in `running` yet).
+        return not (self.inputs.grammars.num_compiled
+                    and any(r.grammar is not None for r in self.scheduler.requests.values()))
 
     def _dispatch(self, prev: _InFlight | None = None, row_for=None) -> _InFlight | None:
         """Schedules a step and hands it to the device; None when nothing was scheduled."""
@@ -287,13 +299,18 @@ class LLMEngine:
             return None
         row_for = row_for or functools.partial(self._row_for, time.time())
         requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}
-        rows, row_owner = [], []
+        rows, row_owner, row_failed = [], [], {}
         for s in out.scheduled:
             for k in range(s.num_samples + s.num_spec_tokens):
-                rows.append(row_for(requests[s.request_id], s, k))
+                try:
+                    rows.append(row_for(requests[s.request_id], s, k))
+                except Exception as e:  # noqa: BLE001 - this request fails, not the step
+                    row_failed.setdefault(s.request_id, e)
+                    rows.append(_INERT_ROW)
                 row_owner.append(s.request_id)
         _, num_rows = self.runner.step_shape(out)
         sampling, failed = self._sampling_metadata(rows, row_owner, num_rows)
+        failed = {**row_failed, **failed}
         targets = prompt_targets(out, requests)
         try:
             pending = self.runner.dispatch(out, sampling, prompt_targets=targets,
@@ -347,8 +364,7 @@ class LLMEngine:
                 build_sampling_metadata([row], 1, vocab, eos_token_id=eos)
             except Exception as e:  # noqa: BLE001
                 failed.setdefault(row_owner[i], e)
-        inert = RowSpec(SamplingParams(temperature=0.0), (), (), 0, 0)
-        rows = [inert if owner in failed else row for row, owner in zip(rows, row_owner,
+        rows = [_INERT_ROW if owner in failed else row for row, owner in zip(rows, row_owner,
                                                                          strict=True)]
         return build_sampling_metadata(rows, num_rows, vocab, eos_token_id=eos), failed
 

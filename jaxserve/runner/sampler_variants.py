@@ -6,7 +6,7 @@ per bucket. The runner instead promotes each step to one of three variants:
     "greedy":   every row greedy, no penalties, banned tokens or logprobs.
     "sample":   random rows with top-k/top-p/min-p filtering; nothing else.
     "full":     everything on (filtering, penalties, banned tokens, logit bias and allowed
-                ids, 20 logprobs).
+                ids, structured-output bitmask, 20 logprobs).
 
 Promotion only adds stages that are identities for rows that do not use them (penalty 0,
 repetition 1, pad token ids, top-k 0, top-p 1), so every variant samples the same tokens.
@@ -31,7 +31,7 @@ VARIANTS = ("greedy", "sample", "full")
 def variant_of(md: SamplingMetadata) -> str:
     """The cheapest variant that covers every stage `md` needs."""
     if md.has_penalties or md.has_banned_tokens or md.max_num_logprobs \
-            or md.has_logit_controls:
+            or md.has_logit_controls or md.has_bitmask:
         return "full"
     if md.all_greedy and not md.needs_filtering:
         return "greedy"
@@ -81,6 +81,8 @@ def promote(md: SamplingMetadata, variant: str, vocab_size: int, penalty_len: in
         bias_values[:, :md.bias_values.shape[1]] = md.bias_values
     restricted = md.restricted if md.restricted is not None \
         else np.zeros((num_rows,), np.int32)  # i32[R]
+    bitmask = md.token_bitmask if md.token_bitmask is not None \
+        else np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)  # i32[R, W]
     return dataclasses.replace(
         md, all_greedy=False, needs_filtering=True, has_penalties=True,
         has_banned_tokens=True, max_num_logprobs=min(MAX_LOGPROBS, vocab_size),
@@ -89,4 +91,5 @@ def promote(md: SamplingMetadata, variant: str, vocab_size: int, penalty_len: in
         banned_token_ids=widen(md.banned_token_ids, banned_len),
         has_logit_controls=True, bias_token_ids=widen(md.bias_token_ids, LOGIT_BIAS_LEN),
         bias_values=bias_values, restricted=restricted,
-        allowed_token_ids=widen(md.allowed_token_ids, ALLOWED_LEN))
+        allowed_token_ids=widen(md.allowed_token_ids, ALLOWED_LEN),
+        has_bitmask=True, token_bitmask=bitmask)

@@ -29,9 +29,10 @@ ALLOWED_LEN = MAX_ALLOWED_TOKEN_IDS
     data_fields=["temperature", "top_k", "top_p", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seeds", "counters",
                  "prompt_token_ids", "output_token_ids", "banned_token_ids",
-                 "bias_token_ids", "bias_values", "allowed_token_ids", "restricted"],
+                 "bias_token_ids", "bias_values", "allowed_token_ids", "restricted",
+                 "token_bitmask"],
     meta_fields=["all_greedy", "needs_filtering", "has_penalties", "has_banned_tokens",
-                 "max_num_logprobs", "has_logit_controls"],
+                 "max_num_logprobs", "has_logit_controls", "has_bitmask"],
 )
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
@@ -68,6 +69,8 @@ class SamplingMetadata:
         bias_values: f32[R, Lx] or None; the biases added to those ids' logits.
         allowed_token_ids: i32[R, La] or None; `allowed_token_ids`, padded with V.
         restricted: i32[R] or None; 1 where the row samples only its allowed ids.
+        token_bitmask: i32[R, ceil(V / 32)] or None; structured outputs: bit `t % 32` of
+            word `t // 32` set where token t is allowed (all ones for free rows).
         all_greedy: Static; every real row is greedy, so no random draws are compiled.
         needs_filtering: Static; some row uses top-k, top-p or min-p (compiles the filters).
         has_penalties: Static; the penalty arrays are present.
@@ -75,6 +78,7 @@ class SamplingMetadata:
         max_num_logprobs: Static; top alternatives returned per row, 0 or MAX_LOGPROBS
             (capped at V).
         has_logit_controls: Static; the logit-bias and allowed-id arrays are present.
+        has_bitmask: Static; `token_bitmask` is present.
     """
 
     temperature: Any
@@ -93,12 +97,14 @@ class SamplingMetadata:
     bias_values: Any = None
     allowed_token_ids: Any = None
     restricted: Any = None
+    token_bitmask: Any = None
     all_greedy: bool = True
     needs_filtering: bool = False
     has_penalties: bool = False
     has_banned_tokens: bool = False
     max_num_logprobs: int = 0
     has_logit_controls: bool = False
+    has_bitmask: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -117,6 +123,8 @@ class RowSpec(NamedTuple):
             from its own seeded RNG at add_request for requests without one, so every
             random row has a seed; a random row with neither raises ValueError.
         counter: Tokens generated so far; defaults to `len(output_token_ids)`.
+        token_bitmask: i32[ceil(V / 32)] or None; the tokens a structured-output
+            constraint allows next (see `jaxserve.structured`).
     """
 
     params: SamplingParams
@@ -124,6 +132,7 @@ class RowSpec(NamedTuple):
     output_token_ids: Sequence[int] = ()
     seed: int | None = None
     counter: int | None = None
+    token_bitmask: np.ndarray | None = None
 
 
 def logprobs_bucket(num_logprobs: int) -> int:
@@ -210,6 +219,7 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
     controls = _logit_controls(params, num_rows, vocab_size) \
         if any(p.has_logit_controls for p in params) else {}
     max_logprobs = max([p.logprobs or 0 for p in params], default=0)
+    bitmask = _bitmask(rows, num_rows, vocab_size)
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         presence_penalty=presence, frequency_penalty=frequency,
@@ -219,7 +229,24 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
         needs_filtering=bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0.0).any()),
         has_penalties=has_penalties, has_banned_tokens=has_banned,
         max_num_logprobs=min(logprobs_bucket(max_logprobs), int(vocab_size)),
-        has_logit_controls=bool(controls), **controls)
+        has_logit_controls=bool(controls), **controls,
+        token_bitmask=bitmask, has_bitmask=bitmask is not None)
+
+
+def _bitmask(rows: list[RowSpec], num_rows: int, vocab_size: int) -> np.ndarray | None:
+    """i32[R, ceil(V / 32)] token bitmask of the rows (all ones for unconstrained rows), or
+    None when no row is constrained."""
+    if all(r.token_bitmask is None for r in rows):
+        return None
+    width = (int(vocab_size) + 31) // 32
+    out = np.full((num_rows, width), -1, np.int32)  # i32[R, W]
+    for i, r in enumerate(rows):
+        if r.token_bitmask is not None:
+            if np.shape(r.token_bitmask) != (width,):
+                raise ValueError(f"row {i}: token_bitmask has shape {np.shape(r.token_bitmask)}"
+                                 f", expected ({width},) for vocab_size {vocab_size}")
+            out[i] = r.token_bitmask
+    return out
 
 
 def _banned_ids(row: RowSpec, counter: int, eos_token_id: int | None) -> list[int] | None:

@@ -75,6 +75,20 @@ def apply_logit_controls(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
                                                  mode="drop")
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Sets tokens a row's structured-output bitmask does not allow to -inf.
+
+    Args:
+        logits: f32[R, V].
+        bitmask: i32[R, ceil(V / 32)]; bit `t % 32` of word `t // 32` allows token t.
+    """
+    num_rows, vocab_size = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)  # i32[32]
+    bits = (jnp.asarray(bitmask, jnp.int32)[:, :, None] >> shifts) & 1  # i32[R, W, 32]
+    allowed = bits.reshape(num_rows, -1)[:, :vocab_size] > 0  # bool[R, V]
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     """Repetition, frequency and presence penalties (vLLM / transformers / OpenAI rules).
 
@@ -131,7 +145,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Samples one token per row (jit-able; only `md`'s meta fields are static).
 
     Order as in vLLM v1: banned ids (min_tokens, bad words) -> allowed ids -> logit bias ->
-    penalties -> greedy rows take the
+    structured-output bitmask -> penalties -> greedy rows take the
     argmax -> temperature -> min-p, top-k, top-p -> seeded Gumbel-max draw. The filters
     are compiled only when `md.needs_filtering`, the draw only when not `md.all_greedy`.
 
@@ -148,6 +162,8 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
         logits = apply_banned_tokens(logits, md.banned_token_ids)
     if md.has_logit_controls:
         logits = apply_logit_controls(logits, md)
+    if md.has_bitmask:
+        logits = apply_token_bitmask(logits, md.token_bitmask)
     if md.has_penalties:
         logits = apply_penalties(logits, md)
     token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[R]

@@ -1,0 +1,214 @@
+"""Grammar compilation (llguidance, LRU-cached) and the per-request matcher that builds
+each step's token bitmask."""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+
+import numpy as np
+
+from jaxserve.structured.params import StructuredOutputsParams
+
+# Whitespace allowed between JSON tokens unless the request says otherwise: enough for
+# pretty-printed JSON (a newline and the indent of a deep level), bounded so that a model
+# cannot loop on whitespace until max_tokens and leave the JSON unfinished.
+WHITESPACE = r"[\x20\x0A\x0D\x09]{1,32}"
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """Int32 words of one row's token bitmask (bit `t % 32` of word `t // 32` is token t)."""
+    return (int(vocab_size) + 31) // 32
+
+
+def _close_objects(schema):
+    """`schema` with `additionalProperties: false` on every object that lists properties
+    and says nothing about extra ones (vLLM's `disable_additional_properties`)."""
+    if isinstance(schema, list):
+        return [_close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _close_objects(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+class GrammarCompiler:
+    """Turns `StructuredOutputsParams` into validated llguidance grammars for one tokenizer.
+
+    The llguidance tokenizer (about 1 s to build) is made on first use, so engines that
+    never see a constrained request never pay for it. Compiled grammars are kept in an LRU
+    cache keyed by the constraint.
+
+    Args:
+        tokenizer: The model's (fast) Hugging Face tokenizer.
+        vocab_size: The model's vocabulary size V: masks cover ids [0, V).
+        cache_size: Grammars kept in the cache.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256):
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.cache_size = cache_size
+        self._lltokenizer = None
+        self._cache: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # grammars compiled (cache misses)
+
+    @property
+    def lltokenizer(self):
+        """llguidance's view of the tokenizer, over max(V, len(tokenizer)) ids."""
+        if self._lltokenizer is None:
+            import llguidance.hf
+
+            self._lltokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, n_vocab=max(self.vocab_size, len(self.tokenizer)))
+        return self._lltokenizer
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """The validated llguidance grammar of `params` (from the cache when seen before).
+
+        Raises:
+            ValueError: The schema, regex or grammar does not compile (or uses a feature
+                llguidance does not implement); the message names the field.
+        """
+        key = params.cache_key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        text = self._grammar_text(params)
+        import llguidance
+
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            text, self.lltokenizer)
+        if is_error:
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: "
+                             f"{messages[0] if messages else 'unknown error'}")
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[key] = text
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return text
+
+    def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
+        """A fresh matcher of the (compiled) constraint `params`."""
+        return RequestGrammar(self, self.compile(params))
+
+    def _grammar_text(self, p: StructuredOutputsParams) -> str:
+        import llguidance
+
+        kind = p.kind
+        try:
+            if kind in ("json", "json_object"):
+                schema = {"type": "object"} if kind == "json_object" else p.json
+                if isinstance(schema, str):
+                    schema = json.loads(schema)
+                if p.disable_additional_properties:
+                    schema = _close_objects(schema)
+                options = {"whitespace_pattern": p.whitespace_pattern or WHITESPACE}
+                if p.disable_any_whitespace:
+                    options = {"whitespace_flexible": False}
+                return llguidance.LLMatcher.grammar_from_json_schema(schema,
+                                                                     defaults=options or None)
+            if kind == "regex":
+                return llguidance.LLMatcher.grammar_from_regex(p.regex)
+            if kind == "choice":
+                # NOTE: JSON string literals are valid Lark literals (same escapes).
+                return llguidance.LLMatcher.grammar_from_lark(
+                    "start: " + " | ".join(json.dumps(c) for c in p.choice))
+            from llguidance.gbnf_to_lark import any_to_lark
+
+            # NOTE: GBNF / EBNF rules (`name ::= ...`) become Lark; Lark stays as is.
+            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(p.grammar))
+        except (ValueError, TypeError, RuntimeError) as e:
+            raise ValueError(f"structured_outputs.{kind} does not compile: {e}") from None
+
+
+class RequestGrammar:
+    """One request's grammar state: follows its output tokens and masks its next token.
+
+    The matcher is synchronised lazily with the tokens it is given (outputs only grow,
+    except when beam search swaps the newest token; a shorter or different list rolls
+    back), so preemption, which keeps a request's tokens, needs nothing, and speculative
+    proposals are consumed for one mask and rolled back.
+
+    Args:
+        compiler: The compiler that made `grammar` (its tokenizer and vocabulary).
+        grammar: A validated llguidance grammar.
+    """
+
+    def __init__(self, compiler: GrammarCompiler, grammar: str):
+        import llguidance
+
+        self.compiler = compiler
+        self.grammar = grammar
+        self._matcher = llguidance.LLMatcher(compiler.lltokenizer, grammar, log_level=0)
+        self._tokens: list[int] = []  # the output tokens the matcher has consumed
+
+    def fork(self) -> RequestGrammar:
+        """A matcher of the same grammar for a forked request (n > 1, beams)."""
+        return RequestGrammar(self.compiler, self.grammar)
+
+    @property
+    def is_stopped(self) -> bool:
+        """Whether the grammar is complete (only EOS can follow)."""
+        return self._matcher.is_stopped()
+
+    def _sync(self, tokens) -> None:
+        done = self._tokens
+        n = len(done)
+        if len(tokens) < n or (n and tokens[n - 1] != done[-1]):
+            common = next((i for i, (a, b) in enumerate(zip(done, tokens, strict=False))
+                           if a != b), min(n, len(tokens)))
+            if not self._matcher.rollback(n - common):
+                raise ValueError(f"structured output: cannot roll back {n - common} tokens: "
+                                 f"{self._matcher.get_error()}")
+            del done[common:]
+            n = common
+        new = [int(t) for t in tokens[n:]]
+        if new:
+            taken = self._matcher.try_consume_tokens(new)
+            done.extend(new[:taken])
+            if taken < len(new):
+                raise ValueError(f"structured output: token {new[taken]} at output position "
+                                 f"{n + taken} does not follow the grammar "
+                                 f"({self._matcher.get_error() or 'rejected'})")
+
+    def bitmask(self, output_token_ids, proposals=()) -> np.ndarray:
+        """The allowed next tokens after `output_token_ids` (+ `proposals`), as bits.
+
+        Args:
+            output_token_ids: The request's output so far.
+            proposals: Speculative tokens assumed to follow it (rolled back afterwards).
+                If the grammar rejects one, the row's token is never kept (the target's
+                masked sample cannot equal the rejected proposal), so every id is allowed.
+
+        Returns:
+            i32[ceil(V / 32)]: bit `t % 32` of word `t // 32` set when token t is allowed.
+
+        Raises:
+            ValueError: An output token does not follow the grammar.
+        """
+        import llguidance.numpy as llnp
+
+        self._sync(output_token_ids)
+        width = bitmask_width(self.compiler.vocab_size)
+        taken = self._matcher.try_consume_tokens([int(t) for t in proposals]) if proposals else 0
+        if taken < len(proposals):
+            self._matcher.rollback(taken)
+            return np.full((width,), -1, np.int32)
+        full = llnp.allocate_token_bitmask(1, self.compiler.lltokenizer.vocab_size)
+        llnp.fill_next_token_bitmask(self._matcher, full, 0)
+        if taken:
+            self._matcher.rollback(taken)
+        if self._matcher.is_error():
+            raise ValueError(f"structured output: {self._matcher.get_error()}")
+        row = full[0, :width].copy()  # i32[W]
+        extra = width * 32 - self.compiler.vocab_size
+        if extra:  # ids past V do not exist in the model
+            row[-1] &= np.array([(1 << (32 - extra)) - 1], np.uint32).view(np.int32)[0]
+        return row

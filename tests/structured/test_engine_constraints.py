@@ -1,0 +1,83 @@
+"""Structured outputs through the engine (a tiny random model with SmolLM2's tokenizer, so
+its unconstrained text is noise): every constrained output satisfies its constraint, free
+requests in the same steps are unchanged, nothing compiles after warm-up."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from jaxserve import LLM, SamplingParams, StructuredOutputsParams
+
+ENGINE_ARGS = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256,
+                   num_kv_blocks=256)
+PROMPTS = ["Once upon a time", "The three primary colors are", "def fibonacci(n):",
+           "List three fruits:"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                 "minItems": 1, "maxItems": 3},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 10},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(tiny_model_dir, **ENGINE_ARGS)
+
+
+def texts(outs):
+    return [c.text for o in outs for c in o.outputs]
+
+
+def test_json_schema_outputs_validate(llm):
+    # NOTE: compact JSON: a random model picks whitespace whenever it may.
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=200, structured_outputs=so)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for text in texts(outs):
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts(outs))) > 1
+    assert all(c.finish_reason == "stop" for o in outs for c in o.outputs)
+    assert llm.get_metrics()["jaxserve:num_compilations"] == 0
+
+
+@pytest.mark.parametrize("constraint, check", [
+    (dict(regex=r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)"),
+     lambda t: re.fullmatch(r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)", t)),
+    (dict(choice=["yes", "no", 'say "maybe"\\n']),
+     lambda t: t in ("yes", "no", 'say "maybe"\\n')),
+    (dict(grammar='start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,3}/'),
+     lambda t: re.fullmatch(r"\([0-9]{1,3}(\+[0-9]{1,3})*\)", t)),
+    (dict(grammar='root ::= "ab" digit digit? ("," | "!")\ndigit ::= [0-9]'),
+     lambda t: re.fullmatch(r"ab[0-9]{1,2}[,!]", t)),
+])
+def test_regex_choice_grammar_outputs_match(llm, constraint, check):
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(**constraint))
+    got = texts(llm.generate(PROMPTS, params, use_tqdm=False))
+    assert all(check(t) for t in got), got
+
+
+def test_free_requests_unchanged_beside_constrained(llm):
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = texts(llm.generate(PROMPTS, free, use_tqdm=False))
+    constrained = SamplingParams(temperature=1.0, seed=1, max_tokens=40,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-z ]{30}"))
+    mixed = llm.generate(PROMPTS * 2, [free] * len(PROMPTS) + [constrained] * len(PROMPTS),
+                         use_tqdm=False)
+    assert texts(mixed)[:len(PROMPTS)] == alone
+    assert llm.get_metrics()["jaxserve:num_compilations"] == 0
