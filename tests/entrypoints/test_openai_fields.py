@@ -1,7 +1,7 @@
 """Request fields existing OpenAI/vLLM clients send: usage details (prefix-cache hits, per-chunk
-usage), seeds up to 2^63 - 1 with pydantic-style messages, and every field that would
-change the output but is not supported (structured output, tool calls) refused with a 400
-naming it, never silently ignored."""
+usage), seeds up to 2^63 - 1 with pydantic-style messages, and bad structured-output and
+tool fields (or ones that would change the output but are not supported) refused with a 400
+naming them, never silently ignored."""
 
 from __future__ import annotations
 
@@ -23,25 +23,36 @@ def post(server, path, body):
 
 
 @pytest.mark.parametrize("path, body, param, words", [
-    ("/v1/completions", {**GOOD, "response_format": {"type": "json_object"}},
-     "response_format", "structured output"),
+    ("/v1/completions", {**GOOD, "response_format": {"type": "xml"}}, "response_format",
+     "type must be"),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema",
                                                           "json_schema": {"name": "x"}}},
-     "response_format", "structured output"),
-    ("/v1/completions", {**GOOD, "guided_json": {"type": "object"}}, "guided_json",
-     "structured output"),
-    ("/v1/chat/completions", {**CHAT, "guided_choice": ["a", "b"]}, "guided_choice",
-     "structured output"),
-    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "a+"}},
-     "structured_outputs", "structured output"),
-    ("/v1/chat/completions", {**CHAT, "tools": [TOOL]}, "tool_choice", "tool_choice='none'"),
-    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "auto"}, "tool_choice",
-     "not supported"),
-    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required"},
-     "tool_choice", "structured output"),
-    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": {
-        "type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
-     "structured output"),
+     "response_format", "json_schema.schema"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}},
+     "response_format", "does not compile"),
+    ("/v1/completions", {**GOOD, "guided_json": {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/missing"}}}}, "guided_json", "does not exist"),
+    ("/v1/completions", {**GOOD, "guided_json": {"type": "string", "format": "no-such"}},
+     "guided_json", "Unknown format"),
+    ("/v1/completions", {**GOOD, "guided_regex": "[a-z"}, "guided_regex", "does not compile"),
+    ("/v1/completions", {**GOOD, "guided_grammar": "start: missing_rule"}, "guided_grammar",
+     "does not compile"),
+    ("/v1/chat/completions", {**CHAT, "guided_choice": []}, "guided_choice", "non-empty list"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "a+", "choice": ["a"]}},
+     "structured_outputs", "exactly one"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regexp": "a+"}},
+     "structured_outputs", "unknown keys"),
+    ("/v1/completions", {**GOOD, "response_format": {"type": "json_object"},
+                         "guided_regex": "a+"}, "guided_regex", "one output constraint"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "strin"}}}}}],
+        "tool_choice": "required"}, "tools", "does not compile"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "tool_choice",
+     "one output constraint"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": "nope"}}]}, "tools", "JSON schema object"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": {
         "type": "function", "function": {"name": "get_weather"}}}, "tool_choice",
      "not in tools"),

@@ -48,6 +48,10 @@ def add_parser(sub) -> None:
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (the tokenizer's configuration and chat "
                         "template)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "none"],
+                   help="how chat replies to requests with tools (tool_choice 'auto') are "
+                        "read for tool calls: 'hermes' (<tool_call>{json}</tool_call>), or "
+                        "'none' (the reply stays content) (default: hermes)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="(default: info)")
@@ -74,7 +78,9 @@ def run(args) -> int:
 
     init_distributed(args)
     print_backend()
-    limits = ServingLimits(max_prompts_per_request=args.max_prompts_per_request)
+    limits = ServingLimits(max_prompts_per_request=args.max_prompts_per_request,
+                           tool_call_parser=None if args.tool_call_parser == "none"
+                           else args.tool_call_parser)
     app = build_app(None, names, api_key=args.api_key, limits=limits,
                     max_body_bytes=args.max_request_body_bytes,
                     enable_server_load_tracking=args.enable_server_load_tracking,

@@ -6,13 +6,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.entrypoints.openai.structured import request_constraint, tool_call_schema
 from jaxserve.sampling_params import SamplingParams
 
 # Largest request seed (vLLM's server takes any signed 64-bit seed; negative ones are a 400
 # here, as issue 12 settled).
 SEED_LIMIT = 2**63 - 1
-# vLLM's structured-output fields: each would change the output, so each is refused until
-# structured output exists (never silently ignored).
+# vLLM's structured-output fields (besides OpenAI's `response_format`).
 STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                             "structured_outputs")
 # vLLM's sampling extras not built yet, with the value that leaves the output unchanged:
@@ -86,17 +86,21 @@ class SamplingFields(OpenAIBaseModel):
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's `SamplingParams` (raises ValueError naming a bad field)."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        tool_schema: dict | None = None) -> SamplingParams:
+        """The engine's `SamplingParams` (raises ValueError naming a bad field).
+
+        Args:
+            max_tokens: The completion's token limit.
+            logprobs: Top logprobs per token, or None.
+            tool_schema: The JSON schema a forced tool call follows (chat), if any.
+        """
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"response_format of type {kind!r} needs structured output, "
-                             "which is not supported")
-        for name in STRUCTURED_OUTPUT_FIELDS:
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} needs structured output, which is not supported")
+        constraint, field = request_constraint(self, tool_schema)
+        if constraint is not None and self.use_beam_search:
+            raise ValueError(f"{field}: structured output is not supported with "
+                             "use_beam_search")
         if self.use_beam_search:
             self._check_beam_search()
         elif self.length_penalty != 1.0:
@@ -120,7 +124,7 @@ class SamplingFields(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words or None,
+            bad_words=self.bad_words or None, structured_outputs=constraint,
             **{k: v for k, v in given.items() if v is not None})
 
     def _check_beam_search(self) -> None:
@@ -245,20 +249,26 @@ class ChatCompletionRequest(SamplingFields):
         limit = self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(limit, logprobs)
-
+        return self.sampling_params(limit, logprobs,
+                                    tool_call_schema(self.tools or [], self.tool_choice))
 
     def _check_tools(self) -> None:
-        """Tools may be shown to the model (`tool_choice="none"`); a tool call cannot be
-        asked for, since no tool-call parser or structured output exists yet."""
+        """`tools` are function objects; `tool_choice` is none, auto, required or a named
+        function among them."""
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} is deprecated by OpenAI and not supported; use tools "
-                                 "with tool_choice='none'")
+                                 "and tool_choice")
         choice = self.tool_choice
         for tool in self.tools or []:
-            if not isinstance(tool.get("function"), dict):
-                raise ValueError(f"tools: each tool needs a 'function' object, got {tool!r}")
+            function = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str) or not function["name"]:
+                raise ValueError(f"tools: each tool needs type 'function' and a 'function' "
+                                 f"object with a name, got {tool!r}")
+            if not isinstance(function.get("parameters", {}), dict):
+                raise ValueError(f"tools: the parameters of {function['name']!r} must be a "
+                                 "JSON schema object")
         if isinstance(choice, dict):
             function = choice.get("function")
             if not isinstance(function, dict):
@@ -273,13 +283,6 @@ class ChatCompletionRequest(SamplingFields):
                              f"function, got {choice!r}")
         if choice == "required" and not self.tools:
             raise ValueError("tool_choice 'required' needs tools")
-        if choice is None and self.tools or choice == "auto":
-            raise ValueError("tool_choice 'auto' (the default with tools) is not supported: "
-                             "no tool-call parser; send tool_choice='none' to show the tools "
-                             "to the model without a tool call")
-        if choice == "required" or isinstance(choice, dict):
-            raise ValueError("tool_choice forcing a tool call needs structured output, which "
-                             "is not supported")
 
 
 class TokenizeRequest(OpenAIBaseModel):

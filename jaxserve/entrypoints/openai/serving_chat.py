@@ -18,6 +18,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     now,
     usage,
 )
+from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, reply_message, tool_mode
 from jaxserve.outputs import CompletionOutput
 
 _FIELDS = SAMPLING_FIELDS | REQUEST_FIELDS | {"logit_bias", "top_logprobs", "messages",
@@ -87,6 +88,7 @@ class OpenAIServingChat(OpenAIServing):
                                  "add_generation_prompt=false")
         except ValueError as e:
             raise from_value_error(e, _FIELDS, {"max_tokens": limit_name}) from None
+        self.check_constraint(req, params)
         chars = sum(len(m.as_template_message()["content"] or "") for m in req.messages
                     if isinstance(m.content, str))
         per_token = self.limits.max_chars_per_token
@@ -105,15 +107,24 @@ class OpenAIServingChat(OpenAIServing):
             else ""
         return Prepared(params, [{"prompt_token_ids": ids}], {"echo": echo})
 
+    def tool_mode(self, req) -> str | None:
+        """How the reply is read for tool calls (`tool_calls.tool_mode`; "auto" only with
+        a tool-call parser)."""
+        mode = tool_mode(req.tools, req.tool_choice)
+        return None if mode == "auto" and not self.limits.tool_call_parser else mode
+
     def full_response(self, req, prep, request_id, finals) -> dict:
         params, final = prep.params, finals[0]
-        choices = [{
-            "index": comp.index,
-            "message": {"role": "assistant", "content": prep.extra["echo"] + comp.text},
-            "logprobs": chat_logprobs(comp, 0, params.logprobs, self.tokenizer)
-            if params.logprobs is not None else None,
-            "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
-        } for comp in final.outputs]
+        mode = self.tool_mode(req)
+        choices = []
+        for comp in final.outputs:
+            message, finish_reason = reply_message(mode, prep.extra["echo"] + comp.text,
+                                                   req.tool_choice, comp.finish_reason)
+            choices.append({
+                "index": comp.index, "message": message,
+                "logprobs": chat_logprobs(comp, 0, params.logprobs, self.tokenizer)
+                if params.logprobs is not None else None,
+                "finish_reason": finish_reason, "stop_reason": comp.stop_reason})
         response = {"id": request_id, "object": "chat.completion", "created": now(),
                     "model": self.model_name, "choices": choices, "usage": usage([final])}
         if req.prompt_logprobs is not None:
@@ -129,12 +140,15 @@ class OpenAIServingChat(OpenAIServing):
                 "index": c, "delta": {"role": "assistant", "content": prep.extra["echo"]},
                 "logprobs": None, "finish_reason": None}], **chunk_usage(req, prep, [None])}
         finals = [None]
+        mode = self.tool_mode(req)
+        tools = [ToolCallStream(mode, req.tool_choice) for _ in range(params.n)]
         async for d in deltas(streams, params, finals):
             logprobs = chat_logprobs(d.comp, d.token_start, params.logprobs, self.tokenizer) \
                 if params.logprobs is not None else None
+            delta, finish_reason = tools[d.comp.index].feed(d.text, d.comp.finish_reason)
             yield {**head, "choices": [{
-                "index": d.comp.index, "delta": {"content": d.text} if d.text else {},
-                "logprobs": logprobs, "finish_reason": d.comp.finish_reason,
+                "index": d.comp.index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason,
                 "stop_reason": d.comp.stop_reason}], **chunk_usage(req, prep, finals)}
         if req.stream_options is not None and req.stream_options.include_usage:
             yield {**head, "choices": [], "usage": usage(finals)}

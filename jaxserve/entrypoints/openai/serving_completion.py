@@ -91,6 +91,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params = req.to_sampling_params()
         except ValueError as e:
             raise from_value_error(e, _FIELDS) from None
+        self.check_constraint(req, params)
         p = req.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             p = [p]

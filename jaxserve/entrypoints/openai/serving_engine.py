@@ -52,10 +52,14 @@ class ServingLimits:
         max_chars_per_token: Longest text one token covers; a prompt longer than
             `2 * max_chars_per_token * max_model_len` characters cannot fit and is refused
             before it is tokenized (None: the longest vocabulary entry; 0: always tokenize).
+        tool_call_parser: How chat replies with `tool_choice="auto"` are read for tool
+            calls: "hermes" (`<tool_call>{json}</tool_call>`), or None (never: the reply
+            is content).
     """
 
     max_prompts_per_request: int = 256
     max_chars_per_token: int | None = None
+    tool_call_parser: str | None = "hermes"
 
 
 @dataclasses.dataclass
@@ -156,6 +160,21 @@ class OpenAIServing:
                                    f"However, you requested {num_prompt + params.max_tokens} "
                                    f"tokens ({num_prompt} in the prompt, {params.max_tokens} "
                                    "in the completion).", max_tokens_param)
+
+    def check_constraint(self, req, params: SamplingParams) -> None:
+        """Compiles the request's output constraint now (the engine's LRU cache keeps it),
+        so a schema or grammar that does not compile is a 400 naming the field it came
+        from, before anything is queued."""
+        grammars = getattr(getattr(self.llm.engine, "inputs", None), "grammars", None)
+        if params.structured_outputs is None or grammars is None:
+            return
+        try:
+            grammars.compile(params.structured_outputs)
+        except ValueError as e:
+            from jaxserve.entrypoints.openai.structured import request_constraint
+
+            field = request_constraint(req)[1] or "tools"
+            raise OpenAIError(400, f"{field}: {e}", field) from None
 
     # -------------------------------------------------------------- flow
     def prepare(self, req) -> Prepared:
