@@ -132,3 +132,24 @@ def test_bad_configs_name_the_field(smollm2, smollm2_tokenizer, config, field):
     with pytest.raises(ValueError, match=field):
         LLM(smollm2, tokenizer=smollm2_tokenizer, warmup=False, speculative_config=config,
             **ENGINE_ARGS)
+
+
+def test_structured_outputs_under_speculation(base, spec):
+    """Each verified position gets the mask of the grammar after the proposals before it
+    (proposals the grammar rejects, as the code prompt's newlines, are never kept): the
+    tokens are those of the engine without speculation, and they follow the regex."""
+    import re
+
+    from jaxserve import StructuredOutputsParams
+
+    pattern = r"[A-Za-z ,.':]{1,60}"
+    before = spec_counts(spec)
+    params = [SamplingParams(temperature=t, seed=7 + i, max_tokens=24,
+                             structured_outputs=StructuredOutputsParams(regex=pattern))
+              for i, t in enumerate([0.0, 0.0, 0.7, 0.0])]
+    want = [[c.token_ids for c in outs] for outs in run(base, params)]
+    got_outs = run(spec, params)
+    assert [[c.token_ids for c in outs] for outs in got_outs] == want
+    assert all(re.fullmatch(pattern, outs[0].text) for outs in got_outs), got_outs
+    assert spec_counts(spec)[2] > before[2]  # proposals were accepted under the mask
+    assert spec.get_metrics()["jaxserve:num_compilations"] == 0

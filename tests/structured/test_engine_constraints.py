@@ -81,3 +81,48 @@ def test_free_requests_unchanged_beside_constrained(llm):
                          use_tqdm=False)
     assert texts(mixed)[:len(PROMPTS)] == alone
     assert llm.get_metrics()["jaxserve:num_compilations"] == 0
+
+
+def test_logprobs_and_preemption_keep_constrained_outputs(llm, tiny_model_dir):
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0.0, max_tokens=120, logprobs=2, structured_outputs=so)
+    want = llm.generate(PROMPTS * 2, params, use_tqdm=False)
+    for o in want:
+        c = o.outputs[0]
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+        assert len(c.logprobs) == len(c.token_ids)
+        assert all(t in lp for t, lp in zip(c.token_ids, c.logprobs, strict=True))
+    # 24 pages of 16 tokens cannot hold eight ~130-token requests at once: preemption
+    # (recompute) rebuilds their KV; the matchers keep following the same tokens.
+    small = LLM(tiny_model_dir, warmup=False, **{**ENGINE_ARGS, "num_kv_blocks": 24})
+    got = small.generate(PROMPTS * 2, params, use_tqdm=False)
+    assert small.get_metrics()["jaxserve:num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_unsatisfiable_request_fails_alone(llm):
+    """`choice=["a"]` with min_tokens=3: after "a" the grammar allows only EOS, which
+    min_tokens bans, so the request cannot continue: it ends with an error, and the
+    requests beside it are untouched."""
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = texts(llm.generate(PROMPTS, free, use_tqdm=False))
+    stuck = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=3,
+                           structured_outputs=StructuredOutputsParams(choice=["a"]))
+    outs = llm.generate(PROMPTS + PROMPTS[:1], [free] * len(PROMPTS) + [stuck],
+                        use_tqdm=False)
+    assert texts(outs)[:len(PROMPTS)] == alone
+    assert outs[-1].outputs[0].finish_reason == "error"
+    assert llm.get_metrics()["jaxserve:kv_cache_usage_perc"] == 0  # no page leaks
+
+
+@pytest.mark.parametrize("bad, words", [
+    (dict(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}),
+     "does not exist"),
+    (dict(regex="(ab"), "does not compile"),
+    (dict(grammar="start: undefined_rule"), "does not compile"),
+])
+def test_bad_constraints_are_refused_at_add(llm, bad, words):
+    with pytest.raises(ValueError, match=words):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(**bad)),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,80 @@
+"""`StructuredOutputsParams` validation and the grammar compiler's cache (no engine)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import SamplingParams, StructuredOutputsParams
+from jaxserve.structured import GrammarCompiler
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({}, "exactly one"),
+    (dict(regex="a", choice=["a"]), "exactly one"),
+    (dict(json="{not json"), "not valid JSON"),
+    (dict(json="[1, 2]"), "JSON schema"),
+    (dict(regex=""), "non-empty string"),
+    (dict(choice="yes"), "non-empty list"),
+    (dict(choice=["a", 1]), "non-empty list"),
+    (dict(json_object="yes"), "must be a bool"),
+    (dict(regex="a", disable_any_whitespace=1), "must be a bool"),
+])
+def test_bad_params_name_the_field(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_sampling_params_takes_a_dict_and_checks_it():
+    p = SamplingParams(structured_outputs={"choice": ["x", "y"]})
+    assert p.structured_outputs == StructuredOutputsParams(choice=("x", "y"))
+    assert p.needs_output_history  # its next mask follows the previous token
+    with pytest.raises(ValueError, match="unknown keys"):
+        SamplingParams(structured_outputs={"choices": ["x"]})
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm2_tokenizer):
+    return GrammarCompiler(smollm2_tokenizer, 49152, cache_size=2)
+
+
+def test_compiles_once_per_constraint_lru(compiler):
+    a, b, c = (StructuredOutputsParams(regex=r) for r in ("a+", "b+", "c+"))
+    base = compiler.num_compiled
+    compiler.compile(a), compiler.compile(a), compiler.compile(b)
+    assert compiler.num_compiled == base + 2
+    compiler.compile(c)  # evicts a (least recently used)
+    compiler.compile(b)
+    assert compiler.num_compiled == base + 3
+    compiler.compile(a)
+    assert compiler.num_compiled == base + 4
+    # the same schema as a dict or as its JSON text is one grammar
+    assert StructuredOutputsParams(json={"type": "object"}).cache_key() != \
+        StructuredOutputsParams(json_object=True).cache_key()
+
+
+def allowed(mask: np.ndarray) -> np.ndarray:
+    return np.nonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0]
+
+
+def test_matcher_follows_tokens_rolls_back_and_masks(compiler, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    m = compiler.matcher(StructuredOutputsParams(choice=["yes", "no"]))
+    first = allowed(m.bitmask([]))
+    texts = {tok.decode([t]) for t in first}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
+    yes = tok.encode("yes", add_special_tokens=False)
+    after = allowed(m.bitmask(yes))
+    assert list(after) == [tok.eos_token_id]  # complete: only EOS may follow
+    assert m.is_stopped
+    # a shorter token list rolls the matcher back (beam search swaps the newest token)
+    assert set(allowed(m.bitmask([]))) == set(first)
+    # proposals are checked, then rolled back; a rejected one allows everything
+    assert list(allowed(m.bitmask([], proposals=yes))) == [tok.eos_token_id]
+    bad = tok.encode("maybe", add_special_tokens=False)
+    assert len(allowed(m.bitmask([], proposals=bad))) == 49152
+    assert set(allowed(m.bitmask([]))) == set(first)
+    with pytest.raises(ValueError, match="does not follow the grammar"):
+        m.bitmask(bad)
+    child = m.fork()
+    assert set(allowed(child.bitmask([]))) == set(first)
