@@ -275,3 +275,16 @@ def test_throughput_peer_unreachable():
     trace = mixed_trace(2, short_prompt=4, long_prompt=8, short_output=2, long_output=2)
     with pytest.raises(RuntimeError, match="peer http://127.0.0.1:9: cannot reach it"):
         run_peer("http://127.0.0.1:9", trace, [[5, 6, 7]] * 2, log=lambda *a: None)
+
+
+def test_structured(tiny_model_dir, tmp_path):
+    path = str(tmp_path / "s.json")
+    out, _ = ok(["bench", "structured", "--model", tiny_model_dir, "--rows", "1,3",
+                 "--steps", "4", "--batch", "3", "--max-tokens", "6", "--repeats", "1",
+                 "--output-json", path])
+    assert "| constrained rows | engine ms/step |" in out and "| rep | batch |" in out
+    res = read_json(path)
+    assert [r["rows"] for r in res["masks"]] == [1, 3]
+    assert all(r["serial_ms"] > 0 for r in res["masks"])
+    assert [r["batch"] for r in res["throughput"]] == ["none", "all constrained"]
+    assert all(r["tokens"] > 0 and r["compiles"] == 0 for r in res["throughput"])

@@ -7,7 +7,8 @@ import pytest
 from jaxserve.entrypoints.cli import build_parser, main
 from jaxserve.entrypoints.cli.bench import BENCH_ENGINE_DEFAULTS, bench_engine_args, make_trace
 
-COMMANDS = ["throughput", "prefix", "latency", "serve", "roofline", "scale", "overhead"]
+COMMANDS = ["throughput", "prefix", "latency", "serve", "roofline", "scale", "overhead",
+            "quant", "structured"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

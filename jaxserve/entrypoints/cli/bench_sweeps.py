@@ -195,8 +195,48 @@ def cmd_quant(args) -> int:
     return 0
 
 
+def cmd_structured(args) -> int:
+    from jaxserve.bench.engine_run import make_llm
+    from jaxserve.bench.structured import constrained_throughput, mask_times
+    from models.default_model import default_model_path
+    from models.loaders import load_model, load_tokenizer
+
+    path = args.model or default_model_path()
+    model, tok = load_model(path), load_tokenizer(path)
+    masks = mask_times(tok, model.cfg.vocab_size, _ints(args.rows), args.steps)
+    print("\nHost time to build a step's token bitmasks (JSON schema, random valid paths):")
+    print(table(masks, [("rows", "constrained rows", "d"), ("serial_ms", "engine ms/step", ".2f"),
+                        ("serial_us_per_row", "us/row", ".1f"),
+                        ("parallel_ms", "llguidance parallel ms/step", ".2f"),
+                        ("load", "load", ".1f")]))
+    llm = make_llm(model, tok, max_num_seqs=args.batch, max_num_batched_tokens=256,
+                   max_model_len=512)
+    rows = constrained_throughput(llm, args.batch, args.max_tokens, args.repeats)
+    print(f"\nThroughput of {args.batch} greedy requests, none vs all constrained "
+          "(interleaved):")
+    print(table(rows, [("repeat", "rep", "d"), ("batch", "batch", "s"), ("tokens", "tokens", "d"),
+                       ("wall_s", "wall s", ".1f"), ("tok_s", "tok/s", ".1f"),
+                       ("ms_per_step", "ms/step", ".1f"), ("compiles", "compiles", "d"),
+                       ("load", "load", ".1f")]))
+    dump_json(args.output_json, {"masks": masks, "throughput": rows})
+    return 0
+
+
 def add_parsers(bsub) -> None:
-    """Adds `bench roofline`, `bench scale`, `bench overhead` and `bench quant`."""
+    """Adds `bench roofline`, `bench scale`, `bench overhead`, `bench quant` and
+    `bench structured`."""
+    so = bsub.add_parser("structured", help="structured outputs: mask-building time per step "
+                                             "and throughput constrained vs free")
+    so.add_argument("--model", default=None, help="GGUF file or HF directory (default: the "
+                                                    "embedded SmolLM2-135M-Instruct)")
+    so.add_argument("--rows", default="1,32,256",
+                    help="comma list of constrained rows per step (default: 1,32,256)")
+    so.add_argument("--steps", type=int, default=32, help="timed steps per row count (32)")
+    so.add_argument("--batch", type=int, default=32, help="requests per batch (default: 32)")
+    so.add_argument("--max-tokens", type=int, default=96, help="tokens per request (96)")
+    so.add_argument("--repeats", type=int, default=2, help="interleaved repeats (default: 2)")
+    so.add_argument("--output-json", default=None, help="also write the rows as JSON")
+    so.set_defaults(handler=cmd_structured)
     qb = bsub.add_parser("quant", help="accuracy, memory and speed of weight / KV formats")
     qb.add_argument("--model", default=None, help="GGUF file or HF directory (default: the "
                                                     "embedded SmolLM2-135M-Instruct)")
