@@ -13,23 +13,8 @@ import openai
 import pytest
 
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, ServerThread
+from tests.structured import SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "skills": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                   "minItems": 1, "maxItems": 3},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 16},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "role", "skills", "address"],
-    "additionalProperties": False,
-}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object",

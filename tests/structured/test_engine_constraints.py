@@ -11,27 +11,12 @@ import jsonschema
 import pytest
 
 from jaxserve import LLM, SamplingParams, StructuredOutputsParams
+from tests.structured import SCHEMA
 
 ENGINE_ARGS = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256,
                    num_kv_blocks=256)
 PROMPTS = ["Once upon a time", "The three primary colors are", "def fibonacci(n):",
            "List three fruits:"]
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
-                 "minItems": 1, "maxItems": 3},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 10},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False},
-    },
-    "required": ["name", "age", "role", "tags", "address"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")
