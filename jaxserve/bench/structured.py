@@ -29,46 +29,47 @@ PROMPT = "Describe a fictional person as JSON with name, age, role, skills and a
 
 def mask_times(tokenizer, vocab_size: int, rows: list[int], steps: int = 32,
                seed: int = 0) -> list[dict]:
-    """Host milliseconds per step to build the masks of R constrained rows, as the engine
-    does (each row's matcher takes its previous token, then fills its mask), along random
-    paths the grammar allows; and llguidance's parallel fill of the same masks.
+    """Host milliseconds per step to build the masks of R constrained rows along random
+    paths the grammar allows: the engine's way (`fill_bitmasks`: each matcher takes its
+    previous token, then llguidance's thread pool fills every mask) and one row at a
+    time (`RequestGrammar.bitmask`), each on its own matchers (llguidance caches a mask
+    per state, so timing both on one set would time the cache).
 
     Returns:
-        One row per R: median ms per step (engine path, and parallel fill), per row.
+        One row per R: median ms per step of both ways, and microseconds per row.
     """
-    import llguidance
-    import llguidance.numpy as llnp
-
-    from jaxserve.structured import GrammarCompiler, StructuredOutputsParams
+    from jaxserve.structured import GrammarCompiler, StructuredOutputsParams, fill_bitmasks
 
     compiler = GrammarCompiler(tokenizer, vocab_size)
     params = StructuredOutputsParams(json=SCHEMA)
     compiler.compile(params)
-    executor = llguidance.LLExecutor()
     out = []
     for r in rows:
         rng = np.random.default_rng(seed + r)
-        grammars = [compiler.matcher(params) for _ in range(r)]
+        batched = [compiler.matcher(params) for _ in range(r)]
+        single = [compiler.matcher(params) for _ in range(r)]
         tokens: list[list[int]] = [[] for _ in range(r)]
-        serial, parallel = [], []
+        times_batched, times_single = [], []
         for _ in range(steps):
             t0 = time.perf_counter()
-            masks = [g.bitmask(toks) for g, toks in zip(grammars, tokens, strict=True)]
-            serial.append(time.perf_counter() - t0)
-            buf = llnp.allocate_token_bitmask(r, compiler.lltokenizer.vocab_size)
+            masks, errors = fill_bitmasks([(g, toks, [], 1) for g, toks in
+                                           zip(batched, tokens, strict=True)], vocab_size)
+            times_batched.append(time.perf_counter() - t0)
+            assert not errors, errors
             t0 = time.perf_counter()
-            llnp.fill_next_token_bitmask_par(
-                executor, [(g._matcher, i) for i, g in enumerate(grammars)], buf)
-            parallel.append(time.perf_counter() - t0)
+            for g, toks in zip(single, tokens, strict=True):
+                g.bitmask(toks)
+            times_single.append(time.perf_counter() - t0)
             for i, mask in enumerate(masks):
-                ok = np.nonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0]
-                if grammars[i].is_stopped or not len(ok):
-                    grammars[i], tokens[i] = compiler.matcher(params), []
+                ok = np.nonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little"))[0]
+                if batched[i].is_stopped or not len(ok):
+                    batched[i], single[i] = compiler.matcher(params), compiler.matcher(params)
+                    tokens[i] = []
                 else:
                     tokens[i].append(int(rng.choice(ok)))
-        out.append({"rows": r, "serial_ms": 1e3 * float(np.median(serial)),
-                    "parallel_ms": 1e3 * float(np.median(parallel)),
-                    "serial_us_per_row": 1e6 * float(np.median(serial)) / r,
+        ms = 1e3 * float(np.median(times_batched))
+        out.append({"rows": r, "batched_ms": ms, "us_per_row": 1e3 * ms / r,
+                    "single_ms": 1e3 * float(np.median(times_single)),
                     "load": os.getloadavg()[0]})
     return out
 

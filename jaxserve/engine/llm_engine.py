@@ -23,6 +23,7 @@ from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.speculator import make_speculator
+from jaxserve.structured import mask_rows
 
 logger = logging.getLogger("jaxserve")
 # The row that stands in for a request whose own row could not be built (it computes
@@ -248,19 +249,15 @@ class LLMEngine:
     def _row_for(self, now: float, req, s, k) -> RowSpec:
         state = self.outputs.row_state(req, now)
         seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
-        proposals = s.spec_token_ids[:k] if s.num_spec_tokens and k else []
-        mask = None if req.grammar is None \
-            else req.grammar.bitmask(req.output_token_ids, proposals)  # i32[W]
-        if proposals:
+        if s.num_spec_tokens and k:
             # Row k samples the token after proposal k-1: as if proposals 0..k-1 were
-            # output already (penalties, min_tokens, bad words and the grammar see them;
-            # the counter is that output position's, so seeded draws match a run without
-            # proposals).
+            # output already (penalties, min_tokens and bad words see them; the counter
+            # is that output position's, so seeded draws match a run without proposals).
             return RowSpec(state.row_params, req.prompt_token_ids,
-                           [*req.output_token_ids, *proposals], seed,
-                           s.sampling_counter + k, mask)
+                           [*req.output_token_ids, *s.spec_token_ids[:k]], seed,
+                           s.sampling_counter + k)
         return RowSpec(state.row_params, req.prompt_token_ids, req.output_token_ids, seed,
-                       s.sampling_counter, mask)
+                       s.sampling_counter)
 
     def _can_overlap(self, inflight: _InFlight) -> bool:
         """Whether the next step may be scheduled before `inflight`'s samples are known:
@@ -299,15 +296,21 @@ class LLMEngine:
             return None
         row_for = row_for or functools.partial(self._row_for, time.time())
         requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}
-        rows, row_owner, row_failed = [], [], {}
+        rows, row_owner, row_failed, constrained = [], [], {}, []
         for s in out.scheduled:
+            req, first = requests[s.request_id], len(rows)
             for k in range(s.num_samples + s.num_spec_tokens):
                 try:
-                    rows.append(row_for(requests[s.request_id], s, k))
+                    rows.append(row_for(req, s, k))
                 except Exception as e:  # noqa: BLE001 - this request fails, not the step
                     row_failed.setdefault(s.request_id, e)
                     rows.append(_INERT_ROW)
                 row_owner.append(s.request_id)
+            if req.grammar is not None and len(rows) > first \
+                    and s.request_id not in row_failed:
+                constrained.append((first, req, s))
+        if constrained:
+            mask_rows(rows, constrained, self.model.cfg.vocab_size, _INERT_ROW, row_failed)
         _, num_rows = self.runner.step_shape(out)
         sampling, failed = self._sampling_metadata(rows, row_owner, num_rows)
         failed = {**row_failed, **failed}

@@ -35,6 +35,108 @@ def _close_objects(schema):
     return out
 
 
+_EXECUTOR = None  # llguidance's thread pool for batched mask fills, made on first use
+
+
+def fill_bitmasks(items, vocab_size: int) -> tuple[list, dict[int, Exception]]:
+    """The token bitmasks of a step's constrained requests, computed by llguidance's thread
+    pool (one call for rows without proposals, one for rows with them).
+
+    Args:
+        items: Per request `(grammar, output_token_ids, proposals, num_rows)`: its
+            `RequestGrammar`, its output so far, its speculative proposals (may be empty)
+            and how many sampling rows it has this step. Row k gets the mask after
+            proposals[:k] (k <= len(proposals)); a request that fans out (n > 1, no
+            proposals) gets the same mask on every row.
+        vocab_size: V.
+
+    Returns:
+        (masks, errors): per item an i32[num_rows, ceil(V / 32)] array (None for an item
+        in `errors`, `{item index: exception}`: an output token the grammar rejects).
+        Rows after a proposal the grammar rejects allow every token: the masked sample
+        before them cannot equal that proposal, so they are never kept.
+    """
+    global _EXECUTOR
+    import llguidance
+    import llguidance.numpy as llnp
+
+    width = bitmask_width(vocab_size)
+    plan, starts, errors = [], [], {}
+    offset = 0
+    for i, (grammar, outputs, proposals, _) in enumerate(items):
+        try:
+            grammar._sync(outputs)
+        except ValueError as e:
+            errors[i] = e
+            starts.append(None)
+            continue
+        drafts = [int(t) for t in proposals]
+        drafts = drafts[:grammar._matcher.validate_tokens(drafts)] if drafts else []
+        plan.append((grammar._matcher, offset, drafts))
+        starts.append((offset, len(drafts)))
+        offset += len(drafts) + 1
+    if not plan:
+        return [None] * len(items), errors
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    n_vocab = items[0][0].compiler.lltokenizer.vocab_size
+    buf = llnp.allocate_token_bitmask(offset, n_vocab)  # i32[positions, ceil(n_vocab / 32)]
+    plain = [(m, start) for m, start, drafts in plan if not drafts]
+    drafted = [entry for entry in plan if entry[2]]  # llguidance refuses empty drafts
+    if plain:
+        llnp.fill_next_token_bitmask_par(_EXECUTOR, plain, buf)
+    if drafted:
+        llnp.fill_next_token_bitmask_par_with_draft_tokens(_EXECUTOR, drafted, buf)
+    buf = buf[:, :width]
+    extra = width * 32 - vocab_size
+    if extra:  # ids past V do not exist in the model
+        buf[:, -1] &= np.array([(1 << (32 - extra)) - 1], np.uint32).view(np.int32)[0]
+    masks = []
+    for i, (grammar, _, proposals, num_rows) in enumerate(items):
+        if starts[i] is None:
+            masks.append(None)
+            continue
+        start, valid = starts[i]
+        out = np.full((num_rows, width), -1, np.int32)  # i32[num_rows, W]
+        for k in range(num_rows):
+            pos = min(k, len(proposals))
+            if pos <= valid:
+                out[k] = buf[start + pos]
+        masks.append(out)
+        if grammar._matcher.is_error():
+            errors[i] = ValueError(f"structured output: {grammar._matcher.get_error()}")
+            masks[-1] = None
+    return masks, errors
+
+
+def mask_rows(rows: list, constrained: list, vocab_size: int, inert, failed: dict) -> None:
+    """Gives the sampling rows of each constrained request its grammar's token bitmask
+    (one batched `fill_bitmasks`); a request whose mask cannot be built fails alone.
+
+    Args:
+        rows: The step's `RowSpec`s, replaced in place.
+        constrained: `(first row, request, scheduled entry)` of each constrained request
+            that samples this step.
+        vocab_size: V.
+        inert: The row that replaces a failed request's rows.
+        failed: `{request_id: exception}`, added to.
+    """
+    items = [(req.grammar, req.output_token_ids, s.spec_token_ids[:s.num_spec_tokens],
+              s.num_samples + s.num_spec_tokens) for _, req, s in constrained]
+    try:
+        masks, errors = fill_bitmasks(items, vocab_size)
+    except Exception as e:  # noqa: BLE001 - the constrained requests fail, not the step
+        masks, errors = [None] * len(items), dict.fromkeys(range(len(items)), e)
+    for i, ((first, req, _), mask) in enumerate(zip(constrained, masks, strict=True)):
+        end = first + items[i][3]
+        if i in errors:
+            failed.setdefault(req.request_id, errors[i])
+            rows[first:end] = [inert] * (end - first)
+        else:
+            rows[first:end] = [r._replace(token_bitmask=m)
+                               for r, m in zip(rows[first:end], mask, strict=True)]
+
+
 class GrammarCompiler:
     """Turns `StructuredOutputsParams` into validated llguidance grammars for one tokenizer.
 

@@ -78,3 +78,35 @@ def test_matcher_follows_tokens_rolls_back_and_masks(compiler, smollm2_tokenizer
         m.bitmask(bad)
     child = m.fork()
     assert set(allowed(child.bitmask([]))) == set(first)
+
+
+def test_batched_fill_equals_one_by_one(compiler, smollm2_tokenizer):
+    """`fill_bitmasks` (one parallel llguidance call, the engine's path) gives each row the
+    mask `RequestGrammar.bitmask` gives: after its proposals, all ones past a rejected one,
+    the same mask on every row of a fan-out; and leaves the matchers where they were."""
+    from jaxserve.structured import fill_bitmasks
+
+    tok = smollm2_tokenizer
+    enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    json_p = StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "string"}}, "required": ["a"]}, disable_any_whitespace=True)
+    regex_p = StructuredOutputsParams(regex="[a-z]{2,6}")
+    items = [
+        (compiler.matcher(json_p), enc('{"a":"'), enc("hello"), 6),  # proposals held
+        (compiler.matcher(regex_p), enc("ab"), enc("c!d"), 4),  # a proposal is rejected
+        (compiler.matcher(json_p), [], [], 3),  # n = 3 fan-out
+    ]
+    masks, errors = fill_bitmasks(items, 49152)
+    assert not errors
+    for (grammar, outputs, proposals, rows), got in zip(items, masks, strict=True):
+        ref = compiler.matcher(grammar_params := json_p if rows != 4 else regex_p)
+        assert grammar_params is not None
+        for k in range(rows):
+            want = ref.bitmask(outputs, proposals[:min(k, len(proposals))])
+            assert (got[k] == want).all(), (outputs, k)
+        assert (grammar.bitmask(outputs) == ref.bitmask(outputs)).all()  # not moved
+    rejected = np.where([(m == -1).all() for m in masks[1]])[0]
+    assert len(rejected) and len(rejected) < 4  # some rows follow a rejected proposal
+    bad = compiler.matcher(regex_p)
+    masks, errors = fill_bitmasks([(bad, enc("A"), [], 1), items[2]], 49152)
+    assert masks[0] is None and "does not follow" in str(errors[0]) and masks[1] is not None

@@ -205,9 +205,9 @@ def cmd_structured(args) -> int:
     model, tok = load_model(path), load_tokenizer(path)
     masks = mask_times(tok, model.cfg.vocab_size, _ints(args.rows), args.steps)
     print("\nHost time to build a step's token bitmasks (JSON schema, random valid paths):")
-    print(table(masks, [("rows", "constrained rows", "d"), ("serial_ms", "engine ms/step", ".2f"),
-                        ("serial_us_per_row", "us/row", ".1f"),
-                        ("parallel_ms", "llguidance parallel ms/step", ".2f"),
+    print(table(masks, [("rows", "constrained rows", "d"), ("batched_ms", "engine ms/step", ".2f"),
+                        ("us_per_row", "us/row", ".1f"),
+                        ("single_ms", "one row at a time ms/step", ".2f"),
                         ("load", "load", ".1f")]))
     llm = make_llm(model, tok, max_num_seqs=args.batch, max_num_batched_tokens=256,
                    max_model_len=512)
