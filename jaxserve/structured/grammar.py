@@ -22,14 +22,28 @@ def bitmask_width(vocab_size: int) -> int:
     return (int(vocab_size) + 31) // 32
 
 
+# JSON-schema keywords whose value is a schema, a list of schemas, or a map of them.
+_SCHEMA_VALUED = {"items", "additionalProperties", "not", "if", "then", "else", "contains",
+                  "propertyNames", "unevaluatedProperties", "unevaluatedItems"}
+_SCHEMA_LISTS = {"anyOf", "oneOf", "allOf", "prefixItems"}
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions",
+                "dependentSchemas"}
+
+
 def _close_objects(schema):
     """`schema` with `additionalProperties: false` on every object that lists properties
-    and says nothing about extra ones (vLLM's `disable_additional_properties`)."""
-    if isinstance(schema, list):
-        return [_close_objects(s) for s in schema]
+    and says nothing about extra ones (vLLM's `disable_additional_properties`); only
+    schema-valued keywords are walked (never `const`, `enum` or `default` values)."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: _close_objects(v) for k, v in schema.items()}
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_VALUED:
+            out[key] = _close_objects(value)
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_close_objects(v) for v in value]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _close_objects(v) for k, v in value.items()}
     if "properties" in out and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -155,19 +169,21 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self.cache_size = cache_size
         self._lltokenizer = None
-        self._cache: collections.OrderedDict[str, str] = collections.OrderedDict()
+        # key -> [grammar text, a fresh matcher to copy (made on the engine thread)]
+        self._cache: collections.OrderedDict[str, list] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0  # grammars compiled (cache misses)
 
     @property
     def lltokenizer(self):
         """llguidance's view of the tokenizer, over max(V, len(tokenizer)) ids."""
-        if self._lltokenizer is None:
-            import llguidance.hf
+        with self._lock:
+            if self._lltokenizer is None:
+                import llguidance.hf
 
-            self._lltokenizer = llguidance.hf.from_tokenizer(
-                self.tokenizer, n_vocab=max(self.vocab_size, len(self.tokenizer)))
-        return self._lltokenizer
+                self._lltokenizer = llguidance.hf.from_tokenizer(
+                    self.tokenizer, n_vocab=max(self.vocab_size, len(self.tokenizer)))
+            return self._lltokenizer
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The validated llguidance grammar of `params` (from the cache when seen before).
@@ -180,7 +196,7 @@ class GrammarCompiler:
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+                return self._cache[key][0]
         text = self._grammar_text(params)
         import llguidance
 
@@ -191,14 +207,27 @@ class GrammarCompiler:
                              f"{messages[0] if messages else 'unknown error'}")
         with self._lock:
             self.num_compiled += 1
-            self._cache[key] = text
+            self._cache.setdefault(key, [text, None])
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return text
 
     def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher of the (compiled) constraint `params`."""
-        return RequestGrammar(self, self.compile(params))
+        """A fresh matcher of the (compiled) constraint `params`: a copy of one kept with
+        the grammar, so a parser is built once per constraint, not per request."""
+        import llguidance
+
+        text = self.compile(params)
+        key = params.cache_key()
+        with self._lock:
+            entry = self._cache.get(key)
+            prototype = entry[1] if entry is not None else None
+        if prototype is None:
+            prototype = llguidance.LLMatcher(self.lltokenizer, text, log_level=0)
+            with self._lock:
+                if key in self._cache:
+                    self._cache[key][1] = prototype
+        return RequestGrammar(self, text, prototype)
 
     def _grammar_text(self, p: StructuredOutputsParams) -> str:
         import llguidance
@@ -226,7 +255,7 @@ class GrammarCompiler:
 
             # NOTE: GBNF / EBNF rules (`name ::= ...`) become Lark; Lark stays as is.
             return llguidance.LLMatcher.grammar_from_lark(any_to_lark(p.grammar))
-        except (ValueError, TypeError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - GBNF syntax errors are plain Exceptions
             raise ValueError(f"structured_outputs.{kind} does not compile: {e}") from None
 
 
@@ -243,17 +272,22 @@ class RequestGrammar:
         grammar: A validated llguidance grammar.
     """
 
-    def __init__(self, compiler: GrammarCompiler, grammar: str):
+    def __init__(self, compiler: GrammarCompiler, grammar: str, prototype=None):
         import llguidance
 
         self.compiler = compiler
         self.grammar = grammar
-        self._matcher = llguidance.LLMatcher(compiler.lltokenizer, grammar, log_level=0)
-        self._tokens: list[int] = []  # the output tokens the matcher has consumed
+        self._prototype = prototype if prototype is not None else llguidance.LLMatcher(
+            compiler.lltokenizer, grammar, log_level=0)
+        self._matcher = self._prototype.deep_copy()
+        self._tokens: list[int] = []  # the output tokens the matcher has followed
+        # How many of them it consumed: tokens after the grammar completed (EOS sampled
+        # again under ignore_eos) are kept without being consumed.
+        self._consumed = 0
 
     def fork(self) -> RequestGrammar:
         """A matcher of the same grammar for a forked request (n > 1, beams)."""
-        return RequestGrammar(self.compiler, self.grammar)
+        return RequestGrammar(self.compiler, self.grammar, self._prototype)
 
     @property
     def is_stopped(self) -> bool:
@@ -266,19 +300,29 @@ class RequestGrammar:
         if len(tokens) < n or (n and tokens[n - 1] != done[-1]):
             common = next((i for i, (a, b) in enumerate(zip(done, tokens, strict=False))
                            if a != b), min(n, len(tokens)))
-            if not self._matcher.rollback(n - common):
-                raise ValueError(f"structured output: cannot roll back {n - common} tokens: "
+            back = max(0, self._consumed - common)
+            if back and not self._matcher.rollback(back):
+                raise ValueError(f"structured output: cannot roll back {back} tokens: "
                                  f"{self._matcher.get_error()}")
+            self._consumed -= back
             del done[common:]
             n = common
         new = [int(t) for t in tokens[n:]]
-        if new:
-            taken = self._matcher.try_consume_tokens(new)
+        if not new:
+            return
+        taken = self._matcher.try_consume_tokens(new) if self._consumed == n else 0
+        self._consumed += taken
+        if taken < len(new) and self._matcher.is_stopped() and not self._matcher.is_error():
+            # the grammar is complete: only EOS may follow (ignore_eos samples it again)
+            eos = set(self.compiler.lltokenizer.eos_tokens)
+            taken += next((i for i, t in enumerate(new[taken:]) if t not in eos),
+                          len(new) - taken)
+        if taken < len(new):
             done.extend(new[:taken])
-            if taken < len(new):
-                raise ValueError(f"structured output: token {new[taken]} at output position "
-                                 f"{n + taken} does not follow the grammar "
-                                 f"({self._matcher.get_error() or 'rejected'})")
+            raise ValueError(f"structured output: token {new[taken]} at output position "
+                             f"{n + taken} does not follow the grammar "
+                             f"({self._matcher.get_error() or 'rejected'})")
+        done.extend(new)
 
     def bitmask(self, output_token_ids, proposals=()) -> np.ndarray:
         """The allowed next tokens after `output_token_ids` (+ `proposals`), as bits.

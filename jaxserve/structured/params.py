@@ -106,8 +106,9 @@ class StructuredOutputsParams:
     def cache_key(self) -> str:
         """A string that identifies the compiled grammar (the LRU cache's key)."""
         value = getattr(self, self.kind)
-        if isinstance(value, dict):
-            value = json.dumps(value, sort_keys=True)
+        if self.kind == "json":  # a schema as a dict or as its JSON text: one grammar
+            value = json.dumps(json.loads(value) if isinstance(value, str) else value,
+                               sort_keys=True)
         return json.dumps([self.kind, value if not isinstance(value, tuple) else list(value),
                            self.disable_any_whitespace, self.disable_additional_properties,
                            self.whitespace_pattern])

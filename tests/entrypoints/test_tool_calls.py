@@ -43,10 +43,27 @@ def test_reply_message_by_mode():
                                 "required", "stop")
     assert finish == "tool_calls" and json.loads(msg["tool_calls"][0]["function"]["arguments"]) \
         == {"x": 3}
-    # cut off by max_tokens: no call can be read, the text stays content
-    msg, finish = reply_message("required", '[{"name": "f", "par', "required", "length")
-    assert finish == "length" and msg["content"] == '[{"name": "f", "par' \
-        and "tool_calls" not in msg
+    # cut off (max_tokens, or a stop string ending it "stop"): no call can be read, the
+    # text stays content
+    for why in ("length", "stop"):
+        msg, finish = reply_message("required", '[{"name": "f", "par', "required", why)
+        assert finish == why and msg["content"] == '[{"name": "f", "par' \
+            and "tool_calls" not in msg
+    # a named call is returned even when cut short, as vLLM does (the finish says so)
+    msg, finish = reply_message("named", '{"x": ', NAMED, "length")
+    assert finish == "length" and msg["tool_calls"][0]["function"]["arguments"] == '{"x": '
+
+
+def test_tool_call_arguments_sent_back_reach_the_template_as_objects():
+    from jaxserve.entrypoints.openai.protocol import ChatMessage
+
+    m = ChatMessage(role="assistant", content=None, tool_calls=[
+        {"id": "call_1", "type": "function", "function": {"name": "f",
+                                                          "arguments": '{"x": 1}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{oops"}}])
+    calls = m.as_template_message()["tool_calls"]
+    assert calls[0]["function"]["arguments"] == {"x": 1}
+    assert calls[1]["function"]["arguments"] == "{oops"  # not JSON: kept as sent
     assert tool_mode(None, "auto") is None and tool_mode([{}], "none") is None
     assert tool_mode([{}], None) == "auto" and tool_mode([{}], NAMED) == "named"
 

@@ -100,6 +100,17 @@ def test_unsatisfiable_request_fails_alone(llm):
     assert llm.get_metrics()["jaxserve:kv_cache_usage_perc"] == 0  # no page leaks
 
 
+def test_ignore_eos_runs_on_after_the_grammar_completes(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    eos = llm.get_tokenizer().eos_token_id
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "length" and len(c.token_ids) == 6
+        assert c.text in ("yes", "no") and c.token_ids[-1] == eos
+
+
 @pytest.mark.parametrize("bad, words", [
     (dict(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}),
      "does not exist"),

@@ -48,9 +48,31 @@ def test_compiles_once_per_constraint_lru(compiler):
     assert compiler.num_compiled == base + 3
     compiler.compile(a)
     assert compiler.num_compiled == base + 4
-    # the same schema as a dict or as its JSON text is one grammar
-    assert StructuredOutputsParams(json={"type": "object"}).cache_key() != \
-        StructuredOutputsParams(json_object=True).cache_key()
+    # the same schema as a dict or as its JSON text is one grammar; json_object another
+    key = StructuredOutputsParams(json={"type": "object", "required": []}).cache_key()
+    assert key == StructuredOutputsParams(json='{"required": [], "type": "object"}').cache_key()
+    assert key != StructuredOutputsParams(json_object=True).cache_key()
+
+
+@pytest.mark.parametrize("bad", [dict(grammar='root ::= "a'), dict(grammar="start: nope"),
+                                 dict(regex="(a"), dict(json={"type": "strin"})])
+def test_compile_errors_are_value_errors(compiler, bad):
+    with pytest.raises(ValueError, match="does not compile|Invalid type"):
+        compiler.compile(StructuredOutputsParams(**bad))
+
+
+def test_disable_additional_properties_closes_schemas_only():
+    from jaxserve.structured.grammar import _close_objects
+
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"a": {"type": "string"}}},
+        "c": {"const": {"properties": {}}}},
+        "$defs": {"d": {"type": "object", "properties": {}}}}
+    out = _close_objects(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["properties"]["additionalProperties"] is False
+    assert out["properties"]["c"] == {"const": {"properties": {}}}  # a value, not a schema
+    assert out["$defs"]["d"]["additionalProperties"] is False
 
 
 def allowed(mask: np.ndarray) -> np.ndarray:
@@ -78,6 +100,10 @@ def test_matcher_follows_tokens_rolls_back_and_masks(compiler, smollm2_tokenizer
         m.bitmask(bad)
     child = m.fork()
     assert set(allowed(child.bitmask([]))) == set(first)
+    # ignore_eos: after the grammar completed, more EOS tokens are followed, not refused
+    eos = [tok.eos_token_id] * 3
+    assert list(allowed(child.bitmask(yes + eos))) == [tok.eos_token_id]
+    assert set(allowed(child.bitmask([]))) == set(first)  # and rolled back through them
 
 
 def test_batched_fill_equals_one_by_one(compiler, smollm2_tokenizer):
@@ -99,8 +125,7 @@ def test_batched_fill_equals_one_by_one(compiler, smollm2_tokenizer):
     masks, errors = fill_bitmasks(items, 49152)
     assert not errors
     for (grammar, outputs, proposals, rows), got in zip(items, masks, strict=True):
-        ref = compiler.matcher(grammar_params := json_p if rows != 4 else regex_p)
-        assert grammar_params is not None
+        ref = compiler.matcher(json_p if rows != 4 else regex_p)
         for k in range(rows):
             want = ref.bitmask(outputs, proposals[:min(k, len(proposals))])
             assert (got[k] == want).all(), (outputs, k)

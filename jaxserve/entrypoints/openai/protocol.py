@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -218,9 +219,26 @@ class ChatMessage(OpenAIBaseModel):
                 raise ValueError(f"messages: only text content parts are supported, got {bad}")
             content = "".join(p.text or "" for p in content)
         message = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            # NOTE: clients send a call's arguments back as JSON text; templates expect
+            # the object (they apply `tojson` themselves), as vLLM passes them.
+            message["tool_calls"] = [_parsed_arguments(c) for c in calls]
         if self.name is not None:
             message["name"] = self.name
         return message
+
+
+def _parsed_arguments(call):
+    """A tool call with `function.arguments` parsed from JSON text (kept if not JSON)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(SamplingFields):

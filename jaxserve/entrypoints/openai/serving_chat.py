@@ -118,8 +118,11 @@ class OpenAIServingChat(OpenAIServing):
         mode = self.tool_mode(req)
         choices = []
         for comp in final.outputs:
-            message, finish_reason = reply_message(mode, prep.extra["echo"] + comp.text,
-                                                   req.tool_choice, comp.finish_reason)
+            # NOTE: a forced call's arguments are the generated text alone (no echo).
+            text = comp.text if mode in ("named", "required") \
+                else prep.extra["echo"] + comp.text
+            message, finish_reason = reply_message(mode, text, req.tool_choice,
+                                                   comp.finish_reason)
             choices.append({
                 "index": comp.index, "message": message,
                 "logprobs": chat_logprobs(comp, 0, params.logprobs, self.tokenizer)

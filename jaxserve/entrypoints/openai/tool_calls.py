@@ -64,17 +64,20 @@ def reply_message(mode: str | None, text: str, tool_choice, finish_reason: str |
     """(assistant message, finish_reason) of a whole reply under `mode`."""
     calls: list[dict] = []
     content: str | None = text
-    if mode == "named" and finish_reason == "stop":
+    if mode == "named":  # as vLLM: the call, even when cut short (finish_reason says so)
         content, calls = None, [call_json(tool_choice["function"]["name"], text)]
-    elif mode == "required" and finish_reason == "stop":
-        content, calls = None, required_calls(text)
+    elif mode == "required":
+        try:
+            content, calls = None, required_calls(text)
+        except (ValueError, KeyError, TypeError):  # cut short (a stop string, max_tokens)
+            content, calls = text, []
     elif mode == "auto":
         content, calls = hermes_calls(text)
     message = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
         # NOTE: OpenAI ends a forced (named) call with "stop", a chosen one "tool_calls".
-        if mode != "named":
+        if mode != "named" and finish_reason == "stop":
             finish_reason = "tool_calls"
     return message, finish_reason
 
