@@ -126,8 +126,12 @@ def agreement(outs: list[list[int]], ref: list[list[int]]) -> tuple[float, float
 
 def run_quant_bench(model_path, modes=MODES, *, greedy_prompts: int = 16,
                     greedy_tokens: int = 256, batches=(1, 32), context: int = 128,
-                    kv_gib: float = 1.0, num_steps: int = 5) -> list[dict]:
-    """One row per mode: accuracy, measured bytes, KV capacity and decode speed."""
+                    kv_gib: float = 1.0, num_steps: int = 5,
+                    speed_only: bool = False) -> list[dict]:
+    """One row per mode: accuracy, measured bytes, KV capacity and decode speed
+    (`speed_only`: bytes, capacity and speed, on engines compiled as the steps need)."""
+    if speed_only:
+        return _speed_rows(model_path, modes, batches, context, kv_gib, num_steps)
     from jaxserve.bench.engine_run import make_llm
     from jaxserve.bench.roofline import measure_decode
     from models.loaders import load_model, load_tokenizer
@@ -169,3 +173,35 @@ def run_quant_bench(model_path, modes=MODES, *, greedy_prompts: int = 16,
         del llm, eng, model
     return rows
 
+
+
+def _speed_rows(model_path, modes, batches, context: int, kv_gib: float,
+                num_steps: int) -> list[dict]:
+    """Decode tok/s per mode without the accuracy passes (for modes too slow on this CPU
+    to run them); no warm-up: only the buckets the measurement uses are compiled."""
+    from jaxserve.bench.engine_run import make_llm
+    from jaxserve.bench.roofline import measure_decode
+    from models.loaders import load_model, load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    rows = []
+    for name, load_args, kv in modes:
+        model = load_model(model_path, **load_args)
+        llm = make_llm(model, tok, kv_cache_dtype=kv, max_num_seqs=max(batches),
+                       max_num_batched_tokens=max(64, max(batches)), max_model_len=512,
+                       kv_cache_memory_gib=kv_gib, dtype=load_args.get("dtype", "float32"),
+                       warmup=False)
+        eng = llm.engine
+        row = {"mode": name,
+               "weight_mib": sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+               / 2**20,
+               "kv_bytes_per_token": eng.runner.kv_pages.nbytes
+               / (eng.limits.num_pages * eng.config.cache.block_size),
+               "kv_capacity_tokens": eng.kv_capacity_tokens}
+        for b in batches:
+            row[f"tok_s_b{b}"] = b / measure_decode(eng, b, context, num_steps)["step_s"]
+        row["load_avg"] = os.getloadavg()[0]
+        rows.append(row)
+        print(row, flush=True)
+        del llm, eng, model
+    return rows

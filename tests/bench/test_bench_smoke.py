@@ -288,3 +288,15 @@ def test_structured(tiny_model_dir, tmp_path):
     assert all(r["batched_ms"] > 0 and r["single_ms"] > 0 for r in res["masks"])
     assert [r["batch"] for r in res["throughput"]] == ["none", "all constrained"]
     assert all(r["tokens"] > 0 and r["compiles"] == 0 for r in res["throughput"])
+
+
+def test_quant_speed_only(tiny_model_dir, tmp_path):
+    path = str(tmp_path / "q.json")
+    out, _ = ok(["bench", "quant", "--model", tiny_model_dir, "--modes",
+                 "float32,kv int8,float32", "--speed-only", "--batch-sizes", "1,2",
+                 "--context-len", "16", "--output-json", path])
+    assert "| mode | weights MiB | KV B/token |" in out
+    rows = read_json(path)["rows"]
+    assert [r["mode"] for r in rows] == ["float32", "kv int8", "float32"]  # as asked
+    assert rows[1]["kv_bytes_per_token"] < rows[0]["kv_bytes_per_token"] / 3
+    assert all(r["tok_s_b1"] > 0 and r["tok_s_b2"] > 0 for r in rows)

@@ -177,11 +177,20 @@ def cmd_quant(args) -> int:
     unknown = [w for w in wanted if w not in names]
     if unknown:
         raise ValueError(f"--modes: unknown {unknown}; choose from {names}")
-    modes = [m for m in MODES if m[0] in wanted]
+    # NOTE: in --modes order (a mode may repeat, for interleaved A, B, A runs)
+    modes = [next(m for m in MODES if m[0] == w) for w in wanted]
     batches = _ints(args.batch_sizes)
     rows = run_quant_bench(args.model, modes, greedy_prompts=args.greedy_prompts,
                            greedy_tokens=args.greedy_tokens, batches=batches,
-                           context=args.context_len)
+                           context=args.context_len, speed_only=args.speed_only)
+    if args.speed_only:
+        print(table(rows, [("mode", "mode", "s"), ("weight_mib", "weights MiB", ".1f"),
+                           ("kv_bytes_per_token", "KV B/token", ".0f"),
+                           ("kv_capacity_tokens", "KV tokens/GiB", "d"),
+                           *[(f"tok_s_b{b}", f"tok/s b{b}", ".2f") for b in batches],
+                           ("load_avg", "load", ".1f")]))
+        dump_json(args.output_json, {"rows": rows})
+        return 0
     print(f"perplexity of transformers float32 on the text: {rows[0]['ref_ppl']:.3f}")
     print(table(rows, [
         ("mode", "mode", "s"), ("max_abs_logit", "max |dlogit|", ".3f"), ("kl", "KL", ".2e"),
@@ -246,6 +255,9 @@ def add_parsers(bsub) -> None:
                     help="greedy tokens per prompt (default: 256)")
     qb.add_argument("--batch-sizes", default="1,32", help="decode batches (default: 1,32)")
     qb.add_argument("--context-len", type=int, default=128, help="decode context (128)")
+    qb.add_argument("--speed-only", action="store_true",
+                    help="only bytes, KV capacity and decode speed (no accuracy passes, no "
+                         "warm-up): for modes too slow on this CPU for the full table")
     qb.add_argument("--output-json", default=None, help="also write the rows as JSON")
     qb.set_defaults(handler=cmd_quant)
     roof = bsub.add_parser("roofline", help="decode-step MFU and bandwidth use per batch size")
