@@ -25,6 +25,7 @@ TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"type": "string", "maxLength": 10}},
         "required": ["zone"], "additionalProperties": False}}}
+EOS = 2  # SmolLM2's <|im_end|>
 ASK = [{"role": "user", "content": "Describe a fictional person as JSON."}]
 WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -138,9 +139,9 @@ def test_auto_tool_choice_parses_hermes_calls(client):
     prefix = f"<tool_call>\n{json.dumps({'name': 'get_weather', 'arguments': args})}\n</tool_call>"
     r = client.chat.completions.create(
         model=MODEL_NAME, messages=[*WEATHER_ASK, {"role": "assistant", "content": prefix}],
-        tools=[WEATHER], temperature=0, max_tokens=1,
+        tools=[WEATHER], temperature=0, max_tokens=2,
         extra_body={"continue_final_message": True, "add_generation_prompt": False,
-                    "echo": True})
+                    "echo": True, "allowed_token_ids": [EOS]})  # ends at once: "stop"
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
