@@ -124,84 +124,75 @@ def agreement(outs: list[list[int]], ref: list[list[int]]) -> tuple[float, float
                                                                            strict=True)]))
 
 
+def _mode_engine(model, tok, load_args: dict, kv: str, batches, kv_gib: float,
+                 warmup: bool = True):
+    """The benchmark's `LLM` over `model` in one mode (sized for the largest batch)."""
+    from jaxserve.bench.engine_run import make_llm
+
+    return make_llm(model, tok, kv_cache_dtype=kv, max_num_seqs=max(batches),
+                    max_num_batched_tokens=max(64, max(batches)), max_model_len=512,
+                    kv_cache_memory_gib=kv_gib, dtype=load_args.get("dtype", "float32"),
+                    warmup=warmup)
+
+
+def _memory_and_speed(model, eng, batches, context: int, num_steps: int) -> dict:
+    """Measured weight and KV bytes, KV capacity, decode tok/s per batch, load average."""
+    from jaxserve.bench.roofline import measure_decode
+
+    row = {"weight_mib": sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+           / 2**20,
+           "kv_bytes_per_token": eng.runner.kv_pages.nbytes
+           / (eng.limits.num_pages * eng.config.cache.block_size),
+           "kv_capacity_tokens": eng.kv_capacity_tokens}
+    for b in batches:
+        row[f"tok_s_b{b}"] = b / measure_decode(eng, b, context, num_steps)["step_s"]
+    row["load_avg"] = os.getloadavg()[0]
+    return row
+
+
 def run_quant_bench(model_path, modes=MODES, *, greedy_prompts: int = 16,
                     greedy_tokens: int = 256, batches=(1, 32), context: int = 128,
                     kv_gib: float = 1.0, num_steps: int = 5,
                     speed_only: bool = False) -> list[dict]:
-    """One row per mode: accuracy, measured bytes, KV capacity and decode speed
-    (`speed_only`: bytes, capacity and speed, on engines compiled as the steps need)."""
-    if speed_only:
-        return _speed_rows(model_path, modes, batches, context, kv_gib, num_steps)
-    from jaxserve.bench.engine_run import make_llm
-    from jaxserve.bench.roofline import measure_decode
+    """One row per mode: accuracy, measured bytes, KV capacity and decode speed.
+
+    With `speed_only`, bytes, capacity and speed only (for modes too slow on this CPU for
+    the accuracy passes), on engines that compile only the buckets the steps use.
+    """
     from models.loaders import load_model, load_tokenizer
 
     tok = load_tokenizer(model_path)
+    rows = []
+    if speed_only:
+        for name, load_args, kv in modes:
+            model = load_model(model_path, **load_args)
+            llm = _mode_engine(model, tok, load_args, kv, batches, kv_gib, warmup=False)
+            rows.append({"mode": name, **_memory_and_speed(model, llm.engine, batches,
+                                                           context, num_steps)})
+            print(rows[-1], flush=True)
+            del llm, model
+        return rows
     with open(TEXT_PATH) as f:
         text_ids = tok.encode(f.read())
     prompts_ids = [tok.encode(p) for p in LOGIT_PROMPTS]
     ref = hf_reference(model_path, tok, prompts_ids, text_ids)
     ref_ppl = perplexity(ref["text"], text_ids)
     greedy = GREEDY_PROMPTS[:greedy_prompts]
-    rows, ref_greedy = [], None
+    ref_greedy = None
     for name, load_args, kv in modes:
         model = load_model(model_path, **load_args)
-        weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
         errs = [logit_errors(teacher_forced_logits(model, ids, kv), r)
                 for ids, r in zip(prompts_ids, ref["prompts"], strict=True)]
         ppl = perplexity(teacher_forced_logits(model, text_ids, kv), text_ids)
-        llm = make_llm(model, tok, kv_cache_dtype=kv, max_num_seqs=max(batches),
-                       max_num_batched_tokens=max(64, max(batches)), max_model_len=512,
-                       kv_cache_memory_gib=kv_gib, dtype=load_args.get("dtype", "float32"))
-        eng = llm.engine
+        llm = _mode_engine(model, tok, load_args, kv, batches, kv_gib)
         outs = greedy_outputs(llm, greedy, greedy_tokens)
         ref_greedy = ref_greedy or outs
         agree, identical = agreement(outs, ref_greedy)
-        row = {"mode": name, "max_abs_logit": max(e[0] for e in errs),
-               "kl": float(np.mean([e[1] for e in errs])), "ppl": ppl,
-               "ppl_ratio": ppl / ref_ppl, "ref_ppl": ref_ppl, "greedy_prefix": agree,
-               "greedy_identical": identical, "weight_mib": weight_bytes / 2**20,
-               "kv_bytes_per_token": eng.runner.kv_pages.nbytes
-               / (eng.limits.num_pages * eng.config.cache.block_size),
-               "kv_capacity_tokens": eng.kv_capacity_tokens}
-        for b in batches:
-            m = measure_decode(eng, b, context, num_steps)
-            row[f"tok_s_b{b}"] = b / m["step_s"]
-        row["load_avg"] = os.getloadavg()[0]
-        rows.append(row)
-        print(row, flush=True)
-        del llm, eng, model
-    return rows
-
-
-
-def _speed_rows(model_path, modes, batches, context: int, kv_gib: float,
-                num_steps: int) -> list[dict]:
-    """Decode tok/s per mode without the accuracy passes (for modes too slow on this CPU
-    to run them); no warm-up: only the buckets the measurement uses are compiled."""
-    from jaxserve.bench.engine_run import make_llm
-    from jaxserve.bench.roofline import measure_decode
-    from models.loaders import load_model, load_tokenizer
-
-    tok = load_tokenizer(model_path)
-    rows = []
-    for name, load_args, kv in modes:
-        model = load_model(model_path, **load_args)
-        llm = make_llm(model, tok, kv_cache_dtype=kv, max_num_seqs=max(batches),
-                       max_num_batched_tokens=max(64, max(batches)), max_model_len=512,
-                       kv_cache_memory_gib=kv_gib, dtype=load_args.get("dtype", "float32"),
-                       warmup=False)
-        eng = llm.engine
-        row = {"mode": name,
-               "weight_mib": sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
-               / 2**20,
-               "kv_bytes_per_token": eng.runner.kv_pages.nbytes
-               / (eng.limits.num_pages * eng.config.cache.block_size),
-               "kv_capacity_tokens": eng.kv_capacity_tokens}
-        for b in batches:
-            row[f"tok_s_b{b}"] = b / measure_decode(eng, b, context, num_steps)["step_s"]
-        row["load_avg"] = os.getloadavg()[0]
-        rows.append(row)
-        print(row, flush=True)
-        del llm, eng, model
+        rows.append({"mode": name, "max_abs_logit": max(e[0] for e in errs),
+                     "kl": float(np.mean([e[1] for e in errs])), "ppl": ppl,
+                     "ppl_ratio": ppl / ref_ppl, "ref_ppl": ref_ppl, "greedy_prefix": agree,
+                     "greedy_identical": identical,
+                     **_memory_and_speed(model, llm.engine, batches, context, num_steps)})
+        print(rows[-1], flush=True)
+        del llm, model
     return rows

@@ -24,6 +24,7 @@ from jaxserve.sample.metadata import (
     MAX_LOGPROBS,
     SamplingMetadata,
 )
+from jaxserve.structured.grammar import bitmask_width
 
 VARIANTS = ("greedy", "sample", "full")
 
@@ -82,7 +83,7 @@ def promote(md: SamplingMetadata, variant: str, vocab_size: int, penalty_len: in
     restricted = md.restricted if md.restricted is not None \
         else np.zeros((num_rows,), np.int32)  # i32[R]
     bitmask = md.token_bitmask if md.token_bitmask is not None \
-        else np.full((num_rows, (vocab_size + 31) // 32), -1, np.int32)  # i32[R, W]
+        else np.full((num_rows, bitmask_width(vocab_size)), -1, np.int32)  # i32[R, W]
     return dataclasses.replace(
         md, all_greedy=False, needs_filtering=True, has_penalties=True,
         has_banned_tokens=True, max_num_logprobs=min(MAX_LOGPROBS, vocab_size),

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxserve.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.structured.grammar import bitmask_width
 
 # The only non-zero top-logprobs width the sampler compiles for (see `logprobs_bucket`).
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
@@ -238,7 +239,7 @@ def _bitmask(rows: list[RowSpec], num_rows: int, vocab_size: int) -> np.ndarray 
     None when no row is constrained."""
     if all(r.token_bitmask is None for r in rows):
         return None
-    width = (int(vocab_size) + 31) // 32
+    width = bitmask_width(vocab_size)
     out = np.full((num_rows, width), -1, np.int32)  # i32[R, W]
     for i, r in enumerate(rows):
         if r.token_bitmask is not None:

@@ -192,11 +192,26 @@ class GrammarCompiler:
             ValueError: The schema, regex or grammar does not compile (or uses a feature
                 llguidance does not implement); the message names the field.
         """
+        return self._entry(params)[0]
+
+    def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
+        """A fresh matcher of the (compiled) constraint `params`: a copy of one kept with
+        the grammar, so a parser is built once per constraint, not per request."""
+        import llguidance
+
+        entry = self._entry(params)
+        if entry[1] is None:  # NOTE: an evicted entry's list is still ours to fill
+            entry[1] = llguidance.LLMatcher(self.lltokenizer, entry[0], log_level=0)
+        return RequestGrammar(self, entry[0], entry[1])
+
+    def _entry(self, params: StructuredOutputsParams) -> list:
+        """The cache entry `[grammar text, matcher to copy or None]` of `params`, compiled
+        and validated on a miss."""
         key = params.cache_key()
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key][0]
+                return self._cache[key]
         text = self._grammar_text(params)
         import llguidance
 
@@ -207,27 +222,10 @@ class GrammarCompiler:
                              f"{messages[0] if messages else 'unknown error'}")
         with self._lock:
             self.num_compiled += 1
-            self._cache.setdefault(key, [text, None])
+            entry = self._cache.setdefault(key, [text, None])
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        return text
-
-    def matcher(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher of the (compiled) constraint `params`: a copy of one kept with
-        the grammar, so a parser is built once per constraint, not per request."""
-        import llguidance
-
-        text = self.compile(params)
-        key = params.cache_key()
-        with self._lock:
-            entry = self._cache.get(key)
-            prototype = entry[1] if entry is not None else None
-        if prototype is None:
-            prototype = llguidance.LLMatcher(self.lltokenizer, text, log_level=0)
-            with self._lock:
-                if key in self._cache:
-                    self._cache[key][1] = prototype
-        return RequestGrammar(self, text, prototype)
+        return entry
 
     def _grammar_text(self, p: StructuredOutputsParams) -> str:
         import llguidance
@@ -325,7 +323,8 @@ class RequestGrammar:
         done.extend(new)
 
     def bitmask(self, output_token_ids, proposals=()) -> np.ndarray:
-        """The allowed next tokens after `output_token_ids` (+ `proposals`), as bits.
+        """The allowed next tokens after `output_token_ids` (+ `proposals`), as bits: one
+        row of `fill_bitmasks` (the engine builds a whole step's rows in one call).
 
         Args:
             output_token_ids: The request's output so far.
@@ -339,22 +338,9 @@ class RequestGrammar:
         Raises:
             ValueError: An output token does not follow the grammar.
         """
-        import llguidance.numpy as llnp
-
-        self._sync(output_token_ids)
-        width = bitmask_width(self.compiler.vocab_size)
-        taken = self._matcher.try_consume_tokens([int(t) for t in proposals]) if proposals else 0
-        if taken < len(proposals):
-            self._matcher.rollback(taken)
-            return np.full((width,), -1, np.int32)
-        full = llnp.allocate_token_bitmask(1, self.compiler.lltokenizer.vocab_size)
-        llnp.fill_next_token_bitmask(self._matcher, full, 0)
-        if taken:
-            self._matcher.rollback(taken)
-        if self._matcher.is_error():
-            raise ValueError(f"structured output: {self._matcher.get_error()}")
-        row = full[0, :width].copy()  # i32[W]
-        extra = width * 32 - self.compiler.vocab_size
-        if extra:  # ids past V do not exist in the model
-            row[-1] &= np.array([(1 << (32 - extra)) - 1], np.uint32).view(np.int32)[0]
-        return row
+        masks, errors = fill_bitmasks(
+            [(self, output_token_ids, list(proposals), len(proposals) + 1)],
+            self.compiler.vocab_size)
+        if errors:
+            raise errors[0]
+        return masks[0][-1]
