@@ -80,9 +80,11 @@ TINY_HF_CONFIG = dict(hidden_size=72, intermediate_size=192, num_hidden_layers=2
                       max_position_embeddings=4096)
 
 
-def write_tiny_hf_dir(directory: str, tokenizer, base_config: dict, seed: int = 0) -> str:
-    """Writes a tiny random model of `base_config`'s family (shrunk to `TINY_HF_CONFIG`, same
-    vocabulary and special tokens) and `tokenizer` into `directory`, as an HF model dir."""
+def write_tiny_hf_dir(directory: str, tokenizer, base_config: dict, seed: int = 0,
+                      **overrides) -> str:
+    """Writes a tiny random model of `base_config`'s family (shrunk to `TINY_HF_CONFIG`, then
+    `overrides`; same vocabulary and special tokens) and `tokenizer` into `directory`, as
+    an HF model dir."""
     import json
 
     import jax
@@ -93,7 +95,7 @@ def write_tiny_hf_dir(directory: str, tokenizer, base_config: dict, seed: int = 
     from models.model import random_params
     from models.registry import arch_config_from_hf
 
-    hf = {**base_config, **TINY_HF_CONFIG, "tie_word_embeddings": True}
+    hf = {**base_config, **TINY_HF_CONFIG, **overrides, "tie_word_embeddings": True}
     hf.pop("rope_scaling", None)
     cfg = arch_config_from_hf(hf)
     tensors = {}

@@ -127,6 +127,29 @@ def make_tensor_parallel(cfg: ArchConfig, size: int,
     return TensorParallel(mesh)
 
 
+def process_spanning_devices(size: int) -> list:
+    """A tensor-parallel mesh's devices over several processes (hosts): an equal share,
+    `size / process_count`, of each process's devices, so every process holds shards.
+
+    Raises:
+        ValueError: `size` is not a multiple of the process count, or a process has fewer
+            devices than its share.
+    """
+    n = jax.process_count()
+    if size % n:
+        raise ValueError(f"tensor_parallel_size={size} must be a multiple of the {n} "
+                         "processes (hosts): each holds an equal share of the mesh")
+    per = size // n
+    by_process: dict[int, list] = {}
+    for d in jax.devices():
+        by_process.setdefault(d.process_index, []).append(d)
+    for p, devices in sorted(by_process.items()):
+        if len(devices) < per:
+            raise ValueError(f"tensor_parallel_size={size} over {n} processes needs {per} "
+                             f"devices in each; process {p} has {len(devices)}")
+    return [d for p in sorted(by_process) for d in by_process[p][:per]]
+
+
 def tensor_parallel_layout(config, cfg: ArchConfig) -> TensorParallel | None:
     """The mesh layout of an engine's devices (`config.parallel` of an `EngineConfig`),
     or None for the default device.
@@ -139,9 +162,12 @@ def tensor_parallel_layout(config, cfg: ArchConfig) -> TensorParallel | None:
     if par.data_parallel_size > 1:
         raise ValueError("LLMEngine serves one replica; data_parallel_size > 1 needs "
                          "jaxserve.parallel.data_parallel.DataParallelEngine (LLM picks it)")
-    if par.tensor_parallel_size == 1 and par.device_ids is None:
+    if jax.process_count() > 1 and par.device_ids is None:
+        devices = process_spanning_devices(par.tensor_parallel_size)
+    elif par.tensor_parallel_size == 1 and par.device_ids is None:
         return None
-    devices = jax.devices()
+    else:
+        devices = jax.devices()
     if par.device_ids is not None:
         by_id = {d.id: d for d in devices}
         missing = [i for i in par.device_ids if i not in by_id]

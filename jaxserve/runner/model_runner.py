@@ -62,6 +62,30 @@ class PendingStep:
     num_padded_tokens: int
     prompt_logprobs: object = None
     num_prompt_targets: int = 0
+    step_id: int = 0
+
+
+@dataclass
+class StepInputs:
+    """One step's device inputs as packed host buffers and their static layouts: all a
+    process needs to run the step's programs (what a multi-host leader broadcasts).
+
+    Attributes:
+        model_layout: Static layout of `model_buf`.
+        model_buf: i32[n] the packed step arrays (`step_input.build_step_arrays`).
+        decode_only: Whether the step runs the paged decode program.
+        sample_layout: Static layout of `sample_buf`.
+        sample_buf: i32[m] the packed sampling metadata.
+        prompt_targets: i32[num_tokens] next prompt token per position, or None (no
+            prompt logprobs this step).
+    """
+
+    model_layout: Layout
+    model_buf: np.ndarray
+    decode_only: bool
+    sample_layout: Layout
+    sample_buf: np.ndarray
+    prompt_targets: np.ndarray | None = None
 
 
 @dataclass
@@ -185,6 +209,10 @@ class ModelRunner:
         # compiling in the same process are not counted).
         self.num_compilations = 0
         self.num_decode_steps = 0  # steps that ran the paged decode kernel
+        # Multi-host leader: every device call is first sent to the other processes
+        # (`jaxserve.parallel.step_channel`); None on one host and on followers.
+        self.channel = None
+        self._step_count = 0  # steps dispatched (their ids, for followers' placeholders)
         self.warmup_seconds = 0.0
         # (buckets compiled, buckets in all) while warm-up runs; read by `/health`.
         self.warmup_progress = (0, len(self.buckets))
@@ -252,19 +280,54 @@ class ModelRunner:
                   variant: str | None, prompt_targets: np.ndarray | None,
                   prev: PendingStep | None) -> PendingStep:
         self.execute_plans(out.plans)
-        arrays, logits, hidden, num_tokens = self._run_model(out, prev)
-        prompt_lp = None
+        arrays, model_buf, model_layout, num_tokens, num_rows = self._model_inputs(out, prev)
+        sample_buf, sample_layout = self._sample_inputs(sampling, variant)
+        targets = None
         if prompt_targets is not None:
-            prompt_lp = self._run_prompt_logprobs(hidden, prompt_targets, num_tokens)
-        res, next_ids = self._run_sampler(logits, sampling, variant)
+            targets = np.zeros(num_tokens, np.int32)  # i32[num_tokens]; padding: any id
+            targets[:len(prompt_targets)] = np.maximum(prompt_targets, 0)
+        inputs = StepInputs(model_layout, model_buf,
+                            self.is_decode_step(out, num_tokens, num_rows),
+                            sample_layout, sample_buf, targets)
+        self._step_count += 1
+        if self.channel is not None:
+            self.channel.send("step", inputs, self._step_count,
+                              None if prev is None else prev.step_id)
+        res, next_ids, prompt_lp = self.launch(
+            inputs, None if prev is None else prev.next_input_ids)
         padded = num_tokens - out.total_num_scheduled_tokens
         self.num_padded_tokens += padded
         self.num_scheduled_tokens += out.total_num_scheduled_tokens
         return PendingStep(arrays.row_request_ids, res, next_ids, padded, prompt_lp,
-                           0 if prompt_targets is None else len(prompt_targets))
+                           0 if prompt_targets is None else len(prompt_targets),
+                           self._step_count)
 
-    def _run_model(self, out: SchedulerOutput, prev: PendingStep | None):
-        """Dispatches the model step: (host arrays, logits, hidden states, token bucket)."""
+    def launch(self, inputs: StepInputs, prev_ids: jax.Array | None = None):
+        """Dispatches one step's programs (model, prompt logprobs, sampler) on its inputs.
+
+        Args:
+            inputs: The step's packed buffers.
+            prev_ids: i32[max_rows] the previous step's sampled ids (on the device), read
+                for placeholder tokens; None when no step is in flight.
+
+        Returns:
+            (SamplerOutput, i32[max_rows] next input ids, PromptLogprobs or None), all
+            device arrays.
+        """
+        self.num_decode_steps += inputs.decode_only
+        self.kv_pages, logits, hidden = self._step_fn(inputs.model_layout, inputs.decode_only)(
+            self.params, self.kv_pages, self._to_device(inputs.model_buf),
+            self._no_prev_ids if prev_ids is None else prev_ids)
+        prompt_lp = None
+        if inputs.prompt_targets is not None:
+            prompt_lp = self._prompt_fn()(self.params, hidden,
+                                          self._to_device(inputs.prompt_targets))
+        res, next_ids = self._sampler_fn(inputs.sample_layout)(
+            logits, self._to_device(inputs.sample_buf))
+        return res, next_ids, prompt_lp
+
+    def _model_inputs(self, out: SchedulerOutput, prev: PendingStep | None):
+        """(host arrays, packed buffer, its layout, token bucket, row bucket) of a step."""
         num_tokens, num_sample_rows = self.step_shape(out)
         num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)
         prev_rows = None if prev is None else {
@@ -272,26 +335,13 @@ class ModelRunner:
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
                                    self.max_pages_per_seq, prev_rows, num_sample_rows)
         model_buf, model_layout = pack(arrays.device_tree())
-        decode_only = self.is_decode_step(out, num_tokens, num_rows)
-        self.num_decode_steps += decode_only
-        prev_ids = self._no_prev_ids if prev is None else prev.next_input_ids
-        self.kv_pages, logits, hidden = self._step_fn(model_layout, decode_only)(
-            self.params, self.kv_pages, self._to_device(model_buf), prev_ids)
-        return arrays, logits, hidden, num_tokens
+        return arrays, model_buf, model_layout, num_tokens, num_rows
 
-    def _run_prompt_logprobs(self, hidden: jax.Array, prompt_targets: np.ndarray,
-                             num_tokens: int):
-        targets = np.zeros(num_tokens, np.int32)  # i32[num_tokens]; padding: any id
-        targets[:len(prompt_targets)] = np.maximum(prompt_targets, 0)
-        return self._prompt_fn()(self.params, hidden, self._to_device(targets))
-
-    def _run_sampler(self, logits: jax.Array, sampling: SamplingMetadata,
-                     variant: str | None):
-        """Dispatches the sampler: (SamplerOutput, i32[max_rows] next input ids)."""
+    def _sample_inputs(self, sampling: SamplingMetadata, variant: str | None):
+        """The packed sampling buffer of the cheapest variant that fits (or `variant`)."""
         sampling = promote(sampling, variant or variant_of(sampling),
                            self.model.cfg.vocab_size, self.penalty_len, self.banned_len)
-        sample_buf, sample_layout = pack(sampling)
-        return self._sampler_fn(sample_layout)(logits, self._to_device(sample_buf))
+        return pack(sampling)
 
     def _prompt_fn(self):
         if self._prompt_logprobs is None:
@@ -338,6 +388,8 @@ class ModelRunner:
         """Swap-outs first (their pages may be reused this step), then swap-ins, copies."""
         if plans is None or plans.is_empty():
             return
+        if self.channel is not None:
+            self.channel.send("plans", plans)
         # NOTE: plans run in pieces of at most `max_plan_pairs` pairs, the largest size
         # warm-up compiled, so a step that swaps or copies many pages compiles nothing.
         for pairs in self._pieces(plans.swap_out):
@@ -362,6 +414,8 @@ class ModelRunner:
         Returns:
             Seconds spent.
         """
+        if self.channel is not None:
+            self.channel.send("warmup")
         start = time.perf_counter()
         self.warmup_progress = (0, len(self.buckets))
         for done, num_tokens in enumerate(tqdm(self.buckets, desc="jaxserve warm-up",
@@ -378,12 +432,15 @@ class ModelRunner:
                 for i, n in enumerate(sizes[:num_rows])])
             # One model step; the prompt-logprobs program and every sampler variant on
             # its outputs (running the model once per variant cost ~7 s more cold).
-            _, logits, hidden, _ = self._run_model(out, None)
-            jax.block_until_ready(self._run_prompt_logprobs(hidden, np.zeros(0, np.int32),
-                                                            num_tokens))
+            _, buf, layout, _, _ = self._model_inputs(out, None)
+            decode_only = self.is_decode_step(out, num_tokens, num_rows)
+            self.kv_pages, logits, hidden = self._step_fn(layout, decode_only)(
+                self.params, self.kv_pages, self._to_device(buf), self._no_prev_ids)
+            jax.block_until_ready(self._prompt_fn()(
+                self.params, hidden, self._to_device(np.zeros(num_tokens, np.int32))))
             for variant in VARIANTS:
-                jax.block_until_ready(self._run_sampler(
-                    logits, make_dummy_sampling(num_sample_rows), variant))
+                buf, layout = self._sample_inputs(make_dummy_sampling(num_sample_rows), variant)
+                jax.block_until_ready(self._sampler_fn(layout)(logits, self._to_device(buf)))
             decodes = SchedulerOutput(scheduled=[ScheduledRequest(f"warmup-d{i}", [0], 0, [0], 1)
                                                  for i in range(num_rows)])
             if self.is_decode_step(decodes, num_tokens, num_rows):  # its own program

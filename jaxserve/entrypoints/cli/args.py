@@ -152,6 +152,10 @@ def add_distributed_args(p: argparse.ArgumentParser) -> None:
                        help="host:port of process 0, the same on every host")
     group.add_argument("--num-processes", type=int, default=None, help="processes in all")
     group.add_argument("--process-id", type=int, default=None, help="this process's index")
+    group.add_argument("--distributed-timeout", type=int, default=60,
+                       help="seconds to wait for every process to join, and after which a "
+                            "process that stopped answering takes the others down "
+                            "(default: 60)")
 
 
 def init_distributed(args) -> None:
@@ -159,7 +163,8 @@ def init_distributed(args) -> None:
     if getattr(args, "coordinator_address", None):
         from jaxserve.parallel.multihost import initialize
 
-        initialize(args.coordinator_address, args.num_processes, args.process_id)
+        initialize(args.coordinator_address, args.num_processes, args.process_id,
+                   getattr(args, "distributed_timeout", 60))
 
 
 def quiet_start(verbose: bool = False) -> None:

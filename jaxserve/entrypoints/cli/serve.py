@@ -78,6 +78,8 @@ def run(args) -> int:
 
     init_distributed(args)
     print_backend()
+    if getattr(args, "coordinator_address", None) and args.process_id != 0:
+        return _follow(kwargs)
     limits = ServingLimits(max_prompts_per_request=args.max_prompts_per_request,
                            tool_call_parser=None if args.tool_call_parser == "none"
                            else args.tool_call_parser)
@@ -93,6 +95,10 @@ def run(args) -> int:
         # 503 with the progress, /v1/* a 503 error, until the engine is attached.
         warmup = kwargs.pop("warmup", True)
         engine = LLM(**kwargs, warmup=False).engine
+        if multihost:
+            from jaxserve.parallel.step_channel import lead
+
+            channels.append(lead(engine))
         startup.engine = engine
         if warmup:
             startup.phase = "warm-up"
@@ -103,10 +109,30 @@ def run(args) -> int:
     def failed(_):
         server.should_exit = True
 
-    start_in_background(app, build, on_error=failed)
+    multihost = bool(getattr(args, "coordinator_address", None))
+    channels = []  # process 0 of several: the channel to the others, once the engine exists
+    starting = start_in_background(app, build, on_error=failed)
     logging.getLogger("jaxserve").info("jaxserve: serving %s on http://%s:%d (starting)",
                                        names[0], args.host, args.port)
-    server.run()
-    if app.state.llm is not None:
-        app.state.llm.shutdown()
+    try:
+        server.run()
+    finally:
+        if app.state.llm is not None:
+            app.state.llm.shutdown()
+        if channels:
+            # NOTE: the followers wait in the channel's collective; they stop once told
+            # (after the engine thread, or the warm-up, sent its last call).
+            starting.join()
+            channels[0].close()
     return 1 if app.state.startup.error else 0
+
+
+def _follow(kwargs) -> int:
+    """Processes 1..N-1 of a multi-host server: no HTTP, the same engine, replaying the
+    device calls process 0 sends (`jaxserve.parallel.step_channel`)."""
+    from jaxserve.engine.llm import LLM
+    from jaxserve.parallel.step_channel import follow
+
+    kwargs.pop("warmup", None)
+    follow(LLM(**kwargs, warmup=False).engine)
+    return 0
