@@ -250,11 +250,12 @@ class BatchOutput:
             self._fd = None
 
 
-async def run_lines(runner: BatchRunner, lines: list[str], out: BatchOutput,
-                    use_tqdm: bool = True) -> None:
-    """Answers every non-blank line into `out`, skipping the ones `out.done` already holds.
+def plan_lines(lines: list[str], out: BatchOutput) -> list[tuple[int, int, str]]:
+    """Sizes `out` to the non-blank lines and fills in what needs no engine: records of an
+    earlier run (`out.done`) and `duplicate_custom_id` errors (with a warning on stderr).
 
-    Repeated `custom_id`s get a `duplicate_custom_id` error (and a warning on stderr).
+    Returns:
+        The lines to run: (output index, line number, line).
     """
     numbered = [(n, ln) for n, ln in enumerate(lines, start=1) if ln.strip()]
     out.records = [None] * len(numbered)
@@ -275,8 +276,18 @@ async def run_lines(runner: BatchRunner, lines: list[str], out: BatchOutput,
                 out.skipped += 1
                 continue
         todo.append((index, lineno, line))
-    bar = tqdm(total=len(numbered), initial=len(numbered) - len(todo), desc="Running batch",
-               unit="req", disable=not use_tqdm)
+    return todo
+
+
+async def run_lines(runner: BatchRunner, lines: list[str], out: BatchOutput,
+                    use_tqdm: bool = True) -> None:
+    """Answers every non-blank line into `out`, skipping the ones `out.done` already holds.
+
+    Repeated `custom_id`s get a `duplicate_custom_id` error (and a warning on stderr).
+    """
+    todo = plan_lines(lines, out)
+    bar = tqdm(total=len(out.records), initial=len(out.records) - len(todo),
+               desc="Running batch", unit="req", disable=not use_tqdm)
 
     async def one(index, lineno, line):
         record = await runner.run_line(line, lineno)
@@ -317,6 +328,11 @@ def run_batch_file(llm: AsyncLLM, served_model_names: list[str], input_path: str
     finally:
         out.close()
     out.finish()
+    return count_records(out)
+
+
+def count_records(out: BatchOutput) -> dict[str, int]:
+    """`total`, `succeeded` (status 200), `failed` and `skipped` records of a finished run."""
     ok = sum(1 for r in out.records
              if isinstance(r.get("response"), dict) and r["response"].get("status_code") == 200)
     return {"total": len(out.records), "succeeded": ok, "failed": len(out.records) - ok,

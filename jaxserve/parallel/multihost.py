@@ -9,10 +9,10 @@ requests in the same order, so each process's scheduler makes the same decisions
 from __future__ import annotations
 
 import logging
-import socket
-import time
 
 import jax
+
+from jaxserve.utils import wait_for_listener
 
 logger = logging.getLogger("jaxserve")
 
@@ -44,7 +44,9 @@ def initialize(coordinator_address: str, num_processes: int | None,
     if timeout < 1:
         raise ValueError(f"distributed timeout must be at least 1 s, got {timeout}")
     if process_id != 0:
-        wait_for_coordinator(host, int(port), timeout)
+        wait_for_listener(host, int(port), timeout, "coordinator_address",
+                          "start process 0 with the same address, or raise "
+                          "--distributed-timeout")
     else:
         logger.info("jaxserve: coordinator at %s waits up to %d s for %d processes",
                     coordinator_address, timeout, num_processes)
@@ -57,22 +59,3 @@ def initialize(coordinator_address: str, num_processes: int | None,
                 jax.process_index(), jax.process_count(), jax.local_device_count(),
                 jax.device_count())
 
-
-def wait_for_coordinator(host: str, port: int, timeout: float) -> None:
-    """Waits until process 0's coordinator accepts connections (it may start later).
-
-    Raises:
-        ValueError: Nothing listens at host:port within `timeout` seconds.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise ValueError(
-                    f"coordinator_address {host}:{port} did not answer within {timeout:g} s "
-                    f"({e}); start process 0 with the same address, or raise "
-                    "--distributed-timeout") from None
-        time.sleep(0.2)

@@ -23,6 +23,21 @@ def add_parser(sub) -> None:
     add_engine_args(p, positional_model=False)
     add_serving_args(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    ray = p.add_argument_group("Ray cluster (pip install 'jaxserve[ray]')")
+    ray.add_argument("--ray", metavar="ADDRESS", default=None,
+                     help="run on a Ray cluster through a pool of actors, one engine each: "
+                          "the head's host:port (or ray://host:port), or 'local' to start "
+                          "one here")
+    ray.add_argument("--num-actors", type=int, default=2, help="actors (default: 2)")
+    ray.add_argument("--actor-cpus", type=float, default=1.0,
+                     help="CPUs each actor reserves (default: 1)")
+    ray.add_argument("--actor-gpus", type=float, default=0.0,
+                     help="GPUs each actor reserves (default: 0)")
+    ray.add_argument("--ray-batch-size", type=int, default=16,
+                     help="lines per batch an actor answers, and reruns if it dies "
+                          "(default: 16)")
+    ray.add_argument("--ray-timeout", type=float, default=30.0,
+                     help="seconds to wait for the cluster to answer (default: 30)")
     p.set_defaults(handler=run)
 
 
@@ -30,6 +45,8 @@ def run(args) -> int:
     from jaxserve.entrypoints.run_batch import check_paths, run_batch_file
 
     check_paths(args.input_file, args.output_file, args.resume)  # before the slow model load
+    if args.ray is not None:
+        return _run_on_ray(args)
     llm, names = start_engine(args, verbose=False)
     caught = []
 
@@ -52,4 +69,24 @@ def run(args) -> int:
     print(f"[jaxserve] {counts['total']} requests: {counts['succeeded']} succeeded, "
           f"{counts['failed']} failed, {counts['skipped']} skipped (done by an earlier run); "
           f"wrote {args.output_file}", file=sys.stderr)
+    return 0
+
+
+def _run_on_ray(args) -> int:
+    from jaxserve.batch import print_report, run_batch_file
+    from jaxserve.entrypoints.cli.args import check_engine_args, engine_kwargs
+
+    kwargs = engine_kwargs(args)
+    check_engine_args(kwargs)
+    try:
+        report = run_batch_file(
+            args.input_file, args.output_file, kwargs, args.served_model_name,
+            address=args.ray, num_actors=args.num_actors, batch_size=args.ray_batch_size,
+            num_cpus=args.actor_cpus, num_gpus=args.actor_gpus, resume=args.resume,
+            use_tqdm=not args.no_progress, timeout=args.ray_timeout)
+    except KeyboardInterrupt:
+        print(f"[jaxserve] run-batch interrupted; the finished lines are in "
+              f"{args.output_file}: rerun with --resume to complete it", file=sys.stderr)
+        return 128 + signal.SIGINT
+    print_report(report)
     return 0
