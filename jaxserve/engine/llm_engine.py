@@ -99,18 +99,12 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.limits = resolve_limits(config, self.model)
         lim = self.limits
-        swap_space = config.cache.swap_space
-        if jax.process_count() > 1:
-            # NOTE: host swap reads pages back to this process, and across hosts a page's
-            # heads live on other processes: multi-host preemption recomputes.
-            if config.scheduler.preemption_mode == "swap":
-                raise ValueError("preemption_mode='swap' is single-host only; use "
-                                 "'recompute' across hosts")
-            swap_space = 0.0
+        # NOTE: across hosts every process swaps the KV heads it holds to its own host
+        # memory, on the same plans (`HostSwapSpace`).
         self.kv = KVCacheManager(
             lim.num_pages, config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            watermark=config.cache.watermark, swap_space=swap_space,
+            watermark=config.cache.watermark, swap_space=config.cache.swap_space,
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
                                    lim.max_num_batched_tokens)
@@ -264,7 +258,7 @@ class LLMEngine:
         no request forks on them (n > 1), none waits for prompt logprobs from it, no
         running request's sampling reads its previous tokens (penalties, bad words), and
         no proposals are being made (speculative decoding, unless its gate pauses it)."""
-        if not self.async_scheduling or jax.process_count() > 1:
+        if not self.async_scheduling:
             return False
         # NOTE: proposals are made from each request's latest tokens, which an overlapped
         # step would not know yet: speculation steps one at a time (unless paused).

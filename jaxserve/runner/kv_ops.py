@@ -39,8 +39,17 @@ scatter_pages = jax.jit(_scatter_pages, donate_argnums=0)
 gather_pages = jax.jit(_gather_pages)
 
 
+def _heads(index: tuple, num_heads: int) -> tuple[int, int]:
+    """The KV-head range [first, end) (axis 2) of a shard's index into a page array."""
+    return index[2].indices(num_heads)[:2]
+
+
 class HostSwapSpace:
     """Host-memory page slots for preempted requests' KV (NumPy, filled on demand).
+
+    Each slot holds this process's shards of one page, by KV-head range: with a mesh
+    over several processes (hosts) every process keeps the heads it holds, and swapping
+    runs in every process on the same plan.
 
     NOTE: slots live in a dict, so host memory grows with what is actually swapped out,
     not with `swap_space`; the KV cache manager enforces the slot count.
@@ -55,23 +64,36 @@ class HostSwapSpace:
         self.num_slots = num_slots
         self.page_shape = page_shape
         self.dtype = dtype
-        self._slots: dict[int, np.ndarray] = {}
+        # slot -> {(first head, end head): f[L, 2, heads, page_size, D]}
+        self._slots: dict[int, dict[tuple, np.ndarray]] = {}
 
     def swap_out(self, kv_pages, pairs: np.ndarray) -> None:
         """Copies device pages into host slots; pairs are i32[n, 2] (page, slot)."""
         padded = pad_pairs(pairs)
-        pages = np.asarray(gather_pages(kv_pages, jax.device_put(padded[:, 0])))
-        pages = np.moveaxis(pages, 3, 0)  # [L, 2, Hkv, n, ps, D] -> [n, L, 2, Hkv, ps, D]
-        for (_, slot), page in zip(pairs, pages, strict=False):
-            self._slots[int(slot)] = page.copy()
+        pages = gather_pages(kv_pages, jax.device_put(padded[:, 0]))  # [L, 2, Hkv, n, ps, D]
+        parts = {}
+        for shard in pages.addressable_shards:  # replicas of a head range come once
+            parts.setdefault(_heads(shard.index, self.page_shape[2]), shard.data)
+        parts = {k: np.asarray(v) for k, v in parts.items()}
+        for i, (_, slot) in enumerate(pairs):
+            self._slots[int(slot)] = {k: v[:, :, :, i].copy() for k, v in parts.items()}
 
     def swap_in(self, kv_pages, pairs: np.ndarray):
         """Writes host slots back into device pages (and frees the slots); pairs are
         i32[n, 2] (slot, page)."""
         padded = pad_pairs(pairs)
-        values = np.zeros((len(padded), *self.page_shape), self.dtype)
-        for i, (slot, _) in enumerate(pairs):
-            values[i] = self._slots.pop(int(slot))
+        slots = [self._slots.pop(int(slot)) for slot, _ in pairs]
+        num_heads = self.page_shape[2]
+        shape = (*self.page_shape[:3], len(padded), *self.page_shape[3:])
+
+        def local(index):  # this process's part of the values, f[L, 2, h, n, ps, D]
+            lo, hi = _heads(index, num_heads)
+            out = np.zeros((*shape[:2], hi - lo, *shape[3:]), self.dtype)
+            for i, parts in enumerate(slots):
+                first, part = next((a, v) for (a, b), v in parts.items() if a <= lo and hi <= b)
+                out[:, :, :, i] = part[:, :, lo - first:hi - first]
+            return out
+
         # Padding rows write zeros into the null page, which is never read unmasked.
-        return scatter_pages(kv_pages, jax.device_put(padded[:, 1]),
-                             jax.device_put(np.moveaxis(values, 0, 3)))
+        values = jax.make_array_from_callback(shape, kv_pages.sharding, local)
+        return scatter_pages(kv_pages, jax.device_put(padded[:, 1]), values)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,7 @@ from jaxserve.runner.kv_ops import (
 )
 from jaxserve.runner.sampler_variants import VARIANTS, promote, variant_of
 from jaxserve.runner.step_input import build_step_arrays
+from jaxserve.runner.step_io import PendingStep, StepInputs, StepResult
 from jaxserve.runner.transfer import Layout, pack, unpack
 from jaxserve.sample.logprobs import compute_prompt_logprobs
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, MAX_LOGPROBS, SamplingMetadata
@@ -40,78 +40,6 @@ from jaxserve.utils import cdiv
 from models.model import Model
 from pallas_kernels import AttentionMetadata
 from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
-
-
-@dataclass
-class PendingStep:
-    """A dispatched step whose outputs may still be computing (device arrays).
-
-    Attributes:
-        row_request_ids: Request of each real sampling row.
-        result: The sampler's `SamplerOutput` (device arrays, bucket-padded rows).
-        next_input_ids: i32[max_rows]: the sampled ids, padded to a fixed length, which the
-            next step reads for its placeholder tokens.
-        num_padded_tokens: Padding in the token bucket.
-        prompt_logprobs: Device `PromptLogprobs` of the bucket's tokens, or None.
-        num_prompt_targets: Real tokens of `prompt_logprobs` (the rest is padding).
-    """
-
-    row_request_ids: list[str]
-    result: object
-    next_input_ids: jax.Array
-    num_padded_tokens: int
-    prompt_logprobs: object = None
-    num_prompt_targets: int = 0
-    step_id: int = 0
-
-
-@dataclass
-class StepInputs:
-    """One step's device inputs as packed host buffers and their static layouts: all a
-    process needs to run the step's programs (what a multi-host leader broadcasts).
-
-    Attributes:
-        model_layout: Static layout of `model_buf`.
-        model_buf: i32[n] the packed step arrays (`step_input.build_step_arrays`).
-        decode_only: Whether the step runs the paged decode program.
-        sample_layout: Static layout of `sample_buf`.
-        sample_buf: i32[m] the packed sampling metadata.
-        prompt_targets: i32[num_tokens] next prompt token per position, or None (no
-            prompt logprobs this step).
-    """
-
-    model_layout: Layout
-    model_buf: np.ndarray
-    decode_only: bool
-    sample_layout: Layout
-    sample_buf: np.ndarray
-    prompt_targets: np.ndarray | None = None
-
-
-@dataclass
-class StepResult:
-    """Host copies of what one step sampled, row by row (padding rows dropped).
-
-    Attributes:
-        row_request_ids: Request of each row.
-        token_ids: i32[num_rows] sampled ids.
-        logprobs: f32[num_rows] raw log-probability of each sampled id.
-        token_ranks: i32[num_rows] rank of each sampled id (1 = most likely).
-        topk_token_ids: i32[num_rows, K] or None.
-        topk_logprobs: f32[num_rows, K] or None.
-        num_padded_tokens: Padding in the token bucket (for the waste metric).
-        prompt_logprobs: For steps given `prompt_targets`: the `PromptLogprobs` of every
-            (unpadded) token position, as host arrays; else None.
-    """
-
-    row_request_ids: list[str]
-    token_ids: np.ndarray
-    logprobs: np.ndarray
-    token_ranks: np.ndarray
-    topk_token_ids: np.ndarray | None
-    topk_logprobs: np.ndarray | None
-    num_padded_tokens: int
-    prompt_logprobs: object = None
 
 
 def _model_step(model: Model, layout: Layout, decode_only: bool, params, kv_pages, buf,

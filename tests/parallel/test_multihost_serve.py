@@ -17,10 +17,13 @@ import pytest
 from tests.conftest import write_tiny_hf_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENGINE = ["--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-          "--kv-cache-memory-gib", "0.01"]
+# 7 usable pages of 16 tokens for 4 running requests: preemption, by swapping to host
+# memory (each process swaps the KV heads it holds).
+ENGINE_ARGS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+                   num_kv_blocks=8, preemption_mode="swap", swap_space=0.01)
+ENGINE = [x for k, v in ENGINE_ARGS.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 PROMPTS = ["The capital of France is", "Once upon a time there was a little", "1, 2, 3, 4,",
-           "def fib(n):", "Hello", "A long prompt " * 12]
+           "def fib(n):" * 8, "Hello", "A long prompt " * 12]
 
 
 def free_port() -> int:
@@ -94,7 +97,7 @@ def complete(port: int, prompt: str, stream: bool = False) -> str:
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
-    res = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+    res = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
                                     stream=stream)
     if stream:
         return "".join(chunk.choices[0].text for chunk in res if chunk.choices)
@@ -104,26 +107,30 @@ def complete(port: int, prompt: str, stream: bool = False) -> str:
 def one_process_texts(model_dir: str) -> list[str]:
     from jaxserve import LLM, SamplingParams
 
-    llm = LLM(model_dir, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-              kv_cache_memory_gib=0.01, warmup=False)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    llm = LLM(model_dir, warmup=False, **ENGINE_ARGS)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     return [o.outputs[0].text for o in outs]
 
 
 @pytest.mark.slow
 def test_two_process_server_matches_one_process(tp8_model_dir, tmp_path):
+    import httpx
+
     procs, logs, port = launch(tp8_model_dir, tmp_path)
     try:
         wait_ready(port, procs, logs)
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: one batch
             got = list(pool.map(lambda ip: complete(port, ip[1], stream=ip[0] % 2 == 1),
                                 enumerate(PROMPTS)))
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         os.kill(procs[0].pid, signal.SIGTERM)  # the leader drains and tells process 1
         codes = wait_exit(procs, 60)
     finally:
         for p in procs:
             p.kill()
     assert got == one_process_texts(tp8_model_dir)
+    swap_outs = [ln for ln in metrics.splitlines() if ln.startswith("jaxserve:num_swap_outs")]
+    assert float(swap_outs[0].split()[-1]) > 0, swap_outs  # the swap path ran on both
     assert codes == [0, 0], [log.read_text()[-2000:] for log in logs]
     assert "follower 1 stopping" in logs[1].read_text()
 

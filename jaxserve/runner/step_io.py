@@ -1,0 +1,83 @@
+"""What a step hands between host and device: its packed inputs, the dispatched step, and
+the samples brought back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxserve.runner.transfer import Layout
+
+
+@dataclass
+class PendingStep:
+    """A dispatched step whose outputs may still be computing (device arrays).
+
+    Attributes:
+        row_request_ids: Request of each real sampling row.
+        result: The sampler's `SamplerOutput` (device arrays, bucket-padded rows).
+        next_input_ids: i32[max_rows]: the sampled ids, padded to a fixed length, which the
+            next step reads for its placeholder tokens.
+        num_padded_tokens: Padding in the token bucket.
+        prompt_logprobs: Device `PromptLogprobs` of the bucket's tokens, or None.
+        num_prompt_targets: Real tokens of `prompt_logprobs` (the rest is padding).
+    """
+
+    row_request_ids: list[str]
+    result: object
+    next_input_ids: jax.Array
+    num_padded_tokens: int
+    prompt_logprobs: object = None
+    num_prompt_targets: int = 0
+    step_id: int = 0
+
+
+@dataclass
+class StepInputs:
+    """One step's device inputs as packed host buffers and their static layouts: all a
+    process needs to run the step's programs (what a multi-host leader broadcasts).
+
+    Attributes:
+        model_layout: Static layout of `model_buf`.
+        model_buf: i32[n] the packed step arrays (`step_input.build_step_arrays`).
+        decode_only: Whether the step runs the paged decode program.
+        sample_layout: Static layout of `sample_buf`.
+        sample_buf: i32[m] the packed sampling metadata.
+        prompt_targets: i32[num_tokens] next prompt token per position, or None (no
+            prompt logprobs this step).
+    """
+
+    model_layout: Layout
+    model_buf: np.ndarray
+    decode_only: bool
+    sample_layout: Layout
+    sample_buf: np.ndarray
+    prompt_targets: np.ndarray | None = None
+
+
+@dataclass
+class StepResult:
+    """Host copies of what one step sampled, row by row (padding rows dropped).
+
+    Attributes:
+        row_request_ids: Request of each row.
+        token_ids: i32[num_rows] sampled ids.
+        logprobs: f32[num_rows] raw log-probability of each sampled id.
+        token_ranks: i32[num_rows] rank of each sampled id (1 = most likely).
+        topk_token_ids: i32[num_rows, K] or None.
+        topk_logprobs: f32[num_rows, K] or None.
+        num_padded_tokens: Padding in the token bucket (for the waste metric).
+        prompt_logprobs: For steps given `prompt_targets`: the `PromptLogprobs` of every
+            (unpadded) token position, as host arrays; else None.
+    """
+
+    row_request_ids: list[str]
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    token_ranks: np.ndarray
+    topk_token_ids: np.ndarray | None
+    topk_logprobs: np.ndarray | None
+    num_padded_tokens: int
+    prompt_logprobs: object = None
