@@ -123,7 +123,7 @@ def _actor_options(num_actors: int, num_cpus: float, num_gpus: float,
 
 def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
                    served_names: list[str] | None = None, *, address: str | None = None,
-                   num_actors: int = 2, batch_size: int = 16, num_cpus: float = 1,
+                   num_actors: int = 2, batch_size: int = 32, num_cpus: float = 1,
                    num_gpus: float = 0, resources: dict | None = None, resume: bool = False,
                    use_tqdm: bool = True, timeout: float = 30.0) -> dict:
     """Runs an OpenAI batch file on a Ray cluster; the output is `run-batch`'s.

@@ -46,7 +46,7 @@ def in_process(src: str, dst: str, engine: dict) -> dict:
     return {"wall": end - start, "tokens": tokens, "actor_tps": tokens / (end - ready)}
 
 
-def on_ray(src: str, dst: str, engine: dict, actors: int) -> dict:
+def on_ray(src: str, dst: str, engine: dict, actors: int, batch_size: int) -> dict:
     import ray
 
     from jaxserve.batch import run_batch_file
@@ -54,7 +54,7 @@ def on_ray(src: str, dst: str, engine: dict, actors: int) -> dict:
     start = time.perf_counter()
     try:
         report = run_batch_file(src, dst, engine, ["m"], address="local", num_actors=actors,
-                                batch_size=8, use_tqdm=False)
+                                batch_size=batch_size, use_tqdm=False)
     finally:
         ray.shutdown()
     end = time.perf_counter()
@@ -69,6 +69,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--ray-batch-size", type=int, default=32,
+                   help="lines per Ray Data batch (one actor answers a batch at a time)")
     args = p.parse_args()
     engine = {"model": args.model, "max_model_len": 512, "max_num_seqs": 32,
               "max_num_batched_tokens": 256}
@@ -76,9 +78,10 @@ def main() -> None:
     src = os.path.join(tmp, "in.jsonl")
     write_batch(src, args.requests, args.max_tokens)
     runs = [("in-process LLM", lambda d: in_process(src, d, engine)),
-            ("ray, 1 actor", lambda d: on_ray(src, d, engine, 1)),
-            ("ray, 2 actors", lambda d: on_ray(src, d, engine, 2))]
-    print(f"{args.requests} requests, max_tokens {args.max_tokens}, {os.cpu_count()} CPUs")
+            ("ray, 1 actor", lambda d: on_ray(src, d, engine, 1, args.ray_batch_size)),
+            ("ray, 2 actors", lambda d: on_ray(src, d, engine, 2, args.ray_batch_size))]
+    print(f"{args.requests} requests, max_tokens {args.max_tokens}, Ray batches of "
+          f"{args.ray_batch_size} lines, {os.cpu_count()} CPUs")
     print("| round | run | wall s | tokens | tok/s (wall) | actor tok/s | wall vs in-process "
           "| load |")
     print("|---|---|---|---|---|---|---|---|")

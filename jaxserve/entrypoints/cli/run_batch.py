@@ -33,9 +33,9 @@ def add_parser(sub) -> None:
                      help="CPUs each actor reserves (default: 1)")
     ray.add_argument("--actor-gpus", type=float, default=0.0,
                      help="GPUs each actor reserves (default: 0)")
-    ray.add_argument("--ray-batch-size", type=int, default=16,
+    ray.add_argument("--ray-batch-size", type=int, default=32,
                      help="lines per batch an actor answers, and reruns if it dies "
-                          "(default: 16)")
+                          "(default: 32)")
     ray.add_argument("--ray-timeout", type=float, default=30.0,
                      help="seconds to wait for the cluster to answer (default: 30)")
     p.set_defaults(handler=run)
