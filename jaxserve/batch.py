@@ -113,7 +113,8 @@ def _actor_options(num_actors: int, num_cpus: float, num_gpus: float,
         raise ValueError(f"num_actors must be at least 1, got {num_actors}")
     if num_cpus < 0 or num_gpus < 0:
         raise ValueError("num_cpus and num_gpus per actor must be >= 0")
-    options = {"concurrency": num_actors, "num_cpus": num_cpus}
+    # NOTE: Ray Data's actor pools retry a dead actor's batches on a restarted one.
+    options = {"compute": _ray().data.ActorPoolStrategy(size=num_actors), "num_cpus": num_cpus}
     if num_gpus:
         options["num_gpus"] = num_gpus
     if resources:
@@ -245,7 +246,7 @@ class PromptWorker:
 
 
 def generate(ds, engine_kwargs: dict, sampling: dict | None = None, *,
-             prompt_column: str = "prompt", num_actors: int = 2, batch_size: int = 16,
+             prompt_column: str = "prompt", num_actors: int = 2, batch_size: int = 32,
              num_cpus: float = 1, num_gpus: float = 0, resources: dict | None = None):
     """A Ray Dataset of prompts through a pool of engines (lazy, like any Ray Data map).
 
