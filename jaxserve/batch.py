@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -150,8 +151,10 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
         tokens_per_second}}).
 
     Raises:
-        ValueError: Bad paths or options, or an unreachable cluster.
+        ValueError: Bad paths, options or engine arguments, or an unreachable cluster.
+        RuntimeError: An actor could not build its engine (the message gives its error).
     """
+    from jaxserve.entrypoints.cli.args import check_engine_args
     from jaxserve.entrypoints.openai.serving_engine import default_model_name
     from jaxserve.entrypoints.run_batch import (
         BatchOutput,
@@ -163,6 +166,7 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
     from models.default_model import default_model_path
 
     check_paths(input_path, output_path, resume)
+    check_engine_args(engine_kwargs)  # here, not in every actor
     if output_path == "-":
         raise ValueError("Ray batch runs write a file (output '-' is not supported)")
     if batch_size < 1:
@@ -189,7 +193,8 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
             bar = tqdm(total=len(out.records), initial=len(out.records) - len(todo),
                        desc="Running batch (ray)", unit="req", disable=not use_tqdm)
             try:
-                for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+                batches = _iter_batches(ds)
+                for batch in batches:
                     for i, rec, tok, actor, sec in zip(batch["index"], batch["record"],
                                                        batch["tokens"], batch["actor"],
                                                        batch["seconds"], strict=True):
@@ -215,6 +220,20 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
         a["tokens_per_second"] = a["tokens"] / a["seconds"] if a["seconds"] else 0.0
     return {**count_records(out), "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds if seconds else 0.0, "actors": actors}
+
+
+def _iter_batches(ds):
+    """The mapped dataset's batches; an actor whose engine cannot start is a RuntimeError
+    naming the engine's own error (not Ray's wrapped traceback)."""
+    ray = _ray()
+    try:
+        yield from ds.iter_batches(batch_size=None, batch_format="numpy")
+    except ray.exceptions.ActorDiedError as e:
+        if "creation task" not in str(e):
+            raise
+        causes = re.findall(r"^(\w+(?:Error|Exception): .*)$", str(e), re.MULTILINE)
+        raise RuntimeError("an actor could not start its engine: "
+                           + (causes[-1] if causes else str(e).splitlines()[0])) from None
 
 
 def print_report(report: dict, file=sys.stderr) -> None:

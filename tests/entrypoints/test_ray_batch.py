@@ -146,6 +146,16 @@ def test_resume_and_a_dataset_of_prompts(tiny_model_dir, batch, tmp_path, local_
     assert sorted((r["key"], r["generated_text"]) for r in rows) == list(enumerate(want))
     assert all(r["num_generated_tokens"] == 5 for r in rows)
 
+    # An engine that fails in the actors (the driver cannot see the model's limit): an
+    # error naming it, in bounded time, and the records already written stay.
+    before = dst.read_text()
+    with pytest.raises(RuntimeError, match="could not start its engine: ValueError: "
+                                           "max_model_len=100000 exceeds"):
+        run_batch_file(str(src), str(tmp_path / "failed.jsonl"),
+                       {"model": tiny_model_dir, **ENGINE, "max_model_len": 100000}, ["tiny"],
+                       address="local", num_actors=1, use_tqdm=False)
+    assert dst.read_text() == before
+
 
 def test_unreachable_ray_address_fails_fast(tiny_model_dir, batch, tmp_path):
     with socket.socket() as s:
@@ -170,6 +180,9 @@ def test_bad_options_are_value_errors(tmp_path, monkeypatch):
                                  num_actors=0)
     with pytest.raises(ValueError, match="output '-' is not supported"):
         ray_batch.run_batch_file(str(src), "-", {}, ["tiny"])
+    with pytest.raises(ValueError, match="model path /no/such/model does not exist"):
+        ray_batch.run_batch_file(str(src), str(tmp_path / "o.jsonl"),
+                                 {"model": "/no/such/model"}, ["tiny"])
     with pytest.raises(ValueError, match="ray address must be host:port"):
         ray_batch.connect("nowhere", timeout=1)
     monkeypatch.setitem(sys.modules, "ray", None)
