@@ -25,6 +25,8 @@ import numpy as np
 from tqdm import tqdm
 
 RAY_HINT = "Ray batch inference needs Ray: pip install 'jaxserve[ray]'"
+MAX_RETRIES = 3  # restarts of an actor, and reruns of a batch, before the run fails
+ACTOR_START_SECONDS = 900  # the longest wait for the actor pool to start
 
 
 def _ray():
@@ -53,7 +55,9 @@ def connect(address: str | None = None, timeout: float = 30.0, num_cpus: int | N
 
     ray = _ray()
     # NOTE: jaxserve's own bar and report replace Ray Data's progress bars and log lines.
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.wait_for_min_actors_s = ACTOR_START_SECONDS  # Ray's default waits forever
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     if ray.is_initialized():
         return
@@ -61,6 +65,7 @@ def connect(address: str | None = None, timeout: float = 30.0, num_cpus: int | N
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         return
     host, _, port = address.removeprefix("ray://").rpartition(":")
+    host = host.strip("[]")  # [::1]:6379
     if not host or not port.isdigit():
         raise ValueError(f"ray address must be host:port, ray://host:port or 'local', got "
                          f"{address!r}")
@@ -99,7 +104,7 @@ class LineWorker:
         n = len(records)
         return {"index": list(batch["index"]), "record": [json.dumps(r) for r in records],
                 "tokens": [_completion_tokens(r) for r in records], "actor": [self.name] * n,
-                "seconds": [seconds] + [0.0] * (n - 1)}  # the batch's time, once
+                "seconds": [seconds / n] * n}  # the batch's time, shared by its rows
 
 
 def _completion_tokens(record: dict) -> int:
@@ -114,8 +119,10 @@ def _actor_options(num_actors: int, num_cpus: float, num_gpus: float,
         raise ValueError(f"num_actors must be at least 1, got {num_actors}")
     if num_cpus < 0 or num_gpus < 0:
         raise ValueError("num_cpus and num_gpus per actor must be >= 0")
-    # NOTE: Ray Data's actor pools retry a dead actor's batches on a restarted one.
-    options = {"compute": _ray().data.ActorPoolStrategy(size=num_actors), "num_cpus": num_cpus}
+    # NOTE: a dead actor is restarted and its batches rerun, a few times (Ray Data's
+    # default, forever, would loop on a batch that kills every actor that runs it).
+    options = {"compute": _ray().data.ActorPoolStrategy(size=num_actors), "num_cpus": num_cpus,
+               "max_restarts": MAX_RETRIES, "max_task_retries": MAX_RETRIES}
     if num_gpus:
         options["num_gpus"] = num_gpus
     if resources:
@@ -154,6 +161,7 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
         ValueError: Bad paths, options or engine arguments, or an unreachable cluster.
         RuntimeError: An actor could not build its engine (the message gives its error).
     """
+    from jaxserve.config import EngineConfig
     from jaxserve.entrypoints.cli.args import check_engine_args
     from jaxserve.entrypoints.openai.serving_engine import default_model_name
     from jaxserve.entrypoints.run_batch import (
@@ -166,7 +174,10 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
     from models.default_model import default_model_path
 
     check_paths(input_path, output_path, resume)
-    check_engine_args(engine_kwargs)  # here, not in every actor
+    if address in (None, "local"):
+        check_engine_args(engine_kwargs)  # here, not in every actor
+    else:  # the model path may exist on the workers only
+        EngineConfig.from_kwargs(**engine_kwargs)
     if output_path == "-":
         raise ValueError("Ray batch runs write a file (output '-' is not supported)")
     if batch_size < 1:
@@ -175,7 +186,7 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
     names = served_names or [default_model_name(engine_kwargs.get("model")
                                                 or default_model_path())]
     lines = read_lines(input_path)
-    out = BatchOutput(output_path, resume)
+    out = BatchOutput(output_path, resume, defer=True)  # untouched until records arrive
     todo = plan_lines(lines, out)
     start = time.perf_counter()
     actors: dict[str, dict] = {}
@@ -185,6 +196,7 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
             local_cpus = None if address not in (None, "local") else max(
                 os.cpu_count() or 1, int(num_actors * num_cpus) + 1)
             connect(address, timeout, local_cpus)
+            _check_resources(ray.cluster_resources(), num_cpus, num_gpus, resources)
             ds = ray.data.from_items([{"index": i, "lineno": n, "line": line}
                                       for i, n, line in todo])
             ds = ds.map_batches(LineWorker, fn_constructor_kwargs={
@@ -195,6 +207,7 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
             try:
                 batches = _iter_batches(ds)
                 for batch in batches:
+                    out.open()
                     for i, rec, tok, actor, sec in zip(batch["index"], batch["record"],
                                                        batch["tokens"], batch["actor"],
                                                        batch["seconds"], strict=True):
@@ -205,7 +218,7 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
                             stats["requests"] += 1
                             stats["tokens"] += int(tok)
                             stats["seconds"] += float(sec)
-                        bar.update(1)
+                            bar.update(1)
             finally:
                 bar.close()
     finally:
@@ -220,6 +233,16 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
         a["tokens_per_second"] = a["tokens"] / a["seconds"] if a["seconds"] else 0.0
     return {**count_records(out), "tokens": tokens, "seconds": seconds,
             "tokens_per_second": tokens / seconds if seconds else 0.0, "actors": actors}
+
+
+def _check_resources(cluster: dict, num_cpus: float, num_gpus: float,
+                     resources: dict | None) -> None:
+    """Raises ValueError when no node could ever hold one actor (Ray would wait)."""
+    need = {"CPU": num_cpus, "GPU": num_gpus, **(resources or {})}
+    for name, amount in need.items():
+        if amount and cluster.get(name, 0) < amount:
+            raise ValueError(f"each actor needs {amount:g} {name}; the cluster has "
+                             f"{cluster.get(name, 0):g}")
 
 
 def _iter_batches(ds):

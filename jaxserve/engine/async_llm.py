@@ -220,6 +220,11 @@ class AsyncLLM:
         """The engine's figures as of its latest step."""
         return dict(self.metrics.snapshot)
 
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the engine thread still runs (it may, briefly, after `shutdown`)."""
+        return self._thread.is_alive()
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops the engine thread; unfinished requests end with `EngineDeadError`."""
         if not self._stopped:

@@ -71,7 +71,7 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
     if cc.num_kv_blocks is not None:
         num_pages = cc.num_kv_blocks
     else:
-        num_pages = _pages_from_memory(config, per_page // kv_shards)
+        num_pages = agree_across_processes(_pages_from_memory(config, per_page // kv_shards))
     min_pages = cdiv(max_model_len, cc.block_size) + 1
     if num_pages < 2:
         raise ValueError(f"num_kv_blocks={num_pages}: the pool needs at least 2 pages")
@@ -99,3 +99,13 @@ def _pages_from_memory(config: EngineConfig, per_device_page: int) -> int:
     # replica together (KV heads replicated across shards count once per copy).
     host_page = per_device_page * config.parallel.tensor_parallel_size
     return max(2, int(config.cache.kv_cache_memory_gib * 2**30 // host_page))
+
+
+def agree_across_processes(num_pages: int) -> int:
+    """The smallest page count any process found room for (processes size their pools
+    from their own devices' free memory, and every process must build the same pool)."""
+    if jax.process_count() == 1:
+        return num_pages
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.array([num_pages], np.int32))))

@@ -207,30 +207,50 @@ class BatchOutput:
     Args:
         path: Output file, or `-` for stdout.
         resume: Keep the file's whole records (see `read_records`) instead of truncating it.
+        defer: Leave the file as it is until `open()` (records put before are written
+            then): a run whose workers fail to start does not wipe an earlier output.
     """
 
-    def __init__(self, path: str, resume: bool = False):
+    def __init__(self, path: str, resume: bool = False, defer: bool = False):
         self.stream = path == "-"
         # realpath: the rewrites replace a link's target, not the link.
         self.path = path if self.stream else os.path.realpath(path)
         self.records: list[dict | None] = []
         self.skipped = self._next = 0
         self._fd = None
+        self._resume = resume
+        self._unwritten: list[int] = []  # records put before the file was opened
         self.done: dict[str, dict] = read_records(self.path) if resume and not self.stream else {}
-        if not self.stream:
-            if resume:  # only whole records: a partial last line must not merge with the next
-                write_atomic(self.path, [encode_record(r) for r in self.done.values()])
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT
-                               | (0 if resume else os.O_TRUNC), 0o666)
+        if not defer:
+            self.open()
+
+    def open(self) -> None:
+        """Truncates the file (or, resuming, keeps its whole records) and writes what was
+        put so far; then every `put` appends (idempotent)."""
+        if self.stream or self._fd is not None:
+            return
+        if self._resume:  # only whole records: a partial last line must not merge with the next
+            write_atomic(self.path, [encode_record(r) for r in self.done.values()])
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                           | (0 if self._resume else os.O_TRUNC), 0o666)
+        for index in self._unwritten:
+            self._write(self.records[index])
+        self._unwritten = []
+
+    def _write(self, record: dict) -> None:
+        data = encode_record(record)
+        written = os.write(self._fd, data)  # one write: a kill leaves whole lines only
+        while written < len(data):  # a short write (e.g. disk full) raises on the rest
+            written += os.write(self._fd, data[written:])
 
     def put(self, index: int, record: dict, new: bool = True) -> None:
         """Record `index` (input order) is final: write it now (file) or in turn (stdout)."""
         self.records[index] = record
-        if self._fd is not None and new:
-            data = encode_record(record)
-            written = os.write(self._fd, data)  # one write: a kill leaves whole lines only
-            while written < len(data):  # a short write (e.g. disk full) raises on the rest
-                written += os.write(self._fd, data[written:])
+        if not self.stream and new:
+            if self._fd is None:
+                self._unwritten.append(index)
+            else:
+                self._write(record)
         elif self.stream:
             while self._next < len(self.records) and self.records[self._next] is not None:
                 sys.stdout.write(encode_record(self.records[self._next]).decode("ascii"))

@@ -44,7 +44,7 @@ def initialize(coordinator_address: str, num_processes: int | None,
     if timeout < 1:
         raise ValueError(f"distributed timeout must be at least 1 s, got {timeout}")
     if process_id != 0:
-        wait_for_listener(host, int(port), timeout, "coordinator_address",
+        wait_for_listener(host.strip("[]"), int(port), timeout, "coordinator_address",
                           "start process 0 with the same address, or raise "
                           "--distributed-timeout")
     else:

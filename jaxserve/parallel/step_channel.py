@@ -8,15 +8,20 @@ buffers and static layouts, or a KV plan, or "warm up") with JAX's own collectiv
 (`multihost_utils.broadcast_one_to_all`), and the followers (`follow`) replay the call on
 their shards. Followers never schedule, detokenize or fetch samples.
 
-A message is pickled (only jaxserve's own processes read it) into an int32 buffer padded
-to a power of two, so the broadcast compiles once per size class. A header broadcast of
-fixed shape tells followers the size first.
+A message is pickled (only jaxserve's own processes read it) and zlib-compressed (block
+tables are mostly padding) into an int32 buffer padded to a power of two, so the
+broadcast compiles once per size class; `prime` compiles the usual classes at start-up. A
+header broadcast of fixed shape tells followers the size first. The broadcast is a device
+collective: it runs after the step already on the devices, so a leader's next step
+leaves its host only when the previous one is done there.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import threading
+import zlib
 
 import jax
 import numpy as np
@@ -25,6 +30,7 @@ from jax.experimental import multihost_utils
 logger = logging.getLogger("jaxserve")
 
 _MIN_BYTES = 4096
+_PRIMED_BYTES = 1 << 20  # size classes compiled by `prime`: 4 KiB .. 1 MiB
 
 
 class StepChannel:
@@ -35,22 +41,24 @@ class StepChannel:
         self.num_messages = 0
         self.num_bytes = 0
         self.closed = False
+        self._lock = threading.Lock()  # a message's header and body go out together
 
     def _broadcast(self, buf: np.ndarray) -> np.ndarray:
         return np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=self.is_leader))
 
     def send(self, kind: str, *payload) -> None:
         """Broadcasts one message (leader only)."""
-        if not self.is_leader or self.closed:
-            raise RuntimeError("only process 0 sends device calls, until it closes")
-        data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        data = zlib.compress(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL), 1)
         size = max(_MIN_BYTES, 1 << (len(data) - 1).bit_length())
         buf = np.zeros(size // 4, np.int32)  # i32[size / 4]
         buf.view(np.uint8)[:len(data)] = np.frombuffer(data, np.uint8)
-        self._broadcast(np.array([len(data), size], np.int32))
-        self._broadcast(buf)
-        self.num_messages += 1
-        self.num_bytes += len(data)
+        with self._lock:
+            if not self.is_leader or self.closed:
+                raise RuntimeError("only process 0 sends device calls, until it closes")
+            self._broadcast(np.array([len(data), size], np.int32))
+            self._broadcast(buf)
+            self.num_messages += 1
+            self.num_bytes += len(data)
 
     def recv(self) -> tuple[str, tuple]:
         """Waits for the leader's next message: (kind, payload) (followers only)."""
@@ -58,7 +66,17 @@ class StepChannel:
         buf = self._broadcast(np.zeros(size // 4, np.int32))
         self.num_messages += 1
         self.num_bytes += n
-        return pickle.loads(buf.view(np.uint8)[:n].tobytes())
+        return pickle.loads(zlib.decompress(buf.view(np.uint8)[:n].tobytes()))
+
+    def prime(self) -> None:
+        """Compiles the broadcast of every usual size class (leader: tells the followers
+        to do the same), so serving compiles none."""
+        if self.is_leader:
+            self.send("prime")
+        size = _MIN_BYTES
+        while size <= _PRIMED_BYTES:
+            self._broadcast(np.zeros(size // 4, np.int32))
+            size *= 2
 
     def close(self) -> None:
         """Tells the followers to stop (leader; idempotent)."""
@@ -79,6 +97,7 @@ def lead(engine) -> StepChannel:
                          "step_channel.follow")
     check_followable(engine)
     channel = StepChannel()
+    channel.prime()
     engine.runner.channel = channel
     return channel
 
@@ -87,6 +106,9 @@ def check_followable(engine) -> None:
     """Raises ValueError for engine features whose device calls followers cannot replay."""
     from jaxserve.spec_decode.speculator import NgramSpeculator
 
+    if not hasattr(engine, "runner"):
+        raise ValueError("data_parallel_size > 1 is single-host; across hosts use one "
+                         "tensor-parallel replica (or one server per host)")
     spec = engine.speculator
     if spec is not None and not isinstance(spec, NgramSpeculator):
         raise ValueError("speculative_config with a draft model is single-host only; use "
@@ -117,7 +139,9 @@ def follow(engine, channel: StepChannel | None = None) -> int:
             logger.info("jaxserve: follower %d stopping after %d messages",
                         jax.process_index(), channel.num_messages)
             return channel.num_messages
-        if kind == "warmup":
+        if kind == "prime":
+            channel.prime()
+        elif kind == "warmup":
             engine.warmup()
         elif kind == "plans":
             runner.execute_plans(payload[0])

@@ -209,14 +209,13 @@ class ModelRunner:
                   prev: PendingStep | None) -> PendingStep:
         self.execute_plans(out.plans)
         arrays, model_buf, model_layout, num_tokens, num_rows = self._model_inputs(out, prev)
-        sample_buf, sample_layout = self._sample_inputs(sampling, variant)
         targets = None
         if prompt_targets is not None:
             targets = np.zeros(num_tokens, np.int32)  # i32[num_tokens]; padding: any id
             targets[:len(prompt_targets)] = np.maximum(prompt_targets, 0)
         inputs = StepInputs(model_layout, model_buf,
-                            self.is_decode_step(out, num_tokens, num_rows),
-                            sample_layout, sample_buf, targets)
+                            self.is_decode_step(out, num_tokens, num_rows), sampling, variant,
+                            targets)
         self._step_count += 1
         if self.channel is not None:
             self.channel.send("step", inputs, self._step_count,
@@ -250,8 +249,8 @@ class ModelRunner:
         if inputs.prompt_targets is not None:
             prompt_lp = self._prompt_fn()(self.params, hidden,
                                           self._to_device(inputs.prompt_targets))
-        res, next_ids = self._sampler_fn(inputs.sample_layout)(
-            logits, self._to_device(inputs.sample_buf))
+        sample_buf, sample_layout = self._sample_inputs(inputs.sampling, inputs.variant)
+        res, next_ids = self._sampler_fn(sample_layout)(logits, self._to_device(sample_buf))
         return res, next_ids, prompt_lp
 
     def _model_inputs(self, out: SchedulerOutput, prev: PendingStep | None):
@@ -342,8 +341,17 @@ class ModelRunner:
         Returns:
             Seconds spent.
         """
-        if self.channel is not None:
-            self.channel.send("warmup")
+        # NOTE: the other processes warm up on one message; what warm-up runs is not sent
+        # (its decode pass goes through `execute`).
+        channel, self.channel = self.channel, None
+        try:
+            if channel is not None:
+                channel.send("warmup")
+            return self._warmup(make_dummy_sampling)
+        finally:
+            self.channel = channel
+
+    def _warmup(self, make_dummy_sampling) -> float:
         start = time.perf_counter()
         self.warmup_progress = (0, len(self.buckets))
         for done, num_tokens in enumerate(tqdm(self.buckets, desc="jaxserve warm-up",

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jaxserve.runner.transfer import Layout
+from jaxserve.sample.metadata import SamplingMetadata
 
 
 @dataclass
@@ -36,15 +37,16 @@ class PendingStep:
 
 @dataclass
 class StepInputs:
-    """One step's device inputs as packed host buffers and their static layouts: all a
-    process needs to run the step's programs (what a multi-host leader broadcasts).
+    """One step's device inputs as host data: all a process needs to run the step's
+    programs (what a multi-host leader broadcasts).
 
     Attributes:
         model_layout: Static layout of `model_buf`.
         model_buf: i32[n] the packed step arrays (`step_input.build_step_arrays`).
         decode_only: Whether the step runs the paged decode program.
-        sample_layout: Static layout of `sample_buf`.
-        sample_buf: i32[m] the packed sampling metadata.
+        sampling: The step's sampling metadata as built (compact: arrays a variant adds
+            are made by `launch`).
+        variant: The sampler variant to run (None: the cheapest that fits).
         prompt_targets: i32[num_tokens] next prompt token per position, or None (no
             prompt logprobs this step).
     """
@@ -52,8 +54,8 @@ class StepInputs:
     model_layout: Layout
     model_buf: np.ndarray
     decode_only: bool
-    sample_layout: Layout
-    sample_buf: np.ndarray
+    sampling: SamplingMetadata
+    variant: str | None = None
     prompt_targets: np.ndarray | None = None
 
 

@@ -147,14 +147,20 @@ def test_resume_and_a_dataset_of_prompts(tiny_model_dir, batch, tmp_path, local_
     assert all(r["num_generated_tokens"] == 5 for r in rows)
 
     # An engine that fails in the actors (the driver cannot see the model's limit): an
-    # error naming it, in bounded time, and the records already written stay.
-    before = dst.read_text()
+    # error naming it, in bounded time, and an earlier output file is left as it was.
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text("an earlier run's results\n")
     with pytest.raises(RuntimeError, match="could not start its engine: ValueError: "
                                            "max_model_len=100000 exceeds"):
-        run_batch_file(str(src), str(tmp_path / "failed.jsonl"),
+        run_batch_file(str(src), str(earlier),
                        {"model": tiny_model_dir, **ENGINE, "max_model_len": 100000}, ["tiny"],
                        address="local", num_actors=1, use_tqdm=False)
-    assert dst.read_text() == before
+    assert earlier.read_text() == "an earlier run's results\n"
+    # Resources no node has: an error at once, not a wait.
+    with pytest.raises(ValueError, match="each actor needs 1 GPU; the cluster has 0"):
+        run_batch_file(str(src), str(earlier), {"model": tiny_model_dir, **ENGINE}, ["tiny"],
+                       address="local", num_actors=1, num_gpus=1, use_tqdm=False)
+    assert earlier.read_text() == "an earlier run's results\n"
 
 
 def test_unreachable_ray_address_fails_fast(tiny_model_dir, batch, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.parallel.step_channel import StepChannel, check_followable, follow, lead
 
-ARGS = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=12,
+ARGS = dict(max_num_seqs=16, max_num_batched_tokens=32, max_model_len=128, num_kv_blocks=12,
             attention_backend="xla", enable_prefix_caching=True)
 
 
@@ -44,7 +44,14 @@ def record_samples(engine) -> list:
     return samples
 
 
-def test_follower_replays_the_leader(tiny_model_dir):
+def test_follower_replays_the_leader(tiny_model_dir, monkeypatch):
+    from jaxserve.runner.model_runner import ModelRunner
+
+    # Pure-decode steps (and warm-up's decode pass) take the decode program, as on the
+    # Pallas backend (the XLA path computes the same with the flag set).
+    monkeypatch.setattr(ModelRunner, "is_decode_step", lambda self, out, num_tokens, num_rows:
+                        num_tokens == num_rows and all(s.num_new_tokens == 1
+                                                       for s in out.scheduled))
     leader = LLM(tiny_model_dir, warmup=False, **ARGS)
     want = record_samples(leader.engine)
     wire: list = []
@@ -61,13 +68,17 @@ def test_follower_replays_the_leader(tiny_model_dir):
     assert all(len(o.outputs[0].token_ids) > 0 for o in outs)
     assert leader.get_metrics()["jaxserve:num_preemptions"] > 0  # 12 pages cannot hold all
     channel.close()
-    kinds = {pickle_kind(wire, i) for i in range(1, len(wire), 2)}
-    assert {"warmup", "step", "plans", "stop"} <= kinds
+    messages = [message(wire, i) for i in range(1, len(wire), 2)]
+    assert [m[0] for m in messages[:2]] == ["warmup", "step"]  # warm-up is one message
+    assert {"plans", "stop"} <= {m[0] for m in messages}
+    steps = [m[1] for m in messages if m[0] == "step"]
+    assert any(inputs.decode_only for inputs, _, _ in steps)
+    assert any(prev is not None for _, _, prev in steps), [(s, p) for _, s, p in steps]
 
     follower = LLM(tiny_model_dir, warmup=False, **ARGS)
     got = record_samples(follower.engine)
     handled = follow(follower.engine, Loopback(wire, leader=False))
-    assert handled == channel.num_messages and not wire
+    assert handled == len(messages) and not wire
     # Every step computed the same samples (a skipped copy or a wrong placeholder source
     # would change what later steps read), and the pools end equal.
     assert len(got) == len(want) > 20
@@ -76,11 +87,13 @@ def test_follower_replays_the_leader(tiny_model_dir):
                           np.asarray(leader.engine.runner.kv_pages))
 
 
-def pickle_kind(wire: list, i: int) -> str:
+def message(wire: list, i: int) -> tuple:
+    """The (kind, payload) of the message whose body is `wire[i]`."""
     import pickle
+    import zlib
 
     n = int(wire[i - 1][0])
-    return pickle.loads(wire[i].view(np.uint8)[:n].tobytes())[0]
+    return pickle.loads(zlib.decompress(wire[i].view(np.uint8)[:n].tobytes()))
 
 
 def test_channel_rules():
@@ -91,7 +104,9 @@ def test_channel_rules():
     with pytest.raises(RuntimeError, match="only process 0"):
         follower.send("step")
     with pytest.raises(ValueError, match="draft model"):
-        check_followable(types.SimpleNamespace(speculator=object()))
+        check_followable(types.SimpleNamespace(speculator=object(), runner=None))
+    with pytest.raises(ValueError, match="data_parallel_size > 1 is single-host"):
+        check_followable(types.SimpleNamespace(speculator=None))  # a DataParallelEngine
 
 
 def test_unknown_message_is_an_error(tiny_model_dir):

@@ -74,10 +74,16 @@ def run(args) -> int:
 
 def _run_on_ray(args) -> int:
     from jaxserve.batch import print_report, run_batch_file
-    from jaxserve.entrypoints.cli.args import check_engine_args, engine_kwargs
+    from jaxserve.entrypoints.cli.args import engine_kwargs
 
-    kwargs = engine_kwargs(args)
-    check_engine_args(kwargs)
+    kwargs = engine_kwargs(args)  # checked by run_batch_file (paths only on a local cluster)
+    caught = []
+
+    def on_sigterm(signum, frame):
+        caught.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         report = run_batch_file(
             args.input_file, args.output_file, kwargs, args.served_model_name,
@@ -87,6 +93,8 @@ def _run_on_ray(args) -> int:
     except KeyboardInterrupt:
         print(f"[jaxserve] run-batch interrupted; the finished lines are in "
               f"{args.output_file}: rerun with --resume to complete it", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return 128 + (caught[0] if caught else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_report(report)
     return 0

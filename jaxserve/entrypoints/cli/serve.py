@@ -117,12 +117,15 @@ def run(args) -> int:
     try:
         server.run()
     finally:
+        if multihost:
+            # NOTE: the followers wait in the channel's collective until told to stop:
+            # after the start-up (load, warm-up) and the engine thread sent their last
+            # call. A start-up that failed sends nothing (the followers failed alike, or
+            # the runtime stops them when this process exits).
+            starting.join()
         if app.state.llm is not None:
             app.state.llm.shutdown()
-        if channels:
-            # NOTE: the followers wait in the channel's collective; they stop once told
-            # (after the engine thread, or the warm-up, sent its last call).
-            starting.join()
+        if channels and not (app.state.llm is not None and app.state.llm.thread_alive):
             channels[0].close()
     return 1 if app.state.startup.error else 0
 
