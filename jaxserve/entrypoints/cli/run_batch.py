@@ -48,24 +48,14 @@ def run(args) -> int:
     if args.ray is not None:
         return _run_on_ray(args)
     llm, names = start_engine(args, verbose=False)
-    caught = []
-
-    def on_sigterm(signum, frame):
-        caught.append(signum)
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        counts = run_batch_file(llm, names, args.input_file, args.output_file,
-                                use_tqdm=not args.no_progress, resume=args.resume)
-    except KeyboardInterrupt:
-        where = "" if args.output_file == "-" else \
-            f"; the finished lines are in {args.output_file}: rerun with --resume to complete it"
-        print(f"[jaxserve] run-batch interrupted{where}", file=sys.stderr)
-        return 128 + (caught[0] if caught else signal.SIGINT)
+        counts, code = _interruptible(lambda: run_batch_file(
+            llm, names, args.input_file, args.output_file, use_tqdm=not args.no_progress,
+            resume=args.resume), args.output_file)
     finally:
-        signal.signal(signal.SIGTERM, previous)
         llm.shutdown()
+    if code is not None:
+        return code
     print(f"[jaxserve] {counts['total']} requests: {counts['succeeded']} succeeded, "
           f"{counts['failed']} failed, {counts['skipped']} skipped (done by an earlier run); "
           f"wrote {args.output_file}", file=sys.stderr)
@@ -77,6 +67,20 @@ def _run_on_ray(args) -> int:
     from jaxserve.entrypoints.cli.args import engine_kwargs
 
     kwargs = engine_kwargs(args)  # checked by run_batch_file (paths only on a local cluster)
+    report, code = _interruptible(lambda: run_batch_file(
+        args.input_file, args.output_file, kwargs, args.served_model_name,
+        address=args.ray, num_actors=args.num_actors, batch_size=args.ray_batch_size,
+        num_cpus=args.actor_cpus, num_gpus=args.actor_gpus, resume=args.resume,
+        use_tqdm=not args.no_progress, timeout=args.ray_timeout), args.output_file)
+    if code is not None:
+        return code
+    print_report(report)
+    return 0
+
+
+def _interruptible(job, output_file: str):
+    """Runs `job()` with SIGTERM handled like Ctrl-C: (its result, None), or (None, the
+    exit status) when interrupted, after saying where the finished lines are."""
     caught = []
 
     def on_sigterm(signum, frame):
@@ -85,16 +89,11 @@ def _run_on_ray(args) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        report = run_batch_file(
-            args.input_file, args.output_file, kwargs, args.served_model_name,
-            address=args.ray, num_actors=args.num_actors, batch_size=args.ray_batch_size,
-            num_cpus=args.actor_cpus, num_gpus=args.actor_gpus, resume=args.resume,
-            use_tqdm=not args.no_progress, timeout=args.ray_timeout)
+        return job(), None
     except KeyboardInterrupt:
-        print(f"[jaxserve] run-batch interrupted; the finished lines are in "
-              f"{args.output_file}: rerun with --resume to complete it", file=sys.stderr)
-        return 128 + (caught[0] if caught else signal.SIGINT)
+        where = "" if output_file == "-" else \
+            f"; the finished lines are in {output_file}: rerun with --resume to complete it"
+        print(f"[jaxserve] run-batch interrupted{where}", file=sys.stderr)
+        return None, 128 + (caught[0] if caught else signal.SIGINT)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print_report(report)
-    return 0
