@@ -86,14 +86,21 @@ class HostSwapSpace:
         num_heads = self.page_shape[2]
         shape = (*self.page_shape[:3], len(padded), *self.page_shape[3:])
 
-        def local(index):  # this process's part of the values, f[L, 2, h, n, ps, D]
-            lo, hi = _heads(index, num_heads)
+        def local(lo: int, hi: int):  # heads [lo, hi) of the values, f[L, 2, h, n, ps, D]
             out = np.zeros((*shape[:2], hi - lo, *shape[3:]), self.dtype)
             for i, parts in enumerate(slots):
-                first, part = next((a, v) for (a, b), v in parts.items() if a <= lo and hi <= b)
-                out[:, :, :, i] = part[:, :, lo - first:hi - first]
+                for (a, b), part in parts.items():
+                    first, end = max(a, lo), min(b, hi)
+                    if first < end:
+                        out[:, :, first - lo:end - lo, i] = part[:, :, first - a:end - a]
             return out
 
         # Padding rows write zeros into the null page, which is never read unmasked.
-        values = jax.make_array_from_callback(shape, kv_pages.sharding, local)
+        if jax.process_count() == 1:
+            # NOTE: an uncommitted array, as warm-up's: a committed one would compile the
+            # next model step anew.
+            values = jax.device_put(local(0, num_heads))
+        else:
+            values = jax.make_array_from_callback(
+                shape, kv_pages.sharding, lambda index: local(*_heads(index, num_heads)))
         return scatter_pages(kv_pages, jax.device_put(padded[:, 1]), values)
