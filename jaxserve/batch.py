@@ -51,7 +51,7 @@ def connect(address: str | None = None, timeout: float = 30.0, num_cpus: int | N
         ValueError: A malformed address, or a head that does not answer within `timeout`.
         ImportError: Ray is not installed.
     """
-    from jaxserve.utils import wait_for_listener
+    from jaxserve.utils import split_host_port, wait_for_listener
 
     ray = _ray()
     # NOTE: jaxserve's own bar and report replace Ray Data's progress bars and log lines.
@@ -64,12 +64,11 @@ def connect(address: str | None = None, timeout: float = 30.0, num_cpus: int | N
     if address in (None, "local"):
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
         return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    host = host.strip("[]")  # [::1]:6379
-    if not host or not port.isdigit():
+    host_port = split_host_port(address.removeprefix("ray://"))
+    if host_port is None:
         raise ValueError(f"ray address must be host:port, ray://host:port or 'local', got "
                          f"{address!r}")
-    wait_for_listener(host, int(port), timeout, "ray address",
+    wait_for_listener(*host_port, timeout, "ray address",
                       "start the cluster (ray start --head) or check the address")
     ray.init(address=address, log_to_driver=False)
 

@@ -11,6 +11,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def split_host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of "host:port" (or "[v6 address]:port"); None when it is not that form."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
 def wait_for_listener(host: str, port: int, timeout: float, what: str, hint: str) -> None:
     """Waits until something accepts TCP connections at host:port (it may start later).
 

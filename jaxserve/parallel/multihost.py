@@ -12,7 +12,7 @@ import logging
 
 import jax
 
-from jaxserve.utils import wait_for_listener
+from jaxserve.utils import split_host_port, wait_for_listener
 
 logger = logging.getLogger("jaxserve")
 
@@ -38,13 +38,13 @@ def initialize(coordinator_address: str, num_processes: int | None,
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in [0, num_processes={num_processes}), "
                          f"got {process_id}")
-    host, _, port = coordinator_address.rpartition(":")
-    if not host or not port.isdigit():
+    host_port = split_host_port(coordinator_address)
+    if host_port is None:
         raise ValueError(f"coordinator_address must be host:port, got {coordinator_address!r}")
     if timeout < 1:
         raise ValueError(f"distributed timeout must be at least 1 s, got {timeout}")
     if process_id != 0:
-        wait_for_listener(host.strip("[]"), int(port), timeout, "coordinator_address",
+        wait_for_listener(*host_port, timeout, "coordinator_address",
                           "start process 0 with the same address, or raise "
                           "--distributed-timeout")
     else:
@@ -58,4 +58,3 @@ def initialize(coordinator_address: str, num_processes: int | None,
     logger.info("jaxserve: process %d of %d, %d local / %d global devices",
                 jax.process_index(), jax.process_count(), jax.local_device_count(),
                 jax.device_count())
-

@@ -171,3 +171,26 @@ def test_unreachable_coordinator_fails_fast(tp8_model_dir, tmp_path):
     assert codes == [2]
     assert "did not answer within 3 s" in logs[0].read_text()
     assert time.monotonic() - start < 90
+
+
+@pytest.mark.parametrize("args, message", [
+    (("127.0.0.1:1", None, 0), "--num-processes and --process-id are required"),
+    (("127.0.0.1:1", 2, 2), r"process_id must be in \[0, num_processes=2\), got 2"),
+    (("host0", 2, 1), "coordinator_address must be host:port, got 'host0'"),
+    (("[::1]:x", 2, 1), "coordinator_address must be host:port"),
+])
+def test_initialize_rejects_bad_arguments(args, message):
+    from jaxserve.parallel.multihost import initialize
+
+    with pytest.raises(ValueError, match=message):  # before joining anything
+        initialize(*args)
+    with pytest.raises(ValueError, match="distributed timeout must be at least 1 s"):
+        initialize("127.0.0.1:1", 2, 1, timeout=0)
+
+
+def test_split_host_port():
+    from jaxserve.utils import split_host_port
+
+    assert split_host_port("host0:12345") == ("host0", 12345)
+    assert split_host_port("[::1]:6379") == ("::1", 6379)
+    assert split_host_port("host0") is None and split_host_port(":80") is None

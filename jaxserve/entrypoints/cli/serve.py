@@ -90,6 +90,9 @@ def run(args) -> int:
     server = make_server(app, args.host, args.port, args.shutdown_timeout,
                          args.uvicorn_log_level)
 
+    multihost = bool(getattr(args, "coordinator_address", None))
+    channels = []  # process 0 of several: the channel to the others, once the engine exists
+
     def build(startup):
         # NOTE: the server listens while the model loads and warms up: /health answers
         # 503 with the progress, /v1/* a 503 error, until the engine is attached.
@@ -109,8 +112,6 @@ def run(args) -> int:
     def failed(_):
         server.should_exit = True
 
-    multihost = bool(getattr(args, "coordinator_address", None))
-    channels = []  # process 0 of several: the channel to the others, once the engine exists
     starting = start_in_background(app, build, on_error=failed)
     logging.getLogger("jaxserve").info("jaxserve: serving %s on http://%s:%d (starting)",
                                        names[0], args.host, args.port)
