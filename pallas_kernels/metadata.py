@@ -19,7 +19,7 @@ import jax
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["slot_mapping", "block_tables", "kv_lens", "cu_q_lens"],
-         meta_fields=["decode_only"])
+         meta_fields=["decode_only", "short_tiles"])
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
     """Where this step's tokens go and what each request attends to.
@@ -36,6 +36,10 @@ class AttentionMetadata:
         cu_q_lens: i32[max_num_seqs + 1] cumulative query lengths.
         decode_only: Static. Every request has exactly one query and token i belongs to
             request i (num_tokens == max_num_seqs), so the decode kernel serves the step.
+        short_tiles: Static. Steps may hold requests of a few new tokens after a context
+            (speculative proposals being verified): the XLA path gives them a pass of
+            small query tiles. Off, that pass is not compiled (it was ~25% of a model
+            step's compile time) and such requests share the ordinary tiles.
     """
 
     slot_mapping: jax.Array
@@ -43,6 +47,7 @@ class AttentionMetadata:
     kv_lens: jax.Array
     cu_q_lens: jax.Array
     decode_only: bool = False
+    short_tiles: bool = False
 
 
 def kv_pages_shape(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,

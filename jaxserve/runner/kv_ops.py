@@ -1,9 +1,12 @@
 """Device side of the KV plans: page copies (copy-on-write) and swaps to and from host memory.
 
-Each operation is jitted once per padded pair count (powers of two), with the pool donated,
-so plans of any size reuse a few compiled programs. Padding pairs copy the null page onto
-itself. Host arrays go to the device with `jax.device_put`: in some JAX versions
-`jnp.asarray` of a NumPy array compiles a small program per shape.
+Each operation is compiled for one pair count, `PLAN_PAIRS`, with the pool donated: a
+plan runs in pieces of that many pairs, the last padded with pairs that copy the null page
+onto itself. One size per operation keeps warm-up to three small programs (six sizes
+each cost ~0.5 s to compile); a large plan costs more dispatches, which are rare (swaps,
+copy-on-write) and cheap beside the step. Host arrays go to the device with
+`jax.device_put`: in some JAX versions `jnp.asarray` of a NumPy array compiles a small
+program per shape.
 """
 
 from __future__ import annotations
@@ -11,13 +14,22 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+# Pairs of every compiled page-plan program.
+PLAN_PAIRS = 8
 
-def pad_pairs(pairs: np.ndarray, minimum: int = 8) -> np.ndarray:
-    """Pads an i32[n, 2] pair list to a power-of-two length with (0, 0) pairs."""
-    n = max(minimum, 1 << max(0, len(pairs) - 1).bit_length())
-    out = np.zeros((n, 2), np.int32)
+
+def pad_pairs(pairs: np.ndarray) -> np.ndarray:
+    """Pads an i32[n, 2] pair list (n <= PLAN_PAIRS) to PLAN_PAIRS with (0, 0) pairs."""
+    if len(pairs) > PLAN_PAIRS:
+        raise ValueError(f"{len(pairs)} page pairs in one piece; at most {PLAN_PAIRS}")
+    out = np.zeros((PLAN_PAIRS, 2), np.int32)  # i32[PLAN_PAIRS, 2]
     out[:len(pairs)] = pairs
     return out
+
+
+def plan_pieces(pairs: np.ndarray) -> list[np.ndarray]:
+    """An i32[n, 2] plan in pieces of at most PLAN_PAIRS pairs, in order."""
+    return [pairs[i:i + PLAN_PAIRS] for i in range(0, len(pairs), PLAN_PAIRS)]
 
 
 def _copy_pages(kv_pages, pairs):
@@ -35,6 +47,13 @@ def _scatter_pages(kv_pages, page_ids, values):
 
 
 copy_pages = jax.jit(_copy_pages, donate_argnums=0)
+
+
+def copy_page_pairs(kv_pages, pairs: np.ndarray):
+    """Copies pages (i32[n, 2] (src, dst) pairs, any n) in pieces; returns the new pool."""
+    for piece in plan_pieces(pairs):
+        kv_pages = copy_pages(kv_pages, jax.device_put(pad_pairs(piece)))
+    return kv_pages
 scatter_pages = jax.jit(_scatter_pages, donate_argnums=0)
 gather_pages = jax.jit(_gather_pages)
 
@@ -69,18 +88,23 @@ class HostSwapSpace:
 
     def swap_out(self, kv_pages, pairs: np.ndarray) -> None:
         """Copies device pages into host slots; pairs are i32[n, 2] (page, slot)."""
-        padded = pad_pairs(pairs)
-        pages = gather_pages(kv_pages, jax.device_put(padded[:, 0]))  # [L, 2, Hkv, n, ps, D]
-        parts = {}
-        for shard in pages.addressable_shards:  # replicas of a head range come once
-            parts.setdefault(_heads(shard.index, self.page_shape[2]), shard.data)
-        parts = {k: np.asarray(v) for k, v in parts.items()}
-        for i, (_, slot) in enumerate(pairs):
-            self._slots[int(slot)] = {k: v[:, :, :, i].copy() for k, v in parts.items()}
+        for piece in plan_pieces(pairs):
+            pages = gather_pages(kv_pages, jax.device_put(pad_pairs(piece)[:, 0]))
+            parts = {}  # [L, 2, Hkv, PLAN_PAIRS, ps, D] by head range
+            for shard in pages.addressable_shards:  # replicas of a head range come once
+                parts.setdefault(_heads(shard.index, self.page_shape[2]), shard.data)
+            parts = {k: np.asarray(v) for k, v in parts.items()}
+            for i, (_, slot) in enumerate(piece):
+                self._slots[int(slot)] = {k: v[:, :, :, i].copy() for k, v in parts.items()}
 
     def swap_in(self, kv_pages, pairs: np.ndarray):
         """Writes host slots back into device pages (and frees the slots); pairs are
-        i32[n, 2] (slot, page)."""
+        i32[n, 2] (slot, page). Returns the new pool."""
+        for piece in plan_pieces(pairs):
+            kv_pages = self._swap_in_piece(kv_pages, piece)
+        return kv_pages
+
+    def _swap_in_piece(self, kv_pages, pairs: np.ndarray):
         padded = pad_pairs(pairs)
         slots = [self._slots.pop(int(slot)) for slot, _ in pairs]
         num_heads = self.page_shape[2]

@@ -12,27 +12,22 @@ device from that step's output.
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from jaxserve.core.buckets import pick_bucket, rows_for_bucket, token_buckets
 from jaxserve.core.plans import KVPlans
-from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.parallel.sharding import TensorParallel
 from jaxserve.runner import compile_counter
-from jaxserve.runner.kv_ops import (
-    HostSwapSpace,
-    copy_pages,
-    pad_pairs,
-)
-from jaxserve.runner.sampler_variants import VARIANTS, promote, variant_of
+from jaxserve.runner.kv_ops import HostSwapSpace, copy_page_pairs
+from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.step_input import build_step_arrays
 from jaxserve.runner.step_io import PendingStep, StepInputs, StepResult
 from jaxserve.runner.transfer import Layout, pack, unpack
+from jaxserve.runner.warmup import run_warmup
 from jaxserve.sample.logprobs import compute_prompt_logprobs
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, MAX_LOGPROBS, SamplingMetadata
 from jaxserve.sample.sampler import sample
@@ -42,11 +37,11 @@ from pallas_kernels import AttentionMetadata
 from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
 
 
-def _model_step(model: Model, layout: Layout, decode_only: bool, params, kv_pages, buf,
-                prev_ids):
+def _model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: bool, params,
+                kv_pages, buf, prev_ids):
     x = unpack(buf, layout)
     md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"],
-                           decode_only)
+                           decode_only, short_tiles)
     src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
     input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
     kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md)
@@ -91,25 +86,26 @@ class ModelRunner:
             has up to `max_num_seqs * (1 + num_spec_tokens)` of them.
         kv_cache_dtype: "auto" (the model dtype) or an 8-bit KV format
             (`pallas_kernels.kv_quant`).
+        short_tiles: Whether steps hold many requests of a few new tokens after a context
+            (`AttentionMetadata.short_tiles`); None: when verifying proposals.
     """
 
     def __init__(self, model: Model, num_pages: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_swap_slots: int = 0,
                  layout: TensorParallel | None = None, num_spec_tokens: int = 0,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", short_tiles: bool | None = None):
         compile_counter.install()
         self.model = model
         self.layout = layout
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.num_spec_tokens = num_spec_tokens
+        self.short_tiles = num_spec_tokens > 0 if short_tiles is None else short_tiles
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
         self.penalty_len = 1 << (max_model_len - 1).bit_length()
         self.banned_len = MAX_BANNED_TOKEN_IDS
         self.buckets = token_buckets(max_num_batched_tokens)
         self.max_rows = self.sample_rows(self.buckets[-1])
-        # Largest page plan (copy or swap pairs) run as one program; see execute_plans.
-        self.max_plan_pairs = 2 * len(pad_pairs(np.zeros((self.max_pages_per_seq, 2))))
         check_kv_cache_dtype(kv_cache_dtype, model.backend)
         pool_shape, pool_dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size),
                                                 model.dtype, kv_cache_dtype)
@@ -290,7 +286,8 @@ class ModelRunner:
             shardings = {} if self.layout is None else {"out_shardings": (
                 self.layout.kv_pages_sharding(), self.layout.replicated(),
                 self.layout.replicated())}
-            fn = jax.jit(functools.partial(_model_step, self.model, layout, decode_only),
+            fn = jax.jit(functools.partial(_model_step, self.model, layout, decode_only,
+                                           self.short_tiles),
                          donate_argnums=1, **shardings)
             self._steps[(layout, decode_only)] = fn
         return fn
@@ -317,19 +314,14 @@ class ModelRunner:
             return
         if self.channel is not None:
             self.channel.send("plans", plans)
-        # NOTE: plans run in pieces of at most `max_plan_pairs` pairs, the largest size
-        # warm-up compiled, so a step that swaps or copies many pages compiles nothing.
-        for pairs in self._pieces(plans.swap_out):
-            self.swap.swap_out(self.kv_pages, pairs)
-        for pairs in self._pieces(plans.swap_in):
-            self.kv_pages = self.swap.swap_in(self.kv_pages, pairs)
-        for pairs in self._pieces(plans.copy):
-            self.kv_pages = copy_pages(self.kv_pages, jax.device_put(pad_pairs(pairs)))
-
-    def _pieces(self, plan) -> list[np.ndarray]:
-        pairs = plan.as_array() if plan.pairs else np.zeros((0, 2), np.int32)
-        return [pairs[i:i + self.max_plan_pairs]
-                for i in range(0, len(pairs), self.max_plan_pairs)]
+        # NOTE: plans run in pieces of PLAN_PAIRS pairs (kv_ops), the one size warm-up
+        # compiled, so a step that swaps or copies many pages compiles nothing.
+        if plans.swap_out.pairs:
+            self.swap.swap_out(self.kv_pages, plans.swap_out.as_array())
+        if plans.swap_in.pairs:
+            self.kv_pages = self.swap.swap_in(self.kv_pages, plans.swap_in.as_array())
+        if plans.copy.pairs:
+            self.kv_pages = copy_page_pairs(self.kv_pages, plans.copy.as_array())
 
     # ------------------------------------------------------------- warmup
     def warmup(self, make_dummy_sampling) -> float:
@@ -352,46 +344,6 @@ class ModelRunner:
             self.channel = channel
 
     def _warmup(self, make_dummy_sampling) -> float:
-        start = time.perf_counter()
-        self.warmup_progress = (0, len(self.buckets))
-        for done, num_tokens in enumerate(tqdm(self.buckets, desc="jaxserve warm-up",
-                                               unit="bucket")):
-            self.warmup_progress = (done, len(self.buckets))
-            num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)  # attention rows
-            num_sample_rows = self.sample_rows(num_tokens)
-            # NOTE: dummy requests of at most max_model_len tokens each (a bucket may be
-            # larger than one sequence's block table), all in the null page.
-            cap = self.max_pages_per_seq * self.page_size
-            sizes = [min(cap, num_tokens - start) for start in range(0, num_tokens, cap)]
-            out = SchedulerOutput(scheduled=[ScheduledRequest(
-                f"warmup-{i}", [0] * n, 0, [0] * cdiv(n, self.page_size), int(i == 0))
-                for i, n in enumerate(sizes[:num_rows])])
-            # One model step; the prompt-logprobs program and every sampler variant on
-            # its outputs (running the model once per variant cost ~7 s more cold).
-            _, buf, layout, _, _ = self._model_inputs(out, None)
-            decode_only = self.is_decode_step(out, num_tokens, num_rows)
-            self.kv_pages, logits, hidden = self._step_fn(layout, decode_only)(
-                self.params, self.kv_pages, self._to_device(buf), self._no_prev_ids)
-            jax.block_until_ready(self._prompt_fn()(
-                self.params, hidden, self._to_device(np.zeros(num_tokens, np.int32))))
-            for variant in VARIANTS:
-                buf, layout = self._sample_inputs(make_dummy_sampling(num_sample_rows), variant)
-                jax.block_until_ready(self._sampler_fn(layout)(logits, self._to_device(buf)))
-            decodes = SchedulerOutput(scheduled=[ScheduledRequest(f"warmup-d{i}", [0], 0, [0], 1)
-                                                 for i in range(num_rows)])
-            if self.is_decode_step(decodes, num_tokens, num_rows):  # its own program
-                self.execute(decodes, make_dummy_sampling(num_sample_rows), VARIANTS[0])
-        n = len(pad_pairs(np.zeros((0, 2), np.int32)))
-        while n <= self.max_plan_pairs:
-            pairs = np.zeros((n, 2), np.int32)  # null page onto itself: a no-op
-            self.kv_pages = copy_pages(self.kv_pages, jax.device_put(pairs))
-            if self.swap.num_slots:
-                # The real swap path, on the null page: out to scratch slots -1..-n, back in.
-                scratch = np.stack([np.zeros(n, np.int32), -1 - np.arange(n, dtype=np.int32)], 1)
-                self.swap.swap_out(self.kv_pages, scratch)
-                self.kv_pages = self.swap.swap_in(self.kv_pages, scratch[:, ::-1])
-            n *= 2
+        self.warmup_seconds = run_warmup(self, make_dummy_sampling)
         self.num_padded_tokens = self.num_scheduled_tokens = self.num_compilations = 0
-        self.warmup_progress = (len(self.buckets), len(self.buckets))
-        self.warmup_seconds = time.perf_counter() - start
         return self.warmup_seconds

@@ -138,8 +138,9 @@ class DraftModelSpeculator(Speculator):
         self.model = draft
         self.page_size = page_size
         self.max_model_len = max_model_len
+        # NOTE: catch-up steps are requests of a few tokens each (short query tiles).
         self.runner = ModelRunner(draft, num_pages, page_size, max_model_len, max_num_seqs,
-                                  max_num_batched_tokens)
+                                  max_num_batched_tokens, short_tiles=True)
         self.pool = PagePool(num_pages, enable_caching=False)
         self.seqs: dict[str, _DraftSeq] = {}
         self.max_tokens_per_call = self.runner.buckets[-1]

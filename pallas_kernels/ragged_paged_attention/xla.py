@@ -11,6 +11,8 @@ splits each token's keys into three disjoint parts and merges them with an onlin
 * prefix part: every other token reads the context its request had before this step
   (prefix-cache hits, earlier chunks) from the pool, in tiles of one request's query
   tokens: a tile gathers its request's pages once per key block (none for fresh prompts);
+  with `md.short_tiles` (engines that verify speculative proposals) requests of a few
+  tokens get a pass of their own in small tiles;
 * in-step part: those tokens also attend to this step's own tokens of their request,
   read back from the pool by slot (`[num_tokens]` entries), causally masked, in key tiles;
   skipped by a `cond` when the step holds decode rows only.
@@ -256,8 +258,9 @@ def ragged_paged_attention_xla(
         block_q: Keys per tile of the in-step part.
         block_q_prefix: Query tokens (of one request) per tile of the prefix part.
         block_q_short: Tile of the prefix part for requests with at most this many new
-            tokens (proposals being verified, a chunk's short tail): their own pass, so a
-            4-token request does not fill a 64-query tile with padding.
+            tokens (proposals being verified, a chunk's short tail) when `md.short_tiles`:
+            their own pass, so a 4-token request does not fill a 64-query tile with
+            padding.
         decode_block_kv: Keys per gathered block of the decode part.
         decode_rows: Decode rows per group: each group of rows runs its own loop over
             key blocks (as many as its longest context needs), so a gathered block
@@ -296,12 +299,14 @@ def ragged_paged_attention_xla(
     others = valid & ~is_decode
     decode_row = jnp.zeros(md.kv_lens.shape[0], bool).at[:rows].set(aligned)  # bool[rows]
     prefix_lens = jnp.where(decode_row, 0, md.kv_lens - q_lens)  # i32[rows]; padding: 0
-    short = q_lens <= block_q_short  # bool[rows]
-    state = _prefix_part(qg, kv_pages, layer, md, jnp.where(short, prefix_lens, 0), q_pos,
-                         window, block_kv=block_kv, block_q=block_q_short, **common)
-    state = _prefix_part(qg, kv_pages, layer, md, jnp.where(short, 0, prefix_lens), q_pos,
-                         window, block_kv=block_kv, block_q=block_q_prefix, state=state,
-                         **common)
+    state = None
+    if md.short_tiles:  # a second loop (~1.3 s more to compile per program on this CPU)
+        short = q_lens <= block_q_short  # bool[rows]
+        state = _prefix_part(qg, kv_pages, layer, md, jnp.where(short, prefix_lens, 0),
+                             q_pos, window, block_kv=block_kv, block_q=block_q_short, **common)
+        prefix_lens = jnp.where(short, 0, prefix_lens)
+    state = _prefix_part(qg, kv_pages, layer, md, prefix_lens, q_pos, window,
+                         block_kv=block_kv, block_q=block_q_prefix, state=state, **common)
     state = jax.lax.cond(
         jnp.any(others),
         lambda s: _merge(s, _in_step_part(qg, kv_pages, layer, md, seq_ids, q_pos, others,

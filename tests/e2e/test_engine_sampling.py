@@ -12,6 +12,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.plans import CopyPlan, KVPlans, SwapPlan
 from jaxserve.runner import compile_counter
+from jaxserve.runner.kv_ops import PLAN_PAIRS
 
 PAGE = 16
 # NOTE: the serving tests' engine sizes and pool (64 pages, tests/entrypoints/conftest.py):
@@ -284,7 +285,7 @@ def test_no_compilation_after_warmup(smollm2, smollm2_tokenizer):
     assert 0 < metrics["jaxserve:padding_waste_ratio"] < 1
     # Page plans larger than one warmed program run in pieces: still no compilation.
     runner = llm.engine.runner
-    n = runner.max_plan_pairs + 5
+    n = 3 * PLAN_PAIRS + 5
     null_pairs = [(0, 0)] * n  # the null page onto itself
     before = compile_counter.num_compilations()
     runner.execute_plans(KVPlans(swap_out=SwapPlan([(0, s) for s in range(n)], to_host=True),

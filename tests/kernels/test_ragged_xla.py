@@ -4,6 +4,7 @@ free pages; and its cost follows the live context, not the block-table width."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -53,8 +54,9 @@ def inputs(g: Geometry, q_lens, kv_lens, seed=0):
 
 
 def check(g, layout, window=0, soft_cap=None, block_kv=128, block_q=256, seed=0, scale=1.0,
-          decode_rows=32):
+          decode_rows=32, short_tiles=False):
     q, kv_pages, md = inputs(g, *LAYOUTS[layout], seed=seed)
+    md = dataclasses.replace(md, short_tiles=short_tiles)
     q = (q * scale).astype(q.dtype)
     want = np.asarray(reference(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=window,
                                 soft_cap=soft_cap), np.float32)
@@ -74,14 +76,23 @@ def test_matches_reference(g, layout, window):
     check(g, layout, window)
 
 
+@pytest.mark.parametrize("layout", ["verifying_rows_beside_a_chunk", "mixed_mid_page_chunks",
+                                    "decodes_first_then_chunk"])
+@pytest.mark.parametrize("g", GEOMETRIES, ids=str)
+def test_short_tile_pass_matches_reference(g, layout):
+    # Engines that verify proposals: requests of <= 8 new tokens get their own pass.
+    check(g, layout, 5, short_tiles=True)
+
+
 @pytest.mark.parametrize("soft_cap", [None, 2.0])
 @pytest.mark.parametrize("block_kv,block_q", [(8, 4), (16, 7), (64, 32)])
 @pytest.mark.parametrize("layout", ["mixed_mid_page_chunks", "second_chunk_of_a_long_prompt",
                                     "decodes_first_then_chunk", "verifying_rows_beside_a_chunk"])
 def test_blocks_tiles_and_soft_cap(layout, block_kv, block_q, soft_cap):
-    # Decode rows in groups of 2: several groups, the last one part padding.
+    # Decode rows in groups of 2: several groups, the last one part padding; the short
+    # pass on with a soft cap only.
     check(GEOMETRIES[0], layout, 3, soft_cap, block_kv, block_q, seed=2, scale=4.0,
-          decode_rows=2)
+          decode_rows=2, short_tiles=soft_cap is not None)
 
 
 def test_random_packings():
@@ -93,7 +104,7 @@ def test_random_packings():
         kv_lens = [int(qn + rng.integers(0 if qn else 0, 60)) if qn else 0 for qn in q_lens]
         LAYOUTS[f"random-{seed}"] = ([int(x) for x in q_lens], kv_lens)
         check(g, f"random-{seed}", window=int(rng.choice([0, 7])), block_kv=32, block_q=16,
-              seed=seed, decode_rows=4)
+              seed=seed, decode_rows=4, short_tiles=bool(seed % 2))
 
 
 def test_cost_follows_the_live_context():

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from jaxserve.runner.kv_ops import (
+    PLAN_PAIRS,
     HostSwapSpace,
     copy_pages,
     gather_pages,
     pad_pairs,
+    plan_pieces,
     scatter_pages,
 )
 
@@ -30,18 +32,27 @@ def on_device(x: np.ndarray) -> jax.Array:
     return jnp.array(x)
 
 
-@pytest.mark.parametrize("n,expected", [(0, 8), (1, 8), (8, 8), (9, 16), (16, 16), (17, 32)])
-def test_pad_pairs_pads_to_a_power_of_two_with_null_pairs(n, expected):
+@pytest.mark.parametrize("n", [0, 1, PLAN_PAIRS - 1, PLAN_PAIRS])
+def test_pad_pairs_pads_to_the_one_compiled_size_with_null_pairs(n):
     pairs = np.arange(1, 2 * n + 1, dtype=np.int32).reshape(n, 2)
     out = pad_pairs(pairs)
-    assert out.shape == (expected, 2) and out.dtype == np.int32
+    assert out.shape == (PLAN_PAIRS, 2) and out.dtype == np.int32
     np.testing.assert_array_equal(out[:n], pairs)
     assert (out[n:] == 0).all()
 
 
-def test_pad_pairs_minimum():
-    assert pad_pairs(np.zeros((0, 2), np.int32), minimum=1).shape == (1, 2)
-    assert pad_pairs(np.ones((3, 2), np.int32), minimum=2).shape == (4, 2)
+def test_pad_pairs_refuses_more_than_one_piece():
+    with pytest.raises(ValueError, match=f"{PLAN_PAIRS + 1} page pairs in one piece"):
+        pad_pairs(np.ones((PLAN_PAIRS + 1, 2), np.int32))
+
+
+@pytest.mark.parametrize("n", [0, 1, PLAN_PAIRS, PLAN_PAIRS + 1, 3 * PLAN_PAIRS + 2])
+def test_plan_pieces_keep_order_and_fit_one_piece(n):
+    pairs = np.arange(2 * n, dtype=np.int32).reshape(n, 2)
+    pieces = plan_pieces(pairs)
+    assert all(1 <= len(p) <= PLAN_PAIRS for p in pieces)
+    assert len(pieces) == -(-n // PLAN_PAIRS)
+    np.testing.assert_array_equal(np.concatenate(pieces) if pieces else pairs, pairs)
 
 
 def test_copy_pages_matches_numpy_and_padding_is_a_no_op():
@@ -89,10 +100,10 @@ def test_swap_out_then_in_moves_pages_through_host_slots():
         swap.swap_in(on_device(got), np.array([[0, 3]], np.int32))
 
 
-def test_swap_of_more_pairs_than_the_minimum_padding():
+def test_swap_of_more_pairs_than_one_piece():
     ref = pool(4)
     swap = HostSwapSpace(num_slots=16, page_shape=PAGE_SHAPE, dtype=np.float32)
-    pages = np.arange(1, 11, dtype=np.int32)  # 10 pairs: padded to 16
+    pages = np.arange(1, 11, dtype=np.int32)  # 10 pairs: two pieces of PLAN_PAIRS
     swap.swap_out(on_device(ref), np.stack([pages, 100 + pages], 1))
     back = np.asarray(swap.swap_in(on_device(np.zeros(POOL_SHAPE, np.float32)),
                                    np.stack([100 + pages, pages[::-1]], 1)))
