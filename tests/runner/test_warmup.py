@@ -1,0 +1,65 @@
+"""Warm-up: programs compiled ahead on threads are the ones the warm-up pass runs, the
+thread count's setting, and progress for `/health`."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.core.plans import CopyPlan, KVPlans, SwapPlan
+from jaxserve.runner import compile_counter, warmup
+from jaxserve.runner.kv_ops import PLAN_PAIRS
+
+ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=64,
+            swap_space=0.01)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_warmup_pass_finds_every_program_compiled_ahead(tiny_model_dir, monkeypatch, threads):
+    """With threads > 1 every program is lowered and compiled before the pass that runs
+    them, which then lowers nothing (a miss there would compile twice). With 1 thread the
+    pass compiles them itself."""
+    monkeypatch.setenv("JAXSERVE_COMPILE_THREADS", str(threads))
+    counts, progress = {}, []
+    run_bucket = warmup._run_bucket
+
+    def spy(runner, num_tokens, make_dummy_sampling):
+        counts.setdefault("pass", compile_counter.num_compilations())
+        progress.append(runner.warmup_progress)
+        run_bucket(runner, num_tokens, make_dummy_sampling)
+        counts["after"] = compile_counter.num_compilations()
+
+    monkeypatch.setattr(warmup, "_run_bucket", spy)
+    llm = LLM(tiny_model_dir, **ARGS)
+    runner = llm.engine.runner
+    assert runner.buckets == [16, 32] and runner.warmup_progress == (2, 2)
+    if threads > 1:
+        assert counts["after"] == counts["pass"], "the warm-up pass compiled a program again"
+        assert progress == [(2, 2), (2, 2)]  # every bucket compiled before the pass
+    else:
+        assert counts["after"] > counts["pass"]
+        assert progress == [(0, 2), (1, 2)]
+    # Serving afterwards compiles nothing; nor do plans of several pieces.
+    out = llm.generate(["a b c"] * 3, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    assert llm.get_metrics()["jaxserve:num_compilations"] == 0
+    n = 2 * PLAN_PAIRS + 1
+    before = compile_counter.num_compilations()
+    runner.execute_plans(KVPlans(swap_out=SwapPlan([(0, s) for s in range(n)], to_host=True),
+                                 swap_in=SwapPlan([(s, 0) for s in range(n)], to_host=False),
+                                 copy=CopyPlan([(0, 0)] * n)))
+    assert compile_counter.num_compilations() == before
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_compile_threads_setting_must_be_a_positive_integer(monkeypatch, value):
+    monkeypatch.setenv("JAXSERVE_COMPILE_THREADS", value)
+    with pytest.raises(ValueError, match="JAXSERVE_COMPILE_THREADS"):
+        warmup.compile_threads()
+
+
+def test_compile_threads_default_and_override(monkeypatch):
+    monkeypatch.delenv("JAXSERVE_COMPILE_THREADS", raising=False)
+    assert 1 <= warmup.compile_threads() <= warmup.MAX_COMPILE_THREADS
+    monkeypatch.setenv("JAXSERVE_COMPILE_THREADS", "3")
+    assert warmup.compile_threads() == 3
