@@ -53,9 +53,9 @@ TEXT_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data",
                          "pride_and_prejudice.txt")
 
 
-def teacher_forced_logits(model, token_ids: list[int], kv_cache_dtype: str = "auto",
-                          page_size: int = 16) -> np.ndarray:
-    """f32[T, vocab] logits of one sequence in one step through a page pool of the format."""
+def _teacher_forced(model, token_ids: list[int], kv_cache_dtype: str, page_size: int):
+    """`params -> f32[T, vocab]` logits of one sequence in one step through a fresh page
+    pool of the format (one compiled program for every `params` of the same shapes)."""
     t = len(token_ids)
     num_pages = -(-t // page_size) + 1
     shape, dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size), model.dtype,
@@ -72,8 +72,40 @@ def teacher_forced_logits(model, token_ids: list[int], kv_cache_dtype: str = "au
         _, hidden = model.forward(params, ids, positions, kv, md)
         return model.compute_logits(params, hidden)
 
-    return np.asarray(run(model.params, jnp.asarray(token_ids, jnp.int32), jnp.asarray(pos),
-                          jnp.zeros(shape, dtype), md))
+    ids, positions = jnp.asarray(token_ids, jnp.int32), jnp.asarray(pos)
+    return lambda params: np.asarray(run(params, ids, positions, jnp.zeros(shape, dtype), md))
+
+
+def teacher_forced_logits(model, token_ids: list[int], kv_cache_dtype: str = "auto",
+                          page_size: int = 16) -> np.ndarray:
+    """f32[T, vocab] logits of one sequence in one step through a page pool of the format."""
+    return _teacher_forced(model, token_ids, kv_cache_dtype, page_size)(model.params)
+
+
+def perplexity_draws(model, token_ids: list[int], kv_cache_dtype: str, draws: int,
+                     noise: float = 1e-6, page_size: int = 16) -> list[float]:
+    """Perplexities of `draws` teacher-forced runs: the weights as they are, then copies
+    whose float32 arrays carry relative noise of `noise` (seeded; far below any weight
+    format's rounding).
+
+    NOTE: with an 8-bit KV cache the forward pass is chaotic: a code that rounds the other
+    way moves the next layers' inputs by a rounding step, which flips more codes, so one
+    run is one draw of the format's error. Measured on 192 tokens of the test text
+    (float32 weights, 12 draws): fp8_e5m2 perplexity +1.8% on average, from -0.8% to
+    +3.2% (sd 1.0%); fp8_e4m3 -0.2% (sd 0.3%). Their mean is the format's accuracy.
+    """
+    run = _teacher_forced(model, token_ids, kv_cache_dtype, page_size)
+    leaves, tree = jax.tree.flatten(model.params)
+    out = []
+    for seed in range(draws):
+        params = model.params
+        if seed:
+            rng = np.random.default_rng(seed)
+            params = jax.tree.unflatten(tree, [
+                x * (1 + noise * rng.standard_normal(x.shape)).astype(np.float32)
+                if x.dtype == np.float32 else x for x in map(np.asarray, leaves)])
+        out.append(perplexity(run(params), token_ids))
+    return out
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
