@@ -47,6 +47,8 @@ def _scatter_pages(kv_pages, page_ids, values):
 
 
 copy_pages = jax.jit(_copy_pages, donate_argnums=0)
+scatter_pages = jax.jit(_scatter_pages, donate_argnums=0)
+gather_pages = jax.jit(_gather_pages)
 
 
 def copy_page_pairs(kv_pages, pairs: np.ndarray):
@@ -54,8 +56,6 @@ def copy_page_pairs(kv_pages, pairs: np.ndarray):
     for piece in plan_pieces(pairs):
         kv_pages = copy_pages(kv_pages, jax.device_put(pad_pairs(piece)))
     return kv_pages
-scatter_pages = jax.jit(_scatter_pages, donate_argnums=0)
-gather_pages = jax.jit(_gather_pages)
 
 
 def _heads(index: tuple, num_heads: int) -> tuple[int, int]:

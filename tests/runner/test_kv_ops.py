@@ -10,6 +10,7 @@ import pytest
 from jaxserve.runner.kv_ops import (
     PLAN_PAIRS,
     HostSwapSpace,
+    copy_page_pairs,
     copy_pages,
     gather_pages,
     pad_pairs,
@@ -65,6 +66,17 @@ def test_copy_pages_matches_numpy_and_padding_is_a_no_op():
     # Every other page (the null page included) is untouched.
     untouched = [p for p in range(NUM_PAGES) if p not in (7, 1, 9)]
     np.testing.assert_array_equal(got[:, :, :, untouched], ref[:, :, :, untouched])
+
+
+def test_copy_page_pairs_runs_a_plan_of_several_pieces():
+    ref = pool(5)
+    dst = np.arange(3, NUM_PAGES, dtype=np.int32)  # 9 distinct pages: two pieces
+    src = np.where(dst % 2 == 1, 1, 2).astype(np.int32)
+    assert len(dst) > PLAN_PAIRS
+    got = np.asarray(copy_page_pairs(on_device(ref), np.stack([src, dst], 1)))
+    expected = ref.copy()
+    expected[:, :, :, dst] = ref[:, :, :, src]
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_gather_and_scatter_pages_match_numpy():
