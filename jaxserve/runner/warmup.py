@@ -2,10 +2,11 @@
 
 A step runs one of a few programs per token bucket (the model step, the decode-only step
 on Pallas, prompt logprobs, three sampler variants), and three KV plan programs run
-page copies and swaps. Compiling them one after another leaves all but one core idle: XLA's CPU
-compiler uses about one core per program. So warm-up first *lowers* every program on this
-thread (tracing holds the GIL) and hands each lowered program to a thread pool that
-compiles it (compiling releases the GIL); a program compiles while the next one is traced.
+page copies and swaps. Compiled one after another, they leave the other cores of a
+many-core host idle. So warm-up first *lowers* every program on this thread (tracing holds
+the GIL) and hands each lowered program to a thread pool that compiles it (compiling
+releases the GIL); a program compiles while the next one is traced. (On this project's
+2-vCPU machine the gain is small: two compiles side by side each take ~2x as long.)
 `jit(f).lower(args).compile()` fills the cache that `jit(f)(args)` reads, so the second
 pass, which runs every program once on dummy inputs (as warm-up always did), compiles
 nothing it does not have to.
@@ -14,8 +15,9 @@ nothing it does not have to.
 from __future__ import annotations
 
 import os
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -25,9 +27,9 @@ from jaxserve.core.buckets import rows_for_bucket
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.runner.kv_ops import (
     PLAN_PAIRS,
+    copy_page_pairs,
     copy_pages,
     gather_pages,
-    pad_pairs,
     scatter_pages,
 )
 from jaxserve.runner.sampler_variants import VARIANTS
@@ -35,6 +37,8 @@ from jaxserve.utils import cdiv
 
 # Most compiler threads: beyond a few, programs wait on memory bandwidth and each other.
 MAX_COMPILE_THREADS = 8
+# i32[PLAN_PAIRS, 2]: the null page onto itself, a no-op plan piece for warm-up.
+NULL_PAIRS = np.zeros((PLAN_PAIRS, 2), np.int32)
 
 
 def compile_threads() -> int:
@@ -85,10 +89,9 @@ def _lower_bucket(runner, num_tokens: int, make_dummy_sampling) -> list:
 
 
 def _lower_plans(runner) -> list:
-    pairs = pad_pairs(np.zeros((0, 2), np.int32))  # i32[PLAN_PAIRS, 2]
-    lowered = [copy_pages.lower(runner.kv_pages, jax.device_put(pairs))]
+    lowered = [copy_pages.lower(runner.kv_pages, jax.device_put(NULL_PAIRS))]
     if runner.swap.num_slots:
-        ids = jax.device_put(pairs[:, 0])  # i32[PLAN_PAIRS]
+        ids = jax.device_put(NULL_PAIRS[:, 0])  # i32[PLAN_PAIRS]
         gather = gather_pages.lower(runner.kv_pages, ids)
         lowered += [gather, scatter_pages.lower(runner.kv_pages, ids, gather.out_info)]
     return lowered
@@ -97,24 +100,29 @@ def _lower_plans(runner) -> list:
 def compile_ahead(runner, make_dummy_sampling, threads: int) -> None:
     """Lowers every warm-up program here and compiles them on `threads` threads.
 
-    `runner.warmup_progress` counts a bucket once all its programs are compiled.
+    `runner.warmup_progress` counts a bucket once all its programs are compiled (they
+    may finish in any order).
     """
     total = len(runner.buckets)
+    lock = threading.Lock()
+    left: dict[int, int] = {}  # bucket -> its programs not compiled yet
     done = [0]
 
-    def finished(_: Future) -> None:
-        done[0] += 1
-        runner.warmup_progress = (min(done[0], total), total)
+    def finished(num_tokens: int) -> None:
+        with lock:  # callbacks run on the compiler threads
+            left[num_tokens] -= 1
+            if left[num_tokens] == 0:
+                done[0] += 1
+                runner.warmup_progress = (done[0], total)
 
     with ThreadPoolExecutor(threads, thread_name_prefix="jaxserve-compile") as pool:
         futures = []
         for num_tokens in runner.buckets:
-            programs = [pool.submit(lowered.compile)
-                        for lowered in _lower_bucket(runner, num_tokens, make_dummy_sampling)]
-            # NOTE: a bucket counts when its last program is compiled; the pool runs
-            # them in submission order, so that is the bucket's last future.
-            programs[-1].add_done_callback(finished)
-            futures += programs
+            lowered = _lower_bucket(runner, num_tokens, make_dummy_sampling)
+            left[num_tokens] = len(lowered)
+            for program in lowered:
+                futures.append(pool.submit(program.compile))
+                futures[-1].add_done_callback(lambda _, n=num_tokens: finished(n))
         futures += [pool.submit(lowered.compile) for lowered in _lower_plans(runner)]
         for f in futures:
             f.result()  # re-raises a compile error here
@@ -142,12 +150,11 @@ def run_warmup(runner, make_dummy_sampling, threads: int | None = None) -> float
         if threads == 1:
             runner.warmup_progress = (done, total)
         _run_bucket(runner, num_tokens, make_dummy_sampling)
-    n = PLAN_PAIRS
-    pairs = np.zeros((n, 2), np.int32)  # null page onto itself: a no-op
-    runner.kv_pages = copy_pages(runner.kv_pages, jax.device_put(pairs))
+    runner.kv_pages = copy_page_pairs(runner.kv_pages, NULL_PAIRS)
     if runner.swap.num_slots:
         # The real swap path, on the null page: out to scratch slots -1..-n, back in.
-        scratch = np.stack([np.zeros(n, np.int32), -1 - np.arange(n, dtype=np.int32)], 1)
+        scratch = NULL_PAIRS.copy()
+        scratch[:, 1] = -1 - np.arange(PLAN_PAIRS)
         runner.swap.swap_out(runner.kv_pages, scratch)
         runner.kv_pages = runner.swap.swap_in(runner.kv_pages, scratch[:, ::-1])
     runner.warmup_progress = (total, total)
