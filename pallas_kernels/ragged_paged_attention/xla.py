@@ -1,21 +1,20 @@
 """Ragged paged attention in plain XLA whose cost follows the live context, not max_model_len.
 
 The reference (`reference.py`) gathers every query token's whole block table. This path
-splits each token's keys into three disjoint parts and merges them with an online softmax:
+splits the tokens into two disjoint kinds, each with its own loops, merged at the end:
 
 * decode part: a request whose single new token sits at token index == its row index (the
   runner packs decode rows first) reads its context from the pool one gather per *row*,
   in blocks of `decode_block_kv` keys, for as many blocks as the longest such context
   needs (a `fori_loop` with a traced trip count: no compile per context length), in
   groups of `decode_rows` rows so a gathered block stays in the cache;
-* prefix part: every other token reads the context its request had before this step
-  (prefix-cache hits, earlier chunks) from the pool, in tiles of one request's query
-  tokens: a tile gathers its request's pages once per key block (none for fresh prompts);
-  with `md.short_tiles` (engines that verify speculative proposals) requests of a few
-  tokens get a pass of their own in small tiles;
-* in-step part: those tokens also attend to this step's own tokens of their request,
-  read back from the pool by slot (`[num_tokens]` entries), causally masked, in key tiles;
-  skipped by a `cond` when the step holds decode rows only.
+* context part: every other token reads its request's keys [0, kv_len) from the pool,
+  causally masked by position (this step's own K/V are written before attention runs,
+  so earlier chunks, prefix-cache hits and the step's own tokens are one range), in
+  tiles of one request's query tokens: a tile gathers its request's pages once per key
+  block, for the blocks up to its last query's position only; with `md.short_tiles`
+  (engines that verify speculative proposals) requests of a few tokens get a pass of
+  their own in small tiles.
 
 Every key read is masked by the request's length, so free or null pages (even NaN) never
 change a result, as in the reference.
@@ -31,26 +30,6 @@ from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import check_shapes, token_positions
 
 _NEG = -1e30  # running max of a row that has seen no key yet (finite: exp(_NEG - m) == 0)
-
-
-def _masked_logits(q, k, mask, sm_scale, soft_cap):
-    """f32 logits [n, kv_heads, group, c] of q [n, kv_heads, group, d] against k
-    [n, kv_heads, c, d], -inf where `mask` [n, c] is False."""
-    logits = jnp.einsum("nkgd,nkcd->nkgc", q, k) * sm_scale
-    if soft_cap is not None:
-        logits = soft_cap * jnp.tanh(logits / soft_cap)
-    return jnp.where(mask[:, None, None, :], logits, -jnp.inf)
-
-
-def _update(state, logits, v, mask):
-    """One online-softmax step: `state` = (acc [n,k,g,d], m [n,k,g], denom [n,k,g])."""
-    acc, m, denom = state
-    m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-    p = jnp.exp(logits - m_new[..., None])  # 0 where masked (-inf)
-    scale = jnp.exp(m - m_new)
-    v = jnp.where(mask[:, None, :, None], v, 0.0)  # NaN in a masked slot must not leak
-    acc = acc * scale[..., None] + jnp.einsum("nkgc,nkcd->nkgd", p, v)
-    return acc, m_new, denom * scale + jnp.sum(p, axis=-1)
 
 
 def _init(n, kv_heads, group, head_dim):
@@ -133,14 +112,15 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
     return jax.lax.fori_loop(0, num_blocks, body, _init(n, kv_heads, group, head_dim))
 
 
-def _prefix_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, block_q,
-                 sm_scale, soft_cap, state=None):
-    """Attention of every token to what its request held before this step (`row_lens`
-    i32[rows] keys per request, 0 for requests that need none), in query tiles of
-    `block_q` tokens of one request: each tile gathers its request's pages once per key
-    block and attends with one matmul, instead of one gather per token.
+def _context_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, block_q,
+                  sm_scale, soft_cap, state=None):
+    """Causal attention of every token to its request's first `row_lens` keys (i32[rows];
+    the whole context kv_len, this step's tokens included; 0 for requests this pass
+    skips), in query tiles of `block_q` tokens of one request: each tile gathers its
+    request's pages once per key block, up to the block of its last query's position,
+    and attends with one matmul, instead of one gather per token.
 
-    Tiles are enumerated on the device (rows with a prefix, ceil(q_len / block_q) tiles
+    Tiles are enumerated on the device (rows this pass covers, ceil(q_len / block_q) tiles
     each) and walked by a `fori_loop` with a traced trip count. `state` ([t, ...]
     online-softmax state) carries the results of an earlier pass over other rows.
     """
@@ -166,6 +146,8 @@ def _prefix_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, b
         pos = jax.lax.dynamic_slice_in_dim(posp, first, block_q)  # i32[block_q]
         mine = first + jnp.arange(block_q) < starts[r] + q_lens[r]  # bool[block_q]
         length = row_lens[r]
+        last = jnp.minimum(first + block_q, starts[r] + q_lens[r]) - 1
+        seen = jnp.minimum(length, posp[last] + 1)  # keys the tile's last query sees
 
         def block(b, st):
             ids = jax.lax.dynamic_slice_in_dim(pages[r], b * ppb, ppb)  # i32[ppb]
@@ -173,13 +155,14 @@ def _prefix_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, b
             k = kv[:, 0]  # f32[ppb, kv_heads, page_size, head_dim]
             v = kv[:, 1]
             k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
-            mask = (k_pos[None, :] < length) & _window_ok(pos, k_pos[None, :], window)
+            mask = ((k_pos[None, :] < length) & (k_pos[None, :] <= pos[:, None])
+                    & _window_ok(pos, k_pos[None, :], window))
             mask = mask.reshape(block_q, 1, 1, ppb, page_size)
             keep = (k_pos < length).reshape(ppb, 1, page_size, 1)
             return _block_update(st, qt, k, v, mask, keep, "nkgd,pkcd->nkgpc",
                                  "nkgpc,pkcd->nkgd", sm_scale, soft_cap)
 
-        num_blocks = (length + block_kv - 1) // block_kv
+        num_blocks = (seen + block_kv - 1) // block_kv
         new = jax.lax.fori_loop(0, num_blocks, block, _init(block_q, kv_heads, group, head_dim))
         out = []
         for whole, part in zip(state, new, strict=True):
@@ -196,37 +179,6 @@ def _prefix_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, b
     return tuple(x[:t] for x in state)
 
 
-def _in_step_part(q, kv_pages, layer, md, seq_ids, q_pos, queries, window, *, block_q,
-                  sm_scale, soft_cap):
-    """Attention of the `queries` tokens (bool[t]) to this step's own tokens of their
-    request (read back from the pool by slot), causal, in key tiles of `block_q`."""
-    t, kv_heads, group, head_dim = q.shape
-    page_size = kv_pages.shape[4]
-    page_ids, offsets = md.slot_mapping // page_size, md.slot_mapping % page_size
-    kv = kv_pages[layer, :, :, page_ids, offsets]  # [t, 2, kv_heads, head_dim]
-    kv = jnp.moveaxis(dequantize_kv(kv), 2, 1)  # f32[t, kv_heads, 2, head_dim]
-    acc, m, denom = _init(t, kv_heads, group, head_dim)
-    for start in range(0, t, block_q):  # static: t / block_q tiles
-        stop = min(t, start + block_q)
-        keys = jnp.arange(start, stop, dtype=jnp.int32)
-        mask = (queries[:, None] & queries[None, start:stop]
-                & (seq_ids[:, None] == seq_ids[None, start:stop])
-                & (keys[None, :] <= jnp.arange(t, dtype=jnp.int32)[:, None])
-                & _window_ok(q_pos, q_pos[None, start:stop], window))  # bool[t, tile]
-        k, v = kv[start:stop, :, 0], kv[start:stop, :, 1]  # [tile, kv_heads, head_dim]
-        logits = jnp.einsum("tkgd,skd->tkgs", q, k) * sm_scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=-1))
-        p = jnp.exp(logits - m_new[..., None])
-        scale = jnp.exp(m - m_new)
-        v = jnp.where(jnp.any(mask, axis=0)[:, None, None], v, 0.0)  # unread slots: no NaN
-        acc = acc * scale[..., None] + jnp.einsum("tkgs,skd->tkgd", p, v)
-        m, denom = m_new, denom * scale + jnp.sum(p, axis=-1)
-    return acc, m, denom
-
-
 def ragged_paged_attention_xla(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -237,8 +189,7 @@ def ragged_paged_attention_xla(
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
     block_kv: int = 128,
-    block_q: int = 256,
-    block_q_prefix: int = 64,
+    block_q: int = 64,
     block_q_short: int = 8,
     decode_block_kv: int = 64,
     decode_rows: int = 32,
@@ -255,9 +206,8 @@ def ragged_paged_attention_xla(
         sliding_window: Keys older than `window` positions are masked; 0 means none.
         soft_cap: If set, logits become `soft_cap * tanh(logits / soft_cap)`.
         block_kv: Keys per gathered block (rounded to whole pages).
-        block_q: Keys per tile of the in-step part.
-        block_q_prefix: Query tokens (of one request) per tile of the prefix part.
-        block_q_short: Tile of the prefix part for requests with at most this many new
+        block_q: Query tokens (of one request) per tile of the context part.
+        block_q_short: Tile of the context part for requests with at most this many new
             tokens (proposals being verified, a chunk's short tail) when `md.short_tiles`:
             their own pass, so a 4-token request does not fill a 64-query tile with
             padding.
@@ -278,7 +228,7 @@ def ragged_paged_attention_xla(
     block_kv = max(page_size, block_kv // page_size * page_size)
     window = jnp.asarray(sliding_window, jnp.int32)
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    seq_ids, q_pos, valid = token_positions(md, num_tokens)
+    _, q_pos, valid = token_positions(md, num_tokens)
     q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]  # i32[num_rows]
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap)
 
@@ -293,25 +243,19 @@ def ragged_paged_attention_xla(
                          dec_lens[g] - 1, window, block_kv=decode_block_kv, **common)
              for g in groups]
     decode = tuple(jnp.concatenate(xs) for xs in zip(*parts, strict=True))
-    is_decode = jnp.zeros(num_tokens, bool).at[:rows].set(aligned)  # bool[num_tokens]
 
-    # Prefix part: what the other tokens' requests held before this step.
-    others = valid & ~is_decode
+    # Context part: every other row's whole context, this step's tokens included.
     decode_row = jnp.zeros(md.kv_lens.shape[0], bool).at[:rows].set(aligned)  # bool[rows]
-    prefix_lens = jnp.where(decode_row, 0, md.kv_lens - q_lens)  # i32[rows]; padding: 0
+    ctx_lens = jnp.where(decode_row | (q_lens == 0), 0, md.kv_lens)  # i32[rows]; padding: 0
     state = None
     if md.short_tiles:  # a second loop (~1.3 s more to compile per program on this CPU)
         short = q_lens <= block_q_short  # bool[rows]
-        state = _prefix_part(qg, kv_pages, layer, md, jnp.where(short, prefix_lens, 0),
-                             q_pos, window, block_kv=block_kv, block_q=block_q_short, **common)
-        prefix_lens = jnp.where(short, 0, prefix_lens)
-    state = _prefix_part(qg, kv_pages, layer, md, prefix_lens, q_pos, window,
-                         block_kv=block_kv, block_q=block_q_prefix, state=state, **common)
-    state = jax.lax.cond(
-        jnp.any(others),
-        lambda s: _merge(s, _in_step_part(qg, kv_pages, layer, md, seq_ids, q_pos, others,
-                                          window, block_q=block_q, **common)),
-        lambda s: s, state)
+        state = _context_part(qg, kv_pages, layer, md, jnp.where(short, ctx_lens, 0),
+                              q_pos, window, block_kv=block_kv, block_q=block_q_short,
+                              **common)
+        ctx_lens = jnp.where(short, 0, ctx_lens)
+    state = _context_part(qg, kv_pages, layer, md, ctx_lens, q_pos, window,
+                          block_kv=block_kv, block_q=block_q, state=state, **common)
     pad = num_tokens - rows
     decode = tuple(jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=c)
                    for x, c in zip(decode, (0.0, _NEG, 0.0), strict=True))

@@ -272,9 +272,9 @@ ragged_reference = jax.jit(ragged_paged_attention_reference,
 decode_reference = jax.jit(paged_decode_attention_reference,
                            static_argnames=("sm_scale", "soft_cap"))
 # Small key blocks: several loop iterations in every part of the XLA path that reads pages
-# (one in-step tile and one decode group: more of them cost compile time, not coverage).
-xla_path = jax.jit(functools.partial(ragged_paged_attention_xla, block_kv=16, block_q=32,
-                                     block_q_prefix=8, block_q_short=4, decode_block_kv=16,
+# (one decode group: more of them cost compile time, not coverage).
+xla_path = jax.jit(functools.partial(ragged_paged_attention_xla, block_kv=16, block_q=8,
+                                     block_q_short=4, decode_block_kv=16,
                                      decode_rows=4), static_argnames=("sm_scale", "soft_cap"))
 ragged_kernel = functools.partial(ragged_paged_attention_kernel, block_q=8, pages_per_block=2,
                                   interpret=True)
