@@ -1,0 +1,111 @@
+"""How the layer loop reaches its weights: stacked + scan (the model today) vs per-layer buffers.
+
+The decoder runs its layers with `nn.scan` over weights stacked on a leading layer axis.
+On XLA's CPU backend each iteration's `dynamic-slice` of a stacked weight is materialized
+(a copy of the layer's 14 MB before its matmuls read it), which a thunk-level profile of
+the decode step shows as `dynamic-slice_bitcast_fusion` kernels. This benchmark runs the
+default model's projection and MLP matmuls (real weights, attention left out) in three
+loop forms at several batch sizes and prints ms per pass and ratios to the scan:
+
+* scan: `lax.scan` over the stacked weights (what the model does);
+* switch: a `fori_loop` whose body picks the layer's weights with `lax.switch` over one
+  branch per layer, each closing over that layer's own buffer (no copy; the attention,
+  outside the branches, would stay compiled once);
+* unrolled: a Python loop over the per-layer buffers (no copy, but every layer is
+  compiled separately: with the attention inside, compile time would grow 30x).
+
+    python scripts/bench_layer_loop.py --batch-sizes 1,16,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.default_model import default_model_path
+from models.loaders import load_model
+
+NAMES = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"),
+         "v": ("self_attn", "v_proj"), "o": ("self_attn", "o_proj"),
+         "g": ("mlp", "gate_proj"), "u": ("mlp", "up_proj"), "d": ("mlp", "down_proj")}
+
+
+def layer(x, w):
+    """x [B, H] through one layer's matmuls (no attention: q, k, v feed o directly)."""
+    qkv = x @ w["q"] + jnp.pad(x @ w["k"] + x @ w["v"],
+                               ((0, 0), (0, w["q"].shape[1] - w["k"].shape[1])))
+    x = x + qkv @ w["o"]
+    return x + (jax.nn.silu(x @ w["g"]) * (x @ w["u"])) @ w["d"]
+
+
+@jax.jit
+def scanned(stacked, x):
+    return jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0]
+
+
+@jax.jit
+def switched(per_layer, x):
+    branches = [lambda x, w=w: layer(x, w) for w in per_layer]
+    return jax.lax.fori_loop(0, len(per_layer),
+                             lambda i, x: jax.lax.switch(i, branches, x), x)
+
+
+@jax.jit
+def unrolled(per_layer, x):
+    for w in per_layer:
+        x = layer(x, w)
+    return x
+
+
+def median_ms(fn, *args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1000 * float(np.median(times))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", default="1,16,32")
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    args = p.parse_args()
+    params = load_model(default_model_path(), "float32").params["layers"]
+    stacked = {k: params[a][b]["kernel"] for k, (a, b) in NAMES.items()}  # [L, in, out]
+    num_layers = stacked["q"].shape[0]
+    per_layer = jax.block_until_ready(
+        [{k: jnp.array(w[i]) for k, w in stacked.items()} for i in range(num_layers)])
+    forms = {"scan": (scanned, stacked), "switch": (switched, per_layer),
+             "unrolled": (unrolled, per_layer)}
+    hidden = stacked["q"].shape[1]
+    x0 = jnp.ones((1, hidden), jnp.float32) * 0.01
+    for name, (fn, w) in forms.items():
+        t = time.perf_counter()
+        text = fn.lower(w, x0).compile().as_text()
+        print(f"{name}: compile {time.perf_counter() - t:.2f} s, "
+              f"{text.count('dynamic-slice')} dynamic-slice ops in the optimized HLO")
+    want = np.asarray(scanned(stacked, x0))
+    for name in ("switch", "unrolled"):
+        fn, w = forms[name]
+        np.testing.assert_allclose(np.asarray(fn(w, x0)), want, rtol=1e-4, atol=1e-4)
+    print("\n| round | batch | load avg | scan ms | switch ms | unrolled ms | switch / scan "
+          "| unrolled / scan |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in range(args.rounds):
+        for b in [int(s) for s in args.batch_sizes.split(",")]:
+            x = jnp.ones((b, hidden), jnp.float32) * 0.01
+            ms = {n: median_ms(fn, w, x, iters=args.iters) for n, (fn, w) in forms.items()}
+            print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | {ms['scan']:.1f} | "
+                  f"{ms['switch']:.1f} | {ms['unrolled']:.1f} | "
+                  f"{ms['switch'] / ms['scan']:.2f} | {ms['unrolled'] / ms['scan']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
