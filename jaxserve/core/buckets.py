@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import bisect
 
+# Smallest token bucket: on accelerators (Pallas kernels) a step of 1 or 16 rows costs the
+# same; on the XLA path (CPU) the rows cost compute, so decode batches of 1-8 get their
+# own buckets there.
+MIN_BUCKET = 16
+MIN_BUCKET_XLA = 4
 
-def token_buckets(max_num_batched_tokens: int, min_bucket: int = 16, gap: int = 256) -> list[int]:
+
+def token_buckets(max_num_batched_tokens: int, min_bucket: int = MIN_BUCKET,
+                  gap: int = 256) -> list[int]:
     """Powers of two from `min_bucket` up to `gap`, then steps of `gap`, up to the budget.
 
     The last entry is always `max_num_batched_tokens` rounded up to the list's grain, so

@@ -17,7 +17,7 @@ def test_budget_larger_than_max_model_len(smollm2_tokenizer):
     # second one shorter (24 + 8).
     llm = LLM(Model(TINY, random_params(TINY)), tokenizer=smollm2_tokenizer, block_size=8,
               max_model_len=24, max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=64)
-    assert llm.engine.runner.buckets == [16, 32]
+    assert llm.engine.runner.buckets == [4, 8, 16, 32]
     prompt = {"prompt_token_ids": list(range(3, 13))}  # 3 x 10 tokens: the 32 bucket
     outs = llm.generate([prompt] * 3, SamplingParams(temperature=0, max_tokens=4,
                                                      detokenize=False), use_tqdm=False)

@@ -32,13 +32,13 @@ def test_warmup_pass_finds_every_program_compiled_ahead(tiny_model_dir, monkeypa
     monkeypatch.setattr(warmup, "_run_bucket", spy)
     llm = LLM(tiny_model_dir, **ARGS)
     runner = llm.engine.runner
-    assert runner.buckets == [16, 32] and runner.warmup_progress == (2, 2)
+    assert runner.buckets == [4, 8, 16, 32] and runner.warmup_progress == (4, 4)
     if threads > 1:
         assert counts["after"] == counts["pass"], "the warm-up pass compiled a program again"
-        assert progress == [(2, 2), (2, 2)]  # every bucket compiled before the pass
+        assert progress == [(4, 4)] * 4  # every bucket compiled before the pass
     else:
         assert counts["after"] > counts["pass"]
-        assert progress == [(0, 2), (1, 2)]
+        assert progress == [(i, 4) for i in range(4)]
     # Serving afterwards compiles nothing; nor do plans of several pieces.
     out = llm.generate(["a b c"] * 3, SamplingParams(max_tokens=4, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
