@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.bench.roofline import _median_seconds
 from models.default_model import default_model_path
 from models.loaders import load_model
 
@@ -62,16 +63,6 @@ def unrolled(per_layer, x):
     return x
 
 
-def median_ms(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1000 * float(np.median(times))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="1,16,32")
@@ -101,7 +92,8 @@ def main() -> None:
     for r in range(args.rounds):
         for b in [int(s) for s in args.batch_sizes.split(",")]:
             x = jnp.ones((b, hidden), jnp.float32) * 0.01
-            ms = {n: median_ms(fn, w, x, iters=args.iters) for n, (fn, w) in forms.items()}
+            ms = {n: 1000 * _median_seconds(fn, w, x, iters=args.iters)
+                  for n, (fn, w) in forms.items()}
             print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | {ms['scan']:.1f} | "
                   f"{ms['switch']:.1f} | {ms['unrolled']:.1f} | "
                   f"{ms['switch'] / ms['scan']:.2f} | {ms['unrolled'] / ms['scan']:.2f} |")
