@@ -1,0 +1,124 @@
+"""Where a decode step's time goes: a thunk-level profile of the model program, by kind.
+
+Builds the benchmark engine on the default model, runs one decode step of `--batch`
+requests at `--context-len` tokens a few times under `jax.profiler`, and sums each XLA
+kernel's self time (its time minus the kernels nested in it) over every thread, then
+groups the kernels by kind: matmuls (YNNPACK/oneDNN/XNNPACK fusions), slices copied out
+of the stacked layer weights (`dynamic-slice` fusions), gathers, other copies and
+transposes, the rest. Thread time over XLA's worker threads adds up to more than the
+wall time; the wall time is printed beside it.
+
+    python scripts/profile_step.py --batch 32 --context-len 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from jaxserve.bench.engine_run import make_llm
+from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from models.default_model import default_model_path
+from models.loaders import load_model, load_tokenizer
+
+KINDS = (("matmul", ("ynn_", "xnn_", "onednn")), ("layer weight slices", ("dynamic-slice",)),
+         ("gathers", ("gather",)), ("copies / transposes", ("copy", "transpose")))
+
+
+def kind_of(name: str) -> str | None:
+    """The kind of an XLA kernel name, "rest" for other kernels, None for non-kernels."""
+    if name.startswith("$") or "::" in name or name[:1].isupper():
+        return None  # Python frames and runtime spans, not kernels
+    for kind, marks in KINDS:
+        if any(m in name for m in marks):
+            return kind
+    return "rest"
+
+
+def self_times(trace_dir: str) -> collections.Counter:
+    """Microseconds of self time per event name in the trace under `trace_dir`."""
+    path = sorted(glob.glob(f"{trace_dir}/plugins/profile/*/perfetto_trace.json.gz"))[-1]
+    with gzip.open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X":
+            by_thread[(e["pid"], e["tid"])].append(e)
+    out = collections.Counter()
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack = []
+        for e in evs:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            if stack:
+                out[stack[-1]["name"]] -= e["dur"]
+            out[e["name"]] += e["dur"]
+            stack.append(e)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=12, help="kernels listed by self time")
+    args = p.parse_args()
+    path = default_model_path()
+    llm = make_llm(load_model(path, "float32"), load_tokenizer(path), max_model_len=1024,
+                   max_num_seqs=max(32, args.batch), max_num_batched_tokens=256,
+                   num_kv_blocks=2048)
+    runner = llm.engine.runner
+    pages = -(-(args.context_len + 1) // runner.page_size)
+    out = SchedulerOutput(scheduled=[ScheduledRequest(
+        f"r{i}", [5], args.context_len, list(range(1 + pages * i, 1 + pages * (i + 1))), 1)
+        for i in range(args.batch)])
+    _, buf, layout, num_tokens, _ = runner._model_inputs(out, None)
+    step = runner._step_fn(layout, runner.is_decode_step(out, num_tokens, args.batch))
+    dev = runner._to_device(buf)
+
+    def run():
+        runner.kv_pages, logits, _ = step(runner.params, runner.kv_pages, dev,
+                                          runner._no_prev_ids)
+        jax.block_until_ready(logits)
+
+    run()
+    walls = []
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            run()
+            walls.append(time.perf_counter() - t)
+        jax.profiler.stop_trace()
+        times = self_times(trace_dir)
+    per_step = {n: us / args.steps / 1000 for n, us in times.items()}
+    kinds = collections.Counter()
+    for name, ms in per_step.items():
+        if (k := kind_of(name)) is not None:
+            kinds[k] += ms
+    print(f"batch {args.batch}, context {args.context_len}, bucket {num_tokens}: wall "
+          f"{1000 * float(np.median(walls)):.1f} ms per step (median of {args.steps}, load "
+          f"{os.getloadavg()[0]:.2f}); kernel self time summed over threads:\n")
+    print("| kind | ms per step |\n|---|---:|")
+    for k, ms in kinds.most_common():
+        print(f"| {k} | {ms:.1f} |")
+    print("\n| kernel | kind | ms per step |\n|---|---|---:|")
+    kernels = [(n, ms) for n, ms in per_step.items() if kind_of(n) is not None]
+    for name, ms in sorted(kernels, key=lambda x: -x[1])[:args.top]:
+        print(f"| {name} | {kind_of(name)} | {ms:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
