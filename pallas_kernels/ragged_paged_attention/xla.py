@@ -7,7 +7,9 @@ splits the tokens into two disjoint kinds, each with its own loops, merged at th
   runner packs decode rows first) reads its context from the pool one gather per *row*,
   in blocks of `decode_block_kv` keys, for as many blocks as the longest such context
   needs (a `fori_loop` with a traced trip count: no compile per context length), in
-  groups of `decode_rows` rows so a gathered block stays in the cache;
+  groups of `decode_rows` rows so a gathered block stays in the cache; the block is
+  gathered K/V- and head-major and its logits computed keys x queries, so the matmuls
+  read K and V where the gather wrote them (no transposed copy);
 * context part: every other token reads its request's keys [0, kv_len) from the pool,
   causally masked by position (this step's own K/V are written before attention runs,
   so earlier chunks, prefix-cache hits and the step's own tokens are one range), in
@@ -61,6 +63,26 @@ def _tiles(kv_pages, layer, page_ids):
     return dequantize_kv(kv_pages[layer, :, :, page_ids])
 
 
+def _tiles_by_head(kv_pages, layer, page_ids):
+    """K and V tiles (f32) of `page_ids` [n, p] in layer `layer`, K/V and head axes first:
+    [2, kv_heads, n, p, page_size, head_dim], so K and V are contiguous blocks of the
+    gathered array that batched matmuls over (head, row) read as they are (gathered
+    row-major, each needed a transposed copy per layer and block).
+
+    NOTE: like `_tiles`, one gather along the page axis only (K/V and heads are slice
+    dimensions), so tensor parallelism keeps each device on its own heads.
+    """
+    idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), page_ids.shape),
+                     page_ids.astype(jnp.int32)], axis=-1)  # i32[n, p, 2]
+    _, two, heads, _, page_size, row = kv_pages.shape
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(0, 1, 4, 5),
+                                          collapsed_slice_dims=(0, 3),
+                                          start_index_map=(0, 3))
+    tiles = jax.lax.gather(kv_pages, idx, dims, (1, two, heads, 1, page_size, row),
+                           mode=jax.lax.GatherScatterMode.CLIP)
+    return dequantize_kv(tiles)
+
+
 def _block_update(state, q, k, v, mask, v_keep, qk, pv, sm_scale, soft_cap):
     """One online-softmax step over a block of gathered pages.
 
@@ -97,19 +119,30 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
         pages = jnp.pad(pages, ((0, 0), (0, pad)))  # i32[n, width + pad]; page 0 is masked
     num_blocks = (jnp.max(lens, initial=0) + block_kv - 1) // block_kv
 
+    q = jnp.swapaxes(q, 0, 1)  # [k, n, g, d]: (head, row) batch the matmuls
+
     def body(b, state):
         ids = jax.lax.dynamic_slice_in_dim(pages, b * ppb, ppb, axis=1)  # i32[n, ppb]
-        kv = _tiles(kv_pages, layer, ids)  # [n, ppb, 2, kv_heads, page_size, head_dim]
-        k = kv[:, :, 0]  # f32[n, ppb, kv_heads, page_size, head_dim]
-        v = kv[:, :, 1]
+        kv = _tiles_by_head(kv_pages, layer, ids)  # [2, k, n, ppb, page_size, head_dim]
         k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
         mask = (k_pos[None, :] < lens[:, None]) & _window_ok(q_pos, k_pos[None, :], window)
-        mask = mask.reshape(n, 1, 1, ppb, page_size)  # bool[n, 1, 1, ppb, page_size]
-        # NOTE: the gathered layout as it comes (pages, then slots): no transpose.
-        return _block_update(state, q, k, v, mask, mask.reshape(n, ppb, 1, page_size, 1),
-                             "nkgd,npkcd->nkgpc", "nkgpc,npkcd->nkgd", sm_scale, soft_cap)
+        mask = mask.reshape(1, n, ppb, page_size, 1)  # bool[1, n, ppb, page_size, 1]
+        # NOTE: logits transposed (keys x queries): the gathered K is the matmul's left
+        # operand as it lies; q . K^T made XLA copy K transposed per layer and block.
+        logits = jnp.einsum("knpcd,kngd->knpcg", kv[0], q) * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(mask, logits, -jnp.inf)  # f32[k, n, ppb, page_size, g]
+        acc, m, denom = state
+        m_new = jnp.maximum(m, jnp.max(logits, axis=(2, 3)))  # f32[k, n, g]
+        p = jnp.exp(logits - m_new[:, :, None, None, :])
+        scale = jnp.exp(m - m_new)
+        v = jnp.where(mask, kv[1], 0.0)  # NaN in a free slot must not leak
+        acc = acc * scale[..., None] + jnp.einsum("knpcg,knpcd->kngd", p, v)
+        return acc, m_new, denom * scale + jnp.sum(p, axis=(2, 3))
 
-    return jax.lax.fori_loop(0, num_blocks, body, _init(n, kv_heads, group, head_dim))
+    state = jax.lax.fori_loop(0, num_blocks, body, _init(kv_heads, n, group, head_dim))
+    return tuple(jnp.swapaxes(x, 0, 1) for x in state)
 
 
 def _context_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, block_q,
