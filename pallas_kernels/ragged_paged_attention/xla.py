@@ -83,28 +83,33 @@ def _tiles_by_head(kv_pages, layer, page_ids):
     return dequantize_kv(tiles)
 
 
-def _block_update(state, q, k, v, mask, v_keep, qk, pv, sm_scale, soft_cap):
+def _block_update(state, lhs, rhs, v, mask, v_keep, qk, pv, sm_scale, soft_cap,
+                  key_axes=(3, 4)):
     """One online-softmax step over a block of gathered pages.
 
     Args:
-        state: (acc [n,k,g,d], m [n,k,g], denom [n,k,g]).
-        q, k, v: The queries and the block's keys and values, laid out as the einsum
-            specs `qk` (q, k -> logits [n, k, g, pages, page_size]) and `pv` (p, v -> acc)
-            say: per query (`npkcd`) or shared by the block's queries (`pkcd`).
+        state: (acc, m, denom): acc [..., d] per query row, m and denom without the d axis.
+        lhs, rhs: Queries and the block's keys, in the order and layouts the einsum spec
+            `qk` names (-> logits, whose `key_axes` are the block's pages and slots):
+            queries first with logits [n, k, g, pages, page_size], or keys first (the
+            gathered K as the matmul's left operand) with logits [k, n, pages,
+            page_size, g].
+        v: The block's values, laid out as `pv` (p, v -> acc) says.
         mask: bool, broadcastable to the logits: keys each query may see.
         v_keep: bool, broadcastable to v: slots read at all (NaN elsewhere must not leak).
+        key_axes: The logits' axes of the block's keys (reduced by the softmax).
     """
-    logits = jnp.einsum(qk, q, k) * sm_scale
+    logits = jnp.einsum(qk, lhs, rhs) * sm_scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
-    logits = jnp.where(mask, logits, -jnp.inf)  # f32[n, kv_heads, group, ppb, page]
+    logits = jnp.where(mask, logits, -jnp.inf)
     acc, m, denom = state
-    m_new = jnp.maximum(m, jnp.max(logits, axis=(3, 4)))
-    p = jnp.exp(logits - m_new[..., None, None])
+    m_new = jnp.maximum(m, jnp.max(logits, axis=key_axes))
+    p = jnp.exp(logits - jnp.expand_dims(m_new, key_axes))
     scale = jnp.exp(m - m_new)
     v = jnp.where(v_keep, v, 0.0)
     acc = acc * scale[..., None] + jnp.einsum(pv, p, v)
-    return acc, m_new, denom * scale + jnp.sum(p, axis=(3, 4))
+    return acc, m_new, denom * scale + jnp.sum(p, axis=key_axes)
 
 
 def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_scale,
@@ -129,17 +134,8 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
         mask = mask.reshape(1, n, ppb, page_size, 1)  # bool[1, n, ppb, page_size, 1]
         # NOTE: logits transposed (keys x queries): the gathered K is the matmul's left
         # operand as it lies; q . K^T made XLA copy K transposed per layer and block.
-        logits = jnp.einsum("knpcd,kngd->knpcg", kv[0], q) * sm_scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        logits = jnp.where(mask, logits, -jnp.inf)  # f32[k, n, ppb, page_size, g]
-        acc, m, denom = state
-        m_new = jnp.maximum(m, jnp.max(logits, axis=(2, 3)))  # f32[k, n, g]
-        p = jnp.exp(logits - m_new[:, :, None, None, :])
-        scale = jnp.exp(m - m_new)
-        v = jnp.where(mask, kv[1], 0.0)  # NaN in a free slot must not leak
-        acc = acc * scale[..., None] + jnp.einsum("knpcg,knpcd->kngd", p, v)
-        return acc, m_new, denom * scale + jnp.sum(p, axis=(2, 3))
+        return _block_update(state, kv[0], q, kv[1], mask, mask, "knpcd,kngd->knpcg",
+                             "knpcg,knpcd->kngd", sm_scale, soft_cap, key_axes=(2, 3))
 
     state = jax.lax.fori_loop(0, num_blocks, body, _init(kv_heads, n, group, head_dim))
     return tuple(jnp.swapaxes(x, 0, 1) for x in state)
