@@ -7,9 +7,9 @@ splits the tokens into two disjoint kinds, each with its own loops, merged at th
   runner packs decode rows first) reads its context from the pool one gather per *row*,
   in blocks of `decode_block_kv` keys, for as many blocks as the longest such context
   needs (a `fori_loop` with a traced trip count: no compile per context length), in
-  groups of `decode_rows` rows so a gathered block stays in the cache; the block is
-  gathered K/V- and head-major and its logits computed keys x queries, so the matmuls
-  read K and V where the gather wrote them (no transposed copy);
+  groups of `decode_rows` rows so a gathered block stays in the cache; K and V are
+  gathered apart, head-major, and the logits computed keys x queries, so the matmuls
+  read K and V where the gathers wrote them (no transposed copy);
 * context part: every other token reads its request's keys [0, kv_len) from the pool,
   causally masked by position (this step's own K/V are written before attention runs,
   so earlier chunks, prefix-cache hits and the step's own tokens are one range), in
@@ -63,22 +63,33 @@ def _tiles(kv_pages, layer, page_ids):
     return dequantize_kv(kv_pages[layer, :, :, page_ids])
 
 
-def _tiles_by_head(kv_pages, layer, page_ids):
-    """K and V tiles (f32) of `page_ids` [n, p] in layer `layer`, K/V and head axes first:
-    [2, kv_heads, n, p, page_size, head_dim], so K and V are contiguous blocks of the
-    gathered array that batched matmuls over (head, row) read as they are (gathered
-    row-major, each needed a transposed copy per layer and block).
+def _tiles_by_head(kv_pages, layer, page_ids, kv):
+    """The K (`kv` 0) or V (1) tiles (f32) of `page_ids` [n, p] in layer `layer`, head axis
+    first: [kv_heads, n, p, page_size, head_dim], the layout in which batched matmuls over
+    (head, row) read them as they are.
 
-    NOTE: like `_tiles`, one gather along the page axis only (K/V and heads are slice
-    dimensions), so tensor parallelism keeps each device on its own heads.
+    NOTE: the head axis is a gather *batching* dimension: XLA lays a gather's output out
+    with its index dimensions first, so with heads as a slice dimension the tiles came out
+    row-major and each needed a transposed copy per layer and block; as a batching
+    dimension it stays a dimension of the operand, so tensor parallelism (the pool split
+    on its head axis) still keeps each device on its own heads.
     """
-    idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), page_ids.shape),
-                     page_ids.astype(jnp.int32)], axis=-1)  # i32[n, p, 2]
-    _, two, heads, _, page_size, row = kv_pages.shape
-    dims = jax.lax.GatherDimensionNumbers(offset_dims=(0, 1, 4, 5),
-                                          collapsed_slice_dims=(0, 3),
-                                          start_index_map=(0, 3))
-    tiles = jax.lax.gather(kv_pages, idx, dims, (1, two, heads, 1, page_size, row),
+    _, _, heads, _, page_size, row = kv_pages.shape
+    n, p = page_ids.shape
+    shape = (heads, n, p)
+    idx = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), shape),
+                     jnp.full(shape, kv, jnp.int32),
+                     jnp.broadcast_to(page_ids.astype(jnp.int32), shape)],
+                    axis=-1)  # i32[kv_heads, n, p, 3]
+    # NOTE: without the barrier XLA fuses the index arithmetic into the gather's loop and
+    # recomputes it for every gathered element (47 -> 36 ms of thread time per step at
+    # batch 32, context 512).
+    idx = jax.lax.optimization_barrier(idx)
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(3, 4), collapsed_slice_dims=(0, 1, 3),
+                                          start_index_map=(0, 1, 3),
+                                          operand_batching_dims=(2,),
+                                          start_indices_batching_dims=(0,))
+    tiles = jax.lax.gather(kv_pages, idx, dims, (1, 1, 1, 1, page_size, row),
                            mode=jax.lax.GatherScatterMode.CLIP)
     return dequantize_kv(tiles)
 
@@ -128,13 +139,14 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
 
     def body(b, state):
         ids = jax.lax.dynamic_slice_in_dim(pages, b * ppb, ppb, axis=1)  # i32[n, ppb]
-        kv = _tiles_by_head(kv_pages, layer, ids)  # [2, k, n, ppb, page_size, head_dim]
+        k = _tiles_by_head(kv_pages, layer, ids, 0)  # [k, n, ppb, page_size, head_dim]
+        v = _tiles_by_head(kv_pages, layer, ids, 1)  # [k, n, ppb, page_size, head_dim]
         k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
         mask = (k_pos[None, :] < lens[:, None]) & _window_ok(q_pos, k_pos[None, :], window)
         mask = mask.reshape(1, n, ppb, page_size, 1)  # bool[1, n, ppb, page_size, 1]
         # NOTE: logits transposed (keys x queries): the gathered K is the matmul's left
         # operand as it lies; q . K^T made XLA copy K transposed per layer and block.
-        return _block_update(state, kv[0], q, kv[1], mask, mask, "knpcd,kngd->knpcg",
+        return _block_update(state, k, q, v, mask, mask, "knpcd,kngd->knpcg",
                              "knpcg,knpcd->kngd", sm_scale, soft_cap, key_axes=(2, 3))
 
     state = jax.lax.fori_loop(0, num_blocks, body, _init(kv_heads, n, group, head_dim))

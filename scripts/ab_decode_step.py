@@ -1,0 +1,95 @@
+"""Interleaved A/B of the decode step: another checkout's XLA attention against this one's.
+
+On a shared VM whose speed drifts by 20-50% within minutes, two processes run one after the
+other do not compare: this script builds two runners in one process over the same weights,
+one tracing the XLA attention of `--before` (a checkout, e.g. a `git worktree` of the base
+revision), the other this tree's, checks that both give the same logits, and times their
+model steps alternately (A B, B A, ...) on the same decode batch, so drift hits both alike.
+
+    git worktree add /tmp/before HEAD~1
+    python scripts/ab_decode_step.py --before /tmp/before --cases 32/128,32/512,8/256
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import time
+
+import numpy as np
+
+import pallas_kernels.ops as ops
+from jaxserve.bench.engine_run import make_llm
+from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from models.default_model import default_model_path
+from models.loaders import load_model, load_tokenizer
+
+XLA_FILE = "pallas_kernels/ragged_paged_attention/xla.py"
+
+
+def load_before(checkout: str):
+    """The `ragged_paged_attention_xla` of another checkout (its other modules are ours)."""
+    spec = importlib.util.spec_from_file_location("xla_before", os.path.join(checkout, XLA_FILE))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ragged_paged_attention_xla
+
+
+def compiled_step(model, tok, attention, batch: int, context: int):
+    """[step fn, runner, device buffer, pool, logits] of one decode batch, traced with
+    `attention` as the XLA attention."""
+    llm = make_llm(model, tok, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=256,
+                   num_kv_blocks=2048, warmup=False)
+    runner = llm.engine.runner
+    pages = context // runner.page_size + 2
+    out = SchedulerOutput(scheduled=[
+        ScheduledRequest(f"r{i}", [5], context, list(range(1 + pages * i, 1 + pages * (i + 1))), 1)
+        for i in range(batch)])
+    _, buf, layout, _, _ = runner._model_inputs(out, None)
+    mine = ops.ragged_paged_attention_xla
+    ops.ragged_paged_attention_xla = attention  # read when the step is traced (first call)
+    try:
+        fn = runner._step_fn(layout, False)
+        dbuf = runner._to_device(buf)
+        pool, logits, _ = fn(runner.params, runner.kv_pages, dbuf, runner._no_prev_ids)
+    finally:
+        ops.ragged_paged_attention_xla = mine
+    return [fn, runner, dbuf, pool, logits]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", required=True, help="checkout whose XLA attention is A")
+    ap.add_argument("--cases", default="32/128,32/512", help="batch/context pairs")
+    ap.add_argument("--rounds", type=int, default=21)
+    args = ap.parse_args()
+    path = default_model_path()
+    model, tok = load_model(path, "float32"), load_tokenizer(path)
+    before = load_before(args.before)
+    for case in args.cases.split(","):
+        batch, context = (int(x) for x in case.split("/"))
+        steps = {"A": compiled_step(model, tok, before, batch, context),
+                 "B": compiled_step(model, tok, ops.ragged_paged_attention_xla, batch, context)}
+        np.testing.assert_allclose(np.asarray(steps["A"][4]), np.asarray(steps["B"][4]),
+                                   rtol=2e-4, atol=2e-4)
+        times = {"A": [], "B": []}
+        for i in range(args.rounds + 2):  # two untimed rounds first
+            for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
+                fn, runner, dbuf, pool, _ = steps[name]
+                t = time.perf_counter()
+                pool, logits, _ = fn(runner.params, pool, dbuf, runner._no_prev_ids)
+                logits.block_until_ready()
+                steps[name][3] = pool
+                if i >= 2:
+                    times[name].append(1e3 * (time.perf_counter() - t))
+        a, b = np.array(times["A"]), np.array(times["B"])
+        print(f"batch {batch}, context {context}: A median {np.median(a):.1f} ms (min "
+              f"{a.min():.1f}), B median {np.median(b):.1f} ms (min {b.min():.1f}); B / A "
+              f"median {np.median(b) / np.median(a):.3f}, min {b.min() / a.min():.3f}; load "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        del steps
+
+
+if __name__ == "__main__":
+    main()
