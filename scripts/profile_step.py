@@ -44,16 +44,41 @@ def kind_of(name: str) -> str | None:
     return "rest"
 
 
-def self_times(trace_dir: str) -> collections.Counter:
-    """Microseconds of self time per event name in the trace under `trace_dir`."""
+def trace_events(trace_dir: str) -> list[dict]:
+    """The complete ("X") events of the trace under `trace_dir`."""
     path = sorted(glob.glob(f"{trace_dir}/plugins/profile/*/perfetto_trace.json.gz"))[-1]
     with gzip.open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def busy_times(events: list[dict]) -> tuple[float, float, int]:
+    """(us with at least one kernel running, us with two or more, kernel count): how much
+    of the wall time XLA's threads spend in kernels at all, and in parallel."""
+    edges = []
+    count = 0
+    for e in events:
+        if kind_of(e["name"]) is not None:
+            edges += [(e["ts"], 1), (e["ts"] + e["dur"], -1)]
+            count += 1
+    edges.sort()
+    any_us = two_us = 0.0
+    depth, last = 0, None
+    for ts, d in edges:
+        if last is not None:
+            any_us += (ts - last) * (depth >= 1)
+            two_us += (ts - last) * (depth >= 2)
+        depth += d
+        last = ts
+    return any_us, two_us, count
+
+
+def self_times(events: list[dict]) -> collections.Counter:
+    """Microseconds of self time per event name."""
     by_thread = collections.defaultdict(list)
     for e in events:
-        if e.get("ph") == "X":
-            by_thread[(e["pid"], e["tid"])].append(e)
+        by_thread[(e["pid"], e["tid"])].append(e)
     out = collections.Counter()
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))
@@ -102,7 +127,9 @@ def main() -> None:
             run()
             walls.append(time.perf_counter() - t)
         jax.profiler.stop_trace()
-        times = self_times(trace_dir)
+        events = trace_events(trace_dir)
+    times = self_times(events)
+    any_us, two_us, count = busy_times(events)
     per_step = {n: us / args.steps / 1000 for n, us in times.items()}
     kinds = collections.Counter()
     for name, ms in per_step.items():
@@ -110,7 +137,9 @@ def main() -> None:
             kinds[k] += ms
     print(f"batch {args.batch}, context {args.context_len}, bucket {num_tokens}: wall "
           f"{1000 * float(np.median(walls)):.1f} ms per step (median of {args.steps}, load "
-          f"{os.getloadavg()[0]:.2f}); kernel self time summed over threads:\n")
+          f"{os.getloadavg()[0]:.2f}); {count / args.steps:.0f} kernels per step, some kernel "
+          f"running {any_us / args.steps / 1000:.1f} ms of it, two or more "
+          f"{two_us / args.steps / 1000:.1f} ms; kernel self time summed over threads:\n")
     print("| kind | ms per step |\n|---|---:|")
     for k, ms in kinds.most_common():
         print(f"| {k} | {ms:.1f} |")
