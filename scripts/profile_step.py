@@ -54,15 +54,21 @@ def trace_events(trace_dir: str) -> list[dict]:
 
 
 def busy_times(events: list[dict]) -> tuple[float, float, int]:
-    """(us with at least one kernel running, us with two or more, kernel count): how much
-    of the wall time XLA's threads spend in kernels at all, and in parallel."""
-    edges = []
-    count = 0
-    for e in events:
-        if kind_of(e["name"]) is not None:
-            edges += [(e["ts"], 1), (e["ts"] + e["dur"], -1)]
-            count += 1
-    edges.sort()
+    """(us with at least one leaf kernel running, us with two or more, leaf kernel count):
+    how much of the wall time XLA's threads spend in kernels at all, and in parallel
+    (a leaf kernel has no kernel nested in it, unlike a while loop's span)."""
+    kernels = [e for e in events
+               if kind_of(e["name"]) is not None and not e["name"].startswith("end:")]
+    by_thread = collections.defaultdict(list)
+    for e in kernels:
+        by_thread[(e["pid"], e["tid"])].append(e)
+    leaves = []
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        for e, nxt in zip(evs, evs[1:] + [None], strict=True):
+            if nxt is None or nxt["ts"] >= e["ts"] + e["dur"]:
+                leaves.append(e)  # the next event starts after this one ends: no child
+    edges = sorted([(e["ts"], 1) for e in leaves] + [(e["ts"] + e["dur"], -1) for e in leaves])
     any_us = two_us = 0.0
     depth, last = 0, None
     for ts, d in edges:
@@ -71,7 +77,7 @@ def busy_times(events: list[dict]) -> tuple[float, float, int]:
             two_us += (ts - last) * (depth >= 2)
         depth += d
         last = ts
-    return any_us, two_us, count
+    return any_us, two_us, len(leaves)
 
 
 def self_times(events: list[dict]) -> collections.Counter:
