@@ -1,13 +1,15 @@
-"""Interleaved A/B of the decode step: another checkout's XLA attention against this one's.
+"""Interleaved A/B of model steps: another checkout's XLA attention against this one's.
 
 On a shared VM whose speed drifts by 20-50% within minutes, two processes run one after the
 other do not compare: this script builds two runners in one process over the same weights,
 one tracing the XLA attention of `--before` (a checkout, e.g. a `git worktree` of the base
 revision), the other this tree's, checks that both give the same logits, and times their
-model steps alternately (A B, B A, ...) on the same decode batch, so drift hits both alike.
+model steps alternately (A B, B A, ...) on the same step, so drift hits both alike. A case
+is `batch/context` (a decode step of `batch` requests at `context` tokens) or
+`chunk+context` (one request's prefill chunk of `chunk` tokens after `context` computed).
 
     git worktree add /tmp/before HEAD~1
-    python scripts/ab_decode_step.py --before /tmp/before --cases 32/128,32/512,8/256
+    python scripts/ab_decode_step.py --before /tmp/before --cases 32/128,32/512,256+0,128+384
 """
 
 from __future__ import annotations
@@ -36,16 +38,26 @@ def load_before(checkout: str):
     return module.ragged_paged_attention_xla
 
 
-def compiled_step(model, tok, attention, batch: int, context: int):
-    """[step fn, runner, device buffer, pool, logits] of one decode batch, traced with
+def scheduled(case: str, page_size: int) -> SchedulerOutput:
+    """The step of a case: `batch/context` decodes or a `chunk+context` prefill chunk."""
+    if "+" in case:
+        chunk, context = (int(x) for x in case.split("+"))
+        pages = list(range(1, (chunk + context) // page_size + 2))
+        return SchedulerOutput(scheduled=[ScheduledRequest("r0", [5] * chunk, context, pages, 1)])
+    batch, context = (int(x) for x in case.split("/"))
+    pages = context // page_size + 2
+    return SchedulerOutput(scheduled=[
+        ScheduledRequest(f"r{i}", [5], context, list(range(1 + pages * i, 1 + pages * (i + 1))), 1)
+        for i in range(batch)])
+
+
+def compiled_step(model, tok, attention, case: str):
+    """[step fn, runner, device buffer, pool, logits] of one case's step, traced with
     `attention` as the XLA attention."""
     llm = make_llm(model, tok, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=256,
                    num_kv_blocks=2048, warmup=False)
     runner = llm.engine.runner
-    pages = context // runner.page_size + 2
-    out = SchedulerOutput(scheduled=[
-        ScheduledRequest(f"r{i}", [5], context, list(range(1 + pages * i, 1 + pages * (i + 1))), 1)
-        for i in range(batch)])
+    out = scheduled(case, runner.page_size)
     _, buf, layout, _, _ = runner._model_inputs(out, None)
     mine = ops.ragged_paged_attention_xla
     ops.ragged_paged_attention_xla = attention  # read when the step is traced (first call)
@@ -61,16 +73,16 @@ def compiled_step(model, tok, attention, batch: int, context: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="checkout whose XLA attention is A")
-    ap.add_argument("--cases", default="32/128,32/512", help="batch/context pairs")
+    ap.add_argument("--cases", default="32/128,32/512",
+                    help="batch/context decode steps, chunk+context prefill chunks")
     ap.add_argument("--rounds", type=int, default=21)
     args = ap.parse_args()
     path = default_model_path()
     model, tok = load_model(path, "float32"), load_tokenizer(path)
     before = load_before(args.before)
     for case in args.cases.split(","):
-        batch, context = (int(x) for x in case.split("/"))
-        steps = {"A": compiled_step(model, tok, before, batch, context),
-                 "B": compiled_step(model, tok, ops.ragged_paged_attention_xla, batch, context)}
+        steps = {"A": compiled_step(model, tok, before, case),
+                 "B": compiled_step(model, tok, ops.ragged_paged_attention_xla, case)}
         np.testing.assert_allclose(np.asarray(steps["A"][4]), np.asarray(steps["B"][4]),
                                    rtol=2e-4, atol=2e-4)
         times = {"A": [], "B": []}
@@ -84,7 +96,7 @@ def main() -> None:
                 if i >= 2:
                     times[name].append(1e3 * (time.perf_counter() - t))
         a, b = np.array(times["A"]), np.array(times["B"])
-        print(f"batch {batch}, context {context}: A median {np.median(a):.1f} ms (min "
+        print(f"{case}: A median {np.median(a):.1f} ms (min "
               f"{a.min():.1f}), B median {np.median(b):.1f} ms (min {b.min():.1f}); B / A "
               f"median {np.median(b) / np.median(a):.3f}, min {b.min() / a.min():.3f}; load "
               f"{os.getloadavg()[0]:.2f}", flush=True)

@@ -188,21 +188,30 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, 
         last = jnp.minimum(first + block_q, starts[r] + q_lens[r]) - 1
         seen = jnp.minimum(length, posp[last] + 1)  # keys the tile's last query sees
 
+        # NOTE: head-major inside a tile ([k, block_q * g, ...], one transpose per tile):
+        # the matmuls batch over heads with no transposed copy of K, V or P per block, and
+        # the softmax runs along contiguous keys (token-major, 0.6x slower in prefill).
+        qh = jnp.swapaxes(qt, 0, 1).reshape(kv_heads, block_q * group, head_dim)
+
         def block(b, st):
-            ids = jax.lax.dynamic_slice_in_dim(pages[r], b * ppb, ppb)  # i32[ppb]
-            kv = _tiles(kv_pages, layer, ids)  # [ppb, 2, kv_heads, page_size, head_dim]
-            k = kv[:, 0]  # f32[ppb, kv_heads, page_size, head_dim]
-            v = kv[:, 1]
+            ids = jax.lax.dynamic_slice_in_dim(pages[r], b * ppb, ppb)[None]  # i32[1, ppb]
+            # NOTE: the block's keys as one axis (pages x slots as two made XLA copy P and
+            # K per block); [k, 1, block_kv, d] fits `_block_update`'s two key axes.
+            k = _tiles_by_head(kv_pages, layer, ids, 0).reshape(kv_heads, 1, block_kv, head_dim)
+            v = _tiles_by_head(kv_pages, layer, ids, 1).reshape(kv_heads, 1, block_kv, head_dim)
             k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
             mask = ((k_pos[None, :] < length) & (k_pos[None, :] <= pos[:, None])
-                    & _window_ok(pos, k_pos[None, :], window))
-            mask = mask.reshape(block_q, 1, 1, ppb, page_size)
-            keep = (k_pos < length).reshape(ppb, 1, page_size, 1)
-            return _block_update(st, jnp.einsum("nkgd,pkcd->nkgpc", qt, k), v, mask, keep,
-                                 "nkgpc,pkcd->nkgd", sm_scale, soft_cap)
+                    & _window_ok(pos, k_pos[None, :], window))  # bool[block_q, block_kv]
+            mask = jnp.repeat(mask, group, axis=0).reshape(1, block_q * group, 1, block_kv)
+            keep = (k_pos < length).reshape(1, 1, block_kv, 1)
+            return _block_update(st, jnp.einsum("kqd,kpcd->kqpc", qh, k), v, mask, keep,
+                                 "kqpc,kpcd->kqd", sm_scale, soft_cap)
 
         num_blocks = (seen + block_kv - 1) // block_kv
-        new = jax.lax.fori_loop(0, num_blocks, block, _init(block_q, kv_heads, group, head_dim))
+        init = tuple(x[:, :, 0] for x in _init(kv_heads, block_q * group, 1, head_dim))
+        new = jax.lax.fori_loop(0, num_blocks, block, init)  # [k, block_q * g, ...]
+        new = tuple(jnp.swapaxes(x.reshape((kv_heads, block_q, group) + x.shape[2:]), 0, 1)
+                    for x in new)  # back to [block_q, k, g, ...]
         out = []
         for whole, part in zip(state, new, strict=True):
             old = jax.lax.dynamic_slice_in_dim(whole, first, block_q)
