@@ -14,7 +14,8 @@ splits the tokens into two disjoint kinds, each with its own loops, merged at th
   causally masked by position (this step's own K/V are written before attention runs,
   so earlier chunks, prefix-cache hits and the step's own tokens are one range), in
   tiles of one request's query tokens: a tile gathers its request's pages once per key
-  block, for the blocks up to its last query's position only; with `md.short_tiles`
+  block, for the blocks up to its last query's position only, and works head-major
+  inside the tile (logits [heads, tile queries x group, keys]); with `md.short_tiles`
   (engines that verify speculative proposals) requests of a few tokens get a pass of
   their own in small tiles.
 
@@ -50,17 +51,6 @@ def _merge(a, b):
 def _window_ok(q_pos, k_pos, window):
     """bool[n, c]: key positions inside the sliding window of each query (0: no window)."""
     return (window <= 0) | (q_pos[:, None] - k_pos < window)
-
-
-def _tiles(kv_pages, layer, page_ids):
-    """K and V tiles (f32) of `page_ids` (any shape S) in layer `layer`: [*S, 2, kv_heads,
-    page_size, head_dim], dequantized when the pool is 8-bit.
-
-    NOTE: one gather along the page axis, batched over the K/V and head axes, so under
-    tensor parallelism (the pool split on its head axis) every device reads its own heads;
-    a flat view across the head axis made the partitioner gather the whole pool.
-    """
-    return dequantize_kv(kv_pages[layer, :, :, page_ids])
 
 
 def _tiles_by_head(kv_pages, layer, page_ids, kv):
