@@ -6,7 +6,10 @@ one tracing the XLA attention of `--before` (a checkout, e.g. a `git worktree` o
 revision), the other this tree's, checks that both give the same logits, and times their
 model steps alternately (A B, B A, ...) on the same step, so drift hits both alike. A case
 is `batch/context` (a decode step of `batch` requests at `context` tokens) or
-`chunk+context` (one request's prefill chunk of `chunk` tokens after `context` computed).
+`chunk+context` (one request's prefill chunk of `chunk` tokens after `context` computed);
+batch <= 32, chunk <= 256, pages (context / 16 + 2 per request) <= 2047. The pool holds no
+real context and every token is the same id, so the logits check is a sanity check that A
+and B run the same model, not a test of either attention (the kernel tests are).
 
     git worktree add /tmp/before HEAD~1
     python scripts/ab_decode_step.py --before /tmp/before --cases 32/128,32/512,256+0,128+384
@@ -28,6 +31,7 @@ from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
 
 XLA_FILE = "pallas_kernels/ragged_paged_attention/xla.py"
+MAX_SEQS, MAX_TOKENS, NUM_PAGES = 32, 256, 2048  # the engine both runners get
 
 
 def load_before(checkout: str):
@@ -43,9 +47,14 @@ def scheduled(case: str, page_size: int) -> SchedulerOutput:
     if "+" in case:
         chunk, context = (int(x) for x in case.split("+"))
         pages = list(range(1, (chunk + context) // page_size + 2))
+        if chunk > MAX_TOKENS or len(pages) >= NUM_PAGES:
+            raise ValueError(f"case {case}: a chunk of at most {MAX_TOKENS} tokens and "
+                             f"{NUM_PAGES - 1} pages")
         return SchedulerOutput(scheduled=[ScheduledRequest("r0", [5] * chunk, context, pages, 1)])
     batch, context = (int(x) for x in case.split("/"))
     pages = context // page_size + 2
+    if batch > MAX_SEQS or batch * pages >= NUM_PAGES:
+        raise ValueError(f"case {case}: at most {MAX_SEQS} requests and {NUM_PAGES - 1} pages")
     return SchedulerOutput(scheduled=[
         ScheduledRequest(f"r{i}", [5], context, list(range(1 + pages * i, 1 + pages * (i + 1))), 1)
         for i in range(batch)])
@@ -54,8 +63,8 @@ def scheduled(case: str, page_size: int) -> SchedulerOutput:
 def compiled_step(model, tok, attention, case: str):
     """[step fn, runner, device buffer, pool, logits] of one case's step, traced with
     `attention` as the XLA attention."""
-    llm = make_llm(model, tok, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=256,
-                   num_kv_blocks=2048, warmup=False)
+    llm = make_llm(model, tok, max_model_len=1024, max_num_seqs=MAX_SEQS,
+                   max_num_batched_tokens=MAX_TOKENS, num_kv_blocks=NUM_PAGES, warmup=False)
     runner = llm.engine.runner
     out = scheduled(case, runner.page_size)
     _, buf, layout, _, _ = runner._model_inputs(out, None)
@@ -78,7 +87,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=21)
     args = ap.parse_args()
     path = default_model_path()
-    model, tok = load_model(path, "float32"), load_tokenizer(path)
+    # NOTE: the XLA backend forced: on a GPU/TPU "auto" is Pallas, which never calls the
+    # patched attention, so A and B would be the same program.
+    model, tok = load_model(path, "float32", backend="xla"), load_tokenizer(path)
     before = load_before(args.before)
     for case in args.cases.split(","):
         steps = {"A": compiled_step(model, tok, before, case),

@@ -6,7 +6,8 @@ kernel's self time (its time minus the kernels nested in it) over every thread, 
 groups the kernels by kind: matmuls (YNNPACK/oneDNN/XNNPACK fusions), slices copied out
 of the stacked layer weights (`dynamic-slice` fusions), gathers, other copies and
 transposes, the rest. Thread time over XLA's worker threads adds up to more than the
-wall time; the wall time is printed beside it.
+wall time; the wall time is printed beside it, with the kernel count per step and how
+much of the wall time at least one (two) kernels run.
 
     python scripts/profile_step.py --batch 32 --context-len 128
 """
@@ -36,8 +37,8 @@ KINDS = (("matmul", ("ynn_", "xnn_", "onednn")), ("layer weight slices", ("dynam
 
 def kind_of(name: str) -> str | None:
     """The kind of an XLA kernel name, "rest" for other kernels, None for non-kernels."""
-    if name.startswith("$") or "::" in name or name[:1].isupper():
-        return None  # Python frames and runtime spans, not kernels
+    if name.startswith(("$", "end:")) or "::" in name or name[:1].isupper():
+        return None  # Python frames, runtime spans and the profiler's end markers
     for kind, marks in KINDS:
         if any(m in name for m in marks):
             return kind
@@ -56,9 +57,10 @@ def trace_events(trace_dir: str) -> list[dict]:
 def busy_times(events: list[dict]) -> tuple[float, float, int]:
     """(us with at least one leaf kernel running, us with two or more, leaf kernel count):
     how much of the wall time XLA's threads spend in kernels at all, and in parallel
-    (a leaf kernel has no kernel nested in it, unlike a while loop's span)."""
-    kernels = [e for e in events
-               if kind_of(e["name"]) is not None and not e["name"].startswith("end:")]
+    (a leaf kernel has no kernel nested in it on its thread, unlike a while loop's span;
+    a loop whose body ran on other threads counts as a leaf, so both figures are upper
+    bounds)."""
+    kernels = [e for e in events if kind_of(e["name"]) is not None]
     by_thread = collections.defaultdict(list)
     for e in kernels:
         by_thread[(e["pid"], e["tid"])].append(e)

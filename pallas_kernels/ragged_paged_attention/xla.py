@@ -35,10 +35,10 @@ from pallas_kernels.ragged_paged_attention.reference import check_shapes, token_
 _NEG = -1e30  # running max of a row that has seen no key yet (finite: exp(_NEG - m) == 0)
 
 
-def _init(n, kv_heads, group, head_dim):
-    return (jnp.zeros((n, kv_heads, group, head_dim), jnp.float32),
-            jnp.full((n, kv_heads, group), _NEG, jnp.float32),
-            jnp.zeros((n, kv_heads, group), jnp.float32))
+def _init(lead, head_dim):
+    """An empty online-softmax state (acc [*lead, head_dim], m [*lead], denom [*lead])."""
+    return (jnp.zeros((*lead, head_dim), jnp.float32), jnp.full(lead, _NEG, jnp.float32),
+            jnp.zeros(lead, jnp.float32))
 
 
 def _merge(a, b):
@@ -89,9 +89,9 @@ def _block_update(state, logits, v, mask, v_keep, pv, sm_scale, soft_cap):
 
     Args:
         state: (acc, m, denom): acc [..., d] per query row, m and denom without the d axis.
-        logits: q.k of the block, [..., pages, page_size]: the block's keys last, so the
-            softmax's elementwise work runs along contiguous keys (keys on a 3-wide minor
-            axis made its exp 6x slower on this CPU).
+        logits: q.k of the block, the block's keys on the last two axes, so the softmax's
+            elementwise work runs along contiguous keys (keys on a 3-wide minor axis made
+            its exp 6x slower on this CPU).
         v: The block's values, laid out as `pv` (p, v -> acc) says.
         mask: bool, broadcastable to the logits: keys each query may see.
         v_keep: bool, broadcastable to v: slots read at all (NaN elsewhere must not leak).
@@ -137,7 +137,7 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
         return _block_update(state, logits, v, mask, jnp.moveaxis(mask, 2, -1),
                              "kngpc,knpcd->kngd", sm_scale, soft_cap)
 
-    state = jax.lax.fori_loop(0, num_blocks, body, _init(kv_heads, n, group, head_dim))
+    state = jax.lax.fori_loop(0, num_blocks, body, _init((kv_heads, n, group), head_dim))
     return tuple(jnp.swapaxes(x, 0, 1) for x in state)
 
 
@@ -147,7 +147,7 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, 
     the whole context kv_len, this step's tokens included; 0 for requests this pass
     skips), in query tiles of `block_q` tokens of one request: each tile gathers its
     request's pages once per key block, up to the block of its last query's position,
-    and attends with one matmul, instead of one gather per token.
+    and attends with matmuls batched over KV heads, instead of one gather per token.
 
     Tiles are enumerated on the device (rows this pass covers, ceil(q_len / block_q) tiles
     each) and walked by a `fori_loop` with a traced trip count. `state` ([t, ...]
@@ -179,8 +179,8 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, 
         seen = jnp.minimum(length, posp[last] + 1)  # keys the tile's last query sees
 
         # NOTE: head-major inside a tile ([k, block_q * g, ...], one transpose per tile):
-        # the matmuls batch over heads with no transposed copy of K, V or P per block, and
-        # the softmax runs along contiguous keys (token-major, 0.6x slower in prefill).
+        # the matmuls batch over heads with no transposed copy of K, V or P per block
+        # (prefill attention took 0.6x the time of the token-major tiles).
         qh = jnp.swapaxes(qt, 0, 1).reshape(kv_heads, block_q * group, head_dim)
 
         def block(b, st):
@@ -198,8 +198,8 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, 
                                  "kqpc,kpcd->kqd", sm_scale, soft_cap)
 
         num_blocks = (seen + block_kv - 1) // block_kv
-        init = tuple(x[:, :, 0] for x in _init(kv_heads, block_q * group, 1, head_dim))
-        new = jax.lax.fori_loop(0, num_blocks, block, init)  # [k, block_q * g, ...]
+        new = jax.lax.fori_loop(0, num_blocks, block, _init((kv_heads, block_q * group),
+                                                            head_dim))  # [k, block_q * g, ...]
         new = tuple(jnp.swapaxes(x.reshape((kv_heads, block_q, group) + x.shape[2:]), 0, 1)
                     for x in new)  # back to [block_q, k, g, ...]
         out = []
@@ -210,7 +210,7 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, 
                 whole, jnp.where(keep_new, part, old), first, axis=0))
         return tuple(out)
 
-    state = _init(t, kv_heads, group, head_dim) if state is None else state
+    state = _init((t, kv_heads, group), head_dim) if state is None else state
     state = tuple(jnp.pad(x, ((0, block_q),) + ((0, 0),) * (x.ndim - 1), constant_values=c)
                   for x, c in zip(state, (0.0, _NEG, 0.0), strict=True))
     state = jax.lax.fori_loop(0, ends[-1], tile, state)
