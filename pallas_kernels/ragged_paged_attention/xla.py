@@ -4,10 +4,11 @@ The reference (`reference.py`) gathers every query token's whole block table. Th
 splits the tokens into two disjoint kinds, each with its own loops, merged at the end:
 
 * decode part: a request whose single new token sits at token index == its row index (the
-  runner packs decode rows first) reads its context from the pool one gather per *row*,
-  in blocks of `decode_block_kv` keys, for as many blocks as the longest such context
-  needs (a `fori_loop` with a traced trip count: no compile per context length), in
-  groups of `decode_rows` rows so a gathered block stays in the cache; K and V are
+  runner packs decode rows first) reads its context from the pool in blocks of
+  `decode_block_kv` keys: the live (row, block) pairs are a work list walked `rows` pairs
+  at a time (a `fori_loop` with a traced trip count: no compile per context length), so
+  each row reads only its own blocks, in groups of `decode_rows` rows so a gathered block
+  stays in the cache; K and V are
   gathered apart, head-major, and the logits computed keys x queries, so the matmuls
   read K and V where the gathers wrote them (no transposed copy);
 * context part: every other token reads its request's keys [0, kv_len) from the pool,
@@ -111,7 +112,14 @@ def _block_update(state, logits, v, mask, v_keep, pv, sm_scale, soft_cap):
 
 def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_scale,
                 soft_cap):
-    """Attention of q [n, k, g, d] over positions [0, lens) of the pages `pages` [n, w]."""
+    """Attention of q [n, k, g, d] over positions [0, lens) of the pages `pages` [n, w].
+
+    Work is a list of live (row, key block) pairs, `n` per iteration, so a row reads only
+    its own blocks: with a loop over blocks for all rows, a batch of short chats beside one
+    long document gathered (masked) blocks up to the document's length for every row, and
+    padded rows gathered every block. Each pair's partial softmax state merges into its
+    row's by scatter (max, then scaled adds), so one row's pairs may share an iteration.
+    """
     n, kv_heads, group, head_dim = q.shape
     page_size = kv_pages.shape[4]
     ppb = block_kv // page_size
@@ -119,25 +127,47 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
     pad = (-width) % ppb
     if pad:
         pages = jnp.pad(pages, ((0, 0), (0, pad)))  # i32[n, width + pad]; page 0 is masked
-    num_blocks = (jnp.max(lens, initial=0) + block_kv - 1) // block_kv
+    nb = (lens + block_kv - 1) // block_kv  # i32[n] key blocks of each row
+    ends = jnp.cumsum(nb)  # i32[n]
+    total = ends[-1]
+    q = jnp.swapaxes(q, 0, 1)  # [k, n, g, d]
 
-    q = jnp.swapaxes(q, 0, 1)  # [k, n, g, d]: (head, row) batch the matmuls
-
-    def body(b, state):
-        ids = jax.lax.dynamic_slice_in_dim(pages, b * ppb, ppb, axis=1)  # i32[n, ppb]
+    def body(i, state):
+        pair = i * n + jnp.arange(n, dtype=jnp.int32)  # i32[n] this iteration's pairs
+        r = jnp.minimum(jnp.searchsorted(ends, pair, side="right"), n - 1).astype(jnp.int32)
+        b = pair - (ends[r] - nb[r])  # i32[n] block of its row
+        cols = b[:, None] * ppb + jnp.arange(ppb, dtype=jnp.int32)  # i32[n, ppb]
+        ids = jnp.take_along_axis(pages[r], jnp.clip(cols, 0, pages.shape[1] - 1),
+                                  axis=1)  # i32[n, ppb]
         k = _tiles_by_head(kv_pages, layer, ids, 0)  # [k, n, ppb, page_size, head_dim]
         v = _tiles_by_head(kv_pages, layer, ids, 1)  # [k, n, ppb, page_size, head_dim]
-        k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
-        mask = (k_pos[None, :] < lens[:, None]) & _window_ok(q_pos, k_pos[None, :], window)
+        k_pos = b[:, None] * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[n, C]
+        mask = ((pair < total)[:, None] & (k_pos < lens[r][:, None])
+                & _window_ok(q_pos[r], k_pos, window))  # bool[n, C]
         mask = mask.reshape(1, n, 1, ppb, page_size)  # bool[1, n, 1, ppb, page_size]
         # NOTE: logits computed keys x queries (the gathered K is the matmul's left operand
         # as it lies; q . K^T made XLA copy K transposed per layer and block), then turned
         # keys-last for the softmax ([k, n, g, ppb, page_size]).
-        logits = jnp.moveaxis(jnp.einsum("knpcd,kngd->knpcg", k, q), -1, 2)
-        return _block_update(state, logits, v, mask, jnp.moveaxis(mask, 2, -1),
-                             "kngpc,knpcd->kngd", sm_scale, soft_cap)
+        logits = jnp.moveaxis(jnp.einsum("knpcd,kngd->knpcg", k, q[:, r]), -1, 2) * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        logits = jnp.where(mask, logits, -jnp.inf)
+        m_p = jnp.maximum(jnp.max(logits, axis=(-2, -1)), _NEG)  # [k, n, g]; finite
+        p = jnp.exp(logits - m_p[..., None, None])
+        v = jnp.where(jnp.moveaxis(mask, 2, -1), v, 0.0)
+        acc_p = jnp.einsum("kngpc,knpcd->kngd", p, v)
+        l_p = jnp.sum(p, axis=(-2, -1))
+        acc, m, denom = state
+        m_new = jnp.maximum(m, jnp.full_like(m, _NEG).at[:, r].max(m_p))
+        scale = jnp.exp(m - m_new)
+        scale_p = jnp.exp(m_p - m_new[:, r])  # [k, n, g]
+        acc = (acc * scale[..., None]
+               + jnp.zeros_like(acc).at[:, r].add(acc_p * scale_p[..., None]))
+        denom = denom * scale + jnp.zeros_like(denom).at[:, r].add(l_p * scale_p)
+        return acc, m_new, denom
 
-    state = jax.lax.fori_loop(0, num_blocks, body, _init((kv_heads, n, group), head_dim))
+    iters = (total + n - 1) // n
+    state = jax.lax.fori_loop(0, iters, body, _init((kv_heads, n, group), head_dim))
     return tuple(jnp.swapaxes(x, 0, 1) for x in state)
 
 
