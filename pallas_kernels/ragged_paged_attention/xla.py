@@ -280,8 +280,8 @@ def ragged_paged_attention_xla(
             their own pass, so a 4-token request does not fill a 64-query tile with
             padding.
         decode_block_kv: Keys per gathered block of the decode part.
-        decode_rows: Decode rows per group: each group of rows runs its own loop over
-            key blocks (as many as its longest context needs), so a gathered block
+        decode_rows: Decode rows per group: each group of rows walks its own (row, key
+            block) pairs, as many per iteration as it has rows, so a gathered block
             (`decode_rows x decode_block_kv` keys) stays small enough for the cache
             whatever the batch (at 128 rows one group of 128-key blocks ran 6x slower on
             this CPU than four groups of 32 rows with 64-key blocks).
