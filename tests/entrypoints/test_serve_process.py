@@ -48,7 +48,9 @@ def test_serve_process_drains_on_sigterm(tmp_path, smollm2_path):
         assert [m["id"] for m in models] == [MODEL_NAME]
 
         events, started = [], threading.Event()
-        body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0,
+        # NOTE: long enough to outlast a --log-interval of 1 s (16 tokens took under 1 s
+        # once the CPU decode step got faster, and no stat line was logged).
+        body = {"prompt": "Once upon a time", "max_tokens": 96, "temperature": 0,
                 "ignore_eos": True, "stream": True}
 
         def stream():
