@@ -8,9 +8,9 @@ splits the tokens into two disjoint kinds, each with its own loops, merged at th
   `decode_block_kv` keys: the live (row, block) pairs are a work list walked `rows` pairs
   at a time (a `fori_loop` with a traced trip count: no compile per context length), so
   each row reads only its own blocks, in groups of `decode_rows` rows so a gathered block
-  stays in the cache; K and V are
-  gathered apart, head-major, and the logits computed keys x queries, so the matmuls
-  read K and V where the gathers wrote them (no transposed copy);
+  stays in the cache; K and V are gathered apart, head-major, and the logits computed
+  keys x queries, so the matmuls read K and V where the gathers wrote them (no
+  transposed copy);
 * context part: every other token reads its request's keys [0, kv_len) from the pool,
   causally masked by position (this step's own K/V are written before attention runs,
   so earlier chunks, prefix-cache hits and the step's own tokens are one range), in
@@ -148,15 +148,10 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
         # NOTE: logits computed keys x queries (the gathered K is the matmul's left operand
         # as it lies; q . K^T made XLA copy K transposed per layer and block), then turned
         # keys-last for the softmax ([k, n, g, ppb, page_size]).
-        logits = jnp.moveaxis(jnp.einsum("knpcd,kngd->knpcg", k, q[:, r]), -1, 2) * sm_scale
-        if soft_cap is not None:
-            logits = soft_cap * jnp.tanh(logits / soft_cap)
-        logits = jnp.where(mask, logits, -jnp.inf)
-        m_p = jnp.maximum(jnp.max(logits, axis=(-2, -1)), _NEG)  # [k, n, g]; finite
-        p = jnp.exp(logits - m_p[..., None, None])
-        v = jnp.where(jnp.moveaxis(mask, 2, -1), v, 0.0)
-        acc_p = jnp.einsum("kngpc,knpcd->kngd", p, v)
-        l_p = jnp.sum(p, axis=(-2, -1))
+        logits = jnp.moveaxis(jnp.einsum("knpcd,kngd->knpcg", k, q[:, r]), -1, 2)
+        # Each pair's own softmax state ([k, n, g, ...]; m finite), from an empty one.
+        acc_p, m_p, l_p = _block_update(empty, logits, v, mask, jnp.moveaxis(mask, 2, -1),
+                                        "kngpc,knpcd->kngd", sm_scale, soft_cap)
         acc, m, denom = state
         m_new = jnp.maximum(m, jnp.full_like(m, _NEG).at[:, r].max(m_p))
         scale = jnp.exp(m - m_new)
@@ -166,8 +161,9 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
         denom = denom * scale + jnp.zeros_like(denom).at[:, r].add(l_p * scale_p)
         return acc, m_new, denom
 
+    empty = _init((kv_heads, n, group), head_dim)
     iters = (total + n - 1) // n
-    state = jax.lax.fori_loop(0, iters, body, _init((kv_heads, n, group), head_dim))
+    state = jax.lax.fori_loop(0, iters, body, empty)
     return tuple(jnp.swapaxes(x, 0, 1) for x in state)
 
 
