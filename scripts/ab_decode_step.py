@@ -7,7 +7,7 @@ revision), the other this tree's, checks that both give the same logits, and tim
 model steps alternately (A B, B A, ...) on the same step, so drift hits both alike. A case
 is `batch/context` (a decode step of `batch` requests at `context` tokens) or
 `chunk+context` (one request's prefill chunk of `chunk` tokens after `context` computed);
-batch <= 32, chunk <= 256, pages (context / 16 + 2 per request) <= 2047. The pool holds no
+batch <= 32, chunk <= 256, pages (ceil((context + 1) / 16) per request) <= 2047. The pool holds no
 real context and every token is the same id, so the logits check is a sanity check that A
 and B run the same model, not a test of either attention (the kernel tests are).
 
@@ -26,6 +26,7 @@ import numpy as np
 
 import pallas_kernels.ops as ops
 from jaxserve.bench.engine_run import make_llm
+from jaxserve.bench.roofline import decode_output
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
@@ -52,12 +53,9 @@ def scheduled(case: str, page_size: int) -> SchedulerOutput:
                              f"{NUM_PAGES - 1} pages")
         return SchedulerOutput(scheduled=[ScheduledRequest("r0", [5] * chunk, context, pages, 1)])
     batch, context = (int(x) for x in case.split("/"))
-    pages = context // page_size + 2
-    if batch > MAX_SEQS or batch * pages >= NUM_PAGES:
+    if batch > MAX_SEQS or batch * -(-(context + 1) // page_size) >= NUM_PAGES:
         raise ValueError(f"case {case}: at most {MAX_SEQS} requests and {NUM_PAGES - 1} pages")
-    return SchedulerOutput(scheduled=[
-        ScheduledRequest(f"r{i}", [5], context, list(range(1 + pages * i, 1 + pages * (i + 1))), 1)
-        for i in range(batch)])
+    return decode_output(batch, context, page_size)
 
 
 def compiled_step(model, tok, attention, case: str):

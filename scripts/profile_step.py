@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from jaxserve.bench.engine_run import make_llm
-from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.bench.roofline import decode_output
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
 
@@ -113,10 +113,7 @@ def main() -> None:
                    max_num_seqs=max(32, args.batch), max_num_batched_tokens=256,
                    num_kv_blocks=2048)
     runner = llm.engine.runner
-    pages = -(-(args.context_len + 1) // runner.page_size)
-    out = SchedulerOutput(scheduled=[ScheduledRequest(
-        f"r{i}", [5], args.context_len, list(range(1 + pages * i, 1 + pages * (i + 1))), 1)
-        for i in range(args.batch)])
+    out = decode_output(args.batch, args.context_len, runner.page_size)
     _, buf, layout, num_tokens, _ = runner._model_inputs(out, None)
     step = runner._step_fn(layout, runner.is_decode_step(out, num_tokens, args.batch))
     dev = runner._to_device(buf)

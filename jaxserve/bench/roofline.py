@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.bench.engine_run import StepProbe
+from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -76,6 +77,16 @@ def decode_step_figures(costs: dict, batch: int, context: int) -> tuple[float, f
     nbytes = (costs["weight_bytes"] + batch * context * costs["kv_bytes_per_token"]
               + batch * costs["kv_bytes_per_token"])
     return flops, nbytes
+
+
+def decode_output(batch: int, context: int, page_size: int) -> SchedulerOutput:
+    """A synthetic decode step for the model program alone (profiles, A/B timings): `batch`
+    requests, each one new token after `context` computed, on pages of its own from 1 up
+    (`batch * ceil((context + 1) / page_size)` pages)."""
+    pages = -(-(context + 1) // page_size)
+    return SchedulerOutput(scheduled=[
+        ScheduledRequest(f"r{i}", [5], context, list(range(1 + pages * i, 1 + pages * (i + 1))), 1)
+        for i in range(batch)])
 
 
 def measure_decode(engine, batch: int, context: int, num_steps: int = 5) -> dict:
