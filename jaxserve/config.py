@@ -57,7 +57,8 @@ class ModelConfig:
         model: GGUF file, HF directory, jaxserve checkpoint, or None for the default model.
         dtype: "float32" or "bfloat16".
         max_model_len: Longest prompt + output; None means min(model limit, 2048).
-        attention_backend: "auto", "xla" or "pallas".
+        attention_backend: "auto", "xla", "cpu" (XLA with a C++ decode kernel; the CPU's
+            default where it builds) or "pallas" (see `pallas_kernels.ops`).
         seed: Seed of the engine's random stream (unseeded requests draw from it).
         quantization: Weight format on the device: None (the source's own; a GGUF file
             keeps its quantized types on GPU/TPU and is dequantized on the CPU, where that

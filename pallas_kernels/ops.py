@@ -3,10 +3,13 @@
 Backends:
     "xla":    plain XLA: the KV write's reference scatter and `ragged_paged_attention_xla`,
               whose cost follows the live context (the jnp references stay the oracles).
+    "cpu":    "xla" with its decode rows in a C++ kernel that reads the page pool in place
+              (`pallas_kernels.cpu_decode`, built on first use; CPU only, one device's
+              pool: tensor parallelism keeps "xla").
     "pallas": the Pallas kernels: on TPU the Mosaic ragged kernel (decodes included; the KV
               write is XLA's in-place scatter), on GPU the Triton kernels, and on the CPU
               the GPU kernels in the Pallas interpreter.
-    "auto":   "pallas" on GPU/TPU, "xla" on the CPU.
+    "auto":   "pallas" on GPU/TPU; on the CPU "cpu" where the kernel builds, else "xla".
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_decode
 from pallas_kernels.kv_write.kernel import write_kv_kernel
 from pallas_kernels.kv_write.reference import write_kv_reference
 from pallas_kernels.metadata import AttentionMetadata
@@ -24,21 +28,29 @@ from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
-ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
 
 
 def resolve_backend(backend: str) -> str:
     """Turns "auto" into a concrete backend for the default platform.
 
     Raises:
-        ValueError: If `backend` is not one of `ATTENTION_BACKENDS`.
+        ValueError: If `backend` is not one of `ATTENTION_BACKENDS`, or is "cpu" off the
+            CPU or where its kernel cannot be built (the message says why).
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(
             f"unknown attention backend {backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
         )
+    on_cpu = jax.default_backend() == "cpu"
     if backend == "auto":
-        return "xla" if jax.default_backend() == "cpu" else "pallas"
+        if not on_cpu:
+            return "pallas"
+        return "cpu" if cpu_decode.available() else "xla"
+    if backend == "cpu" and not cpu_decode.available():
+        raise ValueError("attention backend 'cpu' is unavailable here: "
+                         + (cpu_decode.unavailable_reason() if on_cpu else
+                            f"the default platform is {jax.default_backend()}, not the CPU"))
     return backend
 
 
@@ -97,7 +109,8 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
         ppb, _ = kernel_tiles(page_size, width)
         return ragged_paged_attention_kernel(q, kv_pages, layer, md, pages_per_block=ppb,
                                              interpret=_interpret(), **common)
-    return ragged_paged_attention_xla(q, kv_pages, layer, md, **common)
+    return ragged_paged_attention_xla(q, kv_pages, layer, md, cpu_decode=backend == "cpu",
+                                      **common)
 
 
 def quant_matmul(x: jax.Array, w: dict, kind: str, *, backend: str = "xla") -> jax.Array:

@@ -93,6 +93,10 @@ class LLMEngine:
                                quantization=mc.quantization)
         else:
             self.layout = tensor_parallel_layout(config, model.cfg)
+        if mc.attention_backend == "cpu" and self.layout is not None and self.layout.size > 1:
+            raise ValueError("attention_backend 'cpu' serves one device's page pool; with "
+                             f"tensor_parallel_size {config.parallel.tensor_parallel_size} "
+                             "use 'xla' (or 'auto', which picks it)")
         self.model = model
         if tokenizer is None:
             tokenizer = load_tokenizer(model.source)

@@ -101,6 +101,11 @@ class ModelRunner:
                  layout: TensorParallel | None = None, num_spec_tokens: int = 0,
                  kv_cache_dtype: str = "auto", short_tiles: bool | None = None):
         compile_counter.install()
+        if model.backend == "cpu" and layout is not None and layout.size > 1:
+            # NOTE: the C++ decode kernel reads one device's whole pool; across a mesh the
+            # partitioner would gather the pool to every device, so the XLA path serves.
+            model = Model(model.cfg, model.params, model.dtype, model.source, backend="xla",
+                          quant=model.quant)
         self.model = model
         self.layout = layout
         self.page_size = page_size
@@ -113,7 +118,7 @@ class ModelRunner:
         # NOTE: decode batches of 1-8 get their own buckets on the XLA path (CPU), where
         # padded rows cost compute (batch 1-4: ~31 ms vs 48-81 ms in a 16-token bucket).
         self.buckets = token_buckets(max_num_batched_tokens,
-                                     min_bucket=MIN_BUCKET_XLA if model.backend == "xla"
+                                     min_bucket=MIN_BUCKET_XLA if model.backend in ("xla", "cpu")
                                      else MIN_BUCKET)
         self.max_rows = self.sample_rows(self.buckets[-1])
         check_kv_cache_dtype(kv_cache_dtype, model.backend)

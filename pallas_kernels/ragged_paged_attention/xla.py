@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.cpu_decode import paged_decode_cpu, supports
 from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import check_shapes, token_positions
@@ -257,6 +258,7 @@ def ragged_paged_attention_xla(
     block_q_short: int = 8,
     decode_block_kv: int = 64,
     decode_rows: int = 32,
+    cpu_decode: bool = False,
 ) -> jax.Array:
     """Causal attention of packed queries over each request's paged K/V (see the module).
 
@@ -281,6 +283,9 @@ def ragged_paged_attention_xla(
             (`decode_rows x decode_block_kv` keys) stays small enough for the cache
             whatever the batch (at 128 rows one group of 128-key blocks ran 6x slower on
             this CPU than four groups of 32 rows with 64-key blocks).
+        cpu_decode: Decode rows go to the C++ kernel that reads the pool in place
+            (`pallas_kernels.cpu_decode`, CPU only) instead of the gathered blocks above;
+            pools it does not read (8-bit, bf16) keep the XLA decode part.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
@@ -302,11 +307,15 @@ def ragged_paged_attention_xla(
     aligned = (md.cu_q_lens[:rows] == row_ids) & (q_lens[:rows] == 1)  # bool[rows]
     dec_lens = jnp.where(aligned, md.kv_lens[:rows], 0)  # i32[rows]
     decode_block_kv = max(page_size, decode_block_kv // page_size * page_size)
-    groups = [slice(i, min(i + decode_rows, rows)) for i in range(0, rows, decode_rows)]
-    parts = [_paged_part(qg[g], kv_pages, layer, md.block_tables[g], dec_lens[g],
-                         dec_lens[g] - 1, window, block_kv=decode_block_kv, **common)
-             for g in groups]
-    decode = tuple(jnp.concatenate(xs) for xs in zip(*parts, strict=True))
+    if cpu_decode and supports(kv_pages):
+        decode = paged_decode_cpu(qg[:rows], kv_pages, layer, md.block_tables[:rows],
+                                  dec_lens, window, **common)
+    else:
+        groups = [slice(i, min(i + decode_rows, rows)) for i in range(0, rows, decode_rows)]
+        parts = [_paged_part(qg[g], kv_pages, layer, md.block_tables[g], dec_lens[g],
+                             dec_lens[g] - 1, window, block_kv=decode_block_kv, **common)
+                 for g in groups]
+        decode = tuple(jnp.concatenate(xs) for xs in zip(*parts, strict=True))
 
     # Context part: every other row's whole context, this step's tokens included.
     decode_row = jnp.zeros(md.kv_lens.shape[0], bool).at[:rows].set(aligned)  # bool[rows]

@@ -43,15 +43,16 @@ def tiny_params():
 def test_tiny_model_greedy_same_on_both_backends(tiny_params, page_size):
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, TINY.vocab_size, 21)]
     outs, decode_steps = {}, []
-    for backend in ("xla", "pallas"):
+    for backend in ("xla", "cpu", "pallas"):
         model = Model(TINY, tiny_params, backend=backend)
         outs[backend] = greedy(model, prompt, 24, decode_steps=decode_steps,
                                block_size=page_size)
-    assert outs["xla"] == outs["pallas"]
+    assert outs["xla"] == outs["cpu"] == outs["pallas"]
     assert len(set(outs["xla"])) > 3  # not a degenerate repetition
     # Pallas runs pure-decode steps on the paged decode kernel (all 23 after the prefill);
-    # the XLA path has no separate decode program.
-    assert decode_steps == [0, 23]
+    # the XLA paths (the "cpu" backend's decode kernel included) have no separate decode
+    # program: decode rows are split off inside the ragged step.
+    assert decode_steps == [0, 0, 23]
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.parallel.sharding import make_tensor_parallel
 from models.config import ArchConfig
 from models.model import Model, random_params
+from pallas_kernels import cpu_decode
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, detokenize=False)
 # Untied LM head with a vocabulary that 2 and 4 divide, so the head is vocabulary-split.
@@ -66,6 +67,8 @@ def test_tiny_tensor_parallel_matches_one_device(tiny_model, smollm2_tokenizer, 
     assert metrics["jaxserve:num_compilations"] == 0
     layout = llm.engine.layout
     assert layout.size == size and layout.shard_kv_heads == (size == 2)
+    # The CPU's C++ decode kernel reads one device's pool: a mesh serves on the XLA path.
+    assert llm.engine.runner.model.backend == "xla"
     pool = llm.engine.runner.kv_pages
     assert pool.sharding.spec[2] == "kv" and len(pool.sharding.device_set) == size
 
@@ -169,6 +172,14 @@ def test_bad_sizes_are_clear_errors(smollm2, smollm2_tokenizer):
                      num_layers=1, num_heads=12, num_kv_heads=3, head_dim=4)
     with pytest.raises(ValueError, match="and num_kv_heads=3 must divide one another"):
         make_tensor_parallel(odd, 2)
+
+
+@pytest.mark.skipif(not cpu_decode.available(), reason="no CPU decode kernel here")
+def test_cpu_backend_under_tensor_parallelism_is_an_error(tiny_model, smollm2_tokenizer):
+    with pytest.raises(ValueError, match="attention_backend 'cpu' serves one device's page "
+                                         "pool; with tensor_parallel_size 2 use 'xla'"):
+        LLM(tiny_model, tokenizer=smollm2_tokenizer, tensor_parallel_size=2,
+            attention_backend="cpu", num_kv_blocks=12, **SMALL)
 
 
 def test_checkpoint_restores_straight_into_shards(tiny_model, smollm2_tokenizer,

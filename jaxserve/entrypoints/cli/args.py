@@ -17,6 +17,7 @@ from jaxserve.config import (
     SCHEDULING_POLICIES,
 )
 from models.quant import QUANTIZATIONS
+from pallas_kernels.ops import ATTENTION_BACKENDS
 
 # (flag, type or "bool" for --x/--no-x or "json" for a JSON object, choices, default as shown,
 # help). The defaults are EngineConfig's; flags left unset keep them (None is never passed on).
@@ -48,7 +49,7 @@ ENGINE_ARGS = [
      "the others exist for benchmarks"),
     ("--async-scheduling", "bool", None, "on",
      "schedule each step while the previous one runs on the device"),
-    ("--attention-backend", str, ("auto", "xla", "pallas"), "auto", "attention kernels"),
+    ("--attention-backend", str, ATTENTION_BACKENDS, "auto", "attention kernels"),
     ("--seed", int, None, "0", "seed of the engine's random stream"),
     ("--tensor-parallel-size", int, None, "1", "devices one model is split over"),
     ("--data-parallel-size", int, None, "1", "engine replicas on disjoint devices"),

@@ -1,0 +1,77 @@
+"""The JAX side of the CPU decode kernel: availability, registration and the call itself."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+TARGET = "jaxserve_paged_decode_cpu"
+
+
+@functools.cache
+def _registered() -> str | None:
+    """Builds and registers the FFI target once per process; None, or why it failed."""
+    from pallas_kernels.cpu_decode.build import build
+
+    try:
+        lib = build()
+    except (RuntimeError, OSError) as e:
+        logger.warning("jaxserve: the CPU decode kernel is unavailable, decode rows use the "
+                       "XLA path: %s", e)
+        return str(e)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PagedDecode), platform="cpu")
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel could be built and registered here (builds it on first call)."""
+    return jax.default_backend() == "cpu" and _registered() is None
+
+
+def unavailable_reason() -> str:
+    """Why the kernel is unavailable ("" when it is available)."""
+    if jax.default_backend() != "cpu":
+        return f"the default platform is {jax.default_backend()}, not the CPU"
+    return _registered() or ""
+
+
+def supports(kv_pages: jax.Array) -> bool:
+    """Whether the kernel reads this pool: float32 pages (8-bit and bf16 pools: XLA)."""
+    return kv_pages.dtype == jnp.float32 and kv_pages.ndim == 6
+
+
+def paged_decode_cpu(q, kv_pages, layer, block_tables, lens, window, *, sm_scale: float,
+                     soft_cap: float | None = None):
+    """Online-softmax state of each row's one query over positions [max(0, len - window),
+    len) of its pages, read in place.
+
+    Args:
+        q: f32[n, kv_heads, group, head_dim]; row i's query sits at position lens[i] - 1.
+        kv_pages: f32[num_layers, 2, kv_heads, num_pages, page_size, head_dim].
+        layer: Layer index (may be traced).
+        block_tables: i32[n, width] pages of each row.
+        lens: i32[n] keys each row reads (0: none; the row's state stays empty).
+        window: Sliding window (0: none).
+        sm_scale: Scale applied to q.k.
+        soft_cap: If set, logits become `soft_cap * tanh(logits / soft_cap)`.
+
+    Returns:
+        (acc f32[n, k, g, d] unnormalized, m f32[n, k, g], denom f32[n, k, g]).
+    """
+    if not available():
+        raise RuntimeError(f"the CPU decode kernel is unavailable: {unavailable_reason()}")
+    n, k, g, d = q.shape
+    outs = (jax.ShapeDtypeStruct((n, k, g, d), jnp.float32),
+            jax.ShapeDtypeStruct((n, k, g), jnp.float32),
+            jax.ShapeDtypeStruct((n, k, g), jnp.float32))
+    i32 = lambda x: jnp.asarray(x, jnp.int32)
+    call = jax.ffi.ffi_call(TARGET, outs)
+    return call(q.astype(jnp.float32), kv_pages, i32(layer).reshape(1), i32(block_tables),
+                i32(lens), i32(window).reshape(1), sm_scale=np.float32(sm_scale),
+                soft_cap=np.float32(soft_cap or 0.0))

@@ -1,0 +1,204 @@
+// Decode attention on the CPU that reads K/V pages where they lie in the pool (an XLA FFI
+// custom call): no gathered copy of the context, each (row, KV head) reads its own live
+// pages once for K and once for V, spread over XLA's intra-op thread pool.
+//
+// Result: the online-softmax state of each query (acc = sum_j exp(s_j - m) v_j unscaled,
+// m = max_j s_j, denom = sum_j exp(s_j - m)), merged with the XLA path's context part by
+// the caller. A row with nothing to read (len 0) gets acc 0, m -1e30, denom 0.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kNeg = -1e30f;  // running max of a row that has seen no key (as xla.py)
+
+struct Job {
+  const float* q;       // f32[n, H, G, D]
+  const float* pool;    // f32[L, 2, H, P, S, D]
+  const int32_t* tables;  // i32[n, W]
+  const int32_t* lens;  // i32[n]
+  float* acc;           // f32[n, H, G, D]
+  float* m;             // f32[n, H, G]
+  float* denom;         // f32[n, H, G]
+  int64_t n, H, G, D, P, S, W, layer;
+  int32_t window;
+  float sm_scale, soft_cap;
+  int64_t items;  // n * H
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+// One (row, KV head): logits of its G queries over the row's live keys, softmax, P.V.
+// kD, kG > 0: compile-time head size and group (the loops unroll and the G x D
+// accumulators stay in registers); 0: read from the job.
+template <int kD, int kG>
+void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
+  const int64_t D = kD > 0 ? kD : j.D, G = kG > 0 ? kG : j.G, S = j.S;
+  const int64_t row = item / j.H, h = item % j.H;
+  const int64_t base = (row * j.H + h) * G;
+  float* __restrict__ acc = j.acc + base * D;
+  float* m = j.m + base;
+  float* denom = j.denom + base;
+  std::fill(acc, acc + G * D, 0.0f);
+  std::fill(m, m + G, kNeg);
+  std::fill(denom, denom + G, 0.0f);
+  int64_t len = std::min<int64_t>(j.lens[row], j.W * S);  // keys past the table: none
+  if (len <= 0) return;
+  const int64_t pos = len - 1;  // the row's one query is its last token
+  const int64_t lo = j.window > 0 ? std::max<int64_t>(0, pos - j.window + 1) : 0;
+  const int64_t count = len - lo;
+  scores.resize(G * count);
+  float* __restrict__ sc = scores.data();
+  const float* __restrict__ q = j.q + base * D;
+  const int64_t plane = j.P * S * D;  // one (layer, K or V, head) of the pool
+  const float* kbase = j.pool + ((j.layer * 2 + 0) * j.H + h) * plane;
+  const float* vbase = j.pool + ((j.layer * 2 + 1) * j.H + h) * plane;
+  const int32_t* table = j.tables + row * j.W;
+  auto slot_of = [&](int64_t key) -> int64_t {  // element offset of key `key` in a plane
+    int64_t page = std::clamp<int64_t>(table[key / S], 0, j.P - 1);
+    return (page * S + key % S) * D;
+  };
+
+  // Pass 1: q.k for every key (the pool read once for K), a page's run of keys at a time.
+  for (int64_t key = lo; key < len;) {
+    const int64_t end = std::min(len, (key / S + 1) * S);
+    const float* __restrict__ k = kbase + slot_of(key);
+    for (int64_t t = key; t < end; ++t, k += D) {
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * k[d];
+        sc[g * count + (t - lo)] = s;
+      }
+    }
+    key = end;
+  }
+  // Softmax per query (scale, soft cap, max, exp, sum).
+  for (int64_t g = 0; g < G; ++g) {
+    float* __restrict__ s = sc + g * count;
+    float mx = kNeg;
+    for (int64_t t = 0; t < count; ++t) {
+      float x = s[t] * j.sm_scale;
+      if (j.soft_cap > 0.0f) x = j.soft_cap * std::tanh(x / j.soft_cap);
+      s[t] = x;
+      mx = std::max(mx, x);
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < count; ++t) {
+      s[t] = std::exp(s[t] - mx);
+      sum += s[t];
+    }
+    m[g] = mx;
+    denom[g] = sum;
+  }
+  // Pass 2: P.V (the pool read once for V) into local accumulators.
+  float local[kG > 0 && kD > 0 ? kG * kD : 1];
+  float* __restrict__ a = kG > 0 && kD > 0 ? local : acc;
+  if (kG > 0 && kD > 0) std::fill(local, local + G * D, 0.0f);
+  for (int64_t key = lo; key < len;) {
+    const int64_t end = std::min(len, (key / S + 1) * S);
+    const float* __restrict__ v = vbase + slot_of(key);
+    for (int64_t t = key; t < end; ++t, v += D) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = sc[g * count + (t - lo)];
+        for (int64_t d = 0; d < D; ++d) a[g * D + d] += p * v[d];
+      }
+    }
+    key = end;
+  }
+  if (kG > 0 && kD > 0) std::copy(local, local + G * D, acc);
+}
+
+// Claims items until none are left; returns when this thread has finished its own.
+void Drain(Job& j) {
+  thread_local std::vector<float> scores;
+  int64_t finished = 0;
+  for (int64_t i; (i = j.next.fetch_add(1)) < j.items; ++finished) {
+    // The common geometries get unrolled code: head size 64 or 128, group 1-8.
+    const int64_t key = (j.D == 64 || j.D == 128) && j.G >= 1 && j.G <= 8 ? j.D * 16 + j.G : 0;
+    switch (key) {
+#define JAXSERVE_CASE(d, g) \
+  case d * 16 + g: RunItem<d, g>(j, i, scores); break;
+      JAXSERVE_CASE(64, 1) JAXSERVE_CASE(64, 2) JAXSERVE_CASE(64, 3) JAXSERVE_CASE(64, 4)
+      JAXSERVE_CASE(64, 5) JAXSERVE_CASE(64, 6) JAXSERVE_CASE(64, 7) JAXSERVE_CASE(64, 8)
+      JAXSERVE_CASE(128, 1) JAXSERVE_CASE(128, 2) JAXSERVE_CASE(128, 3) JAXSERVE_CASE(128, 4)
+      JAXSERVE_CASE(128, 5) JAXSERVE_CASE(128, 6) JAXSERVE_CASE(128, 7) JAXSERVE_CASE(128, 8)
+#undef JAXSERVE_CASE
+      default: RunItem<0, 0>(j, i, scores); break;
+    }
+  }
+  if (finished && j.done.fetch_add(finished) + finished == j.items) {
+    std::lock_guard<std::mutex> lock(j.mu);
+    j.cv.notify_all();
+  }
+}
+
+ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                           ffi::Buffer<ffi::F32> kv_pages, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
+                           ffi::Buffer<ffi::S32> window, float sm_scale, float soft_cap,
+                           ffi::ResultBuffer<ffi::F32> acc, ffi::ResultBuffer<ffi::F32> m,
+                           ffi::ResultBuffer<ffi::F32> denom) {
+  auto qd = q.dimensions();
+  auto pd = kv_pages.dimensions();
+  auto td = tables.dimensions();
+  if (qd.size() != 4 || pd.size() != 6 || td.size() != 2 || pd[1] != 2 || pd[2] != qd[1] ||
+      pd[5] != qd[3] || td[0] != qd[0] || lens.element_count() != qd[0]) {
+    return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes");
+  }
+  // Shared by every task; a task that starts after all items are claimed touches only
+  // the counters, so the buffers need not outlive this call.
+  auto job = std::make_shared<Job>();
+  job->q = q.typed_data();
+  job->pool = kv_pages.typed_data();
+  job->tables = tables.typed_data();
+  job->lens = lens.typed_data();
+  job->acc = acc->typed_data();
+  job->m = m->typed_data();
+  job->denom = denom->typed_data();
+  job->n = qd[0], job->H = qd[1], job->G = qd[2], job->D = qd[3];
+  job->P = pd[3], job->S = pd[4], job->W = td[1];
+  job->layer = std::clamp<int64_t>(layer.typed_data()[0], 0, pd[0] - 1);
+  job->window = window.typed_data()[0];
+  job->sm_scale = sm_scale;
+  job->soft_cap = soft_cap;
+  job->items = job->n * job->H;
+  if (job->items == 0) return ffi::Error::Success();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->items - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Drain(*job); });
+  Drain(*job);
+  // NOTE: waits only for items another thread has claimed (and so is running): no wait
+  // on a task the pool has not started, so a busy pool cannot deadlock this call.
+  std::unique_lock<std::mutex> lock(job->mu);
+  job->cv.wait(lock, [&] { return job->done.load() == job->items; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecode, PagedDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // acc
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // m
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // denom

@@ -1,0 +1,159 @@
+"""The C++ CPU decode kernel (the "cpu" backend) against the jnp reference: decode rows of
+every geometry, unrolled and generic head sizes, windows, soft caps, empty rows, NaN in free
+pages, pools it does not read; and every way its build can fail."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from pallas_kernels import ragged_paged_attention, resolve_backend
+from pallas_kernels.cpu_decode import build, op, paged_decode_cpu
+from pallas_kernels.kv_quant import quantize_kv
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from tests.kernels.cases import Geometry, make_metadata, make_pool, tolerance
+from tests.kernels.test_ragged_paged_attention import GEOMETRIES, SM_SCALE
+
+needs_kernel = pytest.mark.skipif(not op.available(),
+                                  reason=f"no CPU decode kernel here: {op.unavailable_reason()}")
+
+reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "soft_cap"))
+
+
+@functools.cache
+def attention(backend: str):
+    return jax.jit(functools.partial(ragged_paged_attention, backend=backend),
+                   static_argnames=("sm_scale", "soft_cap"))
+
+
+def decode_inputs(g: Geometry, kv_lens, seed=0, poison=np.nan):
+    """Decode rows first (one token each, as the runner packs them), then padding."""
+    rng = np.random.default_rng(seed)
+    kv_pages, tables = make_pool(g, kv_lens, rng, poison)
+    md = make_metadata(g, [1 if k else 0 for k in kv_lens], kv_lens, tables)
+    q = rng.standard_normal((g.num_tokens, g.num_q_heads, g.head_dim)).astype(g.dtype)
+    return q, kv_pages, md
+
+
+def check(g, kv_lens, window=0, soft_cap=None, seed=0, scale=1.0):
+    q, kv_pages, md = decode_inputs(g, kv_lens, seed)
+    q = (q * scale).astype(q.dtype)
+    common = dict(sm_scale=SM_SCALE, sliding_window=window, soft_cap=soft_cap)
+    want = np.asarray(reference(q, kv_pages, 1, md, **common), np.float32)
+    got = np.asarray(attention("cpu")(q, kv_pages, 1, md, **common), np.float32)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=tolerance(g.dtype), rtol=0)
+    rows = sum(1 for k in kv_lens if k)
+    assert not got[rows:].any(), "padded tokens must produce zeros"
+    return got
+
+
+# Rows of one key, of a page and a bit, a full table (8 pages), and an empty row.
+KV_LENS = [1, 19, 64, 0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("g", GEOMETRIES, ids=str)
+def test_decode_rows_match_reference(g, window):
+    kv_lens = [min(k, g.width * g.page_size) for k in KV_LENS]
+    check(g, kv_lens, window)
+
+
+@needs_kernel
+@pytest.mark.parametrize("g", [Geometry(8, 2, 12, 32), Geometry(4, 3, 1, 48)], ids=str)
+def test_generic_head_sizes_match_reference(g):
+    # Head sizes and groups without an unrolled copy in the kernel (its generic loop).
+    check(g, [5, 30, 17, 2], window=7)
+
+
+@needs_kernel
+def test_soft_cap_matches_reference():
+    g = GEOMETRIES[3]
+    capped = check(g, [40, 3, 64, 11], soft_cap=2.0, scale=4.0)
+    q, kv_pages, md = decode_inputs(g, [40, 3, 64, 11])
+    uncapped = np.asarray(reference(q * 4.0, kv_pages, 1, md, sm_scale=SM_SCALE))
+    assert np.abs(uncapped - capped).max() > 1e-2
+
+
+@needs_kernel
+def test_many_rows_spread_over_threads():
+    # 32 rows x 3 KV heads: more work items than threads, in any order of completion.
+    g = Geometry(16, 3, 3, 64, num_seqs=32, num_tokens=32, num_pages=160, width=8)
+    kv_lens = [int(k) for k in np.random.default_rng(1).integers(1, 129, 32)]
+    for _ in range(3):
+        check(g, kv_lens, seed=4)
+
+
+@needs_kernel
+def test_nan_in_free_pages_changes_nothing():
+    g = GEOMETRIES[3]
+    outs = []
+    for poison in (np.nan, 0.0, 1e4):
+        q, kv_pages, md = decode_inputs(g, KV_LENS, 2, poison)
+        outs.append(np.asarray(attention("cpu")(q, kv_pages, 1, md, sm_scale=SM_SCALE)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+
+
+@needs_kernel
+def test_mixed_steps_merge_decode_rows_with_chunks():
+    # Decode rows (the kernel) beside a prefill chunk (the XLA context part).
+    g = GEOMETRIES[3]
+    rng = np.random.default_rng(3)
+    kv_lens, q_lens = [9, 30, 2, 26], [1, 1, 1, 20]
+    kv_pages, tables = make_pool(g, kv_lens, rng)
+    md = make_metadata(g, q_lens, kv_lens, tables)
+    q = rng.standard_normal((g.num_tokens, g.num_q_heads, g.head_dim)).astype(np.float32)
+    want = np.asarray(reference(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=4))
+    got = np.asarray(attention("cpu")(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=4))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+@needs_kernel
+def test_int8_pool_keeps_the_xla_decode_part():
+    # An 8-bit pool is not the kernel's: "cpu" must give what "xla" gives.
+    g = GEOMETRIES[3]
+    q, kv_pages, md = decode_inputs(g, KV_LENS, poison=0.0)
+    pool = quantize_kv(kv_pages, np.int8)
+    assert not op.supports(pool)
+    np.testing.assert_array_equal(
+        np.asarray(attention("cpu")(q, pool, 1, md, sm_scale=SM_SCALE)),
+        np.asarray(attention("xla")(q, pool, 1, md, sm_scale=SM_SCALE)))
+
+
+@needs_kernel
+def test_kernel_state_of_an_empty_row():
+    g = GEOMETRIES[3]
+    q, kv_pages, md = decode_inputs(g, KV_LENS)
+    qg = q[:4].reshape(4, g.num_kv_heads, g.group, g.head_dim)
+    acc, m, denom = map(np.asarray, paged_decode_cpu(qg, kv_pages, 1, md.block_tables,
+                                                     md.kv_lens, 0, sm_scale=SM_SCALE))
+    assert (acc[3] == 0).all() and (denom[3] == 0).all() and (m[3] == -1e30).all()
+    assert (denom[:3] >= 1).all()  # the max key contributes exp(0) == 1
+
+
+def test_missing_compiler_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXSERVE_FFI_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler found.*no-such-compiler-xyz"):
+        build.build()
+
+
+def test_failing_compile_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXSERVE_FFI_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # exits 1
+    with pytest.raises(RuntimeError, match="building the CPU decode kernel failed"):
+        build.build()
+    assert not list(tmp_path.iterdir()), "a failed build must leave no library behind"
+
+
+def test_unavailable_kernel(monkeypatch):
+    # "auto" falls back to "xla"; asking for "cpu" names why it cannot be had.
+    monkeypatch.setattr(op, "_registered", lambda: "no C++ compiler found")
+    assert resolve_backend("auto") == "xla"
+    with pytest.raises(ValueError, match="backend 'cpu' is unavailable here: no C\\+\\+ comp"):
+        resolve_backend("cpu")
