@@ -1,4 +1,5 @@
-"""Interleaved A/B of model steps: another checkout's XLA attention against this one's.
+"""Interleaved A/B of model steps: another checkout's XLA attention against this one's, or
+two attention backends of this tree (`--backends xla,cpu`).
 
 On a shared VM whose speed drifts by 20-50% within minutes, two processes run one after the
 other do not compare: this script builds two runners in one process over the same weights,
@@ -13,6 +14,7 @@ and B run the same model, not a test of either attention (the kernel tests are).
 
     git worktree add /tmp/before HEAD~1
     python scripts/ab_decode_step.py --before /tmp/before --cases 32/128,32/512,256+0,128+384
+    python scripts/ab_decode_step.py --backends xla,cpu --cases 1/128,32/128,32/512
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from jaxserve.bench.roofline import decode_output
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
+from models.model import Model
 
 XLA_FILE = "pallas_kernels/ragged_paged_attention/xla.py"
 MAX_SEQS, MAX_TOKENS, NUM_PAGES = 32, 256, 2048  # the engine both runners get
@@ -60,14 +63,15 @@ def scheduled(case: str, page_size: int) -> SchedulerOutput:
 
 def compiled_step(model, tok, attention, case: str):
     """[step fn, runner, device buffer, pool, logits] of one case's step, traced with
-    `attention` as the XLA attention."""
+    `attention` as the XLA attention (None: the model's own backend)."""
     llm = make_llm(model, tok, max_model_len=1024, max_num_seqs=MAX_SEQS,
                    max_num_batched_tokens=MAX_TOKENS, num_kv_blocks=NUM_PAGES, warmup=False)
     runner = llm.engine.runner
     out = scheduled(case, runner.page_size)
     _, buf, layout, _, _ = runner._model_inputs(out, None)
     mine = ops.ragged_paged_attention_xla
-    ops.ragged_paged_attention_xla = attention  # read when the step is traced (first call)
+    if attention is not None:  # read when the step is traced (first call)
+        ops.ragged_paged_attention_xla = attention
     try:
         fn = runner._step_fn(layout, False)
         dbuf = runner._to_device(buf)
@@ -79,19 +83,28 @@ def compiled_step(model, tok, attention, case: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", required=True, help="checkout whose XLA attention is A")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--before", help="checkout whose XLA attention is A")
+    which.add_argument("--backends", help="A,B: two attention backends of this tree")
     ap.add_argument("--cases", default="32/128,32/512",
                     help="batch/context decode steps, chunk+context prefill chunks")
     ap.add_argument("--rounds", type=int, default=21)
     args = ap.parse_args()
     path = default_model_path()
-    # NOTE: the XLA backend forced: on a GPU/TPU "auto" is Pallas, which never calls the
-    # patched attention, so A and B would be the same program.
-    model, tok = load_model(path, "float32", backend="xla"), load_tokenizer(path)
-    before = load_before(args.before)
+    tok = load_tokenizer(path)
+    if args.backends:
+        a, b = args.backends.split(",")
+        models = {"A": load_model(path, "float32", backend=a)}
+        models["B"] = Model(models["A"].cfg, models["A"].params, backend=b)
+        attention = {"A": None, "B": None}
+    else:
+        # NOTE: the XLA backend forced: on a GPU/TPU "auto" is Pallas, which never calls
+        # the patched attention, so A and B would be the same program.
+        model = load_model(path, "float32", backend="xla")
+        models = {"A": model, "B": model}
+        attention = {"A": load_before(args.before), "B": ops.ragged_paged_attention_xla}
     for case in args.cases.split(","):
-        steps = {"A": compiled_step(model, tok, before, case),
-                 "B": compiled_step(model, tok, ops.ragged_paged_attention_xla, case)}
+        steps = {k: compiled_step(models[k], tok, attention[k], case) for k in ("A", "B")}
         np.testing.assert_allclose(np.asarray(steps["A"][4]), np.asarray(steps["B"][4]),
                                    rtol=2e-4, atol=2e-4)
         times = {"A": [], "B": []}

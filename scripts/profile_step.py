@@ -107,9 +107,11 @@ def main() -> None:
     p.add_argument("--context-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=12, help="kernels listed by self time")
+    p.add_argument("--attention-backend", default="auto", help="auto, xla, cpu or pallas")
     args = p.parse_args()
     path = default_model_path()
-    llm = make_llm(load_model(path, "float32"), load_tokenizer(path), max_model_len=1024,
+    llm = make_llm(load_model(path, "float32", backend=args.attention_backend),
+                   load_tokenizer(path), max_model_len=1024,
                    max_num_seqs=max(32, args.batch), max_num_batched_tokens=256,
                    num_kv_blocks=2048)
     runner = llm.engine.runner

@@ -22,6 +22,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr float kNeg = -1e30f;  // running max of a row that has seen no key (as xla.py)
+constexpr int64_t kMinParallelKeys = 2048;  // keys x KV heads below which one thread works
 
 struct Job {
   const float* q;       // f32[n, H, G, D]
@@ -40,6 +41,56 @@ struct Job {
   std::mutex mu;
   std::condition_variable cv;
 };
+
+// 16 floats as one value (GCC/Clang vector extension: one AVX-512 register, two AVX ones).
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // for unaligned loads
+
+inline v16 Load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+
+// Lane t of the result: the sum of p[t]'s 16 lanes. Halves are added pairwise in four
+// rounds (16 -> 8 -> 4 -> 2 -> 1 lanes per key), 45 vector ops for 16 sums instead of 16
+// horizontal sums.
+inline v16 Reduce16(v16 p[16]) {
+  typedef int i16 __attribute__((vector_size(64)));
+  const i16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i16 hi1 = lo1 + 8;
+  const i16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i16 hi2 = lo2 + 4;
+  const i16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i16 hi3 = lo3 + 2;
+  const i16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const i16 hi4 = lo4 + 1;
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-7: key 2i, 8-15: key 2i+1
+    a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], lo1) +
+           __builtin_shuffle(p[2 * i], p[2 * i + 1], hi1);
+  for (int i = 0; i < 4; ++i)  // 4 lanes for each of keys 4i..4i+3
+    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) +
+           __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
+  for (int i = 0; i < 2; ++i)  // 2 lanes for each of keys 8i..8i+7
+    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo3) +
+           __builtin_shuffle(b[2 * i], b[2 * i + 1], hi3);
+  return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
+}
+
+// Asks for `n` floats from `p` on (the next page of a row: pages lie anywhere in the pool,
+// where the hardware prefetcher does not follow).
+inline void Prefetch(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
+// q . k of one query against 16 consecutive keys (k: 16 rows of kD floats).
+template <int kD>
+inline v16 Scores16(const v16* q, const float* k) {
+  v16 p[16];
+  for (int t = 0; t < 16; ++t) {
+    v16 s = q[0] * Load(k + t * kD);
+    for (int c = 1; c < kD / 16; ++c) s += q[c] * Load(k + t * kD + c * 16);
+    p[t] = s;
+  }
+  return Reduce16(p);
+}
 
 // One (row, KV head): logits of its G queries over the row's live keys, softmax, P.V.
 // kD, kG > 0: compile-time head size and group (the loops unroll and the G x D
@@ -73,6 +124,25 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
   };
 
   // Pass 1: q.k for every key (the pool read once for K), a page's run of keys at a time.
+  if constexpr (kD > 0 && kD % 16 == 0 && kG > 0) {
+    if (S % 16 == 0) {  // whole blocks of 16 keys, never across a page
+      v16 qv[kG][kD / 16];
+      for (int64_t g = 0; g < kG; ++g)
+        for (int c = 0; c < kD / 16; ++c) qv[g][c] = Load(q + g * kD + c * 16);
+      for (int64_t first = lo / 16 * 16; first < len; first += 16) {
+        const float* k = kbase + slot_of(first);
+        if (first + 32 < len) Prefetch(kbase + slot_of(first + 32), 16 * kD);
+        const int64_t from = std::max(first, lo), to = std::min(first + 16, len);
+        for (int64_t g = 0; g < kG; ++g) {
+          // NOTE: a block's keys outside [lo, len) are computed and dropped; a NaN
+          // there stays in its own lane (each lane sums one key's products).
+          v16 s16 = Scores16<kD>(qv[g], k);
+          for (int64_t t = from; t < to; ++t) sc[g * count + (t - lo)] = s16[t - first];
+        }
+      }
+      goto softmax;
+    }
+  }
   for (int64_t key = lo; key < len;) {
     const int64_t end = std::min(len, (key / S + 1) * S);
     const float* __restrict__ k = kbase + slot_of(key);
@@ -85,16 +155,18 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
     }
     key = end;
   }
+softmax:
   // Softmax per query (scale, soft cap, max, exp, sum).
+  const float scale = j.sm_scale, cap = j.soft_cap;
   for (int64_t g = 0; g < G; ++g) {
     float* __restrict__ s = sc + g * count;
     float mx = kNeg;
-    for (int64_t t = 0; t < count; ++t) {
-      float x = s[t] * j.sm_scale;
-      if (j.soft_cap > 0.0f) x = j.soft_cap * std::tanh(x / j.soft_cap);
-      s[t] = x;
-      mx = std::max(mx, x);
+    if (cap > 0.0f) {
+      for (int64_t t = 0; t < count; ++t) s[t] = cap * std::tanh(s[t] * scale / cap);
+    } else {
+      for (int64_t t = 0; t < count; ++t) s[t] *= scale;
     }
+    for (int64_t t = 0; t < count; ++t) mx = std::max(mx, s[t]);
     float sum = 0.0f;
     for (int64_t t = 0; t < count; ++t) {
       s[t] = std::exp(s[t] - mx);
@@ -110,6 +182,7 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
   for (int64_t key = lo; key < len;) {
     const int64_t end = std::min(len, (key / S + 1) * S);
     const float* __restrict__ v = vbase + slot_of(key);
+    if (end < len) Prefetch(vbase + slot_of(end), std::min(S, len - end) * D);
     for (int64_t t = key; t < end; ++t, v += D) {
       for (int64_t g = 0; g < G; ++g) {
         const float p = sc[g * count + (t - lo)];
@@ -176,7 +249,12 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   job->soft_cap = soft_cap;
   job->items = job->n * job->H;
   if (job->items == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->items - 1);
+  // NOTE: a small step (a few short rows) runs on this thread alone: waking helpers
+  // costs more than they save below ~2k keys x heads (~1 MB of K and V).
+  int64_t keys = 0;
+  for (int64_t r = 0; r < job->n; ++r) keys += std::max<int32_t>(job->lens[r], 0);
+  const int64_t helpers = keys * job->H < kMinParallelKeys
+                              ? 0 : std::min<int64_t>(pool.num_threads(), job->items - 1);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Drain(*job); });
   Drain(*job);
   // NOTE: waits only for items another thread has claimed (and so is running): no wait
