@@ -124,8 +124,10 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
   };
 
   // Pass 1: q.k for every key (the pool read once for K), a page's run of keys at a time.
+  bool scored = false;
   if constexpr (kD > 0 && kD % 16 == 0 && kG > 0) {
     if (S % 16 == 0) {  // whole blocks of 16 keys, never across a page
+      scored = true;
       v16 qv[kG][kD / 16];
       for (int64_t g = 0; g < kG; ++g)
         for (int c = 0; c < kD / 16; ++c) qv[g][c] = Load(q + g * kD + c * 16);
@@ -140,10 +142,9 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
           for (int64_t t = from; t < to; ++t) sc[g * count + (t - lo)] = s16[t - first];
         }
       }
-      goto softmax;
     }
   }
-  for (int64_t key = lo; key < len;) {
+  for (int64_t key = lo; !scored && key < len;) {  // any other geometry: key by key
     const int64_t end = std::min(len, (key / S + 1) * S);
     const float* __restrict__ k = kbase + slot_of(key);
     for (int64_t t = key; t < end; ++t, k += D) {
@@ -155,7 +156,6 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
     }
     key = end;
   }
-softmax:
   // Softmax per query (scale, soft cap, max, exp, sum).
   const float scale = j.sm_scale, cap = j.soft_cap;
   for (int64_t g = 0; g < G; ++g) {
