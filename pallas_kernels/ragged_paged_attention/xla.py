@@ -259,6 +259,7 @@ def ragged_paged_attention_xla(
     decode_block_kv: int = 64,
     decode_rows: int = 32,
     cpu_decode: bool = False,
+    cpu_decode_min_rows: int = 8,
 ) -> jax.Array:
     """Causal attention of packed queries over each request's paged K/V (see the module).
 
@@ -286,6 +287,9 @@ def ragged_paged_attention_xla(
         cpu_decode: Decode rows go to the C++ kernel that reads the pool in place
             (`pallas_kernels.cpu_decode`, CPU only) instead of the gathered blocks above;
             pools it does not read (8-bit, bf16) keep the XLA decode part.
+        cpu_decode_min_rows: Steps with fewer decode rows than this (buckets of 1-4
+            tokens) keep the XLA decode part: there the kernel's step was 7-10% slower
+            (BENCHMARKS.md), and its attention a millisecond at most.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
@@ -307,7 +311,7 @@ def ragged_paged_attention_xla(
     aligned = (md.cu_q_lens[:rows] == row_ids) & (q_lens[:rows] == 1)  # bool[rows]
     dec_lens = jnp.where(aligned, md.kv_lens[:rows], 0)  # i32[rows]
     decode_block_kv = max(page_size, decode_block_kv // page_size * page_size)
-    if cpu_decode and supports(kv_pages):
+    if cpu_decode and supports(kv_pages) and rows >= cpu_decode_min_rows:
         decode = paged_decode_cpu(qg[:rows], kv_pages, layer, md.block_tables[:rows],
                                   dec_lens, window, **common)
     else:

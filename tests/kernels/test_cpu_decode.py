@@ -14,6 +14,7 @@ from pallas_kernels import ragged_paged_attention, resolve_backend
 from pallas_kernels.cpu_decode import build, op, paged_decode_cpu
 from pallas_kernels.kv_quant import quantize_kv
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
+from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 from tests.kernels.cases import Geometry, make_metadata, make_pool, tolerance
 from tests.kernels.test_ragged_paged_attention import GEOMETRIES, SM_SCALE
 
@@ -24,8 +25,11 @@ reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale
 
 
 @functools.cache
-def attention(backend: str):
-    return jax.jit(functools.partial(ragged_paged_attention, backend=backend),
+def attention(backend: str, min_rows: int = 1):
+    """The XLA path, its decode rows on the kernel ("cpu") or not ("xla"); the kernel from
+    `min_rows` decode rows on (the test steps have 4 rows, the serving default is 8)."""
+    return jax.jit(functools.partial(ragged_paged_attention_xla, cpu_decode=backend == "cpu",
+                                     cpu_decode_min_rows=min_rows),
                    static_argnames=("sm_scale", "soft_cap"))
 
 
@@ -134,6 +138,23 @@ def test_kernel_state_of_an_empty_row():
                                                      md.kv_lens, 0, sm_scale=SM_SCALE))
     assert (acc[3] == 0).all() and (denom[3] == 0).all() and (m[3] == -1e30).all()
     assert (denom[:3] >= 1).all()  # the max key contributes exp(0) == 1
+
+
+@needs_kernel
+def test_small_steps_keep_the_xla_decode_part():
+    # Through the backend interface: the kernel from 8 decode rows on, not at 4.
+    g = GEOMETRIES[3]
+    q, kv_pages, md = decode_inputs(g, KV_LENS)
+    big = Geometry(16, 3, 3, 64, num_seqs=8, num_tokens=8, num_pages=64)
+    qb, kv_big, md_big = decode_inputs(big, [5, 30, 17, 2, 40, 1, 64, 9])
+    fn = jax.jit(functools.partial(ragged_paged_attention, backend="cpu"),
+                 static_argnames=("sm_scale",))
+    small_hlo = fn.lower(q, kv_pages, 1, md, sm_scale=SM_SCALE).as_text()
+    big_hlo = fn.lower(qb, kv_big, 1, md_big, sm_scale=SM_SCALE).as_text()
+    assert op.TARGET not in small_hlo and op.TARGET in big_hlo
+    want = np.asarray(reference(qb, kv_big, 1, md_big, sm_scale=SM_SCALE))
+    got = np.asarray(fn(qb, kv_big, 1, md_big, sm_scale=SM_SCALE))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
 def test_missing_compiler_is_reported(monkeypatch, tmp_path):
