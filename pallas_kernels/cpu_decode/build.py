@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -22,9 +23,13 @@ logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.cc")
 # NOTE: -march=native: the library is built on the machine that runs it (the cache key
-# holds the host's CPU flags); -ffast-math lets the compiler vectorize the dot products'
-# and sums' reductions (keys are never inf or NaN: masked keys are never read).
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC"]
+# holds the host's CPU flags); -ffast-math lets the compiler vectorize the sums and exp
+# (masked keys are never read, so no inf or NaN enters them). Compiled and linked apart:
+# GCC links `-ffast-math -shared` with crtfastmath.o, whose constructor would turn on
+# flush-to-zero for the whole process (NumPy and torch included) when the library loads.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-fPIC"]
+LINK_FLAGS = ["-shared"]
+BUILD_TIMEOUT_S = 600
 
 
 def _cpu_flags() -> str:
@@ -45,37 +50,55 @@ def library_path(compiler: str) -> str:
     """The cached library's path for this source, compiler, flags, jaxlib and CPU."""
     with open(SOURCE, "rb") as f:
         key = hashlib.sha256(f.read())
-    for part in (compiler, " ".join(FLAGS), jaxlib.__version__, _cpu_flags()):
+    for part in (compiler, " ".join(FLAGS + LINK_FLAGS), jaxlib.__version__, _cpu_flags()):
         key.update(part.encode())
     return os.path.join(cache_dir(), f"paged_decode-{key.hexdigest()[:16]}.so")
+
+
+def _run(cmd: list[str]) -> None:
+    """Runs one compiler command; RuntimeError with its output if it fails or hangs."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
+                              timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"building the CPU decode kernel timed out after "
+                           f"{BUILD_TIMEOUT_S} s ({' '.join(cmd)})") from e
+    if proc.returncode != 0:
+        raise RuntimeError(f"building the CPU decode kernel failed ({' '.join(cmd)}):\n"
+                           f"{proc.stderr[-2000:]}")
 
 
 def build() -> ctypes.CDLL:
     """The loaded library, compiled first if no cached build exists.
 
+    The source uses GCC's vector extensions (`__builtin_shuffle`): $CXX (a command, e.g.
+    "ccache g++") else g++ else c++ must be GCC-compatible; Clang fails to build it and
+    the engine keeps the XLA path.
+
     Raises:
-        RuntimeError: No C++ compiler ($CXX, else g++, else c++) or the compile failed;
-            the message carries the compiler's output.
+        RuntimeError: No C++ compiler, or the compile failed or timed out; the message
+            carries the compiler's output.
     """
-    name = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    compiler = shutil.which(name) if name else None
-    if compiler is None:
+    cxx = shlex.split(os.environ.get("CXX", "")) or [shutil.which("g++") or "c++"]
+    found = shutil.which(cxx[0])
+    if found is None:
         raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX')!r}, "
                            "g++ and c++ not on PATH)")
-    path = library_path(compiler)
+    compiler = [found, *cxx[1:]]
+    path = library_path(" ".join(compiler))
     if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp]
+        obj = tmp[:-3] + ".o"
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"building the CPU decode kernel failed ({' '.join(cmd)}):\n"
-                                   f"{proc.stderr[-2000:]}")
+            _run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", SOURCE, "-o", obj])
+            _run([*compiler, *LINK_FLAGS, obj, "-o", tmp])
             os.replace(tmp, path)
         finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            for leftover in (tmp, obj):
+                if os.path.exists(leftover):
+                    os.remove(leftover)
         logger.info("jaxserve: built the CPU decode kernel: %s", path)
     return ctypes.CDLL(path)

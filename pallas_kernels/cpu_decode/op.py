@@ -63,7 +63,13 @@ def paged_decode_cpu(q, kv_pages, layer, block_tables, lens, window, *, sm_scale
 
     Returns:
         (acc f32[n, k, g, d] unnormalized, m f32[n, k, g], denom f32[n, k, g]).
+
+    Raises:
+        ValueError: A soft cap that is not positive.
+        RuntimeError: The kernel is unavailable here (see `unavailable_reason`).
     """
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be positive (or None for no cap), got {soft_cap}")
     if not available():
         raise RuntimeError(f"the CPU decode kernel is unavailable: {unavailable_reason()}")
     n, k, g, d = q.shape

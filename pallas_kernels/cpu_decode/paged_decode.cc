@@ -42,7 +42,7 @@ struct Job {
   std::condition_variable cv;
 };
 
-// 16 floats as one value (GCC/Clang vector extension: one AVX-512 register, two AVX ones).
+// 16 floats as one value (GCC vector extension: one AVX-512 register, two AVX ones).
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  // for unaligned loads
 
@@ -228,7 +228,10 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   auto pd = kv_pages.dimensions();
   auto td = tables.dimensions();
   if (qd.size() != 4 || pd.size() != 6 || td.size() != 2 || pd[1] != 2 || pd[2] != qd[1] ||
-      pd[5] != qd[3] || td[0] != qd[0] || lens.element_count() != qd[0]) {
+      pd[5] != qd[3] || td[0] != qd[0] || lens.element_count() != qd[0] || pd[0] < 1 ||
+      pd[3] < 1 || pd[4] < 1 || layer.element_count() < 1 || window.element_count() < 1 ||
+      acc->element_count() != q.element_count() ||
+      m->element_count() != qd[0] * qd[1] * qd[2] || denom->element_count() != m->element_count()) {
     return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes");
   }
   // Shared by every task; a task that starts after all items are claimed touches only

@@ -104,6 +104,47 @@ def test_nan_in_free_pages_changes_nothing():
 
 
 @needs_kernel
+def test_nan_in_unread_slots_of_live_pages_changes_nothing():
+    # The kernel scores whole 16-key blocks and drops the keys outside [window start,
+    # len): NaN there (past each row's length in its last page, before the window start
+    # in its first block) must not reach any output.
+    g = Geometry(16, 3, 3, 64)
+    kv_lens, window = [40, 19, 64, 27], 5
+    q, kv_pages, md = decode_inputs(g, kv_lens, 6)
+    pool = np.array(kv_pages)
+    tables = np.asarray(md.block_tables)
+    for row, n in enumerate(kv_lens):
+        last = tables[row, (n - 1) // g.page_size]
+        pool[:, :, :, last, (n - 1) % g.page_size + 1:] = np.nan  # past the length
+        first = n - window  # keys before the window start, in the block that holds it
+        for key in range(first // 16 * 16, first):
+            pool[:, :, :, tables[row, key // g.page_size], key % g.page_size] = np.nan
+    common = dict(sm_scale=SM_SCALE, sliding_window=window)
+    got = np.asarray(attention("cpu")(q, jax.numpy.asarray(pool), 1, md, **common))
+    want = np.asarray(attention("cpu")(q, kv_pages, 1, md, **common))
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_kernel
+def test_loading_the_kernel_keeps_subnormals():
+    # A library linked with GCC's crtfastmath.o would turn on flush-to-zero for the whole
+    # process when it loads (NumPy and torch numerics included).
+    assert op.available()
+    tiny = np.float32(1e-39)  # subnormal in float32
+    assert tiny * np.float32(1.0) > 0
+
+
+def test_non_positive_soft_cap_is_an_error():
+    g = GEOMETRIES[3]
+    q, kv_pages, md = decode_inputs(g, KV_LENS)
+    qg = q[:4].reshape(4, g.num_kv_heads, g.group, g.head_dim)
+    with pytest.raises(ValueError, match="soft_cap must be positive .* got 0.0"):
+        paged_decode_cpu(qg, kv_pages, 1, md.block_tables, md.kv_lens, 0, sm_scale=SM_SCALE,
+                         soft_cap=0.0)
+
+
+@needs_kernel
 def test_mixed_steps_merge_decode_rows_with_chunks():
     # Decode rows (the kernel) beside a prefill chunk (the XLA context part).
     g = GEOMETRIES[3]

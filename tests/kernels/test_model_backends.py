@@ -1,4 +1,4 @@
-"""The model gives the same greedy output with the xla and the pallas attention backends."""
+"""The model gives the same greedy output with the xla, cpu and pallas attention backends."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from models.config import ArchConfig
 from models.model import Model, random_params
+from pallas_kernels import cpu_decode
 
 TINY = ArchConfig("LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96,
                   num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
@@ -53,6 +54,30 @@ def test_tiny_model_greedy_same_on_both_backends(tiny_params, page_size):
     # the XLA paths (the "cpu" backend's decode kernel included) have no separate decode
     # program: decode rows are split off inside the ragged step.
     assert decode_steps == [0, 0, 23]
+
+
+@pytest.mark.skipif(not cpu_decode.available(), reason="no CPU decode kernel here")
+def test_many_decode_rows_same_on_xla_and_cpu(tiny_params):
+    # Ten requests decode together (a 16-row step: the C++ kernel's, not the 4-row bucket
+    # that keeps the XLA decode part), one layer with a sliding window.
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(0, TINY.vocab_size, n)]}
+               for n in (3, 9, 14, 5, 21, 7, 11, 2, 17, 6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                            detokenize=False)
+    outs, hlo = {}, ""
+    for backend in ("xla", "cpu"):
+        llm = LLM(Model(TINY, tiny_params, backend=backend), warmup=False,
+                  tokenizer=SimpleNamespace(eos_token_id=None), max_model_len=128,
+                  max_num_seqs=16, max_num_batched_tokens=16, num_kv_blocks=64)
+        outs[backend] = [o.outputs[0].token_ids
+                         for o in llm.generate(prompts, params, use_tqdm=False)]
+        runner = llm.engine.runner
+        for (layout, _), step in runner._steps.items():
+            buf = np.zeros(layout.size, np.int32)
+            hlo += step.lower(runner.params, runner.kv_pages, buf, runner._no_prev_ids).as_text()
+    assert outs["xla"] == outs["cpu"]
+    assert cpu_decode.op.TARGET in hlo  # the cpu engine's steps called the kernel
 
 
 @pytest.mark.slow
