@@ -93,10 +93,16 @@ class LLMEngine:
                                quantization=mc.quantization)
         else:
             self.layout = tensor_parallel_layout(config, model.cfg)
-        if mc.attention_backend == "cpu" and self.layout is not None and self.layout.size > 1:
-            raise ValueError("attention_backend 'cpu' serves one device's page pool; with "
-                             f"tensor_parallel_size {config.parallel.tensor_parallel_size} "
-                             "use 'xla' (or 'auto', which picks it)")
+        if model.backend == "cpu" and self.layout is not None and self.layout.size > 1:
+            # NOTE: the C++ decode kernel reads one device's whole pool; across a mesh the
+            # partitioner would gather the pool to every device, so the XLA path serves.
+            if mc.attention_backend == "cpu":
+                raise ValueError("attention_backend 'cpu' serves one device's page pool; "
+                                 "with tensor_parallel_size "
+                                 f"{config.parallel.tensor_parallel_size} use 'xla' (or "
+                                 "'auto', which picks it)")
+            model = Model(model.cfg, model.params, model.dtype, model.source, backend="xla",
+                          quant=model.quant)
         self.model = model
         if tokenizer is None:
             tokenizer = load_tokenizer(model.source)

@@ -101,11 +101,6 @@ class ModelRunner:
                  layout: TensorParallel | None = None, num_spec_tokens: int = 0,
                  kv_cache_dtype: str = "auto", short_tiles: bool | None = None):
         compile_counter.install()
-        if model.backend == "cpu" and layout is not None and layout.size > 1:
-            # NOTE: the C++ decode kernel reads one device's whole pool; across a mesh the
-            # partitioner would gather the pool to every device, so the XLA path serves.
-            model = Model(model.cfg, model.params, model.dtype, model.source, backend="xla",
-                          quant=model.quant)
         self.model = model
         self.layout = layout
         self.page_size = page_size
