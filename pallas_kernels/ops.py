@@ -42,15 +42,13 @@ def resolve_backend(backend: str) -> str:
         raise ValueError(
             f"unknown attention backend {backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)}"
         )
-    on_cpu = jax.default_backend() == "cpu"
     if backend == "auto":
-        if not on_cpu:
+        if jax.default_backend() != "cpu":
             return "pallas"
         return "cpu" if cpu_decode.available() else "xla"
     if backend == "cpu" and not cpu_decode.available():
         raise ValueError("attention backend 'cpu' is unavailable here: "
-                         + (cpu_decode.unavailable_reason() if on_cpu else
-                            f"the default platform is {jax.default_backend()}, not the CPU"))
+                         + cpu_decode.unavailable_reason())
     return backend
 
 

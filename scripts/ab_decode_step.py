@@ -28,7 +28,7 @@ import numpy as np
 
 import pallas_kernels.ops as ops
 from jaxserve.bench.engine_run import make_llm
-from jaxserve.bench.roofline import decode_output
+from jaxserve.bench.roofline import decode_output, decode_pages
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
@@ -56,7 +56,7 @@ def scheduled(case: str, page_size: int) -> SchedulerOutput:
                              f"{NUM_PAGES - 1} pages")
         return SchedulerOutput(scheduled=[ScheduledRequest("r0", [5] * chunk, context, pages, 1)])
     batch, context = (int(x) for x in case.split("/"))
-    if batch > MAX_SEQS or batch * -(-(context + 1) // page_size) >= NUM_PAGES:
+    if batch > MAX_SEQS or batch * decode_pages(context, page_size) >= NUM_PAGES:
         raise ValueError(f"case {case}: at most {MAX_SEQS} requests and {NUM_PAGES - 1} pages")
     return decode_output(batch, context, page_size)
 

@@ -79,11 +79,16 @@ def decode_step_figures(costs: dict, batch: int, context: int) -> tuple[float, f
     return flops, nbytes
 
 
+def decode_pages(context: int, page_size: int) -> int:
+    """Pages one request of `decode_output` holds: its context and the new token."""
+    return -(-(context + 1) // page_size)
+
+
 def decode_output(batch: int, context: int, page_size: int) -> SchedulerOutput:
     """A synthetic decode step for the model program alone (profiles, A/B timings): `batch`
     requests, each one new token after `context` computed, on pages of its own from 1 up
-    (`batch * ceil((context + 1) / page_size)` pages)."""
-    pages = -(-(context + 1) // page_size)
+    (`batch * decode_pages(context, page_size)` pages)."""
+    pages = decode_pages(context, page_size)
     return SchedulerOutput(scheduled=[
         ScheduledRequest(f"r{i}", [5], context, list(range(1 + pages * i, 1 + pages * (i + 1))), 1)
         for i in range(batch)])

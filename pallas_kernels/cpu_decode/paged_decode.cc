@@ -198,10 +198,10 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
 void Drain(Job& j) {
   thread_local std::vector<float> scores;
   int64_t finished = 0;
+  // The common geometries get unrolled code: head size 64 or 128, group 1-8.
+  const int64_t shape = (j.D == 64 || j.D == 128) && j.G >= 1 && j.G <= 8 ? j.D * 16 + j.G : 0;
   for (int64_t i; (i = j.next.fetch_add(1)) < j.items; ++finished) {
-    // The common geometries get unrolled code: head size 64 or 128, group 1-8.
-    const int64_t key = (j.D == 64 || j.D == 128) && j.G >= 1 && j.G <= 8 ? j.D * 16 + j.G : 0;
-    switch (key) {
+    switch (shape) {
 #define JAXSERVE_CASE(d, g) \
   case d * 16 + g: RunItem<d, g>(j, i, scores); break;
       JAXSERVE_CASE(64, 1) JAXSERVE_CASE(64, 2) JAXSERVE_CASE(64, 3) JAXSERVE_CASE(64, 4)

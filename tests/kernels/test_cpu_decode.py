@@ -15,8 +15,9 @@ from pallas_kernels.cpu_decode import build, op, paged_decode_cpu
 from pallas_kernels.kv_quant import quantize_kv
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
-from tests.kernels.cases import Geometry, make_metadata, make_pool, tolerance
+from tests.kernels.cases import Geometry, tolerance
 from tests.kernels.test_ragged_paged_attention import GEOMETRIES, SM_SCALE
+from tests.kernels.test_ragged_xla import inputs
 
 needs_kernel = pytest.mark.skipif(not op.available(),
                                   reason=f"no CPU decode kernel here: {op.unavailable_reason()}")
@@ -35,11 +36,7 @@ def attention(backend: str, min_rows: int = 1):
 
 def decode_inputs(g: Geometry, kv_lens, seed=0, poison=np.nan):
     """Decode rows first (one token each, as the runner packs them), then padding."""
-    rng = np.random.default_rng(seed)
-    kv_pages, tables = make_pool(g, kv_lens, rng, poison)
-    md = make_metadata(g, [1 if k else 0 for k in kv_lens], kv_lens, tables)
-    q = rng.standard_normal((g.num_tokens, g.num_q_heads, g.head_dim)).astype(g.dtype)
-    return q, kv_pages, md
+    return inputs(g, [1 if k else 0 for k in kv_lens], kv_lens, seed, poison)
 
 
 def check(g, kv_lens, window=0, soft_cap=None, seed=0, scale=1.0):
@@ -147,12 +144,7 @@ def test_non_positive_soft_cap_is_an_error():
 @needs_kernel
 def test_mixed_steps_merge_decode_rows_with_chunks():
     # Decode rows (the kernel) beside a prefill chunk (the XLA context part).
-    g = GEOMETRIES[3]
-    rng = np.random.default_rng(3)
-    kv_lens, q_lens = [9, 30, 2, 26], [1, 1, 1, 20]
-    kv_pages, tables = make_pool(g, kv_lens, rng)
-    md = make_metadata(g, q_lens, kv_lens, tables)
-    q = rng.standard_normal((g.num_tokens, g.num_q_heads, g.head_dim)).astype(np.float32)
+    q, kv_pages, md = inputs(GEOMETRIES[3], [1, 1, 1, 20], [9, 30, 2, 26], seed=3)
     want = np.asarray(reference(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=4))
     got = np.asarray(attention("cpu")(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=4))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)

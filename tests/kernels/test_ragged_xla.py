@@ -44,10 +44,10 @@ def xla_path(block_kv: int, block_q: int, decode_rows: int = 32):
                    static_argnames=("sm_scale", "soft_cap"))
 
 
-def inputs(g: Geometry, q_lens, kv_lens, seed=0):
+def inputs(g: Geometry, q_lens, kv_lens, seed=0, poison=np.nan):
     rng = np.random.default_rng(seed)
     kv_lens = [min(k, g.width * g.page_size) for k in kv_lens]
-    kv_pages, tables = make_pool(g, kv_lens, rng)  # NaN in every page nobody owns
+    kv_pages, tables = make_pool(g, kv_lens, rng, poison)  # `poison` in every unowned page
     md = make_metadata(g, q_lens, kv_lens, tables)
     q = rng.standard_normal((g.num_tokens, g.num_q_heads, g.head_dim)).astype(g.dtype)
     return q, kv_pages, md
