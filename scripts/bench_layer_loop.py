@@ -12,7 +12,9 @@ loop forms at several batch sizes and prints ms per pass and ratios to the scan:
   branch per layer, each closing over that layer's own buffer (no copy; the attention,
   outside the branches, would stay compiled once);
 * unrolled: a Python loop over the per-layer buffers (no copy, but every layer is
-  compiled separately: with the attention inside, compile time would grow 30x).
+  compiled separately: with the attention inside, compile time would grow 30x);
+* fused: the scan with q/k/v and gate/up concatenated into one weight each (two wider
+  matmuls instead of five narrow ones).
 
     python scripts/bench_layer_loop.py --batch-sizes 1,16,32
 """
@@ -49,6 +51,22 @@ def scanned(stacked, x):
     return jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0]
 
 
+def fused_layer(x, w):
+    """`layer` with q|k|v and gate|up each one matmul."""
+    nq, nkv = w["o"].shape[0], (w["qkv"].shape[1] - w["o"].shape[0]) // 2
+    qkv = x @ w["qkv"]
+    qkv = qkv[:, :nq] + jnp.pad(qkv[:, nq:nq + nkv] + qkv[:, nq + nkv:], ((0, 0), (0, nq - nkv)))
+    x = x + qkv @ w["o"]
+    gu = x @ w["gu"]
+    n = gu.shape[1] // 2
+    return x + (jax.nn.silu(gu[:, :n]) * gu[:, n:]) @ w["d"]
+
+
+@jax.jit
+def fused(stacked, x):
+    return jax.lax.scan(lambda x, w: (fused_layer(x, w), None), x, stacked)[0]
+
+
 @jax.jit
 def switched(per_layer, x):
     branches = [lambda x, w=w: layer(x, w) for w in per_layer]
@@ -74,8 +92,10 @@ def main() -> None:
     num_layers = stacked["q"].shape[0]
     per_layer = jax.block_until_ready(
         [{k: jnp.array(w[i]) for k, w in stacked.items()} for i in range(num_layers)])
+    concat = {"qkv": jnp.concatenate([stacked[k] for k in "qkv"], -1), "o": stacked["o"],
+              "gu": jnp.concatenate([stacked["g"], stacked["u"]], -1), "d": stacked["d"]}
     forms = {"scan": (scanned, stacked), "switch": (switched, per_layer),
-             "unrolled": (unrolled, per_layer)}
+             "unrolled": (unrolled, per_layer), "fused": (fused, concat)}
     hidden = stacked["q"].shape[1]
     x0 = jnp.ones((1, hidden), jnp.float32) * 0.01
     for name, (fn, w) in forms.items():
@@ -84,19 +104,21 @@ def main() -> None:
         print(f"{name}: compile {time.perf_counter() - t:.2f} s, "
               f"{text.count('dynamic-slice')} dynamic-slice ops in the optimized HLO")
     want = np.asarray(scanned(stacked, x0))
-    for name in ("switch", "unrolled"):
+    for name in ("switch", "unrolled", "fused"):
         fn, w = forms[name]
         np.testing.assert_allclose(np.asarray(fn(w, x0)), want, rtol=1e-4, atol=1e-4)
-    print("\n| round | batch | load avg | scan ms | switch ms | unrolled ms | switch / scan "
-          "| unrolled / scan |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| round | batch | load avg | scan ms | switch ms | unrolled ms | fused ms "
+          "| switch / scan | unrolled / scan | fused / scan |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in range(args.rounds):
         for b in [int(s) for s in args.batch_sizes.split(",")]:
             x = jnp.ones((b, hidden), jnp.float32) * 0.01
             ms = {n: 1000 * _median_seconds(fn, w, x, iters=args.iters)
                   for n, (fn, w) in forms.items()}
             print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | {ms['scan']:.1f} | "
-                  f"{ms['switch']:.1f} | {ms['unrolled']:.1f} | "
-                  f"{ms['switch'] / ms['scan']:.2f} | {ms['unrolled'] / ms['scan']:.2f} |")
+                  f"{ms['switch']:.1f} | {ms['unrolled']:.1f} | {ms['fused']:.1f} | "
+                  f"{ms['switch'] / ms['scan']:.2f} | {ms['unrolled'] / ms['scan']:.2f} | "
+                  f"{ms['fused'] / ms['scan']:.2f} |")
 
 
 if __name__ == "__main__":
