@@ -1,4 +1,5 @@
-"""Compiles `paged_decode.cc` with the system C++ compiler into a cached shared library.
+"""Compiles `paged_decode.cc` (or another FFI source) with the system C++ compiler into a
+cached shared library.
 
 The library is built once per source, flags and jaxlib version (the FFI headers come with
 jaxlib) under ~/.cache/jaxserve/ffi (or $JAXSERVE_FFI_CACHE), written to a temporary name
@@ -46,30 +47,32 @@ def cache_dir() -> str:
         os.path.expanduser("~"), ".cache", "jaxserve", "ffi")
 
 
-def library_path(compiler: str) -> str:
-    """The cached library's path for this source, compiler, flags, jaxlib and CPU."""
-    with open(SOURCE, "rb") as f:
+def library_path(compiler: str, source: str = SOURCE) -> str:
+    """The cached library's path for `source`, compiler, flags, jaxlib and CPU."""
+    with open(source, "rb") as f:
         key = hashlib.sha256(f.read())
     for part in (compiler, " ".join(FLAGS + LINK_FLAGS), jaxlib.__version__, _cpu_flags()):
         key.update(part.encode())
-    return os.path.join(cache_dir(), f"paged_decode-{key.hexdigest()[:16]}.so")
+    stem = os.path.splitext(os.path.basename(source))[0]
+    return os.path.join(cache_dir(), f"{stem}-{key.hexdigest()[:16]}.so")
 
 
-def _run(cmd: list[str]) -> None:
+def _run(cmd: list[str], what: str) -> None:
     """Runs one compiler command; RuntimeError with its output if it fails or hangs."""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
                               timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"building the CPU decode kernel timed out after "
+        raise RuntimeError(f"building {what} timed out after "
                            f"{BUILD_TIMEOUT_S} s ({' '.join(cmd)})") from e
     if proc.returncode != 0:
-        raise RuntimeError(f"building the CPU decode kernel failed ({' '.join(cmd)}):\n"
+        raise RuntimeError(f"building {what} failed ({' '.join(cmd)}):\n"
                            f"{proc.stderr[-2000:]}")
 
 
-def build() -> ctypes.CDLL:
-    """The loaded library, compiled first if no cached build exists.
+def build(source: str = SOURCE) -> ctypes.CDLL:
+    """The loaded library of `source` (default: the CPU decode kernel), compiled first if
+    no cached build exists.
 
     The source uses GCC's vector extensions (`__builtin_shuffle`): $CXX (a command, e.g.
     "ccache g++") else g++ else c++ must be GCC-compatible; Clang fails to build it and
@@ -85,7 +88,9 @@ def build() -> ctypes.CDLL:
         raise RuntimeError(f"no C++ compiler found (CXX={os.environ.get('CXX')!r}, "
                            "g++ and c++ not on PATH)")
     compiler = [found, *cxx[1:]]
-    path = library_path(" ".join(compiler))
+    path = library_path(" ".join(compiler), source)
+    what = ("the CPU decode kernel" if source == SOURCE
+            else f"the FFI library {os.path.basename(source)}")
     if not os.path.exists(path):
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
@@ -93,12 +98,12 @@ def build() -> ctypes.CDLL:
         os.close(fd)
         obj = tmp[:-3] + ".o"
         try:
-            _run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", SOURCE, "-o", obj])
-            _run([*compiler, *LINK_FLAGS, obj, "-o", tmp])
+            _run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", source, "-o", obj], what)
+            _run([*compiler, *LINK_FLAGS, obj, "-o", tmp], what)
             os.replace(tmp, path)
         finally:
             for leftover in (tmp, obj):
                 if os.path.exists(leftover):
                     os.remove(leftover)
-        logger.info("jaxserve: built the CPU decode kernel: %s", path)
+        logger.info("jaxserve: built %s: %s", what, path)
     return ctypes.CDLL(path)

@@ -1,0 +1,122 @@
+"""Experiment: the layer loop's matmuls as a C++ custom call that reads each layer's weights
+in place from stacked, panel-packed weights (`scripts/ffi/stacked_gemm.cc`), against the
+model's `nn.scan` form and per-layer buffers (`bench_layer_loop.py`).
+
+At decode batch sizes XLA's CPU matmul gains little from the second thread, and the scan
+copies each layer's weights out of the stack before reading them. The custom call takes
+the whole stack and the layer index (no copy) and gives each thread 48-column panels of
+weights packed contiguously (`pack`: [L, K, N] -> [L, N / 48, K, 48], a load-time layout).
+Not used by the engine yet; this measures what it would buy:
+
+    python scripts/bench_stacked_gemm.py --batch-sizes 1,8,32,128
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_layer_loop import NAMES, scanned, switched  # noqa: E402
+
+from jaxserve.bench.roofline import _median_seconds  # noqa: E402
+from pallas_kernels.cpu_decode.build import build  # noqa: E402
+
+SOURCE = os.path.join(os.path.dirname(__file__), "ffi", "stacked_gemm.cc")
+TARGET = "jaxserve_stacked_gemm_experiment"
+PANEL = 48
+
+
+def register() -> None:
+    """Builds (cached) and registers the custom call; idempotent."""
+    if not getattr(register, "done", False):
+        lib = build(SOURCE)
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.StackedGemm), platform="cpu")
+        register.done = True
+
+
+def pack(w) -> jax.Array:
+    """f32[L, K, N] stacked weights -> f32[L, N / 48, K, 48] panels (N a multiple of 48)."""
+    w = np.asarray(w, np.float32)
+    num_layers, k, n = w.shape
+    if n % PANEL:
+        raise ValueError(f"{n} output columns are not a multiple of {PANEL}")
+    panels = w.reshape(num_layers, k, n // PANEL, PANEL).transpose(0, 2, 1, 3)
+    return jnp.asarray(np.ascontiguousarray(panels))
+
+
+def stacked_gemm(x, packed, layer) -> jax.Array:
+    """f32[M, N] = x f32[M, K] @ layer `layer` (may be traced) of `pack`ed weights."""
+    register()
+    _, panels, _, _ = packed.shape
+    out = jax.ShapeDtypeStruct((x.shape[0], panels * PANEL), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out)(x, packed, jnp.asarray(layer, jnp.int32))
+
+
+@jax.jit
+def ffi_loop(packed, x):
+    """`bench_layer_loop.layer` over every layer, each matmul a `stacked_gemm`."""
+    def body(i, x):
+        mm = lambda a, name: stacked_gemm(a, packed[name], i)
+        q, k, v = mm(x, "q"), mm(x, "k"), mm(x, "v")
+        x = x + mm(q + jnp.pad(k + v, ((0, 0), (0, q.shape[1] - k.shape[1]))), "o")
+        return x + mm(jax.nn.silu(mm(x, "g")) * mm(x, "u"), "d")
+    return jax.lax.fori_loop(0, packed["q"].shape[0], body, x)
+
+
+@jax.jit
+def ffi_sliced(packed, x):
+    """The same custom call inside a `lax.scan` that slices each layer's panels out of the
+    stack first (the copy the model's scan makes today): what in-place reading saves."""
+    def body(x, w):
+        mm = lambda a, name: stacked_gemm(a, w[name][None], 0)
+        q, k, v = mm(x, "q"), mm(x, "k"), mm(x, "v")
+        x = x + mm(q + jnp.pad(k + v, ((0, 0), (0, q.shape[1] - k.shape[1]))), "o")
+        return x + mm(jax.nn.silu(mm(x, "g")) * mm(x, "u"), "d"), None
+    return jax.lax.scan(body, x, packed)[0]
+
+
+def main() -> None:
+    from models.default_model import default_model_path
+    from models.loaders import load_model
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", default="1,8,32,128")
+    p.add_argument("--iters", type=int, default=9)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    args = p.parse_args()
+    params = load_model(default_model_path(), "float32").params["layers"]
+    stacked = {k: params[a][b]["kernel"] for k, (a, b) in NAMES.items()}  # [L, in, out]
+    num_layers = stacked["q"].shape[0]
+    per_layer = jax.block_until_ready(
+        [{k: jnp.array(w[i]) for k, w in stacked.items()} for i in range(num_layers)])
+    packed = jax.block_until_ready({k: pack(w) for k, w in stacked.items()})
+    forms = {"scan": (scanned, stacked), "switch": (switched, per_layer),
+             "ffi": (ffi_loop, packed), "ffi_sliced": (ffi_sliced, packed)}
+    hidden = stacked["q"].shape[1]
+    for b in (1, 5, 32):  # full tiles and a remainder
+        x = jnp.linspace(-0.05, 0.05, b * hidden, dtype=jnp.float32).reshape(b, hidden)
+        for fn in (ffi_loop, ffi_sliced):
+            np.testing.assert_allclose(np.asarray(fn(packed, x)),
+                                       np.asarray(scanned(stacked, x)), rtol=2e-4, atol=2e-4)
+    print("| round | batch | load avg | scan ms | switch ms | ffi ms | ffi sliced ms | "
+          "ffi / scan | ffi / switch | ffi sliced / scan |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in range(args.rounds):
+        for b in [int(s) for s in args.batch_sizes.split(",")]:
+            x = jnp.ones((b, hidden), jnp.float32) * 0.01
+            ms = {n: 1000 * _median_seconds(fn, w, x, iters=args.iters)
+                  for n, (fn, w) in forms.items()}
+            print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | {ms['scan']:.1f} | "
+                  f"{ms['switch']:.1f} | {ms['ffi']:.1f} | {ms['ffi_sliced']:.1f} | "
+                  f"{ms['ffi'] / ms['scan']:.2f} | {ms['ffi'] / ms['switch']:.2f} | "
+                  f"{ms['ffi_sliced'] / ms['scan']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+// Experiment (scripts/bench_stacked_gemm.py), not used by the engine: a decode-sized matmul
+// y[M, N] = x[M, K] @ W[layer] that reads one layer's weights in place from the stacked,
+// panel-packed weights f32[L, N / 48, K, 48], so a layer loop needs no copy of the layer's
+// weights, spread over XLA's intra-op thread pool one 48-column panel at a time.
+//
+// Each panel is K x 48 contiguous floats; rows go 8 at a time through 8 x 3 AVX-512
+// accumulators (GCC vector extensions), the remainder rows through a smaller tile.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 48;  // columns per panel: three 16-float vectors
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 Load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void Store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Rows [r0, r0 + RM) of x times one panel into columns [c0, c0 + 48) of y.
+template <int RM>
+void Tile(const float* x, const float* panel, float* y, int64_t K, int64_t N, int64_t r0,
+          int64_t c0) {
+  v16 acc[RM][3];
+  for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = acc[i][2] = v16{};
+  const float* xr = x + r0 * K;
+  const float* w = panel;
+  for (int64_t k = 0; k < K; ++k, w += kPanel) {
+    const v16 w0 = Load(w), w1 = Load(w + 16), w2 = Load(w + 32);
+    __builtin_prefetch(w + 8 * kPanel);
+    for (int i = 0; i < RM; ++i) {
+      const float xv = xr[i * K + k];
+      acc[i][0] += xv * w0;
+      acc[i][1] += xv * w1;
+      acc[i][2] += xv * w2;
+    }
+  }
+  for (int i = 0; i < RM; ++i) {
+    for (int j = 0; j < 3; ++j) Store(y + (r0 + i) * N + c0 + 16 * j, acc[i][j]);
+  }
+}
+
+struct Job {
+  const float* x;  // f32[M, K]
+  const float* w;  // f32[P, K, 48]: this layer's panels
+  float* y;        // f32[M, P * 48]
+  int64_t M, K, N, P;
+  std::atomic<int64_t> next{0}, done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+void RunPanel(const Job& j, int64_t p) {
+  const float* panel = j.w + p * j.K * kPanel;
+  const int64_t c0 = p * kPanel;
+  int64_t r = 0;
+  for (; r + 8 <= j.M; r += 8) Tile<8>(j.x, panel, j.y, j.K, j.N, r, c0);
+  switch (j.M - r) {
+    case 7: Tile<7>(j.x, panel, j.y, j.K, j.N, r, c0); break;
+    case 6: Tile<6>(j.x, panel, j.y, j.K, j.N, r, c0); break;
+    case 5: Tile<5>(j.x, panel, j.y, j.K, j.N, r, c0); break;
+    case 4: Tile<4>(j.x, panel, j.y, j.K, j.N, r, c0); break;
+    case 3: Tile<3>(j.x, panel, j.y, j.K, j.N, r, c0); break;
+    case 2: Tile<2>(j.x, panel, j.y, j.K, j.N, r, c0); break;
+    case 1: Tile<1>(j.x, panel, j.y, j.K, j.N, r, c0); break;
+    default: break;
+  }
+}
+
+// Claims panels until none are left (the calling thread and the pool's helpers alike).
+void Drain(Job& j) {
+  int64_t finished = 0;
+  for (int64_t p; (p = j.next.fetch_add(1)) < j.P; ++finished) RunPanel(j, p);
+  if (finished && j.done.fetch_add(finished) + finished == j.P) {
+    std::lock_guard<std::mutex> lock(j.mu);
+    j.cv.notify_all();
+  }
+}
+
+ffi::Error StackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[3] != kPanel || wd[2] != xd[1] || wd[0] < 1 ||
+      layer.element_count() < 1 || y->element_count() != xd[0] * wd[1] * kPanel) {
+    return ffi::Error::InvalidArgument("stacked_gemm: inconsistent shapes");
+  }
+  auto job = std::make_shared<Job>();
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
+  job->M = xd[0], job->K = xd[1], job->P = wd[1], job->N = wd[1] * kPanel;
+  job->x = x.typed_data();
+  job->w = w.typed_data() + l * wd[1] * wd[2] * kPanel;
+  job->y = y->typed_data();
+  if (job->P == 0 || job->M == 0) return ffi::Error::Success();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->P - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Drain(*job); });
+  Drain(*job);
+  // Waits only for panels another thread has claimed: a pool that never starts a helper
+  // cannot deadlock the call.
+  std::unique_lock<std::mutex> lock(job->mu);
+  job->cv.wait(lock, [&] { return job->done.load() == job->P; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedGemm, StackedGemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // stacked packed weights
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
