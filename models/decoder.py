@@ -14,7 +14,9 @@ import jax.numpy as jnp
 
 from models.config import ArchConfig
 from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
-from models.qlayers import QEmbed, dense
+from models.panels import KEY as PANELS_KEY
+from models.panels import panel_shapes
+from models.qlayers import PanelDense, QEmbed, dense
 from models.quant import QuantPlan
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
 from pallas_kernels.kv_quant import kv_rotation
@@ -29,10 +31,17 @@ class Attention(nn.Module):
     quant: QuantPlan = QuantPlan()
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata):
+    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata,
+                 panels=None):
         cfg = self.cfg
         num_tokens = x.shape[0]
-        proj = lambda n, bias, name: dense(self.quant, name, n, bias, self.dtype, self.backend)
+
+        def proj(n, bias, name):
+            if panels is not None:  # panel mode (models/panels.py)
+                return lambda h: PanelDense(n, bias, self.dtype, name=name)(h, panels[name],
+                                                                           layer)
+            return dense(self.quant, name, n, bias, self.dtype, self.backend)
+
         q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj")(x)
         k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj")(x)
         v = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj")(x)
@@ -67,18 +76,18 @@ class DecoderLayer(nn.Module):
     quant: QuantPlan = QuantPlan()
 
     @nn.compact
-    def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
+    def __call__(self, carry, xs, cos, sin, md: AttentionMetadata, panels=None):
         hidden, kv_pages = carry
         layer, window = xs
         eps = self.cfg.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_layernorm")(hidden)
         attn_out, kv_pages = Attention(self.cfg, self.dtype, self.backend, self.quant,
                                        name="self_attn")(
-            h, cos, sin, kv_pages, layer, window, md)
+            h, cos, sin, kv_pages, layer, window, md, panels)
         hidden = hidden + attn_out
         h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(hidden)
         hidden = hidden + GatedMLP(self.cfg, self.dtype, self.quant, self.backend,
-                                           name="mlp")(h)
+                                   name="mlp")(h, panels, layer)
         return (hidden, kv_pages), None
 
 
@@ -90,12 +99,15 @@ class Decoder(nn.Module):
         dtype: Parameter and activation dtype (float32 or bfloat16).
         backend: Attention backend name (see `pallas_kernels.ATTENTION_BACKENDS`).
         quant: Which weights are quantized (`models.quant`); empty means none.
+        panels: Panel mode (`models.panels`): the layer matmuls read packed, stacked
+            weights from `params["layer_panels"]` through the CPU matmul kernel.
     """
 
     cfg: ArchConfig
     dtype: jnp.dtype = jnp.float32
     backend: str = "xla"
     quant: QuantPlan = QuantPlan()
+    panels: bool = False
 
     def setup(self):
         cfg = self.cfg
@@ -110,9 +122,12 @@ class Decoder(nn.Module):
             DecoderLayer,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
         )(cfg, self.dtype, self.backend, self.quant)
+        if self.panels:
+            self.layer_panels = self.param(PANELS_KEY, lambda _: {
+                name: jnp.zeros(shape, jnp.float32) for name, shape in panel_shapes(cfg).items()})
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = dense(self.quant, "lm_head", cfg.vocab_size, False, self.dtype,
@@ -135,7 +150,8 @@ class Decoder(nn.Module):
         hidden = self.embed_tokens(input_ids)
         xs = (jnp.arange(self.cfg.num_layers, dtype=jnp.int32),
               jnp.asarray(self.cfg.layer_windows, dtype=jnp.int32))
-        (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md)
+        panels = self.layer_panels if self.panels else None
+        (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md, panels)
         return kv_pages, self.norm(hidden)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

@@ -66,11 +66,18 @@ class Model:
 
     Attributes:
         cfg: Architecture config.
-        params: Parameter tree (see `abstract_params` for its structure).
+        params: Parameter tree (see `abstract_params` for its structure; in panel mode
+            the layer matmul kernels are packed under "layer_panels").
         dtype: Parameter/activation dtype.
         source: Where the weights came from (path), for logs and errors.
         backend: Attention backend ("auto" resolves per platform).
         quant: Which weights `params` holds quantized (`models.quant`).
+        panels: Panel mode (`models/panels.py`; the `cpu` backend's float32 serving form,
+            which `LLMEngine` turns on): the layer matmuls read packed, stacked weights
+            through the CPU matmul kernel. The tree given in either form is converted.
+
+    Raises:
+        ValueError: `panels` on a model that cannot serve that way.
     """
 
     cfg: ArchConfig
@@ -79,10 +86,26 @@ class Model:
     source: str = ""
     backend: str = "auto"
     quant: QuantPlan = NO_QUANT
+    panels: bool = False
 
     def __post_init__(self):
+        from models import panels
+
         self.backend = resolve_backend(self.backend)
-        self.module = Decoder(self.cfg, self.dtype, self.backend, self.quant)
+        if self.panels and not panels.eligible(self.params, self.dtype, self.quant,
+                                               self.backend):
+            raise ValueError("panels=True needs the 'cpu' backend with float32, unquantized "
+                             "weights on one device and the CPU matmul kernel (got backend "
+                             f"{self.backend!r}, dtype {jnp.dtype(self.dtype).name}, "
+                             f"quantization {self.quant.to_dict() or None})")
+        # NOTE: the tree is converted here, either way, so callers may pass either form.
+        if self.panels and not panels.is_panel_tree(self.params):
+            self.params = panels.to_panels(self.params, self.cfg)
+        elif not self.panels and panels.is_panel_tree(self.params):
+            self.params = panels.from_panels(self.params, self.cfg)
+        if self.panels and len(self.params[panels.KEY]["q_proj"]) > self.cfg.num_layers:
+            self.params = panels.truncate(self.params, self.cfg.num_layers)  # a draft's
+        self.module = Decoder(self.cfg, self.dtype, self.backend, self.quant, self.panels)
 
     def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata):
         """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size])."""

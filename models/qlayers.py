@@ -38,6 +38,24 @@ class QDense(nn.Module):
         return y
 
 
+class PanelDense(nn.Module):
+    """A Dense layer whose kernel is layer `layer` of stacked panels (`models.panels`):
+    only its bias, if any, is a parameter of its own."""
+
+    features: int
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, panels: jax.Array, layer) -> jax.Array:
+        from pallas_kernels.cpu_decode.gemm import stacked_gemm
+
+        y = stacked_gemm(x, panels, layer, self.features).astype(self.dtype)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
 class QEmbed(nn.Module):
     """Token embedding stored quantized as [hidden, vocab] (the tied LM head's layout)."""
 

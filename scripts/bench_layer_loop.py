@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     args = p.parse_args()
-    params = load_model(default_model_path(), "float32").params["layers"]
+    params = load_model(default_model_path(), "float32", "xla").params["layers"]
     stacked = {k: params[a][b]["kernel"] for k, (a, b) in NAMES.items()}  # [L, in, out]
     num_layers = stacked["q"].shape[0]
     per_layer = jax.block_until_ready(

@@ -6,7 +6,7 @@ At decode batch sizes XLA's CPU matmul gains little from the second thread, and 
 copies each layer's weights out of the stack before reading them. The custom call takes
 the whole stack and the layer index (no copy) and gives each thread 48-column panels of
 weights packed contiguously (`pack`: [L, K, N] -> [L, N / 48, K, 48], a load-time layout).
-Not used by the engine yet; this measures what it would buy:
+The engine's `cpu` backend serves float32 models this way (`models/panels.py`):
 
     python scripts/bench_stacked_gemm.py --batch-sizes 1,8,32,128
 """
@@ -25,37 +25,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_layer_loop import NAMES, scanned, switched  # noqa: E402
 
 from jaxserve.bench.roofline import _median_seconds  # noqa: E402
-from pallas_kernels.cpu_decode.build import build  # noqa: E402
-
-SOURCE = os.path.join(os.path.dirname(__file__), "ffi", "stacked_gemm.cc")
-TARGET = "jaxserve_stacked_gemm_experiment"
-PANEL = 48
+from pallas_kernels.cpu_decode.gemm import pack  # noqa: E402
+from pallas_kernels.cpu_decode.gemm import stacked_gemm as _gemm  # noqa: E402
 
 
-def register() -> None:
-    """Builds (cached) and registers the custom call; idempotent."""
-    if not getattr(register, "done", False):
-        lib = build(SOURCE)
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.StackedGemm), platform="cpu")
-        register.done = True
-
-
-def pack(w) -> jax.Array:
-    """f32[L, K, N] stacked weights -> f32[L, N / 48, K, 48] panels (N a multiple of 48)."""
-    w = np.asarray(w, np.float32)
-    num_layers, k, n = w.shape
-    if n % PANEL:
-        raise ValueError(f"{n} output columns are not a multiple of {PANEL}")
-    panels = w.reshape(num_layers, k, n // PANEL, PANEL).transpose(0, 2, 1, 3)
-    return jnp.asarray(np.ascontiguousarray(panels))
-
-
-def stacked_gemm(x, packed, layer) -> jax.Array:
-    """f32[M, N] = x f32[M, K] @ layer `layer` (may be traced) of `pack`ed weights."""
-    register()
-    _, panels, _, _ = packed.shape
-    out = jax.ShapeDtypeStruct((x.shape[0], panels * PANEL), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out)(x, packed, jnp.asarray(layer, jnp.int32))
+def stacked_gemm(x, panels, layer):
+    """`gemm.stacked_gemm` at the panels' full width."""
+    return _gemm(x, panels, layer, panels.shape[1] * panels.shape[3])
 
 
 @jax.jit
@@ -90,7 +66,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     args = p.parse_args()
-    params = load_model(default_model_path(), "float32").params["layers"]
+    params = load_model(default_model_path(), "float32", "xla").params["layers"]
     stacked = {k: params[a][b]["kernel"] for k, (a, b) in NAMES.items()}  # [L, in, out]
     num_layers = stacked["q"].shape[0]
     per_layer = jax.block_until_ready(

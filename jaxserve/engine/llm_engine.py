@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 
 import jax
@@ -74,6 +75,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
+        from models import panels
         from models.loaders import load_model, load_tokenizer, read_arch_config
         from models.model import Model
 
@@ -103,6 +105,11 @@ class LLMEngine:
                                  "'auto', which picks it)")
             model = Model(model.cfg, model.params, model.dtype, model.source, backend="xla",
                           quant=model.quant)
+        if (not model.panels and os.environ.get("JAXSERVE_CPU_PANELS", "1") != "0"
+                and panels.eligible(model.params, model.dtype, model.quant, model.backend)):
+            # The cpu backend serves float32 weights packed for its matmul kernel
+            # (JAXSERVE_CPU_PANELS=0: XLA's matmuls, for comparison and debugging).
+            model = dataclasses.replace(model, panels=True)
         self.model = model
         if tokenizer is None:
             tokenizer = load_tokenizer(model.source)

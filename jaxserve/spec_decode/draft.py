@@ -60,7 +60,7 @@ def truncate_layers(model, num_layers: int):
     params = {**model.params, "layers": jax.tree_util.tree_map(lambda x: x[:num_layers],
                                                                model.params["layers"])}
     return Model(cfg, params, model.dtype, f"{model.source} (first {num_layers} layers)",
-                 backend=model.backend, quant=model.quant)
+                 backend=model.backend, quant=model.quant, panels=model.panels)
 
 
 def _propose_loop(model, num_steps: int, page_size: int, params, kv_pages, ids, positions,

@@ -31,9 +31,16 @@ def save_checkpoint(dst: str, cfg: ArchConfig, params, dtype: str, tokenizer,
                     source: str = "", quant: QuantPlan = NO_QUANT) -> None:
     """Writes params (orbax), config and tokenizer to `dst`, which must not exist yet.
 
+    The standard tree is written: a `cpu`-backend model's panel tree (`models.panels`) is
+    unpacked first.
+
     Raises:
         ValueError: `dst` already exists.
     """
+    from models import panels
+
+    if panels.is_panel_tree(params):
+        params = panels.from_panels(params, cfg)
     dst = os.path.abspath(dst)
     if os.path.exists(dst):
         raise ValueError(f"destination {dst} already exists; choose a new directory")

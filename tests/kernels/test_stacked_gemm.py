@@ -1,72 +1,157 @@
-"""The stacked-GEMM experiment (`scripts/bench_stacked_gemm.py`) against `jnp` matmuls."""
+"""The `cpu` backend's layer matmuls (`pallas_kernels/cpu_decode/gemm.py`, panel mode in
+`models/panels.py`) against `jnp` matmuls and the standard model."""
 
-import importlib.util
-import os
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_kernels.cpu_decode import op as cpu_decode
+from models import panels
+from models.config import ArchConfig
+from models.model import Model, random_params
+from pallas_kernels.cpu_decode import gemm
+from tests.models.helpers import forward_logits
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_stacked_gemm.py")
-
-pytestmark = pytest.mark.skipif(not cpu_decode.available(),
+pytestmark = pytest.mark.skipif(not gemm.available(),
                                 reason="needs a C++ compiler and the CPU platform")
 
-
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("bench_stacked_gemm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+TINY = ArchConfig("LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96,
+                  num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
+                  layer_windows=(0, 0, 0), max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
 def weights():
-    rng = np.random.default_rng(0)
-    return rng.standard_normal((3, 40, 96)).astype(np.float32)  # [L, K, N]
+    return np.random.default_rng(0).standard_normal((3, 40, 100)).astype(np.float32)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 13])
-def test_every_layer_matches_jnp(script, weights, rows):
+def test_every_layer_matches_jnp(weights, rows):
     x = np.random.default_rng(rows).standard_normal((rows, 40)).astype(np.float32)
-    packed = script.pack(weights)
-    # The layer index is traced, as in a layer loop.
-    fn = jax.jit(lambda x, i: script.stacked_gemm(x, packed, i))
+    packed = gemm.pack(weights)  # 100 columns: three panels, the last one padded
+    assert packed.shape == (3, 3, 40, 48)
+    fn = jax.jit(lambda x, i: gemm.stacked_gemm(x, packed, i, 100))  # layer traced
     for layer in range(3):
         np.testing.assert_allclose(np.asarray(fn(x, layer)), x @ weights[layer],
                                    rtol=1e-5, atol=1e-4)
 
 
-def test_loop_over_layers_matches_jnp(script, weights):
+def test_unpack_inverts_pack(weights):
+    np.testing.assert_array_equal(np.asarray(gemm.unpack(gemm.pack(weights), 100)), weights)
+
+
+def test_loop_over_layers_matches_jnp():
     sq = np.random.default_rng(1).standard_normal((3, 96, 96)).astype(np.float32) * 0.1
-    packed = script.pack(sq)
+    packed = gemm.pack(sq)
     x = np.random.default_rng(2).standard_normal((9, 96)).astype(np.float32)
     got = jax.jit(lambda x: jax.lax.fori_loop(
-        0, 3, lambda i, x: jnp.tanh(script.stacked_gemm(x, packed, i)), x))(x)
+        0, 3, lambda i, x: jnp.tanh(gemm.stacked_gemm(x, packed, i, 96)), x))(x)
     want = x
     for layer in range(3):
         want = np.tanh(want @ sq[layer])
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-def test_layer_index_is_clamped(script, weights):
+def test_layer_index_is_clamped(weights):
     x = np.ones((2, 40), np.float32)
-    packed = script.pack(weights)
-    np.testing.assert_allclose(np.asarray(script.stacked_gemm(x, packed, 7)),
-                               x @ weights[2], rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(script.stacked_gemm(x, packed, -1)),
-                               x @ weights[0], rtol=1e-5, atol=1e-4)
+    packed = gemm.pack(weights)
+    for layer, want in ((7, 2), (-1, 0)):
+        np.testing.assert_allclose(np.asarray(gemm.stacked_gemm(x, packed, layer, 100)),
+                                   x @ weights[want], rtol=1e-5, atol=1e-4)
 
 
-def test_columns_must_fill_panels(script):
-    with pytest.raises(ValueError, match="not a multiple of 48"):
-        script.pack(np.zeros((1, 8, 50), np.float32))
+def test_bad_shapes_are_value_errors(weights):
+    packed = gemm.pack(weights)
+    with pytest.raises(ValueError, match="do not fit panels"):
+        gemm.stacked_gemm(np.ones((2, 39), np.float32), packed, 0, 100)
+    with pytest.raises(ValueError, match="do not fit panels"):
+        gemm.stacked_gemm(np.ones((2, 40), np.float32), packed, 0, 200)
+    with pytest.raises(ValueError, match="stacked weights"):
+        gemm.pack(weights[0])
 
 
-def test_mismatched_shapes_are_refused_by_the_kernel(script, weights):
-    with pytest.raises(Exception, match="stacked_gemm: inconsistent shapes"):
-        script.stacked_gemm(np.ones((2, 39), np.float32), script.pack(weights), 0)
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_model_gives_the_standard_logits(bias):
+    cfg = dataclasses.replace(TINY, qkv_bias=bias, mlp_bias=bias)
+    params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(cfg, seed=3))
+    if bias:  # random_params zeroes biases: make them count
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x, params)
+    standard = Model(cfg, params, backend="xla")
+    paneled = Model(cfg, params, backend="cpu", panels=True)
+    assert paneled.panels and not standard.panels
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_leaves_with_path(paneled.params["layers"])]
+    assert not [p for p in paths if "kernel" in p]  # packed, not kept twice
+    assert any("bias" in p for p in paths) == bias
+    ids = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 37)]
+    np.testing.assert_allclose(forward_logits(paneled, ids), forward_logits(standard, ids),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_panel_tree_converts_back_and_forth():
+    params = random_params(TINY, seed=5)
+    paneled = Model(TINY, params, backend="cpu", panels=True)
+    back = Model(TINY, paneled.params, backend="xla")  # a panel tree given to xla
+    assert not panels.is_panel_tree(back.params)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, back.params, params)
+    hlo = jax.jit(paneled.forward).lower(
+        paneled.params, *_step_args(paneled)).as_text()
+    assert gemm.TARGET in hlo
+
+
+def _step_args(model):
+    from pallas_kernels import AttentionMetadata
+
+    md = AttentionMetadata(slot_mapping=jnp.zeros(4, jnp.int32),
+                           block_tables=jnp.zeros((1, 4), jnp.int32),
+                           kv_lens=jnp.array([4], jnp.int32),
+                           cu_q_lens=jnp.array([0, 4], jnp.int32))
+    pool = jnp.zeros(model.kv_pages_shape(8, 16), jnp.float32)
+    return jnp.zeros(4, jnp.int32), jnp.arange(4, dtype=jnp.int32), pool, md
+
+
+def test_sharded_weights_are_not_paneled():
+    params = random_params(TINY, seed=6)
+    mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = NamedSharding(mesh, PartitionSpec(None, None, "tp"))
+    params["layers"]["mlp"]["up_proj"]["kernel"] = jax.device_put(
+        params["layers"]["mlp"]["up_proj"]["kernel"], spec)
+    assert not panels.eligible(params, jnp.float32, None, "cpu")
+    with pytest.raises(ValueError, match="panels=True needs the 'cpu' backend"):
+        Model(TINY, params, backend="cpu", panels=True)
+
+
+@pytest.mark.parametrize("change", [{"backend": "xla"}, {"dtype": jnp.bfloat16}])
+def test_panels_need_the_cpu_backend_and_float32(change):
+    params = random_params(TINY, seed=6)
+    args = {"backend": "cpu", "dtype": jnp.float32} | change
+    with pytest.raises(ValueError, match="panels=True needs the 'cpu' backend"):
+        Model(TINY, params, panels=True, **args)
+
+
+def test_the_engine_serves_the_cpu_backend_in_panel_mode(monkeypatch):
+    from types import SimpleNamespace
+
+    from jaxserve import LLM, SamplingParams
+
+    params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(TINY, seed=7))
+    outs = {}
+    for backend in ("cpu", "xla"):
+        llm = LLM(Model(TINY, params, backend=backend), warmup=False, max_model_len=64,
+                  tokenizer=SimpleNamespace(eos_token_id=None), max_num_seqs=4,
+                  max_num_batched_tokens=16, num_kv_blocks=32)
+        assert llm.engine.model.panels == (backend == "cpu")
+        prompts = [{"prompt_token_ids": [3, 5, 7, 11 + i]} for i in range(3)]
+        res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
+                                                   ignore_eos=True, detokenize=False),
+                           use_tqdm=False)
+        outs[backend] = [r.outputs[0].token_ids for r in res]
+    assert outs["cpu"] == outs["xla"]
+    monkeypatch.setenv("JAXSERVE_CPU_PANELS", "0")
+    llm = LLM(Model(TINY, params, backend="cpu"), warmup=False, max_model_len=64,
+              tokenizer=SimpleNamespace(eos_token_id=None), num_kv_blocks=32)
+    assert llm.engine.model.backend == "cpu" and not llm.engine.model.panels

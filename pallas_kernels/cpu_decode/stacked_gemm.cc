@@ -1,7 +1,7 @@
-// Experiment (scripts/bench_stacked_gemm.py), not used by the engine: a decode-sized matmul
-// y[M, N] = x[M, K] @ W[layer] that reads one layer's weights in place from the stacked,
-// panel-packed weights f32[L, N / 48, K, 48], so a layer loop needs no copy of the layer's
-// weights, spread over XLA's intra-op thread pool one 48-column panel at a time.
+// The layer matmuls of the `cpu` backend (an XLA FFI custom call): y[M, 48 P] = x[M, K] @
+// W[layer], reading one layer's weights in place from the stacked, panel-packed weights
+// f32[L, P, K, 48] (`gemm.pack`), so the layer loop makes no copy of the layer's weights,
+// spread over XLA's intra-op thread pool one 48-column panel at a time.
 //
 // Each panel is K x 48 contiguous floats; rows go 8 at a time through 8 x 3 AVX-512
 // accumulators (GCC vector extensions), the remainder rows through a smaller tile.

@@ -1,0 +1,94 @@
+"""Panel mode of the `cpu` backend: the decoder layers' matmul weights stored packed and
+stacked (`pallas_kernels.cpu_decode.gemm`) instead of as per-layer `kernel`s.
+
+In panel mode `params["layer_panels"]` maps each projection name to f32[L, P, K, 48] and
+the layers' `kernel` leaves are gone (biases, norms, embeddings and the LM head stay
+where they were). `Model` converts on construction, both ways, so callers always hand it
+the standard tree (`to_panels` / `from_panels`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ArchConfig
+
+# (parent module, projection) of every layer matmul the panels replace.
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+               ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
+               ("mlp", "down_proj"))
+KEY = "layer_panels"
+
+
+def out_features(cfg: ArchConfig, name: str) -> int:
+    """Output columns of projection `name`."""
+    return {"q_proj": cfg.num_heads * cfg.head_dim, "k_proj": cfg.num_kv_heads * cfg.head_dim,
+            "v_proj": cfg.num_kv_heads * cfg.head_dim, "o_proj": cfg.hidden_size,
+            "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size,
+            "down_proj": cfg.hidden_size}[name]
+
+
+def in_features(cfg: ArchConfig, name: str) -> int:
+    """Input width of projection `name`."""
+    return {"o_proj": cfg.num_heads * cfg.head_dim,
+            "down_proj": cfg.intermediate_size}.get(name, cfg.hidden_size)
+
+
+def panel_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """{projection: shape of its stacked panels}."""
+    from pallas_kernels.cpu_decode.gemm import PANEL, num_panels
+
+    return {name: (cfg.num_layers, num_panels(out_features(cfg, name)), in_features(cfg, name),
+                   PANEL) for _, name in PROJECTIONS}
+
+
+def eligible(params: dict, dtype, quant, backend: str) -> bool:
+    """Whether a model can serve in panel mode: the `cpu` backend, float32 unquantized
+    weights on one device, and the kernel builds here."""
+    if backend != "cpu" or jnp.dtype(dtype) != jnp.float32 or quant:
+        return False
+    leaves = jax.tree_util.tree_leaves(params)
+    if any(len(getattr(x, "sharding", None).device_set) > 1 for x in leaves
+           if isinstance(x, jax.Array)):
+        return False  # a tensor-parallel layout: the engine serves it on "xla"
+    from pallas_kernels.cpu_decode import gemm
+
+    return gemm.available()
+
+
+def is_panel_tree(params: dict) -> bool:
+    """Whether `params` is in panel form."""
+    return KEY in params
+
+
+def to_panels(params: dict, cfg: ArchConfig) -> dict:
+    """The panel-form tree of a standard one (new dicts; the input is left as it was)."""
+    from pallas_kernels.cpu_decode.gemm import pack
+
+    layers = jax.tree_util.tree_map(lambda x: x, params["layers"])  # a copy of the dicts
+    panels = {}
+    for parent, name in PROJECTIONS:
+        leaf = layers[parent][name]
+        panels[name] = pack(leaf.pop("kernel"))
+        if not leaf:  # no bias left either
+            del layers[parent][name]
+            if not layers[parent]:
+                del layers[parent]
+    return {**params, "layers": layers, KEY: panels}
+
+
+def from_panels(params: dict, cfg: ArchConfig) -> dict:
+    """The standard tree of a panel-form one."""
+    from pallas_kernels.cpu_decode.gemm import unpack
+
+    layers = jax.tree_util.tree_map(lambda x: x, params["layers"])
+    for parent, name in PROJECTIONS:
+        kernel = unpack(params[KEY][name], out_features(cfg, name))
+        layers.setdefault(parent, {}).setdefault(name, {})["kernel"] = kernel
+    return {k: v for k, v in params.items() if k != KEY} | {"layers": layers}
+
+
+def truncate(params: dict, num_layers: int) -> dict:
+    """Panels of the first `num_layers` layers only (for a truncated draft model)."""
+    return {**params, KEY: {k: v[:num_layers] for k, v in params[KEY].items()}}

@@ -1,0 +1,89 @@
+"""The `cpu` backend's layer matmuls: a C++ custom call over panel-packed, stacked weights.
+
+`pack` lays a stacked weight f32[L, K, N] out as 48-column panels f32[L, P, K, 48]
+(P = ceil(N / 48), the last panel zero-padded) once at load time; `stacked_gemm(x,
+panels, layer, n)` then multiplies by layer `layer` (traced inside the layer loop)
+reading it in place: no per-layer copy of the weights out of the stack, as `nn.scan`
+makes, and the panels spread over XLA's thread pool (`stacked_gemm.cc`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+TARGET = "jaxserve_stacked_gemm_cpu"
+PANEL = 48  # columns per panel (three 16-float vectors)
+SOURCE = os.path.join(os.path.dirname(__file__), "stacked_gemm.cc")
+
+
+@functools.cache
+def _registered() -> str | None:
+    """Builds and registers the FFI target once per process; None, or why it failed."""
+    from pallas_kernels.cpu_decode.build import build
+
+    try:
+        lib = build(SOURCE)
+    except (RuntimeError, OSError) as e:
+        logger.warning("jaxserve: the CPU matmul kernel is unavailable, layer matmuls use "
+                       "XLA's: %s", e)
+        return str(e)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.StackedGemm), platform="cpu")
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel could be built and registered here (builds it on first call)."""
+    return jax.default_backend() == "cpu" and _registered() is None
+
+
+def num_panels(n: int) -> int:
+    """Panels holding `n` output columns."""
+    return -(-n // PANEL)
+
+
+def pack(w) -> jax.Array:
+    """f32[L, K, N] stacked weights -> f32[L, ceil(N / 48), K, 48] panels, zero-padded."""
+    w = np.asarray(w, np.float32)
+    if w.ndim != 3:
+        raise ValueError(f"pack takes stacked weights [layers, in, out], got shape {w.shape}")
+    num_layers, k, n = w.shape
+    p = num_panels(n)
+    padded = np.zeros((num_layers, k, p * PANEL), np.float32)
+    padded[:, :, :n] = w
+    return jnp.asarray(np.ascontiguousarray(
+        padded.reshape(num_layers, k, p, PANEL).transpose(0, 2, 1, 3)))
+
+
+def unpack(panels, n: int) -> jax.Array:
+    """The inverse of `pack`: f32[L, K, n] from f32[L, P, K, 48]."""
+    p = np.asarray(panels, np.float32)
+    num_layers, num_p, k, _ = p.shape
+    return jnp.asarray(np.ascontiguousarray(
+        p.transpose(0, 2, 1, 3).reshape(num_layers, k, num_p * PANEL)[:, :, :n]))
+
+
+def stacked_gemm(x: jax.Array, panels: jax.Array, layer, n: int) -> jax.Array:
+    """f32[M, n] = x f32[M, K] @ layer `layer` of `pack`ed weights (index clamped).
+
+    Raises:
+        ValueError: `n` does not match the panels' width, or x's width is not K.
+        RuntimeError: The kernel is unavailable here.
+    """
+    _, p, k, _ = panels.shape
+    if num_panels(n) != p or x.shape[-1] != k:
+        raise ValueError(f"stacked_gemm: x {x.shape} and {n} columns do not fit panels "
+                         f"{panels.shape}")
+    if not available():
+        raise RuntimeError("the CPU matmul kernel is unavailable here")
+    out = jax.ShapeDtypeStruct((x.shape[0], p * PANEL), jnp.float32)
+    y = jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), panels,
+                                      jnp.asarray(layer, jnp.int32))
+    return y if p * PANEL == n else y[:, :n]
