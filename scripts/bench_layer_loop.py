@@ -81,17 +81,23 @@ def unrolled(per_layer, x):
     return x
 
 
+def layer_weights() -> tuple[dict, list[dict]]:
+    """The default model's layer matmul weights: stacked {name: [L, in, out]} and per layer."""
+    params = load_model(default_model_path(), "float32", "xla").params["layers"]
+    stacked = {k: params[a][b]["kernel"] for k, (a, b) in NAMES.items()}  # [L, in, out]
+    per_layer = jax.block_until_ready(
+        [{k: jnp.array(w[i]) for k, w in stacked.items()}
+         for i in range(stacked["q"].shape[0])])
+    return stacked, per_layer
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="1,16,32")
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     args = p.parse_args()
-    params = load_model(default_model_path(), "float32", "xla").params["layers"]
-    stacked = {k: params[a][b]["kernel"] for k, (a, b) in NAMES.items()}  # [L, in, out]
-    num_layers = stacked["q"].shape[0]
-    per_layer = jax.block_until_ready(
-        [{k: jnp.array(w[i]) for k, w in stacked.items()} for i in range(num_layers)])
+    stacked, per_layer = layer_weights()
     concat = {"qkv": jnp.concatenate([stacked[k] for k in "qkv"], -1), "o": stacked["o"],
               "gu": jnp.concatenate([stacked["g"], stacked["u"]], -1), "d": stacked["d"]}
     forms = {"scan": (scanned, stacked), "switch": (switched, per_layer),

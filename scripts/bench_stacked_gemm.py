@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_layer_loop import NAMES, scanned, switched  # noqa: E402
+from bench_layer_loop import layer_weights, scanned, switched  # noqa: E402
 
 from jaxserve.bench.roofline import _median_seconds  # noqa: E402
 from pallas_kernels.cpu_decode.gemm import pack  # noqa: E402
@@ -58,19 +58,12 @@ def ffi_sliced(packed, x):
 
 
 def main() -> None:
-    from models.default_model import default_model_path
-    from models.loaders import load_model
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", default="1,8,32,128")
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     args = p.parse_args()
-    params = load_model(default_model_path(), "float32", "xla").params["layers"]
-    stacked = {k: params[a][b]["kernel"] for k, (a, b) in NAMES.items()}  # [L, in, out]
-    num_layers = stacked["q"].shape[0]
-    per_layer = jax.block_until_ready(
-        [{k: jnp.array(w[i]) for k, w in stacked.items()} for i in range(num_layers)])
+    stacked, per_layer = layer_weights()
     packed = jax.block_until_ready({k: pack(w) for k, w in stacked.items()})
     forms = {"scan": (scanned, stacked), "switch": (switched, per_layer),
              "ffi": (ffi_loop, packed), "ffi_sliced": (ffi_sliced, packed)}

@@ -107,3 +107,19 @@ def build(source: str = SOURCE) -> ctypes.CDLL:
                     os.remove(leftover)
         logger.info("jaxserve: built %s: %s", what, path)
     return ctypes.CDLL(path)
+
+
+def register(source: str, symbol: str, target: str, what: str, fallback: str) -> str | None:
+    """Builds `source` and registers its handler `symbol` as the CPU FFI target `target`.
+
+    Returns:
+        None, or why it failed (logged as a warning: "`what` is unavailable, `fallback`").
+    """
+    try:
+        lib = build(source)
+    except (RuntimeError, OSError) as e:
+        logger.warning("jaxserve: %s is unavailable, %s: %s", what, fallback, e)
+        return str(e)
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                platform="cpu")
+    return None

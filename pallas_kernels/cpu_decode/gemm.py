@@ -10,14 +10,11 @@ makes, and the panels spread over XLA's thread pool (`stacked_gemm.cc`).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 TARGET = "jaxserve_stacked_gemm_cpu"
 PANEL = 48  # columns per panel (three 16-float vectors)
@@ -27,16 +24,10 @@ SOURCE = os.path.join(os.path.dirname(__file__), "stacked_gemm.cc")
 @functools.cache
 def _registered() -> str | None:
     """Builds and registers the FFI target once per process; None, or why it failed."""
-    from pallas_kernels.cpu_decode.build import build
+    from pallas_kernels.cpu_decode.build import register
 
-    try:
-        lib = build(SOURCE)
-    except (RuntimeError, OSError) as e:
-        logger.warning("jaxserve: the CPU matmul kernel is unavailable, layer matmuls use "
-                       "XLA's: %s", e)
-        return str(e)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.StackedGemm), platform="cpu")
-    return None
+    return register(SOURCE, "StackedGemm", TARGET, "the CPU matmul kernel",
+                    "layer matmuls use XLA's")
 
 
 def available() -> bool:

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 TARGET = "jaxserve_paged_decode_cpu"
 
@@ -17,16 +14,10 @@ TARGET = "jaxserve_paged_decode_cpu"
 @functools.cache
 def _registered() -> str | None:
     """Builds and registers the FFI target once per process; None, or why it failed."""
-    from pallas_kernels.cpu_decode.build import build
+    from pallas_kernels.cpu_decode.build import SOURCE, register
 
-    try:
-        lib = build()
-    except (RuntimeError, OSError) as e:
-        logger.warning("jaxserve: the CPU decode kernel is unavailable, decode rows use the "
-                       "XLA path: %s", e)
-        return str(e)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PagedDecode), platform="cpu")
-    return None
+    return register(SOURCE, "PagedDecode", TARGET, "the CPU decode kernel",
+                    "decode rows use the XLA path")
 
 
 def available() -> bool:

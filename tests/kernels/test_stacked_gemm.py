@@ -155,3 +155,21 @@ def test_the_engine_serves_the_cpu_backend_in_panel_mode(monkeypatch):
     llm = LLM(Model(TINY, params, backend="cpu"), warmup=False, max_model_len=64,
               tokenizer=SimpleNamespace(eos_token_id=None), num_kv_blocks=32)
     assert llm.engine.model.backend == "cpu" and not llm.engine.model.panels
+
+
+def test_an_unavailable_kernel_keeps_xla_matmuls(monkeypatch):
+    monkeypatch.setattr(gemm, "_registered", lambda: "building the FFI library failed")
+    params = random_params(TINY, seed=8)
+    assert not panels.eligible(params, jnp.float32, None, "cpu")
+    with pytest.raises(RuntimeError, match="CPU matmul kernel is unavailable"):
+        gemm.stacked_gemm(np.ones((2, 40), np.float32), gemm.pack(np.ones((1, 40, 48))), 0, 48)
+
+
+def test_a_failing_build_names_the_library(monkeypatch, tmp_path):
+    from pallas_kernels.cpu_decode import build
+
+    monkeypatch.setenv("JAXSERVE_FFI_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # exits 1
+    assert "building the FFI library stacked_gemm.cc failed" in build.register(
+        gemm.SOURCE, "StackedGemm", "jaxserve_never_registered", "x", "y")
+    assert not list(tmp_path.iterdir())
