@@ -104,11 +104,12 @@ def context_sweep(model, tokenizer, contexts: list[int], engine_args: dict, *,
 
 
 def warmup_probe(cache_dir: str, engine_args: dict, model: str | None) -> dict:
-    """In this process: load, then build an engine with `cache_dir`; seconds of each."""
+    """In this process: load, then build an engine with `cache_dir` (over any cache
+    directory in `engine_args`: cold and warm are this probe's own); seconds of each."""
     t0 = time.perf_counter()
     from jaxserve.engine.llm import LLM
 
-    llm = LLM(model, compilation_cache_dir=cache_dir, **engine_args)
+    llm = LLM(model, **{**engine_args, "compilation_cache_dir": cache_dir})
     total = time.perf_counter() - t0
     return {"warmup_s": llm.engine.runner.warmup_seconds, "engine_s": total,
             "num_buckets": len(llm.engine.runner.buckets)}

@@ -159,9 +159,11 @@ def test_scale(model_flags, tmp_path):
 
 @pytest.mark.slow
 def test_scale_warmup_probes(model_flags, tmp_path):
-    """The cold/warm warm-up probes: two fresh processes, each compiling from nothing."""
+    """The cold/warm warm-up probes: two fresh processes, each compiling from nothing (an
+    engine's own --compilation-cache-dir gives way to the probes' fresh one)."""
     path = str(tmp_path / "w.json")
-    out, _ = ok(["bench", "scale", *model_flags, "--warmup-only", "--output-json", path])
+    out, _ = ok(["bench", "scale", *model_flags, "--warmup-only", "--output-json", path,
+                 "--compilation-cache-dir", str(tmp_path / "cache")])
     assert "| compilation cache | buckets |" in out and "warm / cold warm-up:" in out
     assert set(read_json(path)["warmup"]) == {"cold", "warm"}
 
