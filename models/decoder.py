@@ -16,7 +16,7 @@ from models.config import ArchConfig
 from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
 from models.panels import KEY as PANELS_KEY
 from models.panels import panel_shapes
-from models.qlayers import PanelDense, QEmbed, dense
+from models.qlayers import QEmbed, dense
 from models.quant import QuantPlan
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
 from pallas_kernels.kv_quant import kv_rotation
@@ -35,13 +35,8 @@ class Attention(nn.Module):
                  panels=None):
         cfg = self.cfg
         num_tokens = x.shape[0]
-
-        def proj(n, bias, name):
-            if panels is not None:  # panel mode (models/panels.py)
-                return lambda h: PanelDense(n, bias, self.dtype, name=name)(h, panels[name],
-                                                                           layer)
-            return dense(self.quant, name, n, bias, self.dtype, self.backend)
-
+        proj = lambda n, bias, name: dense(self.quant, name, n, bias, self.dtype, self.backend,
+                                           panels=panels, layer=layer)
         q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj")(x)
         k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj")(x)
         v = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj")(x)

@@ -77,13 +77,8 @@ class GatedMLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, panels: dict | None = None, layer=None) -> jax.Array:
         """x [T, hidden] -> [T, hidden]; `panels` and `layer`: panel mode (models/panels.py)."""
-        from models.qlayers import PanelDense
-
-        def dense(n, name):
-            if panels is not None:
-                return lambda h: PanelDense(n, self.cfg.mlp_bias, self.dtype, name=name)(
-                    h, panels[name], layer)
-            return make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype, self.backend)
+        dense = lambda n, name: make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype,
+                                           self.backend, panels=panels, layer=layer)
 
         h = nn.silu(dense(self.cfg.intermediate_size, "gate_proj")(x))
         h = h * dense(self.cfg.intermediate_size, "up_proj")(x)

@@ -78,9 +78,13 @@ class QEmbed(nn.Module):
 
 
 def dense(plan: QuantPlan, name: str, features: int, bias: bool, dtype, backend: str,
-          in_setup: bool = False):
+          in_setup: bool = False, panels: dict | None = None, layer=None):
     """`nn.Dense` or, when `plan` quantizes `name`, a `QDense`, named `name` (unless built
-    in a `setup`, where Flax names it after the attribute)."""
+    in a `setup`, where Flax names it after the attribute). With `panels` (a layer matmul
+    in panel mode, `models/panels.py`): a callable multiplying by `panels[name]` at
+    `layer` through a `PanelDense`."""
+    if panels is not None:
+        return lambda x: PanelDense(features, bias, dtype, name=name)(x, panels[name], layer)
     fmt = plan.get(name)
     kw = {} if in_setup else {"name": name}
     if fmt is None:
