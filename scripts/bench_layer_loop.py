@@ -113,18 +113,26 @@ def main() -> None:
     for name in ("switch", "unrolled", "fused"):
         fn, w = forms[name]
         np.testing.assert_allclose(np.asarray(fn(w, x0)), want, rtol=1e-4, atol=1e-4)
-    print("\n| round | batch | load avg | scan ms | switch ms | unrolled ms | fused ms "
-          "| switch / scan | unrolled / scan | fused / scan |\n"
-          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in range(args.rounds):
-        for b in [int(s) for s in args.batch_sizes.split(",")]:
+    print()
+    time_forms(forms, hidden, [int(s) for s in args.batch_sizes.split(",")], args.rounds,
+               args.iters)
+
+
+def time_forms(forms: dict, hidden: int, batch_sizes: list[int], rounds: int,
+               iters: int) -> None:
+    """Prints a table of ms per pass of each form {name: (fn, weights)}, interleaved
+    rounds, and each form's ratio to the first."""
+    names = list(forms)
+    print("| round | batch | load avg | " + " | ".join(f"{n} ms" for n in names) + " | "
+          + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |\n"
+          + "|---:" * (3 + 2 * len(names) - 1) + "|")
+    for r in range(rounds):
+        for b in batch_sizes:
             x = jnp.ones((b, hidden), jnp.float32) * 0.01
-            ms = {n: 1000 * _median_seconds(fn, w, x, iters=args.iters)
-                  for n, (fn, w) in forms.items()}
-            print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | {ms['scan']:.1f} | "
-                  f"{ms['switch']:.1f} | {ms['unrolled']:.1f} | {ms['fused']:.1f} | "
-                  f"{ms['switch'] / ms['scan']:.2f} | {ms['unrolled'] / ms['scan']:.2f} | "
-                  f"{ms['fused'] / ms['scan']:.2f} |")
+            ms = [1000 * _median_seconds(fn, w, x, iters=iters) for fn, w in forms.values()]
+            print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | "
+                  + " | ".join(f"{m:.1f}" for m in ms) + " | "
+                  + " | ".join(f"{m / ms[0]:.2f}" for m in ms[1:]) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_layer_loop import layer_weights, scanned, switched  # noqa: E402
+from bench_layer_loop import layer_weights, scanned, switched, time_forms  # noqa: E402
 
-from jaxserve.bench.roofline import _median_seconds  # noqa: E402
 from pallas_kernels.cpu_decode.gemm import pack  # noqa: E402
 from pallas_kernels.cpu_decode.gemm import stacked_gemm as _gemm  # noqa: E402
 
@@ -73,19 +72,8 @@ def main() -> None:
         for fn in (ffi_loop, ffi_sliced):
             np.testing.assert_allclose(np.asarray(fn(packed, x)),
                                        np.asarray(scanned(stacked, x)), rtol=2e-4, atol=2e-4)
-    print("| round | batch | load avg | scan ms | switch ms | ffi ms | ffi sliced ms | "
-          "ffi / scan | ffi / switch | ffi sliced / scan |\n"
-          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in range(args.rounds):
-        for b in [int(s) for s in args.batch_sizes.split(",")]:
-            x = jnp.ones((b, hidden), jnp.float32) * 0.01
-            ms = {n: 1000 * _median_seconds(fn, w, x, iters=args.iters)
-                  for n, (fn, w) in forms.items()}
-            print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | {ms['scan']:.1f} | "
-                  f"{ms['switch']:.1f} | {ms['ffi']:.1f} | {ms['ffi_sliced']:.1f} | "
-                  f"{ms['ffi'] / ms['scan']:.2f} | {ms['ffi'] / ms['switch']:.2f} | "
-                  f"{ms['ffi_sliced'] / ms['scan']:.2f} |", flush=True)
-
+    time_forms(forms, hidden, [int(s) for s in args.batch_sizes.split(",")], args.rounds,
+               args.iters)
 
 if __name__ == "__main__":
     main()
