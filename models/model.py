@@ -100,7 +100,7 @@ class Model:
                              f"quantization {self.quant.to_dict() or None})")
         # NOTE: the tree is converted here, either way, so callers may pass either form.
         if self.panels and not panels.is_panel_tree(self.params):
-            self.params = panels.to_panels(self.params, self.cfg)
+            self.params = panels.to_panels(self.params)
         elif not self.panels and panels.is_panel_tree(self.params):
             self.params = panels.from_panels(self.params, self.cfg)
         if self.panels and len(self.params[panels.KEY]["q_proj"]) > self.cfg.num_layers:

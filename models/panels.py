@@ -3,8 +3,8 @@ stacked (`pallas_kernels.cpu_decode.gemm`) instead of as per-layer `kernel`s.
 
 In panel mode `params["layer_panels"]` maps each projection name to f32[L, P, K, 48] and
 the layers' `kernel` leaves are gone (biases, norms, embeddings and the LM head stay
-where they were). `Model` converts on construction, both ways, so callers always hand it
-the standard tree (`to_panels` / `from_panels`).
+where they were). `Model` converts on construction, both ways (`to_panels` /
+`from_panels`), so callers may hand it either form.
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ def eligible(params: dict, dtype, quant, backend: str) -> bool:
     if backend != "cpu" or jnp.dtype(dtype) != jnp.float32 or quant:
         return False
     leaves = jax.tree_util.tree_leaves(params)
-    if any(len(getattr(x, "sharding", None).device_set) > 1 for x in leaves
-           if isinstance(x, jax.Array)):
+    if any(len(x.sharding.device_set) > 1 for x in leaves if isinstance(x, jax.Array)):
         return False  # a tensor-parallel layout: the engine serves it on "xla"
     from pallas_kernels.cpu_decode import gemm
 
@@ -62,7 +61,7 @@ def is_panel_tree(params: dict) -> bool:
     return KEY in params
 
 
-def to_panels(params: dict, cfg: ArchConfig) -> dict:
+def to_panels(params: dict) -> dict:
     """The panel-form tree of a standard one (new dicts; the input is left as it was)."""
     from pallas_kernels.cpu_decode.gemm import pack
 

@@ -70,9 +70,9 @@ def _run(cmd: list[str], what: str) -> None:
                            f"{proc.stderr[-2000:]}")
 
 
-def build(source: str = SOURCE) -> ctypes.CDLL:
+def build(source: str = SOURCE, what: str = "the CPU decode kernel") -> ctypes.CDLL:
     """The loaded library of `source` (default: the CPU decode kernel), compiled first if
-    no cached build exists.
+    no cached build exists; `what` names it in errors and logs.
 
     The source uses GCC's vector extensions (`__builtin_shuffle`): $CXX (a command, e.g.
     "ccache g++") else g++ else c++ must be GCC-compatible; Clang fails to build it and
@@ -89,8 +89,6 @@ def build(source: str = SOURCE) -> ctypes.CDLL:
                            "g++ and c++ not on PATH)")
     compiler = [found, *cxx[1:]]
     path = library_path(" ".join(compiler), source)
-    what = ("the CPU decode kernel" if source == SOURCE
-            else f"the FFI library {os.path.basename(source)}")
     if not os.path.exists(path):
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
@@ -116,7 +114,7 @@ def register(source: str, symbol: str, target: str, what: str, fallback: str) ->
         None, or why it failed (logged as a warning: "`what` is unavailable, `fallback`").
     """
     try:
-        lib = build(source)
+        lib = build(source, what)
     except (RuntimeError, OSError) as e:
         logger.warning("jaxserve: %s is unavailable, %s: %s", what, fallback, e)
         return str(e)

@@ -170,6 +170,6 @@ def test_a_failing_build_names_the_library(monkeypatch, tmp_path):
 
     monkeypatch.setenv("JAXSERVE_FFI_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # exits 1
-    assert "building the FFI library stacked_gemm.cc failed" in build.register(
-        gemm.SOURCE, "StackedGemm", "jaxserve_never_registered", "x", "y")
+    assert "building the CPU matmul kernel failed" in build.register(
+        gemm.SOURCE, "StackedGemm", "jaxserve_never_registered", "the CPU matmul kernel", "y")
     assert not list(tmp_path.iterdir())
