@@ -16,7 +16,7 @@ from models.config import ArchConfig
 from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
 from models.panels import KEY as PANELS_KEY
 from models.panels import panel_shapes
-from models.qlayers import QEmbed, dense
+from models.qlayers import PanelEmbed, QEmbed, dense
 from models.quant import QuantPlan
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
 from pallas_kernels.kv_quant import kv_rotation
@@ -95,7 +95,8 @@ class Decoder(nn.Module):
         backend: Attention backend name (see `pallas_kernels.ATTENTION_BACKENDS`).
         quant: Which weights are quantized (`models.quant`); empty means none.
         panels: Panel mode (`models.panels`): the layer matmuls read packed, stacked
-            weights from `params["layer_panels"]` through the CPU matmul kernel.
+            weights from `params["layer_panels"]` through the CPU matmul kernel, and the
+            LM head reads its panels (`PanelEmbed`).
     """
 
     cfg: ArchConfig
@@ -107,7 +108,9 @@ class Decoder(nn.Module):
     def setup(self):
         cfg = self.cfg
         embed_fmt = self.quant.get("embed_tokens")
-        if embed_fmt is None:
+        if self.panels and cfg.tie_word_embeddings:
+            self.embed_tokens = PanelEmbed(cfg.vocab_size, cfg.hidden_size)
+        elif embed_fmt is None:
             self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                                          param_dtype=self.dtype)
         else:
@@ -124,7 +127,9 @@ class Decoder(nn.Module):
             self.layer_panels = self.param(PANELS_KEY, lambda _: {
                 name: jnp.zeros(shape, jnp.float32) for name, shape in panel_shapes(cfg).items()})
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        if not cfg.tie_word_embeddings:
+        if self.panels and not cfg.tie_word_embeddings:
+            self.lm_head = PanelEmbed(cfg.vocab_size, cfg.hidden_size)
+        elif not cfg.tie_word_embeddings:
             self.lm_head = dense(self.quant, "lm_head", cfg.vocab_size, False, self.dtype,
                                  self.backend, in_setup=True)
 
@@ -153,6 +158,8 @@ class Decoder(nn.Module):
         """LM head: f32[num_rows, vocab_size] logits from final hidden states."""
         if self.cfg.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden)
+        elif self.panels:
+            logits = self.lm_head.attend(hidden)
         else:
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)

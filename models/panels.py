@@ -2,8 +2,10 @@
 stacked (`pallas_kernels.cpu_decode.gemm`) instead of as per-layer `kernel`s.
 
 In panel mode `params["layer_panels"]` maps each projection name to f32[L, P, K, 48] and
-the layers' `kernel` leaves are gone (biases, norms, embeddings and the LM head stay
-where they were). `Model` converts on construction, both ways (`to_panels` /
+the layers' `kernel` leaves are gone (biases and norms stay where they were); the LM head
+[hidden, vocab] is packed too, as f32[1, P, hidden, 48] under `embed_tokens/panels` when
+it is tied to the embedding (which then looks tokens up in it: one copy) or
+`lm_head/panels` when not. `Model` converts on construction, both ways (`to_panels` /
 `from_panels`), so callers may hand it either form.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.config import ArchConfig
 
@@ -74,7 +77,13 @@ def to_panels(params: dict) -> dict:
             del layers[parent][name]
             if not layers[parent]:
                 del layers[parent]
-    return {**params, "layers": layers, KEY: panels}
+    head = {}
+    if "lm_head" in params:
+        head["lm_head"] = {"panels": pack(np.asarray(params["lm_head"]["kernel"])[None])}
+    else:  # tied: the embedding [vocab, hidden] is the head's transpose
+        head["embed_tokens"] = {
+            "panels": pack(np.asarray(params["embed_tokens"]["embedding"]).T[None])}
+    return {**params, **head, "layers": layers, KEY: panels}
 
 
 def from_panels(params: dict, cfg: ArchConfig) -> dict:
@@ -85,7 +94,13 @@ def from_panels(params: dict, cfg: ArchConfig) -> dict:
     for parent, name in PROJECTIONS:
         kernel = unpack(params[KEY][name], out_features(cfg, name))
         layers.setdefault(parent, {}).setdefault(name, {})["kernel"] = kernel
-    return {k: v for k, v in params.items() if k != KEY} | {"layers": layers}
+    head = {}
+    if "lm_head" in params:
+        head["lm_head"] = {"kernel": unpack(params["lm_head"]["panels"], cfg.vocab_size)[0]}
+    else:
+        head["embed_tokens"] = {"embedding": jnp.asarray(np.ascontiguousarray(np.asarray(
+            unpack(params["embed_tokens"]["panels"], cfg.vocab_size)[0]).T))}
+    return {k: v for k, v in params.items() if k != KEY} | head | {"layers": layers}
 
 
 def truncate(params: dict, num_layers: int) -> dict:

@@ -1,4 +1,5 @@
-"""Flax modules for quantized weights (`QDense`, `QEmbed`) and the plan-driven factories.
+"""Flax modules for quantized weights (`QDense`, `QEmbed`), panel mode's (`PanelDense`,
+`PanelEmbed`) and the plan-driven factories.
 
 A module with a format in the model's `QuantPlan` holds the leaves of `models.quant`
 (codes, f16 scales, q4 zeros) instead of a float kernel; every matmul goes through
@@ -54,6 +55,34 @@ class PanelDense(nn.Module):
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
+
+
+class PanelEmbed(nn.Module):
+    """The LM head in panel mode (`models.panels`): its weight [hidden, vocab] packed as
+    panels f32[1, P, hidden, 48] under "panels". `attend` is the LM head matmul (the
+    CPU matmul kernel); `__call__` looks tokens up in the same panels, so a tied
+    embedding is stored once."""
+
+    num_embeddings: int
+    features: int
+
+    def setup(self):
+        from pallas_kernels.cpu_decode.gemm import PANEL, num_panels
+
+        self.panels = self.param("panels", nn.initializers.zeros, (
+            1, num_panels(self.num_embeddings), self.features, PANEL), jnp.float32)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """f32[T, hidden] rows of `ids` i32[T]: column id % 48 of panel id // 48."""
+        from pallas_kernels.cpu_decode.gemm import PANEL
+
+        return self.panels[0, ids // PANEL, :, ids % PANEL]
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """f32[T, vocab] logits of hidden states h [T, hidden]."""
+        from pallas_kernels.cpu_decode.gemm import stacked_gemm
+
+        return stacked_gemm(h.astype(jnp.float32), self.panels, 0, self.num_embeddings)
 
 
 class QEmbed(nn.Module):

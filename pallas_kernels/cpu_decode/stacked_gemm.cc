@@ -4,7 +4,10 @@
 // spread over XLA's intra-op thread pool one 48-column panel at a time.
 //
 // Each panel is K x 48 contiguous floats; rows go 8 at a time through 8 x 3 AVX-512
-// accumulators (GCC vector extensions), the remainder rows through a smaller tile.
+// accumulators (GCC vector extensions), the remainder rows through a smaller tile. A thread
+// claims its next panel before it starts the current one and prefetches it into L2 while
+// it computes, spread over the current panel's row tiles: the weights then stream from
+// memory under the arithmetic instead of stalling the first tile of every panel.
 
 #include <algorithm>
 #include <atomic>
@@ -32,17 +35,24 @@ inline v16 Load(const float* p) {
 
 inline void Store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Rows [r0, r0 + RM) of x times one panel into columns [c0, c0 + 48) of y.
+constexpr int64_t kLine = 16;  // floats per 64-byte cache line
+constexpr int kSpins = 20000;  // pause instructions before the caller sleeps
+
+// Rows [r0, r0 + RM) of x times one panel into columns [c0, c0 + 48) of y; prefetches
+// `lines` cache lines per k step from `pf` (the next panel's share of this tile) into L2,
+// up to `pf_end`.
 template <int RM>
 void Tile(const float* x, const float* panel, float* y, int64_t K, int64_t N, int64_t r0,
-          int64_t c0) {
+          int64_t c0, const float* pf, int64_t lines, const float* pf_end) {
   v16 acc[RM][3];
   for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = acc[i][2] = v16{};
   const float* xr = x + r0 * K;
   const float* w = panel;
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
     const v16 w0 = Load(w), w1 = Load(w + 16), w2 = Load(w + 32);
-    __builtin_prefetch(w + 8 * kPanel);
+    for (int64_t l = 0; l < lines; ++l, pf += kLine) {
+      if (pf < pf_end) __builtin_prefetch(pf, 0, 2);
+    }
     for (int i = 0; i < RM; ++i) {
       const float xv = xr[i * K + k];
       acc[i][0] += xv * w0;
@@ -65,27 +75,38 @@ struct Job {
   std::condition_variable cv;
 };
 
-void RunPanel(const Job& j, int64_t p) {
-  const float* panel = j.w + p * j.K * kPanel;
+// Panel p into its columns of y, prefetching panel `next` (j.P: none) meanwhile.
+void RunPanel(const Job& j, int64_t p, int64_t next) {
+  const int64_t size = j.K * kPanel;  // floats per panel
+  const float* panel = j.w + p * size;
   const int64_t c0 = p * kPanel;
+  const int64_t tiles = (j.M + 7) / 8;
+  // Each tile prefetches `lines` lines per k step: all tiles together cover the panel.
+  const int64_t lines = next < j.P ? (size / kLine + tiles * j.K - 1) / (tiles * j.K) : 0;
+  const float* pf = j.w + next * size;
+  const float* pf_end = pf + size;
   int64_t r = 0;
-  for (; r + 8 <= j.M; r += 8) Tile<8>(j.x, panel, j.y, j.K, j.N, r, c0);
+  for (; r + 8 <= j.M; r += 8, pf += lines * j.K * kLine) {
+    Tile<8>(j.x, panel, j.y, j.K, j.N, r, c0, pf, lines, pf_end);
+  }
   switch (j.M - r) {
-    case 7: Tile<7>(j.x, panel, j.y, j.K, j.N, r, c0); break;
-    case 6: Tile<6>(j.x, panel, j.y, j.K, j.N, r, c0); break;
-    case 5: Tile<5>(j.x, panel, j.y, j.K, j.N, r, c0); break;
-    case 4: Tile<4>(j.x, panel, j.y, j.K, j.N, r, c0); break;
-    case 3: Tile<3>(j.x, panel, j.y, j.K, j.N, r, c0); break;
-    case 2: Tile<2>(j.x, panel, j.y, j.K, j.N, r, c0); break;
-    case 1: Tile<1>(j.x, panel, j.y, j.K, j.N, r, c0); break;
+#define JAXSERVE_TILE(n) \
+    case n: Tile<n>(j.x, panel, j.y, j.K, j.N, r, c0, pf, lines, pf_end); break;
+    JAXSERVE_TILE(7) JAXSERVE_TILE(6) JAXSERVE_TILE(5) JAXSERVE_TILE(4)
+    JAXSERVE_TILE(3) JAXSERVE_TILE(2) JAXSERVE_TILE(1)
+#undef JAXSERVE_TILE
     default: break;
   }
 }
 
-// Claims panels until none are left (the calling thread and the pool's helpers alike).
+// Claims panels until none are left (the calling thread and the pool's helpers alike),
+// each one panel ahead of the one it computes, so that it can prefetch it.
 void Drain(Job& j) {
   int64_t finished = 0;
-  for (int64_t p; (p = j.next.fetch_add(1)) < j.P; ++finished) RunPanel(j, p);
+  for (int64_t p = j.next.fetch_add(1), q; p < j.P; p = q, ++finished) {
+    q = j.next.fetch_add(1);
+    RunPanel(j, p, std::min(q, j.P));
+  }
   if (finished && j.done.fetch_add(finished) + finished == j.P) {
     std::lock_guard<std::mutex> lock(j.mu);
     j.cv.notify_all();
@@ -112,7 +133,12 @@ ffi::Error StackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Drain(*job); });
   Drain(*job);
   // Waits only for panels another thread has claimed: a pool that never starts a helper
-  // cannot deadlock the call.
+  // cannot deadlock the call. Spins briefly first (up to ~0.3 ms): the last helper
+  // usually finishes within microseconds, sooner than a sleeping thread wakes.
+  for (int spin = 0; spin < kSpins && job->done.load(std::memory_order_acquire) != job->P;
+       ++spin) {
+    __builtin_ia32_pause();
+  }
   std::unique_lock<std::mutex> lock(job->mu);
   job->cv.wait(lock, [&] { return job->done.load() == job->P; });
   return ffi::Error::Success();

@@ -39,6 +39,18 @@ def test_every_layer_matches_jnp(weights, rows):
                                    rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [24, 37])
+def test_many_panels_and_row_tiles_match_jnp(rows):
+    # 11 panels over the pool's threads, each claimed one ahead and prefetched while the
+    # one before it runs; 3-5 row tiles share each panel's prefetch.
+    w = np.random.default_rng(3).standard_normal((2, 70, 500)).astype(np.float32)
+    x = np.random.default_rng(rows).standard_normal((rows, 70)).astype(np.float32)
+    fn = jax.jit(lambda x, i: gemm.stacked_gemm(x, gemm.pack(w), i, 500))
+    for layer in range(2):
+        np.testing.assert_allclose(np.asarray(fn(x, layer)), x @ w[layer],
+                                   rtol=1e-5, atol=1e-4)
+
+
 def test_unpack_inverts_pack(weights):
     np.testing.assert_array_equal(np.asarray(gemm.unpack(gemm.pack(weights), 100)), weights)
 
@@ -73,9 +85,9 @@ def test_bad_shapes_are_value_errors(weights):
         gemm.pack(weights[0])
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_panel_model_gives_the_standard_logits(bias):
-    cfg = dataclasses.replace(TINY, qkv_bias=bias, mlp_bias=bias)
+@pytest.mark.parametrize("bias,tied", [(False, False), (True, False), (False, True)])
+def test_panel_model_gives_the_standard_logits(bias, tied):
+    cfg = dataclasses.replace(TINY, qkv_bias=bias, mlp_bias=bias, tie_word_embeddings=tied)
     params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(cfg, seed=3))
     if bias:  # random_params zeroes biases: make them count
         params = jax.tree_util.tree_map_with_path(
@@ -87,15 +99,20 @@ def test_panel_model_gives_the_standard_logits(bias):
              jax.tree_util.tree_leaves_with_path(paneled.params["layers"])]
     assert not [p for p in paths if "kernel" in p]  # packed, not kept twice
     assert any("bias" in p for p in paths) == bias
+    head = paneled.params["embed_tokens" if tied else "lm_head"]
+    assert list(head) == ["panels"]  # the LM head packed too, the tied embedding not kept
+    assert head["panels"].shape == (1, 3, cfg.hidden_size, 48)  # vocab 97: three panels
     ids = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 37)]
     np.testing.assert_allclose(forward_logits(paneled, ids), forward_logits(standard, ids),
                                rtol=1e-4, atol=1e-4)
 
 
-def test_panel_tree_converts_back_and_forth():
-    params = random_params(TINY, seed=5)
-    paneled = Model(TINY, params, backend="cpu", panels=True)
-    back = Model(TINY, paneled.params, backend="xla")  # a panel tree given to xla
+@pytest.mark.parametrize("tied", [False, True])
+def test_panel_tree_converts_back_and_forth(tied):
+    cfg = dataclasses.replace(TINY, tie_word_embeddings=tied)
+    params = random_params(cfg, seed=5)
+    paneled = Model(cfg, params, backend="cpu", panels=True)
+    back = Model(cfg, paneled.params, backend="xla")  # a panel tree given to xla
     assert not panels.is_panel_tree(back.params)
     jax.tree_util.tree_map(np.testing.assert_array_equal, back.params, params)
     hlo = jax.jit(paneled.forward).lower(
