@@ -1,6 +1,6 @@
 """Experiment: the layer loop's matmuls as a C++ custom call that reads each layer's weights
-in place from stacked, panel-packed weights (`scripts/ffi/stacked_gemm.cc`), against the
-model's `nn.scan` form and per-layer buffers (`bench_layer_loop.py`).
+in place from stacked, panel-packed weights (`pallas_kernels/cpu_decode/stacked_gemm.cc`),
+against the model's `nn.scan` form and per-layer buffers (`bench_layer_loop.py`).
 
 At decode batch sizes XLA's CPU matmul gains little from the second thread, and the scan
 copies each layer's weights out of the stack before reading them. The custom call takes
@@ -9,6 +9,12 @@ weights packed contiguously (`pack`: [L, K, N] -> [L, N / 48, K, 48], a load-tim
 The engine's `cpu` backend serves float32 models this way (`models/panels.py`):
 
     python scripts/bench_stacked_gemm.py --batch-sizes 1,8,32,128
+
+`--compare-source` times another version of the kernel's source beside this one, in the
+same process (e.g. the version of a commit before a change to the kernel):
+
+    git show c4feb93:pallas_kernels/cpu_decode/stacked_gemm.cc > /tmp/before.cc
+    python scripts/bench_stacked_gemm.py --compare-source /tmp/before.cc --forms ffi
 """
 
 from __future__ import annotations
@@ -24,24 +30,35 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_layer_loop import layer_weights, scanned, switched, time_forms  # noqa: E402
 
+from pallas_kernels.cpu_decode import gemm  # noqa: E402
+from pallas_kernels.cpu_decode.build import register  # noqa: E402
 from pallas_kernels.cpu_decode.gemm import pack  # noqa: E402
-from pallas_kernels.cpu_decode.gemm import stacked_gemm as _gemm  # noqa: E402
+
+OTHER_TARGET = "jaxserve_bench_stacked_gemm_other"
 
 
-def stacked_gemm(x, panels, layer):
-    """`gemm.stacked_gemm` at the panels' full width."""
-    return _gemm(x, panels, layer, panels.shape[1] * panels.shape[3])
+def stacked_gemm(x, panels, layer, target: str = gemm.TARGET):
+    """`gemm.stacked_gemm` at the panels' full width, through FFI target `target`."""
+    if target == gemm.TARGET:
+        return gemm.stacked_gemm(x, panels, layer, panels.shape[1] * panels.shape[3])
+    out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[1] * panels.shape[3]), jnp.float32)
+    return jax.ffi.ffi_call(target, out)(x, panels, jnp.asarray(layer, jnp.int32))
 
 
-@jax.jit
-def ffi_loop(packed, x):
-    """`bench_layer_loop.layer` over every layer, each matmul a `stacked_gemm`."""
-    def body(i, x):
-        mm = lambda a, name: stacked_gemm(a, packed[name], i)
-        q, k, v = mm(x, "q"), mm(x, "k"), mm(x, "v")
-        x = x + mm(q + jnp.pad(k + v, ((0, 0), (0, q.shape[1] - k.shape[1]))), "o")
-        return x + mm(jax.nn.silu(mm(x, "g")) * mm(x, "u"), "d")
-    return jax.lax.fori_loop(0, packed["q"].shape[0], body, x)
+def ffi_loop_of(target: str):
+    """`bench_layer_loop.layer` over every layer, each matmul a `stacked_gemm` (jitted)."""
+    @jax.jit
+    def loop(packed, x):
+        def body(i, x):
+            mm = lambda a, name: stacked_gemm(a, packed[name], i, target)
+            q, k, v = mm(x, "q"), mm(x, "k"), mm(x, "v")
+            x = x + mm(q + jnp.pad(k + v, ((0, 0), (0, q.shape[1] - k.shape[1]))), "o")
+            return x + mm(jax.nn.silu(mm(x, "g")) * mm(x, "u"), "d")
+        return jax.lax.fori_loop(0, packed["q"].shape[0], body, x)
+    return loop
+
+
+ffi_loop = ffi_loop_of(gemm.TARGET)
 
 
 @jax.jit
@@ -61,17 +78,30 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,8,32,128")
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    p.add_argument("--forms", default="scan,switch,ffi,ffi_sliced",
+                   help="which forms to time (the first is the ratios' baseline)")
+    p.add_argument("--compare-source", default=None,
+                   help="another version of stacked_gemm.cc, timed as form 'other'")
     args = p.parse_args()
     stacked, per_layer = layer_weights()
     packed = jax.block_until_ready({k: pack(w) for k, w in stacked.items()})
     forms = {"scan": (scanned, stacked), "switch": (switched, per_layer),
              "ffi": (ffi_loop, packed), "ffi_sliced": (ffi_sliced, packed)}
+    forms = {n: forms[n] for n in args.forms.split(",")}
+    if args.compare_source:
+        error = register(os.path.abspath(args.compare_source), "StackedGemm", OTHER_TARGET,
+                         f"the kernel of {args.compare_source}", "no 'other' form")
+        if error:
+            raise SystemExit(error)
+        forms["other"] = (ffi_loop_of(OTHER_TARGET), packed)
     hidden = stacked["q"].shape[1]
     for b in (1, 5, 32):  # full tiles and a remainder
         x = jnp.linspace(-0.05, 0.05, b * hidden, dtype=jnp.float32).reshape(b, hidden)
-        for fn in (ffi_loop, ffi_sliced):
-            np.testing.assert_allclose(np.asarray(fn(packed, x)),
-                                       np.asarray(scanned(stacked, x)), rtol=2e-4, atol=2e-4)
+        for name, (fn, w) in forms.items():
+            if w is packed:
+                np.testing.assert_allclose(np.asarray(fn(packed, x)),
+                                           np.asarray(scanned(stacked, x)),
+                                           rtol=2e-4, atol=2e-4, err_msg=name)
     time_forms(forms, hidden, [int(s) for s in args.batch_sizes.split(",")], args.rounds,
                args.iters)
 
