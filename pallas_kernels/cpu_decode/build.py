@@ -1,9 +1,10 @@
 """Compiles `paged_decode.cc` (or another FFI source) with the system C++ compiler into a
 cached shared library.
 
-The library is built once per source, flags and jaxlib version (the FFI headers come with
-jaxlib) under ~/.cache/jaxserve/ffi (or $JAXSERVE_FFI_CACHE), written to a temporary name
-and renamed into place, so processes building at once never load a half-written file.
+The library is built once per source (with the headers beside it, `pool.h`), flags and
+jaxlib version (the FFI headers come with jaxlib) under ~/.cache/jaxserve/ffi (or
+$JAXSERVE_FFI_CACHE), written to a temporary name and renamed into place, so processes
+building at once never load a half-written file.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import jaxlib
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "paged_decode.cc")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "paged_decode.cc")
 # NOTE: -march=native: the library is built on the machine that runs it (the cache key
 # holds the host's CPU flags); -ffast-math lets the compiler vectorize the sums and exp
 # (masked keys are never read, so no inf or NaN enters them). Compiled and linked apart:
@@ -48,9 +50,13 @@ def cache_dir() -> str:
 
 
 def library_path(compiler: str, source: str = SOURCE) -> str:
-    """The cached library's path for `source`, compiler, flags, jaxlib and CPU."""
-    with open(source, "rb") as f:
-        key = hashlib.sha256(f.read())
+    """The cached library's path for `source` and the shared headers, compiler, flags,
+    jaxlib and CPU."""
+    key = hashlib.sha256()
+    headers = sorted(f for f in os.listdir(HERE) if f.endswith(".h"))
+    for path in [source, *(os.path.join(HERE, h) for h in headers)]:
+        with open(path, "rb") as f:
+            key.update(f.read())
     for part in (compiler, " ".join(FLAGS + LINK_FLAGS), jaxlib.__version__, _cpu_flags()):
         key.update(part.encode())
     stem = os.path.splitext(os.path.basename(source))[0]
@@ -96,7 +102,8 @@ def build(source: str = SOURCE, what: str = "the CPU decode kernel") -> ctypes.C
         os.close(fd)
         obj = tmp[:-3] + ".o"
         try:
-            _run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", source, "-o", obj], what)
+            _run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HERE}", "-c", source,
+                  "-o", obj], what)
             _run([*compiler, *LINK_FLAGS, obj, "-o", tmp], what)
             os.replace(tmp, path)
         finally:

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <vector>
 
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -212,10 +213,7 @@ void Drain(Job& j) {
       default: RunItem<0, 0>(j, i, scores); break;
     }
   }
-  if (finished && j.done.fetch_add(finished) + finished == j.items) {
-    std::lock_guard<std::mutex> lock(j.mu);
-    j.cv.notify_all();
-  }
+  jaxserve_cpu::MarkDone(j.done, finished, j.items, j.mu, j.cv);
 }
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
@@ -256,14 +254,13 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   // costs more than they save below ~2k keys x heads (~1 MB of K and V).
   int64_t keys = 0;
   for (int64_t r = 0; r < job->n; ++r) keys += std::max<int32_t>(job->lens[r], 0);
-  const int64_t helpers = keys * job->H < kMinParallelKeys
-                              ? 0 : std::min<int64_t>(pool.num_threads(), job->items - 1);
+  const int64_t helpers =
+      keys * job->H < kMinParallelKeys ? 0 : jaxserve_cpu::Helpers(pool.num_threads(), job->items);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Drain(*job); });
   Drain(*job);
   // NOTE: waits only for items another thread has claimed (and so is running): no wait
   // on a task the pool has not started, so a busy pool cannot deadlock this call.
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->cv.wait(lock, [&] { return job->done.load() == job->items; });
+  jaxserve_cpu::AwaitDone(job->done, job->items, job->mu, job->cv);
   return ffi::Error::Success();
 }
 

@@ -17,8 +17,7 @@
 #include <memory>
 #include <mutex>
 
-#include <sched.h>
-
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -38,7 +37,6 @@ inline v16 Load(const float* p) {
 inline void Store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 constexpr int64_t kLine = 16;  // floats per 64-byte cache line
-constexpr int kSpins = 20000;  // pause instructions before the caller sleeps
 
 // Rows [r0, r0 + RM) of x times one panel into columns [c0, c0 + 48) of y; prefetches
 // `lines` cache lines per k step from `pf` (the next panel's share of this tile) into L2,
@@ -65,16 +63,6 @@ void Tile(const float* x, const float* panel, float* y, int64_t K, int64_t N, in
   for (int i = 0; i < RM; ++i) {
     for (int j = 0; j < 3; ++j) Store(y + (r0 + i) * N + c0 + 16 * j, acc[i][j]);
   }
-}
-
-// CPUs this process may run on: the caller plus this many minus one helpers keep every
-// core busy; a helper more only waits for a core (measured: ~0.7 ms late on 2 cores).
-int64_t Cores() {
-  static const int64_t cores = [] {
-    cpu_set_t set;
-    return sched_getaffinity(0, sizeof(set), &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
-  }();
-  return cores;
 }
 
 struct Job {
@@ -119,10 +107,7 @@ void Drain(Job& j) {
     q = j.next.fetch_add(1);
     RunPanel(j, p, std::min(q, j.P));
   }
-  if (finished && j.done.fetch_add(finished) + finished == j.P) {
-    std::lock_guard<std::mutex> lock(j.mu);
-    j.cv.notify_all();
-  }
+  jaxserve_cpu::MarkDone(j.done, finished, j.P, j.mu, j.cv);
 }
 
 ffi::Error StackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -141,18 +126,10 @@ ffi::Error StackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->w = w.typed_data() + l * wd[1] * wd[2] * kPanel;
   job->y = y->typed_data();
   if (job->P == 0 || job->M == 0) return ffi::Error::Success();
-  const int64_t helpers = std::min<int64_t>({pool.num_threads(), job->P - 1, Cores() - 1});
+  const int64_t helpers = jaxserve_cpu::Helpers(pool.num_threads(), job->P);
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Drain(*job); });
   Drain(*job);
-  // Waits only for panels another thread has claimed: a pool that never starts a helper
-  // cannot deadlock the call. Spins briefly first (up to ~0.3 ms): the last helper
-  // usually finishes within microseconds, sooner than a sleeping thread wakes.
-  for (int spin = 0; spin < kSpins && job->done.load(std::memory_order_acquire) != job->P;
-       ++spin) {
-    __builtin_ia32_pause();
-  }
-  std::unique_lock<std::mutex> lock(job->mu);
-  job->cv.wait(lock, [&] { return job->done.load() == job->P; });
+  jaxserve_cpu::AwaitDone(job->done, job->P, job->mu, job->cv);
   return ffi::Error::Success();
 }
 
