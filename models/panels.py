@@ -98,8 +98,8 @@ def from_panels(params: dict, cfg: ArchConfig) -> dict:
     if "lm_head" in params:
         head["lm_head"] = {"kernel": unpack(params["lm_head"]["panels"], cfg.vocab_size)[0]}
     else:
-        head["embed_tokens"] = {"embedding": jnp.asarray(np.ascontiguousarray(np.asarray(
-            unpack(params["embed_tokens"]["panels"], cfg.vocab_size)[0]).T))}
+        head["embed_tokens"] = {
+            "embedding": unpack(params["embed_tokens"]["panels"], cfg.vocab_size)[0].T}
     return {k: v for k, v in params.items() if k != KEY} | head | {"layers": layers}
 
 

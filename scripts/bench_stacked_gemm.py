@@ -38,9 +38,8 @@ OTHER_TARGET = "jaxserve_bench_stacked_gemm_other"
 
 
 def stacked_gemm(x, panels, layer, target: str = gemm.TARGET):
-    """`gemm.stacked_gemm` at the panels' full width, through FFI target `target`."""
-    if target == gemm.TARGET:
-        return gemm.stacked_gemm(x, panels, layer, panels.shape[1] * panels.shape[3])
+    """`gemm.stacked_gemm` at the panels' full width, through the registered FFI target
+    `target` (the engine's build by default)."""
     out = jax.ShapeDtypeStruct((x.shape[0], panels.shape[1] * panels.shape[3]), jnp.float32)
     return jax.ffi.ffi_call(target, out)(x, panels, jnp.asarray(layer, jnp.int32))
 
@@ -83,6 +82,8 @@ def main() -> None:
     p.add_argument("--compare-source", default=None,
                    help="another version of stacked_gemm.cc, timed as form 'other'")
     args = p.parse_args()
+    if not gemm.available():  # builds and registers the engine's kernel
+        raise SystemExit("the CPU matmul kernel is unavailable here")
     stacked, per_layer = layer_weights()
     packed = jax.block_until_ready({k: pack(w) for k, w in stacked.items()})
     forms = {"scan": (scanned, stacked), "switch": (switched, per_layer),
