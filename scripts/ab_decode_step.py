@@ -15,6 +15,7 @@ and B run the same model, not a test of either attention (the kernel tests are).
     git worktree add /tmp/before HEAD~1
     python scripts/ab_decode_step.py --before /tmp/before --cases 32/128,32/512,256+0,128+384
     python scripts/ab_decode_step.py --backends xla,cpu --cases 1/128,32/128,32/512
+    python scripts/ab_decode_step.py --before /tmp/before --backend cpu --cases 256+384
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ def main() -> None:
     which.add_argument("--backends", help="A,B: two attention backends of this tree")
     ap.add_argument("--cases", default="32/128,32/512",
                     help="batch/context decode steps, chunk+context prefill chunks")
+    ap.add_argument("--backend", default="xla", choices=("xla", "cpu"),
+                    help="with --before: the backend A and B both run (cpu: decode rows "
+                         "and short contexts on the C++ kernel, through either checkout's "
+                         "XLA attention)")
     ap.add_argument("--rounds", type=int, default=21)
     args = ap.parse_args()
     path = default_model_path()
@@ -98,9 +103,10 @@ def main() -> None:
         models["B"] = Model(models["A"].cfg, models["A"].params, backend=b)
         attention = {"A": None, "B": None}
     else:
-        # NOTE: the XLA backend forced: on a GPU/TPU "auto" is Pallas, which never calls
-        # the patched attention, so A and B would be the same program.
-        model = load_model(path, "float32", backend="xla")
+        # NOTE: the XLA backend (or the CPU one, which calls the same function) forced: on
+        # a GPU/TPU "auto" is Pallas, which never calls the patched attention, so A and B
+        # would be the same program.
+        model = load_model(path, "float32", backend=args.backend)
         models = {"A": model, "B": model}
         attention = {"A": load_before(args.before), "B": ops.ragged_paged_attention_xla}
     for case in args.cases.split(","):

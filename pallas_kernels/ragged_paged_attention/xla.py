@@ -20,6 +20,11 @@ splits the tokens into two disjoint kinds, each with its own loops, merged at th
   (engines that verify speculative proposals) requests of a few tokens get a pass of
   their own in small tiles.
 
+With `cpu_decode` (the CPU backend), the C++ kernel that reads pages in place takes the
+decode rows and also every token of the requests whose context is short (each token one
+kernel row, its length its position + 1): below ~800 keys that beat the tiles' gathers,
+masks and small matmuls; longer contexts keep the tiles.
+
 Every key read is masked by the request's length, so free or null pages (even NaN) never
 change a result, as in the reference.
 """
@@ -260,6 +265,7 @@ def ragged_paged_attention_xla(
     decode_rows: int = 32,
     cpu_decode: bool = False,
     cpu_decode_min_rows: int = 8,
+    cpu_context_max_len: int = 768,
 ) -> jax.Array:
     """Causal attention of packed queries over each request's paged K/V (see the module).
 
@@ -287,9 +293,14 @@ def ragged_paged_attention_xla(
         cpu_decode: Decode rows go to the C++ kernel that reads the pool in place
             (`pallas_kernels.cpu_decode`, CPU only) instead of the gathered blocks above;
             pools it does not read (8-bit, bf16) keep the XLA decode part.
-        cpu_decode_min_rows: Steps with fewer decode rows than this (buckets of 1-4
-            tokens) keep the XLA decode part: there the kernel's step was 7-10% slower
+        cpu_decode_min_rows: Steps of fewer tokens than this (buckets of 1-4 tokens)
+            keep the XLA decode part: there the kernel's step was 7-10% slower
             (BENCHMARKS.md), and its attention a millisecond at most.
+        cpu_context_max_len: With the kernel, requests with at most this many keys
+            (their kv_len) send every token to it too, each token a row of one query
+            (it re-reads its request's pages, from the cache); longer ones use the
+            context part's tiles, whose batched matmuls win past ~800 keys
+            (BENCHMARKS.md). 0: decode rows only.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
@@ -301,7 +312,7 @@ def ragged_paged_attention_xla(
     block_kv = max(page_size, block_kv // page_size * page_size)
     window = jnp.asarray(sliding_window, jnp.int32)
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    _, q_pos, valid = token_positions(md, num_tokens)
+    seq_ids, q_pos, valid = token_positions(md, num_tokens)
     q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]  # i32[num_rows]
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap)
 
@@ -309,21 +320,30 @@ def ragged_paged_attention_xla(
     rows = min(md.kv_lens.shape[0], num_tokens)
     row_ids = jnp.arange(rows, dtype=jnp.int32)
     aligned = (md.cu_q_lens[:rows] == row_ids) & (q_lens[:rows] == 1)  # bool[rows]
-    dec_lens = jnp.where(aligned, md.kv_lens[:rows], 0)  # i32[rows]
-    decode_block_kv = max(page_size, decode_block_kv // page_size * page_size)
-    if cpu_decode and supports(kv_pages) and rows >= cpu_decode_min_rows:
-        decode = paged_decode_cpu(qg[:rows], kv_pages, layer, md.block_tables[:rows],
-                                  dec_lens, window, **common)
+    decode_row = jnp.zeros(md.kv_lens.shape[0], bool).at[:rows].set(aligned)  # bool[rows]
+    if cpu_decode and supports(kv_pages) and num_tokens >= cpu_decode_min_rows:
+        # Decode rows and short contexts' tokens: each token a kernel row whose one query
+        # sits at its position (lens = position + 1; 0 leaves the token to the tiles).
+        mine = decode_row | (md.kv_lens <= cpu_context_max_len)  # bool[rows]
+        lens = jnp.where(valid & mine[seq_ids], q_pos + 1, 0)  # i32[num_tokens]
+        decode = paged_decode_cpu(qg, kv_pages, layer, md.block_tables[seq_ids], lens,
+                                  window, **common)
+        taken = mine
     else:
+        dec_lens = jnp.where(aligned, md.kv_lens[:rows], 0)  # i32[rows]
+        decode_block_kv = max(page_size, decode_block_kv // page_size * page_size)
         groups = [slice(i, min(i + decode_rows, rows)) for i in range(0, rows, decode_rows)]
         parts = [_paged_part(qg[g], kv_pages, layer, md.block_tables[g], dec_lens[g],
                              dec_lens[g] - 1, window, block_kv=decode_block_kv, **common)
                  for g in groups]
-        decode = tuple(jnp.concatenate(xs) for xs in zip(*parts, strict=True))
+        pad = num_tokens - rows
+        decode = tuple(jnp.pad(jnp.concatenate(xs), ((0, pad),) + ((0, 0),) * (xs[0].ndim - 1),
+                               constant_values=c)
+                       for xs, c in zip(zip(*parts, strict=True), (0.0, _NEG, 0.0), strict=True))
+        taken = decode_row
 
     # Context part: every other row's whole context, this step's tokens included.
-    decode_row = jnp.zeros(md.kv_lens.shape[0], bool).at[:rows].set(aligned)  # bool[rows]
-    ctx_lens = jnp.where(decode_row | (q_lens == 0), 0, md.kv_lens)  # i32[rows]; padding: 0
+    ctx_lens = jnp.where(taken | (q_lens == 0), 0, md.kv_lens)  # i32[rows]; padding: 0
     state = None
     if md.short_tiles:  # a second loop (~1.3 s more to compile per program on this CPU)
         short = q_lens <= block_q_short  # bool[rows]
@@ -333,9 +353,6 @@ def ragged_paged_attention_xla(
         ctx_lens = jnp.where(short, 0, ctx_lens)
     state = _context_part(qg, kv_pages, layer, md, ctx_lens, q_pos, window,
                           block_kv=block_kv, block_q=block_q, state=state, **common)
-    pad = num_tokens - rows
-    decode = tuple(jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=c)
-                   for x, c in zip(decode, (0.0, _NEG, 0.0), strict=True))
     acc, _, denom = _merge(state, decode)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)

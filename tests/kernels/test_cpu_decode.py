@@ -1,6 +1,7 @@
 """The C++ CPU decode kernel (the "cpu" backend) against the jnp reference: decode rows of
 every geometry, unrolled and generic head sizes, windows, soft caps, empty rows, NaN in free
-pages, pools it does not read; and every way its build can fail."""
+pages, pools it does not read, prefill tokens of short contexts (each a kernel row) beside
+the XLA tiles of long ones; and every way its build can fail."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attenti
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 from tests.kernels.cases import Geometry, tolerance
 from tests.kernels.test_ragged_paged_attention import GEOMETRIES, SM_SCALE
-from tests.kernels.test_ragged_xla import inputs
+from tests.kernels.test_ragged_xla import LAYOUTS, inputs
 
 needs_kernel = pytest.mark.skipif(not op.available(),
                                   reason=f"no CPU decode kernel here: {op.unavailable_reason()}")
@@ -26,11 +27,13 @@ reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale
 
 
 @functools.cache
-def attention(backend: str, min_rows: int = 1):
+def attention(backend: str, min_rows: int = 1, context_max_len: int = 768):
     """The XLA path, its decode rows on the kernel ("cpu") or not ("xla"); the kernel from
-    `min_rows` decode rows on (the test steps have 4 rows, the serving default is 8)."""
+    steps of `min_rows` tokens on (the test steps have 4 rows, the serving default is 8),
+    and for every token of requests with at most `context_max_len` keys."""
     return jax.jit(functools.partial(ragged_paged_attention_xla, cpu_decode=backend == "cpu",
-                                     cpu_decode_min_rows=min_rows),
+                                     cpu_decode_min_rows=min_rows,
+                                     cpu_context_max_len=context_max_len),
                    static_argnames=("sm_scale", "soft_cap"))
 
 
@@ -142,12 +145,64 @@ def test_non_positive_soft_cap_is_an_error():
 
 
 @needs_kernel
-def test_mixed_steps_merge_decode_rows_with_chunks():
-    # Decode rows (the kernel) beside a prefill chunk (the XLA context part).
+@pytest.mark.parametrize("context_max_len", [0, 30])
+def test_mixed_steps_merge_decode_rows_with_chunks(context_max_len):
+    # Decode rows (the kernel) beside a prefill chunk of 26 keys: on the XLA context part's
+    # tiles at 0, on the kernel (one row per token) at 30.
     q, kv_pages, md = inputs(GEOMETRIES[3], [1, 1, 1, 20], [9, 30, 2, 26], seed=3)
     want = np.asarray(reference(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=4))
-    got = np.asarray(attention("cpu")(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=4))
+    got = np.asarray(attention("cpu", context_max_len=context_max_len)(
+        q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=4))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+# Every token on the kernel, long contexts on the tiles and short ones on the kernel (the
+# layouts' contexts are 2-48 keys), every prompt token on the tiles.
+CONTEXT_MAX_LENS = [10**6, 20, 0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("context_max_len", CONTEXT_MAX_LENS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_prefill_tokens_of_short_contexts_match_reference(layout, context_max_len):
+    # Chunks, fresh prompts and verifying rows, each request on whichever side its context
+    # length puts it, in a sliding window (so a token's first keys are skipped too).
+    q, kv_pages, md = inputs(GEOMETRIES[3], *LAYOUTS[layout], seed=4)
+    common = dict(sm_scale=SM_SCALE, sliding_window=5)
+    want = np.asarray(reference(q, kv_pages, 1, md, **common))
+    got = np.asarray(attention("cpu", context_max_len=context_max_len)(q, kv_pages, 1, md,
+                                                                        **common))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    padded = int(np.asarray(md.cu_q_lens)[-1])
+    assert not got[padded:].any(), "padded tokens must produce zeros"
+
+
+@needs_kernel
+@pytest.mark.parametrize("g", [Geometry(8, 2, 12, 32), GEOMETRIES[1]], ids=str)
+def test_prefill_tokens_on_the_kernel_with_a_soft_cap(g):
+    # A generic head size and the unrolled head size 128, every token on the kernel.
+    q, kv_pages, md = inputs(g, [13, 1, 6, 0], [13, 40, 30, 0], seed=5)
+    q = q * 4.0
+    common = dict(sm_scale=SM_SCALE, soft_cap=2.0)
+    want = np.asarray(reference(q, kv_pages, 1, md, **common), np.float32)
+    got = np.asarray(attention("cpu", context_max_len=10**6)(q, kv_pages, 1, md, **common),
+                     np.float32)
+    np.testing.assert_allclose(got, want, atol=tolerance(g.dtype), rtol=0)
+
+
+@needs_kernel
+def test_short_contexts_change_route_with_the_threshold():
+    # The same step through the kernel and through the tiles: equal to rounding, but not
+    # bit for bit, so the threshold does move the prompt's tokens between the two.
+    q, kv_pages, md = inputs(GEOMETRIES[3], [20, 1, 0, 0], [20, 9, 0, 0], seed=6)
+    kernel = np.asarray(attention("cpu", context_max_len=20)(q, kv_pages, 1, md,
+                                                             sm_scale=SM_SCALE))
+    tiles = np.asarray(attention("cpu", context_max_len=19)(q, kv_pages, 1, md,
+                                                            sm_scale=SM_SCALE))
+    np.testing.assert_allclose(kernel, tiles, atol=2e-5, rtol=0)
+    assert not np.array_equal(kernel[:20], tiles[:20])
+    np.testing.assert_array_equal(kernel[20], tiles[20])  # the decode row: the kernel both
 
 
 @needs_kernel
@@ -175,8 +230,8 @@ def test_kernel_state_of_an_empty_row():
 
 @needs_kernel
 def test_small_steps_keep_the_xla_decode_part():
-    # Through the backend interface: the kernel from 8 decode rows on, not at 4.
-    g = GEOMETRIES[3]
+    # Through the backend interface: the kernel in steps of 8 tokens on, not of 4.
+    g = Geometry(16, 3, 3, 64, num_tokens=4)
     q, kv_pages, md = decode_inputs(g, KV_LENS)
     big = Geometry(16, 3, 3, 64, num_seqs=8, num_tokens=8, num_pages=64)
     qb, kv_big, md_big = decode_inputs(big, [5, 30, 17, 2, 40, 1, 64, 9])
