@@ -111,11 +111,13 @@ def main() -> None:
         attention = {"A": load_before(args.before), "B": ops.ragged_paged_attention_xla}
     for case in args.cases.split(","):
         steps = {k: compiled_step(models[k], tok, attention[k], case) for k in ("A", "B")}
-        # NOTE: 2e-3, not tighter: two attention routes sum in different orders, and 30
-        # layers take that to ~6e-4 on logits of magnitude ~10 (the kernel tests are the
+        # NOTE: 2e-3 where the cpu backend runs: its prompt tokens' attention may take
+        # another route in A than in B (kernel or tiles), which sums in another order, and
+        # 30 layers take that to ~6e-4 on logits of magnitude ~10 (the kernel tests are the
         # exact check).
+        tol = 2e-4 if args.before and args.backend == "xla" else 2e-3
         np.testing.assert_allclose(np.asarray(steps["A"][4]), np.asarray(steps["B"][4]),
-                                   rtol=2e-3, atol=2e-3)
+                                   rtol=tol, atol=tol)
         times = {"A": [], "B": []}
         for i in range(args.rounds + 2):  # two untimed rounds first
             for name in ("A", "B") if i % 2 == 0 else ("B", "A"):

@@ -322,9 +322,10 @@ def ragged_paged_attention_xla(
     aligned = (md.cu_q_lens[:rows] == row_ids) & (q_lens[:rows] == 1)  # bool[rows]
     decode_row = jnp.zeros(md.kv_lens.shape[0], bool).at[:rows].set(aligned)  # bool[rows]
     if cpu_decode and supports(kv_pages) and num_tokens >= cpu_decode_min_rows:
-        # Decode rows and short contexts' tokens: each token a kernel row whose one query
-        # sits at its position (lens = position + 1; 0 leaves the token to the tiles).
-        mine = decode_row | (md.kv_lens <= cpu_context_max_len)  # bool[rows]
+        # Single-token rows (decodes, wherever they sit) and short contexts' tokens: each
+        # token a kernel row whose one query sits at its position (lens = position + 1;
+        # 0 leaves the token to the tiles).
+        mine = (q_lens == 1) | (md.kv_lens <= cpu_context_max_len)  # bool[rows]
         lens = jnp.where(valid & mine[seq_ids], q_pos + 1, 0)  # i32[num_tokens]
         decode = paged_decode_cpu(qg, kv_pages, layer, md.block_tables[seq_ids], lens,
                                   window, **common)

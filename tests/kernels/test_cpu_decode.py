@@ -5,9 +5,12 @@ the XLA tiles of long ones; and every way its build can fail."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import importlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,6 +22,9 @@ from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 from tests.kernels.cases import Geometry, tolerance
 from tests.kernels.test_ragged_paged_attention import GEOMETRIES, SM_SCALE
 from tests.kernels.test_ragged_xla import LAYOUTS, inputs
+
+# NOTE: by name: the package's `ragged_paged_attention` attribute is the function.
+XLA_MODULE = importlib.import_module("pallas_kernels.ragged_paged_attention.xla")
 
 needs_kernel = pytest.mark.skipif(not op.available(),
                                   reason=f"no CPU decode kernel here: {op.unavailable_reason()}")
@@ -189,6 +195,36 @@ def test_prefill_tokens_on_the_kernel_with_a_soft_cap(g):
     got = np.asarray(attention("cpu", context_max_len=10**6)(q, kv_pages, 1, md, **common),
                      np.float32)
     np.testing.assert_allclose(got, want, atol=tolerance(g.dtype), rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("context_max_len", [10**6, 30, 0])
+def test_each_token_takes_one_route(monkeypatch, context_max_len):
+    # With the kernel answering "no keys" for every row, the tokens routed to it come out
+    # exactly zero and the others still match the reference: no token is left to both
+    # routes (it would match) or to neither (the reference check above). Verifying rows
+    # beside a chunk, with the short tiles' pass: contexts 9-46 keys, one decode row; at
+    # 30 the 23-key request is the kernel's, the 40- and 46-key ones the tiles'.
+    q_lens, kv_lens = LAYOUTS["verifying_rows_beside_a_chunk"]
+    q, kv_pages, md = inputs(GEOMETRIES[3], q_lens, kv_lens, seed=7)
+    md = dataclasses.replace(md, short_tiles=True)
+
+    def nothing(q, *args, **kwargs):
+        n, k, g, d = q.shape
+        return (jnp.zeros((n, k, g, d)), jnp.full((n, k, g), -1e30), jnp.zeros((n, k, g)))
+
+    monkeypatch.setattr(XLA_MODULE, "paged_decode_cpu", nothing)
+    fn = jax.jit(functools.partial(ragged_paged_attention_xla, cpu_decode=True,
+                                   cpu_decode_min_rows=1, cpu_context_max_len=context_max_len),
+                 static_argnames=("sm_scale",))
+    got = np.asarray(fn(q, kv_pages, 1, md, sm_scale=SM_SCALE))
+    want = np.asarray(reference(q, kv_pages, 1, md, sm_scale=SM_SCALE))
+    for row, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        tokens = slice(sum(q_lens[:row]), sum(q_lens[:row + 1]))
+        if q_len == 1 or kv_len <= context_max_len:
+            assert not got[tokens].any(), f"row {row}: its tokens reached the tiles too"
+        else:
+            np.testing.assert_allclose(got[tokens], want[tokens], atol=2e-5, rtol=0)
 
 
 @needs_kernel
