@@ -316,21 +316,19 @@ def ragged_paged_attention_xla(
     q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]  # i32[num_rows]
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap)
 
-    # Decode part: row i's single token is token i.
-    rows = min(md.kv_lens.shape[0], num_tokens)
-    row_ids = jnp.arange(rows, dtype=jnp.int32)
-    aligned = (md.cu_q_lens[:rows] == row_ids) & (q_lens[:rows] == 1)  # bool[rows]
-    decode_row = jnp.zeros(md.kv_lens.shape[0], bool).at[:rows].set(aligned)  # bool[rows]
     if cpu_decode and supports(kv_pages) and num_tokens >= cpu_decode_min_rows:
         # Single-token rows (decodes, wherever they sit) and short contexts' tokens: each
         # token a kernel row whose one query sits at its position (lens = position + 1;
         # 0 leaves the token to the tiles).
-        mine = (q_lens == 1) | (md.kv_lens <= cpu_context_max_len)  # bool[rows]
-        lens = jnp.where(valid & mine[seq_ids], q_pos + 1, 0)  # i32[num_tokens]
+        taken = (q_lens == 1) | (md.kv_lens <= cpu_context_max_len)  # bool[rows]
+        lens = jnp.where(valid & taken[seq_ids], q_pos + 1, 0)  # i32[num_tokens]
         decode = paged_decode_cpu(qg, kv_pages, layer, md.block_tables[seq_ids], lens,
                                   window, **common)
-        taken = mine
     else:
+        # Decode part: row i's single token is token i.
+        rows = min(md.kv_lens.shape[0], num_tokens)
+        row_ids = jnp.arange(rows, dtype=jnp.int32)
+        aligned = (md.cu_q_lens[:rows] == row_ids) & (q_lens[:rows] == 1)  # bool[rows]
         dec_lens = jnp.where(aligned, md.kv_lens[:rows], 0)  # i32[rows]
         decode_block_kv = max(page_size, decode_block_kv // page_size * page_size)
         groups = [slice(i, min(i + decode_rows, rows)) for i in range(0, rows, decode_rows)]
@@ -341,7 +339,7 @@ def ragged_paged_attention_xla(
         decode = tuple(jnp.pad(jnp.concatenate(xs), ((0, pad),) + ((0, 0),) * (xs[0].ndim - 1),
                                constant_values=c)
                        for xs, c in zip(zip(*parts, strict=True), (0.0, _NEG, 0.0), strict=True))
-        taken = decode_row
+        taken = jnp.zeros(md.kv_lens.shape[0], bool).at[:rows].set(aligned)  # bool[rows]
 
     # Context part: every other row's whole context, this step's tokens included.
     ctx_lens = jnp.where(taken | (q_lens == 0), 0, md.kv_lens)  # i32[rows]; padding: 0
