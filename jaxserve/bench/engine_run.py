@@ -158,7 +158,8 @@ def step_summary(steps: list[StepRecord]) -> dict:
 
 def run_trace(engine, trace: list[TraceRequest], token_ids: list[list[int]] | None = None, *,
               replay_arrivals: bool = False, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None, prefix: str = "bench") -> RunResult:
+              slo_tpot_ms: float | None = None, prefix: str = "bench",
+              sampling: dict | None = None) -> RunResult:
     """Runs every request of `trace` to its `output_len` (EOS ignored) on `engine`.
 
     Args:
@@ -168,6 +169,8 @@ def run_trace(engine, trace: list[TraceRequest], token_ids: list[list[int]] | No
         replay_arrivals: Add each request at its arrival time (wall clock); otherwise all
             at once at the start (offline throughput).
         slo_ttft_ms, slo_tpot_ms: Goodput bounds passed to `summarize`.
+        sampling: `SamplingParams` fields for every request (say temperature, top_p,
+            top_k); default greedy. Request i is seeded with i, so runs draw alike.
 
     Returns:
         Summary (the `summarize` fields, plus step means, prefix hit rate and preemptions),
@@ -194,8 +197,9 @@ def run_trace(engine, trace: list[TraceRequest], token_ids: list[list[int]] | No
                 r = trace[i]
                 timings[i].arrival = r.arrival_time if replay_arrivals else 0.0
                 engine.add_request(f"{prefix}-{i}", {"prompt_token_ids": token_ids[i]},
-                                   SamplingParams(max_tokens=r.output_len, ignore_eos=True,
-                                                  temperature=0.0, detokenize=True))
+                                   SamplingParams(**{"temperature": 0.0, **(sampling or {})},
+                                                  max_tokens=r.output_len, ignore_eos=True,
+                                                  detokenize=True, seed=i))
                 nxt += 1
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, trace[order[nxt]].arrival_time - now))

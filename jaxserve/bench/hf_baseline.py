@@ -59,8 +59,13 @@ def load_hf_model(path: str, dtype: str = "float32"):
 
 
 def run_hf_static(model, trace: list[TraceRequest], token_ids: list[list[int]], *,
-                  batch_size: int = 16, pad_token_id: int = 0) -> dict:
+                  batch_size: int = 16, pad_token_id: int = 0,
+                  sampling: dict | None = None) -> dict:
     """Runs the trace through `model.generate` in static padded batches.
+
+    Args:
+        sampling: temperature / top_p / top_k as the engine gets them; greedy without
+            (or at temperature 0).
 
     Returns:
         The `summarize` fields over useful tokens (all requests arrive at time 0), plus
@@ -87,11 +92,16 @@ def run_hf_static(model, trace: list[TraceRequest], token_ids: list[list[int]], 
             mask[row, width - len(p):] = 1
         return ids, mask
 
+    opts = {"do_sample": False}
+    if sampling and sampling.get("temperature", 0.0) > 0:
+        opts = {"do_sample": True, "temperature": sampling["temperature"],
+                "top_p": sampling.get("top_p", 1.0), "top_k": sampling.get("top_k", 0) or 0}
+
     def generate(ids, mask, new, processors):
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, pad_token_id=pad_token_id,
-                           logits_processor=LogitsProcessorList(processors))
+                           min_new_tokens=new, pad_token_id=pad_token_id,
+                           logits_processor=LogitsProcessorList(processors), **opts)
 
     # NOTE: PyTorch's first generate call in a process is several times slower than later
     # ones (allocator and kernel set-up); a short call at the batch size warms it, as the

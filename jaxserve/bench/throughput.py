@@ -44,7 +44,8 @@ def breakdown(steps: list[StepRecord]) -> dict:
 
 def compare_modes(model, tokenizer, trace: list[TraceRequest], modes: list[str],
                   engine_args: dict, *, hf_model=None, hf_batch_size: int = 16,
-                  peer: tuple[str, str] | None = None, log=print) -> dict:
+                  peer: tuple[str, str] | None = None, sampling: dict | None = None,
+                  log=print) -> dict:
     """Runs `trace` in every mode (and the transformers baseline); returns results by name.
 
     Args:
@@ -52,6 +53,8 @@ def compare_modes(model, tokenizer, trace: list[TraceRequest], modes: list[str],
             `llama-server`) serving the same model: the same prompt ids are streamed to
             its `/v1/completions` after the engine modes (`serve_client`), as one more
             row.
+        sampling: `SamplingParams` fields for every request (temperature, top_p, top_k);
+            default greedy. The transformers baseline samples with the same settings.
 
     Each entry: `summary` (the `summarize` fields + step means), `breakdown`,
     `warmup_s` and, for engine modes, `run` (the JSON of the run for plots).
@@ -64,7 +67,7 @@ def compare_modes(model, tokenizer, trace: list[TraceRequest], modes: list[str],
         warm = time.perf_counter() - t0
         log(f"[{mode}] engine ready in {warm:.1f}s (buckets {llm.engine.runner.buckets}); "
             f"running {len(trace)} requests")
-        res: RunResult = run_trace(llm.engine, trace, ids, prefix=mode)
+        res: RunResult = run_trace(llm.engine, trace, ids, prefix=mode, sampling=sampling)
         results[mode] = {"summary": res.summary, "breakdown": breakdown(res.steps),
                          "warmup_s": warm, "run": res.to_json()}
         log(f"[{mode}] {res.summary['output_throughput']:.2f} output tok/s in "
@@ -75,7 +78,8 @@ def compare_modes(model, tokenizer, trace: list[TraceRequest], modes: list[str],
         from jaxserve.bench.hf_baseline import run_hf_static
 
         log(f"[{BASELINE}] batches of {hf_batch_size}")
-        summ = run_hf_static(hf_model, trace, ids, batch_size=hf_batch_size)
+        summ = run_hf_static(hf_model, trace, ids, batch_size=hf_batch_size,
+                             sampling=sampling)
         results[BASELINE] = {"summary": summ, "breakdown": {}, "warmup_s": 0.0}
         log(f"[{BASELINE}] {summ['output_throughput']:.2f} output tok/s in "
             f"{summ['duration']:.1f}s")

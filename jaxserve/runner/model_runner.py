@@ -206,9 +206,10 @@ class ModelRunner:
         n = len(pending.row_request_ids)
         topk_ids = None if res.topk_token_ids is None else res.topk_token_ids[:n]
         topk_lp = None if res.topk_logprobs is None else res.topk_logprobs[:n]
-        return StepResult(pending.row_request_ids, res.token_ids[:n], res.logprobs[:n],
-                          res.token_ranks[:n], topk_ids, topk_lp, pending.num_padded_tokens,
-                          prompt_lp)
+        logprobs = None if res.logprobs is None else res.logprobs[:n]
+        ranks = None if res.token_ranks is None else res.token_ranks[:n]
+        return StepResult(pending.row_request_ids, res.token_ids[:n], logprobs, ranks,
+                          topk_ids, topk_lp, pending.num_padded_tokens, prompt_lp)
 
     def _dispatch(self, out: SchedulerOutput, sampling: SamplingMetadata,
                   variant: str | None, prompt_targets: np.ndarray | None,

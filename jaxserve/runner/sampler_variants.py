@@ -6,7 +6,8 @@ per bucket. The runner instead promotes each step to one of three variants:
     "greedy":   every row greedy, no penalties, banned tokens or logprobs.
     "sample":   random rows with top-k/top-p/min-p filtering; nothing else.
     "full":     everything on (filtering, penalties, banned tokens, logit bias and allowed
-                ids, structured-output bitmask, 20 logprobs).
+                ids, structured-output bitmask, the sampled tokens' logprobs and 20 top
+                logprobs).
 
 Promotion only adds stages that are identities for rows that do not use them (penalty 0,
 repetition 1, pad token ids, top-k 0, top-p 1), so every variant samples the same tokens.
@@ -32,7 +33,7 @@ VARIANTS = ("greedy", "sample", "full")
 def variant_of(md: SamplingMetadata) -> str:
     """The cheapest variant that covers every stage `md` needs."""
     if md.has_penalties or md.has_banned_tokens or md.max_num_logprobs \
-            or md.has_logit_controls or md.has_bitmask:
+            or md.needs_logprobs or md.has_logit_controls or md.has_bitmask:
         return "full"
     if md.all_greedy and not md.needs_filtering:
         return "greedy"
@@ -87,6 +88,7 @@ def promote(md: SamplingMetadata, variant: str, vocab_size: int, penalty_len: in
     return dataclasses.replace(
         md, all_greedy=False, needs_filtering=True, has_penalties=True,
         has_banned_tokens=True, max_num_logprobs=min(MAX_LOGPROBS, vocab_size),
+        needs_logprobs=True,
         prompt_token_ids=widen(md.prompt_token_ids, penalty_len),
         output_token_ids=widen(md.output_token_ids, penalty_len),
         banned_token_ids=widen(md.banned_token_ids, banned_len),

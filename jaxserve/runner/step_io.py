@@ -66,8 +66,9 @@ class StepResult:
     Attributes:
         row_request_ids: Request of each row.
         token_ids: i32[num_rows] sampled ids.
-        logprobs: f32[num_rows] raw log-probability of each sampled id.
-        token_ranks: i32[num_rows] rank of each sampled id (1 = most likely).
+        logprobs: f32[num_rows] raw log-probability of each sampled id; None when no
+            row asked for logprobs.
+        token_ranks: i32[num_rows] rank of each sampled id (1 = most likely), or None.
         topk_token_ids: i32[num_rows, K] or None.
         topk_logprobs: f32[num_rows, K] or None.
         num_padded_tokens: Padding in the token bucket (for the waste metric).
@@ -77,8 +78,8 @@ class StepResult:
 
     row_request_ids: list[str]
     token_ids: np.ndarray
-    logprobs: np.ndarray
-    token_ranks: np.ndarray
+    logprobs: np.ndarray | None
+    token_ranks: np.ndarray | None
     topk_token_ids: np.ndarray | None
     topk_logprobs: np.ndarray | None
     num_padded_tokens: int

@@ -33,7 +33,8 @@ ALLOWED_LEN = MAX_ALLOWED_TOKEN_IDS
                  "bias_token_ids", "bias_values", "allowed_token_ids", "restricted",
                  "token_bitmask"],
     meta_fields=["all_greedy", "needs_filtering", "has_penalties", "has_banned_tokens",
-                 "max_num_logprobs", "has_logit_controls", "has_bitmask"],
+                 "max_num_logprobs", "needs_logprobs", "has_logit_controls",
+                 "has_bitmask"],
 )
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
@@ -78,6 +79,8 @@ class SamplingMetadata:
         has_banned_tokens: Static; `banned_token_ids` is present.
         max_num_logprobs: Static; top alternatives returned per row, 0 or MAX_LOGPROBS
             (capped at V).
+        needs_logprobs: Static; the sampled tokens' logprobs and ranks are computed (some
+            row asked for logprobs). Off, the sampler skips the log-softmax over [R, V].
         has_logit_controls: Static; the logit-bias and allowed-id arrays are present.
         has_bitmask: Static; `token_bitmask` is present.
     """
@@ -104,6 +107,7 @@ class SamplingMetadata:
     has_penalties: bool = False
     has_banned_tokens: bool = False
     max_num_logprobs: int = 0
+    needs_logprobs: bool = True
     has_logit_controls: bool = False
     has_bitmask: bool = False
 
@@ -230,6 +234,7 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
         needs_filtering=bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0.0).any()),
         has_penalties=has_penalties, has_banned_tokens=has_banned,
         max_num_logprobs=min(logprobs_bucket(max_logprobs), int(vocab_size)),
+        needs_logprobs=any(p.logprobs is not None for p in params),
         has_logit_controls=bool(controls), **controls,
         token_bitmask=bitmask, has_bitmask=bitmask is not None)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxserve.sample.filters import apply_filters
 from jaxserve.sample.logprobs import gather_logprobs
 from jaxserve.sample.metadata import SamplingMetadata
+from jaxserve.sample.rowwise import argmax_rows, categorical_rows
 from jaxserve.sampling_params import SAMPLING_EPS
 
 
@@ -29,6 +30,7 @@ class SamplerOutput:
         logprobs: f32[R] raw log-softmax (model logits, before penalties and temperature)
             of each sampled token; vLLM v1's default "raw_logprobs" mode.
         token_ranks: i32[R] rank of each sampled token under the raw logprobs (1 = top).
+            Both are None when no row asked for logprobs (`needs_logprobs` off).
         topk_token_ids: i32[R, K] or None when K = max_num_logprobs = 0.
         topk_logprobs: f32[R, K] or None; raw logprobs of those alternatives, descending.
     """
@@ -118,10 +120,10 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
 
 
 def random_sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array) -> jax.Array:
-    """Draws one token per row from softmax(logits) with the Gumbel-max trick.
+    """Draws one token per row from softmax(logits).
 
-    Row r uses the key `fold_in(key(seeds[r]), counters[r])` and draws noise of shape [V]
-    from it alone, so its token depends only on its logits, seed and counter.
+    Row r inverts its CDF at one uniform number from the key `fold_in(key(seeds[r]),
+    counters[r])`, so its token depends only on its logits, seed and counter.
 
     Args:
         logits: f32[R, V]; -inf entries are never drawn.
@@ -131,14 +133,12 @@ def random_sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array) -> j
     Returns:
         i32[R] token ids.
     """
-    vocab_size = logits.shape[-1]
 
-    def row_noise(seed: jax.Array, counter: jax.Array) -> jax.Array:
+    def row_uniform(seed: jax.Array, counter: jax.Array) -> jax.Array:
         key = jax.random.fold_in(jax.random.key(seed), counter)
-        return jax.random.gumbel(key, (vocab_size,), jnp.float32)  # f32[V]
+        return jax.random.uniform(key, (), jnp.float32)  # f32[] in [0, 1)
 
-    noise = jax.vmap(row_noise)(seeds, counters)  # f32[R, V]
-    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
+    return categorical_rows(logits, jax.vmap(row_uniform)(seeds, counters))
 
 
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
@@ -146,7 +146,8 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
 
     Order as in vLLM v1: banned ids (min_tokens, bad words) -> allowed ids -> logit bias ->
     structured-output bitmask -> penalties -> greedy rows take the
-    argmax -> temperature -> min-p, top-k, top-p -> seeded Gumbel-max draw. The filters
+    argmax -> temperature -> min-p, top-k, top-p -> seeded draw (the CDF inverted at
+    one uniform number per row). The filters
     are compiled only when `md.needs_filtering`, the draw only when not `md.all_greedy`.
 
     Args:
@@ -154,10 +155,11 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
         md: The step's SamplingMetadata (NumPy or device arrays).
 
     Returns:
-        SamplerOutput; logprobs are the raw log-softmax of `logits`.
+        SamplerOutput; logprobs are the raw log-softmax of `logits` (None without
+        `md.needs_logprobs`).
     """
     logits = logits.astype(jnp.float32)  # f32[R, V]
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[R, V]
+    raw_logits = logits
     if md.has_banned_tokens:
         logits = apply_banned_tokens(logits, md.banned_token_ids)
     if md.has_logit_controls:
@@ -166,7 +168,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
         logits = apply_token_bitmask(logits, md.token_bitmask)
     if md.has_penalties:
         logits = apply_penalties(logits, md)
-    token_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[R]
+    token_ids = argmax_rows(logits)  # i32[R]
     if not md.all_greedy:
         temperature = jnp.asarray(md.temperature, jnp.float32)  # f32[R]
         is_greedy = temperature < SAMPLING_EPS  # bool[R]
@@ -176,7 +178,9 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
                                    jnp.asarray(md.min_p))
         random_ids = random_sample(scaled, jnp.asarray(md.seeds), jnp.asarray(md.counters))
         token_ids = jnp.where(is_greedy, token_ids, random_ids)
+    if not md.needs_logprobs:
+        return SamplerOutput(token_ids=token_ids, logprobs=None, token_ranks=None)
     token_logprobs, ranks, topk_ids, topk_logprobs = gather_logprobs(
-        raw_logprobs, token_ids, md.max_num_logprobs)
+        jax.nn.log_softmax(raw_logits, axis=-1), token_ids, md.max_num_logprobs)
     return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, token_ranks=ranks,
                          topk_token_ids=topk_ids, topk_logprobs=topk_logprobs)

@@ -35,6 +35,7 @@ from jaxserve.request import Request
 from jaxserve.runner import compile_counter
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
+from jaxserve.sample.rowwise import argmax_rows
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.speculator import Speculator
@@ -88,7 +89,7 @@ def _propose_loop(model, num_steps: int, page_size: int, params, kv_pages, ids, 
         md = AttentionMetadata(jnp.where(real, page * page_size + pos % page_size, 0), tables,
                                jnp.where(real, pos + 1, 0), cu_q_lens)
         kv_pages, hidden = model.forward(params, ids, pos, kv_pages, md)
-        nxt = jnp.argmax(model.compute_logits(params, hidden), axis=-1).astype(jnp.int32)
+        nxt = argmax_rows(model.compute_logits(params, hidden))  # i32[R]
         return kv_pages, nxt, out.at[:, j].set(nxt)
 
     out = jnp.zeros((num_rows, num_steps), jnp.int32)  # i32[R, num_steps]

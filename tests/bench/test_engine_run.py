@@ -45,6 +45,25 @@ def test_every_request_gets_its_tokens_and_steps_add_up(runs):
         assert 0 < s["max_kv_usage"] <= 1 and s["num_compilations"] == 0
 
 
+def test_a_sampled_run_seeds_each_request(tiny):
+    model, tok = tiny
+    llm = make_llm(model, tok, "continuous+chunked", **ARGS)
+    engine, seen = llm.engine, []
+    add = engine.add_request
+
+    def recording(request_id, prompt, params, *a, **kw):
+        seen.append(params)
+        return add(request_id, prompt, params, *a, **kw)
+
+    engine.add_request = recording
+    res = run_trace(engine, TRACE, prefix="sampled",
+                    sampling={"temperature": 0.8, "top_p": 0.9, "top_k": 20})
+    assert res.summary["completed"] == len(TRACE)
+    assert res.summary["total_output_tokens"] == sum(t.output_len for t in TRACE)
+    assert {(p.temperature, p.top_p, p.top_k) for p in seen} == {(0.8, 0.9, 20)}
+    assert sorted(p.seed for p in seen) == list(range(len(TRACE)))
+
+
 def test_static_waits_for_its_batch_and_chunked_does_not(runs):
     static, chunked = runs["static"]["summary"], runs["continuous+chunked"]["summary"]
     assert chunked["mean_batch_size"] > static["mean_batch_size"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from jaxserve.sampling_params import SamplingParams as SP
 V, R = 64, 8  # vocab and rows: small, one compile per variant
 PENALTY_LEN, BANNED_LEN = 32, 16
 FLAGS = ("all_greedy", "needs_filtering", "has_penalties", "has_banned_tokens",
-         "max_num_logprobs")
+         "max_num_logprobs", "needs_logprobs")
 sample_jit = jax.jit(sample)
 
 
@@ -33,6 +35,7 @@ PENALISED = [RowSpec(SP(temperature=0.9, repetition_penalty=1.3, presence_penalt
                      [1, 2, 3], [4, 4, 5], seed=7)]
 BANNED = [RowSpec(SP(temperature=0.0, min_tokens=4, stop_token_ids=[9, 10]), (), [1])]
 LOGPROBS = [RowSpec(SP(temperature=0.0, logprobs=3))]
+TOKEN_LOGPROB = [RowSpec(SP(temperature=0.0, logprobs=0))]  # only the sampled token's
 CONTROLS = [RowSpec(SP(temperature=0.0, logit_bias={5: 50.0, 0: -100.0})),
             RowSpec(SP(temperature=0.9, allowed_token_ids=[1, 2, 3]), seed=4)]
 
@@ -40,6 +43,7 @@ CONTROLS = [RowSpec(SP(temperature=0.0, logit_bias={5: 50.0, 0: -100.0})),
 @pytest.mark.parametrize("rows,expected", [
     (GREEDY, "greedy"), (RANDOM, "sample"), (GREEDY + RANDOM[:2], "sample"),
     (FILTERED, "sample"), (GREEDY + PENALISED, "full"), (BANNED, "full"), (LOGPROBS, "full"),
+    (GREEDY + TOKEN_LOGPROB, "full"), (RANDOM + TOKEN_LOGPROB, "full"),
     (GREEDY + CONTROLS, "full"),
     ([RowSpec(SP(temperature=0.0, top_k=3))], "greedy")])  # greedy drops its filters
 def test_variant_of_is_the_cheapest_that_covers_the_step(rows, expected):
@@ -48,12 +52,12 @@ def test_variant_of_is_the_cheapest_that_covers_the_step(rows, expected):
 
 def test_each_variant_sets_its_flags():
     md = md_of(GREEDY)
-    assert flags(md) == (True, False, False, False, 0)
+    assert flags(md) == (True, False, False, False, 0, False)
     assert promote(md, "greedy", V, PENALTY_LEN, BANNED_LEN) is md
     assert flags(promote(md, "sample", V, PENALTY_LEN, BANNED_LEN)) == (
-        False, True, False, False, 0)
+        False, True, False, False, 0, False)
     full = promote(md, "full", V, PENALTY_LEN, BANNED_LEN)
-    assert flags(full) == (False, True, True, True, min(MAX_LOGPROBS, V))
+    assert flags(full) == (False, True, True, True, min(MAX_LOGPROBS, V), True)
     assert flags(promote(md_of(GREEDY), "full", 8, 4, 4))[4] == 8  # logprobs capped at V
     # Absent id arrays become all-padding arrays of the compiled widths.
     for name, width in (("prompt_token_ids", PENALTY_LEN), ("output_token_ids", PENALTY_LEN),
@@ -118,13 +122,20 @@ def test_promotion_samples_the_same_tokens(rows):
     md = md_of(rows)
     need = VARIANTS.index(variant_of(md))
     ref = jax.tree.map(np.asarray, sample_jit(logits, md))
+    # The raw logprobs and ranks "full" adds, as the sampler gives them when asked.
+    lp = jax.tree.map(np.asarray, sample_jit(logits, dataclasses.replace(
+        md, needs_logprobs=True)))
+    np.testing.assert_array_equal(lp.token_ids, ref.token_ids)
     assert not md.all_greedy  # random rows: the draws themselves are compared
     for variant in VARIANTS[need:]:
         promoted = promote(md, variant, V, PENALTY_LEN, BANNED_LEN)
         got = jax.tree.map(np.asarray, sample_jit(logits, promoted))
         np.testing.assert_array_equal(got.token_ids, ref.token_ids, err_msg=variant)
-        np.testing.assert_array_equal(got.logprobs, ref.logprobs, err_msg=variant)
-        np.testing.assert_array_equal(got.token_ranks, ref.token_ranks, err_msg=variant)
+        if variant != "full":
+            assert got.logprobs is None and got.token_ranks is None, variant
+            continue
+        np.testing.assert_array_equal(got.logprobs, lp.logprobs, err_msg=variant)
+        np.testing.assert_array_equal(got.token_ranks, lp.token_ranks, err_msg=variant)
     assert (ref.token_ids[:len(rows)] == 0).any()
 
 

@@ -25,7 +25,7 @@ def run(rows, logits):
 def test_logit_bias_is_added_to_the_logits():
     logits = logits_of(1)
     top = logits.argmax(-1)
-    rows = [RowSpec(SP(temperature=0.0, logit_bias={7: 100.0})),
+    rows = [RowSpec(SP(temperature=0.0, logit_bias={7: 100.0}, logprobs=0)),
             RowSpec(SP(temperature=0.0, logit_bias={int(top[1]): -100.0})),
             RowSpec(SP(temperature=0.0, logit_bias={3: 0.5, 9: -0.25})),
             RowSpec(SP(temperature=0.0))]
@@ -37,7 +37,8 @@ def test_logit_bias_is_added_to_the_logits():
     ref[2, 9] -= 0.25
     np.testing.assert_array_equal(out.token_ids, ref.argmax(-1))
     assert out.token_ids[0] == 7 and out.token_ids[1] != top[1]
-    # Logprobs stay the model's raw ones (vLLM's default), before any bias.
+    # Logprobs (one row asks; every row gets them) stay the model's raw ones (vLLM's
+    # default), before any bias.
     raw = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
         - logits.max(-1, keepdims=True)
     np.testing.assert_allclose(out.logprobs, raw[np.arange(R), out.token_ids], atol=1e-5)

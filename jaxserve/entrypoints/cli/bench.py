@@ -127,8 +127,9 @@ def cmd_throughput(args) -> int:
     print(f"trace {args.trace}: {len(trace)} requests, {sum(r.prompt_len for r in trace)} "
           f"prompt + {sum(r.output_len for r in trace)} output tokens; engine {eargs}")
     peer = (args.peer_name, args.peer_url) if args.peer_url else None
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     res = compare_modes(model, tok, trace, modes, eargs, hf_model=hf,
-                        hf_batch_size=args.hf_batch_size, peer=peer)
+                        hf_batch_size=args.hf_batch_size, peer=peer, sampling=sampling)
     ref = "static" if "static" in res else modes[0]
     print()
     print(format_modes(res, ref))
@@ -235,6 +236,11 @@ def add_parser(sub) -> None:
     tp.add_argument("--peer-name", default="llama-server",
                     help="the peer's row name (default: llama-server)")
     tp.add_argument("--plot-dir", default=None, help="write PNG plots here (needs matplotlib)")
+    tp.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request, each seeded with its "
+                         "index (default: 0, greedy)")
+    tp.add_argument("--top-p", type=float, default=1.0, help="top-p (default: 1, off)")
+    tp.add_argument("--top-k", type=int, default=0, help="top-k (default: 0, off)")
     tp.set_defaults(handler=cmd_throughput)
 
     sp = bsub.add_parser("spec", help="speculative decoding on/off on one trace, interleaved")

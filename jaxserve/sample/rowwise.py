@@ -1,0 +1,91 @@
+"""Row-wise argmax and categorical draws over the vocabulary in two stages (blocks of ids).
+
+XLA:CPU runs `jnp.argmax` over [R, V] as one variadic (value, index) reduction that it
+does not vectorize: 15 ms for R=128, V=49152 on this project's 2-core CPU, where a plain
+`max` over the same array takes 0.6 ms. Reducing each block of `BLOCK` ids first, then
+the R x V/BLOCK block results, then the one winning block, gives the same answer in
+~0.5 ms. A categorical draw by inverting the CDF at one uniform number per row needs one
+exponential per logit, where a Gumbel-max draw needs a threefry number and two logarithms
+per logit (28 ms at R=32).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Ids per block of the first stage.
+BLOCK = 128
+
+
+def _blocks(x: jax.Array, fill: float) -> jax.Array:
+    """[R, V] -> [R, ceil(V / BLOCK), BLOCK], the tail padded with `fill`."""
+    num_rows, vocab_size = x.shape
+    num_blocks = -(-vocab_size // BLOCK)
+    if num_blocks * BLOCK != vocab_size:
+        x = jnp.pad(x, ((0, 0), (0, num_blocks * BLOCK - vocab_size)), constant_values=fill)
+    return x.reshape(num_rows, num_blocks, BLOCK)
+
+
+def _pick(xb: jax.Array, block: jax.Array) -> jax.Array:
+    """Row r's block `block[r]` of xb [R, nb, B]: [R, B]."""
+    return jnp.take_along_axis(xb, block[:, None, None], axis=1)[:, 0]
+
+
+def argmax_rows(x: jax.Array) -> jax.Array:
+    """Each row's first index of its largest value, as `jnp.argmax(x, axis=-1)`.
+
+    Args:
+        x: f[R, V] without NaN (where a row has one, the id returned may differ from
+            `jnp.argmax`'s).
+
+    Returns:
+        i32[R].
+    """
+    if x.shape[-1] <= BLOCK:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    xb = _blocks(x, -jnp.inf)  # f[R, nb, B]
+    block = jnp.argmax(jnp.max(xb, axis=-1), axis=-1).astype(jnp.int32)  # i32[R]
+    inner = jnp.argmax(_pick(xb, block), axis=-1).astype(jnp.int32)  # i32[R]
+    return block * BLOCK + inner
+
+
+def _first_above(cum: jax.Array, mass: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the first j with cum[j] > target and mass[j] > 0, or the last j with
+    mass[j] > 0 when rounding left none above (cum, mass: f32[R, n]; target f32[R, 1])."""
+    n = cum.shape[-1]
+    j = jax.lax.broadcasted_iota(jnp.int32, cum.shape, 1)  # i32[R, n]
+    first = jnp.min(jnp.where((cum > target) & (mass > 0), j, n), axis=-1)  # i32[R]
+    last = jnp.max(jnp.where(mass > 0, j, -1), axis=-1)  # i32[R]
+    return jnp.where(first < n, first, jnp.maximum(last, 0))
+
+
+def categorical_rows(logits: jax.Array, uniform: jax.Array) -> jax.Array:
+    """One draw per row from softmax(logits), by inverting the row's CDF at `uniform`.
+
+    The CDF runs over the ids in order: blocks of `BLOCK` ids first, then the ids of the
+    chosen block. Ids at -inf are never drawn; a row that is -inf everywhere draws id 0.
+
+    Args:
+        logits: f32[R, V].
+        uniform: f32[R] in [0, 1).
+
+    Returns:
+        i32[R] token ids.
+    """
+    vocab_size = logits.shape[-1]
+    top = jnp.max(logits, axis=-1, keepdims=True)  # f32[R, 1]
+    finite = jnp.isfinite(top)  # bool[R, 1]
+    probs = jnp.exp(logits - jnp.where(finite, top, 0.0))  # f32[R, V], unnormalised
+    pb = _blocks(probs, 0.0)  # f32[R, nb, B]
+    mass = jnp.sum(pb, axis=-1)  # f32[R, nb]
+    cum = jnp.cumsum(mass, axis=-1)  # f32[R, nb]
+    target = uniform[:, None] * cum[:, -1:]  # f32[R, 1]
+    block = _first_above(cum, mass, target)  # i32[R]
+    before = jnp.where(block > 0, jnp.take_along_axis(
+        cum, jnp.maximum(block - 1, 0)[:, None], axis=-1)[:, 0], 0.0)  # f32[R]
+    inner_p = _pick(pb, block)  # f32[R, B]
+    inner = _first_above(jnp.cumsum(inner_p, axis=-1), inner_p,
+                         (target[:, 0] - before)[:, None])  # i32[R]
+    ids = jnp.minimum(block * BLOCK + inner, vocab_size - 1)
+    return jnp.where(finite[:, 0], ids, 0).astype(jnp.int32)

@@ -1,0 +1,68 @@
+"""`rowwise`: the two-stage argmax equals `jnp.argmax`; the CDF draw follows softmax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.sample.rowwise import BLOCK, argmax_rows, categorical_rows
+
+argmax_jit = jax.jit(argmax_rows)
+draw_jit = jax.jit(categorical_rows)
+
+
+@pytest.mark.parametrize("vocab", [7, BLOCK, 300, 4 * BLOCK])
+def test_argmax_rows_equals_jnp_argmax(vocab):
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((9, vocab)).astype(np.float32)
+    x[1] = -np.inf  # every id banned: id 0, as jnp.argmax
+    x[2, :] = 1.0  # ties everywhere: the first
+    x[3, vocab // 2:] = 5.0  # ties across blocks: the first
+    x[4, vocab - 1] = 50.0  # the last id (in the padded block when vocab % BLOCK)
+    x[5, :BLOCK // 2] = -np.inf  # a banned first half-block
+    x[6, [vocab - 2, vocab - 1]] = np.inf
+    np.testing.assert_array_equal(argmax_jit(x), jnp.argmax(jnp.asarray(x), axis=-1))
+
+
+def test_argmax_rows_of_bfloat16():
+    x = jax.random.normal(jax.random.key(0), (4, 3 * BLOCK + 5)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(argmax_jit(x), jnp.argmax(x, axis=-1))
+
+
+def test_draws_follow_softmax_and_never_take_banned_ids():
+    vocab, n = 300, 100_000  # vocab not a multiple of BLOCK: a padded last block
+    logits = np.random.default_rng(1).standard_normal(vocab).astype(np.float32) * 2
+    logits[[0, 5, 129, vocab - 1]] = -np.inf
+    p = np.asarray(jax.nn.softmax(logits))
+    u = jax.random.uniform(jax.random.key(2), (n,))
+    ids = np.asarray(draw_jit(jnp.broadcast_to(jnp.asarray(logits), (n, vocab)), u))
+    counts = np.bincount(ids, minlength=vocab)
+    assert counts[[0, 5, 129, vocab - 1]].sum() == 0
+    live = p > 0
+    chi2 = (((counts[live] - n * p[live]) ** 2) / (n * p[live])).sum()
+    dof = live.sum() - 1
+    # Far above dof + 5 sigma would mean a wrong distribution (chi2 ~ dof +- sqrt(2 dof)).
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), chi2
+
+
+def test_draws_at_the_ends_of_the_unit_interval():
+    vocab = 3 * BLOCK
+    logits = np.full((4, vocab), -np.inf, np.float32)
+    logits[:, [BLOCK + 3, 2 * BLOCK + 7, 2 * BLOCK + 9]] = [0.0, 1.0, 2.0]
+    logits[3] = -np.inf  # nothing allowed: id 0
+    u = np.array([0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5, 0.5], np.float32)
+    ids = np.asarray(draw_jit(logits, u))
+    assert ids[0] == BLOCK + 3  # the first id with mass
+    assert ids[1] == 2 * BLOCK + 9  # the last id with mass, even where rounding falls short
+    assert ids[2] in (2 * BLOCK + 7, 2 * BLOCK + 9)
+    assert ids[3] == 0
+
+
+def test_one_hot_rows_draw_their_id():
+    vocab = 2 * BLOCK + 1
+    logits = np.full((vocab, vocab), -np.inf, np.float32)
+    logits[np.arange(vocab), np.arange(vocab)] = 0.0
+    u = np.random.default_rng(3).uniform(size=vocab).astype(np.float32)
+    np.testing.assert_array_equal(draw_jit(logits, u), np.arange(vocab))
