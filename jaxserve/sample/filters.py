@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxserve.sample.rowwise import top_k_rows
+
 # Bisection steps: the ordered keys span at most 2**32 values.
 _NUM_SEARCH_STEPS = 32
 # Largest logits per row from which top-k and top-p thresholds are read directly.
@@ -103,7 +105,7 @@ def _candidate_threshold(logits: jax.Array, max_logit: jax.Array, k: jax.Array,
         (f32[R, 1] threshold, bool[R] whether the candidates sufficed for the row).
     """
     vocab_size = logits.shape[-1]
-    vals = lax.top_k(logits, NUM_CANDIDATES)[0]  # f32[R, C], descending
+    vals = top_k_rows(logits, NUM_CANDIDATES)[0]  # f32[R, C], descending
     rows = jnp.arange(logits.shape[0])  # i32[R]
     use_k = k < vocab_size  # bool[R]
     kth = jnp.where(use_k, vals[rows, jnp.clip(k, 1, NUM_CANDIDATES) - 1],

@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxserve.sample.rowwise import top_k_rows
+
 
 def gather_logprobs(logprobs: jax.Array, token_ids: jax.Array,
                     num_logprobs: int) -> tuple[jax.Array, jax.Array, Any, Any]:
@@ -29,8 +31,8 @@ def gather_logprobs(logprobs: jax.Array, token_ids: jax.Array,
     if num_logprobs <= 0:
         return token_logprobs, token_ranks, None, None
     num_logprobs = min(num_logprobs, logprobs.shape[-1])
-    topk_logprobs, topk_ids = jax.lax.top_k(logprobs, num_logprobs)  # f32[N, K], i32[N, K]
-    return token_logprobs, token_ranks, topk_ids.astype(jnp.int32), topk_logprobs
+    topk_logprobs, topk_ids = top_k_rows(logprobs, num_logprobs)  # f32[N, K], i32[N, K]
+    return token_logprobs, token_ranks, topk_ids, topk_logprobs
 
 
 @functools.partial(

@@ -1,4 +1,4 @@
-"""Row-wise argmax and categorical draws over the vocabulary in two stages (blocks of ids).
+"""Row-wise argmax, top-k and categorical draws over the vocabulary in two stages (blocks).
 
 XLA:CPU runs `jnp.argmax` over [R, V] as one variadic (value, index) reduction that it
 does not vectorize: 15 ms for R=128, V=49152 on this project's 2-core CPU, where a plain
@@ -6,7 +6,8 @@ does not vectorize: 15 ms for R=128, V=49152 on this project's 2-core CPU, where
 the R x V/BLOCK block results, then the one winning block, gives the same answer in
 ~0.5 ms. A categorical draw by inverting the CDF at one uniform number per row needs one
 exponential per logit, where a Gumbel-max draw needs a threefry number and two logarithms
-per logit (28 ms at R=32).
+per logit (28 ms at R=32). `lax.top_k` over the k best blocks instead of the row: 5x
+faster for k=20 at R=32.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import jax.numpy as jnp
 BLOCK = 128
 
 
-def _blocks(x: jax.Array, fill: float) -> jax.Array:
-    """[R, V] -> [R, ceil(V / BLOCK), BLOCK], the tail padded with `fill`."""
+def _blocks(x: jax.Array, fill: float, block: int = BLOCK) -> jax.Array:
+    """[R, V] -> [R, ceil(V / block), block], the tail padded with `fill`."""
     num_rows, vocab_size = x.shape
-    num_blocks = -(-vocab_size // BLOCK)
-    if num_blocks * BLOCK != vocab_size:
-        x = jnp.pad(x, ((0, 0), (0, num_blocks * BLOCK - vocab_size)), constant_values=fill)
-    return x.reshape(num_rows, num_blocks, BLOCK)
+    num_blocks = -(-vocab_size // block)
+    if num_blocks * block != vocab_size:
+        x = jnp.pad(x, ((0, 0), (0, num_blocks * block - vocab_size)), constant_values=fill)
+    return x.reshape(num_rows, num_blocks, block)
 
 
 def _pick(xb: jax.Array, block: jax.Array) -> jax.Array:
@@ -89,3 +90,33 @@ def categorical_rows(logits: jax.Array, uniform: jax.Array) -> jax.Array:
                          (target[:, 0] - before)[:, None])  # i32[R]
     ids = jnp.minimum(block * BLOCK + inner, vocab_size - 1)
     return jnp.where(finite[:, 0], ids, 0).astype(jnp.int32)
+
+
+def top_k_rows(x: jax.Array, k: int, block: int = 16) -> tuple[jax.Array, jax.Array]:
+    """Each row's k largest values, descending, and their ids, as `lax.top_k(x, k)`.
+
+    The k largest values of a row lie in the k blocks (of `block` ids) with the largest
+    block maxima (any other block's maximum is exceeded by k others), so `lax.top_k` runs
+    over those k blocks' ids rather than the whole row. Values equal to the k-th may come
+    from other ids than `lax.top_k` would pick (the values are the same).
+
+    Args:
+        x: f[R, V] without NaN.
+        k: Static, at most V.
+        block: Static, ids per block.
+
+    Returns:
+        (f[R, k] values, i32[R, k] ids).
+    """
+    num_rows, vocab_size = x.shape
+    if 4 * k * block > vocab_size:  # too few blocks to leave most of them out
+        values, ids = jax.lax.top_k(x, k)
+        return values, ids.astype(jnp.int32)
+    xb = _blocks(x, -jnp.inf, block)  # f[R, nb, block]
+    blocks = jax.lax.top_k(jnp.max(xb, axis=-1), k)[1]  # i32[R, k]
+    cand = jnp.take_along_axis(xb, blocks[:, :, None], axis=1)  # f[R, k, block]
+    values, pos = jax.lax.top_k(cand.reshape(num_rows, k * block), k)  # [R, k] each
+    ids = jnp.take_along_axis(blocks, pos // block, axis=1) * block + pos % block
+    # NOTE: a padding id (>= V, value -inf) only where the row has fewer than k values
+    # above -inf; its value says so.
+    return values, jnp.minimum(ids, vocab_size - 1).astype(jnp.int32)

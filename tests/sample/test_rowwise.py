@@ -1,4 +1,5 @@
-"""`rowwise`: the two-stage argmax equals `jnp.argmax`; the CDF draw follows softmax."""
+"""`rowwise`: the two-stage argmax and top-k equal `jnp.argmax` and `lax.top_k`; the CDF
+draw follows softmax."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sample.rowwise import BLOCK, argmax_rows, categorical_rows
+from jaxserve.sample.rowwise import BLOCK, argmax_rows, categorical_rows, top_k_rows
 
 argmax_jit = jax.jit(argmax_rows)
 draw_jit = jax.jit(categorical_rows)
@@ -66,3 +67,20 @@ def test_one_hot_rows_draw_their_id():
     logits[np.arange(vocab), np.arange(vocab)] = 0.0
     u = np.random.default_rng(3).uniform(size=vocab).astype(np.float32)
     np.testing.assert_array_equal(draw_jit(logits, u), np.arange(vocab))
+
+
+@pytest.mark.parametrize("vocab, k", [(300, 20), (4 * BLOCK + 5, 3), (64 * 16 + 7, 16)])
+def test_top_k_rows_equals_lax_top_k(vocab, k):
+    rng = np.random.default_rng(vocab + k)
+    x = rng.standard_normal((6, vocab)).astype(np.float32)
+    x[1, :-3] = -np.inf  # fewer than k values above -inf
+    x[2, 100:100 + k] = 9.0  # the top k in one run of ids across blocks
+    x[3, ::17] = 4.0  # the top k spread one per block
+    want_values, want_ids = jax.lax.top_k(jnp.asarray(x), k)
+    values, ids = jax.jit(top_k_rows, static_argnums=1)(x, k)
+    np.testing.assert_array_equal(values, want_values)
+    real = np.isfinite(np.asarray(values))
+    np.testing.assert_array_equal(np.asarray(ids)[real], np.asarray(want_ids)[real])
+    assert (np.asarray(ids) < vocab).all()
+    np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1)[real],
+                                  np.asarray(values)[real])
