@@ -1,5 +1,5 @@
 """Min-p, top-k and top-p filters without a vocabulary sort: thresholds read off the top
-`NUM_CANDIDATES` logits when they suffice, else found by bisection over the float order."""
+`NUM_CANDIDATES` logits where they suffice, else found by bisection over the float order."""
 
 from __future__ import annotations
 
@@ -65,10 +65,11 @@ def apply_filters(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     p (ties with the smallest kept logit kept). Off values: min_p 0, k 0, p 1.
 
     NOTE: a full sort of [R, V] took 0.9 s for R=64, V=49152 on a 2-core CPU. The
-    thresholds are read off each row's `NUM_CANDIDATES` largest logits (`lax.top_k`)
-    when every row's k is at most that many and its top-p set lies among them; otherwise
-    (checked at run time) they are found by bisection over the logits' float order (32
-    masked reductions each), which is exact too.
+    thresholds are read off each row's `NUM_CANDIDATES` largest logits (`top_k_rows`)
+    where its k is at most that many and its top-p set lies among them. The other rows'
+    thresholds are found by bisection over the logits' float order (32 masked reductions
+    each over the row, exact too): apart, when they are at most half of the rows, else
+    over the whole step (decided at run time).
 
     Args:
         logits: f32[R, V], already divided by temperature.
@@ -87,8 +88,24 @@ def apply_filters(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     if vocab_size <= NUM_CANDIDATES:
         return _bisected(logits, k, top_p)
     threshold, ok = _candidate_threshold(logits, max_logit, k, top_p)
-    return lax.cond(jnp.all(ok), lambda: jnp.where(logits >= threshold, logits, -jnp.inf),
-                    lambda: _bisected(logits, k, top_p))
+    num_rows = logits.shape[0]
+    few = max(1, num_rows // 2)  # rows bisected apart from the rest of the step
+
+    def candidates_only() -> jax.Array:
+        return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+    def some_rows_bisected() -> jax.Array:
+        rows = jnp.argsort(ok)[:few]  # i32[few]: the unsettled rows first (False < True)
+        sub = _bisected(logits[rows], k[rows], top_p[rows])  # f32[few, V]
+        where = jnp.zeros(num_rows, jnp.int32).at[rows].set(
+            jnp.arange(few, dtype=jnp.int32))  # i32[R]: each picked row's index in `sub`
+        picked = jnp.zeros(num_rows, jnp.bool_).at[rows].set(~ok[rows])  # bool[R]
+        return jnp.where(picked[:, None], sub[where], candidates_only())
+
+    num_unsettled = jnp.sum(~ok)
+    branch = jnp.where(num_unsettled == 0, 0, jnp.where(num_unsettled <= few, 1, 2))
+    return lax.switch(branch, [candidates_only, some_rows_bisected,
+                               lambda: _bisected(logits, k, top_p)])
 
 
 def _candidate_threshold(logits: jax.Array, max_logit: jax.Array, k: jax.Array,

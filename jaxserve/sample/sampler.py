@@ -141,6 +141,11 @@ def random_sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array) -> j
     return categorical_rows(logits, jax.vmap(row_uniform)(seeds, counters))
 
 
+def _when(pred: jax.Array, stage, logits: jax.Array, arg) -> jax.Array:
+    """`stage(logits, arg)` where `pred` holds (at run time), else `logits` unchanged."""
+    return jax.lax.cond(pred, stage, lambda x, _: x, logits, arg)
+
+
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Samples one token per row (jit-able; only `md`'s meta fields are static).
 
@@ -160,14 +165,22 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """
     logits = logits.astype(jnp.float32)  # f32[R, V]
     raw_logits = logits
+    vocab_size = logits.shape[-1]
+    # NOTE: a stage the static flags compile in still runs only in steps where some row
+    # uses it (promotion to "full" adds every stage as an identity).
     if md.has_banned_tokens:
-        logits = apply_banned_tokens(logits, md.banned_token_ids)
+        ids = jnp.asarray(md.banned_token_ids)
+        logits = _when(jnp.any(ids < vocab_size), apply_banned_tokens, logits, ids)
     if md.has_logit_controls:
         logits = apply_logit_controls(logits, md)
     if md.has_bitmask:
-        logits = apply_token_bitmask(logits, md.token_bitmask)
+        mask = jnp.asarray(md.token_bitmask)
+        logits = _when(jnp.any(mask != -1), apply_token_bitmask, logits, mask)
     if md.has_penalties:
-        logits = apply_penalties(logits, md)
+        used = (jnp.any(jnp.asarray(md.repetition_penalty) != 1.0)
+                | jnp.any(jnp.asarray(md.frequency_penalty) != 0.0)
+                | jnp.any(jnp.asarray(md.presence_penalty) != 0.0))
+        logits = _when(used, apply_penalties, logits, md)
     token_ids = argmax_rows(logits)  # i32[R]
     if not md.all_greedy:
         temperature = jnp.asarray(md.temperature, jnp.float32)  # f32[R]

@@ -161,30 +161,38 @@ def test_filters_match_numpy_on_random_rows():
             np.testing.assert_array_equal(out[i][want], logits[i][want])
 
 
-@pytest.mark.parametrize("scale, top_k, top_p", [
-    # Peaked rows, every k within the candidates: thresholds read off the candidates.
-    (8.0, [0, 1, 5, NUM_CANDIDATES, 0, 2, 0, 7], [0.9, 1.0, 0.5, 1.0, 0.1, 0.95, 0.7, 0.8]),
-    # One k above the candidates: the whole step bisects.
-    (8.0, [0, 1, 5, NUM_CANDIDATES + 1, 0, 300, 0, 7], [0.9, 1.0, 0.5, 1.0, 0.1, 0.95, 0.7, 0.8]),
-    # Flat rows: top-p sets wider than the candidates bisect too.
-    (0.3, [0, 1, 5, NUM_CANDIDATES, 0, 2, 0, 0], [0.9, 1.0, 0.5, 1.0, 0.1, 0.95, 0.99, 0.5]),
-], ids=["candidates", "k-above", "flat"])
-def test_filters_over_a_large_vocab_match_numpy(scale, top_k, top_p):
-    # NOTE: V above NUM_CANDIDATES (the other filter tests' V=64 always bisects).
+PEAKED, FLAT = 8.0, 0.3  # logit scales: top-p sets within the candidates, or far wider
+
+
+@pytest.mark.parametrize("scales, top_k, top_p, unsettled", [
+    # Every k within the candidates: thresholds read off the candidates.
+    ([PEAKED] * 8, [0, 1, 5, NUM_CANDIDATES, 0, 2, 0, 7],
+     [0.9, 1.0, 0.5, 1.0, 0.1, 0.95, 0.7, 0.8], 0),
+    # Two rows the candidates cannot settle (at most half of 8): bisected apart.
+    ([PEAKED] * 6 + [FLAT] * 2, [0, 1, 5, NUM_CANDIDATES, 0, 2, 0, 0],
+     [0.9, 1.0, 0.5, 1.0, 0.1, 0.95, 0.99, 0.9], 2),
+    # Five k above the candidates: the whole step bisects.
+    ([PEAKED] * 8, [0, NUM_CANDIDATES + 2, 5, NUM_CANDIDATES + 1, 200, 300, 0, 400],
+     [0.9, 1.0, 0.5, 1.0, 0.1, 0.95, 0.7, 0.8], 5),
+    # Flat rows: top-p sets wider than the candidates, the whole step bisects.
+    ([FLAT] * 8, [0, 1, 0, NUM_CANDIDATES, 0, 2, 0, 0],
+     [0.9, 1.0, 0.6, 1.0, 0.7, 0.95, 0.99, 0.5], 5),
+], ids=["candidates", "two-bisected", "k-above", "flat"])
+def test_filters_over_a_large_vocab_match_numpy(scales, top_k, top_p, unsettled):
+    # NOTE: V above NUM_CANDIDATES (the other filter tests' V=64 always bisects). Not
+    # top_p = 1 without top-k on peaked rows: the float64 reference reaches 1.0 before
+    # their tails and drops them, where the filter keeps everything by rule.
     vocab = 4 * NUM_CANDIDATES + 3
-    logits = logits_of(8, vocab, seed=9, scale=scale)
+    logits = logits_of(8, vocab, seed=9, scale=1.0) * np.array(scales, np.float32)[:, None]
     logits[0, :5] = -np.inf
     top_k, top_p = np.array(top_k, np.int32), np.array(top_p, np.float32)
     min_p = np.array([0, 0, 0, 0, 0.05, 0, 0, 0], np.float32)
-    fast = scale > 1 and top_k.max() <= NUM_CANDIDATES
-    # NOTE: not top_p = 1 without top-k on peaked rows: the float64 reference reaches 1.0
-    # before their tails and drops them, where the filter keeps everything by rule.
     with np.errstate(divide="ignore"):  # log(0) = -inf: min-p off
         floor = logits.max(-1, keepdims=True) + np.log(min_p)[:, None]
     after_min_p = np.where(logits < floor, -np.inf, logits)
     k = np.where(top_k <= 0, vocab, top_k)
     _, ok = jax.jit(_candidate_threshold)(after_min_p, logits.max(-1, keepdims=True), k, top_p)
-    assert bool(np.all(ok)) == fast
+    assert int(np.sum(~np.asarray(ok))) == unsettled
     out = np.asarray(filters_jit(logits, top_k, top_p, min_p))
     for i in range(8):
         want = reference_probs(logits[i], 1.0, int(top_k[i]), float(top_p[i]),
