@@ -12,12 +12,17 @@ import jax.numpy as jnp
 from jaxserve.sample.rowwise import top_k_rows
 
 
-def gather_logprobs(logprobs: jax.Array, token_ids: jax.Array,
+def gather_logprobs(logits: jax.Array, token_ids: jax.Array,
                     num_logprobs: int) -> tuple[jax.Array, jax.Array, Any, Any]:
-    """Picks each row's token logprob, its rank and the top alternatives.
+    """Each row's log-softmax at its chosen token, that token's rank and the top
+    alternatives, without materializing the [N, V] log-softmax.
+
+    Values are `jax.nn.log_softmax`'s, element for element: (x - max) - log(sum(exp(x -
+    max))). (XLA:CPU hands the materialized form to YNNPACK, 15 ms for [128, 49152] where
+    the two row reductions alone take ~4 ms.)
 
     Args:
-        logprobs: f32[N, V] log-softmax.
+        logits: f32[N, V].
         token_ids: i32[N] the chosen token of each row.
         num_logprobs: K, static; 0 returns None for the alternatives. Capped at V.
 
@@ -26,13 +31,18 @@ def gather_logprobs(logprobs: jax.Array, token_ids: jax.Array,
         topk_logprobs f32[N, K] or None). A rank is vLLM's: the number of tokens whose
         logprob is >= the chosen one's (1 = the most likely token).
     """
-    token_logprobs = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]  # f32[N]
-    token_ranks = jnp.sum(logprobs >= token_logprobs[:, None], axis=-1, dtype=jnp.int32)
+    top = jnp.max(logits, axis=-1, keepdims=True)  # f32[N, 1]
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a row of -inf: -inf, not NaN
+    log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))  # f32[N, 1]
+    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # f32[N, 1]
+    token_logprobs = (chosen - top) - log_sum  # f32[N, 1]
+    token_ranks = jnp.sum((logits - top) - log_sum >= token_logprobs, axis=-1,
+                          dtype=jnp.int32)  # i32[N]
     if num_logprobs <= 0:
-        return token_logprobs, token_ranks, None, None
-    num_logprobs = min(num_logprobs, logprobs.shape[-1])
-    topk_logprobs, topk_ids = top_k_rows(logprobs, num_logprobs)  # f32[N, K], i32[N, K]
-    return token_logprobs, token_ranks, topk_ids, topk_logprobs
+        return token_logprobs[:, 0], token_ranks, None, None
+    num_logprobs = min(num_logprobs, logits.shape[-1])
+    values, topk_ids = top_k_rows(logits, num_logprobs)  # f32[N, K], i32[N, K]
+    return token_logprobs[:, 0], token_ranks, topk_ids, (values - top) - log_sum
 
 
 @functools.partial(
@@ -75,6 +85,6 @@ def compute_prompt_logprobs(logits: jax.Array, next_token_ids: jax.Array,
     Returns:
         PromptLogprobs over the T positions.
     """
-    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # f32[T, V]
-    return PromptLogprobs(*gather_logprobs(logprobs, next_token_ids.astype(jnp.int32),
+    return PromptLogprobs(*gather_logprobs(logits.astype(jnp.float32),
+                                           next_token_ids.astype(jnp.int32),
                                            num_logprobs))

@@ -185,15 +185,24 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     if not md.all_greedy:
         temperature = jnp.asarray(md.temperature, jnp.float32)  # f32[R]
         is_greedy = temperature < SAMPLING_EPS  # bool[R]
-        scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]  # f32[R, V]
-        if md.needs_filtering:
-            scaled = apply_filters(scaled, jnp.asarray(md.top_k), jnp.asarray(md.top_p),
-                                   jnp.asarray(md.min_p))
-        random_ids = random_sample(scaled, jnp.asarray(md.seeds), jnp.asarray(md.counters))
+
+        def draw(logits: jax.Array) -> jax.Array:
+            scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]  # f32[R, V]
+            if md.needs_filtering:
+                top_k, top_p, min_p = (jnp.asarray(md.top_k), jnp.asarray(md.top_p),
+                                       jnp.asarray(md.min_p))
+                filtered = ~is_greedy & (((top_k > 0) & (top_k < vocab_size))
+                                         | (top_p < 1.0) | (min_p > 0.0))  # bool[R]
+                scaled = _when(jnp.any(filtered), lambda x, a: apply_filters(x, *a), scaled,
+                               (top_k, top_p, min_p))
+            return random_sample(scaled, jnp.asarray(md.seeds), jnp.asarray(md.counters))
+
+        random_ids = jax.lax.cond(jnp.any(~is_greedy), draw,
+                                  lambda _: token_ids, logits)  # i32[R]
         token_ids = jnp.where(is_greedy, token_ids, random_ids)
     if not md.needs_logprobs:
         return SamplerOutput(token_ids=token_ids, logprobs=None, token_ranks=None)
     token_logprobs, ranks, topk_ids, topk_logprobs = gather_logprobs(
-        jax.nn.log_softmax(raw_logits, axis=-1), token_ids, md.max_num_logprobs)
+        raw_logits, token_ids, md.max_num_logprobs)
     return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, token_ranks=ranks,
                          topk_token_ids=topk_ids, topk_logprobs=topk_logprobs)
