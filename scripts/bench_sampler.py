@@ -18,11 +18,12 @@ import argparse
 import importlib
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.bench.roofline import best_seconds
 
 CASES = {  # name: SamplingParams fields of every row
     "greedy": {"temperature": 0.0},
@@ -45,17 +46,6 @@ def load_tree(root: str):
     finally:
         sys.path.pop(0)
     return sample, params
-
-
-def best_ms(fn, *args, iters: int) -> float:
-    """Best wall time of `iters` calls (after one call that compiles), in ms."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1000 * min(times)
 
 
 def main() -> None:
@@ -98,7 +88,8 @@ def main() -> None:
                     md = mod.build_sampling_metadata(
                         [mod.RowSpec(sp(seed=i, **CASES[case])) for i in range(rows)], rows,
                         vocab)
-                    res[n].append(best_ms(jax.jit(mod.sample), logits, md, iters=args.iters))
+                    res[n].append(1000 * best_seconds(jax.jit(mod.sample), logits, md,
+                                                      iters=args.iters))
             best = {n: min(v) for n, v in res.items()}
             cells = " | ".join(f"{best[n]:.2f}" for n in names)
             if args.before:

@@ -35,11 +35,8 @@ def _times(fn, *args, iters: int) -> list[float]:
     return times
 
 
-def _median_seconds(fn, *args, iters: int) -> float:
-    return float(np.median(_times(fn, *args, iters=iters)))
-
-
-def _best_seconds(fn, *args, iters: int) -> float:
+def best_seconds(fn, *args, iters: int) -> float:
+    """The shortest of `iters` calls of `fn(*args)` (after one that compiles), seconds."""
     return min(_times(fn, *args, iters=iters))
 
 
@@ -59,10 +56,10 @@ def measure_peaks(dtype: str = "float32", iters: int = 10) -> dict:
     on_cpu = jax.default_backend() == "cpu"
     n = 1024 if on_cpu else 8192
     a = jnp.ones((n, n), dtype)
-    flops = 2 * n**3 / _best_seconds(jax.jit(lambda x: x @ x), a, iters=iters)
+    flops = 2 * n**3 / best_seconds(jax.jit(lambda x: x @ x), a, iters=iters)
     size = (512 if on_cpu else 2048) * 2**20 // jnp.dtype(dtype).itemsize
     big = jnp.ones((size,), dtype)
-    sec = _best_seconds(jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), big, iters=iters)
+    sec = best_seconds(jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), big, iters=iters)
     return {"device": f"{jax.devices()[0].device_kind} ({jax.default_backend()})",
             "jax": jax.__version__, "flops": flops, "bytes_per_s": big.nbytes / sec}
 

@@ -145,6 +145,16 @@ def test_top_p_keeps_the_smallest_set_reaching_p_and_filters_combine():
         np.testing.assert_array_equal(row[kept], logits[0][kept])  # kept logits unchanged
 
 
+def assert_filters_match_reference(logits, top_k, top_p, min_p):
+    """`apply_filters` keeps exactly the tokens `reference_probs` keeps, unchanged."""
+    out = np.asarray(filters_jit(logits, top_k, top_p, min_p))
+    for i in range(logits.shape[0]):
+        want = reference_probs(logits[i], 1.0, int(top_k[i]), float(top_p[i]),
+                               float(min_p[i])) > 0
+        np.testing.assert_array_equal(np.isfinite(out[i]), want, err_msg=f"row {i}")
+        np.testing.assert_array_equal(out[i][want], logits[i][want])
+
+
 def test_filters_match_numpy_on_random_rows():
     rng = np.random.default_rng(8)
     for _ in range(10):
@@ -153,12 +163,7 @@ def test_filters_match_numpy_on_random_rows():
         top_k = rng.choice([0, 1, 2, 5, 20, 63, 64], 8).astype(np.int32)
         top_p = rng.choice([1.0, 0.9, 0.5, 0.1], 8).astype(np.float32)
         min_p = rng.choice([0.0, 0.0, 0.01, 0.3], 8).astype(np.float32)
-        out = np.asarray(filters_jit(logits, top_k, top_p, min_p))
-        for i in range(8):
-            want = reference_probs(logits[i], 1.0, int(top_k[i]), float(top_p[i]),
-                                   float(min_p[i])) > 0
-            np.testing.assert_array_equal(np.isfinite(out[i]), want, err_msg=f"row {i}")
-            np.testing.assert_array_equal(out[i][want], logits[i][want])
+        assert_filters_match_reference(logits, top_k, top_p, min_p)
 
 
 PEAKED, FLAT = 8.0, 0.3  # logit scales: top-p sets within the candidates, or far wider
@@ -193,12 +198,7 @@ def test_filters_over_a_large_vocab_match_numpy(scales, top_k, top_p, unsettled)
     k = np.where(top_k <= 0, vocab, top_k)
     _, ok = jax.jit(_candidate_threshold)(after_min_p, logits.max(-1, keepdims=True), k, top_p)
     assert int(np.sum(~np.asarray(ok))) == unsettled
-    out = np.asarray(filters_jit(logits, top_k, top_p, min_p))
-    for i in range(8):
-        want = reference_probs(logits[i], 1.0, int(top_k[i]), float(top_p[i]),
-                               float(min_p[i])) > 0
-        np.testing.assert_array_equal(np.isfinite(out[i]), want, err_msg=f"row {i}")
-        np.testing.assert_array_equal(out[i][want], logits[i][want])
+    assert_filters_match_reference(logits, top_k, top_p, min_p)
 
 
 def test_filters_keep_ties_at_the_threshold():
