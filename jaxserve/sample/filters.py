@@ -102,10 +102,14 @@ def apply_filters(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
         picked = jnp.zeros(num_rows, jnp.bool_).at[rows].set(~ok[rows])  # bool[R]
         return jnp.where(picked[:, None], sub[where], candidates_only())
 
+    def all_rows_bisected() -> jax.Array:
+        # NOTE: settled rows keep the candidates' threshold, so no row's kept set depends
+        # on the others (the two ways can differ where p falls within an ulp of a sum).
+        return jnp.where(ok[:, None], candidates_only(), _bisected(logits, k, top_p))
+
     num_unsettled = jnp.sum(~ok)
     branch = jnp.where(num_unsettled == 0, 0, jnp.where(num_unsettled <= few, 1, 2))
-    return lax.switch(branch, [candidates_only, some_rows_bisected,
-                               lambda: _bisected(logits, k, top_p)])
+    return lax.switch(branch, [candidates_only, some_rows_bisected, all_rows_bisected])
 
 
 def _candidate_threshold(logits: jax.Array, max_logit: jax.Array, k: jax.Array,
@@ -132,8 +136,11 @@ def _candidate_threshold(logits: jax.Array, max_logit: jax.Array, k: jax.Array,
     total = jnp.sum(jnp.where(logits >= kth, jnp.exp(logits - top), 0.0), axis=-1,
                     keepdims=True)  # f32[R, 1]
     probs = jnp.where(vals >= kth, jnp.exp(vals - top), 0.0) / total  # f32[R, C]
-    below = jnp.cumsum(probs, axis=-1) < top_p[:, None]  # bool[R, C]
-    first = jnp.sum(below, axis=-1)  # i32[R]: first candidate reaching p
+    reached = jnp.cumsum(probs, axis=-1) >= top_p[:, None]  # bool[R, C]
+    # NOTE: the first candidate reaching p (XLA:CPU's cumsum need not be monotone in
+    # the last ulp, so not a count of those below); C where none does.
+    first = jnp.where(jnp.any(reached, axis=-1),
+                      jnp.argmax(reached, axis=-1), NUM_CANDIDATES)  # i32[R]
     use_p = top_p < 1.0  # NOTE: top_p = 1 keeps everything exactly, whatever the sum
     pth = jnp.where(use_p, vals[rows, jnp.minimum(first, NUM_CANDIDATES - 1)],
                     -jnp.inf)[:, None]  # f32[R, 1]

@@ -32,7 +32,6 @@ def gather_logprobs(logits: jax.Array, token_ids: jax.Array,
         logprob is >= the chosen one's (1 = the most likely token).
     """
     top = jnp.max(logits, axis=-1, keepdims=True)  # f32[N, 1]
-    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a row of -inf: -inf, not NaN
     log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))  # f32[N, 1]
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # f32[N, 1]
     token_logprobs = (chosen - top) - log_sum  # f32[N, 1]

@@ -122,8 +122,9 @@ def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
 def random_sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array) -> jax.Array:
     """Draws one token per row from softmax(logits).
 
-    Row r inverts its CDF at one uniform number from the key `fold_in(key(seeds[r]),
-    counters[r])`, so its token depends only on its logits, seed and counter.
+    Row r inverts its CDF (`categorical_rows`) at two uniform numbers from the key
+    `fold_in(key(seeds[r]), counters[r])`, so its token depends only on its logits, seed
+    and counter.
 
     Args:
         logits: f32[R, V]; -inf entries are never drawn.
@@ -134,11 +135,14 @@ def random_sample(logits: jax.Array, seeds: jax.Array, counters: jax.Array) -> j
         i32[R] token ids.
     """
 
-    def row_uniform(seed: jax.Array, counter: jax.Array) -> jax.Array:
+    def row_uniforms(seed: jax.Array, counter: jax.Array) -> jax.Array:
         key = jax.random.fold_in(jax.random.key(seed), counter)
-        return jax.random.uniform(key, (), jnp.float32)  # f32[] in [0, 1)
+        bits = jax.random.bits(key, (2,), jnp.uint32) >> 9  # u32[2], 23 random bits each
+        # NOTE: the middles of 2**23 steps, [2**-24, 1 - 2**-24]: never 0, which would
+        # draw the first id with any mass however small it is.
+        return (bits.astype(jnp.float32) + 0.5) * 2.0 ** -23  # f32[2]
 
-    return categorical_rows(logits, jax.vmap(row_uniform)(seeds, counters))
+    return categorical_rows(logits, jax.vmap(row_uniforms)(seeds, counters))
 
 
 def _when(pred: jax.Array, stage, logits: jax.Array, arg) -> jax.Array:
@@ -152,7 +156,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     Order as in vLLM v1: banned ids (min_tokens, bad words) -> allowed ids -> logit bias ->
     structured-output bitmask -> penalties -> greedy rows take the
     argmax -> temperature -> min-p, top-k, top-p -> seeded draw (the CDF inverted at
-    one uniform number per row). The filters
+    two uniform numbers per row: the block of ids, then the id). The filters
     are compiled only when `md.needs_filtering`, the draw only when not `md.all_greedy`.
 
     Args:

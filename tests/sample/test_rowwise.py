@@ -37,7 +37,7 @@ def test_draws_follow_softmax_and_never_take_banned_ids():
     logits = np.random.default_rng(1).standard_normal(vocab).astype(np.float32) * 2
     logits[[0, 5, 129, vocab - 1]] = -np.inf
     p = np.asarray(jax.nn.softmax(logits))
-    u = jax.random.uniform(jax.random.key(2), (n,))
+    u = jax.random.uniform(jax.random.key(2), (n, 2))
     ids = np.asarray(draw_jit(jnp.broadcast_to(jnp.asarray(logits), (n, vocab)), u))
     counts = np.bincount(ids, minlength=vocab)
     assert counts[[0, 5, 129, vocab - 1]].sum() == 0
@@ -54,6 +54,7 @@ def test_draws_at_the_ends_of_the_unit_interval():
     logits[:, [BLOCK + 3, 2 * BLOCK + 7, 2 * BLOCK + 9]] = [0.0, 1.0, 2.0]
     logits[3] = -np.inf  # nothing allowed: id 0
     u = np.array([0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5, 0.5], np.float32)
+    u = np.stack([u, u], axis=1)  # the block's uniform and the id's
     ids = np.asarray(draw_jit(logits, u))
     assert ids[0] == BLOCK + 3  # the first id with mass
     assert ids[1] == 2 * BLOCK + 9  # the last id with mass, even where rounding falls short
@@ -65,7 +66,7 @@ def test_one_hot_rows_draw_their_id():
     vocab = 2 * BLOCK + 1
     logits = np.full((vocab, vocab), -np.inf, np.float32)
     logits[np.arange(vocab), np.arange(vocab)] = 0.0
-    u = np.random.default_rng(3).uniform(size=vocab).astype(np.float32)
+    u = np.random.default_rng(3).uniform(size=(vocab, 2)).astype(np.float32)
     np.testing.assert_array_equal(draw_jit(logits, u), np.arange(vocab))
 
 
@@ -84,3 +85,14 @@ def test_top_k_rows_equals_lax_top_k(vocab, k):
     assert (np.asarray(ids) < vocab).all()
     np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), 1)[real],
                                   np.asarray(values)[real])
+
+
+def test_the_second_uniform_picks_the_id_inside_the_block():
+    # Block 1 holds 1e-6 of the mass in two equal ids: the first uniform reaches it only
+    # at its very end, and the second then splits it evenly, whatever the row's total.
+    logits = np.full((3, 2 * BLOCK), -np.inf, np.float32)
+    logits[:, 5] = 0.0
+    logits[:, [BLOCK + 1, BLOCK + 2]] = np.log(0.5e-6)
+    top = np.nextafter(np.float32(1), np.float32(0))
+    u = np.array([[top, 0.25], [top, 0.75], [0.5, 0.75]], np.float32)
+    assert np.asarray(draw_jit(logits, u)).tolist() == [BLOCK + 1, BLOCK + 2, 5]
