@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.bench.roofline import _median_seconds as bench
 from jaxserve.bench.roofline import measure_peaks
+from jaxserve.bench.roofline import median_seconds as bench
 from jaxserve.utils import cdiv
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu

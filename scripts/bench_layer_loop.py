@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.bench.roofline import _median_seconds
+from jaxserve.bench.roofline import median_seconds
 from models.default_model import default_model_path
 from models.loaders import load_model
 
@@ -129,7 +129,7 @@ def time_forms(forms: dict, hidden: int, batch_sizes: list[int], rounds: int,
     for r in range(rounds):
         for b in batch_sizes:
             x = jnp.ones((b, hidden), jnp.float32) * 0.01
-            ms = [1000 * _median_seconds(fn, w, x, iters=iters) for fn, w in forms.values()]
+            ms = [1000 * median_seconds(fn, w, x, iters=iters) for fn, w in forms.values()]
             print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | "
                   + " | ".join(f"{m:.1f}" for m in ms) + " | "
                   + " | ".join(f"{m / ms[0]:.2f}" for m in ms[1:]) + " |", flush=True)

@@ -35,6 +35,11 @@ def _times(fn, *args, iters: int) -> list[float]:
     return times
 
 
+def median_seconds(fn, *args, iters: int) -> float:
+    """The median of `iters` calls of `fn(*args)` (after one that compiles), seconds."""
+    return float(np.median(_times(fn, *args, iters=iters)))
+
+
 def best_seconds(fn, *args, iters: int) -> float:
     """The shortest of `iters` calls of `fn(*args)` (after one that compiles), seconds."""
     return min(_times(fn, *args, iters=iters))
