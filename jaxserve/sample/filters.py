@@ -97,10 +97,10 @@ def apply_filters(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     def some_rows_bisected() -> jax.Array:
         rows = jnp.argsort(ok)[:few]  # i32[few]: the unsettled rows first (False < True)
         sub = _bisected(logits[rows], k[rows], top_p[rows])  # f32[few, V]
-        where = jnp.zeros(num_rows, jnp.int32).at[rows].set(
+        slot = jnp.zeros(num_rows, jnp.int32).at[rows].set(
             jnp.arange(few, dtype=jnp.int32))  # i32[R]: each picked row's index in `sub`
         picked = jnp.zeros(num_rows, jnp.bool_).at[rows].set(~ok[rows])  # bool[R]
-        return jnp.where(picked[:, None], sub[where], candidates_only())
+        return jnp.where(picked[:, None], sub[slot], candidates_only())
 
     def all_rows_bisected() -> jax.Array:
         # NOTE: settled rows keep the candidates' threshold, so no row's kept set depends
