@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "jaxserve_stacked_gemm_cpu"
-PANEL = 48  # columns per panel (three 16-float vectors)
+PANEL = 48  # columns per panel (three AVX-512 vectors, six AVX ones)
 SOURCE = os.path.join(os.path.dirname(__file__), "stacked_gemm.cc")
 
 

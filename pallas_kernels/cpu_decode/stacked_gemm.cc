@@ -3,11 +3,16 @@
 // f32[L, P, K, 48] (`gemm.pack`), so the layer loop makes no copy of the layer's weights,
 // spread over XLA's intra-op thread pool one 48-column panel at a time.
 //
-// Each panel is K x 48 contiguous floats; rows go 8 at a time through 8 x 3 AVX-512
-// accumulators (GCC vector extensions), the remainder rows through a smaller tile. A thread
-// claims its next panel before it starts the current one and prefetches it into L2 while
-// it computes, spread over the current panel's row tiles: the weights then stream from
-// memory under the arithmetic instead of stalling the first tile of every panel.
+// Each panel is K x 48 contiguous floats. A tile of rows x columns keeps its sums in vector
+// registers (GCC vector extensions, as wide as the CPU's: AVX-512 or AVX/AVX2): with
+// AVX-512, 8 rows x the whole panel (8 x 3 registers of 16 floats); with AVX2's 16
+// registers, 6 rows x 16 columns (6 x 2 of 8 floats; three passes over the panel), or 2
+// rows x the whole panel when a call has fewer than 6 rows. Vectors wider than the CPU's
+// registers would be split by the compiler and spilled on every step (AVX2 with 16-float
+// vectors: 3 GFLOP/s instead of 75 on one core). A thread claims its next panel before it
+// starts the current one and prefetches it into L2 while it computes, spread over the
+// current panel's tiles: the weights then stream from memory under the arithmetic instead
+// of stalling the first tile of every panel.
 
 #include <algorithm>
 #include <atomic>
@@ -24,44 +29,49 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPanel = 48;  // columns per panel: three 16-float vectors
+constexpr int64_t kPanel = 48;  // columns per panel
 
-typedef float v16 __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;  // floats per vector register
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vec __attribute__((vector_size(kLanes * 4)));
 
-inline v16 Load(const float* p) {
-  v16 v;
+inline vec Load(const float* p) {
+  vec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline void Store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void Store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 constexpr int64_t kLine = 16;  // floats per 64-byte cache line
 
-// Rows [r0, r0 + RM) of x times one panel into columns [c0, c0 + 48) of y; prefetches
-// `lines` cache lines per k step from `pf` (the next panel's share of this tile) into L2,
-// up to `pf_end`.
-template <int RM>
+// Rows [r0, r0 + RM) of x times columns [c0, c0 + NV vectors) of one panel (`panel` points
+// at the tile's first column) into y; prefetches `lines` cache lines per k step from `pf`
+// (the next panel's share of this tile) into L2, up to `pf_end`.
+template <int RM, int NV>
 void Tile(const float* x, const float* panel, float* y, int64_t K, int64_t N, int64_t r0,
           int64_t c0, const float* pf, int64_t lines, const float* pf_end) {
-  v16 acc[RM][3];
-  for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = acc[i][2] = v16{};
+  vec acc[RM][NV];
+  for (int i = 0; i < RM; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = vec{};
   const float* xr = x + r0 * K;
   const float* w = panel;
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
-    const v16 w0 = Load(w), w1 = Load(w + 16), w2 = Load(w + 32);
+    vec wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = Load(w + kLanes * v);
     for (int64_t l = 0; l < lines; ++l, pf += kLine) {
       if (pf < pf_end) __builtin_prefetch(pf, 0, 2);
     }
     for (int i = 0; i < RM; ++i) {
       const float xv = xr[i * K + k];
-      acc[i][0] += xv * w0;
-      acc[i][1] += xv * w1;
-      acc[i][2] += xv * w2;
+      for (int v = 0; v < NV; ++v) acc[i][v] += xv * wv[v];
     }
   }
   for (int i = 0; i < RM; ++i) {
-    for (int j = 0; j < 3; ++j) Store(y + (r0 + i) * N + c0 + 16 * j, acc[i][j]);
+    for (int v = 0; v < NV; ++v) Store(y + (r0 + i) * N + c0 + kLanes * v, acc[i][v]);
   }
 }
 
@@ -75,28 +85,53 @@ struct Job {
   std::condition_variable cv;
 };
 
-// Panel p into its columns of y, prefetching panel `next` (j.P: none) meanwhile.
-void RunPanel(const Job& j, int64_t p, int64_t next) {
+// Panel p into its columns of y, in tiles of RM rows x NV vectors (the remainder rows
+// through smaller tiles), prefetching panel `next` (j.P: none) meanwhile.
+template <int RM, int NV>
+void RunPanelTiled(const Job& j, int64_t p, int64_t next) {
+  static_assert(kPanel % (NV * kLanes) == 0, "a tile's columns divide the panel");
+  constexpr int64_t kPasses = kPanel / (NV * kLanes);  // column passes over the panel
   const int64_t size = j.K * kPanel;  // floats per panel
   const float* panel = j.w + p * size;
-  const int64_t c0 = p * kPanel;
-  const int64_t tiles = (j.M + 7) / 8;
+  const int64_t tiles = (j.M + RM - 1) / RM * kPasses;
   // Each tile prefetches `lines` lines per k step: all tiles together cover the panel.
   const int64_t lines = next < j.P ? (size / kLine + tiles * j.K - 1) / (tiles * j.K) : 0;
   const float* pf = j.w + next * size;
   const float* pf_end = pf + size;
-  int64_t r = 0;
-  for (; r + 8 <= j.M; r += 8, pf += lines * j.K * kLine) {
-    Tile<8>(j.x, panel, j.y, j.K, j.N, r, c0, pf, lines, pf_end);
-  }
-  switch (j.M - r) {
-#define JAXSERVE_TILE(n) \
-    case n: Tile<n>(j.x, panel, j.y, j.K, j.N, r, c0, pf, lines, pf_end); break;
-    JAXSERVE_TILE(7) JAXSERVE_TILE(6) JAXSERVE_TILE(5) JAXSERVE_TILE(4)
-    JAXSERVE_TILE(3) JAXSERVE_TILE(2) JAXSERVE_TILE(1)
+  for (int64_t pass = 0; pass < kPasses; ++pass) {
+    const int64_t col = pass * NV * kLanes;
+    const int64_t c0 = p * kPanel + col;
+    int64_t r = 0;
+    for (; r + RM <= j.M; r += RM, pf += lines * j.K * kLine) {
+      Tile<RM, NV>(j.x, panel + col, j.y, j.K, j.N, r, c0, pf, lines, pf_end);
+    }
+    switch (j.M - r) {
+#define JAXSERVE_TILE(n)                                                         \
+      case n:                                                                      \
+        if constexpr (n < RM) {                                                    \
+          Tile<n, NV>(j.x, panel + col, j.y, j.K, j.N, r, c0, pf, lines, pf_end); \
+          pf += lines * j.K * kLine;                                              \
+        }                                                                          \
+        break;
+      JAXSERVE_TILE(7) JAXSERVE_TILE(6) JAXSERVE_TILE(5) JAXSERVE_TILE(4)
+      JAXSERVE_TILE(3) JAXSERVE_TILE(2) JAXSERVE_TILE(1)
 #undef JAXSERVE_TILE
-    default: break;
+      default: break;
+    }
   }
+}
+
+void RunPanel(const Job& j, int64_t p, int64_t next) {
+#if defined(__AVX512F__)
+  RunPanelTiled<8, 3>(j, p, next);  // 24 of the 32 registers hold sums
+#else
+  // 12 of the 16 registers hold sums; few rows: one pass, the weights read once.
+  if (j.M >= 6) {
+    RunPanelTiled<6, 2>(j, p, next);
+  } else {
+    RunPanelTiled<2, 6>(j, p, next);
+  }
+#endif
 }
 
 // Claims panels until none are left (the calling thread and the pool's helpers alike),
