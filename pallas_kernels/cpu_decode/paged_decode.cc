@@ -43,36 +43,44 @@ struct Job {
   std::condition_variable cv;
 };
 
-// 16 floats as one value (GCC vector extension: one AVX-512 register, two AVX ones).
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  // for unaligned loads
+// One vector register of floats (GCC vector extension): 16 with AVX-512, 8 otherwise (AVX
+// and AVX2 have 16 registers of 8; wider vectors would be split and spilled).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vec __attribute__((vector_size(kLanes * 4)));
+typedef float vecu __attribute__((vector_size(kLanes * 4), aligned(4)));  // unaligned loads
+typedef int ivec __attribute__((vector_size(kLanes * 4)));
 
-inline v16 Load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline vec Load(const float* p) { return *reinterpret_cast<const vecu*>(p); }
 
-// Lane t of the result: the sum of p[t]'s 16 lanes. Halves are added pairwise in four
-// rounds (16 -> 8 -> 4 -> 2 -> 1 lanes per key), 45 vector ops for 16 sums instead of 16
-// horizontal sums.
-inline v16 Reduce16(v16 p[16]) {
-  typedef int i16 __attribute__((vector_size(64)));
-  const i16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const i16 hi1 = lo1 + 8;
-  const i16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const i16 hi2 = lo2 + 4;
-  const i16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const i16 hi3 = lo3 + 2;
-  const i16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const i16 hi4 = lo4 + 1;
-  v16 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)  // lanes 0-7: key 2i, 8-15: key 2i+1
-    a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], lo1) +
-           __builtin_shuffle(p[2 * i], p[2 * i + 1], hi1);
-  for (int i = 0; i < 4; ++i)  // 4 lanes for each of keys 4i..4i+3
-    b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo2) +
-           __builtin_shuffle(a[2 * i], a[2 * i + 1], hi2);
-  for (int i = 0; i < 2; ++i)  // 2 lanes for each of keys 8i..8i+7
-    c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo3) +
-           __builtin_shuffle(b[2 * i], b[2 * i + 1], hi3);
-  return __builtin_shuffle(c[0], c[1], lo4) + __builtin_shuffle(c[0], c[1], hi4);
+// One round of `ReduceLanes`: vectors 2i and 2i+1 of `cur` (each k keys of w lanes, keys
+// in order) into vector i (2k keys of w / 2 lanes): the first halves of every key's lanes
+// (`lo`) plus the second halves (`lo + half`).
+inline void Round(vec* cur, int count, ivec lo, int half) {
+  const ivec hi = lo + half;
+  for (int i = 0; i < count / 2; ++i)
+    cur[i] = __builtin_shuffle(cur[2 * i], cur[2 * i + 1], lo) +
+             __builtin_shuffle(cur[2 * i], cur[2 * i + 1], hi);
+}
+
+// Lane t of the result: the sum of p[t]'s lanes (p is overwritten). Halves are added
+// pairwise in log2(lanes) rounds: 45 vector ops for 16 sums (21 for 8) instead of one
+// horizontal sum per key.
+inline vec ReduceLanes(vec p[kLanes]) {
+#if defined(__AVX512F__)
+  Round(p, 16, ivec{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, 8);
+  Round(p, 8, ivec{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}, 4);
+  Round(p, 4, ivec{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, 2);
+  Round(p, 2, ivec{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}, 1);
+#else
+  Round(p, 8, ivec{0, 1, 2, 3, 8, 9, 10, 11}, 4);
+  Round(p, 4, ivec{0, 1, 4, 5, 8, 9, 12, 13}, 2);
+  Round(p, 2, ivec{0, 2, 4, 6, 8, 10, 12, 14}, 1);
+#endif
+  return p[0];
 }
 
 // Asks for `n` floats from `p` on (the next page of a row: pages lie anywhere in the pool,
@@ -81,16 +89,16 @@ inline void Prefetch(const float* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
 }
 
-// q . k of one query against 16 consecutive keys (k: 16 rows of kD floats).
+// q . k of one query against kLanes consecutive keys (k: kLanes rows of kD floats).
 template <int kD>
-inline v16 Scores16(const v16* q, const float* k) {
-  v16 p[16];
-  for (int t = 0; t < 16; ++t) {
-    v16 s = q[0] * Load(k + t * kD);
-    for (int c = 1; c < kD / 16; ++c) s += q[c] * Load(k + t * kD + c * 16);
+inline vec ScoresLanes(const vec* q, const float* k) {
+  vec p[kLanes];
+  for (int t = 0; t < kLanes; ++t) {
+    vec s = q[0] * Load(k + t * kD);
+    for (int c = 1; c < kD / kLanes; ++c) s += q[c] * Load(k + t * kD + c * kLanes);
     p[t] = s;
   }
-  return Reduce16(p);
+  return ReduceLanes(p);
 }
 
 // One (row, KV head): logits of its G queries over the row's live keys, softmax, P.V.
@@ -126,12 +134,12 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
 
   // Pass 1: q.k for every key (the pool read once for K), a page's run of keys at a time.
   bool scored = false;
-  if constexpr (kD > 0 && kD % 16 == 0 && kG > 0) {
+  if constexpr (kD > 0 && kD % kLanes == 0 && kG > 0) {
     if (S % 16 == 0) {  // whole blocks of 16 keys, never across a page
       scored = true;
-      v16 qv[kG][kD / 16];
+      vec qv[kG][kD / kLanes];
       for (int64_t g = 0; g < kG; ++g)
-        for (int c = 0; c < kD / 16; ++c) qv[g][c] = Load(q + g * kD + c * 16);
+        for (int c = 0; c < kD / kLanes; ++c) qv[g][c] = Load(q + g * kD + c * kLanes);
       for (int64_t first = lo / 16 * 16; first < len; first += 16) {
         const float* k = kbase + slot_of(first);
         if (first + 32 < len) Prefetch(kbase + slot_of(first + 32), 16 * kD);
@@ -139,7 +147,11 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
         for (int64_t g = 0; g < kG; ++g) {
           // NOTE: a block's keys outside [lo, len) are computed and dropped; a NaN
           // there stays in its own lane (each lane sums one key's products).
-          v16 s16 = Scores16<kD>(qv[g], k);
+          float s16[16];
+          for (int part = 0; part < 16 / kLanes; ++part) {
+            const vec s = ScoresLanes<kD>(qv[g], k + part * kLanes * kD);
+            for (int t = 0; t < kLanes; ++t) s16[part * kLanes + t] = s[t];
+          }
           for (int64_t t = from; t < to; ++t) sc[g * count + (t - lo)] = s16[t - first];
         }
       }
