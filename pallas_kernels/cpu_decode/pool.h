@@ -44,13 +44,22 @@ inline void MarkDone(std::atomic<int64_t>& done, int64_t finished, int64_t total
   }
 }
 
+// A spin-wait hint to the core (x86 `pause`, Arm `yield`); nothing elsewhere.
+inline void Pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+  asm volatile("yield");
+#endif
+}
+
 // Blocks until `done` reaches `total`. Spins briefly first (up to ~0.3 ms): the last
 // helper usually finishes within microseconds, sooner than a sleeping thread wakes.
 inline void AwaitDone(const std::atomic<int64_t>& done, int64_t total, std::mutex& mu,
                       std::condition_variable& cv) {
   constexpr int kSpins = 20000;  // pause instructions before sleeping
   for (int spin = 0; spin < kSpins && done.load(std::memory_order_acquire) != total; ++spin) {
-    __builtin_ia32_pause();
+    Pause();
   }
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return done.load() == total; });
