@@ -49,11 +49,12 @@ inline void Store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 constexpr int64_t kLine = 16;  // floats per 64-byte cache line
 
 // Rows [r0, r0 + RM) of x times columns [c0, c0 + NV vectors) of one panel (`panel` points
-// at the tile's first column) into y; prefetches `lines` cache lines per k step from `pf`
-// (the next panel's share of this tile) into L2, up to `pf_end`.
+// at the tile's first column) into y; prefetches `lines` cache lines per k step into L2
+// from float `pf` of the next panel `pf_panel` on (this tile's share of it), up to float
+// `pf_size` (an offset, so that no pointer runs past the buffer).
 template <int RM, int NV>
 void Tile(const float* x, const float* panel, float* y, int64_t K, int64_t N, int64_t r0,
-          int64_t c0, const float* pf, int64_t lines, const float* pf_end) {
+          int64_t c0, const float* pf_panel, int64_t pf, int64_t lines, int64_t pf_size) {
   vec acc[RM][NV];
   for (int i = 0; i < RM; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vec{};
@@ -63,7 +64,7 @@ void Tile(const float* x, const float* panel, float* y, int64_t K, int64_t N, in
     vec wv[NV];
     for (int v = 0; v < NV; ++v) wv[v] = Load(w + kLanes * v);
     for (int64_t l = 0; l < lines; ++l, pf += kLine) {
-      if (pf < pf_end) __builtin_prefetch(pf, 0, 2);
+      if (pf < pf_size) __builtin_prefetch(pf_panel + pf, 0, 2);
     }
     for (int i = 0; i < RM; ++i) {
       const float xv = xr[i * K + k];
@@ -90,28 +91,29 @@ struct Job {
 template <int RM, int NV>
 void RunPanelTiled(const Job& j, int64_t p, int64_t next) {
   static_assert(kPanel % (NV * kLanes) == 0, "a tile's columns divide the panel");
+  static_assert(RM <= 8, "remainder tiles go up to 7 rows");
   constexpr int64_t kPasses = kPanel / (NV * kLanes);  // column passes over the panel
   const int64_t size = j.K * kPanel;  // floats per panel
   const float* panel = j.w + p * size;
   const int64_t tiles = (j.M + RM - 1) / RM * kPasses;
   // Each tile prefetches `lines` lines per k step: all tiles together cover the panel.
   const int64_t lines = next < j.P ? (size / kLine + tiles * j.K - 1) / (tiles * j.K) : 0;
-  const float* pf = j.w + next * size;
-  const float* pf_end = pf + size;
+  const float* pf_panel = j.w + next * size;  // (one past the layer's panels: lines is 0)
+  int64_t pf = 0;
   for (int64_t pass = 0; pass < kPasses; ++pass) {
     const int64_t col = pass * NV * kLanes;
     const int64_t c0 = p * kPanel + col;
     int64_t r = 0;
     for (; r + RM <= j.M; r += RM, pf += lines * j.K * kLine) {
-      Tile<RM, NV>(j.x, panel + col, j.y, j.K, j.N, r, c0, pf, lines, pf_end);
+      Tile<RM, NV>(j.x, panel + col, j.y, j.K, j.N, r, c0, pf_panel, pf, lines, size);
     }
     switch (j.M - r) {
-#define JAXSERVE_TILE(n)                                                         \
-      case n:                                                                      \
-        if constexpr (n < RM) {                                                    \
-          Tile<n, NV>(j.x, panel + col, j.y, j.K, j.N, r, c0, pf, lines, pf_end); \
-          pf += lines * j.K * kLine;                                              \
-        }                                                                          \
+#define JAXSERVE_TILE(n)                                                            \
+      case n:                                                                         \
+        if constexpr (n < RM) {                                                       \
+          Tile<n, NV>(j.x, panel + col, j.y, j.K, j.N, r, c0, pf_panel, pf, lines, size); \
+          pf += lines * j.K * kLine;                                                  \
+        }                                                                             \
         break;
       JAXSERVE_TILE(7) JAXSERVE_TILE(6) JAXSERVE_TILE(5) JAXSERVE_TILE(4)
       JAXSERVE_TILE(3) JAXSERVE_TILE(2) JAXSERVE_TILE(1)
