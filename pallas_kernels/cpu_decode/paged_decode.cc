@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "pool.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -43,14 +44,9 @@ struct Job {
   std::condition_variable cv;
 };
 
-// One vector register of floats (GCC vector extension): 16 with AVX-512, 8 otherwise (AVX
-// and AVX2 have 16 registers of 8; wider vectors would be split and spilled).
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vec __attribute__((vector_size(kLanes * 4)));
+// One vector register of floats (simd.h: 16 with AVX-512, 8 otherwise).
+using jaxserve_cpu::kLanes;
+using jaxserve_cpu::vec;
 typedef float vecu __attribute__((vector_size(kLanes * 4), aligned(4)));  // unaligned loads
 typedef int ivec __attribute__((vector_size(kLanes * 4)));
 

@@ -7,12 +7,11 @@
 // registers (GCC vector extensions, as wide as the CPU's: AVX-512 or AVX/AVX2): with
 // AVX-512, 8 rows x the whole panel (8 x 3 registers of 16 floats); with AVX2's 16
 // registers, 6 rows x 16 columns (6 x 2 of 8 floats; three passes over the panel), or 2
-// rows x the whole panel when a call has fewer than 6 rows. Vectors wider than the CPU's
-// registers would be split by the compiler and spilled on every step (AVX2 with 16-float
-// vectors: 3 GFLOP/s instead of 75 on one core). A thread claims its next panel before it
-// starts the current one and prefetches it into L2 while it computes, spread over the
-// current panel's tiles: the weights then stream from memory under the arithmetic instead
-// of stalling the first tile of every panel.
+// rows x the whole panel when a call has fewer than 6 rows (simd.h: why the width follows
+// the CPU). A thread claims its next panel before it starts the current one and prefetches
+// it into L2 while it computes, spread over the current panel's tiles: the weights then
+// stream from memory under the arithmetic instead of stalling the first tile of every
+// panel.
 
 #include <algorithm>
 #include <atomic>
@@ -23,6 +22,7 @@
 #include <mutex>
 
 #include "pool.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -31,12 +31,8 @@ namespace {
 
 constexpr int64_t kPanel = 48;  // columns per panel
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;  // floats per vector register
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vec __attribute__((vector_size(kLanes * 4)));
+using jaxserve_cpu::kLanes;  // floats per vector register (simd.h)
+using jaxserve_cpu::vec;
 
 inline vec Load(const float* p) {
   vec v;
