@@ -51,9 +51,11 @@ KV_DRAWS = 6
     ("none", "fp8_e4m3", 0.02),
     ("none", "fp8_e5m2", 0.02),
 ])
-def test_perplexity_within_limits(smollm2_path, text_ids, hf_text_logits, quantization, kv,
-                                  limit):
-    model = load_model(smollm2_path, quantization=quantization)
+def test_perplexity_within_limits(smollm2_path, smollm2, text_ids, hf_text_logits,
+                                  quantization, kv, limit):
+    # (the session's float32 model is the dense one; loading it again costs ~8 s)
+    model = smollm2 if quantization == "none" else load_model(smollm2_path,
+                                                              quantization=quantization)
     logits = teacher_forced_logits(model, text_ids, kv)
     ref = perplexity(hf_text_logits, text_ids)
     if kv == "auto":
@@ -72,11 +74,10 @@ def test_perplexity_within_limits(smollm2_path, text_ids, hf_text_logits, quanti
     assert np.isfinite(logits).all()
 
 
-def test_weight_noise_far_below_rounding_leaves_float32_kv_unchanged(smollm2_path, text_ids):
+def test_weight_noise_far_below_rounding_leaves_float32_kv_unchanged(smollm2, text_ids):
     """The draws' noise (1e-6) moves a float32-KV perplexity by ~1e-6: the spread of the
     8-bit draws comes from their rounding, not from the noise itself."""
-    model = load_model(smollm2_path, quantization="none")
-    draws = perplexity_draws(model, text_ids, "auto", 3)
+    draws = perplexity_draws(smollm2, text_ids, "auto", 3)
     assert max(draws) / min(draws) - 1 < 1e-4, draws
 
 
