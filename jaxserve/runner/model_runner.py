@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -52,18 +53,21 @@ from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
 # own `jax.jit`s, and JAX's caches are per function object. The oldest go past the bound.
 PROGRAMS: collections.OrderedDict[tuple, object] = collections.OrderedDict()
 MAX_PROGRAMS = 256
+_programs_lock = threading.Lock()  # engines may be built on several threads
 
 
 def shared_program(key: tuple, make):
-    """The process's program for `key`, made by `make()` the first time."""
-    fn = PROGRAMS.get(key)
-    if fn is None:
-        fn = PROGRAMS[key] = make()
-        while len(PROGRAMS) > MAX_PROGRAMS:
-            PROGRAMS.popitem(last=False)
-    else:
-        PROGRAMS.move_to_end(key)
-    return fn
+    """The process's program for `key`, made by `make()` (a `jax.jit`, cheap) the first
+    time."""
+    with _programs_lock:
+        fn = PROGRAMS.get(key)
+        if fn is None:
+            fn = PROGRAMS[key] = make()
+            while len(PROGRAMS) > MAX_PROGRAMS:
+                PROGRAMS.popitem(last=False)
+        else:
+            PROGRAMS.move_to_end(key)
+        return fn
 
 
 def _model_step(module: Decoder, layout: Layout, decode_only: bool, short_tiles: bool,
