@@ -31,7 +31,6 @@ import pallas_kernels.ops as ops
 from jaxserve.bench.engine_run import make_llm
 from jaxserve.bench.roofline import decode_output, decode_pages
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from jaxserve.runner import model_runner
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
 from models.model import Model
@@ -74,9 +73,6 @@ def compiled_step(model, tok, attention, case: str):
     mine = ops.ragged_paged_attention_xla
     if attention is not None:  # read when the step is traced (first call)
         ops.ragged_paged_attention_xla = attention
-    # NOTE: engines share their programs (`model_runner.shared_program`): A and B, the same
-    # model and layout, would otherwise run whichever was traced first.
-    model_runner.PROGRAMS.clear()
     try:
         fn = runner._step_fn(layout, False)
         dbuf = runner._to_device(buf)

@@ -11,9 +11,7 @@ device from that step's output.
 
 from __future__ import annotations
 
-import collections
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -40,54 +38,26 @@ from jaxserve.sample.logprobs import compute_prompt_logprobs
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, MAX_LOGPROBS, SamplingMetadata
 from jaxserve.sample.sampler import sample
 from jaxserve.utils import cdiv
-from models.decoder import Decoder
 from models.model import Model
 from pallas_kernels import AttentionMetadata
 from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
 
-# Jitted programs shared by every runner in the process, keyed by what their traces depend
-# on: the model's Flax module (its architecture, dtype, backend, weight format and panel
-# mode; never its weights, which are arguments), the input layout and flags. A second
-# engine on the same kind of model (tests, notebooks, a restarted server in one process)
-# then traces, lowers and compiles nothing it already has; before, each engine made its
-# own `jax.jit`s, and JAX's caches are per function object. The oldest go past the bound.
-PROGRAMS: collections.OrderedDict[tuple, object] = collections.OrderedDict()
-MAX_PROGRAMS = 256
-_programs_lock = threading.Lock()  # engines may be built on several threads
 
-
-def shared_program(key: tuple, make):
-    """The process's program for `key`, made by `make()` (a `jax.jit`, cheap) the first
-    time."""
-    with _programs_lock:
-        fn = PROGRAMS.get(key)
-        if fn is None:
-            fn = PROGRAMS[key] = make()
-            while len(PROGRAMS) > MAX_PROGRAMS:
-                PROGRAMS.popitem(last=False)
-        else:
-            PROGRAMS.move_to_end(key)
-        return fn
-
-
-def _model_step(module: Decoder, layout: Layout, decode_only: bool, short_tiles: bool,
-                params, kv_pages, buf, prev_ids):
+def _model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: bool, params,
+                kv_pages, buf, prev_ids):
     x = unpack(buf, layout)
     md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"],
                            decode_only, short_tiles)
     src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
     input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
-    # (`Model.forward` and `Model.compute_logits`, on the module alone)
-    kv_pages, hidden = module.apply({"params": params}, input_ids, x["positions"], kv_pages,
-                                    md)
-    logits = module.apply({"params": params}, hidden[x["logits_indices"]],
-                          method=Decoder.compute_logits)  # f32[rows, vocab]
+    kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md)
+    logits = model.compute_logits(params, hidden[x["logits_indices"]])  # f32[rows, vocab]
     return kv_pages, logits, hidden
 
 
-def _prompt_logprobs(module: Decoder, num_logprobs: int, params, hidden, next_token_ids):
+def _prompt_logprobs(model: Model, num_logprobs: int, params, hidden, next_token_ids):
     # f32[num_tokens, vocab] logits of every position: only steps that asked for it.
-    logits = module.apply({"params": params}, hidden, method=Decoder.compute_logits)
+    logits = model.compute_logits(params, hidden)
     return compute_prompt_logprobs(logits, next_token_ids, num_logprobs)
 
 
@@ -309,10 +279,8 @@ class ModelRunner:
 
     def _prompt_fn(self):
         if self._prompt_logprobs is None:
-            n = min(MAX_LOGPROBS, self.model.cfg.vocab_size)
-            self._prompt_logprobs = shared_program(
-                ("prompt_logprobs", self.model.module, n),
-                lambda: jax.jit(functools.partial(_prompt_logprobs, self.model.module, n)))
+            self._prompt_logprobs = jax.jit(functools.partial(
+                _prompt_logprobs, self.model, min(MAX_LOGPROBS, self.model.cfg.vocab_size)))
         return self._prompt_logprobs
 
     def _to_device(self, buf: np.ndarray) -> jax.Array:
@@ -329,11 +297,9 @@ class ModelRunner:
             shardings = {} if self.layout is None else {"out_shardings": (
                 self.layout.kv_pages_sharding(), self.layout.replicated(),
                 self.layout.replicated())}
-            args = (self.model.module, layout, decode_only, self.short_tiles)
-            fn = shared_program(
-                ("model_step", *args, tuple(shardings.get("out_shardings", ()))),
-                lambda: jax.jit(functools.partial(_model_step, *args), donate_argnums=1,
-                                **shardings))
+            fn = jax.jit(functools.partial(_model_step, self.model, layout, decode_only,
+                                           self.short_tiles),
+                         donate_argnums=1, **shardings)
             self._steps[(layout, decode_only)] = fn
         return fn
 
@@ -348,8 +314,7 @@ class ModelRunner:
     def _sampler_fn(self, layout: Layout):
         fn = self._samplers.get(layout)
         if fn is None:
-            fn = shared_program(("sample", layout, self.max_rows), lambda: jax.jit(
-                functools.partial(_sample_step, layout, self.max_rows)))
+            fn = jax.jit(functools.partial(_sample_step, layout, self.max_rows))
             self._samplers[layout] = fn
         return fn
 

@@ -3,13 +3,11 @@ thread count's setting, and progress for `/health`."""
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.core.plans import CopyPlan, KVPlans, SwapPlan
-from jaxserve.runner import compile_counter, model_runner, warmup
+from jaxserve.runner import compile_counter, warmup
 from jaxserve.runner.kv_ops import PLAN_PAIRS
 
 ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=64,
@@ -22,8 +20,6 @@ def test_warmup_pass_finds_every_program_compiled_ahead(tiny_model_dir, monkeypa
     them, which then lowers nothing (a miss there would compile twice). With 1 thread the
     pass compiles them itself."""
     monkeypatch.setenv("JAXSERVE_COMPILE_THREADS", str(threads))
-    # (programs of earlier engines in this process would leave nothing to compile)
-    monkeypatch.setattr(model_runner, "PROGRAMS", collections.OrderedDict())
     counts, progress = {}, []
     run_bucket = warmup._run_bucket
 
@@ -67,43 +63,3 @@ def test_compile_threads_default_and_override(monkeypatch):
     assert 1 <= warmup.compile_threads() <= warmup.MAX_COMPILE_THREADS
     monkeypatch.setenv("JAXSERVE_COMPILE_THREADS", "3")
     assert warmup.compile_threads() == 3
-
-
-def test_a_second_engine_on_the_same_model_compiles_nothing(tiny_model_dir, monkeypatch):
-    """Engines share their jitted programs (keyed by the model's module, not its weights):
-    a second engine on another load of the same model, with the same limits, traces and
-    compiles nothing in warm-up or serving, and gives the same tokens; a different shape
-    of step (another token budget) compiles its own."""
-    monkeypatch.setattr(model_runner, "PROGRAMS", collections.OrderedDict())
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    before = compile_counter.num_compilations()
-    first = LLM(tiny_model_dir, **ARGS)
-    want = [o.outputs[0].token_ids for o in first.generate(["a b c", "d e"], params)]
-    assert compile_counter.num_compilations() > before
-    shared = len(model_runner.PROGRAMS)
-    del first
-    before = compile_counter.num_compilations()
-    second = LLM(tiny_model_dir, **ARGS)
-    got = [o.outputs[0].token_ids for o in second.generate(["a b c", "d e"], params)]
-    assert got == want
-    assert compile_counter.num_compilations() == before
-    assert len(model_runner.PROGRAMS) == shared
-    LLM(tiny_model_dir, **{**ARGS, "max_num_batched_tokens": 64})
-    assert compile_counter.num_compilations() > before
-
-
-def test_shared_programs_are_bounded(monkeypatch):
-    monkeypatch.setattr(model_runner, "PROGRAMS", collections.OrderedDict())
-    monkeypatch.setattr(model_runner, "MAX_PROGRAMS", 2)
-    made = []
-
-    def make(name):
-        return lambda: made.append(name) or name
-
-    assert model_runner.shared_program(("a",), make("a")) == "a"
-    assert model_runner.shared_program(("b",), make("b")) == "b"
-    assert model_runner.shared_program(("a",), make("a2")) == "a"  # found, now the newest
-    assert model_runner.shared_program(("c",), make("c")) == "c"  # "b" goes
-    assert list(model_runner.PROGRAMS) == [("a",), ("c",)]
-    assert model_runner.shared_program(("b",), make("b2")) == "b2"
-    assert made == ["a", "b", "c", "b2"]
