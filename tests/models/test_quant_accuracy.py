@@ -35,6 +35,13 @@ def hf_text_logits(hf_smollm2, text_ids):
         return hf_smollm2(torch.tensor([text_ids])).logits[0].float().numpy()
 
 
+@pytest.fixture(scope="module")
+def dense(smollm2, smollm2_path):
+    """The model with dense float32 weights: the session's (loading it again costs ~8 s),
+    unless that one keeps the GGUF blocks (not on the CPU: `quant_plan_for`)."""
+    return load_model(smollm2_path, quantization="none") if smollm2.quant else smollm2
+
+
 # Perplexity draws averaged for an 8-bit KV cache (see `perplexity_draws`: one run is one
 # draw of a chaotic rounding process, fp8_e5m2's spread is about 1%).
 KV_DRAWS = 6
@@ -51,11 +58,10 @@ KV_DRAWS = 6
     ("none", "fp8_e4m3", 0.02),
     ("none", "fp8_e5m2", 0.02),
 ])
-def test_perplexity_within_limits(smollm2_path, smollm2, text_ids, hf_text_logits,
+def test_perplexity_within_limits(smollm2_path, dense, text_ids, hf_text_logits,
                                   quantization, kv, limit):
-    # (the session's float32 model is the dense one; loading it again costs ~8 s)
-    model = smollm2 if quantization == "none" else load_model(smollm2_path,
-                                                              quantization=quantization)
+    model = dense if quantization == "none" else load_model(smollm2_path,
+                                                            quantization=quantization)
     logits = teacher_forced_logits(model, text_ids, kv)
     ref = perplexity(hf_text_logits, text_ids)
     if kv == "auto":
@@ -74,10 +80,10 @@ def test_perplexity_within_limits(smollm2_path, smollm2, text_ids, hf_text_logit
     assert np.isfinite(logits).all()
 
 
-def test_weight_noise_far_below_rounding_leaves_float32_kv_unchanged(smollm2, text_ids):
+def test_weight_noise_far_below_rounding_leaves_float32_kv_unchanged(dense, text_ids):
     """The draws' noise (1e-6) moves a float32-KV perplexity by ~1e-6: the spread of the
     8-bit draws comes from their rounding, not from the noise itself."""
-    draws = perplexity_draws(smollm2, text_ids, "auto", 3)
+    draws = perplexity_draws(dense, text_ids, "auto", 3)
     assert max(draws) / min(draws) - 1 < 1e-4, draws
 
 
