@@ -75,6 +75,7 @@ def throughput_run(model_flags, tmp_path_factory):
     return SimpleNamespace(out=out, err=err, json=path, plots=plots)
 
 
+@pytest.mark.slow
 def test_throughput(throughput_run):
     assert "| run | req/s | total tok/s | output tok/s |" in throughput_run.out
     assert "| mode | steps | prefill steps |" in throughput_run.out
@@ -111,6 +112,7 @@ def test_throughput_without_torch_skips_the_baseline(model_flags, monkeypatch, t
     assert set(read_json(path)["results"]) == {"continuous+chunked"}
 
 
+@pytest.mark.slow
 def test_prefix(tiny_model_dir, tmp_path):
     path = str(tmp_path / "p.json")
     # NOTE: the shared-prefix trace's suffixes and outputs average 32 tokens: a longer
@@ -141,6 +143,7 @@ def test_roofline(model_flags, tmp_path):
     assert [r["batch"] for r in read_json(path)["rows"]] == [1, 2]
 
 
+@pytest.mark.slow
 def test_scale(model_flags, tmp_path):
     pytest.importorskip("matplotlib")
     path, plots = str(tmp_path / "s.json"), str(tmp_path / "plots")
@@ -168,6 +171,7 @@ def test_scale_warmup_probes(model_flags, tmp_path):
     assert set(read_json(path)["warmup"]) == {"cold", "warm"}
 
 
+@pytest.mark.slow
 def test_overhead(tiny_model_dir, tmp_path):
     path = str(tmp_path / "o.json")
     out, _ = ok(["bench", "overhead", "--model", tiny_model_dir, "--num-running", "2,4",
@@ -199,6 +203,7 @@ def test_serve(fake_server_url, tmp_path):
     assert res["completed"] == 3 and res["failed"] == 0 and res["model_id"] == "fake"
 
 
+@pytest.mark.slow
 def test_diagnose_from_a_bench_result(throughput_run):
     out, _ = ok(["diagnose", "--config", throughput_run.json, "--result", throughput_run.json])
     assert all(f"\n[{m}] " in out for m in ("kv", "batch", "chunk")), out
@@ -279,6 +284,7 @@ def test_throughput_peer_unreachable():
         run_peer("http://127.0.0.1:9", trace, [[5, 6, 7]] * 2, log=lambda *a: None)
 
 
+@pytest.mark.slow
 def test_structured(tiny_model_dir, tmp_path):
     path = str(tmp_path / "s.json")
     out, _ = ok(["bench", "structured", "--model", tiny_model_dir, "--rows", "1,3",
@@ -292,6 +298,7 @@ def test_structured(tiny_model_dir, tmp_path):
     assert all(r["tokens"] > 0 and r["compiles"] == 0 for r in res["throughput"])
 
 
+@pytest.mark.slow
 def test_quant_speed_only(tiny_model_dir, tmp_path):
     path = str(tmp_path / "q.json")
     out, _ = ok(["bench", "quant", "--model", tiny_model_dir, "--modes",

@@ -8,6 +8,8 @@ from jaxserve.bench.copying import copying_trace
 from jaxserve.bench.workloads import load_trace
 from tests.bench.test_bench_smoke import ok, read_json
 
+pytestmark = pytest.mark.slow
+
 # The copying prompts are chat-formatted paragraphs, code or records (about 80-140 tokens,
 # answers about 50-80): a longer max_model_len than the other smoke tests, same budget.
 # NOTE: both tests share this engine shape, so the speculation-off engine's programs come

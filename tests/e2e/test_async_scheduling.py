@@ -30,7 +30,7 @@ def params_of(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=24, stop=[" the", "."])
 
 
-@pytest.fixture(scope="module", params=["recompute", "swap"])
+@pytest.fixture(scope="module", params=["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def llm(request, smollm2, smollm2_tokenizer) -> LLM:
     # A 15-page pool (16 tokens each) cannot hold the batch: requests are preempted.
     return LLM(smollm2, tokenizer=smollm2_tokenizer, max_num_seqs=8, max_num_batched_tokens=64,

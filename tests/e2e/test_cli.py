@@ -7,7 +7,6 @@ import pytest
 from jaxserve.entrypoints.cli import main
 
 
-@pytest.mark.slow
 def test_generate_default_model(capsys, smollm2_path):
     assert main(["generate", "Once upon a time", "--max-tokens", "8"]) == 0
     out = capsys.readouterr()
@@ -63,6 +62,7 @@ def test_diagnose_names_a_bad_config_file(tmp_path, capsys):
     assert str(bad) in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_prints_no_alarming_noise(smollm2_path):
     # Issue 19 item 7: "PyTorch was not found" and "Unable to initialize backend 'tpu'"
     # suggested breakage; one line names the backend instead.

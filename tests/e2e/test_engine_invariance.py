@@ -225,6 +225,7 @@ def assert_speculated(llm: LLM) -> None:
         <= metrics["jaxserve:spec_decode_num_draft_tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk,k", [(16, 2), (64, 5)])
 def test_ngram_speculation(smollm2, smollm2_tokenizer, ref_llm, spec_prompts, alone, chunk,
                            k):
@@ -239,6 +240,7 @@ def test_ngram_speculation(smollm2, smollm2_tokenizer, ref_llm, spec_prompts, al
     assert_speculated(llm)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_ngram_speculation_with_preemption(smollm2, smollm2_tokenizer, ref_llm, spec_prompts,
                                            alone, mode):
@@ -255,6 +257,7 @@ def test_ngram_speculation_with_preemption(smollm2, smollm2_tokenizer, ref_llm, 
     assert metrics["jaxserve:kv_cache_usage_perc"] == 0.0
 
 
+@pytest.mark.slow
 def test_ngram_speculation_pallas(smollm2, smollm2_tokenizer, ref_llm, spec_prompts, alone):
     """Verification through the Pallas ragged kernel (interpreted on the CPU)."""
     llm = make_llm(smollm2, smollm2_tokenizer, attention_backend="pallas",

@@ -82,7 +82,6 @@ def test_top_k_1_equals_greedy(llm, greedy):
 
 
 
-@pytest.mark.slow
 def test_logprobs_match_transformers(llm, hf_smollm2, torch_one_thread):
     import torch
 
@@ -248,7 +247,6 @@ def test_n4_generate(llm, smollm2_tokenizer):
     assert [c.token_ids for c in batch[1].outputs] == [c.token_ids for c in out.outputs]
 
 
-@pytest.mark.slow
 def test_no_compilation_after_warmup(smollm2, smollm2_tokenizer):
     """A warmed engine serves a mixed workload with zero compilations."""
     # NOTE: 15 usable pages, as tests/e2e/test_async_scheduling.py's engine (whose steps,

@@ -41,7 +41,6 @@ def _hf_greedy(hf_model, ids, eos):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS + ["<chat>"])
 def test_greedy_matches_transformers(llm, hf_smollm2, smollm2_tokenizer, prompt):
     tok = smollm2_tokenizer

@@ -51,6 +51,7 @@ def test_int8_kv_prefix_sharing_keeps_tokens(gguf_model, smollm2_tokenizer):
     assert roomy.get_metrics()["jaxserve:kv_cache_usage_perc"] == 0  # no page leaked
 
 
+@pytest.mark.slow
 def test_int8_kv_swap_keeps_tokens(gguf_model, smollm2_tokenizer):
     # With 10 pages a scheduling pass swaps a request out and then schedules nothing; its
     # swap-out must still run (it once did not: KeyError in HostSwapSpace.swap_in).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from jaxserve import LLM, SamplingParams
 from models.config import ArchConfig
 from models.model import Model, random_params
@@ -11,6 +13,7 @@ TINY = ArchConfig("LlamaForCausalLM", vocab_size=256, hidden_size=64, intermedia
                   max_position_embeddings=512, eos_token_ids=(2,))
 
 
+@pytest.mark.slow
 def test_budget_larger_than_max_model_len(smollm2_tokenizer):
     # NOTE: small sizes keep warm-up to two buckets (a budget of 1024 compiled eight). A
     # sequence holds 24 tokens (3 pages of 8), so the 32 bucket needs two dummy requests, the

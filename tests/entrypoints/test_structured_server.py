@@ -44,6 +44,7 @@ def tiny_client(tiny_model_dir):
     srv.stop()
 
 
+@pytest.mark.slow
 def test_fifty_sampled_json_schema_completions_validate(tiny_client):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
 

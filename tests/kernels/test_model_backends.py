@@ -40,7 +40,7 @@ def tiny_params():
     return jax.tree_util.tree_map(lambda x: x * 3.0, random_params(TINY, seed=7))
 
 
-@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize("page_size", [8, pytest.param(16, marks=pytest.mark.slow)])
 def test_tiny_model_greedy_same_on_both_backends(tiny_params, page_size):
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, TINY.vocab_size, 21)]
     outs, decode_steps = {}, []

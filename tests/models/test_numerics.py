@@ -188,7 +188,6 @@ SMOLLM2_PROMPT = ("The quick brown fox jumps over the lazy dog. Paged attention 
                   "key and value cache in fixed-size blocks")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("chunks", [None, (11, 1, 1)], ids=["whole", "chunked"])
 def test_smollm2_gguf_matches_transformers(smollm2, hf_smollm2, smollm2_tokenizer, chunks):
     ids = smollm2_tokenizer(SMOLLM2_PROMPT)["input_ids"]

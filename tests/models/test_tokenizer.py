@@ -7,8 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CACHE_DIR = os.environ.get("JAXSERVE_TEST_CACHE", os.path.join(ROOT, ".jax_cache"))
 TEXTS = [
@@ -19,7 +17,6 @@ TEXTS = [
 ]
 
 
-@pytest.mark.slow
 def test_gguf_tokenizer_equals_transformers(smollm2_path, smollm2_tokenizer):
     from transformers import AutoTokenizer
 

@@ -55,7 +55,7 @@ def tiny_reference(tiny_model, smollm2_tokenizer):
     return _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False))
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tiny_tensor_parallel_matches_one_device(tiny_model, smollm2_tokenizer, tiny_reference,
                                                  size):
     # 12 pages force preemption; at size 4 the 2 KV heads are replicated in pairs.
@@ -73,6 +73,7 @@ def test_tiny_tensor_parallel_matches_one_device(tiny_model, smollm2_tokenizer, 
     assert pool.sharding.spec[2] == "kv" and len(pool.sharding.device_set) == size
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_under_tensor_parallelism(tiny_model, smollm2_tokenizer, tiny_reference,
                                               method):
@@ -108,6 +109,7 @@ def tiny9_reference(tiny9, smollm2_tokenizer):
     return _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False))
 
 
+@pytest.mark.slow
 def test_tp3_under_preemption_and_mixed_load(tiny9, smollm2_tokenizer, tiny9_reference):
     # 6 usable pages for five requests of 2-4 pages each: swapped out and back in.
     llm = LLM(tiny9, tokenizer=smollm2_tokenizer, tensor_parallel_size=3, num_kv_blocks=7,
@@ -140,6 +142,7 @@ def _check_collectives(llm):
             assert f"[{pool_dims}]" not in line, line
 
 
+@pytest.mark.slow
 def test_data_parallel_two_replicas(tiny_model, smollm2_tokenizer, tiny_reference):
     llm = LLM(tiny_model, tokenizer=smollm2_tokenizer, data_parallel_size=2, num_kv_blocks=64,
               **SMALL)

@@ -22,7 +22,8 @@ PLANS = {"q4": uniform_plan("q4", QuantFormat("q4", 32)),
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
 
 
-@pytest.fixture(scope="module", params=sorted(PLANS))
+@pytest.fixture(scope="module", params=[
+    "q4", pytest.param("int8", marks=pytest.mark.slow)])
 def quantized(request, smollm2_tokenizer):
     """(model, one-device greedy tokens over an int8 KV pool)."""
     plan = PLANS[request.param]
@@ -35,7 +36,7 @@ def quantized(request, smollm2_tokenizer):
     return model, _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False))
 
 
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_quantized_tensor_parallel_matches_one_device(quantized, smollm2_tokenizer, size):
     model, want = quantized
     llm = LLM(model, tokenizer=smollm2_tokenizer, tensor_parallel_size=size,

@@ -44,6 +44,7 @@ def record_samples(engine) -> list:
     return samples
 
 
+@pytest.mark.slow
 def test_follower_replays_the_leader(tiny_model_dir, monkeypatch):
     from jaxserve.runner.model_runner import ModelRunner
 

@@ -61,6 +61,7 @@ def acceptance(llm: LLM) -> float:
         "jaxserve:spec_decode_num_draft_tokens"]
 
 
+@pytest.mark.slow
 def test_self_draft_is_accepted(smollm2, smollm2_tokenizer, want):
     """The target as its own draft: every proposal is the target's greedy token, so all
     are accepted unless the draft's KV went wrong between steps (catch-up, proposals'
@@ -72,11 +73,12 @@ def test_self_draft_is_accepted(smollm2, smollm2_tokenizer, want):
 
 
 @pytest.mark.parametrize("overrides", [
-    {"max_num_batched_tokens": 16},
-    {"num_kv_blocks": 9, "preemption_mode": "recompute"},
-    {"num_kv_blocks": 9, "preemption_mode": "swap"},
-    {"attention_backend": "pallas"},
-], ids=["chunk16", "recompute", "swap", "pallas"])
+    pytest.param({"max_num_batched_tokens": 16}, id="chunk16", marks=pytest.mark.slow),
+    pytest.param({"num_kv_blocks": 9, "preemption_mode": "recompute"}, id="recompute"),
+    pytest.param({"num_kv_blocks": 9, "preemption_mode": "swap"}, id="swap",
+                 marks=pytest.mark.slow),
+    pytest.param({"attention_backend": "pallas"}, id="pallas", marks=pytest.mark.slow),
+])
 def test_truncated_draft_greedy_parity(smollm2, smollm2_tokenizer, want, overrides):
     """A 20-layer copy proposes (mostly wrongly: it agrees with the target ~14% of the
     time); outputs are the target's under chunking, preemption and the Pallas kernels
@@ -93,6 +95,7 @@ def test_truncated_draft_greedy_parity(smollm2, smollm2_tokenizer, want, overrid
     assert metrics["jaxserve:kv_cache_usage_perc"] == 0.0
 
 
+@pytest.mark.slow
 def test_bad_draft_keeps_the_target_distribution(smollm2, smollm2_tokenizer, tiny_model_dir,
                                                  base):
     """Temperature 1 with a random tiny draft (loaded by path): the second token, given the
@@ -136,6 +139,7 @@ def token_ids_of(llm: LLM, prompt: str, params: list) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow
 def test_a_draft_that_never_pays_is_paused(smollm2, smollm2_tokenizer, want, tiny_model_dir):
     """The random tiny draft is almost never right: after a window of rejected proposals
     the gate stops proposing (steps overlap again); outputs are unchanged."""
@@ -148,6 +152,7 @@ def test_a_draft_that_never_pays_is_paused(smollm2, smollm2_tokenizer, want, tin
     assert metrics["jaxserve:spec_decode_num_draft_tokens"] < 150
 
 
+@pytest.mark.slow
 def test_nothing_compiles_after_warm_up(tiny_model_dir, smollm2_tokenizer):
     """Warm-up compiles the draft's steps and its k - 1 step program for every row bucket
     (the tiny model drafting for itself: every proposal holds)."""

@@ -68,6 +68,7 @@ def test_free_requests_unchanged_beside_constrained(llm):
     assert llm.get_metrics()["jaxserve:num_compilations"] == 0
 
 
+@pytest.mark.slow
 def test_logprobs_and_preemption_keep_constrained_outputs(llm, tiny_model_dir):
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     params = SamplingParams(temperature=0.0, max_tokens=120, logprobs=2, structured_outputs=so)
