@@ -7,6 +7,7 @@ import pytest
 from jaxserve.entrypoints.cli import main
 
 
+@pytest.mark.slow
 def test_generate_default_model(capsys, smollm2_path):
     assert main(["generate", "Once upon a time", "--max-tokens", "8"]) == 0
     out = capsys.readouterr()

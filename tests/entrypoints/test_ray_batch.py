@@ -163,6 +163,7 @@ def test_resume_and_a_dataset_of_prompts(tiny_model_dir, batch, tmp_path, local_
     assert earlier.read_text() == "an earlier run's results\n"
 
 
+@pytest.mark.slow
 def test_unreachable_ray_address_fails_fast(tiny_model_dir, batch, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

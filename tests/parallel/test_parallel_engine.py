@@ -142,7 +142,6 @@ def _check_collectives(llm):
             assert f"[{pool_dims}]" not in line, line
 
 
-@pytest.mark.slow
 def test_data_parallel_two_replicas(tiny_model, smollm2_tokenizer, tiny_reference):
     llm = LLM(tiny_model, tokenizer=smollm2_tokenizer, data_parallel_size=2, num_kv_blocks=64,
               **SMALL)
