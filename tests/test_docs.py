@@ -26,7 +26,7 @@ Markers (an HTML comment, invisible when rendered, on the line before a block's 
 fence; blank lines between are allowed):
 
     <!-- docs-test: skip (needs a server) -->     the block is not run (the reason is shown)
-    <!-- docs-test: slow (loads the full model) -->   the block runs only without -m "not slow"
+    <!-- docs-test: slow (loads the full model) -->   the block runs in the slow tier (-m slow)
 
 The files are parsed when the tests are collected: nothing here depends on their text.
 """
