@@ -1,4 +1,5 @@
-"""CI smoke test: every `jaxserve bench ...` subcommand and `jaxserve diagnose` run end to end.
+"""Smoke test: every `jaxserve bench ...` subcommand and `jaxserve diagnose` run end to end
+(throughput, prefix, scale, overhead, structured and quant in the slow tier).
 
 Each command runs through `main([...])` on the tiny random model of `tests/conftest.py` with
 tiny sizes, and must exit 0, print its table and write parseable `--output-json`. The engine

@@ -1,7 +1,8 @@
 """Async scheduling (issue 11 item 4): each step is scheduled and dispatched while the
 previous one runs, its placeholder tokens read from that step's samples on the device.
 Outputs must equal synchronous stepping token for token, through chunked prefill,
-preemption (recompute and swap), prefix-cache hits, stop strings and seeded sampling."""
+preemption (recompute; swap in the slow tier), prefix-cache hits, stop strings and seeded
+sampling."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The `jaxserve` command line: generate on the default model, convert, and its errors."""
+"""The `jaxserve` command line: generate on the default model (slow tier), convert, errors."""
 
 from __future__ import annotations
 

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from jaxserve import LLM, SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog because it was"
 
 
-@pytest.mark.slow
 def test_prompt_logprobs_match_transformers(smollm2, smollm2_tokenizer, hf_smollm2):
     import torch
 

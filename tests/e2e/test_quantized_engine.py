@@ -1,6 +1,7 @@
 """The engine over quantized weights and 8-bit KV pages: same tokens as float32 where the
-weights are the same, pages (with their scales) survive swap and prefix sharing, capacity
-grows with the smaller pages, and bad settings are ValueErrors naming the field."""
+weights are the same, pages (with their scales) survive swap (slow tier) and prefix
+sharing, capacity grows with the smaller pages, and bad settings are ValueErrors naming the
+field."""
 
 from __future__ import annotations
 

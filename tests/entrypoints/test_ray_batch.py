@@ -1,6 +1,7 @@
 """Batch inference on a local Ray cluster (`jaxserve.batch`, `run-batch --ray`): two CPU
 actors answer 64 batch lines as one process does, a killed actor loses no result, runs
-resume, a Dataset of prompts maps through the pool, and bad set-ups fail fast."""
+resume, a Dataset of prompts maps through the pool, and bad set-ups fail fast (all but the
+option checks in the slow tier)."""
 
 from __future__ import annotations
 

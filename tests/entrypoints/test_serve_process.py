@@ -10,7 +10,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests.entrypoints.conftest import MODEL_NAME, free_port, sse_events
 
@@ -18,7 +17,6 @@ CACHE_DIR = os.environ.get("JAXSERVE_TEST_CACHE", os.path.join(
     os.path.dirname(__file__), "..", "..", ".jax_cache"))
 
 
-@pytest.mark.slow
 def test_serve_process_drains_on_sigterm(tmp_path, smollm2_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"

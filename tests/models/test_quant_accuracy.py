@@ -17,7 +17,7 @@ from jaxserve.bench.quant import (
 )
 from models.loaders import load_model
 
-pytestmark = pytest.mark.slow
+SLOW = pytest.mark.slow  # several noisy draws each: ~50-75 s apiece
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +53,10 @@ KV_DRAWS = 6
     ("int8", "auto", 0.01),
     # NOTE: the KV formats are measured on float32 weights, which isolates them (the
     # BENCHMARKS rows do the same); int8 KV is also checked over the GGUF blocks.
-    ("none", "int8", 0.02),
+    pytest.param("none", "int8", 0.02, marks=SLOW),
     ("gguf", "int8", 0.02),
-    ("none", "fp8_e4m3", 0.02),
-    ("none", "fp8_e5m2", 0.02),
+    pytest.param("none", "fp8_e4m3", 0.02, marks=SLOW),
+    pytest.param("none", "fp8_e5m2", 0.02, marks=SLOW),
 ])
 def test_perplexity_within_limits(smollm2_path, dense, text_ids, hf_text_logits,
                                   quantization, kv, limit):
@@ -80,6 +80,7 @@ def test_perplexity_within_limits(smollm2_path, dense, text_ids, hf_text_logits,
     assert np.isfinite(logits).all()
 
 
+@pytest.mark.slow
 def test_weight_noise_far_below_rounding_leaves_float32_kv_unchanged(dense, text_ids):
     """The draws' noise (1e-6) moves a float32-KV perplexity by ~1e-6: the spread of the
     8-bit draws comes from their rounding, not from the noise itself."""

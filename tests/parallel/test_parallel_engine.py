@@ -71,6 +71,7 @@ def test_tiny_tensor_parallel_matches_one_device(tiny_model, smollm2_tokenizer, 
     assert llm.engine.runner.model.backend == "xla"
     pool = llm.engine.runner.kv_pages
     assert pool.sharding.spec[2] == "kv" and len(pool.sharding.device_set) == size
+    _check_collectives(llm)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """The multi-host step channel in one process: a follower that replays what a leader sent
-ends with the same KV pool, bit for bit (async steps, preemption, forks, prompt logprobs)."""
+ends with the same KV pool, bit for bit (async steps, preemption, forks, prompt logprobs;
+the slow tier), and the channel's rules."""
 
 from __future__ import annotations
 

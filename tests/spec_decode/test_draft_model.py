@@ -61,7 +61,6 @@ def acceptance(llm: LLM) -> float:
         "jaxserve:spec_decode_num_draft_tokens"]
 
 
-@pytest.mark.slow
 def test_self_draft_is_accepted(smollm2, smollm2_tokenizer, want):
     """The target as its own draft: every proposal is the target's greedy token, so all
     are accepted unless the draft's KV went wrong between steps (catch-up, proposals'
