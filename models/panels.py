@@ -1,9 +1,9 @@
 """Panel mode of the `cpu` backend: the decoder layers' matmul weights stored packed and
 stacked (`pallas_kernels.cpu_decode.gemm`) instead of as per-layer `kernel`s.
 
-In panel mode `params["layer_panels"]` maps each projection name to f32[L, P, K, 48] and
+In panel mode `params["layer_panels"]` maps each projection name to f32[L, P, K, 16] and
 the layers' `kernel` leaves are gone (biases and norms stay where they were); the LM head
-[hidden, vocab] is packed too, as f32[1, P, hidden, 48] under `embed_tokens/panels` when
+[hidden, vocab] is packed too, as f32[1, P, hidden, 16] under `embed_tokens/panels` when
 it is tied to the embedding (which then looks tokens up in it: one copy) or
 `lm_head/panels` when not. `Model` converts on construction, both ways (`to_panels` /
 `from_panels`), so callers may hand it either form.

@@ -59,7 +59,7 @@ class PanelDense(nn.Module):
 
 class PanelEmbed(nn.Module):
     """The LM head in panel mode (`models.panels`): its weight [hidden, vocab] packed as
-    panels f32[1, P, hidden, 48] under "panels". `attend` is the LM head matmul (the
+    panels f32[1, P, hidden, 16] under "panels". `attend` is the LM head matmul (the
     CPU matmul kernel); `__call__` looks tokens up in the same panels, so a tied
     embedding is stored once."""
 
@@ -73,7 +73,7 @@ class PanelEmbed(nn.Module):
             1, num_panels(self.num_embeddings), self.features, PANEL), jnp.float32)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        """f32[T, hidden] rows of `ids` i32[T]: column id % 48 of panel id // 48."""
+        """f32[T, hidden] rows of `ids` i32[T]: column id % 16 of panel id // 16."""
         from pallas_kernels.cpu_decode.gemm import PANEL
 
         return self.panels[0, ids // PANEL, :, ids % PANEL]

@@ -15,6 +15,10 @@ same process (e.g. the version of a commit before a change to the kernel):
 
     git show c4feb93:pallas_kernels/cpu_decode/stacked_gemm.cc > /tmp/before.cc
     python scripts/bench_stacked_gemm.py --compare-source /tmp/before.cc --forms ffi
+
+A version that reads another panel width (before 2026-12-04 the panels were 48 columns
+wide, `[L, ceil(N / 48), K, 48]`) gets its weights packed that way with
+`--compare-panel-width 48`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,18 @@ from pallas_kernels.cpu_decode.build import register  # noqa: E402
 from pallas_kernels.cpu_decode.gemm import pack  # noqa: E402
 
 OTHER_TARGET = "jaxserve_bench_stacked_gemm_other"
+
+
+def pack_width(w, width: int):
+    """f32[L, K, N] -> f32[L, ceil(N / width), K, width] panels, zero-padded (`gemm.pack`
+    at another width and without its units of three)."""
+    w = np.asarray(w, np.float32)
+    num_layers, k, n = w.shape
+    p = -(-n // width)
+    padded = np.zeros((num_layers, k, p * width), np.float32)
+    padded[:, :, :n] = w
+    return jnp.asarray(np.ascontiguousarray(
+        padded.reshape(num_layers, k, p, width).transpose(0, 2, 1, 3)))
 
 
 def stacked_gemm(x, panels, layer, target: str = gemm.TARGET):
@@ -81,6 +97,8 @@ def main() -> None:
                    help="which forms to time (the first is the ratios' baseline)")
     p.add_argument("--compare-source", default=None,
                    help="another version of stacked_gemm.cc, timed as form 'other'")
+    p.add_argument("--compare-panel-width", type=int, default=None,
+                   help="the panel width that version reads (default: this tree's)")
     args = p.parse_args()
     if not gemm.available():  # builds and registers the engine's kernel
         raise SystemExit("the CPU matmul kernel is unavailable here")
@@ -94,13 +112,17 @@ def main() -> None:
                          f"the kernel of {args.compare_source}", "no 'other' form")
         if error:
             raise SystemExit(error)
-        forms["other"] = (ffi_loop_of(OTHER_TARGET), packed)
+        other = packed
+        if args.compare_panel_width:
+            other = jax.block_until_ready(
+                {k: pack_width(w, args.compare_panel_width) for k, w in stacked.items()})
+        forms["other"] = (ffi_loop_of(OTHER_TARGET), other)
     hidden = stacked["q"].shape[1]
     for b in (1, 5, 32):  # full tiles and a remainder
         x = jnp.linspace(-0.05, 0.05, b * hidden, dtype=jnp.float32).reshape(b, hidden)
         for name, (fn, w) in forms.items():
-            if w is packed:
-                np.testing.assert_allclose(np.asarray(fn(packed, x)),
+            if name in ("ffi", "ffi_sliced", "other"):
+                np.testing.assert_allclose(np.asarray(fn(w, x)),
                                            np.asarray(scanned(stacked, x)),
                                            rtol=2e-4, atol=2e-4, err_msg=name)
     time_forms(forms, hidden, [int(s) for s in args.batch_sizes.split(",")], args.rounds,

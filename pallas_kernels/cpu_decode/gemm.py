@@ -1,7 +1,8 @@
 """The `cpu` backend's layer matmuls: a C++ custom call over panel-packed, stacked weights.
 
-`pack` lays a stacked weight f32[L, K, N] out as 48-column panels f32[L, P, K, 48]
-(P = ceil(N / 48), the last panel zero-padded) once at load time; `stacked_gemm(x,
+`pack` lays a stacked weight f32[L, K, N] out as 16-column panels f32[L, P, K, 16]
+(P = 3 ceil(N / 48): the kernel works in units of three panels, the columns past N
+zero-padded) once at load time; `stacked_gemm(x,
 panels, layer, n)` then multiplies by layer `layer` (traced inside the layer loop)
 reading it in place: no per-layer copy of the weights out of the stack, as `nn.scan`
 makes, and the panels spread over XLA's thread pool (`stacked_gemm.cc`).
@@ -17,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 TARGET = "jaxserve_stacked_gemm_cpu"
-PANEL = 48  # columns per panel (three AVX-512 vectors, six AVX ones)
+PANEL = 16  # columns per panel (one AVX-512 vector, two AVX ones: a cache line per row)
+UNIT = 3  # panels the kernel hands a thread at a time (48 columns)
 SOURCE = os.path.join(os.path.dirname(__file__), "stacked_gemm.cc")
 
 
@@ -36,12 +38,12 @@ def available() -> bool:
 
 
 def num_panels(n: int) -> int:
-    """Panels holding `n` output columns."""
-    return -(-n // PANEL)
+    """Panels holding `n` output columns: whole units of three."""
+    return -(-n // (PANEL * UNIT)) * UNIT
 
 
 def pack(w) -> jax.Array:
-    """f32[L, K, N] stacked weights -> f32[L, ceil(N / 48), K, 48] panels, zero-padded."""
+    """f32[L, K, N] stacked weights -> f32[L, 3 ceil(N / 48), K, 16] panels, zero-padded."""
     w = np.asarray(w, np.float32)
     if w.ndim != 3:
         raise ValueError(f"pack takes stacked weights [layers, in, out], got shape {w.shape}")
@@ -54,7 +56,7 @@ def pack(w) -> jax.Array:
 
 
 def unpack(panels, n: int) -> jax.Array:
-    """The inverse of `pack`: f32[L, K, n] from f32[L, P, K, 48]."""
+    """The inverse of `pack`: f32[L, K, n] from f32[L, P, K, 16]."""
     p = np.asarray(panels, np.float32)
     num_layers, num_p, k, _ = p.shape
     return jnp.asarray(np.ascontiguousarray(

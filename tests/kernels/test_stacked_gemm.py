@@ -33,8 +33,8 @@ def weights():
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13, 15])
 def test_every_layer_matches_jnp(weights, rows):
     x = np.random.default_rng(rows).standard_normal((rows, 40)).astype(np.float32)
-    packed = gemm.pack(weights)  # 100 columns: three panels, the last one padded
-    assert packed.shape == (3, 3, 40, 48)
+    packed = gemm.pack(weights)  # 100 columns: three units of 48, the last one padded
+    assert packed.shape == (3, 9, 40, 16)
     fn = jax.jit(lambda x, i: gemm.stacked_gemm(x, packed, i, 100))  # layer traced
     for layer in range(3):
         np.testing.assert_allclose(np.asarray(fn(x, layer)), x @ weights[layer],
@@ -43,9 +43,9 @@ def test_every_layer_matches_jnp(weights, rows):
 
 @pytest.mark.parametrize("rows", [24, 37])
 def test_many_panels_and_row_tiles_match_jnp(rows):
-    # 11 panels over the pool's threads, each claimed one ahead and prefetched while the
-    # one before it runs; its tiles share each panel's prefetch (3-5 row tiles with
-    # AVX-512; with AVX2, 12-21 tiles over three column passes).
+    # 11 units of three panels over the pool's threads, each claimed one ahead and
+    # prefetched while the one before it runs; its tiles share each unit's prefetch (3-5
+    # row tiles with AVX-512; with AVX2, 12-21 tiles over three column passes).
     w = np.random.default_rng(3).standard_normal((2, 70, 500)).astype(np.float32)
     x = np.random.default_rng(rows).standard_normal((rows, 70)).astype(np.float32)
     fn = jax.jit(lambda x, i: gemm.stacked_gemm(x, gemm.pack(w), i, 500))
@@ -88,6 +88,16 @@ def test_bad_shapes_are_value_errors(weights):
         gemm.pack(weights[0])
 
 
+def test_the_kernel_rejects_panels_not_in_whole_units(weights):
+    # The kernel's own check, under the wrapper's: four panels are a unit and a third.
+    packed = gemm.pack(weights)[:, :4]
+    out = jax.ShapeDtypeStruct((2, 4 * gemm.PANEL), jnp.float32)
+    call = jax.ffi.ffi_call(gemm.TARGET, out)
+    with pytest.raises(Exception, match="stacked_gemm: inconsistent shapes"):
+        jax.block_until_ready(call(np.ones((2, 40), np.float32), packed,
+                                   jnp.asarray(0, jnp.int32)))
+
+
 @pytest.mark.parametrize("bias,tied", [(False, False), (True, False), (False, True)])
 def test_panel_model_gives_the_standard_logits(bias, tied):
     cfg = dataclasses.replace(TINY, qkv_bias=bias, mlp_bias=bias, tie_word_embeddings=tied)
@@ -106,7 +116,7 @@ def test_panel_model_gives_the_standard_logits(bias, tied):
     assert any("bias" in p for p in paths) == bias
     head = paneled.params["embed_tokens" if tied else "lm_head"]
     assert list(head) == ["panels"]  # the LM head packed too, the tied embedding not kept
-    assert head["panels"].shape == (1, 3, cfg.hidden_size, 48)  # vocab 97: three panels
+    assert head["panels"].shape == (1, 9, cfg.hidden_size, 16)  # vocab 97: three units
     ids = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 37)]
     np.testing.assert_allclose(forward_logits(paneled, ids), forward_logits(standard, ids),
                                rtol=1e-4, atol=1e-4)
