@@ -4,8 +4,9 @@ against the model's `nn.scan` form and per-layer buffers (`bench_layer_loop.py`)
 
 At decode batch sizes XLA's CPU matmul gains little from the second thread, and the scan
 copies each layer's weights out of the stack before reading them. The custom call takes
-the whole stack and the layer index (no copy) and gives each thread 48-column panels of
-weights packed contiguously (`pack`: [L, K, N] -> [L, N / 48, K, 48], a load-time layout).
+the whole stack and the layer index (no copy) and gives each thread units of three
+16-column panels of weights packed contiguously (`pack`: [L, K, N] -> [L, 3 N / 48, K, 16],
+a load-time layout).
 The engine's `cpu` backend serves float32 models this way (`models/panels.py`):
 
     python scripts/bench_stacked_gemm.py --batch-sizes 1,8,32,128

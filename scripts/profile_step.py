@@ -10,6 +10,11 @@ wall time; the wall time is printed beside it, with the kernel count per step an
 much of the wall time at least one (two) kernels run.
 
     python scripts/profile_step.py --batch 32 --context-len 128
+
+`--chunk N` profiles a prefill step instead: one request's chunk of N tokens after
+`--context-len` tokens already computed.
+
+    python scripts/profile_step.py --chunk 256 --context-len 0
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import numpy as np
 
 from jaxserve.bench.engine_run import make_llm
 from jaxserve.bench.roofline import decode_output
+from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
 
@@ -105,6 +111,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context-len", type=int, default=128)
+    p.add_argument("--chunk", type=int, default=0,
+                   help="profile a prefill chunk of this many tokens (<= 256) instead")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=12, help="kernels listed by self time")
     p.add_argument("--attention-backend", default="auto", help="auto, xla, cpu or pallas")
@@ -115,9 +123,16 @@ def main() -> None:
                    max_num_seqs=max(32, args.batch), max_num_batched_tokens=256,
                    num_kv_blocks=2048)
     runner = llm.engine.runner
-    out = decode_output(args.batch, args.context_len, runner.page_size)
+    if args.chunk:
+        if not 0 < args.chunk <= 256 or args.context_len + args.chunk > 1024:
+            p.error("--chunk takes 1-256 tokens, with --context-len, at most 1024 in all")
+        pages = list(range(1, (args.chunk + args.context_len) // runner.page_size + 2))
+        out = SchedulerOutput(scheduled=[
+            ScheduledRequest("r0", [5] * args.chunk, args.context_len, pages, 1)])
+    else:
+        out = decode_output(args.batch, args.context_len, runner.page_size)
     _, buf, layout, num_tokens, _ = runner._model_inputs(out, None)
-    step = runner._step_fn(layout, runner.is_decode_step(out, num_tokens, args.batch))
+    step = runner._step_fn(layout, runner.is_decode_step(out, num_tokens, len(out.scheduled)))
     dev = runner._to_device(buf)
 
     def run():
@@ -142,7 +157,8 @@ def main() -> None:
     for name, ms in per_step.items():
         if (k := kind_of(name)) is not None:
             kinds[k] += ms
-    print(f"batch {args.batch}, context {args.context_len}, bucket {num_tokens}: wall "
+    what = f"chunk {args.chunk}" if args.chunk else f"batch {args.batch}"
+    print(f"{what}, context {args.context_len}, bucket {num_tokens}: wall "
           f"{1000 * float(np.median(walls)):.1f} ms per step (median of {args.steps}, load "
           f"{os.getloadavg()[0]:.2f}); {count / args.steps:.0f} kernels per step, some kernel "
           f"running {any_us / args.steps / 1000:.1f} ms of it, two or more "
