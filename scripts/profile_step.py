@@ -117,6 +117,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12, help="kernels listed by self time")
     p.add_argument("--attention-backend", default="auto", help="auto, xla, cpu or pallas")
     args = p.parse_args()
+    if args.chunk and (not 0 < args.chunk <= 256 or args.context_len + args.chunk > 1024):
+        p.error("--chunk takes 1-256 tokens, with --context-len, at most 1024 in all")
     path = default_model_path()
     llm = make_llm(load_model(path, "float32", backend=args.attention_backend),
                    load_tokenizer(path), max_model_len=1024,
@@ -124,8 +126,6 @@ def main() -> None:
                    num_kv_blocks=2048)
     runner = llm.engine.runner
     if args.chunk:
-        if not 0 < args.chunk <= 256 or args.context_len + args.chunk > 1024:
-            p.error("--chunk takes 1-256 tokens, with --context-len, at most 1024 in all")
         pages = list(range(1, (args.chunk + args.context_len) // runner.page_size + 2))
         out = SchedulerOutput(scheduled=[
             ScheduledRequest("r0", [5] * args.chunk, args.context_len, pages, 1)])
