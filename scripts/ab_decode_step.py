@@ -29,8 +29,8 @@ import numpy as np
 
 import pallas_kernels.ops as ops
 from jaxserve.bench.engine_run import make_llm
-from jaxserve.bench.roofline import decode_output, decode_pages
-from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.bench.roofline import decode_output, decode_pages, prefill_output
+from jaxserve.core.scheduler_output import SchedulerOutput
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
 from models.model import Model
@@ -51,11 +51,11 @@ def scheduled(case: str, page_size: int) -> SchedulerOutput:
     """The step of a case: `batch/context` decodes or a `chunk+context` prefill chunk."""
     if "+" in case:
         chunk, context = (int(x) for x in case.split("+"))
-        pages = list(range(1, (chunk + context) // page_size + 2))
-        if chunk > MAX_TOKENS or len(pages) >= NUM_PAGES:
+        out = prefill_output(chunk, context, page_size)
+        if chunk > MAX_TOKENS or len(out.scheduled[0].page_ids) >= NUM_PAGES:
             raise ValueError(f"case {case}: a chunk of at most {MAX_TOKENS} tokens and "
                              f"{NUM_PAGES - 1} pages")
-        return SchedulerOutput(scheduled=[ScheduledRequest("r0", [5] * chunk, context, pages, 1)])
+        return out
     batch, context = (int(x) for x in case.split("/"))
     if batch > MAX_SEQS or batch * decode_pages(context, page_size) >= NUM_PAGES:
         raise ValueError(f"case {case}: at most {MAX_SEQS} requests and {NUM_PAGES - 1} pages")

@@ -42,18 +42,6 @@ from pallas_kernels.cpu_decode.gemm import pack  # noqa: E402
 OTHER_TARGET = "jaxserve_bench_stacked_gemm_other"
 
 
-def pack_width(w, width: int):
-    """f32[L, K, N] -> f32[L, ceil(N / width), K, width] panels, zero-padded (`gemm.pack`
-    at another width and without its units of three)."""
-    w = np.asarray(w, np.float32)
-    num_layers, k, n = w.shape
-    p = -(-n // width)
-    padded = np.zeros((num_layers, k, p * width), np.float32)
-    padded[:, :, :n] = w
-    return jnp.asarray(np.ascontiguousarray(
-        padded.reshape(num_layers, k, p, width).transpose(0, 2, 1, 3)))
-
-
 def stacked_gemm(x, panels, layer, target: str = gemm.TARGET):
     """`gemm.stacked_gemm` at the panels' full width, through the registered FFI target
     `target` (the engine's build by default)."""
@@ -116,7 +104,7 @@ def main() -> None:
         other = packed
         if args.compare_panel_width:
             other = jax.block_until_ready(
-                {k: pack_width(w, args.compare_panel_width) for k, w in stacked.items()})
+                {k: pack(w, args.compare_panel_width, unit=1) for k, w in stacked.items()})
         forms["other"] = (ffi_loop_of(OTHER_TARGET), other)
     hidden = stacked["q"].shape[1]
     for b in (1, 5, 32):  # full tiles and a remainder

@@ -32,8 +32,7 @@ import jax
 import numpy as np
 
 from jaxserve.bench.engine_run import make_llm
-from jaxserve.bench.roofline import decode_output
-from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.bench.roofline import decode_output, prefill_output
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
 
@@ -126,9 +125,7 @@ def main() -> None:
                    num_kv_blocks=2048)
     runner = llm.engine.runner
     if args.chunk:
-        pages = list(range(1, (args.chunk + args.context_len) // runner.page_size + 2))
-        out = SchedulerOutput(scheduled=[
-            ScheduledRequest("r0", [5] * args.chunk, args.context_len, pages, 1)])
+        out = prefill_output(args.chunk, args.context_len, runner.page_size)
     else:
         out = decode_output(args.batch, args.context_len, runner.page_size)
     _, buf, layout, num_tokens, _ = runner._model_inputs(out, None)

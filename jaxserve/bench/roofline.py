@@ -109,6 +109,13 @@ def decode_output(batch: int, context: int, page_size: int) -> SchedulerOutput:
         for i in range(batch)])
 
 
+def prefill_output(chunk: int, context: int, page_size: int) -> SchedulerOutput:
+    """A synthetic prefill step for the model program alone: one request's chunk of `chunk`
+    tokens after `context` computed, on pages 1 up (`(chunk + context) // page_size + 1`)."""
+    pages = list(range(1, (chunk + context) // page_size + 2))
+    return SchedulerOutput(scheduled=[ScheduledRequest("r0", [5] * chunk, context, pages, 1)])
+
+
 def measure_decode(engine, batch: int, context: int, num_steps: int = 5) -> dict:
     """Median decode-step seconds (whole step and the runner's part) at `batch` requests."""
     rng = np.random.default_rng(batch)

@@ -37,22 +37,26 @@ def available() -> bool:
     return jax.default_backend() == "cpu" and _registered() is None
 
 
-def num_panels(n: int) -> int:
-    """Panels holding `n` output columns: whole units of three."""
-    return -(-n // (PANEL * UNIT)) * UNIT
+def num_panels(n: int, width: int = PANEL, unit: int = UNIT) -> int:
+    """Panels of `width` columns holding `n` output columns: whole units of `unit`."""
+    return -(-n // (width * unit)) * unit
 
 
-def pack(w) -> jax.Array:
-    """f32[L, K, N] stacked weights -> f32[L, 3 ceil(N / 48), K, 16] panels, zero-padded."""
+def pack(w, width: int = PANEL, unit: int = UNIT) -> jax.Array:
+    """f32[L, K, N] stacked weights -> f32[L, 3 ceil(N / 48), K, 16] panels, zero-padded.
+
+    `width` and `unit` lay out other panel widths (for benchmarks of other kernel
+    versions): f32[L, unit ceil(N / (width unit)), K, width]; the kernel reads the defaults.
+    """
     w = np.asarray(w, np.float32)
     if w.ndim != 3:
         raise ValueError(f"pack takes stacked weights [layers, in, out], got shape {w.shape}")
     num_layers, k, n = w.shape
-    p = num_panels(n)
-    padded = np.zeros((num_layers, k, p * PANEL), np.float32)
+    p = num_panels(n, width, unit)
+    padded = np.zeros((num_layers, k, p * width), np.float32)
     padded[:, :, :n] = w
     return jnp.asarray(np.ascontiguousarray(
-        padded.reshape(num_layers, k, p, PANEL).transpose(0, 2, 1, 3)))
+        padded.reshape(num_layers, k, p, width).transpose(0, 2, 1, 3)))
 
 
 def unpack(panels, n: int) -> jax.Array:

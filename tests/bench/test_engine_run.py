@@ -146,3 +146,15 @@ def test_simulated_device_idle_between_steps(tiny):
         assert row["step_ms"] >= 200.0 * 0.99
     assert len(seconds) >= 2 * (3 + 3)  # every dispatched step was costed
     assert not llm.engine.has_unfinished_requests() and llm.engine.kv.usage == 0.0
+
+
+def test_synthetic_steps_hold_the_pages_their_tokens_need():
+    from jaxserve.bench.roofline import decode_output, decode_pages, prefill_output
+
+    out = decode_output(3, 31, 16)  # 32 tokens after the new one: two pages each
+    assert decode_pages(31, 16) == 2
+    assert [r.page_ids for r in out.scheduled] == [[1, 2], [3, 4], [5, 6]]
+    assert all(r.token_ids == [5] and r.start_pos == 31 for r in out.scheduled)
+    (chunk,) = prefill_output(20, 30, 16).scheduled  # 50 tokens: pages 1-4
+    assert chunk.page_ids == [1, 2, 3, 4] and chunk.start_pos == 30
+    assert len(chunk.token_ids) == 20 and chunk.num_samples == 1

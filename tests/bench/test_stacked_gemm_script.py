@@ -42,11 +42,3 @@ def test_the_other_build_runs_the_same_layer_loop(script):
     np.testing.assert_array_equal(other, ours)
     assert np.isfinite(ours).all() and np.abs(ours).max() > 0
 
-
-def test_pack_width_lays_out_other_widths(script):
-    w = np.random.default_rng(1).standard_normal((2, 5, 96)).astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(script.pack_width(w, 16)), np.asarray(gemm.pack(w)))
-    wide = np.asarray(script.pack_width(w[:, :, :70], 48))  # the layout before 16 columns
-    assert wide.shape == (2, 2, 5, 48)
-    np.testing.assert_array_equal(wide[:, 1, :, :22], w[:, :, 48:70])
-    assert not wide[:, 1, :, 22:].any()  # zero-padded past the last column

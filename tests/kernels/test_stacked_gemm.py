@@ -58,6 +58,15 @@ def test_unpack_inverts_pack(weights):
     np.testing.assert_array_equal(np.asarray(gemm.unpack(gemm.pack(weights), 100)), weights)
 
 
+def test_pack_lays_out_other_widths():
+    w = np.random.default_rng(1).standard_normal((2, 5, 96)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(gemm.pack(w, 16, unit=3)), np.asarray(gemm.pack(w)))
+    wide = np.asarray(gemm.pack(w[:, :, :70], 48, unit=1))  # the layout before 16 columns
+    assert wide.shape == (2, 2, 5, 48)
+    np.testing.assert_array_equal(wide[:, 1, :, :22], w[:, :, 48:70])
+    assert not wide[:, 1, :, 22:].any()  # zero-padded past the last column
+
+
 def test_loop_over_layers_matches_jnp():
     sq = np.random.default_rng(1).standard_normal((3, 96, 96)).astype(np.float32) * 0.1
     packed = gemm.pack(sq)
@@ -93,7 +102,7 @@ def test_the_kernel_rejects_panels_not_in_whole_units(weights):
     packed = gemm.pack(weights)[:, :4]
     out = jax.ShapeDtypeStruct((2, 4 * gemm.PANEL), jnp.float32)
     call = jax.ffi.ffi_call(gemm.TARGET, out)
-    with pytest.raises(Exception, match="stacked_gemm: inconsistent shapes"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="stacked_gemm: inconsistent shapes"):
         jax.block_until_ready(call(np.ones((2, 40), np.float32), packed,
                                    jnp.asarray(0, jnp.int32)))
 
