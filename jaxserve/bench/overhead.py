@@ -4,8 +4,8 @@ Two measurements, both at a steady decode state with N running requests:
 
 - `component_overhead`: no model at all. The real `Scheduler` + `KVCacheManager`
   (schedule, update_from_output), the runner's input builders called directly
-  (`build_step_arrays` + `transfer.pack`), and the sampling arrays
-  (`build_sampling_metadata` + the runner's `promote` + `pack`).
+  (`build_step_arrays` over the runner's kept block tables + `transfer.pack`), and the
+  sampling arrays (`build_sampling_metadata` + the runner's `promote` + `pack`).
 - `engine_overhead`: a real `LLMEngine` over a tiny random-weight model (SmolLM2's
   vocabulary and tokenizer, so detokenizing is real) whose device step is cheap; each
   phase of `engine.step()` is timed by wrapping the engine's methods and the runner's
@@ -55,6 +55,7 @@ def component_overhead(num_running: int, *, prompt_len: int = 64, num_steps: int
                        page_size: int = 16) -> dict:
     """Milliseconds per decode step of each host component with `num_running` requests."""
     from jaxserve.core.buckets import pick_bucket, rows_for_bucket, token_buckets
+    from jaxserve.runner.block_table_rows import BlockTableRows
     from jaxserve.runner.sampler_variants import promote, variant_of
     from jaxserve.runner.step_input import build_step_arrays
     from jaxserve.runner.transfer import pack
@@ -65,6 +66,11 @@ def component_overhead(num_running: int, *, prompt_len: int = 64, num_steps: int
     sched, budget = _steady_scheduler(num_running, prompt_len, max_tokens, page_size)
     buckets = token_buckets(budget)
     max_pages = cdiv(prompt_len + max_tokens + 1, page_size)
+    # NOTE: the runner's kept tables, which the steps before this loop never sent to:
+    # each request sends its whole table once here (a decode step's deltas thereafter).
+    kept = BlockTableRows(max_pages, num_running)
+    for request in sched.running:
+        sched.kv.resend_pages(request.request_id)
     times = {k: [] for k in ("schedule", "update", "step_arrays", "pack_inputs",
                              "sampling_metadata", "pack_sampling")}
 
@@ -78,8 +84,9 @@ def component_overhead(num_running: int, *, prompt_len: int = 64, num_steps: int
         out = timed("schedule", sched.schedule)
         num_tokens = pick_bucket(buckets, max(out.total_num_scheduled_tokens, out.num_rows))
         num_rows = rows_for_bucket(num_tokens, num_running)
+        kept.release(out.released_request_ids)
         arrays = timed("step_arrays", build_step_arrays, out, num_tokens, num_rows, page_size,
-                       max_pages)
+                       max_pages, tables=kept)
         timed("pack_inputs", pack, arrays.device_tree())
         rows = []
         for s in out.scheduled:

@@ -22,12 +22,16 @@ class RequestKV:
         num_slot_tokens: Tokens the request keeps in its pages (computed or being computed).
         num_cached_pages: Leading pages already offered to the prefix cache; while swapped
             out, those to offer again at swap-in.
+        num_sent_pages: Leading pages the runner holds as they are in its persistent row
+            of this request (`KVCacheManager.page_delta`); a change at a lower index
+            lowers it, so the next delta starts there.
     """
 
     pages: list[KVPage] = field(default_factory=list)
     host_slot_ids: list[int] | None = None
     num_slot_tokens: int = 0
     num_cached_pages: int = 0
+    num_sent_pages: int = 0
 
     @property
     def is_swapped(self) -> bool:
@@ -59,6 +63,9 @@ class BlockTables:
         # equal content, the first offered is indexed): request id -> (request, tokens its
         # pages will hold). Dropped with the request's device pages.
         self._offers: dict[str, tuple[Request, int]] = {}
+        # Requests whose device block table was dropped (freed, swapped out) since the
+        # last `take_released()`: the runner may forget its rows of them.
+        self._released: list[str] = []
 
     # ----------------------------------------------------------------- lookups
     def on_device(self, request_id: str) -> RequestKV:
@@ -117,7 +124,13 @@ class BlockTables:
             self.pending.drop_swap_out_slots(state.host_slot_ids)
             self.host_pool.free(state.host_slot_ids)
         else:
+            self._released.append(request_id)
             self.release(reversed(state.pages))
+
+    def take_released(self) -> list[str]:
+        """Requests whose device block table was dropped since the last call."""
+        released, self._released = self._released, []
+        return released
 
     def release(self, ordered_pages: Iterable[KVPage]) -> None:
         """Drops one owner from each page, forgetting pending moves into unowned ones."""
@@ -143,6 +156,7 @@ class BlockTables:
             self.pool.touch([self.pool.pages[src_id]])
             self.pending.add_copy(src_id, page.page_id)
         state.pages[index] = page
+        state.num_sent_pages = min(state.num_sent_pages, index)
         self.release([old])
         return page
 
@@ -187,7 +201,9 @@ class BlockTables:
         state.num_cached_pages = min(state.num_cached_pages,
                                      request.num_computed_tokens // self.page_size)
         pages, state.pages, state.host_slot_ids = state.pages, [], slot_ids
+        state.num_sent_pages = 0
         self._offers.pop(request.request_id, None)
+        self._released.append(request.request_id)
         self.release(reversed(pages))
         return pairs
 

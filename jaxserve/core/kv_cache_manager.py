@@ -77,6 +77,31 @@ class KVCacheManager:
         """
         return [page.page_id for page in self.tables.on_device(request_id).pages]
 
+    def page_delta(self, request_id: str) -> tuple[int, list[int]]:
+        """What changed in the request's block table since the last call: `(start, ids)`,
+        the table from index `start` on (the runner keeps the pages before it); start 0
+        and the whole table the first time, after a swap-in or `resend_pages`.
+
+        Raises:
+            ValueError: The request is swapped out or holds nothing.
+        """
+        state = self.tables.on_device(request_id)
+        start, pages = state.num_sent_pages, state.pages
+        state.num_sent_pages = len(pages)
+        return start, [page.page_id for page in pages[start:]]
+
+    def resend_pages(self, request_id: str) -> None:
+        """Makes the next `page_delta` the whole table (the last one never reached the
+        runner: its step failed to dispatch)."""
+        state = self.tables.requests.get(request_id)
+        if state is not None:
+            state.num_sent_pages = 0
+
+    def take_released(self) -> list[str]:
+        """Requests whose device block table was dropped (freed, swapped out) since the
+        last call: the runner may forget what it kept of them."""
+        return self.tables.take_released()
+
     @property
     def usage(self) -> float:
         """Fraction of usable pages owned by requests."""
@@ -188,10 +213,13 @@ class KVCacheManager:
                 self.max_model_len is not None and num_after > self.max_model_len):
             return False
         for index in range(request.num_computed_tokens // ps, cdiv(num_after, ps)):
-            if self.tables.num_holders(table[index]) > 1:
+            page = table[index]
+            if page.ref_cnt > 1 and self.tables.num_holders(page) > 1:
                 return False  # copy-on-write needed
         state.num_slot_tokens = num_after
-        self.tables.queue_for_cache(request, num_after)
+        # NOTE: most decodes fill no page: offering nothing is what the offer would do.
+        if min(num_after, request.num_tokens) // ps > state.num_cached_pages:
+            self.tables.queue_for_cache(request, num_after)
         return True
 
     def trim(self, request: Request) -> int:
@@ -207,6 +235,7 @@ class KVCacheManager:
         extra = state.pages[keep:]
         if extra:
             del state.pages[keep:]
+            state.num_sent_pages = min(state.num_sent_pages, keep)
             self.tables.release(reversed(extra))
         state.num_slot_tokens = min(state.num_slot_tokens, request.num_tokens_with_placeholders)
         return len(extra)

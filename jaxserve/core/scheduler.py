@@ -163,6 +163,7 @@ class Scheduler:
             if entry.num_samples:
                 request.num_output_placeholders += 1
         out.plans = self.kv.take_plans()
+        out.released_request_ids = self.kv.take_released()
         return out
 
     def _schedule_running(self, step: _StepDraft, out: SchedulerOutput) -> None:
@@ -225,14 +226,16 @@ class Scheduler:
         start = request.num_computed_tokens
         token_ids = request.all_token_ids[start:start + num_new]
         token_ids += [PLACEHOLDER] * (num_new - len(token_ids))
+        pages_from, page_ids = self.kv.page_delta(request.request_id)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=token_ids + request.spec_token_ids[:num_spec],
+            token_ids=token_ids + request.spec_token_ids[:num_spec] if num_spec else token_ids,
             start_pos=start,
-            page_ids=self.kv.page_ids(request.request_id),
+            page_ids=page_ids,
             num_samples=self._num_samples(request, num_new),
             sampling_counter=request.num_output_tokens + request.num_output_placeholders,
-            num_spec_tokens=num_spec)
+            num_spec_tokens=num_spec,
+            pages_from=pages_from)
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether a token in flight surely ends the request (its length limits): it is
@@ -326,6 +329,8 @@ class Scheduler:
             if request is not None and not request.is_finished():
                 request.num_computed_tokens -= entry.num_new_tokens - entry.num_spec_tokens
                 request.num_output_placeholders -= bool(entry.num_samples)
+                # NOTE: the runner may have kept part of this step's table deltas.
+                self.kv.resend_pages(entry.request_id)
 
     def scheduled_request(self, out: SchedulerOutput, request_id: str) -> Request | None:
         """The request `out` scheduled as `request_id` if it is still in the scheduler, else

@@ -24,12 +24,18 @@ class ScheduledRequest:
         token_ids: The `num_new_tokens` tokens whose KV this step computes; the last may be
             `PLACEHOLDER` (async scheduling).
         start_pos: Position of the first of them (the request's computed tokens so far).
-        page_ids: The request's whole block table (its page ids, in order).
+        page_ids: The request's block table (page ids, in order) from index `pages_from`
+            on; the whole table when `pages_from` is 0 or None.
         num_samples: Tokens to sample from the last position: 0 while a prompt is only
             partly computed, 1 normally, n when a request fans out into n samples.
         sampling_counter: How many tokens the request has generated (seeds the per-row key).
         num_spec_tokens: The last this many of `token_ids` are proposals (speculative
             decoding): the step verifies them, returning 1 + the accepted count tokens.
+        pages_from: None: `page_ids` is the whole table and the runner keeps nothing of it
+            (steps built by hand: warm-up, benchmarks, the draft model). An index: a
+            delta against the table the runner kept from this request's previous step,
+            whose first `pages_from` pages are unchanged (the scheduler's steps; 0 sends
+            the whole table and starts the runner's row).
     """
 
     request_id: str
@@ -39,6 +45,12 @@ class ScheduledRequest:
     num_samples: int
     sampling_counter: int = 0
     num_spec_tokens: int = 0
+    pages_from: int | None = None
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the request's whole block table."""
+        return (self.pages_from or 0) + len(self.page_ids)
 
     @property
     def num_new_tokens(self) -> int:
@@ -58,6 +70,9 @@ class SchedulerOutput:
         scheduled: Requests in row order (their tokens are packed in this order).
         plans: Page copies (copy-on-write) and swaps the runner executes before the step.
         preempted_request_ids: Requests preempted while building this step.
+        released_request_ids: Requests whose device block table was dropped (finished,
+            aborted, preempted, swapped out) since the previous step: the runner forgets
+            its rows of them before it runs this step.
         requests: Host only (never sent to the device or other processes): the `Request`
             each entry was scheduled for. A request that ends while its step is in flight
             (async scheduling) may see its id reused by a new request; the scheduler updates
@@ -70,6 +85,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     plans: KVPlans | None = None
     preempted_request_ids: list[str] = field(default_factory=list)
+    released_request_ids: list[str] = field(default_factory=list)
     requests: dict[str, Request] = field(default_factory=dict, repr=False, compare=False)
 
     @property

@@ -304,6 +304,7 @@ class LLMEngine:
             # for a swap-in that still does not fit): run them now, or the host slots the
             # scheduler counts as written would never be.
             self.runner.execute_plans(out.plans)
+            self.runner.release_rows(out.released_request_ids)
             return None
         row_for = row_for or functools.partial(self._row_for, time.time())
         requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}

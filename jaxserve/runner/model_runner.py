@@ -28,6 +28,7 @@ from jaxserve.core.plans import KVPlans
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.parallel.sharding import TensorParallel
 from jaxserve.runner import compile_counter
+from jaxserve.runner.block_table_rows import BlockTableRows
 from jaxserve.runner.kv_ops import HostSwapSpace, copy_page_pairs
 from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.step_input import build_step_arrays
@@ -108,6 +109,8 @@ class ModelRunner:
         self.num_spec_tokens = num_spec_tokens
         self.short_tiles = num_spec_tokens > 0 if short_tiles is None else short_tiles
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
+        # Requests' block tables kept between steps (the scheduler sends what changed).
+        self.block_tables = BlockTableRows(self.max_pages_per_seq, max_num_seqs)
         self.penalty_len = 1 << (max_model_len - 1).bit_length()
         self.banned_len = MAX_BANNED_TOKEN_IDS
         # NOTE: decode batches of 1-8 get their own buckets on the XLA path (CPU), where
@@ -215,6 +218,7 @@ class ModelRunner:
                   variant: str | None, prompt_targets: np.ndarray | None,
                   prev: PendingStep | None) -> PendingStep:
         self.execute_plans(out.plans)
+        self.release_rows(out.released_request_ids)
         arrays, model_buf, model_layout, num_tokens, num_rows = self._model_inputs(out, prev)
         targets = None
         if prompt_targets is not None:
@@ -267,7 +271,8 @@ class ModelRunner:
         prev_rows = None if prev is None else {
             req_id: row for row, req_id in reversed(list(enumerate(prev.row_request_ids)))}
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
-                                   self.max_pages_per_seq, prev_rows, num_sample_rows)
+                                   self.max_pages_per_seq, prev_rows, num_sample_rows,
+                                   self.block_tables)
         model_buf, model_layout = pack(arrays.device_tree())
         return arrays, model_buf, model_layout, num_tokens, num_rows
 
@@ -317,6 +322,11 @@ class ModelRunner:
             fn = jax.jit(functools.partial(_sample_step, layout, self.max_rows))
             self._samplers[layout] = fn
         return fn
+
+    def release_rows(self, request_ids: list[str]) -> None:
+        """Forgets the kept block tables of requests whose pages were dropped
+        (`SchedulerOutput.released_request_ids`; also of a step that schedules nothing)."""
+        self.block_tables.release(request_ids)
 
     # -------------------------------------------------------------- plans
     def execute_plans(self, plans: KVPlans | None) -> None:

@@ -8,6 +8,7 @@ from itertools import chain
 import numpy as np
 
 from jaxserve.core.scheduler_output import PLACEHOLDER, SchedulerOutput
+from jaxserve.runner.block_table_rows import BlockTableRows
 
 
 @dataclass
@@ -49,7 +50,8 @@ class StepArrays:
 def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page_size: int,
                       max_pages_per_seq: int,
                       prev_rows: dict[str, int] | None = None,
-                      num_sample_rows: int | None = None) -> StepArrays:
+                      num_sample_rows: int | None = None,
+                      tables: BlockTableRows | None = None) -> StepArrays:
     """Packs the scheduled requests' tokens in order and pads everything to the bucket.
 
     Requests occupy attention rows 0..len(scheduled)-1. Sampling rows list each request
@@ -67,15 +69,18 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
         max_pages_per_seq: Width of the block tables.
         prev_rows: `{request_id: first sampling row}` of the previous step, when this one
             holds placeholders for what that step samples.
+        num_sample_rows: Sampling-row bucket (default `num_rows`).
+        tables: The runner's persistent block tables, which apply the entries' deltas
+            (`ScheduledRequest.pages_from`); None: a fresh one (whole tables only).
 
     Returns:
         The step's host arrays; padding tokens and rows point at the null page 0.
 
     Raises:
         ValueError: The step does not fit `num_tokens` tokens or `num_rows` rows, a block
-            table is wider than `max_pages_per_seq`, a token's position lies past its
-            request's block table, or a placeholder's request sampled nothing in the
-            previous step.
+            table is wider than `max_pages_per_seq`, a delta does not apply to the table
+            kept, a token's position lies past its request's block table, or a
+            placeholder's request sampled nothing in the previous step.
     """
     sched = out.scheduled
     r = len(sched)
@@ -87,12 +92,14 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
                          f"{num_rows}, {num_sample_rows})")
     n = np.fromiter((len(s.token_ids) for s in sched), np.int32, r)  # i32[r]
     starts = np.fromiter((s.start_pos for s in sched), np.int32, r)  # i32[r]
-    num_pages = np.fromiter((len(s.page_ids) for s in sched), np.int64, r)  # i64[r]
     samples = np.fromiter((s.num_samples for s in sched), np.int64, r)  # i64[r]
     spec = np.fromiter((s.num_spec_tokens for s in sched), np.int64, r)  # i64[r]
-    if r and int(num_pages.max()) > max_pages_per_seq:
-        raise ValueError(f"a block table of {int(num_pages.max())} pages exceeds "
-                         f"max_pages_per_seq={max_pages_per_seq}")
+    if tables is None:
+        tables = BlockTableRows(max_pages_per_seq, r)
+    elif tables.width != max_pages_per_seq:
+        raise ValueError(f"block tables of width {tables.width} for max_pages_per_seq="
+                         f"{max_pages_per_seq}")
+    table, num_pages = tables.gather(sched, num_rows)  # i32[num_rows, max_pages], i64[r]
     t = int(n.sum())
     cu = np.zeros(num_rows + 1, np.int32)  # i32[num_rows + 1]
     np.cumsum(n, out=cu[1:r + 1])
@@ -116,14 +123,8 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
     page_of_token = pos // page_size  # i32[t]
     if t and (page_of_token >= num_pages[row_of_token]).any():
         raise ValueError("a scheduled token's position lies past its request's block table")
-    tables = np.zeros((num_rows, max_pages_per_seq), np.int32)  # i32[num_rows, max_pages]
-    flat = np.fromiter(chain.from_iterable(s.page_ids for s in sched), np.int32,
-                       int(num_pages.sum()))  # i32[total pages]
-    first_page = np.cumsum(num_pages) - num_pages  # i64[r]; offset of each table in flat
-    tables[np.repeat(np.arange(r), num_pages),
-           np.arange(flat.size) - np.repeat(first_page, num_pages)] = flat
     slots = np.zeros(num_tokens, np.int32)  # i32[num_tokens]
-    slots[:t] = tables[row_of_token, page_of_token] * page_size + pos % page_size
+    slots[:t] = table[row_of_token, page_of_token] * page_size + pos % page_size
     kv_lens = np.zeros(num_rows, np.int32)  # i32[num_rows]
     kv_lens[:r] = starts + n
     logits_indices = np.zeros(num_sample_rows, np.int32)  # i32[num_sample_rows]
@@ -135,5 +136,5 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
         last = last - np.where(s_of_row > 0, s_of_row - (np.arange(last.size) - first_row), 0)
     logits_indices[:last.size] = last
     row_ids = [s.request_id for s in sched for _ in range(s.num_samples + s.num_spec_tokens)]
-    return StepArrays(input_ids, src, positions, slots, tables, kv_lens, cu, logits_indices,
+    return StepArrays(input_ids, src, positions, slots, table, kv_lens, cu, logits_indices,
                       row_ids)

@@ -2,7 +2,8 @@
 
 The fake runner executes each step's KV plans and writes a fingerprint of every token's
 prefix into a simulated page pool, then checks that each scheduled request reads its own
-prefix back through its block table. `Harness.step` also checks the scheduler's contract
+prefix back through its block table, which it keeps between steps from the scheduler's
+deltas as the runner does (`BlockTableRows`). `Harness.step` also checks the scheduler's contract
 (budget, sequence limit, queue order, block tables, ref counts) after every step.
 """
 
@@ -15,6 +16,7 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import PLACEHOLDER, SchedulerOutput
 from jaxserve.request import Request, RequestStatus
+from jaxserve.runner.block_table_rows import BlockTableRows
 from jaxserve.sampling_params import SamplingParams
 
 PS = 4
@@ -81,6 +83,9 @@ class Harness:
         self.seen: dict[str, Request] = {}  # every request added or forked
         self.overlap = overlap
         self.pending: SchedulerOutput | None = None  # overlap: the step "on the device"
+        # The runner's kept tables, and each step's tables rebuilt from them (by step, id).
+        self.rows = BlockTableRows(scheduler.max_model_len // self.kv.page_size + 1, 2)
+        self.tables: dict[int, dict[str, list[int]]] = {}
 
     def add(self, *requests: Request) -> None:
         for request in requests:
@@ -112,9 +117,22 @@ class Harness:
         self.proposed = {r.request_id: list(r.spec_token_ids) for r in sched.running}
         out = sched.schedule()
         self.outputs.append(out)
+        self._kept_tables(out)
         self._check_output(out, before, placeholders)
         self._check_state()
         return out
+
+    def _kept_tables(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        """The step's block tables as the runner keeps them from the deltas (built once,
+        when the step is scheduled; tests that call `schedule()` themselves get them at
+        `_run`)."""
+        if id(out) not in self.tables:
+            self.rows.release(out.released_request_ids)
+            table, lengths = self.rows.gather(out.scheduled, len(out.scheduled))
+            self.tables[id(out)] = {
+                e.request_id: table[i, :n].tolist()
+                for i, (e, n) in enumerate(zip(out.scheduled, lengths, strict=True))}
+        return self.tables[id(out)]
 
     def _update(self, out: SchedulerOutput, sampled=None) -> list:
         if sampled is None:
@@ -162,6 +180,8 @@ class Harness:
         assert kv.pool.num_allocatable_pages == kv.pool.num_usable_pages
         assert kv.host_pool.num_free_slots == kv.host_pool.num_slots
         assert not kv.tables.requests and kv.tables.pending.is_empty()
+        self.rows.release(kv.take_released())  # what the next step would release
+        assert self.rows.num_kept == 0, self.rows.slot_of
 
     # ------------------------------------------------------------------ checks
     def _check_output(self, out: SchedulerOutput, before, placeholders) -> None:
@@ -200,9 +220,12 @@ class Harness:
             assert num_new - num_known <= in_flight <= 1
             assert entry.token_ids[:num_new] == (request.all_token_ids[start:start + num_known]
                                                  + [PLACEHOLDER] * (num_new - num_known))
-            assert entry.page_ids == kv.page_ids(entry.request_id)
-            assert 0 not in entry.page_ids
-            assert len(entry.page_ids) * ps >= start + num_new + num_spec
+            table = self.tables[id(out)][entry.request_id]
+            assert table == kv.page_ids(entry.request_id)
+            assert entry.pages_from is not None and entry.num_pages == len(table)
+            assert entry.page_ids == table[entry.pages_from:]
+            assert 0 not in table
+            assert len(table) * ps >= start + num_new + num_spec
             assert entry.sampling_counter == request.num_output_tokens + in_flight
             assert request.num_output_placeholders == in_flight + bool(entry.num_samples)
             if start + num_new < request.num_tokens + in_flight:
@@ -257,7 +280,8 @@ class Harness:
         copies = [(dst, list(self.device[src])) for src, dst in plans.copy.pairs]
         for dst, content in copies:
             self.device[dst] = content
-        fingerprints = {}
+        fingerprints, tables = {}, self._kept_tables(out)
+        del self.tables[id(out)]
         for entry in out.scheduled:
             tokens = self.seen[entry.request_id].all_token_ids
             if entry.num_spec_tokens:  # proposals: KV of tokens the request may never have
@@ -265,12 +289,13 @@ class Harness:
             fps = prefix_fingerprints(tokens)
             fingerprints[entry.request_id] = fps
             for pos in range(entry.start_pos, entry.start_pos + entry.num_new_tokens):
-                page = self.device.setdefault(entry.page_ids[pos // ps], [None] * ps)
+                page = self.device.setdefault(tables[entry.request_id][pos // ps],
+                                              [None] * ps)
                 page[pos % ps] = fps[pos]
         for entry in out.scheduled:
             fps = fingerprints[entry.request_id]
             for pos in range(entry.start_pos + entry.num_new_tokens):
-                page = entry.page_ids[pos // ps]
+                page = tables[entry.request_id][pos // ps]
                 assert self.device[page][pos % ps] == fps[pos], (
                     f"{entry.request_id} reads wrong KV at position {pos} (page {page})")
 
