@@ -40,3 +40,9 @@ def test_traces_from_flags(trace, extra, tmp_path):
         assert all(r.prefix_len == 32 for r in t)
     if trace == "synthetic":
         assert len({r.prompt_len for r in t}) == 1
+
+
+def test_overhead_refuses_an_empty_context(capsys):
+    with pytest.raises(SystemExit, match="--context-len must be at least 1, got 0"):
+        main(["bench", "overhead", "--context-len", "0", "--num-running", "2",
+              "--skip-engine", "--skip-pipeline"])

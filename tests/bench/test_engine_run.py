@@ -97,6 +97,8 @@ def test_overhead_probes(tiny):
     model, tok = tiny
     comp = component_overhead(16, num_steps=3)
     assert comp["total"] > 0 and comp["scheduling"] > 0
+    # long block tables: each request's table is sent whole once, then as deltas
+    assert component_overhead(4, prompt_len=300, num_steps=3)["step_arrays"] > 0
     llm = make_llm(model, tok, **ARGS)
     res = engine_overhead(llm, 4, prompt_len=8, num_steps=3)
     assert res["host"] > 0 and res["device"] > 0 and 0 < res["host_share"] < 1

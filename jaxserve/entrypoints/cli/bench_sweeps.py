@@ -89,11 +89,14 @@ def cmd_overhead(args) -> int:
     )
 
     levels = _ints(args.num_running)
-    comp = [component_overhead(n) for n in levels]
+    if args.context_len < 1:
+        raise SystemExit(f"--context-len must be at least 1, got {args.context_len}")
+    comp = [component_overhead(n, prompt_len=args.context_len) for n in levels]
     for r in comp:
         r["gpu_step_ms"] = gpu_step_ms(r["num_running"])
         r["share_of_gpu_step"] = r["total"] / (r["total"] + r["gpu_step_ms"])
-    print("Host components, no model (median ms per decode step):")
+    print(f"Host components, no model (median ms per decode step; prompts of "
+          f"{args.context_len} tokens):")
     print(table(comp, [
         ("num_running", "running", "d"), ("schedule", "schedule", ".3f"),
         ("update", "update_from_output", ".3f"), ("step_arrays", "build_step_arrays", ".3f"),
@@ -291,6 +294,9 @@ def add_parsers(bsub) -> None:
     ov = bsub.add_parser("overhead", help="host time per step at many running requests")
     ov.add_argument("--num-running", default="16,256,1024",
                     help="comma list of running requests (default: 16,256,1024)")
+    ov.add_argument("--context-len", type=int, default=64,
+                    help="prompt tokens of each request in the model-free component "
+                         "timings (block tables grow with it; default: 64)")
     ov.add_argument("--skip-engine", action="store_true",
                     help="only the model-free component timings")
     ov.add_argument("--skip-pipeline", action="store_true",
