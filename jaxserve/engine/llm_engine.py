@@ -348,8 +348,9 @@ class LLMEngine:
             self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ERROR)
         sampled: dict[str, list[int]] = {}
         row_of: dict[str, list[int]] = {}
-        for row, req_id in enumerate(result.row_request_ids):
-            sampled.setdefault(req_id, []).append(int(result.token_ids[row]))
+        for row, (req_id, token) in enumerate(zip(result.row_request_ids,
+                                                  result.token_ids.tolist(), strict=True)):
+            sampled.setdefault(req_id, []).append(token)
             row_of.setdefault(req_id, []).append(row)
         for s in out.scheduled:
             if s.num_spec_tokens and s.request_id in sampled and s.request_id not in failed:

@@ -3,7 +3,6 @@ the turning of each step's sampled tokens into `RequestOutput`s."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -30,6 +29,9 @@ class RequestState:
         self.request_id = root.request_id
         self.prompt = prompt
         self.prompt_token_ids = root.prompt_token_ids
+        # NOTE: one copy, shared by this request's outputs (copying it for every output
+        # cost a prompt's length per request per step).
+        self._output_prompt_ids = list(root.prompt_token_ids)
         self.params = params
         self.row_params = params  # what the sampler sees (see make_request)
         self.metrics = RequestMetrics(arrival_time=root.arrival_time)
@@ -119,7 +121,8 @@ class RequestState:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
         self.metrics.num_cached_tokens = self.root.num_cached_tokens
-        self.metrics.num_preemptions = max(r.num_preemptions for r in self.requests.values())
+        self.metrics.num_preemptions = (req.num_preemptions if len(self.requests) == 1 else
+                                        max(r.num_preemptions for r in self.requests.values()))
         stop_str = None
         stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED
         detok = None if self._text_at_end else self._detokenizer(index)
@@ -194,7 +197,8 @@ class RequestState:
         return self.params.output_kind != RequestOutputKind.FINAL_ONLY or self.finished
 
     def make_output(self) -> RequestOutput:
-        """A snapshot `RequestOutput` (lists copied so later steps do not mutate it).
+        """A snapshot `RequestOutput` (lists copied so later steps do not mutate it; the
+        prompt's ids are one list shared by the request's outputs).
 
         DELTA requests get only what is new since their previous output: new tokens and
         logprobs, new text (less the characters a stop string could still claim, until the
@@ -209,8 +213,8 @@ class RequestState:
             outputs = [c for o in self.outputs if (c := self._delta(o)) is not None]
             prompt_logprobs = None if self._prompt_logprobs_sent else self.prompt_logprobs
             self._prompt_logprobs_sent = True
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outputs,
-                             self.finished, dataclasses.replace(self.metrics),
+        return RequestOutput(self.request_id, self.prompt, self._output_prompt_ids, outputs,
+                             self.finished, self.metrics.snapshot(),
                              self.root.num_cached_tokens,
                              None if prompt_logprobs is None else list(prompt_logprobs),
                              self.error)

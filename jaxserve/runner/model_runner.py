@@ -220,6 +220,7 @@ class ModelRunner:
         self.execute_plans(out.plans)
         self.release_rows(out.released_request_ids)
         arrays, model_buf, model_layout, num_tokens, num_rows = self._model_inputs(out, prev)
+        total = int(arrays.cu_q_lens[-1])  # the step's tokens
         targets = None
         if prompt_targets is not None:
             targets = np.zeros(num_tokens, np.int32)  # i32[num_tokens]; padding: any id
@@ -233,9 +234,9 @@ class ModelRunner:
                               None if prev is None else prev.step_id)
         res, next_ids, prompt_lp = self.launch(
             inputs, None if prev is None else prev.next_input_ids)
-        padded = num_tokens - out.total_num_scheduled_tokens
+        padded = num_tokens - total
         self.num_padded_tokens += padded
-        self.num_scheduled_tokens += out.total_num_scheduled_tokens
+        self.num_scheduled_tokens += total
         return PendingStep(arrays.row_request_ids, res, next_ids, padded, prompt_lp,
                            0 if prompt_targets is None else len(prompt_targets),
                            self._step_count)

@@ -85,22 +85,21 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
     sched = out.scheduled
     r = len(sched)
     num_sample_rows = num_rows if num_sample_rows is None else num_sample_rows
-    if out.total_num_scheduled_tokens > num_tokens or r > num_rows \
-            or out.num_rows > num_sample_rows:
-        raise ValueError(f"step of {out.total_num_scheduled_tokens} tokens / {r} requests / "
-                         f"{out.num_rows} sampling rows does not fit bucket ({num_tokens}, "
-                         f"{num_rows}, {num_sample_rows})")
     n = np.fromiter((len(s.token_ids) for s in sched), np.int32, r)  # i32[r]
     starts = np.fromiter((s.start_pos for s in sched), np.int32, r)  # i32[r]
     samples = np.fromiter((s.num_samples for s in sched), np.int64, r)  # i64[r]
     spec = np.fromiter((s.num_spec_tokens for s in sched), np.int64, r)  # i64[r]
+    t = int(n.sum())
+    num_real_rows = int(np.maximum(samples, 1).sum() + spec.sum())  # `out.num_rows`
+    if t > num_tokens or r > num_rows or num_real_rows > num_sample_rows:
+        raise ValueError(f"step of {t} tokens / {r} requests / {num_real_rows} sampling rows "
+                         f"does not fit bucket ({num_tokens}, {num_rows}, {num_sample_rows})")
     if tables is None:
         tables = BlockTableRows(max_pages_per_seq, r)
     elif tables.width != max_pages_per_seq:
         raise ValueError(f"block tables of width {tables.width} for max_pages_per_seq="
                          f"{max_pages_per_seq}")
     table, num_pages = tables.gather(sched, num_rows)  # i32[num_rows, max_pages], i64[r]
-    t = int(n.sum())
     cu = np.zeros(num_rows + 1, np.int32)  # i32[num_rows + 1]
     np.cumsum(n, out=cu[1:r + 1])
     cu[r + 1:] = t
