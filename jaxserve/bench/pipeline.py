@@ -8,12 +8,19 @@ step (`bench.simulator` presets), starting when it is dispatched or when the ste
 ends, whichever is later; fetching a step waits (sleeps) until it ends. Timestamps of
 every dispatch and simulated completion give the device's idle time between steps, and
 with it the host time on the critical path (the host work the device waited for).
+
+`MeasuredDevice` times the real device instead (here: XLA on the CPU): a watcher thread
+blocks on each dispatched step's outputs and stamps when they are ready.
 """
 
 from __future__ import annotations
 
+import queue
+import sys
+import threading
 import time
 
+import jax
 import numpy as np
 
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -53,29 +60,107 @@ class SimulatedDevice:
 
         self.runner.dispatch, self.runner.fetch = timed_dispatch, timed_fetch
 
+    @property
+    def num_dispatched(self) -> int:
+        return len(self.spans)
+
     def close(self) -> None:
         del self.runner.dispatch, self.runner.fetch
 
     def idle(self, first: int = 0) -> tuple[float, float]:
         """(seconds the device sat idle between steps, seconds from the first step's start
         to the last one's end), over the spans from index `first`."""
-        spans = self.spans[first:]
-        gaps = [max(0.0, b[1] - a[2]) for a, b in zip(spans, spans[1:], strict=False)]
-        return sum(gaps), spans[-1][2] - spans[0][1]
+        return _idle(self.spans[first:])
+
+
+class MeasuredDevice:
+    """Wraps an engine's runner to stamp when each dispatched step really ends.
+
+    A watcher thread blocks on each step's sampled ids (the last thing a step computes)
+    in dispatch order and stamps the moment they are ready. A step starts when it is
+    dispatched or when the step before it ends, whichever is later (the device runs
+    steps in order: each one reads the KV pages the one before it wrote). The watcher
+    wakes while the engine's thread runs Python, so the interpreter's switch interval is
+    lowered to 0.1 ms while the device is watched (the stamps are late by at most that).
+
+    Args:
+        engine: The `LLMEngine` (its runner's `dispatch` is wrapped on the instance until
+            `close`).
+    """
+
+    def __init__(self, engine):
+        self.runner = engine.runner
+        self._dispatched: list[float] = []
+        self._ends: list[float] = []
+        self._steps: queue.Queue = queue.Queue()
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-4)
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        dispatch = self.runner.dispatch
+
+        def timed_dispatch(out, *args, **kwargs):
+            pending = dispatch(out, *args, **kwargs)
+            self._dispatched.append(time.perf_counter())
+            self._steps.put(pending.next_input_ids)
+            return pending
+
+        self.runner.dispatch = timed_dispatch
+
+    def _watch(self) -> None:
+        while (ids := self._steps.get()) is not None:
+            jax.block_until_ready(ids)
+            self._ends.append(time.perf_counter())
+
+    @property
+    def num_dispatched(self) -> int:
+        return len(self._dispatched)
+
+    @property
+    def spans(self) -> list[tuple[float, float, float]]:
+        """(dispatched, start, end) of every step whose end was stamped, in order."""
+        out: list[tuple[float, float, float]] = []
+        for sent, end in zip(self._dispatched, self._ends, strict=False):
+            start = max(sent, out[-1][2]) if out else sent
+            out.append((sent, start, end))
+        return out
+
+    def settle(self) -> None:
+        """Waits until every dispatched step's end is stamped."""
+        while len(self._ends) < len(self._dispatched):
+            time.sleep(1e-3)
+
+    def close(self) -> None:
+        self.settle()
+        self._steps.put(None)
+        self._thread.join()
+        sys.setswitchinterval(self._switch)
+        del self.runner.dispatch
+
+    def idle(self, first: int = 0) -> tuple[float, float]:
+        """As `SimulatedDevice.idle`, over the stamped steps."""
+        self.settle()
+        return _idle(self.spans[first:])
+
+
+def _idle(spans: list[tuple[float, float, float]]) -> tuple[float, float]:
+    gaps = [max(0.0, b[1] - a[2]) for a, b in zip(spans, spans[1:], strict=False)]
+    return sum(gaps), spans[-1][2] - spans[0][1]
 
 
 def pipeline_run(llm, num_running: int, step_seconds, *, overlap: bool, prompt_len: int = 32,
                  num_steps: int = 30) -> dict:
-    """Decodes `num_running` requests with a simulated device; idle time and step figures.
+    """Decodes `num_running` requests and times the device; idle time and step figures.
 
     Args:
         llm: An `LLM` over a cheap model, `max_num_seqs` >= num_running.
-        step_seconds: Device cost model, `SchedulerOutput -> seconds`.
+        step_seconds: Device cost model, `SchedulerOutput -> seconds` (a simulated
+            device), or None: the real device's steps, timed (`MeasuredDevice`).
         overlap: Async scheduling on or off.
 
     Returns:
-        Per decode step (medians and means over `num_steps` steady steps, ms): wall time,
-        simulated device time, idle time between steps and its share of the span.
+        Per decode step (means over `num_steps` steady steps, ms): wall time, device
+        time, idle time between steps and its share of the span.
     """
     eng = llm.engine
     eng.async_scheduling = overlap
@@ -90,11 +175,12 @@ def pipeline_run(llm, num_running: int, step_seconds, *, overlap: bool, prompt_l
     sched = eng.scheduler
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
         eng.step()
-    device = SimulatedDevice(eng, step_seconds)
+    device = (MeasuredDevice(eng) if step_seconds is None
+              else SimulatedDevice(eng, step_seconds))
     try:
         for _ in range(3):  # into the steady pipeline
             eng.step()
-        first = len(device.spans)
+        first = device.num_dispatched
         t0 = time.perf_counter()
         for _ in range(num_steps):
             eng.step()

@@ -46,3 +46,9 @@ def test_overhead_refuses_an_empty_context(capsys):
     with pytest.raises(SystemExit, match="--context-len must be at least 1, got 0"):
         main(["bench", "overhead", "--context-len", "0", "--num-running", "2",
               "--skip-engine", "--skip-pipeline"])
+
+
+def test_overhead_refuses_an_unknown_preset_before_any_work(capsys):
+    with pytest.raises(SystemExit, match="--sim-preset: unknown 'tpu-9'; choose from"):
+        main(["bench", "overhead", "--sim-preset", "tpu-9", "--num-running", "2"])
+    assert capsys.readouterr().out == ""  # refused before the component timings ran

@@ -150,6 +150,74 @@ def test_simulated_device_idle_between_steps(tiny):
     assert not llm.engine.has_unfinished_requests() and llm.engine.kv.usage == 0.0
 
 
+def test_measured_device_stamps_when_each_step_really_ends():
+    """The real-device probe over real async XLA work: a step dispatched while the one
+    before it runs starts when that one ends (no idle time), a step dispatched after a
+    pause leaves the device idle for about that pause."""
+    import sys
+    import time
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.bench.pipeline import MeasuredDevice
+
+    slow = jax.jit(lambda x: jnp.tanh(x @ x @ x @ x) + x)  # ~20-80 ms here
+    x = jnp.ones((800, 800), jnp.float32) * 1e-3
+    slow(x).block_until_ready()
+    state = {"x": x}
+
+    class Runner:
+        def dispatch(self, out):
+            state["x"] = slow(state["x"])  # each step reads the one before (as KV does)
+            return types.SimpleNamespace(next_input_ids=state["x"])
+
+    runner = Runner()
+    switch = sys.getswitchinterval()
+    device = MeasuredDevice(types.SimpleNamespace(runner=runner))
+    runner.dispatch(None)
+    runner.dispatch(None)  # queued behind the first: starts when it ends
+    jax.block_until_ready(state["x"])
+    time.sleep(0.15)
+    runner.dispatch(None)
+    idle, span = device.idle()
+    spans = device.spans
+    device.close()
+    assert len(spans) == device.num_dispatched == 3
+    for (sent, start, end), nxt in zip(spans, spans[1:] + [None], strict=True):
+        assert sent <= start < end
+        if nxt is not None:
+            assert nxt[1] >= end
+    assert spans[0][2] - spans[0][1] > 0.005  # stamped when the work ended, not at once
+    assert spans[1][1] == spans[0][2]  # dispatched early: no gap
+    assert 0.14 <= idle <= 0.15 + 0.05  # the pause (the stamp is late by ~0.1 ms at most)
+    assert span == pytest.approx(spans[-1][2] - spans[0][1])
+    assert sys.getswitchinterval() == switch and "dispatch" not in vars(runner)
+
+
+def test_pipeline_on_the_measured_device(tiny):
+    """`pipeline_run` without a cost model times the engine's real steps: every step is
+    stamped, the synchronous engine leaves the device idle while the host works, and the
+    runner and the interpreter are left as they were."""
+    import sys
+
+    from jaxserve.bench.pipeline import pipeline_run
+
+    model, tok = tiny
+    llm = make_llm(model, tok, **ARGS)
+    dispatch = llm.engine.runner.dispatch
+    switch = sys.getswitchinterval()
+    rows = [pipeline_run(llm, 4, None, overlap=overlap, prompt_len=8, num_steps=4)
+            for overlap in (False, True)]
+    for row in rows:
+        assert row["device_ms"] > 0 and row["step_ms"] > 0
+        assert 0 <= row["idle_share"] < 1 and row["idle_ms"] >= 0
+    assert rows[0]["idle_ms"] > 0  # sync: fetch, host work, then the next dispatch
+    assert llm.engine.runner.dispatch == dispatch and sys.getswitchinterval() == switch
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.usage == 0.0
+
+
 def test_synthetic_steps_hold_the_pages_their_tokens_need():
     from jaxserve.bench.roofline import decode_output, decode_pages, prefill_output
 

@@ -91,6 +91,12 @@ def cmd_overhead(args) -> int:
     levels = _ints(args.num_running)
     if args.context_len < 1:
         raise SystemExit(f"--context-len must be at least 1, got {args.context_len}")
+    if not args.skip_pipeline and args.pipeline_device != "measured":
+        from jaxserve.bench.simulator import PRESETS
+
+        if args.sim_preset not in PRESETS:
+            raise SystemExit(f"--sim-preset: unknown {args.sim_preset!r}; choose from "
+                             f"{sorted(PRESETS)}")
     comp = [component_overhead(n, prompt_len=args.context_len) for n in levels]
     for r in comp:
         r["gpu_step_ms"] = gpu_step_ms(r["num_running"])
@@ -136,8 +142,11 @@ def cmd_overhead(args) -> int:
 
 
 def _pipeline_table(args, levels: list[int]) -> list[dict]:
-    """Device idle between steps on a simulated accelerator, sync vs async, interleaved."""
+    """Device idle between steps, sync vs async, interleaved: on a simulated accelerator
+    and/or on this machine's own device, timed."""
     import os
+
+    import jax
 
     from jaxserve.bench.engine_run import make_llm
     from jaxserve.bench.overhead import tiny_model
@@ -148,28 +157,33 @@ def _pipeline_table(args, levels: list[int]) -> list[dict]:
     tok = load_tokenizer(args.model or default_model_path())
     top = max(levels)
     budget = max(2 * top, 256)
-    # NOTE: a 2048-token vocabulary (ids valid for the tokenizer) keeps the real CPU step
-    # negligible beside the simulated device's.
-    llm = make_llm(tiny_model(vocab_size=2048), tok, max_model_len=budget, max_num_seqs=top,
-                   max_num_batched_tokens=budget, num_kv_blocks=top * 8 + 64)
-    cost = cost_model_seconds(args.sim_preset)
+    devices = []
+    if args.pipeline_device in ("simulated", "both"):
+        # NOTE: a 2048-token vocabulary (ids valid for the tokenizer) keeps the real CPU
+        # step negligible beside the simulated device's.
+        devices.append((f"{args.sim_preset} (simulated)", tiny_model(vocab_size=2048),
+                        cost_model_seconds(args.sim_preset)))
+    if args.pipeline_device in ("measured", "both"):
+        # NOTE: the real vocabulary: its LM head and sampler make a step that costs
+        # something on this device (the rest of the model is one small layer).
+        devices.append((f"{jax.default_backend()} (measured)", tiny_model(), None))
     rows = []
-    for n in levels:
-        for overlap in (False, True, False, True):
-            row = pipeline_run(llm, n, cost, overlap=overlap)
-            row["load"] = os.getloadavg()[0]
-            row["scheduling"] = "async" if overlap else "sync"
-            rows.append(row)
-    print(f"\nDevice idle between decode steps, simulated {args.sim_preset} device (ms per "
-          "step; host critical path = idle):")
+    for name, model, cost in devices:
+        llm = make_llm(model, tok, max_model_len=budget, max_num_seqs=top,
+                       max_num_batched_tokens=budget, num_kv_blocks=top * 8 + 64)
+        for n in levels:
+            for overlap in (False, True, False, True):
+                row = pipeline_run(llm, n, cost, overlap=overlap)
+                row.update(load=os.getloadavg()[0], device=name,
+                           scheduling="async" if overlap else "sync")
+                rows.append(row)
+    print("\nDevice idle between decode steps (ms per step; host critical path = idle):")
     print(table(rows, [
-        ("num_running", "running", "d"), ("scheduling", "scheduling", "s"),
-        ("device_ms", "device", ".2f"), ("idle_ms", "idle (host critical path)", ".2f"),
-        ("step_ms", "step", ".2f"), ("idle_share", "idle share", ".1%"),
-        ("load", "load avg", ".2f")]))
+        ("device", "device", "s"), ("num_running", "running", "d"),
+        ("scheduling", "scheduling", "s"), ("device_ms", "device ms", ".2f"),
+        ("idle_ms", "idle (host critical path)", ".2f"), ("step_ms", "step", ".2f"),
+        ("idle_share", "idle share", ".1%"), ("load", "load avg", ".2f")]))
     return rows
-
-
 
 
 def cmd_quant(args) -> int:
@@ -303,6 +317,11 @@ def add_parsers(bsub) -> None:
                     help="skip the device-idle comparison of sync and async scheduling")
     ov.add_argument("--sim-preset", default="gpu-8b",
                     help="simulated device of the idle comparison (default: gpu-8b)")
+    ov.add_argument("--pipeline-device", choices=("simulated", "measured", "both"),
+                    default="both",
+                    help="the idle comparison's device: the simulated accelerator, this "
+                         "machine's own device with each step's end timed, or both "
+                         "(default)")
     ov.add_argument("--model", default=None,
                     help="where the tokenizer comes from (default: the embedded model)")
     ov.add_argument("--output-json", default=None, help="write the full results here as JSON")
