@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from jaxserve.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS,
+    SAMPLING_EPS,
+    SamplingParams,
+)
 from jaxserve.structured.grammar import bitmask_width
 
 # The only non-zero top-logprobs width the sampler compiles for (see `logprobs_bucket`).
@@ -193,50 +199,59 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
     if num_real > num_rows:
         raise ValueError(f"num_rows_padded={num_rows} is smaller than the {num_real} rows")
     params = [r.params for r in rows]
-
-    def column(name: str, pad: float, dtype: Any) -> np.ndarray:
-        out = np.full((num_rows,), pad, dtype)
-        out[:num_real] = [getattr(p, name) for p in params]
-        return out
-
-    temperature = column("temperature", 0.0, np.float32)
-    top_k = column("top_k", 0, np.int32)
+    # NOTE: one pass over the rows per group of fields (C-level attribute reads), then
+    # column arithmetic: this runs every step for every running request.
+    values = np.array(list(map(_COLUMN_VALUES, params)), np.float64).reshape(num_real, 7)
+    columns = np.array(_COLUMN_PADS, np.float64).repeat(num_rows).reshape(7, num_rows)
+    columns[:, :num_real] = values.T
+    temperature, top_p, min_p, presence, frequency, repetition = (
+        columns[i].astype(np.float32) for i in (0, 2, 3, 4, 5, 6))
+    top_k = columns[1].astype(np.int32)
     top_k[top_k >= vocab_size] = 0  # NOTE: k >= V keeps everything, same as off
-    top_p = column("top_p", 1.0, np.float32)
-    min_p = column("min_p", 0.0, np.float32)
-    presence = column("presence_penalty", 0.0, np.float32)
-    frequency = column("frequency_penalty", 0.0, np.float32)
-    repetition = column("repetition_penalty", 1.0, np.float32)
 
     seeds, counters = _seeds_and_counters(rows, num_rows)
-    has_penalties = any(p.has_penalties for p in params)
+    has_penalties = bool((values[:, 4:6] != 0.0).any() or (values[:, 6] != 1.0).any())
     prompt_ids = output_ids = None
     if has_penalties:
         prompt_ids, output_ids = _penalty_ids(rows, num_rows, vocab_size, prompt_len_padded,
                                               output_len_padded)
-    banned_lists = [_banned_ids(r, int(counters[i]), eos_token_id) for i, r in enumerate(rows)]
-    has_banned = any(ids for ids in banned_lists)
+    banned_lists = [None] * num_real
+    for i in [i for i, (low, bad) in enumerate(map(_BAN_FIELDS, params)) if low or bad]:
+        # NOTE: only rows with min_tokens or bad words can ban anything
+        banned_lists[i] = _banned_ids(rows[i], int(counters[i]), eos_token_id)
+    has_banned = any(banned_lists)
     banned_ids = None
     if has_banned:
         banned_ids = _pad_ids(banned_lists, num_rows, _width("banned", None, banned_lists),
                               vocab_size)
 
+    bias, allowed, logprobs = (zip(*map(_CONTROL_FIELDS, params), strict=True) if params
+                               else ((), (), ()))
     controls = _logit_controls(params, num_rows, vocab_size) \
-        if any(p.has_logit_controls for p in params) else {}
-    max_logprobs = max([p.logprobs or 0 for p in params], default=0)
+        if any(bias) or any(a is not None for a in allowed) else {}
+    max_logprobs = max([n or 0 for n in logprobs], default=0)
     bitmask = _bitmask(rows, num_rows, vocab_size)
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         presence_penalty=presence, frequency_penalty=frequency,
         repetition_penalty=repetition, seeds=seeds, counters=counters,
         prompt_token_ids=prompt_ids, output_token_ids=output_ids, banned_token_ids=banned_ids,
-        all_greedy=all(p.is_greedy for p in params),
+        all_greedy=bool((values[:, 0] < SAMPLING_EPS).all()),
         needs_filtering=bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0.0).any()),
         has_penalties=has_penalties, has_banned_tokens=has_banned,
         max_num_logprobs=min(logprobs_bucket(max_logprobs), int(vocab_size)),
-        needs_logprobs=any(p.logprobs is not None for p in params),
+        needs_logprobs=any(n is not None for n in logprobs),
         has_logit_controls=bool(controls), **controls,
         token_bitmask=bitmask, has_bitmask=bitmask is not None)
+
+
+# The per-row columns in SamplingMetadata order, and the values of their padded rows.
+_COLUMN_VALUES = operator.attrgetter("temperature", "top_k", "top_p", "min_p",
+                                     "presence_penalty", "frequency_penalty",
+                                     "repetition_penalty")
+_COLUMN_PADS = (0.0, 0, 1.0, 0.0, 0.0, 0.0, 1.0)
+_BAN_FIELDS = operator.attrgetter("min_tokens", "bad_words_token_ids")
+_CONTROL_FIELDS = operator.attrgetter("logit_bias", "allowed_token_ids", "logprobs")
 
 
 def _bitmask(rows: list[RowSpec], num_rows: int, vocab_size: int) -> np.ndarray | None:
@@ -293,13 +308,16 @@ def _seeds_and_counters(rows: list[RowSpec], num_rows: int) -> tuple[np.ndarray,
     """
     seeds = np.zeros((num_rows,), np.uint32)
     counters = np.zeros((num_rows,), np.int32)
-    for i, r in enumerate(rows):
-        seed = r.params.seed if r.seed is None else r.seed
-        if seed is None and not r.params.is_greedy:
-            raise ValueError(f"row {i}: a random row needs a seed (the engine draws one at "
-                             "add_request for requests without seed), got seed=None")
-        seeds[i] = 0 if seed is None else int(seed) & 0xFFFFFFFF
-        counters[i] = len(r.output_token_ids) if r.counter is None else int(r.counter)
+    row_seeds = [r.params.seed if r.seed is None else r.seed for r in rows]
+    if None in row_seeds:
+        for i, (seed, r) in enumerate(zip(row_seeds, rows, strict=True)):
+            if seed is None and not r.params.is_greedy:
+                raise ValueError(f"row {i}: a random row needs a seed (the engine draws one "
+                                 "at add_request for requests without seed), got seed=None")
+        row_seeds = [0 if seed is None else seed for seed in row_seeds]
+    seeds[:len(rows)] = [int(seed) & 0xFFFFFFFF for seed in row_seeds]
+    counters[:len(rows)] = [len(r.output_token_ids) if r.counter is None else int(r.counter)
+                            for r in rows]
     return seeds, counters
 
 
