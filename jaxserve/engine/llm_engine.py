@@ -14,6 +14,7 @@ from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.output_processor import OutputProcessor, prompt_targets
 from jaxserve.engine.sizing import resolve_limits
@@ -58,7 +59,7 @@ class CoreStep:
 class _InFlight:
     """A step handed to the device whose samples the host has not seen yet."""
 
-    out: object  # SchedulerOutput
+    out: SchedulerOutput
     requests: dict
     pending: object  # runner's PendingStep
     targets: object  # prompt logprob targets or None
@@ -306,6 +307,25 @@ class LLMEngine:
             self.runner.execute_plans(out.plans)
             self.runner.release_rows(out.released_request_ids)
             return None
+        reached_runner = False
+        try:
+            requests, sampling, failed, targets = self._step_inputs(out, row_for)
+            reached_runner = True
+            pending = self.runner.dispatch(out, sampling, prompt_targets=targets,
+                                           prev=None if prev is None else prev.pending)
+        except BaseException:
+            if not reached_runner:
+                # NOTE: the KV manager counts this step's page moves as done and its
+                # dropped tables as gone: the device must agree, step or no step.
+                self.runner.execute_plans(out.plans)
+                self.runner.release_rows(out.released_request_ids)
+            self.scheduler.unschedule(out)
+            raise
+        return _InFlight(out, requests, pending, targets, failed)
+
+    def _step_inputs(self, out: SchedulerOutput, row_for=None):
+        """(requests by id, sampling arrays, `{request_id: error}` of requests whose rows
+        failed, prompt-logprob targets) of a scheduled step."""
         row_for = row_for or functools.partial(self._row_for, time.time())
         requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}
         rows, row_owner, row_failed, constrained = [], [], {}, []
@@ -325,15 +345,7 @@ class LLMEngine:
             mask_rows(rows, constrained, self.model.cfg.vocab_size, _INERT_ROW, row_failed)
         _, num_rows = self.runner.step_shape(out)
         sampling, failed = self._sampling_metadata(rows, row_owner, num_rows)
-        failed = {**row_failed, **failed}
-        targets = prompt_targets(out, requests)
-        try:
-            pending = self.runner.dispatch(out, sampling, prompt_targets=targets,
-                                           prev=None if prev is None else prev.pending)
-        except BaseException:
-            self.scheduler.unschedule(out)
-            raise
-        return _InFlight(out, requests, pending, targets, failed)
+        return requests, sampling, {**row_failed, **failed}, prompt_targets(out, requests)
 
     def _core(self, inflight: _InFlight, on_prompt_logprobs=None) -> CoreStep:
         """Waits for a dispatched step and advances the scheduler by what it sampled."""

@@ -33,12 +33,18 @@ class BlockTableRows:
         """Requests whose rows are kept."""
         return len(self.slot_of)
 
+    @property
+    def num_free(self) -> int:
+        """Rows nobody holds (with `num_kept`, every row: none is lost)."""
+        return len(self._free)
+
     def release(self, request_ids) -> None:
         """Forgets the rows of requests whose tables were dropped (unknown ids: ignored)."""
         for request_id in request_ids:
             slot = self.slot_of.pop(request_id, None)
             if slot is not None:
                 self._clear(slot)
+                self._free.append(slot)
 
     def gather(self, sched: list[ScheduledRequest], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
         """Applies the step's deltas and returns its block tables, padded to `num_rows`.

@@ -217,8 +217,8 @@ class ModelRunner:
     def _dispatch(self, out: SchedulerOutput, sampling: SamplingMetadata,
                   variant: str | None, prompt_targets: np.ndarray | None,
                   prev: PendingStep | None) -> PendingStep:
+        self.release_rows(out.released_request_ids)  # NOTE: first: it cannot fail
         self.execute_plans(out.plans)
-        self.release_rows(out.released_request_ids)
         arrays, model_buf, model_layout, num_tokens, num_rows = self._model_inputs(out, prev)
         total = int(arrays.cu_q_lens[-1])  # the step's tokens
         targets = None

@@ -182,6 +182,7 @@ class Harness:
         assert not kv.tables.requests and kv.tables.pending.is_empty()
         self.rows.release(kv.take_released())  # what the next step would release
         assert self.rows.num_kept == 0, self.rows.slot_of
+        assert self.rows.num_free == len(self.rows.table)  # every row back for reuse
 
     # ------------------------------------------------------------------ checks
     def _check_output(self, out: SchedulerOutput, before, placeholders) -> None:

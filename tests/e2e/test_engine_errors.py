@@ -192,3 +192,39 @@ def test_failed_step_leaves_nothing_queued(llm, monkeypatch):
     assert not llm.engine.has_unfinished_requests() and _used(llm.engine) == 0
     (after,) = llm.generate("Once upon a time", greedy, use_tqdm=False)
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
+
+
+def test_a_step_that_fails_before_the_device_is_taken_back(llm, monkeypatch):
+    """A step whose inputs fail to build (scheduled, never dispatched) is taken back whole:
+    the page copies the scheduler planned still run, its table deltas are sent again, and
+    its requests compute the step's tokens later, ending with the tokens of a run without
+    the failure. Here the failing step is the one after an n=2 fork (copy-on-write of the
+    shared page) and later ones."""
+    engine = llm.engine
+    fork = SamplingParams(temperature=0.0, max_tokens=8, n=2, ignore_eos=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def submit():
+        engine.add_request("a", _ids(20), fork)
+        engine.add_request("b", _ids(9, 3000), plain)
+
+    submit()
+    want = _run(engine)
+    build = engine._sampling_metadata
+    for fail_at in (2, 3, 5):
+        def failing(*args, calls=[], fail_at=fail_at, **kwargs):  # noqa: B006 - a counter
+            calls.append(1)
+            if len(calls) == fail_at:
+                raise RuntimeError("inputs lost")
+            return build(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "_sampling_metadata", failing)
+        submit()
+        with pytest.raises(RuntimeError, match="inputs lost"):
+            _run(engine)
+        assert _run(engine) == want, fail_at
+        monkeypatch.undo()
+        assert _used(engine) == 0
+        assert engine.step() == []  # an empty step releases the last finished rows
+        rows = engine.runner.block_tables
+        assert rows.num_kept == 0 and rows.num_free == len(rows.table)

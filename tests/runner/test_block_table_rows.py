@@ -57,6 +57,20 @@ def test_release_forgets_a_row_and_a_later_delta_against_it_is_refused():
     assert rows_of(rows, [entry("b", [], 1)]) == [[5]]
 
 
+def test_released_rows_are_reused_so_the_table_stays_its_size():
+    """A server runs requests without end: a released row goes back to the free list, so
+    the table grows with the requests running at once, not with all ever served."""
+    rows = BlockTableRows(W, num_rows=2)
+    for i in range(100):  # two at a time, each for two steps
+        a, b = f"a{i}", f"b{i}"
+        assert rows_of(rows, [entry(a, [1 + i % 5], 0), entry(b, [2], 0)]) == [
+            [1 + i % 5], [2]]
+        assert rows_of(rows, [entry(a, [], 1), entry(b, [3], 1)]) == [[1 + i % 5], [2, 3]]
+        rows.release([a, b])
+        assert rows.num_kept == 0 and rows.num_free == len(rows.table) == 2
+        assert not rows.table.any()  # released rows are zeroed
+
+
 def test_bad_deltas_and_wide_tables_are_refused_by_name():
     rows = BlockTableRows(W, num_rows=1)
     with pytest.raises(ValueError, match="'w'.*7 pages exceeds max_pages_per_seq=6"):
