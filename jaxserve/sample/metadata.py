@@ -206,6 +206,10 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
     columns[:, :num_real] = values.T
     temperature, top_p, min_p, presence, frequency, repetition = (
         columns[i].astype(np.float32) for i in (0, 2, 3, 4, 5, 6))
+    too_big = np.abs(values[:, 1]) > np.iinfo(np.int32).max
+    if too_big.any():
+        i = int(too_big.argmax())
+        raise ValueError(f"row {i}: top_k={params[i].top_k} does not fit the sampler's int32")
     top_k = columns[1].astype(np.int32)
     top_k[top_k >= vocab_size] = 0  # NOTE: k >= V keeps everything, same as off
 
