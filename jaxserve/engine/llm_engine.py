@@ -304,8 +304,7 @@ class LLMEngine:
             # NOTE: a pass may schedule nothing yet plan moves (a swap-out that made room
             # for a swap-in that still does not fit): run them now, or the host slots the
             # scheduler counts as written would never be.
-            self.runner.execute_plans(out.plans)
-            self.runner.release_rows(out.released_request_ids)
+            self.runner.apply_kv_changes(out)
             return None
         reached_runner = False
         try:
@@ -315,10 +314,7 @@ class LLMEngine:
                                            prev=None if prev is None else prev.pending)
         except BaseException:
             if not reached_runner:
-                # NOTE: the KV manager counts this step's page moves as done and its
-                # dropped tables as gone: the device must agree, step or no step.
-                self.runner.execute_plans(out.plans)
-                self.runner.release_rows(out.released_request_ids)
+                self.runner.apply_kv_changes(out)  # the device must agree, step or none
             self.scheduler.unschedule(out)
             raise
         return _InFlight(out, requests, pending, targets, failed)

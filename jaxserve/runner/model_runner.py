@@ -217,8 +217,7 @@ class ModelRunner:
     def _dispatch(self, out: SchedulerOutput, sampling: SamplingMetadata,
                   variant: str | None, prompt_targets: np.ndarray | None,
                   prev: PendingStep | None) -> PendingStep:
-        self.release_rows(out.released_request_ids)  # NOTE: first: it cannot fail
-        self.execute_plans(out.plans)
+        self.apply_kv_changes(out)
         arrays, model_buf, model_layout, num_tokens, num_rows = self._model_inputs(out, prev)
         total = int(arrays.cu_q_lens[-1])  # the step's tokens
         targets = None
@@ -324,10 +323,13 @@ class ModelRunner:
             self._samplers[layout] = fn
         return fn
 
-    def release_rows(self, request_ids: list[str]) -> None:
-        """Forgets the kept block tables of requests whose pages were dropped
-        (`SchedulerOutput.released_request_ids`; also of a step that schedules nothing)."""
-        self.block_tables.release(request_ids)
+    def apply_kv_changes(self, out: SchedulerOutput) -> None:
+        """Does what the KV manager counted as done when it scheduled `out`, whether the
+        step runs or not (it may be empty, or fail before dispatch): forgets the kept
+        block tables of requests whose pages were dropped (`released_request_ids`; first,
+        as it cannot fail), then runs the page moves (`plans`)."""
+        self.block_tables.release(out.released_request_ids)
+        self.execute_plans(out.plans)
 
     # -------------------------------------------------------------- plans
     def execute_plans(self, plans: KVPlans | None) -> None:
