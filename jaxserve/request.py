@@ -6,6 +6,8 @@ import enum
 import time
 from collections.abc import Iterable
 
+from jaxserve.sampling_params import SamplingParams
+
 
 class RequestStatus(enum.IntEnum):
     """Lifecycle of a request; every status after PREEMPTED is a finished one.
@@ -45,6 +47,7 @@ class Request:
         arrival_time: Seconds (time.time()); defaults to now.
         sampling_params: The request's `SamplingParams`; the scheduler reads its stop
             settings (max_tokens, stop ids, min_tokens, ignore_eos) and prompt_logprobs.
+            None: no limit but the context length (`SamplingParams(max_tokens=None)`).
         priority: Lower runs first under the "priority" scheduling policy.
         eos_token_ids: Token ids that end the request (unless `ignore_eos`).
         user_request_id: The id the caller gave (a fan-out sample's `request_id` differs);
@@ -58,7 +61,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: Iterable[int], *,
                  cache_salt: str | None = None, arrival_time: float | None = None,
-                 sampling_params=None, priority: int = 0, eos_token_ids: tuple[int, ...] = (),
+                 sampling_params: SamplingParams | None = None, priority: int = 0,
+                 eos_token_ids: tuple[int, ...] = (),
                  user_request_id: str | None = None, seeds: tuple[int, ...] = (0,)):
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -80,7 +84,8 @@ class Request:
         # KV cache manager (one page size per engine).
         self.page_hashes: list[bytes] = []
         # Engine-level settings the scheduler reads (stop checks, priority, fan-out).
-        self.sampling_params = sampling_params
+        self.sampling_params = (sampling_params if sampling_params is not None
+                                else SamplingParams(max_tokens=None))
         self.priority = priority
         self.eos_token_ids = tuple(eos_token_ids)
         self.user_request_id = user_request_id or request_id

@@ -116,11 +116,6 @@ class Model:
         return self.module.apply({"params": params}, hidden, method=Decoder.compute_logits)
 
     @property
-    def num_params(self) -> int:
-        """Parameter count (every leaf of `params`; a q4 byte holds two weights)."""
-        return sum(x.size for x in jax.tree_util.tree_leaves(self.params))
-
-    @property
     def weight_bytes(self) -> int:
         """Bytes the parameters occupy (codes, scales and dense leaves together)."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.params))

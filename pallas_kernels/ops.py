@@ -27,6 +27,7 @@ from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_kernel
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
+from pallas_kernels.tuning import tuned
 
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
 
@@ -61,10 +62,13 @@ def _on_tpu() -> bool:
 
 
 def kernel_tiles(page_size: int, max_pages_per_seq: int) -> tuple[int, int]:
-    """(pages_per_block, num_splits): >= 32 keys per inner step; split contexts of 8+ blocks."""
-    pages_per_block = max(1, 32 // page_size)
+    """(pages_per_block, num_splits) of the Pallas kernels: at least `min_block_keys` keys
+    per inner step; contexts of `split_from_blocks` blocks or more split across programs
+    (`pallas_kernels.tuning`, "pallas_tiles")."""
+    t = tuned("pallas_tiles")
+    pages_per_block = max(1, t["min_block_keys"] // page_size)
     num_blocks = -(-max_pages_per_seq // pages_per_block)
-    return pages_per_block, max(1, min(4, num_blocks // 8))
+    return pages_per_block, max(1, min(t["max_splits"], num_blocks // t["split_from_blocks"]))
 
 
 def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
@@ -92,9 +96,11 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
         if md.decode_only:  # one query per request: blocks of one token
             md = AttentionMetadata(md.slot_mapping, md.block_tables, md.kv_lens,
                                    jnp.arange(md.kv_lens.shape[0] + 1, dtype=jnp.int32))
-            return ragged_paged_attention_tpu(q, kv_pages, layer, md, block_q=8,
+            return ragged_paged_attention_tpu(q, kv_pages, layer, md,
+                                              block_q=tuned("ragged_tpu")["decode_block_q"],
                                               pages_per_block=ppb, **common)
-        return ragged_paged_attention_tpu(q, kv_pages, layer, md, pages_per_block=ppb, **common)
+        return ragged_paged_attention_tpu(q, kv_pages, layer, md, pages_per_block=ppb,
+                                          block_q=tuned("ragged_tpu")["block_q"], **common)
     if md.decode_only and backend == "pallas":
         if q.shape[0] != md.kv_lens.shape[0]:
             raise ValueError(f"decode_only needs one token per request: q {q.shape} vs "

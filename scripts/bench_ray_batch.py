@@ -1,11 +1,12 @@
 """Ray batch inference against one in-process engine on the same batch file, interleaved.
 
 Each round runs the same N-request OpenAI batch three ways: one `AsyncLLM` in this
-process (`jaxserve.entrypoints.run_batch`, the baseline), and `jaxserve.batch` on a local
-Ray cluster with 1 and with 2 actors. Wall time counts everything a user waits for (engine
-or cluster and actor start-up, warm-up, the run); "actor tok/s" is tokens over the time
-actors spent answering batches (start-up excluded). Ratios are to the baseline of the same
-round; the load average is recorded beside each run.
+process (`jaxserve.entrypoints.run_batch`, the baseline), and
+`jaxserve.entrypoints.ray_batch` on a local Ray cluster with 1 and with 2 actors. Wall
+time counts everything a user waits for (engine or cluster and actor start-up, warm-up,
+the run); "actor tok/s" is tokens over the time actors spent answering batches (start-up
+excluded). Ratios are to the baseline of the same round; the load average is recorded
+beside each run.
 
     python scripts/bench_ray_batch.py --requests 64 --max-tokens 16 --rounds 2
 """
@@ -49,7 +50,7 @@ def in_process(src: str, dst: str, engine: dict) -> dict:
 def on_ray(src: str, dst: str, engine: dict, actors: int, batch_size: int) -> dict:
     import ray
 
-    from jaxserve.batch import run_batch_file
+    from jaxserve.entrypoints.ray_batch import run_batch_file
 
     start = time.perf_counter()
     try:

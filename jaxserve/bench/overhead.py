@@ -54,8 +54,8 @@ def _steady_scheduler(num_running: int, prompt_len: int, max_tokens: int, page_s
 def component_overhead(num_running: int, *, prompt_len: int = 64, num_steps: int = 20,
                        page_size: int = 16) -> dict:
     """Milliseconds per decode step of each host component with `num_running` requests."""
-    from jaxserve.core.buckets import pick_bucket, rows_for_bucket, token_buckets
     from jaxserve.runner.block_table_rows import BlockTableRows
+    from jaxserve.runner.buckets import pick_bucket, rows_for_bucket, token_buckets
     from jaxserve.runner.sampler_variants import promote, variant_of
     from jaxserve.runner.step_input import build_step_arrays
     from jaxserve.runner.transfer import pack

@@ -17,7 +17,8 @@ in milliseconds and reusable in a simulator.
 from jaxserve.core.block_tables import BlockTables, RequestKV
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.kv_metrics import KVCacheCounters, KVCacheStats
-from jaxserve.core.page_pool import NULL_PAGE_ID, FreePageQueue, HostPool, KVPage, PagePool
+from jaxserve.core.kv_page import NULL_PAGE_ID, KVPage
+from jaxserve.core.page_pool import FreePageQueue, HostPool, PagePool
 from jaxserve.core.plans import CopyPlan, KVPlans, SwapPlan
 from jaxserve.core.prefix_cache import PrefixCache, hash_page_tokens
 

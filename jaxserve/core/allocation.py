@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxserve.core.block_tables import BlockTables
-from jaxserve.core.page_pool import KVPage
+from jaxserve.core.kv_page import KVPage
 from jaxserve.core.prefix_cache import update_page_hashes
 from jaxserve.request import Request
 from jaxserve.utils import cdiv

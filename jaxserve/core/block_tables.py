@@ -6,7 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from jaxserve.core.kv_metrics import count_token_slots
-from jaxserve.core.page_pool import HostPool, KVPage, PagePool
+from jaxserve.core.kv_page import KVPage
+from jaxserve.core.page_pool import HostPool, PagePool
 from jaxserve.core.plans import KVPlans, PendingPlans
 from jaxserve.core.prefix_cache import update_page_hashes
 from jaxserve.request import Request

@@ -5,7 +5,8 @@ from __future__ import annotations
 from jaxserve.core.allocation import plan_allocation
 from jaxserve.core.block_tables import BlockTables
 from jaxserve.core.kv_metrics import KVCacheCounters, KVCacheStats, make_stats
-from jaxserve.core.page_pool import HostPool, KVPage, PagePool
+from jaxserve.core.kv_page import KVPage
+from jaxserve.core.page_pool import HostPool, PagePool
 from jaxserve.core.plans import KVPlans, SwapPlan
 from jaxserve.core.prefix_cache import update_page_hashes
 from jaxserve.request import Request

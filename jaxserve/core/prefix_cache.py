@@ -8,12 +8,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from jaxserve.core.page_pool import KVPage
-    from jaxserve.request import Request
+from jaxserve.core.kv_page import KVPage, PageHash
 
-# Digest of a page's whole prefix: sha256(parent digest, token ids, extra keys).
-PageHash = bytes
+if TYPE_CHECKING:
+    from jaxserve.request import Request
 
 _NO_PARENT = b"\x00" * 32
 

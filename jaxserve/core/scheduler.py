@@ -134,6 +134,43 @@ class Scheduler:
         request.status = status
         return request
 
+    def fork(self, parent: Request, child_id: str, index: int | None = None) -> Request:
+        """Forks a running request: the child has the parent's tokens and shares its pages
+        (a partly filled page is copied on the first write into it), and runs from now on.
+
+        Args:
+            parent: A running request whose KV is computed up to its last token.
+            child_id: The child's request id (unused so far).
+            index: Where the child goes in the running queue (default: last).
+
+        Raises:
+            ValueError: `child_id` is in use.
+        """
+        if child_id in self.requests:
+            raise ValueError(f"request id {child_id!r} is already in use")
+        child = parent.fork(child_id)
+        self.kv.fork(parent, child)
+        self.requests[child_id] = child
+        self.running.insert(len(self.running) if index is None else index, child)
+        return child
+
+    def set_proposals(self, proposals: dict[str, list[int]]) -> None:
+        """Proposed next tokens of running requests (speculative decoding), taken by the
+        next `schedule()` as far as budget and length allow; unknown ids are ignored."""
+        for request_id, token_ids in proposals.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.spec_token_ids = list(token_ids)
+
+    def pop_output_token(self, request: Request) -> int:
+        """Takes back a request's newest output token, whose KV is not computed yet (beam
+        search puts another candidate in its place with `append_output_token`)."""
+        return request.pop_output_token_id(self.kv.page_size)
+
+    def append_output_token(self, request: Request, token: int) -> None:
+        """Appends a token chosen outside the sampler (beam search); no stop checks."""
+        request.append_output_token_ids(token)
+
     def _num_slots(self) -> int:
         """Sequence slots in use: a request that will fan out into n samples holds n."""
         return sum(r.fan_out for r in self.running)
@@ -213,7 +250,7 @@ class Scheduler:
             return 0
         room = self.length_cap - request.num_tokens
         sp = request.sampling_params
-        if sp is not None and sp.max_tokens is not None:
+        if sp.max_tokens is not None:
             room = min(room, sp.max_tokens - request.num_output_tokens)
         return max(0, min(len(request.spec_token_ids), budget - 1, room - 1))
 
@@ -244,7 +281,7 @@ class Scheduler:
             return False
         sp = request.sampling_params
         num_out = request.num_output_tokens + request.num_output_placeholders
-        return ((sp is not None and sp.max_tokens is not None and num_out >= sp.max_tokens)
+        return ((sp.max_tokens is not None and num_out >= sp.max_tokens)
                 or request.num_tokens_with_placeholders >= self.length_cap)
 
     def _pick_victim(self) -> Request:
@@ -316,8 +353,7 @@ class Scheduler:
         """Cached pages for a waiting request's prompt: (page ids, tokens they hold)."""
         sp = request.sampling_params
         # NOTE: prompt logprobs need every prompt position computed: no prefix hits.
-        if self.kv.has_request(request.request_id) or (
-                sp is not None and sp.prompt_logprobs is not None):
+        if self.kv.has_request(request.request_id) or sp.prompt_logprobs is not None:
             return [], 0
         return self.kv.get_computed_pages(request)
 
@@ -381,12 +417,9 @@ class Scheduler:
                 child_id = f"{request.request_id}#{i}"
                 while child_id in self.requests:  # NOTE: a user id may look like a child's
                     child_id += "#"
-                child = request.fork(child_id)
+                child = self.fork(request, child_id, self.running.index(request) + i)
                 child.sample_index = i
                 child.forked_from = request.request_id
-                self.kv.fork(request, child)
-                self.requests[child.request_id] = child
-                self.running.insert(self.running.index(request) + i, child)
                 results.append((child, [token]))
             request.fan_out = 1
         kept = []

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 
+from jaxserve.engine.protocol import EngineClient
 from jaxserve.metrics import ServerMetrics, StatLogger
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -99,38 +100,21 @@ class RequestStream:
             self._owner.abort(self.request_id)
 
 
-def _scheduled_tokens(engine) -> int:
-    """Tokens the engine's runners computed so far (0 for engines without runners)."""
-    engines = getattr(engine, "replicas", None) or [engine]
-    return sum(getattr(getattr(e, "runner", None), "num_scheduled_tokens", 0) for e in engines)
-
-
-def _cache_config(engine) -> dict[str, object]:
-    """Labels of `cache_config_info` (vLLM's names), or {} for an engine without a config."""
-    config, limits = getattr(engine, "config", None), getattr(engine, "limits", None)
-    cache = getattr(config, "cache", None)
-    if cache is None or limits is None:
-        return {}
-    return {"block_size": cache.block_size, "num_gpu_blocks": limits.num_pages,
-            "enable_prefix_caching": cache.enable_prefix_caching,
-            "gpu_memory_utilization": cache.gpu_memory_utilization,
-            "swap_space": cache.swap_space,
-            "cache_dtype": cache.kv_cache_dtype}
-
-
 class AsyncLLM:
-    """Serves one `LLMEngine` to asyncio code.
+    """Serves one engine to asyncio code.
 
     Args:
-        engine: The engine; from now on only the background thread touches it.
+        engine: The engine (an `EngineClient`: `LLMEngine`, `DataParallelEngine`); from
+            now on only the background thread touches it.
         metrics: Where to record latencies and engine figures (default: a fresh one).
         log_interval: Seconds between stat log lines while busy (0 disables them).
     """
 
-    def __init__(self, engine, metrics: ServerMetrics | None = None, log_interval: float = 10.0):
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics | None = None,
+                 log_interval: float = 10.0):
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.limits.max_model_len
+        self.max_model_len = engine.max_model_len
         self.metrics = metrics or ServerMetrics("jaxserve")
         self.stat_logger = StatLogger(log_interval) if log_interval > 0 else None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -140,8 +124,8 @@ class AsyncLLM:
         self._stopped = False
         self.errored: BaseException | None = None
         self.metrics.update_snapshot(engine.get_metrics())
-        self.metrics.cache_config = _cache_config(engine)
-        self._scheduled_tokens = _scheduled_tokens(engine)
+        self.metrics.cache_config = engine.cache_config_info()
+        self._scheduled_tokens = engine.num_scheduled_tokens
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -291,7 +275,7 @@ class AsyncLLM:
             self._fail_all(RuntimeError(f"engine step failed: {e}"))
             return
         now = time.time()
-        scheduled = _scheduled_tokens(self.engine)
+        scheduled = self.engine.num_scheduled_tokens
         self.metrics.observe_step(scheduled - self._scheduled_tokens)
         self._scheduled_tokens = scheduled
         for out in outputs:

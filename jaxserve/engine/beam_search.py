@@ -63,6 +63,37 @@ def beam_score(num_tokens: int, cum_logprob: float, length_penalty: float) -> fl
     return cum_logprob / (num_tokens ** length_penalty)
 
 
+def select_beams(scored: list[tuple], width: int, eos: set[int], ignore_eos: bool
+                 ) -> tuple[list[tuple], list[tuple]]:
+    """Top-W selection, shared by the engine's beam search and the server's.
+
+    Args:
+        scored: `(cumulative logprob, beam key, token)` candidates (the key breaks ties).
+        width: Beams to keep.
+        eos: Tokens that end a hypothesis (unless `ignore_eos`).
+
+    Returns:
+        (the best `width` continuations that do not end, best first; the EOS candidates
+        ranked above the last one kept, which become finished hypotheses).
+    """
+    keep, ended = [], []
+    for cand in heapq.nlargest(len(scored), scored):
+        if cand[2] in eos and not ignore_eos:
+            ended.append(cand)
+            continue
+        keep.append(cand)
+        if len(keep) == width:
+            break
+    return keep, ended
+
+
+def best_hypotheses(done: list[BeamSearchSequence], params: BeamSearchParams
+                    ) -> list[BeamSearchSequence]:
+    """The `beam_width` best finished hypotheses by `beam_score`, best first."""
+    return sorted(done, key=lambda s: -beam_score(len(s.tokens), s.cum_logprob,
+                                                   params.length_penalty))[:params.beam_width]
+
+
 class _Group:
     """The beams of one prompt."""
 
@@ -85,7 +116,7 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
                          "decoding; use an engine without speculative_config")
     if engine.has_unfinished_requests() or engine.scheduler.has_unfinished_requests():
         raise ValueError("beam_search needs an idle engine; finish or abort other requests")
-    width, ps = params.beam_width, engine.kv.page_size
+    width = params.beam_width
     sp = SamplingParams(temperature=0.0, max_tokens=None, logprobs=2 * width, ignore_eos=True,
                         detokenize=False)
     all_ids = [engine.inputs.tokenize(prompt)[1] for prompt in prompts]
@@ -118,7 +149,7 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
                 _finish(group, req, list(req.all_token_ids),
                         group.beams.pop(req_id) + cands[0][1], "length")
                 continue
-            req.pop_output_token_id(ps)  # the beam waits for the group's choice
+            engine.scheduler.pop_output_token(req)  # the beam waits for the group's choice
             group.pending[req_id] = cands
         for gid, group in groups.items():
             if group.beams and set(group.pending) >= set(group.beams):
@@ -126,8 +157,7 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
 
     outputs = []
     for group in groups.values():
-        best = sorted(group.done, key=lambda s: -beam_score(len(s.tokens), s.cum_logprob,
-                                                           params.length_penalty))[:width]
+        best = best_hypotheses(group.done, params)
         for seq in best:
             seq.text = engine.tokenizer.decode(seq.tokens[seq.num_prompt_tokens:],
                                                skip_special_tokens=True)
@@ -144,15 +174,10 @@ def _select(engine, gid: str, group: _Group, owner: dict, params: BeamSearchPara
         for token, lp in cands:
             scored.append((group.beams[req_id] + lp, req_id, token))
     group.pending.clear()
-    keep: list[tuple[float, str, int]] = []
-    for cum, req_id, token in heapq.nlargest(len(scored), scored):
+    keep, ended = select_beams(scored, width, eos, params.ignore_eos)
+    for cum, req_id, token in ended:
         req = sched.requests[req_id]
-        if token in eos and not params.ignore_eos:
-            _finish(group, req, req.all_token_ids + [token], cum, "stop")
-            continue
-        keep.append((cum, req_id, token))
-        if len(keep) == width:
-            break
+        _finish(group, req, req.all_token_ids + [token], cum, "stop")
     # Forks first, from the beams' current (waiting) state; then every beam takes its token.
     used: set[str] = set()
     assigned: list[tuple[Request, int, float]] = []
@@ -163,15 +188,12 @@ def _select(engine, gid: str, group: _Group, owner: dict, params: BeamSearchPara
             assigned.append((parent, token, cum))
             continue
         group.num_children += 1
-        beam = parent.fork(f"{gid}.{group.num_children}")
-        engine.kv.fork(parent, beam)  # shares pages; a partly filled one is copied on write
-        sched.requests[beam.request_id] = beam
-        sched.running.append(beam)
+        beam = sched.fork(parent, f"{gid}.{group.num_children}")  # shares pages (CoW)
         owner[beam.request_id] = gid
         assigned.append((beam, token, cum))
     new_beams: dict[str, float] = {}
     for beam, token, cum in assigned:
-        beam.append_output_token_ids(token)
+        sched.append_output_token(beam, token)
         new_beams[beam.request_id] = cum
     for req_id in group.beams:
         if req_id not in used:

@@ -70,7 +70,7 @@ class LLM:
             raise ValueError(f"quantization={config.model.quantization!r} differs from the "
                              f"loaded model's {loaded.quant.name!r}")
         if config.parallel.data_parallel_size > 1:
-            from jaxserve.parallel.data_parallel import DataParallelEngine
+            from jaxserve.engine.data_parallel import DataParallelEngine
 
             self.engine = DataParallelEngine(config, model=loaded, tokenizer=tokenizer)
         else:

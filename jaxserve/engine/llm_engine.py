@@ -5,26 +5,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 
-import jax
+import numpy as np
 
-from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.input_processor import InputProcessor
-from jaxserve.engine.output_processor import OutputProcessor, prompt_targets
-from jaxserve.engine.sizing import resolve_limits
+from jaxserve.engine.output_processor import CoreStep, OutputProcessor, prompt_targets
 from jaxserve.outputs import RequestOutput
-from jaxserve.parallel.sharding import tensor_parallel_layout
-from jaxserve.request import RequestStatus
-from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.request import Request, RequestStatus
+from jaxserve.runner.step_io import PendingStep
+from jaxserve.runner.worker import Worker
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.spec_decode.speculator import make_speculator
+from jaxserve.spec_decode.factory import make_speculator
 from jaxserve.structured import mask_rows
 
 logger = logging.getLogger("jaxserve")
@@ -34,35 +31,13 @@ _INERT_ROW = RowSpec(SamplingParams(temperature=0.0), (), (), 0, 0)
 
 
 @dataclasses.dataclass
-class CoreStep:
-    """What one core step did (`LLMEngine.run_core_step`).
-
-    Attributes:
-        out: The scheduler's step (decode rows first).
-        requests: The scheduled requests by id, as they were before the update.
-        result: The runner's `StepResult` (sampled ids, logprobs, ...).
-        updates: `(request, new token ids)` from `Scheduler.update_from_output`.
-        row_of: Sampling rows of each request id.
-        failed: `{request_id: error}` of requests whose sampling rows could not be built;
-            they are finished (FINISHED_ERROR) and got no token.
-    """
-
-    out: object
-    requests: dict
-    result: object
-    updates: list
-    row_of: dict[str, list[int]]
-    failed: dict[str, BaseException]
-
-
-@dataclasses.dataclass
 class _InFlight:
     """A step handed to the device whose samples the host has not seen yet."""
 
     out: SchedulerOutput
-    requests: dict
-    pending: object  # runner's PendingStep
-    targets: object  # prompt logprob targets or None
+    requests: dict[str, Request]
+    pending: PendingStep
+    targets: np.ndarray | None  # i32[step tokens]: prompt logprob targets
     failed: dict[str, BaseException]
 
 
@@ -76,89 +51,38 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
-        from models import panels
-        from models.loaders import load_model, load_tokenizer, read_arch_config
-        from models.model import Model
-
         self.config = config
-        # NOTE: a cache directory the process already configured (tests, a host program)
-        # is kept unless the config names one.
-        if config.compilation_cache_dir or not jax.config.jax_compilation_cache_dir:
-            enable_compilation_cache(config.compilation_cache_dir)
-        mc = config.model
-        if model is not None and mc.attention_backend != "auto":
-            model = Model(model.cfg, model.params, model.dtype, model.source,
-                          backend=mc.attention_backend, quant=model.quant)
-        if model is None:
-            self.layout = tensor_parallel_layout(config, read_arch_config(mc.model))
-            shardings = self.layout.param_shardings if self.layout is not None else None
-            model = load_model(mc.model, mc.dtype, mc.attention_backend, shardings=shardings,
-                               quantization=mc.quantization)
-        else:
-            self.layout = tensor_parallel_layout(config, model.cfg)
-        if model.backend == "cpu" and self.layout is not None and self.layout.size > 1:
-            # NOTE: the C++ decode kernel reads one device's whole pool; across a mesh the
-            # partitioner would gather the pool to every device, so the XLA path serves.
-            if mc.attention_backend == "cpu":
-                raise ValueError("attention_backend 'cpu' serves one device's page pool; "
-                                 "with tensor_parallel_size "
-                                 f"{config.parallel.tensor_parallel_size} use 'xla' (or "
-                                 "'auto', which picks it)")
-            model = Model(model.cfg, model.params, model.dtype, model.source, backend="xla",
-                          quant=model.quant)
-        if (not model.panels and os.environ.get("JAXSERVE_CPU_PANELS", "1") != "0"
-                and panels.eligible(model.params, model.dtype, model.quant, model.backend)):
-            # The cpu backend serves float32 weights packed for its matmul kernel
-            # (JAXSERVE_CPU_PANELS=0: XLA's matmuls, for comparison and debugging).
-            model = dataclasses.replace(model, panels=True)
-        self.model = model
-        if tokenizer is None:
-            tokenizer = load_tokenizer(model.source)
-        self.tokenizer = tokenizer
-        self.limits = resolve_limits(config, self.model)
-        lim = self.limits
-        # NOTE: across hosts every process swaps the KV heads it holds to its own host
-        # memory, on the same plans (`HostSwapSpace`).
+        self.worker = Worker(config, model, tokenizer)  # the model, its sizes, its devices
+        lim, cache = self.limits, config.cache
         self.kv = KVCacheManager(
-            lim.num_pages, config.cache.block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            watermark=config.cache.watermark, swap_space=config.cache.swap_space,
+            lim.num_pages, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
+            watermark=cache.watermark, swap_space=cache.swap_space,
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
                                    lim.max_num_batched_tokens)
         self.speculator = make_speculator(
-            config.speculative_config, vocab_size=self.model.cfg.vocab_size, dtype=mc.dtype,
-            backend=mc.attention_backend, num_pages=lim.num_pages,
-            page_size=config.cache.block_size, max_model_len=lim.max_model_len,
-            max_num_seqs=self.scheduler.max_num_seqs,
-            max_num_batched_tokens=lim.max_num_batched_tokens,
-            target_params=self.model.weight_bytes)
-        self.runner = ModelRunner(self.model, lim.num_pages, config.cache.block_size,
-                                  lim.max_model_len, self.scheduler.max_num_seqs,
-                                  lim.max_num_batched_tokens, self.kv.host_pool.num_slots,
-                                  layout=self.layout,
-                                  num_spec_tokens=self.speculator.k if self.speculator else 0,
-                                  kv_cache_dtype=config.cache.kv_cache_dtype)
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+            config.speculative_config, **self.worker.draft_runner_args(self.scheduler.max_num_seqs))
+        self.worker.init_device(self.scheduler.max_num_seqs, self.kv.host_pool.num_slots,
+                                self.speculator.k if self.speculator else 0)
         self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
                                      lim.max_model_len, self.scheduler.max_num_seqs,
-                                     tuple(dict.fromkeys([*self.model.cfg.eos_token_ids, *eos])),
-                                     mc.seed)
-        self.outputs = OutputProcessor(self.scheduler)
+                                     self.worker.eos_token_ids, config.model.seed)
+        self.outputs = OutputProcessor()
         self.counters = {"prompt_tokens": 0, "num_steps": 0}
-        # Whether steps overlap (config.scheduler.async_scheduling; may be switched between
-        # steps, as tests do to compare both orders on one compiled engine).
+        # Whether steps overlap (may be switched between steps, as tests do to compare both
+        # orders on one compiled engine).
         self.async_scheduling = config.scheduler.async_scheduling
         self._pending: _InFlight | None = None  # the step on the device (async scheduling)
         self._stashed: list[RequestOutput] = []  # outputs of a step finished by `flush`
-        logger.info("jaxserve: weights %s (%.0f MiB); KV cache %s: %d pages of %d tokens = "
-                    "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
-                    self.model.quant.name, self.model.weight_bytes / 2**20,
-                    config.cache.kv_cache_dtype, lim.num_pages, config.cache.block_size,
-                    self.kv_capacity_tokens, lim.num_pages * lim.bytes_per_page / 2**20,
-                    lim.max_model_len, self.runner.buckets)
         if config.warmup:
             self.warmup()
+
+    # The worker's parts, read by the engine's users (benchmarks, tests, the server).
+    model = property(lambda self: self.worker.model, doc="The served `Model`.")
+    tokenizer = property(lambda self: self.worker.tokenizer, doc="The tokenizer.")
+    runner = property(lambda self: self.worker.runner, doc="The `ModelRunner`.")
+    layout = property(lambda self: self.worker.layout, doc="Tensor-parallel layout or None.")
+    limits = property(lambda self: self.worker.limits, doc="The engine's sizes (`Limits`).")
 
     # ------------------------------------------------------------ requests
     @property
@@ -195,8 +119,10 @@ class LLMEngine:
         Returns:
             The final output (finish_reason "abort") of each request that was live.
         """
-        return self.outputs.abort([request_ids] if isinstance(request_ids, str)
+        done = self.outputs.abort([request_ids] if isinstance(request_ids, str)
                                   else list(request_ids))
+        self._finish_requests(done.to_finish)
+        return done.outputs
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -204,9 +130,23 @@ class LLMEngine:
         the input processor, which stamps them on each request)."""
         return self.inputs.eos_token_ids
 
-    @eos_token_ids.setter
-    def eos_token_ids(self, ids: tuple[int, ...]) -> None:
-        self.inputs.eos_token_ids = tuple(ids)
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output a request may have."""
+        return self.limits.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size."""
+        return self.model.cfg.vocab_size
+
+    def check_constraint(self, structured_outputs) -> None:
+        """Compiles an output constraint now (the compiler's LRU keeps it for the request).
+
+        Raises:
+            ValueError: The schema, regex or grammar does not compile (naming the field).
+        """
+        self.inputs.grammars.compile(structured_outputs)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states or self._stashed)
@@ -287,8 +227,7 @@ class LLMEngine:
         if inflight.targets is not None or any(s.num_samples > 1 or s.num_spec_tokens
                                                for s in inflight.out.scheduled):
             return False
-        if any(r.sampling_params is not None and r.sampling_params.needs_output_history
-               for r in self.scheduler.running):
+        if any(r.sampling_params.needs_output_history for r in self.scheduler.running):
             return False
         # NOTE: a constrained request's mask follows its previous token, also when it
         # comes back from preemption (not in `running` yet).
@@ -298,7 +237,7 @@ class LLMEngine:
     def _dispatch(self, prev: _InFlight | None = None, row_for=None) -> _InFlight | None:
         """Schedules a step and hands it to the device; None when nothing was scheduled."""
         if self.speculator is not None:
-            self.speculator.step(self.scheduler.running)
+            self.scheduler.set_proposals(self.speculator.step(self.scheduler.running))
         out = self.scheduler.schedule().decodes_first()
         if out.is_empty:
             # NOTE: a pass may schedule nothing yet plan moves (a swap-out that made room
@@ -370,7 +309,14 @@ class LLMEngine:
     def _finish(self, inflight: _InFlight) -> list[RequestOutput]:
         core = self._core(inflight, self.outputs.record_prompt_logprobs)
         self.counters["num_steps"] += 1
-        return self.outputs.process(core)
+        done = self.outputs.process(core)
+        self._finish_requests(done.to_finish)
+        return done.outputs
+
+    def _finish_requests(self, to_finish: dict[str, RequestStatus]) -> None:
+        """Ends the scheduler requests the output processor says are over."""
+        for req_id, status in to_finish.items():
+            self.scheduler.finish_request(req_id, status)
 
     def _sampling_metadata(self, rows: list[RowSpec], row_owner: list[str], num_rows: int):
         """The step's sampling arrays, and `{request_id: error}` of requests whose rows could
@@ -412,7 +358,25 @@ class LLMEngine:
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens the KV pool holds (every page but the null page)."""
-        return (self.limits.num_pages - 1) * self.config.cache.block_size
+        return self.worker.kv_capacity_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens the engine's steps have computed so far."""
+        return self.runner.num_scheduled_tokens
+
+    @property
+    def warmup_progress(self) -> tuple[int, int]:
+        """(buckets compiled, buckets in all) while warm-up runs."""
+        return self.runner.warmup_progress
+
+    def cache_config_info(self) -> dict[str, object]:
+        """The KV cache's settings, labelled as vLLM's `cache_config_info`."""
+        cache = self.config.cache
+        return {"block_size": cache.block_size, "num_gpu_blocks": self.limits.num_pages,
+                "enable_prefix_caching": cache.enable_prefix_caching,
+                "gpu_memory_utilization": cache.gpu_memory_utilization,
+                "swap_space": cache.swap_space, "cache_dtype": cache.kv_cache_dtype}
 
     def get_metrics(self) -> dict[str, float]:
         """Counters and gauges, named like vLLM's with a `jaxserve:` prefix."""

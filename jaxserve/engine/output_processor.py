@@ -3,21 +3,47 @@ the turning of each step's sampled tokens into `RequestOutput`s."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 
 import numpy as np
 
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
+from jaxserve.runner.step_io import StepResult
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 _FINISH = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
            RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_IGNORED: "length",
            RequestStatus.FINISHED_ERROR: "error"}
 logger = logging.getLogger("jaxserve")
+
+
+@dataclasses.dataclass
+class CoreStep:
+    """What one core step did (`LLMEngine.run_core_step`).
+
+    Attributes:
+        out: The scheduler's step (decode rows first).
+        requests: The scheduled requests by id, as they were before the update.
+        result: The runner's `StepResult` (sampled ids, logprobs, ...).
+        updates: `(request, new token ids)` from `Scheduler.update_from_output`.
+        row_of: Sampling rows of each request id.
+        failed: `{request_id: error}` of requests whose sampling rows could not be built;
+            they are finished (FINISHED_ERROR) and got no token.
+    """
+
+    out: SchedulerOutput
+    requests: dict[str, Request]
+    result: StepResult
+    updates: list[tuple[Request, list[int]]]
+    row_of: dict[str, list[int]]
+    failed: dict[str, BaseException]
+
 
 
 class RequestState:
@@ -235,15 +261,26 @@ class RequestState:
                                 o.finish_reason, o.stop_reason)
 
 
-class OutputProcessor:
-    """The engine's live user requests and what each step turns into `RequestOutput`s.
+@dataclasses.dataclass
+class ProcessedOutputs:
+    """What the output processor made of a step or an abort (vLLM's
+    `OutputProcessorOutput`).
 
-    Args:
-        scheduler: The engine's scheduler (to end requests that stop on a string or fail).
+    Attributes:
+        outputs: The `RequestOutput`s to hand to callers.
+        to_finish: `{request_id: status}` of scheduler requests the engine must end now
+            (a stop string matched, the request failed or was aborted); the processor
+            never touches the scheduler itself.
     """
 
-    def __init__(self, scheduler):
-        self.scheduler = scheduler
+    outputs: list[RequestOutput]
+    to_finish: dict[str, RequestStatus]
+
+
+class OutputProcessor:
+    """The engine's live user requests and what each step turns into `RequestOutput`s."""
+
+    def __init__(self):
         self.states: dict[str, RequestState] = {}
         self.finished_reasons: dict[str, int] = {}
         self.num_generation_tokens = 0
@@ -251,26 +288,29 @@ class OutputProcessor:
     def add(self, state: RequestState) -> None:
         self.states[state.request_id] = state
 
-    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Ends requests (finish_reason "abort"); returns their final outputs."""
-        outputs = []
+    def abort(self, request_ids: list[str]) -> ProcessedOutputs:
+        """Ends requests (finish_reason "abort"): their final outputs, and the scheduler
+        requests to end."""
+        done = ProcessedOutputs([], {})
         for request_id in request_ids:
             state = self.states.pop(request_id, None)
             if state is None:
                 continue
             for req_id in state.live_request_ids():
-                self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
+                done.to_finish[req_id] = RequestStatus.FINISHED_ABORTED
             state.abort()
             self._count(["abort"])
-            outputs.append(state.make_output())
-        return outputs
+            done.outputs.append(state.make_output())
+        return done
 
-    def fail(self, state: RequestState, error: BaseException | str) -> None:
-        """Ends one user request with finish_reason "error" (pages freed); others go on."""
+    def _fail(self, state: RequestState, error: BaseException | str,
+              to_finish: dict[str, RequestStatus]) -> None:
+        """Ends one user request with finish_reason "error" (its scheduler requests go to
+        `to_finish`); the others go on."""
         message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         logger.warning("jaxserve: request %s failed: %s", state.request_id, message)
         for req_id in state.live_request_ids():
-            self.scheduler.finish_request(req_id, RequestStatus.FINISHED_ERROR)
+            to_finish.setdefault(req_id, RequestStatus.FINISHED_ERROR)
         state.fail(message)
 
     def row_state(self, req: Request, now: float) -> RequestState:
@@ -279,26 +319,28 @@ class OutputProcessor:
         state.on_scheduled(now)
         return state
 
-    def process(self, step, now: float | None = None) -> list[RequestOutput]:
-        """Outputs of the requests a core step advanced (see `LLMEngine.run_core_step`).
+    def process(self, step: CoreStep, now: float | None = None) -> ProcessedOutputs:
+        """Outputs of the requests a core step advanced (see `LLMEngine.run_core_step`),
+        and the scheduler requests the engine must end.
 
         NOTE: a failure in one request's own work (its sampling row, its detokenization)
         ends that request only, with finish_reason "error".
         """
         now = time.time() if now is None else now
         touched: dict[str, RequestState] = {}
+        to_finish: dict[str, RequestStatus] = {}
         for req_id, error in step.failed.items():
             state = self.states.get(step.requests[req_id].user_request_id)
             if state is None:
                 continue  # aborted while its step ran (async scheduling)
             if state.error is None:
-                self.fail(state, error)
+                self._fail(state, error, to_finish)
             touched[state.request_id] = state
         for req, tokens in step.updates:
             state = self.states[req.user_request_id]
             if state.error is not None:  # failed earlier in this step
                 if not req.is_finished():  # a sibling forked after the failure
-                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+                    to_finish.setdefault(req.request_id, RequestStatus.FINISHED_ERROR)
                 continue
             # A child forked this step sampled from its parent's i-th fan-out row.
             rows = step.row_of.get(req.request_id) \
@@ -307,10 +349,10 @@ class OutputProcessor:
             try:
                 stop_str = state.on_tokens(req, tokens, step.result, rows, now)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
-                self.fail(state, e)
+                self._fail(state, e, to_finish)
                 stop_str = None
             if stop_str is not None and not req.is_finished():
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                to_finish.setdefault(req.request_id, RequestStatus.FINISHED_STOPPED)
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
@@ -319,7 +361,7 @@ class OutputProcessor:
             if state.finished:
                 del self.states[state.request_id]
                 self._count(state.finish_reasons())
-        return outputs
+        return ProcessedOutputs(outputs, to_finish)
 
     def _count(self, reasons: list[str]) -> None:
         for reason in reasons:
@@ -344,8 +386,7 @@ class OutputProcessor:
 def prompt_targets(out, requests: dict[str, Request]) -> np.ndarray | None:
     """i32[step tokens]: the next prompt token at each position of requests that asked for
     prompt logprobs (-1 elsewhere), or None when no request did."""
-    if not any(requests[s.request_id].sampling_params is not None
-               and requests[s.request_id].sampling_params.prompt_logprobs is not None
+    if not any(requests[s.request_id].sampling_params.prompt_logprobs is not None
                for s in out.scheduled):
         return None  # NOTE: the common case, without an array per request
     targets, wanted = [], False
@@ -353,7 +394,7 @@ def prompt_targets(out, requests: dict[str, Request]) -> np.ndarray | None:
         req = requests[s.request_id]
         row = np.full(s.num_new_tokens, -1, np.int32)
         sp = req.sampling_params
-        if sp is not None and sp.prompt_logprobs is not None and req.sample_index == 0:
+        if sp.prompt_logprobs is not None and req.sample_index == 0:
             pos = np.arange(s.start_pos, s.start_pos + s.num_new_tokens)
             keep = pos + 1 < req.num_prompt_tokens
             row[keep] = np.asarray(req.prompt_token_ids)[pos[keep] + 1]

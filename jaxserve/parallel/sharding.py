@@ -161,7 +161,7 @@ def tensor_parallel_layout(config, cfg: ArchConfig) -> TensorParallel | None:
     par = config.parallel
     if par.data_parallel_size > 1:
         raise ValueError("LLMEngine serves one replica; data_parallel_size > 1 needs "
-                         "jaxserve.parallel.data_parallel.DataParallelEngine (LLM picks it)")
+                         "jaxserve.engine.data_parallel.DataParallelEngine (LLM picks it)")
     if jax.process_count() > 1 and par.device_ids is None:
         devices = process_spanning_devices(par.tensor_parallel_size)
     elif par.tensor_parallel_size == 1 and par.device_ids is None:

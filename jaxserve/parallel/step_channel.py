@@ -103,14 +103,17 @@ def lead(engine) -> StepChannel:
 
 
 def check_followable(engine) -> None:
-    """Raises ValueError for engine features whose device calls followers cannot replay."""
-    from jaxserve.spec_decode.speculator import NgramSpeculator
+    """Raises ValueError for engine features whose device calls followers cannot replay.
 
-    if not hasattr(engine, "runner"):
+    NOTE: a speculator says itself whether it makes device calls of its own
+    (`Speculator.own_device_calls`), so this layer needs no knowledge of the proposers
+    above it.
+    """
+    if engine.config.parallel.data_parallel_size > 1:
         raise ValueError("data_parallel_size > 1 is single-host; across hosts use one "
                          "tensor-parallel replica (or one server per host)")
     spec = engine.speculator
-    if spec is not None and not isinstance(spec, NgramSpeculator):
+    if spec is not None and spec.own_device_calls:
         raise ValueError("speculative_config with a draft model is single-host only; use "
                          "method 'ngram' across hosts")
 

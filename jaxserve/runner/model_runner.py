@@ -17,18 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.buckets import (
-    MIN_BUCKET,
-    MIN_BUCKET_XLA,
-    pick_bucket,
-    rows_for_bucket,
-    token_buckets,
-)
 from jaxserve.core.plans import KVPlans
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.parallel.sharding import TensorParallel
 from jaxserve.runner import compile_counter
 from jaxserve.runner.block_table_rows import BlockTableRows
+from jaxserve.runner.buckets import pick_bucket, rows_for_bucket, token_buckets
 from jaxserve.runner.kv_ops import HostSwapSpace, copy_page_pairs
 from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.step_input import build_step_arrays
@@ -42,6 +36,7 @@ from jaxserve.utils import cdiv
 from models.model import Model
 from pallas_kernels import AttentionMetadata
 from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
+from pallas_kernels.tuning import tuned
 
 
 def _model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: bool, params,
@@ -113,11 +108,10 @@ class ModelRunner:
         self.block_tables = BlockTableRows(self.max_pages_per_seq, max_num_seqs)
         self.penalty_len = 1 << (max_model_len - 1).bit_length()
         self.banned_len = MAX_BANNED_TOKEN_IDS
-        # NOTE: decode batches of 1-8 get their own buckets on the XLA path (CPU), where
-        # padded rows cost compute (batch 1-4: ~31 ms vs 48-81 ms in a 16-token bucket).
+        # NOTE: the smallest bucket is tuned per backend (`pallas_kernels.tuning`): padded
+        # rows cost compute on the XLA path, not in the Pallas kernels.
         self.buckets = token_buckets(max_num_batched_tokens,
-                                     min_bucket=MIN_BUCKET_XLA if model.backend in ("xla", "cpu")
-                                     else MIN_BUCKET)
+                                     min_bucket=tuned("min_bucket")[model.backend])
         self.max_rows = self.sample_rows(self.buckets[-1])
         check_kv_cache_dtype(kv_cache_dtype, model.backend)
         pool_shape, pool_dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size),

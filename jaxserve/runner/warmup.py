@@ -23,8 +23,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.core.buckets import rows_for_bucket
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.runner.buckets import rows_for_bucket
 from jaxserve.runner.kv_ops import (
     PLAN_PAIRS,
     copy_page_pairs,

@@ -28,16 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.core.buckets import pick_bucket
-from jaxserve.core.page_pool import KVPage, PagePool
+from jaxserve.config import SpeculativeConfig
+from jaxserve.core.kv_page import KVPage
+from jaxserve.core.page_pool import PagePool
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.request import Request
 from jaxserve.runner import compile_counter
+from jaxserve.runner.buckets import pick_bucket
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sample.rowwise import argmax_rows
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.speculator import Speculator
 from jaxserve.utils import cdiv
 from pallas_kernels import AttentionMetadata
@@ -123,6 +124,8 @@ class DraftModelSpeculator(Speculator):
         ValueError: The draft's vocabulary differs from the target's.
     """
 
+    own_device_calls = True  # the draft's catch-up and proposal programs
+
     def __init__(self, config: SpeculativeConfig, *, vocab_size: int, dtype: str = "float32",
                  backend: str = "auto", num_pages: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, target_params: int = 0):
@@ -165,12 +168,12 @@ class DraftModelSpeculator(Speculator):
         return self.runner.num_compilations
 
     # ------------------------------------------------------------ propose
-    def propose(self, requests: Iterable[Request]) -> None:
+    def propose(self, requests: Iterable[Request]) -> dict[str, list[int]]:
         self._release_finished()
         seqs = [seq for request in requests if self.wants_proposals(request)
                 and (seq := self._reserve(request)) is not None]
         if not seqs:
-            return
+            return {}
         first = self._catch_up(seqs)  # {request_id: first proposal}
         firsts = [first[seq.request.request_id] for seq in seqs]
         rest = np.zeros((len(seqs), 0), np.int32)
@@ -181,8 +184,8 @@ class DraftModelSpeculator(Speculator):
                 num_rows, firsts, [seq.request.num_tokens for seq in seqs],
                 [[p.page_id for p in seq.pages] for seq in seqs]))[:len(seqs)]
             self.runner.num_compilations += compile_counter.num_compilations() - start
-        for seq, token, more in zip(seqs, firsts, rest, strict=True):
-            seq.request.spec_token_ids = [token, *more.tolist()]
+        return {seq.request.request_id: [token, *more.tolist()]
+                for seq, token, more in zip(seqs, firsts, rest, strict=True)}
 
     def _loop_call(self, num_rows: int, ids, positions, tables) -> jax.Array:
         """Runs the k - 1 step program on `len(ids)` rows padded to `num_rows`; returns the

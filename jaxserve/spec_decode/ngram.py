@@ -49,14 +49,3 @@ def propose_ngram(token_ids: Sequence[int] | np.ndarray, k: int, min_n: int,
     j = int(full[-1]) if full.size else int(hits[0])
     return t[j + 1:j + 1 + k].astype(np.int32)
 
-
-def propose_ngram_batch(histories: Sequence[Sequence[int] | np.ndarray], k: int, min_n: int,
-                        max_n: int) -> tuple[np.ndarray, np.ndarray]:
-    """`propose_ngram` for each request: (i32[R, k] proposals padded with 0, i32[R] counts)."""
-    ids = np.zeros((len(histories), k), np.int32)
-    counts = np.zeros(len(histories), np.int32)
-    for r, history in enumerate(histories):
-        p = propose_ngram(history, k, min_n, max_n)
-        ids[r, :p.size] = p
-        counts[r] = p.size
-    return ids, counts

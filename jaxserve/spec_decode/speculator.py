@@ -13,12 +13,13 @@ without speculation; a greedy row is the argmax rule.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from jaxserve.config import SpeculativeConfig
 from jaxserve.request import Request
-from jaxserve.spec_decode.config import SpeculativeConfig
 from jaxserve.spec_decode.gate import VERIFY_OVERHEAD, AcceptanceGate
 from jaxserve.spec_decode.ngram import propose_ngram
 
@@ -31,12 +32,18 @@ def accepted_prefix(draft_ids: Sequence[int], sampled_ids: Sequence[int]) -> int
     return int(differ[0]) if differ.size else n
 
 
-class Speculator:
+class Speculator(abc.ABC):
     """Verification and vLLM's acceptance counters, shared by the proposers.
 
     Args:
         config: The engine's `SpeculativeConfig`.
+
+    Attributes:
+        own_device_calls: Whether proposing runs device programs of its own, besides the
+            runner's steps (a multi-host follower replays only the runner's calls).
     """
+
+    own_device_calls = False
 
     def __init__(self, config: SpeculativeConfig, draft_cost: float = 0.0):
         self.config = config
@@ -53,10 +60,10 @@ class Speculator:
         """Whether proposals are made now (the gate pauses them while they do not pay)."""
         return self.gate.active
 
-    def step(self, requests: Iterable[Request]) -> None:
-        """Before a step: proposes for `requests` unless the gate pauses proposals."""
-        if self.gate.tick():
-            self.propose(requests)
+    def step(self, requests: Iterable[Request]) -> dict[str, list[int]]:
+        """Before a step: `{request_id: proposed tokens}` for `requests` (nothing while the
+        gate pauses proposals); the engine hands them to `Scheduler.set_proposals`."""
+        return self.propose(requests) if self.gate.tick() else {}
 
     @staticmethod
     def wants_proposals(request: Request) -> bool:
@@ -64,9 +71,9 @@ class Speculator:
         nothing in flight (the scheduler then takes the proposals that fit)."""
         return request.decodes_next and not request.is_finished()
 
-    def propose(self, requests: Iterable[Request]) -> None:
-        """Sets `spec_token_ids` of the requests that decode next step."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def propose(self, requests: Iterable[Request]) -> dict[str, list[int]]:
+        """`{request_id: proposed tokens}` of the requests that decode next step."""
 
     def warmup(self, make_dummy_sampling) -> float:
         """Compiles what proposing runs (nothing for host-side proposers); seconds."""
@@ -110,37 +117,17 @@ class Speculator:
 class NgramSpeculator(Speculator):
     """Proposes what followed the latest earlier occurrence of each request's suffix."""
 
-    def propose(self, requests: Iterable[Request]) -> None:
+    def propose(self, requests: Iterable[Request]) -> dict[str, list[int]]:
         cfg = self.config
-        num_unmatched = 0
+        proposals: dict[str, list[int]] = {}
         for request in requests:
             if self.wants_proposals(request):
-                request.spec_token_ids = propose_ngram(
+                proposals[request.request_id] = propose_ngram(
                     request.all_token_ids, self.k, cfg.prompt_lookup_min,
                     cfg.prompt_lookup_max).tolist()
-                num_unmatched += not request.spec_token_ids
+        num_unmatched = sum(not p for p in proposals.values())
         # NOTE: for the gate, a request whose text has no match is k proposals that did
         # not pay: text that never repeats pauses lookups, and steps overlap again.
         if num_unmatched:
             self.gate.record(self.k * num_unmatched, 0)
-
-
-def make_speculator(config: SpeculativeConfig | None, **runner_args) -> Speculator | None:
-    """The engine's speculator for `config` (None: speculation off).
-
-    Args:
-        runner_args: For a draft model: the target's `vocab_size`, `dtype`, `backend`,
-            `target_params` (its parameter count) and the runner sizes (`num_pages`,
-            `page_size`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`); see
-            `DraftModelSpeculator`.
-
-    Raises:
-        ValueError: A draft model with another vocabulary than the target's.
-    """
-    if config is None:
-        return None
-    if config.method == "ngram":
-        return NgramSpeculator(config)
-    from jaxserve.spec_decode.draft import DraftModelSpeculator
-
-    return DraftModelSpeculator(config, **runner_args)
+        return proposals

@@ -38,6 +38,7 @@ from pallas_kernels.cpu_decode import paged_decode_cpu, supports
 from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import check_shapes, token_positions
+from pallas_kernels.tuning import tuned
 
 _NEG = -1e30  # running max of a row that has seen no key yet (finite: exp(_NEG - m) == 0)
 
@@ -79,8 +80,7 @@ def _tiles_by_head(kv_pages, layer, page_ids, kv):
                      jnp.broadcast_to(page_ids.astype(jnp.int32), shape)],
                     axis=-1)  # i32[kv_heads, n, p, 3]
     # NOTE: without the barrier XLA fuses the index arithmetic into the gather's loop and
-    # recomputes it for every gathered element (47 -> 36 ms of thread time per step at
-    # batch 32, context 512).
+    # recomputes it for every gathered element (BENCHMARKS.md, "K and V gathered apart").
     idx = jax.lax.optimization_barrier(idx)
     dims = jax.lax.GatherDimensionNumbers(offset_dims=(3, 4), collapsed_slice_dims=(0, 1, 3),
                                           start_index_map=(0, 1, 3),
@@ -212,7 +212,7 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, 
 
         # NOTE: head-major inside a tile ([k, block_q * g, ...], one transpose per tile):
         # the matmuls batch over heads with no transposed copy of K, V or P per block
-        # (prefill attention took 0.6x the time of the token-major tiles).
+        # (BENCHMARKS.md, "the context part head-major inside a query tile").
         qh = jnp.swapaxes(qt, 0, 1).reshape(kv_heads, block_q * group, head_dim)
 
         def block(b, st):
@@ -258,14 +258,14 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
-    block_kv: int = 128,
-    block_q: int = 64,
-    block_q_short: int = 8,
-    decode_block_kv: int = 64,
-    decode_rows: int = 32,
+    block_kv: int | None = None,
+    block_q: int | None = None,
+    block_q_short: int | None = None,
+    decode_block_kv: int | None = None,
+    decode_rows: int | None = None,
     cpu_decode: bool = False,
-    cpu_decode_min_rows: int = 8,
-    cpu_context_max_len: int = 768,
+    cpu_decode_min_rows: int | None = None,
+    cpu_context_max_len: int | None = None,
 ) -> jax.Array:
     """Causal attention of packed queries over each request's paged K/V (see the module).
 
@@ -278,6 +278,8 @@ def ragged_paged_attention_xla(
         sm_scale: Scale applied to q.k.
         sliding_window: Keys older than `window` positions are masked; 0 means none.
         soft_cap: If set, logits become `soft_cap * tanh(logits / soft_cap)`.
+        The sizes and thresholds below default to the platform's row of
+        `pallas_kernels.tuning` ("ragged_xla"); BENCHMARKS.md has the measurements.
         block_kv: Keys per gathered block (rounded to whole pages).
         block_q: Query tokens (of one request) per tile of the context part.
         block_q_short: Tile of the context part for requests with at most this many new
@@ -288,24 +290,32 @@ def ragged_paged_attention_xla(
         decode_rows: Decode rows per group: each group of rows walks its own (row, key
             block) pairs, as many per iteration as it has rows, so a gathered block
             (`decode_rows x decode_block_kv` keys) stays small enough for the cache
-            whatever the batch (at 128 rows one group of 128-key blocks ran 6x slower on
-            this CPU than four groups of 32 rows with 64-key blocks).
+            whatever the batch.
         cpu_decode: Decode rows go to the C++ kernel that reads the pool in place
             (`pallas_kernels.cpu_decode`, CPU only) instead of the gathered blocks above;
             pools it does not read (8-bit, bf16) keep the XLA decode part.
-        cpu_decode_min_rows: Steps of fewer tokens than this (buckets of 1-4 tokens)
-            keep the XLA decode part: there the kernel's step was 7-10% slower
-            (BENCHMARKS.md), and its attention a millisecond at most.
+        cpu_decode_min_rows: Steps of fewer tokens than this keep the XLA decode part
+            (where the kernel's step is not faster).
         cpu_context_max_len: With the kernel, requests with at most this many keys
             (their kv_len) send every token to it too, each token a row of one query
             (it re-reads its request's pages, from the cache); longer ones use the
-            context part's tiles, whose batched matmuls win past ~800 keys
-            (BENCHMARKS.md). 0: decode rows only.
+            context part's tiles, whose batched matmuls win on long contexts. 0: decode
+            rows only.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
     """
     check_shapes(q, kv_pages, md)
+    t = tuned("ragged_xla")
+    block_kv = t["block_kv"] if block_kv is None else block_kv
+    block_q = t["block_q"] if block_q is None else block_q
+    block_q_short = t["block_q_short"] if block_q_short is None else block_q_short
+    decode_block_kv = t["decode_block_kv"] if decode_block_kv is None else decode_block_kv
+    decode_rows = t["decode_rows"] if decode_rows is None else decode_rows
+    cpu_decode_min_rows = (t["cpu_decode_min_rows"] if cpu_decode_min_rows is None
+                           else cpu_decode_min_rows)
+    cpu_context_max_len = (t["cpu_context_max_len"] if cpu_context_max_len is None
+                           else cpu_context_max_len)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_pages.shape[2], kv_pages.shape[4]
     group = num_q_heads // num_kv_heads
@@ -344,7 +354,7 @@ def ragged_paged_attention_xla(
     # Context part: every other row's whole context, this step's tokens included.
     ctx_lens = jnp.where(taken | (q_lens == 0), 0, md.kv_lens)  # i32[rows]; padding: 0
     state = None
-    if md.short_tiles:  # a second loop (~1.3 s more to compile per program on this CPU)
+    if md.short_tiles:  # a second loop (more compile time per program)
         short = q_lens <= block_q_short  # bool[rows]
         state = _context_part(qg, kv_pages, layer, md, jnp.where(short, ctx_lens, 0),
                               q_pos, window, block_kv=block_kv, block_q=block_q_short,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from jaxserve.entrypoints.cli import build_parser, main
-from jaxserve.entrypoints.cli.bench import BENCH_ENGINE_DEFAULTS, bench_engine_args, make_trace
+from jaxserve.entrypoints.cli.bench import make_trace
+from jaxserve.entrypoints.cli.bench_common import BENCH_ENGINE_DEFAULTS, bench_engine_args
 
 COMMANDS = ["throughput", "prefix", "latency", "serve", "roofline", "scale", "overhead",
             "quant", "structured"]

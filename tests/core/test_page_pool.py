@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.core.page_pool import NULL_PAGE_ID, FreePageQueue, HostPool, KVPage, PagePool
+from jaxserve.core.kv_page import NULL_PAGE_ID, KVPage
+from jaxserve.core.page_pool import FreePageQueue, HostPool, PagePool
 from jaxserve.core.prefix_cache import PrefixCache, hash_page_tokens, update_page_hashes
 from jaxserve.request import Request
 

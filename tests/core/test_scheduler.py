@@ -404,3 +404,34 @@ def test_continuous_mode_never_chunks():
     h.add(*(make_request(f"r{i}", 6 + 4 * i, max_tokens=4, arrival=i) for i in range(5)))
     h.run()  # _check_output asserts every entry runs to the request's end
     assert [sorted(scheduled(o)) for o in h.outputs][0] == ["r0", "r1"]
+
+
+# --------------------------------------------------------- the scheduler's own mutators
+def test_fork_shares_pages_and_runs_the_child():
+    """`Scheduler.fork` (used by fan-out and beam search): the child holds the parent's
+    tokens and pages and runs next; an id in use is refused and changes nothing."""
+    h = Harness(make_scheduler(budget=64))
+    h.add(make_request("p", 10, max_tokens=4))
+    h.step()
+    sched = h.sched
+    parent = sched.requests["p"]
+    pages = h.kv.page_ids("p")
+    child = sched.fork(parent, "p.1")
+    assert sched.requests["p.1"] is child and sched.running[-1] is child
+    assert child.all_token_ids == parent.all_token_ids
+    assert h.kv.page_ids("p.1") == h.kv.page_ids("p")
+    with pytest.raises(ValueError, match="'p.1' is already in use"):
+        sched.fork(parent, "p.1")
+    assert [r.request_id for r in sched.running] == ["p", "p.1"]
+    sched.finish_request("p.1", RequestStatus.FINISHED_ABORTED)  # the parent's pages stay
+    assert h.kv.page_ids("p") == pages
+    h.run()
+
+
+def test_set_proposals_reaches_known_requests_only():
+    h = Harness(make_scheduler(budget=64))
+    h.add(make_request("a", 5, max_tokens=8))
+    h.step()
+    h.sched.set_proposals({"a": [7, 8], "gone": [1]})
+    assert h.sched.requests["a"].spec_token_ids == [7, 8]
+    assert "gone" not in h.sched.requests

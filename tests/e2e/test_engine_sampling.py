@@ -181,11 +181,11 @@ def test_min_tokens_bans_every_eos_id(llm, greedy):
     engine = llm.engine
     g = greedy[PROMPTS[0]]
     eos_ids = engine.eos_token_ids
-    engine.eos_token_ids = (*eos_ids, g[1])  # as if the model's second EOS id were g[1]
+    engine.inputs.eos_token_ids = (*eos_ids, g[1])  # as if the model's second EOS id were g[1]
     try:
         out = completion(llm, PROMPTS[0], temperature=0.0, max_tokens=8, min_tokens=4)
     finally:
-        engine.eos_token_ids = eos_ids
+        engine.inputs.eos_token_ids = eos_ids
     assert g[1] not in out.token_ids[:4]
     assert out.token_ids[:1] == g[:1]
 

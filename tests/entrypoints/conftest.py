@@ -53,12 +53,9 @@ def running_server(app, shutdown_timeout: float = 5.0):
 def fake_server(step_seconds: float = 0.005, engine=None):
     """An OpenAI server over a `FakeEngine` (no model; `engine` or a new one): yields its
     URL."""
-    from types import SimpleNamespace
-
     from tests.entrypoints.fake_engine import FakeEngine
 
     engine = engine or FakeEngine(step_seconds=step_seconds)
-    engine.model = SimpleNamespace(source="fake")  # for /v1/models
     llm = AsyncLLM(engine, ServerMetrics("fake"), log_interval=0)
     try:
         with running_server(build_app(llm, ["fake"])) as (_, url):

@@ -54,6 +54,20 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running)
 
+    # The rest of the `EngineClient` interface.
+    max_model_len = property(lambda self: self.limits.max_model_len)
+    vocab_size = None  # unknown: the engine checks ids itself
+    eos_token_ids = property(lambda self: tuple(
+        [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]))
+    num_scheduled_tokens = property(lambda self: 0)
+    warmup_progress = (0, 0)
+
+    def check_constraint(self, structured_outputs) -> None:
+        pass  # no grammars: nothing to compile
+
+    def cache_config_info(self) -> dict:
+        return {}
+
     def step(self) -> list[RequestOutput]:
         time.sleep(self.step_seconds)
         self.num_steps += 1

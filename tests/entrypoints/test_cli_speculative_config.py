@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.entrypoints.cli import build_parser, engine_kwargs, main
-from jaxserve.spec_decode.config import SpeculativeConfig
 from tests.entrypoints.test_cli_serving import command_parser
 
 NGRAM = '{"method":"ngram","num_speculative_tokens":2}'

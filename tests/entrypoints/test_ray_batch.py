@@ -1,7 +1,7 @@
-"""Batch inference on a local Ray cluster (`jaxserve.batch`, `run-batch --ray`): two CPU
-actors answer 64 batch lines as one process does, a killed actor loses no result, runs
-resume, a Dataset of prompts maps through the pool, and bad set-ups fail fast (all but the
-option checks in the slow tier)."""
+"""Batch inference on a local Ray cluster (`jaxserve.entrypoints.ray_batch`, `run-batch
+--ray`): two CPU actors answer 64 batch lines as one process does, a killed actor loses no
+result, runs resume, a Dataset of prompts maps through the pool, and bad set-ups fail fast
+(all but the option checks in the slow tier)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_two_actors_match_one_process_through_a_killed_actor(tiny_model_dir, bat
 def local_ray():
     import ray
 
-    from jaxserve.batch import connect
+    from jaxserve.entrypoints.ray_batch import connect
 
     connect("local", num_cpus=3)
     yield ray
@@ -125,7 +125,7 @@ def local_ray():
 @pytest.mark.slow
 def test_resume_and_a_dataset_of_prompts(tiny_model_dir, batch, tmp_path, local_ray):
     from jaxserve import LLM, SamplingParams
-    from jaxserve.batch import generate, run_batch_file
+    from jaxserve.entrypoints.ray_batch import generate, run_batch_file
 
     src, ref = batch
     dst = tmp_path / "resumed.jsonl"
@@ -179,7 +179,7 @@ def test_unreachable_ray_address_fails_fast(tiny_model_dir, batch, tmp_path):
 
 
 def test_bad_options_are_value_errors(tmp_path, monkeypatch):
-    from jaxserve import batch as ray_batch
+    from jaxserve.entrypoints import ray_batch
 
     src = tmp_path / "in.jsonl"
     src.write_text(batch_lines(1)[0] + "\n")

@@ -24,7 +24,7 @@ def test_health_reports_start_up_progress_then_ready():
     release, errors = threading.Event(), []
 
     def build(startup):
-        startup.engine = SimpleNamespace(runner=SimpleNamespace(warmup_progress=(1, 3)))
+        startup.engine = SimpleNamespace(warmup_progress=(1, 3))
         startup.phase = "warm-up"
         assert release.wait(30)
         return AsyncLLM(FakeEngine(), log_interval=0)

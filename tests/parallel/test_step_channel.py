@@ -105,16 +105,25 @@ def test_channel_rules():
     follower.is_leader = False
     with pytest.raises(RuntimeError, match="only process 0"):
         follower.send("step")
+    def engine(speculator=None, data_parallel_size=1):
+        parallel = types.SimpleNamespace(data_parallel_size=data_parallel_size)
+        return types.SimpleNamespace(speculator=speculator, runner=None,
+                                     config=types.SimpleNamespace(parallel=parallel))
+
     with pytest.raises(ValueError, match="draft model"):
-        check_followable(types.SimpleNamespace(speculator=object(), runner=None))
+        check_followable(engine(types.SimpleNamespace(own_device_calls=True)))
+    check_followable(engine(  # an n-gram speculator proposes on the host
+        types.SimpleNamespace(own_device_calls=False)))
+    check_followable(engine())
     with pytest.raises(ValueError, match="data_parallel_size > 1 is single-host"):
-        check_followable(types.SimpleNamespace(speculator=None))  # a DataParallelEngine
+        check_followable(engine(data_parallel_size=2))
 
 
 def test_unknown_message_is_an_error(tiny_model_dir):
     wire: list = []
     sender = Loopback(wire, leader=True)
     sender.send("reboot")
-    engine = types.SimpleNamespace(speculator=None, runner=None)
+    engine = types.SimpleNamespace(speculator=None, runner=None, config=types.SimpleNamespace(
+        parallel=types.SimpleNamespace(data_parallel_size=1)))
     with pytest.raises(ValueError, match="unknown device call 'reboot'"):
         follow(engine, Loopback(wire, leader=False))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.spec_decode.config import SpeculativeConfig
+from jaxserve.config import SpeculativeConfig
 
 
 def test_ngram_defaults_and_bounds():
@@ -48,3 +48,17 @@ def test_draft_model_needs_its_path():
 def test_bad_configs_name_the_field(spec, field):
     with pytest.raises(ValueError, match=field):
         SpeculativeConfig.from_dict(spec)
+
+
+def test_make_speculator_picks_the_proposer():
+    """Off is None, ngram proposes on the host; a draft model makes device calls of its own
+    (which a multi-host follower could not replay)."""
+    from jaxserve.spec_decode.draft import DraftModelSpeculator
+    from jaxserve.spec_decode.factory import make_speculator
+    from jaxserve.spec_decode.speculator import NgramSpeculator
+
+    assert make_speculator(None) is None
+    spec = make_speculator(SpeculativeConfig.from_dict({"method": "ngram",
+                                                        "num_speculative_tokens": 2}))
+    assert isinstance(spec, NgramSpeculator) and not spec.own_device_calls
+    assert DraftModelSpeculator.own_device_calls

@@ -53,18 +53,17 @@ def _decoding(request_id: str, tokens: list[int]):
 def test_text_that_never_repeats_pauses_lookups():
     """A request whose text has no earlier match counts as k rejected proposals for the
     gate: lookups pause, and the engine's steps may overlap again."""
-    from jaxserve.spec_decode.config import SpeculativeConfig
+    from jaxserve.config import SpeculativeConfig
     from jaxserve.spec_decode.speculator import NgramSpeculator
 
     spec = NgramSpeculator(SpeculativeConfig.from_dict({"method": "ngram",
                                                         "num_speculative_tokens": 4}))
     fresh = [_decoding(f"r{i}", list(range(100 * i, 100 * i + 30))) for i in range(4)]
-    spec.step(fresh)  # 16 unmatched proposals: not a full window of 64 yet
-    assert spec.active and not any(r.spec_token_ids for r in fresh)
+    proposals = spec.step(fresh)  # 16 unmatched proposals: not a full window of 64 yet
+    assert spec.active and proposals == {r.request_id: [] for r in fresh}
     for _ in range(3):
         spec.step(fresh)
     assert not spec.active and spec.gate.num_pauses == 1
     looping = _decoding("loop", [1, 2, 3, 4] * 8)
-    spec.step([looping])
-    assert looping.spec_token_ids == []  # paused: no lookup made
+    assert spec.step([looping]) == {}  # paused: no lookup made
     assert spec.num_drafts == 0  # the metrics count real drafts only

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxserve.spec_decode.ngram import propose_ngram, propose_ngram_batch
+from jaxserve.spec_decode.ngram import propose_ngram
 
 
 def oracle(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -43,10 +43,3 @@ def test_matches_the_oracle_on_random_histories(vocab):
         assert propose_ngram(tokens, k, lo, hi).tolist() == oracle(tokens, k, lo, hi), \
             (tokens, k, lo, hi)
 
-
-def test_batch_pads_and_counts():
-    ids, counts = propose_ngram_batch([[1, 2, 3, 1, 2], [7, 8], [3, 3, 3, 3, 3]], 3, 1, 2)
-    assert counts.tolist() == [3, 0, 3]
-    assert ids.tolist() == [[3, 1, 2], [0, 0, 0], [3, 3, 3]]
-    ids, counts = propose_ngram_batch([[5, 1, 2, 1, 2]], 3, 1, 2)
-    assert counts.tolist() == [2] and ids.tolist() == [[1, 2, 0]]  # continuation of 2

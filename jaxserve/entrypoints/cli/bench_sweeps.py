@@ -4,7 +4,7 @@ running requests, printed as tables."""
 from __future__ import annotations
 
 from jaxserve.bench.report import dump_json, table
-from jaxserve.entrypoints.cli.bench import (
+from jaxserve.entrypoints.cli.bench_common import (
     add_engine_group,
     bench_engine_args,
     load_model_and_tokenizer,

@@ -63,8 +63,8 @@ def run(args) -> int:
 
 
 def _run_on_ray(args) -> int:
-    from jaxserve.batch import print_report, run_batch_file
     from jaxserve.entrypoints.cli.args import engine_kwargs
+    from jaxserve.entrypoints.ray_batch import print_report, run_batch_file
 
     kwargs = engine_kwargs(args)  # checked by run_batch_file (paths only on a local cluster)
     report, code = _interruptible(lambda: run_batch_file(

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxserve.engine.protocol import EngineClient
 from jaxserve.entrypoints.openai.errors import OpenAIError, error_body, loads_body
 from jaxserve.entrypoints.openai.gate import DEFAULT_MAX_BODY_BYTES, ServerGate
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -38,16 +39,16 @@ class Startup:
 
     def __init__(self):
         self.phase = "loading the model"
-        self.engine = None  # the engine, once built (warm-up progress is read from it)
+        # The engine, once built (warm-up progress is read from it).
+        self.engine: EngineClient | None = None
         self.error: str | None = None
 
     def status(self) -> dict:
         """`{"status": "starting"|"failed", "detail", ["warmup": "3/6 buckets"]}`."""
         out = {"status": "failed" if self.error else "starting",
                "detail": self.error or self.phase}
-        runner = getattr(self.engine, "runner", None)
-        if runner is not None and self.phase.startswith("warm"):
-            done, total = runner.warmup_progress
+        if self.engine is not None and self.phase.startswith("warm"):
+            done, total = self.engine.warmup_progress
             out["warmup"] = f"{done}/{total} buckets"
             out["detail"] = f"warm-up {done}/{total} buckets"
         return out

@@ -6,15 +6,19 @@ with a one-token greedy request beside everyone else's work. A beam's prompt is 
 previous step's prompt plus one token, so prefix caching turns all but its last page into
 hits. Selection and scoring are `jaxserve.engine.beam_search`'s: the best W non-EOS
 continuations by cumulative logprob go on, EOS candidates become finished hypotheses,
-and hypotheses are ranked by `beam_score`.
+and hypotheses are ranked by `beam_score` (`select_beams`, `best_hypotheses`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 
-from jaxserve.engine.beam_search import BeamSearchParams, BeamSearchSequence, beam_score
+from jaxserve.engine.beam_search import (
+    BeamSearchParams,
+    BeamSearchSequence,
+    best_hypotheses,
+    select_beams,
+)
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -65,21 +69,13 @@ async def beam_search(llm, prompt_ids: list[int], params: BeamSearchParams, requ
         scored = [(beam.cum_logprob + lp, -i, token)
                   for i, (beam, cands) in enumerate(zip(beams, tops, strict=True))
                   for token, lp in cands]
-        chosen: list[BeamSearchSequence] = []
-        for cum, neg_i, token in heapq.nlargest(len(scored), scored):
-            seq = BeamSearchSequence(beams[-neg_i].tokens + [token], cum, n_prompt)
-            if token in eos and not params.ignore_eos:
-                seq.finish_reason = "stop"
-                done.append(seq)
-                continue
-            chosen.append(seq)
-            if len(chosen) == width:
-                break
-        beams = chosen
+        keep, ended = select_beams(scored, width, eos, params.ignore_eos)
+        done += [BeamSearchSequence(beams[-neg_i].tokens + [token], cum, n_prompt,
+                                    finish_reason="stop") for cum, neg_i, token in ended]
+        beams = [BeamSearchSequence(beams[-neg_i].tokens + [token], cum, n_prompt)
+                 for cum, neg_i, token in keep]
         if not beams:
             break
     for beam in beams:
         beam.finish_reason = "length"
-    done += beams
-    return sorted(done, key=lambda s: -beam_score(len(s.tokens), s.cum_logprob,
-                                                   params.length_penalty))[:width]
+    return best_hypotheses(done + beams, params)

@@ -3,6 +3,7 @@ prompts at once, answer whole or streamed), per-completion deltas, usage and SSE
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
@@ -101,18 +102,15 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class OpenAIServing:
-    """Base of the endpoint handlers: subclasses define `request_model`, `prepare` (runs
-    in a worker thread), `full_response` and `stream_events`.
+class OpenAIServingBase:
+    """What every endpoint handler shares: the served names, the tokenizer, the limits and
+    the checks made before anything is queued.
 
     Args:
         llm: The async engine.
         served_model_names: Names clients may ask for; the first is reported.
         limits: Per-request limits.
     """
-
-    request_model: type = None
-    id_prefix = "req"
 
     def __init__(self, llm: AsyncLLM, served_model_names: list[str],
                  limits: ServingLimits | None = None):
@@ -122,9 +120,8 @@ class OpenAIServing:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
         self.limits = limits or ServingLimits()
-        cfg = getattr(getattr(llm.engine, "model", None), "cfg", None)
         # The model's vocabulary size (None: unknown, the engine checks ids itself).
-        self.vocab_size: int | None = getattr(cfg, "vocab_size", None)
+        self.vocab_size: int | None = llm.engine.vocab_size
 
     # ----------------------------------------------------------- helpers
     def check_model(self, model: str | None) -> None:
@@ -165,21 +162,28 @@ class OpenAIServing:
         """Compiles the request's output constraint now (the engine's LRU cache keeps it),
         so a schema or grammar that does not compile is a 400 naming the field it came
         from, before anything is queued."""
-        grammars = getattr(getattr(self.llm.engine, "inputs", None), "grammars", None)
-        if params.structured_outputs is None or grammars is None:
+        if params.structured_outputs is None:
             return
         try:
-            grammars.compile(params.structured_outputs)
+            self.llm.engine.check_constraint(params.structured_outputs)
         except ValueError as e:
             from jaxserve.entrypoints.openai.structured import request_constraint
 
             field = request_constraint(req)[1] or "tools"
             raise OpenAIError(400, f"{field}: {e}", field) from None
 
-    # -------------------------------------------------------------- flow
+
+
+class OpenAIServing(OpenAIServingBase, abc.ABC):
+    """Base of the generating endpoints: subclasses define `request_model`, `prepare` (runs
+    in a worker thread), `full_response` and `stream_events`."""
+
+    request_model: type = None
+    id_prefix = "req"
+
+    @abc.abstractmethod
     def prepare(self, req) -> Prepared:
         """Validates and tokenizes a parsed request (in a worker thread)."""
-        raise NotImplementedError
 
     def _parse_and_prepare(self, body) -> tuple[Any, Prepared]:
         req = parse_body(body, self.request_model)
@@ -218,8 +222,7 @@ class OpenAIServing:
         """A `use_beam_search` request: the best n hypotheses of each prompt as choices."""
         from jaxserve.entrypoints.openai.beam_search import beam_search
 
-        eos = tuple(getattr(self.llm.engine, "eos_token_ids", None)
-                    or [t for t in [self.tokenizer.eos_token_id] if t is not None])
+        eos = self.llm.engine.eos_token_ids
         salt = getattr(req, "cache_salt", None)
 
         async def one(i: int, prompt: dict) -> RequestOutput:
@@ -268,15 +271,15 @@ class OpenAIServing:
             raise from_value_error(e, SAMPLING_FIELDS | {"prompt", "messages", "priority",
                                                          "cache_salt"}) from None
 
+    @abc.abstractmethod
     def full_response(self, req, prep: Prepared, request_id: str,
                       finals: list[RequestOutput]) -> dict:
         """The non-streamed response body."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def stream_events(self, req, prep: Prepared, request_id: str,
                       streams: list[RequestStream]) -> AsyncIterator[dict]:
         """The streamed response's events (the base adds errors and `[DONE]`)."""
-        raise NotImplementedError
 
     async def _sse(self, events: AsyncIterator[dict]) -> AsyncIterator[str]:
         """SSE lines of `events`, an in-band error event on failure, then `[DONE]`."""

@@ -9,13 +9,13 @@ from jaxserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequ
 from jaxserve.entrypoints.openai.serving_chat import render_messages
 from jaxserve.entrypoints.openai.serving_engine import (
     OpenAIError,
-    OpenAIServing,
+    OpenAIServingBase,
     now,
     parse_body,
 )
 
 
-class OpenAIServingTokenization(OpenAIServing):
+class OpenAIServingTokenization(OpenAIServingBase):
     """Tokenizer endpoints and the model list."""
 
     async def tokenize(self, body) -> dict:

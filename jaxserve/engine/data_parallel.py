@@ -13,6 +13,7 @@ import dataclasses
 import jax
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 
 
@@ -29,7 +30,6 @@ class DataParallelEngine:
     """
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
-        from jaxserve.engine.llm_engine import LLMEngine
         from models.loaders import load_model, load_tokenizer
 
         par = config.parallel
@@ -69,7 +69,7 @@ class DataParallelEngine:
         for req in replica.scheduler.requests.values():
             queued += req.num_tokens - req.num_computed_tokens
             sp = req.sampling_params
-            if sp is not None and sp.max_tokens is not None:
+            if sp.max_tokens is not None:
                 queued += max(0, sp.max_tokens - req.num_output_tokens)
         return queued, replica.kv.usage
 
@@ -107,10 +107,39 @@ class DataParallelEngine:
         """Which replica serves a live request (None once finished)."""
         return self._owner.get(request_id)
 
+    # The rest of `EngineClient`: the replicas serve one model, so the first one speaks
+    # for all, except where each counts its own (tokens, warm-up).
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """The replicas' EOS ids (the same model and tokenizer in each)."""
         return self.replicas[0].eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.replicas[0].vocab_size
+
+    def check_constraint(self, structured_outputs) -> None:
+        """Compiles a constraint in every replica's cache (each matches its own requests)."""
+        for replica in self.replicas:
+            replica.check_constraint(structured_outputs)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.replicas)
+
+    @property
+    def warmup_progress(self) -> tuple[int, int]:
+        """Buckets compiled and in all, over every replica."""
+        done, total = zip(*(r.warmup_progress for r in self.replicas), strict=True)
+        return sum(done), sum(total)
+
+    def cache_config_info(self) -> dict[str, object]:
+        """One replica's KV cache settings (`num_gpu_blocks` per replica, as vLLM's)."""
+        return self.replicas[0].cache_config_info()
 
     def get_metrics(self) -> dict[str, float]:
         """Counters summed over replicas; usage and ratios averaged."""

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import bisect
 
-# Smallest token bucket: on accelerators (Pallas kernels) a step of 1 or 16 rows costs the
-# same; on the XLA path (CPU) the rows cost compute, so decode batches of 1-8 get their
-# own buckets there.
+# Smallest token bucket unless the caller says otherwise (the runner takes its backend's
+# from `pallas_kernels.tuning`).
 MIN_BUCKET = 16
-MIN_BUCKET_XLA = 4
 
 
 def token_buckets(max_num_batched_tokens: int, min_bucket: int = MIN_BUCKET,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.core.buckets import pick_bucket, rows_for_bucket, token_buckets
+from jaxserve.runner.buckets import pick_bucket, rows_for_bucket, token_buckets
 
 POW2 = [16, 32, 64, 128, 256]
 

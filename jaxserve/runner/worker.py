@@ -1,0 +1,144 @@
+"""`Worker`: the model on its devices (loading, backend, layout, weight transforms, pool, runner).
+
+The engine asks the worker for three things, in vLLM's order: the loaded model and its
+tokenizer (`Worker(config, ...)`), the sizes the devices allow (`Worker.limits`: the
+context length, the token budget and the KV page count), and, once the scheduler has its
+sizes, the device state (`Worker.init_device`: the page pool and the compiled step
+programs, owned by a `ModelRunner`). Everything that depends on the platform is decided
+here: which attention backend serves, which tensor-parallel layout the weights take, and
+which serving form the weights are transformed into (the `cpu` backend's packed panels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+
+from jaxserve.compilation_cache import enable_compilation_cache
+from jaxserve.config import EngineConfig
+from jaxserve.parallel.sharding import TensorParallel, tensor_parallel_layout
+from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.sizing import Limits, resolve_limits
+from models.model import Model
+
+logger = logging.getLogger("jaxserve")
+
+
+def serving_model(config: EngineConfig, model: Model | None
+                  ) -> tuple[Model, TensorParallel | None]:
+    """The model in the form it serves in, and its tensor-parallel layout.
+
+    Loads the weights when `model` is None (already placed by the layout's shardings),
+    applies the configured attention backend to a given model, falls back from the `cpu`
+    backend to `xla` across a mesh (the C++ decode kernel reads one device's whole pool),
+    and packs float32 weights into the `cpu` backend's panels (`models.panels`;
+    `JAXSERVE_CPU_PANELS=0` keeps XLA's matmuls, for comparison and debugging).
+
+    Raises:
+        ValueError: The `cpu` backend asked for over a tensor-parallel mesh; errors of
+            loading and of the layout (`tensor_parallel_layout`).
+    """
+    from models import panels
+    from models.loaders import load_model, read_arch_config
+
+    mc = config.model
+    if model is None:
+        layout = tensor_parallel_layout(config, read_arch_config(mc.model))
+        model = load_model(mc.model, mc.dtype, mc.attention_backend,
+                           shardings=layout.param_shardings if layout is not None else None,
+                           quantization=mc.quantization)
+    else:
+        layout = tensor_parallel_layout(config, model.cfg)
+        if mc.attention_backend != "auto":
+            model = dataclasses.replace(model, backend=mc.attention_backend, panels=False)
+    if model.backend == "cpu" and layout is not None and layout.size > 1:
+        if mc.attention_backend == "cpu":
+            raise ValueError("attention_backend 'cpu' serves one device's page pool; with "
+                             f"tensor_parallel_size {config.parallel.tensor_parallel_size} use "
+                             "'xla' (or 'auto', which picks it)")
+        model = dataclasses.replace(model, backend="xla", panels=False)
+    if (not model.panels and os.environ.get("JAXSERVE_CPU_PANELS", "1") != "0"
+            and panels.eligible(model.params, model.dtype, model.quant, model.backend)):
+        model = dataclasses.replace(model, panels=True)
+    return model, layout
+
+
+class Worker:
+    """Owns the model on its devices and the runner that steps it.
+
+    Args:
+        config: Engine configuration.
+        model: An already loaded model (else loaded from `config.model`).
+        tokenizer: Its tokenizer (else loaded from the model's source).
+
+    Attributes:
+        model: The model in its serving form (`serving_model`).
+        layout: Its tensor-parallel layout, or None for the default device.
+        tokenizer: The tokenizer.
+        limits: The engine's sizes (`resolve_limits`).
+        runner: The `ModelRunner`, once `init_device` has run.
+
+    Raises:
+        ValueError: A model, layout or size the config cannot serve (naming the setting).
+    """
+
+    def __init__(self, config: EngineConfig, model: Model | None = None, tokenizer=None):
+        from models.loaders import load_tokenizer
+
+        self.config = config
+        # NOTE: a cache directory the process already configured (tests, a host program)
+        # is kept unless the config names one.
+        if config.compilation_cache_dir or not jax.config.jax_compilation_cache_dir:
+            enable_compilation_cache(config.compilation_cache_dir)
+        self.model, self.layout = serving_model(config, model)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
+            self.model.source)
+        self.limits: Limits = resolve_limits(config, self.model)
+        self.runner: ModelRunner | None = None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's EOS ids and the tokenizer's, without repeats, the model's first."""
+        eos = self.tokenizer.eos_token_id
+        return tuple(dict.fromkeys([*self.model.cfg.eos_token_ids,
+                                    *([eos] if eos is not None else [])]))
+
+    def draft_runner_args(self, max_num_seqs: int) -> dict:
+        """What a draft model's runner shares with this one (`make_speculator`'s args)."""
+        lim, mc = self.limits, self.config.model
+        return dict(vocab_size=self.model.cfg.vocab_size, dtype=mc.dtype,
+                    backend=mc.attention_backend, num_pages=lim.num_pages,
+                    page_size=self.config.cache.block_size, max_model_len=lim.max_model_len,
+                    max_num_seqs=max_num_seqs, max_num_batched_tokens=lim.max_num_batched_tokens,
+                    target_params=self.model.weight_bytes)
+
+    def init_device(self, max_num_seqs: int, num_swap_slots: int,
+                    num_spec_tokens: int = 0) -> ModelRunner:
+        """Allocates the page pool and builds the runner (its programs compile on first use
+        or in `ModelRunner.warmup`).
+
+        Args:
+            max_num_seqs: Most requests per step (the scheduler's).
+            num_swap_slots: Host pages for swapped-out requests (the KV manager's).
+            num_spec_tokens: Most proposals a request verifies per step.
+        """
+        lim, cache = self.limits, self.config.cache
+        self.runner = ModelRunner(self.model, lim.num_pages, cache.block_size, lim.max_model_len,
+                                  max_num_seqs, lim.max_num_batched_tokens, num_swap_slots,
+                                  layout=self.layout, num_spec_tokens=num_spec_tokens,
+                                  kv_cache_dtype=cache.kv_cache_dtype)
+        logger.info("jaxserve: weights %s (%.0f MiB); KV cache %s: %d pages of %d tokens = "
+                    "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
+                    self.model.quant.name, self.model.weight_bytes / 2**20,
+                    cache.kv_cache_dtype, lim.num_pages, cache.block_size,
+                    self.kv_capacity_tokens, lim.num_pages * lim.bytes_per_page / 2**20,
+                    lim.max_model_len, self.runner.buckets)
+        return self.runner
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds (every page but the null page)."""
+        return (self.limits.num_pages - 1) * self.config.cache.block_size

@@ -1,0 +1,30 @@
+"""`make_speculator`: the engine's speculator (n-gram or draft model) for its config."""
+
+from __future__ import annotations
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.spec_decode.draft import DraftModelSpeculator
+from jaxserve.spec_decode.speculator import NgramSpeculator, Speculator
+
+
+def make_speculator(config: SpeculativeConfig | None, **runner_args) -> Speculator | None:
+    """The engine's speculator for `config` (None: speculation off).
+
+    Args:
+        config: The engine's `SpeculativeConfig`, or None.
+        runner_args: For a draft model: the target's `vocab_size`, `dtype`, `backend`,
+            `target_params` (its parameter count) and the runner sizes (`num_pages`,
+            `page_size`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`); see
+            `DraftModelSpeculator`.
+
+    Returns:
+        The speculator, or None when `config` is None.
+
+    Raises:
+        ValueError: A draft model with another vocabulary than the target's.
+    """
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramSpeculator(config)
+    return DraftModelSpeculator(config, **runner_args)
