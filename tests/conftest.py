@@ -114,6 +114,13 @@ def write_tiny_hf_dir(directory: str, tokenizer, base_config: dict, seed: int = 
     return directory
 
 
+# Engine sizes shared by the tests that run an engine of the tiny model: engines of the same
+# model and sizes run the same programs, so warm-up compiles them once per test run and
+# later engines load them from the persistent compilation cache (docs/development.md).
+TINY_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256,
+                   num_kv_blocks=256, attention_backend="xla")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(smollm2_path, smollm2_tokenizer, tmp_path_factory) -> str:
     """A tiny random Llama (hidden 72, 2 layers, 9/3 heads of 16) with SmolLM2's tokenizer and

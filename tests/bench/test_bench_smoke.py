@@ -88,6 +88,7 @@ def test_throughput(throughput_run):
     assert any(f.endswith(".png") for f in os.listdir(throughput_run.plots))
 
 
+@pytest.mark.slow  # transformers' static generate on the tiny model: the slowest smoke run
 def test_throughput_transformers_baseline(model_flags, tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("accelerate")

@@ -16,9 +16,11 @@ VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2, smollm2_tokenizer) -> LLM:
-    """A small engine: 8 usable pages (one max_model_len sequence), swap preemption."""
-    return LLM(smollm2, tokenizer=smollm2_tokenizer, **ENGINE_ARGS)
+def llm(tiny_model_dir) -> LLM:
+    """A small engine: 8 usable pages (one max_model_len sequence), swap preemption. The tiny
+    random model: these tests compare the engine with itself (pages, isolation), never
+    with another implementation."""
+    return LLM(tiny_model_dir, **ENGINE_ARGS)
 
 
 @pytest.mark.parametrize("field, value", [

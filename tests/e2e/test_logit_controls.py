@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from tests.conftest import TINY_ENGINE
 
-ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-                   num_kv_blocks=64)
+ENGINE_ARGS = TINY_ENGINE
 PROMPTS = ["Once upon a time", "The three primary colors are", "def fibonacci(n):"]
 
 

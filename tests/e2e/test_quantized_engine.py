@@ -19,7 +19,9 @@ PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 SHARED = ("It is a truth universally acknowledged, that a single man in possession of a good "
           "fortune, must be in want of a wife. However little known the feelings or views of "
           "such a man may be, this truth is well fixed. ")
-SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
+SMALL = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, warmup=False)
+# A pool of a fixed size (the default sizes it from 1 GiB): what the tests run compiles once.
+POOL = dict(num_kv_blocks=64)
 
 
 def _tokens(outs):
@@ -36,14 +38,15 @@ def test_gguf_blocks_match_dequantized_weights(smollm2, gguf_model, smollm2_toke
     kinds = dict((m, f.kind) for m, f in gguf_model.quant.formats)
     assert kinds["q_proj"] == "q4" and kinds["embed_tokens"] == "q8"  # Q4_1 / Q8_0 file
     assert gguf_model.weight_bytes < smollm2.weight_bytes / 5
-    dense = LLM(smollm2, tokenizer=smollm2_tokenizer, **SMALL)
-    quant = LLM(gguf_model, tokenizer=smollm2_tokenizer, **SMALL)
+    dense = LLM(smollm2, tokenizer=smollm2_tokenizer, **SMALL, **POOL)
+    quant = LLM(gguf_model, tokenizer=smollm2_tokenizer, **SMALL, **POOL)
     assert _tokens(quant.generate(PROMPTS, GREEDY)) == _tokens(dense.generate(PROMPTS, GREEDY))
 
 
 def test_int8_kv_prefix_sharing_keeps_tokens(gguf_model, smollm2_tokenizer):
     prompts = [SHARED + p for p in PROMPTS]
-    roomy = LLM(gguf_model, tokenizer=smollm2_tokenizer, kv_cache_dtype="int8", **SMALL)
+    roomy = LLM(gguf_model, tokenizer=smollm2_tokenizer, kv_cache_dtype="int8", **SMALL,
+                **POOL)
     want = _tokens(roomy.generate(prompts, GREEDY))
     # A second pass of the same prompts hits the prefix cache: shared 8-bit pages.
     again = _tokens(roomy.generate(prompts, GREEDY))
@@ -71,7 +74,7 @@ def test_kv_capacity_follows_bytes_per_token(gguf_model, smollm2_tokenizer):
     caps = {}
     for kv in ("auto", "int8", "fp8_e5m2"):
         llm = LLM(gguf_model, tokenizer=smollm2_tokenizer, kv_cache_dtype=kv,
-                  kv_cache_memory_gib=0.25, warmup=False, **SMALL)
+                  kv_cache_memory_gib=0.25, **SMALL)
         m = llm.get_metrics()
         pool = llm.engine.runner.kv_pages
         assert m["jaxserve:kv_cache_bytes_per_token"] * 16 * llm.engine.limits.num_pages \

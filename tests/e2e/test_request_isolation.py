@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from tests.conftest import TINY_ENGINE
 
-ENGINE_ARGS = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128,
-                   num_kv_blocks=64, attention_backend="xla")
+ENGINE_ARGS = TINY_ENGINE
 PROMPTS = [f"Story number {i}: once upon a time" for i in range(8)]
 # Greedy and seeded-random neighbours, with and without min_tokens (the banned-ids stage).
 NEIGHBOURS = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),

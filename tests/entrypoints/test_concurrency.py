@@ -26,7 +26,7 @@ def small_server(tiny_model_dir):
     from models.loaders import load_model, load_tokenizer
 
     srv = ServerThread(load_model(tiny_model_dir, "float32"), load_tokenizer(tiny_model_dir),
-                       api_key=API_KEY, block_size=8, num_kv_blocks=10, **LIMITS)
+                       api_key=API_KEY, block_size=8, num_kv_blocks=10, warmup=False, **LIMITS)
     yield srv
     srv.stop()
 

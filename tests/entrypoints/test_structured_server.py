@@ -38,7 +38,7 @@ def tiny_client(tiny_model_dir):
 
     srv = ServerThread(load_model(tiny_model_dir), load_tokenizer(tiny_model_dir),
                        api_key=API_KEY, max_model_len=768, max_num_batched_tokens=64,
-                       max_num_seqs=16, num_kv_blocks=16 * 48)
+                       max_num_seqs=16, num_kv_blocks=16 * 48, warmup=False)
     yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0,
                         timeout=300)
     srv.stop()

@@ -6,6 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxserve.utils import cdiv
 from pallas_kernels import AttentionMetadata
@@ -71,3 +72,15 @@ def make_metadata(g: Geometry, q_lens, kv_lens, tables, decode_only=False):
 def tolerance(dtype: str) -> float:
     """Absolute tolerance of a kernel output against the reference, by dtype."""
     return {"float32": 2e-5, "bfloat16": 2e-2}[dtype]
+
+
+def slow_except(values, *keep):
+    """A parametrize list of `values` in which all but those at the indices `keep` are marked
+    `slow`: the default tier runs the kept ones, `pytest -m ''` every one. A tuple value
+    fills several arguments (`"a,b"` parametrize names). Test ids are unchanged.
+    """
+    unknown = set(keep) - set(range(len(values)))
+    assert not unknown, f"no values at indices {sorted(unknown)}"
+    return [v if i in keep
+            else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for i, v in enumerate(values)]

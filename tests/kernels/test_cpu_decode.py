@@ -19,7 +19,7 @@ from pallas_kernels.cpu_decode import build, op, paged_decode_cpu
 from pallas_kernels.kv_quant import quantize_kv
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
-from tests.kernels.cases import Geometry, tolerance
+from tests.kernels.cases import Geometry, slow_except, tolerance
 from tests.kernels.test_ragged_paged_attention import GEOMETRIES, SM_SCALE
 from tests.kernels.test_ragged_xla import LAYOUTS, inputs
 
@@ -30,13 +30,26 @@ needs_kernel = pytest.mark.skipif(not op.available(),
                                   reason=f"no CPU decode kernel here: {op.unavailable_reason()}")
 
 reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "soft_cap"))
+# NOTE: calls pass `sliding_window` even when it is 0: an omitted one is a constant of the
+# program, a passed one an argument, so calls with and without a window share a compile.
 
 
-@functools.cache
-def attention(backend: str, min_rows: int = 1, context_max_len: int = 768):
+# The serving default `cpu_context_max_len`: more keys than any request of these tests has
+# (8 pages of at most 16), so every token goes to the kernel, as with no limit at all.
+EVERY_TOKEN = 768
+
+
+def attention(backend: str, min_rows: int = 1, context_max_len: int = EVERY_TOKEN):
     """The XLA path, its decode rows on the kernel ("cpu") or not ("xla"); the kernel from
     steps of `min_rows` tokens on (the test steps have 4 rows, the serving default is 8),
     and for every token of requests with at most `context_max_len` keys."""
+    # NOTE: one jitted function per setting, however it is asked for: tests of the same
+    # setting and shapes share a compile.
+    return _attention(backend, min_rows, context_max_len)
+
+
+@functools.cache
+def _attention(backend: str, min_rows: int, context_max_len: int):
     return jax.jit(functools.partial(ragged_paged_attention_xla, cpu_decode=backend == "cpu",
                                      cpu_decode_min_rows=min_rows,
                                      cpu_context_max_len=context_max_len),
@@ -65,27 +78,37 @@ def check(g, kv_lens, window=0, soft_cap=None, seed=0, scale=1.0):
 KV_LENS = [1, 19, 64, 0]
 
 
+# NOTE: one compile per geometry (the window is data). The default tier runs the kernel's
+# unrolled code with key-by-key scoring (page size 8, GQA 1) and with 16-key blocks (page
+# size 16, head size 64, GQA 3); head size 128 runs in test_soft_cap_matches_reference and
+# test_prefill_tokens_on_the_kernel_with_a_soft_cap, and bfloat16 pools (not the kernel's:
+# the XLA decode part, as test_int8_pool_keeps_the_xla_decode_part checks for 8-bit ones)
+# in the slow tier.
 @needs_kernel
 @pytest.mark.parametrize("window", [0, 5])
-@pytest.mark.parametrize("g", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("g", slow_except(GEOMETRIES, 0, 3), ids=str)
 def test_decode_rows_match_reference(g, window):
     kv_lens = [min(k, g.width * g.page_size) for k in KV_LENS]
     check(g, kv_lens, window)
 
 
 @needs_kernel
-@pytest.mark.parametrize("g", [Geometry(8, 2, 12, 32), Geometry(4, 3, 1, 48)], ids=str)
+@pytest.mark.parametrize("g", slow_except([Geometry(8, 2, 12, 32), Geometry(4, 3, 1, 48)], 0),
+                         ids=str)
 def test_generic_head_sizes_match_reference(g):
-    # Head sizes and groups without an unrolled copy in the kernel (its generic loop).
+    # Head sizes and groups without an unrolled copy in the kernel (its generic loop; the
+    # second geometry, the same code, in the slow tier).
     check(g, [5, 30, 17, 2], window=7)
 
 
 @needs_kernel
 def test_soft_cap_matches_reference():
-    g = GEOMETRIES[3]
+    # NOTE: head size 128 (16-key blocks), the programs of the prefill test with a cap below.
+    g = GEOMETRIES[1]
     capped = check(g, [40, 3, 64, 11], soft_cap=2.0, scale=4.0)
     q, kv_pages, md = decode_inputs(g, [40, 3, 64, 11])
-    uncapped = np.asarray(reference(q * 4.0, kv_pages, 1, md, sm_scale=SM_SCALE))
+    uncapped = np.asarray(reference(q * 4.0, kv_pages, 1, md, sm_scale=SM_SCALE,
+                                    sliding_window=0))
     assert np.abs(uncapped - capped).max() > 1e-2
 
 
@@ -104,7 +127,8 @@ def test_nan_in_free_pages_changes_nothing():
     outs = []
     for poison in (np.nan, 0.0, 1e4):
         q, kv_pages, md = decode_inputs(g, KV_LENS, 2, poison)
-        outs.append(np.asarray(attention("cpu")(q, kv_pages, 1, md, sm_scale=SM_SCALE)))
+        outs.append(np.asarray(attention("cpu")(q, kv_pages, 1, md, sm_scale=SM_SCALE,
+                                                 sliding_window=0)))
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], outs[2])
 
@@ -151,10 +175,10 @@ def test_non_positive_soft_cap_is_an_error():
 
 
 @needs_kernel
-@pytest.mark.parametrize("context_max_len", [0, 30])
+@pytest.mark.parametrize("context_max_len", [0, EVERY_TOKEN])
 def test_mixed_steps_merge_decode_rows_with_chunks(context_max_len):
     # Decode rows (the kernel) beside a prefill chunk of 26 keys: on the XLA context part's
-    # tiles at 0, on the kernel (one row per token) at 30.
+    # tiles at 0, on the kernel (one row per token) at EVERY_TOKEN.
     q, kv_pages, md = inputs(GEOMETRIES[3], [1, 1, 1, 20], [9, 30, 2, 26], seed=3)
     want = np.asarray(reference(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=4))
     got = np.asarray(attention("cpu", context_max_len=context_max_len)(
@@ -163,8 +187,8 @@ def test_mixed_steps_merge_decode_rows_with_chunks(context_max_len):
 
 
 # Every token on the kernel, long contexts on the tiles and short ones on the kernel (the
-# layouts' contexts are 2-48 keys), every prompt token on the tiles.
-CONTEXT_MAX_LENS = [10**6, 20, 0]
+# layouts' contexts are 1-57 keys), every prompt token on the tiles.
+CONTEXT_MAX_LENS = [EVERY_TOKEN, 20, 0]
 
 
 @needs_kernel
@@ -185,20 +209,23 @@ def test_prefill_tokens_of_short_contexts_match_reference(layout, context_max_le
 
 
 @needs_kernel
-@pytest.mark.parametrize("g", [Geometry(8, 2, 12, 32), GEOMETRIES[1]], ids=str)
+@pytest.mark.parametrize("g", slow_except([Geometry(8, 2, 12, 32), GEOMETRIES[1]], 1), ids=str)
 def test_prefill_tokens_on_the_kernel_with_a_soft_cap(g):
-    # A generic head size and the unrolled head size 128, every token on the kernel.
+    # A generic head size (slow tier: the cap is the same code for every head size, and
+    # test_soft_cap_matches_reference caps decode rows) and the unrolled head size 128,
+    # every token on the kernel.
     q, kv_pages, md = inputs(g, [13, 1, 6, 0], [13, 40, 30, 0], seed=5)
     q = q * 4.0
-    common = dict(sm_scale=SM_SCALE, soft_cap=2.0)
+    common = dict(sm_scale=SM_SCALE, soft_cap=2.0, sliding_window=0)
     want = np.asarray(reference(q, kv_pages, 1, md, **common), np.float32)
-    got = np.asarray(attention("cpu", context_max_len=10**6)(q, kv_pages, 1, md, **common),
-                     np.float32)
+    got = np.asarray(attention("cpu")(q, kv_pages, 1, md, **common), np.float32)
     np.testing.assert_allclose(got, want, atol=tolerance(g.dtype), rtol=0)
 
 
+# NOTE: a compile each; 30 splits the step between both routes (the default tier), the
+# others send every token to one route (slow tier).
 @needs_kernel
-@pytest.mark.parametrize("context_max_len", [10**6, 30, 0])
+@pytest.mark.parametrize("context_max_len", slow_except([10**6, 30, 0], 1))
 def test_each_token_takes_one_route(monkeypatch, context_max_len):
     # With the kernel answering "no keys" for every row, the tokens routed to it come out
     # exactly zero and the others still match the reference: no token is left to both
@@ -218,7 +245,7 @@ def test_each_token_takes_one_route(monkeypatch, context_max_len):
                                    cpu_decode_min_rows=1, cpu_context_max_len=context_max_len),
                  static_argnames=("sm_scale",))
     got = np.asarray(fn(q, kv_pages, 1, md, sm_scale=SM_SCALE))
-    want = np.asarray(reference(q, kv_pages, 1, md, sm_scale=SM_SCALE))
+    want = np.asarray(reference(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=0))
     for row, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
         tokens = slice(sum(q_lens[:row]), sum(q_lens[:row + 1]))
         if q_len == 1 or kv_len <= context_max_len:
@@ -232,10 +259,9 @@ def test_short_contexts_change_route_with_the_threshold():
     # The same step through the kernel and through the tiles: equal to rounding, but not
     # bit for bit, so the threshold does move the prompt's tokens between the two.
     q, kv_pages, md = inputs(GEOMETRIES[3], [20, 1, 0, 0], [20, 9, 0, 0], seed=6)
-    kernel = np.asarray(attention("cpu", context_max_len=20)(q, kv_pages, 1, md,
-                                                             sm_scale=SM_SCALE))
-    tiles = np.asarray(attention("cpu", context_max_len=19)(q, kv_pages, 1, md,
-                                                            sm_scale=SM_SCALE))
+    common = dict(sm_scale=SM_SCALE, sliding_window=0)
+    kernel = np.asarray(attention("cpu", context_max_len=20)(q, kv_pages, 1, md, **common))
+    tiles = np.asarray(attention("cpu", context_max_len=19)(q, kv_pages, 1, md, **common))
     np.testing.assert_allclose(kernel, tiles, atol=2e-5, rtol=0)
     assert not np.array_equal(kernel[:20], tiles[:20])
     np.testing.assert_array_equal(kernel[20], tiles[20])  # the decode row: the kernel both

@@ -16,16 +16,19 @@ from pallas_kernels import cpu_decode
 TINY = ArchConfig("LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96,
                   num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
                   layer_windows=(0, 7, 0), max_position_embeddings=256)
+# NOTE: a budget of 8 (prompts prefilled in chunks): the XLA paths compile two buckets (4
+# and 8 tokens: the C++ kernel's from 8 on) and share them between the tests (and
+# test_stacked_gemm.py's engine test); every compile counts, as the default tier runs cold.
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=8, num_kv_blocks=64)
+# Pallas: its smallest bucket (16), as a mixed and a decode step (16 rows).
+PALLAS_ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=16)
 
 
 def greedy(model, prompt_ids, max_tokens, tokenizer=None, decode_steps=None, **engine_args):
     """Greedy ids of one prompt through the engine (`LLM`), ignoring EOS; appends the steps
     that ran the paged decode kernel to `decode_steps` when given."""
     tokenizer = tokenizer or SimpleNamespace(eos_token_id=None)  # ids in, ids out
-    # NOTE: a budget of 16 (the smallest bucket, the prompt prefilled in chunks): each
-    # backend compiles one mixed step (and Pallas its decode step), not one per bucket.
-    llm = LLM(model, tokenizer=tokenizer, warmup=False, max_model_len=128, max_num_seqs=16,
-              max_num_batched_tokens=16, num_kv_blocks=64, **engine_args)
+    llm = LLM(model, tokenizer=tokenizer, warmup=False, **{**ENGINE, **engine_args})
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             detokenize=False)
     out = llm.generate([{"prompt_token_ids": list(prompt_ids)}], params, use_tqdm=False)
@@ -40,14 +43,17 @@ def tiny_params():
     return jax.tree_util.tree_map(lambda x: x * 3.0, random_params(TINY, seed=7))
 
 
-@pytest.mark.parametrize("page_size", [8, pytest.param(16, marks=pytest.mark.slow)])
+# NOTE: page size 16 is the engine's default: the xla and cpu engines compile the programs of
+# test_many_decode_rows_same_on_xla_and_cpu (and of test_stacked_gemm's engine test) once.
+@pytest.mark.parametrize("page_size", [16, pytest.param(8, marks=pytest.mark.slow)])
 def test_tiny_model_greedy_same_on_both_backends(tiny_params, page_size):
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, TINY.vocab_size, 21)]
     outs, decode_steps = {}, []
     for backend in ("xla", "cpu", "pallas"):
         model = Model(TINY, tiny_params, backend=backend)
         outs[backend] = greedy(model, prompt, 24, decode_steps=decode_steps,
-                               block_size=page_size)
+                               block_size=page_size,
+                               **(PALLAS_ENGINE if backend == "pallas" else {}))
     assert outs["xla"] == outs["cpu"] == outs["pallas"]
     assert len(set(outs["xla"])) > 3  # not a degenerate repetition
     # Pallas runs pure-decode steps on the paged decode kernel (all 23 after the prefill);
@@ -58,7 +64,7 @@ def test_tiny_model_greedy_same_on_both_backends(tiny_params, page_size):
 
 @pytest.mark.skipif(not cpu_decode.available(), reason="no CPU decode kernel here")
 def test_many_decode_rows_same_on_xla_and_cpu(tiny_params):
-    # Ten requests decode together (a 16-row step: the C++ kernel's, not the 4-row bucket
+    # Ten requests decode together (8-row steps: the C++ kernel's, not the 4-row bucket
     # that keeps the XLA decode part), one layer with a sliding window.
     rng = np.random.default_rng(1)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(0, TINY.vocab_size, n)]}
@@ -68,8 +74,7 @@ def test_many_decode_rows_same_on_xla_and_cpu(tiny_params):
     outs, hlo = {}, ""
     for backend in ("xla", "cpu"):
         llm = LLM(Model(TINY, tiny_params, backend=backend), warmup=False,
-                  tokenizer=SimpleNamespace(eos_token_id=None), max_model_len=128,
-                  max_num_seqs=16, max_num_batched_tokens=16, num_kv_blocks=64)
+                  tokenizer=SimpleNamespace(eos_token_id=None), **ENGINE)
         outs[backend] = [o.outputs[0].token_ids
                          for o in llm.generate(prompts, params, use_tqdm=False)]
         runner = llm.engine.runner
@@ -85,7 +90,7 @@ def test_smollm2_greedy_same_on_both_backends(smollm2, smollm2_tokenizer):
     ids = smollm2_tokenizer("The three primary colors are").input_ids
     pallas = Model(smollm2.cfg, smollm2.params, smollm2.dtype, backend="pallas")
     want = greedy(smollm2, ids, 12, smollm2_tokenizer)
-    assert greedy(pallas, ids, 12, smollm2_tokenizer) == want
+    assert greedy(pallas, ids, 12, smollm2_tokenizer, **PALLAS_ENGINE) == want
 
 
 def test_unknown_backend_is_an_error(tiny_params):

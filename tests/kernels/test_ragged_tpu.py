@@ -15,7 +15,7 @@ import pytest
 from pallas_kernels import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
-from tests.kernels.cases import Geometry, make_metadata, make_pool, tolerance
+from tests.kernels.cases import Geometry, make_metadata, make_pool, slow_except, tolerance
 
 CASES = [  # geometry, q_lens, kv_lens, window, soft_cap
     (Geometry(8, 2, 3, 64, num_tokens=16, num_seqs=3, width=4, num_pages=16),
@@ -25,7 +25,10 @@ CASES = [  # geometry, q_lens, kv_lens, window, soft_cap
 ]
 
 
-@pytest.mark.parametrize("g,q_lens,kv_lens,window,soft_cap", CASES,
+# NOTE: the interpreter compiles ~60 programs per case. The first case's geometry, lengths
+# and window run on an int8 pool in test_kv_quant.py::test_tpu_kernel_on_int8_pool_in_
+# interpreter (default tier), so here it runs in the slow tier.
+@pytest.mark.parametrize("g,q_lens,kv_lens,window,soft_cap", slow_except(CASES, 1),
                          ids=[str(c[0]) for c in CASES])
 def test_tpu_kernel_matches_reference_in_interpreter(g, q_lens, kv_lens, window, soft_cap):
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ import pytest
 
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
-from tests.kernels.cases import Geometry, make_metadata, make_pool, tolerance
+from tests.kernels.cases import Geometry, make_metadata, make_pool, slow_except, tolerance
 from tests.kernels.test_ragged_paged_attention import BATCHES, GEOMETRIES, SM_SCALE
 
 # More packings than the kernel tests: decode rows first (what the runner sends), decode
@@ -55,7 +55,8 @@ def inputs(g: Geometry, q_lens, kv_lens, seed=0, poison=np.nan):
 
 def check(g, layout, window=0, soft_cap=None, block_kv=128, block_q=64, seed=0, scale=1.0,
           decode_rows=32, short_tiles=False):
-    q, kv_pages, md = inputs(g, *LAYOUTS[layout], seed=seed)
+    q_lens, kv_lens = LAYOUTS[layout] if isinstance(layout, str) else layout  # or a pair
+    q, kv_pages, md = inputs(g, q_lens, kv_lens, seed=seed)
     md = dataclasses.replace(md, short_tiles=short_tiles)
     q = (q * scale).astype(q.dtype)
     want = np.asarray(reference(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=window,
@@ -69,23 +70,33 @@ def check(g, layout, window=0, soft_cap=None, block_kv=128, block_q=64, seed=0, 
     assert not got[padded:].any(), "padded tokens must produce zeros"
 
 
+# NOTE: one compile per geometry (layouts and windows are data; the XLA path's code does not
+# depend on the group or head size). The default tier keeps float32 (page size 16, GQA 3)
+# and bfloat16 (page size 8, GQA 8); GQA 1 runs in test_blocks_tiles_and_soft_cap.
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("g", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("g", slow_except(GEOMETRIES, 3, 4), ids=str)
 def test_matches_reference(g, layout, window):
     check(g, layout, window)
 
 
+# NOTE: a compile per geometry, all in the slow tier: the default tier runs the short pass
+# in test_blocks_tiles_and_soft_cap's capped case (short tiles of 4), on these layouts.
 @pytest.mark.parametrize("layout", ["verifying_rows_beside_a_chunk", "mixed_mid_page_chunks",
                                     "decodes_first_then_chunk"])
-@pytest.mark.parametrize("g", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("g", slow_except(GEOMETRIES), ids=str)
 def test_short_tile_pass_matches_reference(g, layout):
     # Engines that verify proposals: requests of <= 8 new tokens get their own pass.
     check(g, layout, 5, short_tiles=True)
 
 
-@pytest.mark.parametrize("soft_cap", [None, 2.0])
-@pytest.mark.parametrize("block_kv,block_q", [(8, 4), (16, 7), (64, 32)])
+# NOTE: each (blocks, cap) is a compile: the default tier runs the smallest blocks and tiles
+# (one-page key blocks, tiles of 4: the most iterations, tiles reaching into the next
+# request) with the cap and the short pass; without them, the passes run in
+# test_matches_reference and test_random_packings (blocks of 8 and 16 pages and of 2).
+@pytest.mark.parametrize("block_kv,block_q,soft_cap", slow_except(
+    [(8, 4, None), (8, 4, 2.0), (16, 7, None), (16, 7, 2.0), (64, 32, None), (64, 32, 2.0)],
+    1))
 @pytest.mark.parametrize("layout", ["mixed_mid_page_chunks", "second_chunk_of_a_long_prompt",
                                     "decodes_first_then_chunk", "verifying_rows_beside_a_chunk"])
 def test_blocks_tiles_and_soft_cap(layout, block_kv, block_q, soft_cap):
@@ -95,25 +106,34 @@ def test_blocks_tiles_and_soft_cap(layout, block_kv, block_q, soft_cap):
           decode_rows=2, short_tiles=soft_cap is not None)
 
 
-def test_random_packings():
+# NOTE: the packings alternate between the passes (a program each): without short tiles
+# (every request in the long pass) in the default tier, with them (every request has at
+# most 8 new tokens: the short pass) in the slow tier; fixed layouts run the short pass in
+# test_short_tile_pass_matches_reference and test_blocks_tiles_and_soft_cap.
+@pytest.mark.parametrize("short_tiles", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_random_packings(short_tiles):
     g = Geometry(16, 2, 2, 64, num_seqs=6, num_tokens=48, num_pages=64, width=8)
     rng = np.random.default_rng(5)
     for seed in range(12):
         q_lens = rng.integers(0, 9, g.num_seqs)
         q_lens[rng.random(g.num_seqs) < 0.5] = 1  # many decode rows, in any order
         kv_lens = [int(qn + rng.integers(0 if qn else 0, 60)) if qn else 0 for qn in q_lens]
-        LAYOUTS[f"random-{seed}"] = ([int(x) for x in q_lens], kv_lens)
-        check(g, f"random-{seed}", window=int(rng.choice([0, 7])), block_kv=32, block_q=16,
-              seed=seed, decode_rows=4, short_tiles=bool(seed % 2))
+        window = int(rng.choice([0, 7]))
+        if bool(seed % 2) == short_tiles:
+            check(g, ([int(x) for x in q_lens], kv_lens), window=window, block_kv=32,
+                  block_q=16, seed=seed, decode_rows=4, short_tiles=short_tiles)
 
 
 def test_cost_follows_the_live_context():
     # The same short contexts with block tables 16x wider: the reference's memory grows with
     # the width, this path's does not (it loops over live blocks only).
+    # NOTE: the pool stays 48 pages (its size is an argument, not a temporary): at width 8
+    # this is GEOMETRIES[3], whose programs test_matches_reference compiled already (with
+    # the window passed, as here: an omitted one would be a constant, another program).
     def temp_bytes(fn, width):
-        g = Geometry(16, 2, 2, 64, num_tokens=32, num_pages=40 * width, width=width)
+        g = Geometry(16, 3, 3, 64, width=width)
         q, kv_pages, md = inputs(g, [1, 1, 1, 20], [9, 30, 2, 26])
-        compiled = fn.lower(q, kv_pages, 1, md, sm_scale=SM_SCALE).compile()
+        compiled = fn.lower(q, kv_pages, 1, md, sm_scale=SM_SCALE, sliding_window=0).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
     fast = xla_path(128, 64)

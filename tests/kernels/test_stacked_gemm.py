@@ -13,6 +13,9 @@ from models import panels
 from models.config import ArchConfig
 from models.model import Model, random_params
 from pallas_kernels.cpu_decode import gemm
+from tests.kernels.cases import slow_except
+from tests.kernels.test_model_backends import ENGINE
+from tests.kernels.test_model_backends import TINY as SERVED
 from tests.models.helpers import forward_logits
 
 pytestmark = pytest.mark.skipif(not gemm.available(),
@@ -107,7 +110,11 @@ def test_the_kernel_rejects_panels_not_in_whole_units(weights):
                                    jnp.asarray(0, jnp.int32)))
 
 
-@pytest.mark.parametrize("bias,tied", [(False, False), (True, False), (False, True)])
+# NOTE: two programs per case (the standard model's and the panel model's): the default tier
+# runs biases and a tied embedding together; each alone and neither, the slow tier (the panel
+# model's untied LM head and bias-free layers serve in test_model_backends.py's engines).
+@pytest.mark.parametrize("bias,tied", slow_except(
+    [(False, False), (True, False), (False, True), (True, True)], 3))
 def test_panel_model_gives_the_standard_logits(bias, tied):
     cfg = dataclasses.replace(TINY, qkv_bias=bias, mlp_bias=bias, tie_word_embeddings=tied)
     params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(cfg, seed=3))
@@ -133,7 +140,9 @@ def test_panel_model_gives_the_standard_logits(bias, tied):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_panel_tree_converts_back_and_forth(tied):
-    cfg = dataclasses.replace(TINY, tie_word_embeddings=tied)
+    # NOTE: the tied model has biases too (their leaves make the round trip): the model of
+    # test_panel_model_gives_the_standard_logits's default case, whose init is compiled.
+    cfg = dataclasses.replace(TINY, tie_word_embeddings=tied, qkv_bias=tied, mlp_bias=tied)
     params = random_params(cfg, seed=5)
     paneled = Model(cfg, params, backend="cpu", panels=True)
     back = Model(cfg, paneled.params, backend="xla")  # a panel tree given to xla
@@ -179,12 +188,13 @@ def test_the_engine_serves_the_cpu_backend_in_panel_mode(monkeypatch):
 
     from jaxserve import LLM, SamplingParams
 
-    params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(TINY, seed=7))
+    # NOTE: the model, weights and engine sizes of test_model_backends.py, whose xla and
+    # cpu (panel mode) engines compile the same step programs.
+    params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(SERVED, seed=7))
     outs = {}
     for backend in ("cpu", "xla"):
-        llm = LLM(Model(TINY, params, backend=backend), warmup=False, max_model_len=64,
-                  tokenizer=SimpleNamespace(eos_token_id=None), max_num_seqs=4,
-                  max_num_batched_tokens=16, num_kv_blocks=32)
+        llm = LLM(Model(SERVED, params, backend=backend), warmup=False,
+                  tokenizer=SimpleNamespace(eos_token_id=None), **ENGINE)
         assert llm.engine.model.panels == (backend == "cpu")
         prompts = [{"prompt_token_ids": [3, 5, 7, 11 + i]} for i in range(3)]
         res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
@@ -193,7 +203,7 @@ def test_the_engine_serves_the_cpu_backend_in_panel_mode(monkeypatch):
         outs[backend] = [r.outputs[0].token_ids for r in res]
     assert outs["cpu"] == outs["xla"]
     monkeypatch.setenv("JAXSERVE_CPU_PANELS", "0")
-    llm = LLM(Model(TINY, params, backend="cpu"), warmup=False, max_model_len=64,
+    llm = LLM(Model(SERVED, params, backend="cpu"), warmup=False, max_model_len=64,
               tokenizer=SimpleNamespace(eos_token_id=None), num_kv_blocks=32)
     assert llm.engine.model.backend == "cpu" and not llm.engine.model.panels
 

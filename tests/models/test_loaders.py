@@ -504,11 +504,35 @@ def test_checkpoint_written_on_another_device_kind(tiny_converted, tiny_params, 
 
 @pytest.fixture(scope="module")
 def smollm2_converted(smollm2_path, tmp_path_factory):
+    """SmolLM2 converted to float32 (~13 s: the GGUF dequantized again, 540 MB written)."""
     dst = str(tmp_path_factory.mktemp("smollm2_orbax") / "smollm2")
     convert(smollm2_path, dst)
     return dst
 
 
+@pytest.fixture(scope="module")
+def smollm2_gguf_converted(smollm2_path, tmp_path_factory):
+    """SmolLM2 converted keeping the GGUF blocks (~2 s): for what does not depend on the
+    form of the weights (config, source, tokenizer)."""
+    dst = str(tmp_path_factory.mktemp("smollm2_orbax_gguf") / "smollm2")
+    convert(smollm2_path, dst, quantization="gguf")
+    return dst
+
+
+def test_smollm2_gguf_checkpoint_keeps_config_and_source(smollm2, smollm2_path,
+                                                         smollm2_gguf_converted):
+    cfg, saved = orbax_ckpt.read_checkpoint_meta(smollm2_gguf_converted)
+    assert saved == "float32"
+    assert isinstance(cfg, ArchConfig) and cfg == smollm2.cfg
+    with open(os.path.join(smollm2_gguf_converted, orbax_ckpt.MARKER)) as f:
+        assert json.load(f)["source"] == smollm2_path
+
+
+# NOTE: slow: the float32 conversion of the real model. The default tier has the float32
+# round trip of a Hugging Face model (test_tiny_hf_orbax_round_trip), the GGUF blocks' bit-
+# identical round trip (tests/e2e/test_quantized_engine.py) and the GGUF source's config
+# and marker (test_smollm2_gguf_checkpoint_keeps_config_and_source).
+@pytest.mark.slow
 def test_smollm2_gguf_orbax_round_trip_bit_identical(smollm2, smollm2_path, smollm2_converted):
     cfg, saved = orbax_ckpt.read_checkpoint_meta(smollm2_converted)
     assert saved == "float32"
@@ -520,8 +544,8 @@ def test_smollm2_gguf_orbax_round_trip_bit_identical(smollm2, smollm2_path, smol
     _assert_trees_identical(m.params, smollm2.params)
 
 
-def test_smollm2_converted_tokenizer_matches(smollm2_converted, smollm2_tokenizer):
-    tok = load_tokenizer(smollm2_converted)
+def test_smollm2_converted_tokenizer_matches(smollm2_gguf_converted, smollm2_tokenizer):
+    tok = load_tokenizer(smollm2_gguf_converted)
     text = "Hello, world! Ünïcödé, numbers 12345 and  double  spaces.\nNew line\ttab."
     assert tok(text).input_ids == smollm2_tokenizer(text).input_ids
     assert tok.eos_token_id == smollm2_tokenizer.eos_token_id

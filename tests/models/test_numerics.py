@@ -79,7 +79,7 @@ CASES = [
     Case("qwen2_window_layers", "Qwen2Config", "Qwen2ForCausalLM",
          dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=5,
               max_window_layers=1),
-         dict(layer_windows=(0, 5, 5)),
+         dict(layer_windows=(0, 5, 5), qkv_bias=True, o_bias=False),
          ablate=dict(layer_windows=(0, 0, 0))),
     Case("qwen2_layer_types_linear_rope", "Qwen2Config", "Qwen2ForCausalLM",
          dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=6,
@@ -100,6 +100,23 @@ CASES = [
          dict(layer_windows=(5, 5)),
          ablate=dict(layer_windows=(0, 0))),
 ]
+
+
+# Cases left to the slow tier (`pytest -m slow`); the default tier keeps one case per
+# family and per feature:
+# - llama_tied (tied embeddings, 3 layers): tied logits are compared with transformers by
+#   test_smollm2_gguf_matches_transformers (SmolLM2 ties them); tests/conftest.py's tiny
+#   engine model is a tied Hugging Face directory.
+# - qwen2_bias (plain Qwen2: q/k/v bias, no o bias, rope_theta): qwen2_window_layers has the
+#   same bias layout (its `expect` checks it), qwen2_layer_types_linear_rope a rope_theta.
+# - qwen3_qknorm_headdim (q/k norm, head_dim 24 apart from hidden / heads): qwen3_bias_sliding
+#   is Qwen3 with q/k norm and a head_dim of its own (8) too, and biases before the norm.
+SLOW_CASES = ("llama_tied", "qwen2_bias", "qwen3_qknorm_headdim")
+
+
+def _params(cases: list[Case]) -> list:
+    return [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in SLOW_CASES else [])
+            for c in cases]
 
 
 def _perturb(model, seed: int) -> None:
@@ -129,7 +146,7 @@ def prompt(vocab_size: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab_size, SEQ_LEN).tolist()
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.name)
+@pytest.fixture(scope="module", params=_params(CASES))
 def tiny(request, tmp_path_factory):
     """(case, our float32 model, prompt, transformers' logits, model directory)."""
     case = request.param

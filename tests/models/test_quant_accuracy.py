@@ -17,7 +17,7 @@ from jaxserve.bench.quant import (
 )
 from models.loaders import load_model
 
-SLOW = pytest.mark.slow  # several noisy draws each: ~50-75 s apiece
+SLOW = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +47,17 @@ def dense(smollm2, smollm2_path):
 KV_DRAWS = 6
 
 
+# NOTE: the default tier keeps one case per format family: int8 weights (q8, a scale per
+# output channel), and int8 KV over the GGUF file's blocks (q4 projections and a q8
+# embedding, in blocks of 32). In the slow tier: the GGUF blocks with float32 KV
+# (tests/e2e/test_quantized_engine.py checks they generate float32's tokens, and
+# tests/models/test_gguf_quant.py that they decode exactly), q8_0 (q8 in blocks of 32, as
+# the GGUF embedding), and the KV formats alone on float32 weights (several noisy draws
+# each: ~50-75 s apiece).
 @pytest.mark.parametrize("quantization,kv,limit", [
-    ("gguf", "auto", 1e-4),  # the file's own blocks: the same weights, so ~exact
-    ("q8_0", "auto", 0.01),
+    # the file's own blocks: the same weights, so ~exact
+    pytest.param("gguf", "auto", 1e-4, marks=SLOW),
+    pytest.param("q8_0", "auto", 0.01, marks=SLOW),
     ("int8", "auto", 0.01),
     # NOTE: the KV formats are measured on float32 weights, which isolates them (the
     # BENCHMARKS rows do the same); int8 KV is also checked over the GGUF blocks.
@@ -88,6 +96,9 @@ def test_weight_noise_far_below_rounding_leaves_float32_kv_unchanged(dense, text
     assert max(draws) / min(draws) - 1 < 1e-4, draws
 
 
+# NOTE: slow: a bfloat16 load of the real model; tests/models/test_numerics.py's
+# test_bfloat16_close_to_float32 runs a bfloat16 model through the paged cache by default.
+@SLOW
 def test_bfloat16_end_to_end_close(smollm2_path, text_ids, hf_text_logits):
     model = load_model(smollm2_path, "bfloat16", quantization="none")
     logits = teacher_forced_logits(model, text_ids)

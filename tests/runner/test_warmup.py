@@ -9,12 +9,17 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.core.plans import CopyPlan, KVPlans, SwapPlan
 from jaxserve.runner import compile_counter, warmup
 from jaxserve.runner.kv_ops import PLAN_PAIRS
+from tests.conftest import TINY_ENGINE
 
-ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=64,
-            swap_space=0.01)
+# NOTE: the shared tiny-engine sizes: the programs are those of the other tiny engines,
+# compiled once per test run (the first warm-up to run compiles them, the others load
+# them from the compilation cache); a swap space adds the swap plans' programs.
+ARGS = {**TINY_ENGINE, "swap_space": 0.01}
+BUCKETS = [4, 8, 16, 32, 64]
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+# NOTE: 2 threads first: where nothing is cached yet, it compiles on both cores.
+@pytest.mark.parametrize("threads", [2, 1])
 def test_warmup_pass_finds_every_program_compiled_ahead(tiny_model_dir, monkeypatch, threads):
     """With threads > 1 every program is lowered and compiled before the pass that runs
     them, which then lowers nothing (a miss there would compile twice). With 1 thread the
@@ -32,13 +37,14 @@ def test_warmup_pass_finds_every_program_compiled_ahead(tiny_model_dir, monkeypa
     monkeypatch.setattr(warmup, "_run_bucket", spy)
     llm = LLM(tiny_model_dir, **ARGS)
     runner = llm.engine.runner
-    assert runner.buckets == [4, 8, 16, 32] and runner.warmup_progress == (4, 4)
+    total = len(BUCKETS)
+    assert runner.buckets == BUCKETS and runner.warmup_progress == (total, total)
     if threads > 1:
         assert counts["after"] == counts["pass"], "the warm-up pass compiled a program again"
-        assert progress == [(4, 4)] * 4  # every bucket compiled before the pass
+        assert progress == [(total, total)] * total  # every bucket compiled before the pass
     else:
         assert counts["after"] > counts["pass"]
-        assert progress == [(i, 4) for i in range(4)]
+        assert progress == [(i, total) for i in range(total)]
     # Serving afterwards compiles nothing; nor do plans of several pieces.
     out = llm.generate(["a b c"] * 3, SamplingParams(max_tokens=4, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)

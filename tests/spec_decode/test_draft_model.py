@@ -79,11 +79,12 @@ def test_self_draft_is_accepted(smollm2, smollm2_tokenizer, want):
     pytest.param({"attention_backend": "pallas"}, id="pallas", marks=pytest.mark.slow),
 ])
 def test_truncated_draft_greedy_parity(smollm2, smollm2_tokenizer, want, overrides):
-    """A 20-layer copy proposes (mostly wrongly: it agrees with the target ~14% of the
-    time); outputs are the target's under chunking, preemption and the Pallas kernels
-    (the target's; the draft keeps its XLA attention)."""
+    """A 2-layer copy proposes (mostly wrongly); outputs are the target's under chunking,
+    preemption and the Pallas kernels (the target's; the draft keeps its XLA attention).
+    (A 20-layer copy, which agrees with the target ~14% of the time, costs two thirds of
+    a target step per proposal for the same check.)"""
     llm = LLM(smollm2, tokenizer=smollm2_tokenizer,
-              speculative_config=draft_config(truncate_layers(smollm2, 20), k=2),
+              speculative_config=draft_config(truncate_layers(smollm2, 2), k=2),
               **{**ENGINE_ARGS, **overrides})
     llm.engine.speculator.gate.min_acceptance = 0.0  # verify every step, though it never pays
     assert token_ids(llm) == want

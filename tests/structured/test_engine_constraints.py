@@ -11,10 +11,12 @@ import jsonschema
 import pytest
 
 from jaxserve import LLM, SamplingParams, StructuredOutputsParams
+from tests.conftest import TINY_ENGINE
 from tests.structured import SCHEMA
 
-ENGINE_ARGS = dict(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256,
-                   num_kv_blocks=256)
+# NOTE: the shared tiny-engine sizes (and XLA attention): the warm-up's programs are those
+# of the other tiny engines (tests/e2e), loaded from the compilation cache.
+ENGINE_ARGS = TINY_ENGINE
 PROMPTS = ["Once upon a time", "The three primary colors are", "def fibonacci(n):",
            "List three fruits:"]
 
