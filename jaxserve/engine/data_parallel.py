@@ -15,6 +15,7 @@ import jax
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
+from jaxserve.runner.worker import load_weights
 
 
 class DataParallelEngine:
@@ -30,7 +31,7 @@ class DataParallelEngine:
     """
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
-        from models.loaders import load_model, load_tokenizer
+        from models.loaders import load_tokenizer
 
         par = config.parallel
         devices = jax.devices()
@@ -39,9 +40,8 @@ class DataParallelEngine:
             raise ValueError(f"data_parallel_size={par.data_parallel_size} x "
                              f"tensor_parallel_size={par.tensor_parallel_size} needs {need} "
                              f"devices; {len(devices)} available")
-        mc = config.model
-        model = model or load_model(mc.model, mc.dtype, mc.attention_backend)
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(mc.model)
+        model = model or load_weights(config)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.model)
         self.replicas = []
         for i in range(par.data_parallel_size):
             group = devices[i * par.tensor_parallel_size:(i + 1) * par.tensor_parallel_size]

@@ -27,6 +27,16 @@ from models.model import Model
 logger = logging.getLogger("jaxserve")
 
 
+def load_weights(config: EngineConfig, shardings=None) -> Model:
+    """The weights `config.model` names, in its dtype, backend and quantization (placed by
+    `shardings` when given); every engine kind loads through here."""
+    from models.loaders import load_model
+
+    mc = config.model
+    return load_model(mc.model, mc.dtype, mc.attention_backend, shardings=shardings,
+                      quantization=mc.quantization)
+
+
 def serving_model(config: EngineConfig, model: Model | None
                   ) -> tuple[Model, TensorParallel | None]:
     """The model in the form it serves in, and its tensor-parallel layout.
@@ -42,14 +52,12 @@ def serving_model(config: EngineConfig, model: Model | None
             loading and of the layout (`tensor_parallel_layout`).
     """
     from models import panels
-    from models.loaders import load_model, read_arch_config
+    from models.loaders import read_arch_config
 
     mc = config.model
     if model is None:
         layout = tensor_parallel_layout(config, read_arch_config(mc.model))
-        model = load_model(mc.model, mc.dtype, mc.attention_backend,
-                           shardings=layout.param_shardings if layout is not None else None,
-                           quantization=mc.quantization)
+        model = load_weights(config, layout.param_shardings if layout is not None else None)
     else:
         layout = tensor_parallel_layout(config, model.cfg)
         if mc.attention_backend != "auto":

@@ -163,6 +163,14 @@ def test_data_parallel_two_replicas(tiny_model, smollm2_tokenizer, tiny_referenc
     assert llm.get_metrics()["jaxserve:num_compilations"] == 0
 
 
+def test_data_parallel_loads_the_weights_as_one_engine_does(tiny_model_dir):
+    """Replicas of a model given by path are loaded like a single engine's (`load_weights`):
+    quantization included (it was once dropped, leaving float weights)."""
+    llm = LLM(tiny_model_dir, data_parallel_size=2, quantization="int8", num_kv_blocks=16,
+              warmup=False, **SMALL)
+    assert [r.model.quant.name for r in llm.engine.replicas] == ["int8", "int8"]
+
+
 def test_bad_sizes_are_clear_errors(smollm2, smollm2_tokenizer):
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide num_heads=9"):
         LLM(smollm2, tokenizer=smollm2_tokenizer, tensor_parallel_size=2, **SMALL)
