@@ -1,5 +1,5 @@
 """Panel mode of the `cpu` backend: the decoder layers' matmul weights stored packed and
-stacked (`pallas_kernels.cpu_decode.gemm`) instead of as per-layer `kernel`s.
+stacked (`pallas_kernels.cpu_ffi.gemm`) instead of as per-layer `kernel`s.
 
 In panel mode `params["layer_panels"]` maps each projection name to f32[L, P, K, 16] and
 the layers' `kernel` leaves are gone (biases and norms stay where they were); the LM head
@@ -40,7 +40,7 @@ def in_features(cfg: ArchConfig, name: str) -> int:
 
 def panel_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
     """{projection: shape of its stacked panels}."""
-    from pallas_kernels.cpu_decode.gemm import PANEL, num_panels
+    from pallas_kernels.cpu_ffi.gemm import PANEL, num_panels
 
     return {name: (cfg.num_layers, num_panels(out_features(cfg, name)), in_features(cfg, name),
                    PANEL) for _, name in PROJECTIONS}
@@ -54,7 +54,7 @@ def eligible(params: dict, dtype, quant, backend: str) -> bool:
     leaves = jax.tree_util.tree_leaves(params)
     if any(len(x.sharding.device_set) > 1 for x in leaves if isinstance(x, jax.Array)):
         return False  # a tensor-parallel layout: the engine serves it on "xla"
-    from pallas_kernels.cpu_decode import gemm
+    from pallas_kernels.cpu_ffi import gemm
 
     return gemm.available()
 
@@ -66,7 +66,7 @@ def is_panel_tree(params: dict) -> bool:
 
 def to_panels(params: dict) -> dict:
     """The panel-form tree of a standard one (new dicts; the input is left as it was)."""
-    from pallas_kernels.cpu_decode.gemm import pack
+    from pallas_kernels.cpu_ffi.gemm import pack
 
     layers = jax.tree_util.tree_map(lambda x: x, params["layers"])  # a copy of the dicts
     panels = {}
@@ -88,7 +88,7 @@ def to_panels(params: dict) -> dict:
 
 def from_panels(params: dict, cfg: ArchConfig) -> dict:
     """The standard tree of a panel-form one."""
-    from pallas_kernels.cpu_decode.gemm import unpack
+    from pallas_kernels.cpu_ffi.gemm import unpack
 
     layers = jax.tree_util.tree_map(lambda x: x, params["layers"])
     for parent, name in PROJECTIONS:

@@ -49,7 +49,7 @@ class PanelDense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, panels: jax.Array, layer) -> jax.Array:
-        from pallas_kernels.cpu_decode.gemm import stacked_gemm
+        from pallas_kernels.cpu_ffi.gemm import stacked_gemm
 
         y = stacked_gemm(x, panels, layer, self.features).astype(self.dtype)
         if self.use_bias:
@@ -67,20 +67,20 @@ class PanelEmbed(nn.Module):
     features: int
 
     def setup(self):
-        from pallas_kernels.cpu_decode.gemm import PANEL, num_panels
+        from pallas_kernels.cpu_ffi.gemm import PANEL, num_panels
 
         self.panels = self.param("panels", nn.initializers.zeros, (
             1, num_panels(self.num_embeddings), self.features, PANEL), jnp.float32)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """f32[T, hidden] rows of `ids` i32[T]: column id % 16 of panel id // 16."""
-        from pallas_kernels.cpu_decode.gemm import PANEL
+        from pallas_kernels.cpu_ffi.gemm import PANEL
 
         return self.panels[0, ids // PANEL, :, ids % PANEL]
 
     def attend(self, h: jax.Array) -> jax.Array:
         """f32[T, vocab] logits of hidden states h [T, hidden]."""
-        from pallas_kernels.cpu_decode.gemm import stacked_gemm
+        from pallas_kernels.cpu_ffi.gemm import stacked_gemm
 
         return stacked_gemm(h.astype(jnp.float32), self.panels, 0, self.num_embeddings)
 

@@ -1,4 +1,4 @@
-"""The `cpu` backend's layer matmuls (`pallas_kernels/cpu_decode/gemm.py`, panel mode in
+"""The `cpu` backend's layer matmuls (`pallas_kernels/cpu_ffi/gemm.py`, panel mode in
 `models/panels.py`) against `jnp` matmuls and the standard model."""
 
 import dataclasses
@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models import panels
 from models.config import ArchConfig
 from models.model import Model, random_params
-from pallas_kernels.cpu_decode import gemm
+from pallas_kernels.cpu_ffi import gemm
 from tests.kernels.cases import slow_except
 from tests.kernels.test_model_backends import ENGINE
 from tests.kernels.test_model_backends import TINY as SERVED
@@ -217,7 +217,7 @@ def test_an_unavailable_kernel_keeps_xla_matmuls(monkeypatch):
 
 
 def test_a_failing_build_names_the_library(monkeypatch, tmp_path):
-    from pallas_kernels.cpu_decode import build
+    from pallas_kernels.cpu_ffi import build
 
     monkeypatch.setenv("JAXSERVE_FFI_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # exits 1
