@@ -5,7 +5,8 @@ Backends:
               whose cost follows the live context (the jnp references stay the oracles).
     "cpu":    "xla" with its decode rows in a C++ kernel that reads the page pool in place
               (`pallas_kernels.cpu_ffi`, built on first use; CPU only, one device's
-              pool: tensor parallelism keeps "xla").
+              pool: tensor parallelism keeps "xla"). For development, CI and small
+              deployments.
     "pallas": the Pallas kernels: on TPU the Mosaic ragged kernel (decodes included; the KV
               write is XLA's in-place scatter), on GPU the Triton kernels, and on the CPU
               the GPU kernels in the Pallas interpreter.
