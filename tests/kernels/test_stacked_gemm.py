@@ -174,6 +174,18 @@ def test_packed_model_unpacks_and_saves_the_standard_tree(tied, tmp_path):
     jax.tree_util.tree_map(np.testing.assert_array_equal, restored, params)
 
 
+def test_a_truncated_packed_model_is_the_truncated_model_packed():
+    from jaxserve.spec_decode.draft import truncate_layers
+
+    cfg = dataclasses.replace(TINY, tie_word_embeddings=True, qkv_bias=True, mlp_bias=True)
+    model = Model(cfg, random_params(cfg, seed=5), backend="cpu")
+    draft = truncate_layers(packed.pack_model(model), 2)
+    assert packed.is_packed(draft) and draft.cfg.num_layers == 2
+    assert draft.params[packed.COLLECTION]["layers"]["self_attn"]["q_proj"]["kernel"].shape[0] == 2
+    jax.tree_util.tree_map(np.testing.assert_array_equal, packed.unpack_model(draft).params,
+                           truncate_layers(model, 2).params)
+
+
 def test_a_packed_weight_missing_is_a_value_error():
     cfg = dataclasses.replace(TINY, tie_word_embeddings=True, qkv_bias=True, mlp_bias=True)
     paneled = packed.pack_model(Model(cfg, random_params(cfg, seed=5), backend="cpu"))
