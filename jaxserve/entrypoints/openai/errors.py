@@ -9,7 +9,7 @@ import re
 from pydantic import BaseModel, ValidationError
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 # Dotted module paths in exception texts (`transformers.tokenization_utils_base.X`) say
 # nothing to a client and reveal internals: only the last name is kept.

@@ -1,5 +1,6 @@
-"""ASGI gate in front of every route: readiness (503 while starting or draining), the API key,
-the request-body size limit (413), and the count of requests in flight (for the drain)."""
+"""ASGI gate in front of every route: readiness (503 while starting or draining), the API key
+(a repeated Authorization header is a 400), the request-body size limit (413), and the count
+of requests in flight (for the drain)."""
 
 from __future__ import annotations
 
@@ -62,9 +63,14 @@ class ServerGate:
             if not self.state.ready:
                 return await _send_json(send, 503, error_body(
                     503, f"the server is starting ({self.state.startup_status()['detail']})"))
+        auths = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
+        if len(auths) > 1:
+            # NOTE: a proxy that reads the first header and a server that reads another
+            # would disagree on who is calling: refuse rather than pick one.
+            return await _send_json(send, 400, error_body(
+                400, f"the request has {len(auths)} Authorization headers; send one"))
         if self.api_key and path.startswith(KEYED_PREFIXES):
-            headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"").decode("latin-1")
+            given = (auths[0] if auths else b"").decode("latin-1")
             if not bearer_matches(given, self.api_key):
                 return await _send_json(send, 401, error_body(
                     401, "Invalid or missing API key (expected 'Authorization: Bearer "
