@@ -36,7 +36,7 @@ def served(smollm2_tokenizer):
     app = build_app(llm, ["fake"], api_key=API_KEY,
                     limits=ServingLimits(max_tokenize_tokens=CAP, max_stop_strings=4),
                     prepare_limits=PrepareLimits(heavy_body_bytes=HEAVY_BYTES, heavy_workers=1,
-                                                 heavy_queue=1))
+                                                 heavy_queue=1, heavy_share=1.0))
     try:
         with running_server(app) as (_, url):
             yield url, app
@@ -155,6 +155,22 @@ def test_lanes_bound_heavy_calls_and_count_them_back():
     asyncio.run(scenario())
     with pytest.raises(ValueError, match="heavy_workers must be at least 1, got 0"):
         PrepareLimits(heavy_workers=0)
+    with pytest.raises(ValueError, match=r"heavy_share must be in \(0, 1\], got 0"):
+        PrepareLimits(heavy_share=0)
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"prompt": "\\ud800"}', "prompt: text holds a lone surrogate"),
+    (b'{"prompt": "\xed\xa0\x80"}', "prompt: text holds a lone surrogate"),
+    ('{"prompt": "\ud800"}'.encode("utf-16-le", "surrogatepass"),
+     "prompt: text holds a lone surrogate"),
+])
+def test_parsing_still_finds_lone_surrogates_when_it_skips_the_re_encoding(body, message):
+    from jaxserve.entrypoints.openai.errors import parse_body
+    from jaxserve.entrypoints.openai.protocol import TokenizeRequest
+
+    with pytest.raises(OpenAIError, match=message):
+        parse_body(body, TokenizeRequest)
 
 
 def test_stop_strings_are_capped(client):
@@ -203,8 +219,30 @@ def test_docs_are_open_by_default_and_off_by_flag(served, smollm2_tokenizer):
 @pytest.mark.parametrize("flag, value, least", [
     ("--max-tokenize-tokens", "0", 1), ("--max-stop-strings", "0", 1),
     ("--heavy-request-bytes", "0", 1), ("--heavy-prepare-workers", "0", 1),
-    ("--heavy-prepare-queue", "-1", 0)])
+    ("--heavy-prepare-queue", "-1", 0), ("--heavy-prepare-share", "0", None),
+    ("--heavy-prepare-share", "1.5", None)])
 def test_serve_flags_are_checked_before_loading(flag, value, least):
     args = build_parser().parse_args(["serve", flag, value])
-    with pytest.raises(ValueError, match=f"^{flag} must be at least {least}, got {value}$"):
+    expected = f"^{flag} must be at least {least}, got {value}$" if least is not None \
+        else rf"^{flag} must be in \(0, 1\], got {float(value)}$"
+    with pytest.raises(ValueError, match=expected):
         serve_run(args)
+
+
+def test_heavy_calls_leave_the_rest_of_the_time_to_other_work():
+    async def scenario():
+        lanes = PrepareLanes(PrepareLimits(heavy_share=0.25))
+        marks = []
+
+        def work():
+            marks.append(time.monotonic())
+            time.sleep(0.1)
+            marks.append(time.monotonic())
+
+        await asyncio.gather(lanes.run(True, work), lanes.run(True, work))
+        lanes.shutdown()
+        return marks
+
+    start1, end1, start2, _ = asyncio.run(scenario())
+    busy = end1 - start1
+    assert start2 - end1 >= 3 * busy * 0.99  # a share of 1/4: three times the call's time

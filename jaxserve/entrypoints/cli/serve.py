@@ -53,6 +53,9 @@ def add_parser(sub) -> None:
     p.add_argument("--heavy-prepare-queue", type=int, default=16,
                    help="heavy requests that may wait for a worker; more get a 429 "
                         "(default: 16)")
+    p.add_argument("--heavy-prepare-share", type=float, default=0.5,
+                   help="most of the time the heavy workers may be busy, in (0, 1]; heavy "
+                        "requests wait in the queue for the rest (default: 0.5)")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json (they need no key otherwise)")
     p.add_argument("--enable-server-load-tracking", action="store_true",
@@ -84,6 +87,9 @@ def run(args) -> int:
         if value is not None and value < least:
             raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got "
                              f"{value}")
+    if not 0 < args.heavy_prepare_share <= 1:
+        raise ValueError(f"--heavy-prepare-share must be in (0, 1], got "
+                         f"{args.heavy_prepare_share}")
     names = served_names(args, kwargs)
     quiet_start(verbose=True)
     from jaxserve.engine.async_llm import AsyncLLM
@@ -108,7 +114,8 @@ def run(args) -> int:
                            max_stop_strings=args.max_stop_strings)
     lanes = PrepareLimits(heavy_body_bytes=args.heavy_request_bytes,
                           heavy_workers=args.heavy_prepare_workers,
-                          heavy_queue=args.heavy_prepare_queue)
+                          heavy_queue=args.heavy_prepare_queue,
+                          heavy_share=args.heavy_prepare_share)
     app = build_app(None, names, api_key=args.api_key, limits=limits,
                     max_body_bytes=args.max_request_body_bytes, prepare_limits=lanes,
                     disable_docs=args.disable_fastapi_docs,

@@ -11,6 +11,7 @@ import ctypes.util
 import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,12 +30,18 @@ class PrepareLimits:
             are heavy whatever their size (a template may run up to its 2 s deadline).
         heavy_workers: Heavy requests prepared at once (each may keep a core busy).
         heavy_queue: Heavy requests that may wait for a worker; more get a 429.
+        heavy_share: Most of the time the heavy workers may be busy: after a heavy call of
+            t seconds the next starts no sooner than `t * (1 / heavy_share - 1) /
+            heavy_workers` later. Heavy calls hold the interpreter (JSON decoding, template
+            code) or a core (tokenizing), which slows every other request; the pause gives
+            them the rest, and heavy clients wait in the queue meanwhile. 1: no pause.
         light_workers: Threads preparing the other requests.
     """
 
     heavy_body_bytes: int = DEFAULT_HEAVY_BODY_BYTES
     heavy_workers: int = 1
     heavy_queue: int = 16
+    heavy_share: float = 0.5
     light_workers: int = 8
 
     def __post_init__(self):
@@ -43,6 +50,8 @@ class PrepareLimits:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.heavy_queue < 0:
             raise ValueError(f"heavy_queue must be at least 0, got {self.heavy_queue}")
+        if not 0 < self.heavy_share <= 1:
+            raise ValueError(f"heavy_share must be in (0, 1], got {self.heavy_share}")
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -78,6 +87,13 @@ class PrepareLanes:
         self._lock = threading.Lock()
         self.heavy_admitted = 0  # heavy calls queued or running
         self.heavy_refused = 0
+        self._not_before = 0.0  # monotonic time before which no heavy call starts
+
+    @property
+    def heavy_full(self) -> bool:
+        """Whether a heavy call now would be refused (the gate then refuses a large body
+        before reading it)."""
+        return self.heavy_admitted >= self.limits.heavy_workers + self.limits.heavy_queue
 
     def is_heavy(self, body_bytes: int) -> bool:
         """Whether a body of this many bytes is prepared in the heavy lane."""
@@ -124,7 +140,7 @@ class PrepareLanes:
         """
         if heavy:
             self._admit()
-            call = functools.partial(_then_trim, fn, *args)
+            call = functools.partial(self._heavy_call, fn, *args)
         else:
             call = functools.partial(fn, *args)
         try:
@@ -144,8 +160,17 @@ class PrepareLanes:
                 executor.shutdown(wait=False, cancel_futures=True)
 
 
-def _then_trim(fn: Callable[..., Any], *args) -> Any:
-    try:
-        return fn(*args)
-    finally:
-        trim_memory()
+    def _heavy_call(self, fn: Callable[..., Any], *args) -> Any:
+        """`fn(*args)` after the pause the share asks for, then `trim_memory()`."""
+        lim = self.limits
+        while (wait := self._not_before - time.monotonic()) > 0:
+            time.sleep(wait)
+        start = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            trim_memory()
+            end = time.monotonic()
+            pause = (end - start) * (1 / lim.heavy_share - 1) / lim.heavy_workers
+            with self._lock:
+                self._not_before = max(self._not_before, end + pause)
