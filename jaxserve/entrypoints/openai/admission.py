@@ -151,7 +151,13 @@ class PrepareLanes:
             raise
         if heavy:
             future.add_done_callback(self._release)  # runs on completion or cancellation
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            # NOTE: a failed call's exception holds its traceback, which holds this frame,
+            # which held the future, which holds the exception: a cycle that keeps the
+            # request's body alive until the cyclic GC runs, seconds or minutes later.
+            del future, call
 
     def shutdown(self) -> None:
         """Stops the lanes' threads once their calls finish (queued calls are dropped)."""
