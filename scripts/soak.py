@@ -146,7 +146,7 @@ class Soak:
         finished, done = set(), False
         async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
-                return f"status {r.status_code}"
+                return f"status {r.status_code}: {(await r.aread())[:300]!r}"
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
