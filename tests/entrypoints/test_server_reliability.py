@@ -155,6 +155,9 @@ def test_lanes_bound_heavy_calls_and_count_them_back():
     asyncio.run(scenario())
     with pytest.raises(ValueError, match="heavy_workers must be at least 1, got 0"):
         PrepareLimits(heavy_workers=0)
+    for name in ("max_tokenize_tokens", "max_stop_strings"):
+        with pytest.raises(ValueError, match=f"^{name} must be at least 1, got 0$"):
+            ServingLimits(**{name: 0})
     with pytest.raises(ValueError, match=r"heavy_share must be in \(0, 1\], got 0"):
         PrepareLimits(heavy_share=0)
 
