@@ -5,6 +5,7 @@ of requests in flight (for the drain)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 
@@ -95,7 +96,8 @@ class ServerGate:
                 # NOTE: once a large request is answered and its objects are gone, the C
                 # heap's free memory goes back to the system (RSS returns to its level).
                 del receive
-                asyncio.get_running_loop().run_in_executor(None, trim_memory)
+                with contextlib.suppress(RuntimeError):  # the executor is shut down
+                    asyncio.get_running_loop().run_in_executor(None, trim_memory)
 
     async def _buffer_body(self, scope, receive, send):
         """Reads the body up to the limit: (a replaying `receive`, its size), or (None, 0)
