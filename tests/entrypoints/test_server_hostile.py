@@ -195,7 +195,9 @@ def test_health_stays_fast_while_a_huge_prompt_is_rejected(server):
             latencies.append(time.perf_counter() - start)
             time.sleep(0.02)
     worker.join()
-    assert statuses == [400, 200, 400]
+    # NOTE: /tokenize counts tokens up to its cap (4 x max_model_len, issue 50): the 5 MB
+    # text surely holds more, so it is refused untokenized too.
+    assert statuses == [400, 400, 400]
     median = sorted(latencies)[len(latencies) // 2]
     print(f"/health during a 5 MB prompt, its tokenization and a looping template: max "
           f"{max(latencies) * 1000:.0f} ms, median {median * 1000:.0f} ms over "

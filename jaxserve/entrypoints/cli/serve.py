@@ -39,6 +39,25 @@ def add_parser(sub) -> None:
                    help="largest request body; larger ones get a 413 (default: 8 MiB)")
     p.add_argument("--max-prompts-per-request", type=int, default=256,
                    help="most prompts one completion request may carry (default: 256)")
+    p.add_argument("--max-tokenize-tokens", type=int, default=None,
+                   help="most token ids /tokenize returns and /detokenize takes; more is a "
+                        "400 (default: 4 x max-model-len)")
+    p.add_argument("--max-stop-strings", type=int, default=64,
+                   help="most stop strings one request may give; each is searched for after "
+                        "every token, on the host (default: 64)")
+    p.add_argument("--heavy-request-bytes", type=int, default=256 * 1024,
+                   help="request bodies larger than this, and requests with their own "
+                        "chat_template, are prepared in the heavy lane (default: 262144)")
+    p.add_argument("--heavy-prepare-workers", type=int, default=1,
+                   help="heavy requests parsed, tokenized or templated at once (default: 1)")
+    p.add_argument("--heavy-prepare-queue", type=int, default=16,
+                   help="heavy requests that may wait for a worker; more get a 429 "
+                        "(default: 16)")
+    p.add_argument("--heavy-prepare-share", type=float, default=0.5,
+                   help="most of the time the heavy workers may be busy, in (0, 1]; heavy "
+                        "requests wait in the queue for the rest (default: 0.5)")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json (they need no key otherwise)")
     p.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load reports the completion and chat requests being answered "
                         "(otherwise 0)")
@@ -61,13 +80,21 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     kwargs = engine_kwargs(args)
     check_engine_args(kwargs)
-    for name in ("max_request_body_bytes", "max_prompts_per_request", "port"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("max_request_body_bytes", "max_prompts_per_request", "port",
+                 "max_tokenize_tokens", "max_stop_strings", "heavy_request_bytes",
+                 "heavy_prepare_workers", "heavy_prepare_queue"):
+        value, least = getattr(args, name), 0 if name == "heavy_prepare_queue" else 1
+        if value is not None and value < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got "
+                             f"{value}")
+    if not 0 < args.heavy_prepare_share <= 1:
+        raise ValueError(f"--heavy-prepare-share must be in (0, 1], got "
+                         f"{args.heavy_prepare_share}")
     names = served_names(args, kwargs)
     quiet_start(verbose=True)
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.engine.llm import LLM
+    from jaxserve.entrypoints.openai.admission import PrepareLimits
     from jaxserve.entrypoints.openai.api_server import (
         build_app,
         make_server,
@@ -82,9 +109,16 @@ def run(args) -> int:
         return _follow(kwargs)
     limits = ServingLimits(max_prompts_per_request=args.max_prompts_per_request,
                            tool_call_parser=None if args.tool_call_parser == "none"
-                           else args.tool_call_parser)
+                           else args.tool_call_parser,
+                           max_tokenize_tokens=args.max_tokenize_tokens,
+                           max_stop_strings=args.max_stop_strings)
+    lanes = PrepareLimits(heavy_body_bytes=args.heavy_request_bytes,
+                          heavy_workers=args.heavy_prepare_workers,
+                          heavy_queue=args.heavy_prepare_queue,
+                          heavy_share=args.heavy_prepare_share)
     app = build_app(None, names, api_key=args.api_key, limits=limits,
-                    max_body_bytes=args.max_request_body_bytes,
+                    max_body_bytes=args.max_request_body_bytes, prepare_limits=lanes,
+                    disable_docs=args.disable_fastapi_docs,
                     enable_server_load_tracking=args.enable_server_load_tracking,
                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
     server = make_server(app, args.host, args.port, args.shutdown_timeout,

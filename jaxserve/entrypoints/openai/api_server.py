@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxserve.engine.protocol import EngineClient
+from jaxserve.entrypoints.openai.admission import PrepareLanes, PrepareLimits
 from jaxserve.entrypoints.openai.errors import OpenAIError, error_body, loads_body
 from jaxserve.entrypoints.openai.gate import DEFAULT_MAX_BODY_BYTES, ServerGate
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -80,7 +81,9 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
               shutdown_engine: bool = True, limits: ServingLimits | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               enable_server_load_tracking: bool = False,
-              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              enable_tokenizer_info_endpoint: bool = False,
+              prepare_limits: PrepareLimits | None = None,
+              disable_docs: bool = False) -> FastAPI:
     """The FastAPI app over an engine.
 
     Args:
@@ -96,17 +99,24 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
         enable_tokenizer_info_endpoint: Serve `GET /tokenizer_info` (the tokenizer's
             configuration, chat template included; off by default, as in vLLM).
         max_body_bytes: Largest request body (413 beyond).
+        prepare_limits: The lanes requests are prepared in (`PrepareLimits()` when None).
+        disable_docs: Serve no `/docs`, `/redoc` or `/openapi.json` (vLLM's
+            `--disable-fastapi-docs`); they are open, without the key, otherwise.
     """
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         app.state.loop = asyncio.get_running_loop()
         yield
+        state.lanes.shutdown()
         if shutdown_engine and app.state.llm is not None:
             await asyncio.to_thread(app.state.llm.shutdown)
 
-    app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan)
+    docs = {} if not disable_docs else {"docs_url": None, "redoc_url": None,
+                                          "openapi_url": None}
+    app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan, **docs)
     state = app.state
+    state.lanes = PrepareLanes(prepare_limits)
     state.llm, state.ready, state.draining = None, False, False
     state.load_tracking = enable_server_load_tracking
     state.tokenizer_info = enable_tokenizer_info_endpoint
@@ -120,9 +130,10 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
             vocab = getattr(engine.tokenizer, "get_vocab", dict)()
             per_token = max((len(t) for t in vocab), default=0)
             lim = dataclasses.replace(lim, max_chars_per_token=per_token)
-        state.completion = OpenAIServingCompletion(engine, served_model_names, lim)
-        state.chat = OpenAIServingChat(engine, served_model_names, lim)
-        state.tokenization = OpenAIServingTokenization(engine, served_model_names, lim)
+        lanes = state.lanes
+        state.completion = OpenAIServingCompletion(engine, served_model_names, lim, lanes)
+        state.chat = OpenAIServingChat(engine, served_model_names, lim, lanes)
+        state.tokenization = OpenAIServingTokenization(engine, served_model_names, lim, lanes)
         state.llm, state.ready = engine, True
 
     state.attach = attach
@@ -201,7 +212,8 @@ def _add_routes(app: FastAPI, state) -> None:
     @_guard
     async def invocations(request: Request):
         """SageMaker-style entry: a chat body (`messages`) or a completion body (`prompt`)."""
-        body = await asyncio.to_thread(loads_body, await request.body())
+        raw = await request.body()
+        body = await state.lanes.run(state.lanes.is_heavy(len(raw)), loads_body, raw)
         if isinstance(body, dict) and "messages" in body:
             handler = state.chat
         elif isinstance(body, dict) and "prompt" in body:
@@ -209,7 +221,7 @@ def _add_routes(app: FastAPI, state) -> None:
         else:
             raise OpenAIError(400, "an /invocations body holds either messages (chat) or "
                                    "prompt (completion)")
-        return respond(await handler.create(body, request.is_disconnected))
+        return respond(await handler.create(body, request.is_disconnected, len(raw)))
 
     @app.get("/tokenizer_info")
     @_guard

@@ -9,7 +9,7 @@ import re
 from pydantic import BaseModel, ValidationError
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+               405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 # Dotted module paths in exception texts (`transformers.tokenization_utils_base.X`) say
 # nothing to a client and reveal internals: only the last name is kept.
@@ -107,8 +107,39 @@ def loads_body(data: bytes | str) -> object:
         raise OpenAIError(400, "request body is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise OpenAIError(400, f"request body is not valid JSON: {e}") from None
-    check_value(value)
+    if _may_hide_trouble(data):
+        check_value(value)
     return value
+
+
+# Brackets a body may open before `check_value` re-encodes it to look for deep nesting.
+_SHALLOW_BRACKETS = 200
+
+
+def _may_hide_trouble(data: bytes | str) -> bool:
+    """Whether a decoded body may hold lone surrogates (only a `\\u` escape or raw
+    surrogate bytes, which `json.loads` lets through, can make one) or nesting deep enough to
+    break later encoders. Most bodies cannot: skipping the re-encoding halves the time a
+    multi-megabyte body holds the interpreter."""
+    if isinstance(data, str):
+        return True  # already decoded text: rare (tests, SDK callers), always checked
+    if json.detect_encoding(data) != "utf-8" or b"\xed" in data:
+        return True
+    if data.find(b"\\") >= 0 and b"\\u" in data:  # memchr first: most bodies have none
+        return True
+    return _more_than(data, b"[", _SHALLOW_BRACKETS // 2) or _more_than(
+        data, b"{", _SHALLOW_BRACKETS // 2)
+
+
+def _more_than(data: bytes, byte: bytes, n: int) -> bool:
+    """Whether `byte` occurs more than `n` times (a few `find`s, each a memchr, where
+    `bytes.count` walks the whole body byte by byte)."""
+    pos = -1
+    for _ in range(n + 1):
+        pos = data.find(byte, pos + 1)
+        if pos < 0:
+            return False
+    return True
 
 
 def check_value(value: object) -> None:

@@ -1,11 +1,15 @@
-"""ASGI gate in front of every route: readiness (503 while starting or draining), the API key,
-the request-body size limit (413), and the count of requests in flight (for the drain)."""
+"""ASGI gate in front of every route: readiness (503 while starting or draining), the API key
+(a repeated Authorization header is a 400), the request-body size limit (413), and the count
+of requests in flight (for the drain)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import json
 
+from jaxserve.entrypoints.openai.admission import trim_memory
 from jaxserve.entrypoints.openai.errors import error_body
 
 # Paths answered whatever the server's state, and without a key.
@@ -62,15 +66,21 @@ class ServerGate:
             if not self.state.ready:
                 return await _send_json(send, 503, error_body(
                     503, f"the server is starting ({self.state.startup_status()['detail']})"))
+        auths = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
+        if len(auths) > 1:
+            # NOTE: a proxy that reads the first header and a server that reads another
+            # would disagree on who is calling: refuse rather than pick one.
+            return await _send_json(send, 400, error_body(
+                400, f"the request has {len(auths)} Authorization headers; send one"))
         if self.api_key and path.startswith(KEYED_PREFIXES):
-            headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"").decode("latin-1")
+            given = (auths[0] if auths else b"").decode("latin-1")
             if not bearer_matches(given, self.api_key):
                 return await _send_json(send, 401, error_body(
                     401, "Invalid or missing API key (expected 'Authorization: Bearer "
                          "<key>')."), [(b"www-authenticate", b"Bearer")])
+        size = 0
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            receive = await self._buffer_body(scope, receive, send)
+            receive, size = await self._buffer_body(scope, receive, send)
             if receive is None:
                 return
         counted = int(path in LOAD_PATHS)
@@ -81,9 +91,17 @@ class ServerGate:
         finally:
             self.in_flight -= 1
             self.load -= counted
+            lanes = getattr(self.state, "lanes", None)
+            if lanes is not None and lanes.is_heavy(size):
+                # NOTE: once a large request is answered and its objects are gone, the C
+                # heap's free memory goes back to the system (RSS returns to its level).
+                del receive
+                with contextlib.suppress(RuntimeError):  # the executor is shut down
+                    asyncio.get_running_loop().run_in_executor(None, trim_memory)
 
     async def _buffer_body(self, scope, receive, send):
-        """Reads the body up to the limit; a replaying `receive`, or None after a 413."""
+        """Reads the body up to the limit: (a replaying `receive`, its size), or (None, 0)
+        after a 413 or a 429."""
         limit = self.max_body_bytes
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
@@ -92,7 +110,19 @@ class ServerGate:
         close = [(b"connection", b"close")]
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _send_json(send, 413, too_large, close)
-            return None
+            return None, 0
+        lanes = getattr(self.state, "lanes", None)
+        if declared is not None and declared.isdigit() and lanes is not None \
+                and lanes.is_heavy(int(declared)) and lanes.heavy_full:
+            # NOTE: the heavy lane would refuse it: say so before reading megabytes.
+            lanes.heavy_refused += 1
+            lim = lanes.limits
+            await _send_json(send, 429, error_body(
+                429, f"the server is busy: the heavy lane (bodies over {lim.heavy_body_bytes} "
+                     f"bytes) is full, the limit is {lim.heavy_workers + lim.heavy_queue} "
+                     "requests (--heavy-prepare-workers + --heavy-prepare-queue); retry later"),
+                close)
+            return None, 0
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -103,7 +133,7 @@ class ServerGate:
             size += len(chunks[-1])
             if size > limit:
                 await _send_json(send, 413, too_large, close)
-                return None
+                return None, 0
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks) if chunks is not None else b""
@@ -116,4 +146,4 @@ class ServerGate:
             replayed = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        return replay
+        return replay, size

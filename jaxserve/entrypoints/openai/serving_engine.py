@@ -21,6 +21,7 @@ from jaxserve.engine.async_llm import (
     RequestFailedError,
     RequestStream,
 )
+from jaxserve.entrypoints.openai.admission import PrepareLanes
 from jaxserve.entrypoints.openai.errors import (  # noqa: F401 - re-exported
     OpenAIError,
     error_body,
@@ -56,11 +57,24 @@ class ServingLimits:
         tool_call_parser: How chat replies with `tool_choice="auto"` are read for tool
             calls: "hermes" (`<tool_call>{json}</tool_call>`), or None (never: the reply
             is content).
+        max_tokenize_tokens: Most token ids `/tokenize` returns and `/detokenize` takes
+            (None: 4 * max_model_len). Text longer than this many tokens can hold is refused
+            before it is tokenized.
+        max_stop_strings: Most `stop` strings one request may give: each is searched for
+            on the host after every token (0.36 us per string and token; BENCHMARKS.md).
     """
 
     max_prompts_per_request: int = 256
     max_chars_per_token: int | None = None
     tool_call_parser: str | None = "hermes"
+    max_tokenize_tokens: int | None = None
+    max_stop_strings: int = 64
+
+    def __post_init__(self):
+        for name in ("max_prompts_per_request", "max_tokenize_tokens", "max_stop_strings"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
 
 
 @dataclasses.dataclass
@@ -110,11 +124,14 @@ class OpenAIServingBase:
         llm: The async engine.
         served_model_names: Names clients may ask for; the first is reported.
         limits: Per-request limits.
+        lanes: Where requests are prepared (the server shares one between its handlers;
+            None: lanes of this handler's own).
     """
 
     def __init__(self, llm: AsyncLLM, served_model_names: list[str],
-                 limits: ServingLimits | None = None):
+                 limits: ServingLimits | None = None, lanes: PrepareLanes | None = None):
         self.llm = llm
+        self.lanes = lanes or PrepareLanes()
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
         self.tokenizer = llm.tokenizer
@@ -158,6 +175,14 @@ class OpenAIServingBase:
                                    f"tokens ({num_prompt} in the prompt, {params.max_tokens} "
                                    "in the completion).", max_tokens_param)
 
+    def check_stop(self, stop: str | list[str] | None) -> None:
+        """400 for more stop strings than `max_stop_strings` (each costs host time every
+        step, for the whole batch)."""
+        limit = self.limits.max_stop_strings
+        if isinstance(stop, list) and len(stop) > limit:
+            raise OpenAIError(400, f"stop: at most {limit} stop strings per request "
+                                   f"(--max-stop-strings), got {len(stop)}", "stop")
+
     def check_constraint(self, req, params: SamplingParams) -> None:
         """Compiles the request's output constraint now (the engine's LRU cache keeps it),
         so a schema or grammar that does not compile is a 400 naming the field it came
@@ -185,22 +210,38 @@ class OpenAIServing(OpenAIServingBase, abc.ABC):
     def prepare(self, req) -> Prepared:
         """Validates and tokenizes a parsed request (in a worker thread)."""
 
-    def _parse_and_prepare(self, body) -> tuple[Any, Prepared]:
+    def _parse(self, body):
         req = parse_body(body, self.request_model)
         self.check_model(req.model)
+        self.check_stop(req.stop)
+        return req
+
+    def _parse_and_prepare(self, body, heavy: bool = True) -> tuple[Any, Prepared | None]:
+        """The parsed request and, unless the light lane meets a request's own chat
+        template (prepared in the heavy lane instead), the prepared one."""
+        req = self._parse(body)
+        if not heavy and getattr(req, "chat_template", None) is not None:
+            return req, None
         return req, self.prepare(req)
 
-    async def create(self, body, is_disconnected: Callable[[], Awaitable[bool]] | None = None):
+    async def create(self, body, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                     body_bytes: int | None = None):
         """Answers one request: a response dict, or an async iterator of SSE lines.
 
-        NOTE: parsing, tokenizing and template rendering run in a worker thread, so the
-        event loop (and `/health`) stays responsive whatever the body holds.
+        NOTE: parsing, tokenizing and template rendering run in a worker thread of
+        `self.lanes`, so the event loop (and `/health`) stays responsive whatever the body
+        holds: a large body (or `body_bytes`) is prepared in the heavy lane, and so is a
+        request's own `chat_template` (parsed in the light lane, rendered in the heavy one).
 
         Raises:
-            OpenAIError: A bad request (400), unknown model (404), engine gone (503), a
-                request that failed in the engine (500).
+            OpenAIError: A bad request (400), unknown model (404), too many heavy requests
+                (429), engine gone (503), a request that failed in the engine (500).
         """
-        req, prep = await asyncio.to_thread(self._parse_and_prepare, body)
+        size = len(body) if isinstance(body, (bytes, str)) else body_bytes or 0
+        heavy = self.lanes.is_heavy(size)
+        req, prep = await self.lanes.run(heavy, self._parse_and_prepare, body, heavy)
+        if prep is None:
+            prep = await self.lanes.run(True, self.prepare, req)
         request_id = random_id(self.id_prefix)
         if getattr(req, "use_beam_search", False):
             return await self._beam_search(req, prep, request_id, is_disconnected)

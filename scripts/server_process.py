@@ -1,0 +1,86 @@
+"""A `jaxserve serve` child process for the scripts that load a real server (the starvation
+benchmark, the soak): start it, wait until it is ready, read its memory and metrics, stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    """A free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m jaxserve.entrypoints.cli serve ARGS` on a free port, log to `log_path`.
+
+    Args:
+        args: Flags after `serve` (the port is added).
+        log_path: Where its stdout and stderr go.
+        ready_timeout: Seconds to wait for `/health` to answer 200.
+    """
+
+    def __init__(self, args: list[str], log_path: str, ready_timeout: float = 600.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed by stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port",
+             str(self.port), "--uvicorn-log-level", "warning", *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + ready_timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited during start-up (see {log_path})")
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server was not ready in {ready_timeout:.0f} s")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+
+    def rss_mb(self) -> float:
+        """The server's resident memory in MB."""
+        with open(f"/proc/{self.proc.pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+    def metrics(self) -> dict[str, float]:
+        """`/metrics` as `{name{labels but model_name}: value}`."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        values = {}
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                 if k != "model_name")
+                values[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+        return values
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM (the server drains), SIGKILL after `timeout`; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
