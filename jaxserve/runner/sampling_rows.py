@@ -32,7 +32,7 @@ from jaxserve.structured.grammar import bitmask_width
 _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
 _TOP_K, _SEED, _LOGPROBS, _FLAGS = range(4)
 # Bits of the `_FLAGS` column.
-_GREEDY, _PENALTIES, _REPETITION_ON, _MAY_BAN, _CONTROLS, _WANTS_LOGPROBS = (
+_GREEDY, _PENALTIES, _REPETITION_ON, _MAY_BAN, _BAD_WORDS, _CONTROLS = (
     1 << i for i in range(6))
 # The float columns of a row with every stage off (the padding and the inert row).
 _FLOAT_PADS = (0.0, 1.0, 0.0, 0.0, 0.0, 1.0)
@@ -115,20 +115,23 @@ class SamplingRows:
         """
         self.release(out)
         failed: dict[str, BaseException] = {}
-        sched = out.scheduled
-        slots = np.empty(len(sched), np.int64)  # i64[entries]
-        counts = np.empty(len(sched), np.int64)  # i64[entries]: rows of each entry
-        counters = np.empty(len(sched), np.int64)  # i64[entries]
-        odd = []  # entries whose rows are not copies of one row (fan-out, proposals)
-        for i, s in enumerate(sched):
-            slots[i] = self._slot(s.request_id, out.requests.get(s.request_id), params_of,
-                                  failed)
-            if s.request_id in inert:
-                slots[i] = INERT_SLOT
-            counts[i] = s.num_samples + s.num_spec_tokens
-            counters[i] = s.sampling_counter
-            if counts[i] > 1:
-                odd.append(i)
+        sched, requests, slot_of, written = out.scheduled, out.requests, self.slot_of, \
+            self._request
+        slot_list = []
+        for s in sched:  # NOTE: the one loop over the entries: a lookup each, mostly
+            slot = slot_of.get(s.request_id)
+            if slot is None or written[slot] is not requests.get(s.request_id):
+                slot = self._slot(s.request_id, requests.get(s.request_id), params_of, failed)
+            slot_list.append(slot)
+        if inert:
+            slot_list = [INERT_SLOT if s.request_id in inert else slot
+                         for s, slot in zip(sched, slot_list, strict=True)]
+        slots = np.array(slot_list, np.int64)  # i64[entries]
+        counts = np.array([s.num_samples + s.num_spec_tokens for s in sched],
+                          np.int64)  # i64[entries]: rows of each entry
+        counters = np.array([s.sampling_counter for s in sched], np.int64)  # i64[entries]
+        # entries whose rows are not copies of one row (fan-out, proposals)
+        odd = np.flatnonzero(counts > 1).tolist()
         num_real = int(counts.sum())
         if num_real > num_rows:
             raise ValueError(f"num_rows_padded={num_rows} is smaller than the {num_real} rows")
@@ -164,7 +167,7 @@ class SamplingRows:
             max_num_logprobs=min(logprobs_bucket(int(logprobs.max(initial=0))),
                                  self.vocab_size),
             needs_logprobs=bool((logprobs >= 0).any()))
-        special = np.flatnonzero(flags[:num_real] & (_PENALTIES | _MAY_BAN))
+        special = np.flatnonzero(flags[:num_real] & (_PENALTIES | _BAD_WORDS))
         history = self._histories(sched, starts, counts, slots, out, special)
         if has_penalties:
             md.update(self._penalty_ids(row_slots, flags, history, num_rows))
@@ -238,8 +241,8 @@ class SamplingRows:
                  | (_PENALTIES if p.has_penalties else 0)
                  | (_REPETITION_ON if p.repetition_penalty != 1.0 else 0)
                  | (_MAY_BAN if p.min_tokens or p.bad_words_token_ids else 0)
-                 | (_CONTROLS if p.logit_bias or p.allowed_token_ids is not None else 0)
-                 | (_WANTS_LOGPROBS if p.logprobs is not None else 0))
+                 | (_BAD_WORDS if p.bad_words_token_ids else 0)
+                 | (_CONTROLS if p.logit_bias or p.allowed_token_ids is not None else 0))
         self.ints[slot] = (0 if top_k >= self.vocab_size else top_k,
                            int(seed or 0) & 0xFFFFFFFF,
                            -1 if p.logprobs is None else p.logprobs, flags)
@@ -292,8 +295,8 @@ class SamplingRows:
         """The banned-id array and flag: stop and EOS ids below `min_tokens`, bad words."""
         lists = {}
         for r in np.flatnonzero(flags & _MAY_BAN).tolist():
-            ids = row_banned_ids(self._params[row_slots[r]], history[r], int(counters[r]),
-                                 self.eos_token_id)
+            ids = row_banned_ids(self._params[row_slots[r]], history.get(r, ()),
+                                 int(counters[r]), self.eos_token_id)
             if ids:
                 lists[r] = ids
         if not lists:
