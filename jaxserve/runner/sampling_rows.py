@@ -130,6 +130,7 @@ class SamplingRows:
         counts = np.array([s.num_samples + s.num_spec_tokens for s in sched],
                           np.int64)  # i64[entries]: rows of each entry
         counters = np.array([s.sampling_counter for s in sched], np.int64)  # i64[entries]
+        counters[slots == INERT_SLOT] = 0  # inert rows are all alike
         # entries whose rows are not copies of one row (fan-out, proposals)
         odd = np.flatnonzero(counts > 1).tolist()
         num_real = int(counts.sum())

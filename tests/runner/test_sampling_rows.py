@@ -259,6 +259,7 @@ def test_bitmasks_go_to_their_rows_and_free_rows_allow_everything():
 def test_a_row_that_cannot_be_written_fails_its_request_alone():
     rows = SamplingRows(V, EOS)
     good, bad = make("good", MIXED["top_k"]), make("bad", MIXED["penalties"], seeds=(None,))
+    bad.append_output_token_ids([3, 4])  # its inert row counts from 0 all the same
     out = step([entry(bad), entry(good)], [bad, good])
     md, failed = gather(rows, out, 4)
     assert list(failed) == ["bad"] and "seed" in str(failed["bad"])
