@@ -64,6 +64,10 @@ class SamplingRows:
         self._output_len = [0] * n
         self._seeds: list[tuple[int, ...]] = [(0,)] * n  # every completion's seed (fan-out)
         self._prompt_logprobs = [False] * n  # whether the row wants prompt logprobs
+        self._num_prompt_logprobs = 0  # rows that do
+        # (i32[b] logit-bias ids, f32[b] their biases, i32[a] allowed ids or None) of rows
+        # with logit controls
+        self._controls_of: list[tuple | None] = [None] * n
         self._free = list(range(n - 1, 0, -1))  # rows nobody holds (never the inert row)
         self._released_for: SchedulerOutput | None = None
 
@@ -187,6 +191,8 @@ class SamplingRows:
             out: The step.
             token_starts: i32[>= entries]: each entry's first token in the step.
         """
+        if not self._num_prompt_logprobs:
+            return None
         wanted = [(i, s, slot) for i, s in enumerate(out.scheduled)
                   if (slot := self.slot_of.get(s.request_id)) is not None
                   and self._prompt_logprobs[slot]
@@ -249,6 +255,13 @@ class SamplingRows:
                            -1 if p.logprobs is None else p.logprobs, flags)
         self._seeds[slot] = tuple(int(x or 0) & 0xFFFFFFFF for x in req.seeds)
         self._prompt_logprobs[slot] = p.prompt_logprobs is not None and req.sample_index == 0
+        self._num_prompt_logprobs += self._prompt_logprobs[slot]
+        if flags & _CONTROLS:
+            bias = p.logit_bias or {}
+            self._controls_of[slot] = (
+                np.array(list(bias), np.int32), np.array(list(bias.values()), np.float32),
+                None if p.allowed_token_ids is None
+                else np.array(p.allowed_token_ids, np.int32))
         if p.repetition_penalty != 1.0 or self._prompt_logprobs[slot]:
             self._prompt[slot] = np.asarray(req.prompt_token_ids, np.int32)
 
@@ -306,15 +319,13 @@ class SamplingRows:
 
     def _controls(self, row_slots, flags, num_rows) -> dict:
         """The logit-bias and allowed-id arrays of the rows (padded with V)."""
-        rows = np.flatnonzero(flags & _CONTROLS).tolist()
-        params = {r: self._params[row_slots[r]] for r in rows}
-        biases = {r: p.logit_bias for r, p in params.items() if p.logit_bias}
-        allowed = {r: p.allowed_token_ids for r, p in params.items()
-                   if p.allowed_token_ids is not None}
-        bias_ids = self._pad({r: list(b) for r, b in biases.items()}, num_rows)
+        controls = {r: self._controls_of[row_slots[r]]
+                    for r in np.flatnonzero(flags & _CONTROLS).tolist()}
+        bias_ids = self._pad({r: c[0] for r, c in controls.items()}, num_rows)
         bias_values = np.zeros(bias_ids.shape, np.float32)  # f32[R, Lx]
-        for r, b in biases.items():
-            bias_values[r, :len(b)] = list(b.values())
+        for r, c in controls.items():
+            bias_values[r, :len(c[1])] = c[1]
+        allowed = {r: c[2] for r, c in controls.items() if c[2] is not None}
         restricted = np.zeros((num_rows,), np.int32)  # i32[R]
         restricted[list(allowed)] = 1
         return {"has_logit_controls": True, "bias_token_ids": bias_ids,
@@ -348,7 +359,9 @@ class SamplingRows:
         self._clear_history(slot)
         self.floats[slot] = _FLOAT_PADS
         self.ints[slot] = (0, 0, -1, _GREEDY)
+        self._num_prompt_logprobs -= self._prompt_logprobs[slot]
         self._seeds[slot], self._prompt_logprobs[slot] = (0,), False
+        self._controls_of[slot] = None
         self._free.append(slot)
 
     def _take_row(self) -> int:
@@ -356,7 +369,8 @@ class SamplingRows:
             n = len(self.floats)
             self.floats = np.concatenate([self.floats, np.tile(self.floats[INERT_SLOT], (n, 1))])
             self.ints = np.concatenate([self.ints, np.tile(self.ints[INERT_SLOT], (n, 1))])
-            for column in (self._request, self._params, self._prompt, self._output):
+            for column in (self._request, self._params, self._prompt, self._output,
+                           self._controls_of):
                 column.extend([None] * n)
             self._output_len.extend([0] * n)
             self._seeds.extend([(0,)] * n)

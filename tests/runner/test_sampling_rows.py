@@ -241,6 +241,8 @@ def test_prompt_targets_are_the_next_prompt_tokens_of_rows_that_asked():
     assert rows.prompt_targets(step([done], [lp]), np.array([0, 1])) is None
     only_plain = step([entry(plain)], [plain])
     assert rows.prompt_targets(only_plain, np.array([0, 1])) is None
+    rows.release(step([], [], released=["lp"]))  # its prompt goes with its row
+    assert rows.prompt_targets(step([first], [lp]), np.array([0, 3])) is None
 
 
 def test_bitmasks_go_to_their_rows_and_free_rows_allow_everything():
