@@ -14,9 +14,8 @@ import jax.numpy as jnp
 
 from models.config import ArchConfig
 from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
-from models.panels import KEY as PANELS_KEY
-from models.panels import panel_shapes
-from models.qlayers import PanelEmbed, QEmbed, dense
+from models.packed import COLLECTION as PACKED
+from models.qlayers import dense, embed
 from models.quant import QuantPlan
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
 from pallas_kernels.kv_quant import kv_rotation
@@ -31,12 +30,11 @@ class Attention(nn.Module):
     quant: QuantPlan = QuantPlan()
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata,
-                 panels=None):
+    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata):
         cfg = self.cfg
         num_tokens = x.shape[0]
         proj = lambda n, bias, name: dense(self.quant, name, n, bias, self.dtype, self.backend,
-                                           panels=panels, layer=layer)
+                                           layer=layer)
         q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj")(x)
         k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj")(x)
         v = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj")(x)
@@ -71,18 +69,18 @@ class DecoderLayer(nn.Module):
     quant: QuantPlan = QuantPlan()
 
     @nn.compact
-    def __call__(self, carry, xs, cos, sin, md: AttentionMetadata, panels=None):
+    def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
         hidden, kv_pages = carry
         layer, window = xs
         eps = self.cfg.rms_norm_eps
         h = RMSNorm(eps, self.dtype, name="input_layernorm")(hidden)
         attn_out, kv_pages = Attention(self.cfg, self.dtype, self.backend, self.quant,
                                        name="self_attn")(
-            h, cos, sin, kv_pages, layer, window, md, panels)
+            h, cos, sin, kv_pages, layer, window, md)
         hidden = hidden + attn_out
         h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(hidden)
         hidden = hidden + GatedMLP(self.cfg, self.dtype, self.quant, self.backend,
-                                   name="mlp")(h, panels, layer)
+                                   name="mlp")(h, layer)
         return (hidden, kv_pages), None
 
 
@@ -93,43 +91,32 @@ class Decoder(nn.Module):
         cfg: Architecture config.
         dtype: Parameter and activation dtype (float32 or bfloat16).
         backend: Attention backend name (see `pallas_kernels.ATTENTION_BACKENDS`).
-        quant: Which weights are quantized (`models.quant`); empty means none.
-        panels: Panel mode (`models.panels`): the layer matmuls read packed, stacked
-            weights from `params["layer_panels"]` through the CPU matmul kernel, and the
-            LM head reads its panels (`PanelEmbed`).
+        quant: How each weight is stored (`QuantPlan`: quantized formats, the modules
+            packed for the CPU matmul kernel); empty means dense.
     """
 
     cfg: ArchConfig
     dtype: jnp.dtype = jnp.float32
     backend: str = "xla"
     quant: QuantPlan = QuantPlan()
-    panels: bool = False
 
     def setup(self):
         cfg = self.cfg
-        embed_fmt = self.quant.get("embed_tokens")
-        if self.panels and cfg.tie_word_embeddings:
-            self.embed_tokens = PanelEmbed(cfg.vocab_size, cfg.hidden_size)
-        elif embed_fmt is None:
-            self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
-                                         param_dtype=self.dtype)
-        else:
-            self.embed_tokens = QEmbed(cfg.vocab_size, cfg.hidden_size, embed_fmt, self.dtype,
-                                       self.backend)
+        self.embed_tokens = embed(self.quant, cfg.vocab_size, cfg.hidden_size, self.dtype,
+                                  self.backend)
+        # NOTE: each layer's params are sliced out of their stack; packed weights
+        # (`models.packed`) are read whole, at the traced layer index, so the scan
+        # broadcasts their collection instead.
         self.layers = nn.scan(
             DecoderLayer,
             variable_axes={"params": 0},
+            variable_broadcast=PACKED,
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
         )(cfg, self.dtype, self.backend, self.quant)
-        if self.panels:
-            self.layer_panels = self.param(PANELS_KEY, lambda _: {
-                name: jnp.zeros(shape, jnp.float32) for name, shape in panel_shapes(cfg).items()})
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        if self.panels and not cfg.tie_word_embeddings:
-            self.lm_head = PanelEmbed(cfg.vocab_size, cfg.hidden_size)
-        elif not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings:
             self.lm_head = dense(self.quant, "lm_head", cfg.vocab_size, False, self.dtype,
                                  self.backend, in_setup=True)
 
@@ -150,16 +137,13 @@ class Decoder(nn.Module):
         hidden = self.embed_tokens(input_ids)
         xs = (jnp.arange(self.cfg.num_layers, dtype=jnp.int32),
               jnp.asarray(self.cfg.layer_windows, dtype=jnp.int32))
-        panels = self.layer_panels if self.panels else None
-        (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md, panels)
+        (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md)
         return kv_pages, self.norm(hidden)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """LM head: f32[num_rows, vocab_size] logits from final hidden states."""
         if self.cfg.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden)
-        elif self.panels:
-            logits = self.lm_head.attend(hidden)
         else:
             logits = self.lm_head(hidden)
         return logits.astype(jnp.float32)

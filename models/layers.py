@@ -75,10 +75,11 @@ class GatedMLP(nn.Module):
     backend: str = "xla"
 
     @nn.compact
-    def __call__(self, x: jax.Array, panels: dict | None = None, layer=None) -> jax.Array:
-        """x [T, hidden] -> [T, hidden]; `panels` and `layer`: panel mode (models/panels.py)."""
+    def __call__(self, x: jax.Array, layer=None) -> jax.Array:
+        """x [T, hidden] -> [T, hidden]; `layer` (i32[], inside the layer scan) is the index
+        packed weights are read at (`models.qlayers.dense`)."""
         dense = lambda n, name: make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype,
-                                           self.backend, panels=panels, layer=layer)
+                                           self.backend, layer=layer)
 
         h = nn.silu(dense(self.cfg.intermediate_size, "gate_proj")(x))
         h = h * dense(self.cfg.intermediate_size, "up_proj")(x)

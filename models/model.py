@@ -60,24 +60,25 @@ def random_params(cfg: ArchConfig, dtype="float32", seed: int = 0,
     return jax.device_put(quantize_params(params, quant)) if quant else params
 
 
+def variables(params: dict) -> dict:
+    """The Flax variables of a `Model.params`: the "params" collection's tree, or already
+    the variables dict (a serving form with a collection of its own)."""
+    return params if "params" in params else {"params": params}
+
+
 @dataclasses.dataclass
 class Model:
     """A decoder with its weights.
 
     Attributes:
         cfg: Architecture config.
-        params: Parameter tree (see `abstract_params` for its structure; in panel mode
-            the layer matmul kernels are packed under "layer_panels").
+        params: Parameter tree (see `abstract_params` for its structure), or, in a
+            serving form that keeps weights in a Flax collection of their own
+            (`models.packed`), the whole variables dict {collection: tree}.
         dtype: Parameter/activation dtype.
         source: Where the weights came from (path), for logs and errors.
         backend: Attention backend ("auto" resolves per platform).
-        quant: Which weights `params` holds quantized (`models.quant`).
-        panels: Panel mode (`models/panels.py`; the `cpu` backend's float32 serving form,
-            which `LLMEngine` turns on): the layer matmuls read packed, stacked weights
-            through the CPU matmul kernel. The tree given in either form is converted.
-
-    Raises:
-        ValueError: `panels` on a model that cannot serve that way.
+        quant: How `params` holds each weight: quantized (`models.quant`) or packed.
     """
 
     cfg: ArchConfig
@@ -86,34 +87,18 @@ class Model:
     source: str = ""
     backend: str = "auto"
     quant: QuantPlan = NO_QUANT
-    panels: bool = False
 
     def __post_init__(self):
-        from models import panels
-
         self.backend = resolve_backend(self.backend)
-        if self.panels and not panels.eligible(self.params, self.dtype, self.quant,
-                                               self.backend):
-            raise ValueError("panels=True needs the 'cpu' backend with float32, unquantized "
-                             "weights on one device and the CPU matmul kernel (got backend "
-                             f"{self.backend!r}, dtype {jnp.dtype(self.dtype).name}, "
-                             f"quantization {self.quant.to_dict() or None})")
-        # NOTE: the tree is converted here, either way, so callers may pass either form.
-        if self.panels and not panels.is_panel_tree(self.params):
-            self.params = panels.to_panels(self.params)
-        elif not self.panels and panels.is_panel_tree(self.params):
-            self.params = panels.from_panels(self.params, self.cfg)
-        if self.panels and len(self.params[panels.KEY]["q_proj"]) > self.cfg.num_layers:
-            self.params = panels.truncate(self.params, self.cfg.num_layers)  # a draft's
-        self.module = Decoder(self.cfg, self.dtype, self.backend, self.quant, self.panels)
+        self.module = Decoder(self.cfg, self.dtype, self.backend, self.quant)
 
     def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata):
         """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size])."""
-        return self.module.apply({"params": params}, input_ids, positions, kv_pages, md)
+        return self.module.apply(variables(params), input_ids, positions, kv_pages, md)
 
     def compute_logits(self, params, hidden):
         """Pure LM head (jit-able): f32[num_rows, vocab_size]."""
-        return self.module.apply({"params": params}, hidden, method=Decoder.compute_logits)
+        return self.module.apply(variables(params), hidden, method=Decoder.compute_logits)
 
     @property
     def weight_bytes(self) -> int:

@@ -1,9 +1,10 @@
-"""Flax modules for quantized weights (`QDense`, `QEmbed`), panel mode's (`PanelDense`,
-`PanelEmbed`) and the plan-driven factories.
+"""Flax modules for quantized weights (`QDense`, `QEmbed`) and the plan-driven factories
+(`dense`, `embed`) that pick a module's layer from the model's `QuantPlan`.
 
-A module with a format in the model's `QuantPlan` holds the leaves of `models.quant`
-(codes, f16 scales, q4 zeros) instead of a float kernel; every matmul goes through
-`pallas_kernels.quant_matmul`, which never keeps a dequantized copy of the weight.
+A module with a format in the plan holds the leaves of `models.quant` (codes, f16 scales,
+q4 zeros) instead of a float kernel; every matmul goes through
+`pallas_kernels.quant_matmul`, which never keeps a dequantized copy of the weight. A module
+the plan packs reads its weight packed for the CPU matmul kernel (`models.packed`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.packed import PackedDense, PackedEmbed
 from models.quant import QuantFormat, QuantPlan
 from pallas_kernels import quant_embed, quant_matmul
 
@@ -39,52 +41,6 @@ class QDense(nn.Module):
         return y
 
 
-class PanelDense(nn.Module):
-    """A Dense layer whose kernel is layer `layer` of stacked panels (`models.panels`):
-    only its bias, if any, is a parameter of its own."""
-
-    features: int
-    use_bias: bool = False
-    dtype: jnp.dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array, panels: jax.Array, layer) -> jax.Array:
-        from pallas_kernels.cpu_decode.gemm import stacked_gemm
-
-        y = stacked_gemm(x, panels, layer, self.features).astype(self.dtype)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-        return y
-
-
-class PanelEmbed(nn.Module):
-    """The LM head in panel mode (`models.panels`): its weight [hidden, vocab] packed as
-    panels f32[1, P, hidden, 16] under "panels". `attend` is the LM head matmul (the
-    CPU matmul kernel); `__call__` looks tokens up in the same panels, so a tied
-    embedding is stored once."""
-
-    num_embeddings: int
-    features: int
-
-    def setup(self):
-        from pallas_kernels.cpu_decode.gemm import PANEL, num_panels
-
-        self.panels = self.param("panels", nn.initializers.zeros, (
-            1, num_panels(self.num_embeddings), self.features, PANEL), jnp.float32)
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        """f32[T, hidden] rows of `ids` i32[T]: column id % 16 of panel id // 16."""
-        from pallas_kernels.cpu_decode.gemm import PANEL
-
-        return self.panels[0, ids // PANEL, :, ids % PANEL]
-
-    def attend(self, h: jax.Array) -> jax.Array:
-        """f32[T, vocab] logits of hidden states h [T, hidden]."""
-        from pallas_kernels.cpu_decode.gemm import stacked_gemm
-
-        return stacked_gemm(h.astype(jnp.float32), self.panels, 0, self.num_embeddings)
-
-
 class QEmbed(nn.Module):
     """Token embedding stored quantized as [hidden, vocab] (the tied LM head's layout)."""
 
@@ -107,15 +63,26 @@ class QEmbed(nn.Module):
 
 
 def dense(plan: QuantPlan, name: str, features: int, bias: bool, dtype, backend: str,
-          in_setup: bool = False, panels: dict | None = None, layer=None):
-    """`nn.Dense` or, when `plan` quantizes `name`, a `QDense`, named `name` (unless built
-    in a `setup`, where Flax names it after the attribute). With `panels` (a layer matmul
-    in panel mode, `models/panels.py`): a callable multiplying by `panels[name]` at
-    `layer` through a `PanelDense`."""
-    if panels is not None:
-        return lambda x: PanelDense(features, bias, dtype, name=name)(x, panels[name], layer)
-    fmt = plan.get(name)
+          in_setup: bool = False, layer=None):
+    """The layer of module `name` as `plan` stores it: `nn.Dense`, a `QDense` when the plan
+    quantizes it, a `PackedDense` (reading layer `layer` of the packed stack, i32[] or None
+    outside the layer scan) when it packs it. Named `name` unless built in a `setup`, where
+    Flax names it after the attribute."""
     kw = {} if in_setup else {"name": name}
+    if plan.packs(name):
+        return PackedDense(features, bias, dtype, 0 if layer is None else layer, **kw)
+    fmt = plan.get(name)
     if fmt is None:
         return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, **kw)
     return QDense(features, fmt, bias, dtype, backend, **kw)
+
+
+def embed(plan: QuantPlan, num_embeddings: int, features: int, dtype, backend: str):
+    """The token embedding as `plan` stores it (`nn.Embed`, `QEmbed` or `PackedEmbed`), for
+    a `setup`."""
+    if plan.packs("embed_tokens"):
+        return PackedEmbed(num_embeddings, features)
+    fmt = plan.get("embed_tokens")
+    if fmt is None:
+        return nn.Embed(num_embeddings, features, dtype=dtype, param_dtype=dtype)
+    return QEmbed(num_embeddings, features, fmt, dtype, backend)

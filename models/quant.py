@@ -68,18 +68,27 @@ class QuantFormat:
 
 @dataclasses.dataclass(frozen=True)
 class QuantPlan:
-    """Which modules are quantized, and how (hashable: a static part of the model).
+    """How each module's weight is stored: quantized (and how), or packed for the CPU
+    matmul kernel, or dense (hashable: a static part of the model).
 
     Attributes:
         formats: (module name, format) pairs; modules not listed stay dense.
         name: The `quantization` setting the plan came from ("int8", "gguf", ...).
+        packed: Modules whose float weight is packed for the CPU matmul kernel (the `cpu`
+            backend's serving form, set by `models.packed.pack_model`; never saved). Not a
+            quantization: `bool(plan)` only says whether `formats` quantizes anything.
     """
 
     formats: tuple[tuple[str, QuantFormat], ...] = ()
     name: str = "none"
+    packed: tuple[str, ...] = ()
 
     def get(self, module: str) -> QuantFormat | None:
         return dict(self.formats).get(module)
+
+    def packs(self, module: str) -> bool:
+        """Whether `module`'s weight is packed (`models.packed`)."""
+        return module in self.packed
 
     def __bool__(self) -> bool:
         return bool(self.formats)

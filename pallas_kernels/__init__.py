@@ -1,4 +1,22 @@
-"""Paged-attention kernels (Pallas) and their pure-jnp references, behind one interface."""
+"""The kernels the model calls (KV writes, attention, matmuls), behind one interface (`ops`).
+
+One folder per kernel, each with its pure-`jnp` reference (the oracle of its tests):
+
+    ragged_paged_attention/  attention over mixed prefill and decode tokens: the Pallas
+                             kernels (`kernel.py` Triton/interpreter, `kernel_tpu.py`
+                             Mosaic) and `xla.py`, the plain-XLA path the CPU serves with
+    paged_decode_attention/  the Pallas decode kernel (one query token per request)
+    kv_write/                the Pallas KV write (a step's K/V into the page pool)
+    quant_matmul/            matmuls against quantized weights: Pallas (`kernel.py`), XLA
+                             (`xla.py`)
+    cpu_ffi/                 the `cpu` backend's C++ kernels (XLA FFI custom calls, built
+                             on first use): paged decode attention and the layer matmul
+                             over packed weights; for development, CI and small deployments
+
+Shared by them: `ops.py` (backend dispatch, the only module the model calls), `metadata.py`
+(per-step metadata, pool layout), `flash.py` (the online-softmax step), `kv_quant.py` (8-bit
+pages), `tuning.py` (tuned sizes per platform).
+"""
 
 from pallas_kernels.metadata import AttentionMetadata, kv_pages_shape
 from pallas_kernels.ops import (

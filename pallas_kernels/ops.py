@@ -4,8 +4,9 @@ Backends:
     "xla":    plain XLA: the KV write's reference scatter and `ragged_paged_attention_xla`,
               whose cost follows the live context (the jnp references stay the oracles).
     "cpu":    "xla" with its decode rows in a C++ kernel that reads the page pool in place
-              (`pallas_kernels.cpu_decode`, built on first use; CPU only, one device's
-              pool: tensor parallelism keeps "xla").
+              (`pallas_kernels.cpu_ffi`, built on first use; CPU only, one device's
+              pool: tensor parallelism keeps "xla"). For development, CI and small
+              deployments.
     "pallas": the Pallas kernels: on TPU the Mosaic ragged kernel (decodes included; the KV
               write is XLA's in-place scatter), on GPU the Triton kernels, and on the CPU
               the GPU kernels in the Pallas interpreter.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_decode
+from pallas_kernels import cpu_ffi
 from pallas_kernels.kv_write.kernel import write_kv_kernel
 from pallas_kernels.kv_write.reference import write_kv_reference
 from pallas_kernels.metadata import AttentionMetadata
@@ -46,10 +47,10 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         if jax.default_backend() != "cpu":
             return "pallas"
-        return "cpu" if cpu_decode.available() else "xla"
-    if backend == "cpu" and not cpu_decode.available():
+        return "cpu" if cpu_ffi.available() else "xla"
+    if backend == "cpu" and not cpu_ffi.available():
         raise ValueError("attention backend 'cpu' is unavailable here: "
-                         + cpu_decode.unavailable_reason())
+                         + cpu_ffi.unavailable_reason())
     return backend
 
 

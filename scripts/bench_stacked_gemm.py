@@ -1,5 +1,5 @@
 """Experiment: the layer loop's matmuls as a C++ custom call that reads each layer's weights
-in place from stacked, panel-packed weights (`pallas_kernels/cpu_decode/stacked_gemm.cc`),
+in place from stacked, panel-packed weights (`pallas_kernels/cpu_ffi/stacked_gemm.cc`),
 against the model's `nn.scan` form and per-layer buffers (`bench_layer_loop.py`).
 
 At decode batch sizes XLA's CPU matmul gains little from the second thread, and the scan
@@ -7,7 +7,7 @@ copies each layer's weights out of the stack before reading them. The custom cal
 the whole stack and the layer index (no copy) and gives each thread units of three
 16-column panels of weights packed contiguously (`pack`: [L, K, N] -> [L, 3 N / 48, K, 16],
 a load-time layout).
-The engine's `cpu` backend serves float32 models this way (`models/panels.py`):
+The engine's `cpu` backend serves float32 models this way (`models/packed.py`):
 
     python scripts/bench_stacked_gemm.py --batch-sizes 1,8,32,128
 
@@ -35,9 +35,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_layer_loop import layer_weights, scanned, switched, time_forms  # noqa: E402
 
-from pallas_kernels.cpu_decode import gemm  # noqa: E402
-from pallas_kernels.cpu_decode.build import register  # noqa: E402
-from pallas_kernels.cpu_decode.gemm import pack  # noqa: E402
+from pallas_kernels.cpu_ffi import gemm  # noqa: E402
+from pallas_kernels.cpu_ffi.build import register  # noqa: E402
+from pallas_kernels.cpu_ffi.gemm import pack  # noqa: E402
 
 OTHER_TARGET = "jaxserve_bench_stacked_gemm_other"
 

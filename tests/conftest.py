@@ -16,6 +16,18 @@ enable_compilation_cache(os.environ.get(
 
 import pytest  # noqa: E402
 
+# Resident memory one test worker can reach (the default tier peaks at 6-8 GB).
+WORKER_MEMORY_BYTES = 8 * 2**30
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """Workers for `-n auto`: one per core, as many as the memory holds at a worker's peak
+    (two on the team's 2-core, 24 GiB machines); JAXSERVE_TEST_WORKERS overrides."""
+    if "JAXSERVE_TEST_WORKERS" in os.environ:
+        return int(os.environ["JAXSERVE_TEST_WORKERS"])
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(len(os.sched_getaffinity(0)), memory // WORKER_MEMORY_BYTES))
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:

@@ -132,9 +132,9 @@ def test_design_names_resolve():
 @pytest.mark.parametrize("span, resolves", [
     ("LLMEngine.add_request", True), ("LLMEngine.no_such_method", False),
     ("jaxserve/core/scheduler.py", True), ("engine/request_state.py", False),
-    ("models.panels.to_panels", True), ("models.panels.nope", False),
+    ("models.packed.pack_model", True), ("models.packed.nope", False),
     ("tokenize_prompt", False), ("resolve_limits", True), ("prompt_targets", True),
-    ("embed_tokens/panels", True),  # a parameter path, not a file
+    ("lm_head/kernel", True),  # a parameter path, not a file
 ])
 def test_the_checker_tells_names_that_exist(span, resolves):
     assert (problem(span) is None) == resolves

@@ -44,14 +44,15 @@ def serving_model(config: EngineConfig, model: Model | None
     Loads the weights when `model` is None (already placed by the layout's shardings),
     applies the configured attention backend to a given model, falls back from the `cpu`
     backend to `xla` across a mesh (the C++ decode kernel reads one device's whole pool),
-    and packs float32 weights into the `cpu` backend's panels (`models.panels`;
-    `JAXSERVE_CPU_PANELS=0` keeps XLA's matmuls, for comparison and debugging).
+    and packs float32 weights for the `cpu` backend's matmul kernel (`models.packed`;
+    `JAXSERVE_CPU_PANELS=0` keeps XLA's matmuls, for comparison and debugging). A given
+    model may come in either form: packed weights that will not serve packed are unpacked.
 
     Raises:
         ValueError: The `cpu` backend asked for over a tensor-parallel mesh; errors of
             loading and of the layout (`tensor_parallel_layout`).
     """
-    from models import panels
+    from models import packed
     from models.loaders import read_arch_config
 
     mc = config.model
@@ -61,16 +62,17 @@ def serving_model(config: EngineConfig, model: Model | None
     else:
         layout = tensor_parallel_layout(config, model.cfg)
         if mc.attention_backend != "auto":
-            model = dataclasses.replace(model, backend=mc.attention_backend, panels=False)
+            model = dataclasses.replace(model, backend=mc.attention_backend)
     if model.backend == "cpu" and layout is not None and layout.size > 1:
         if mc.attention_backend == "cpu":
             raise ValueError("attention_backend 'cpu' serves one device's page pool; with "
                              f"tensor_parallel_size {config.parallel.tensor_parallel_size} use "
                              "'xla' (or 'auto', which picks it)")
-        model = dataclasses.replace(model, backend="xla", panels=False)
-    if (not model.panels and os.environ.get("JAXSERVE_CPU_PANELS", "1") != "0"
-            and panels.eligible(model.params, model.dtype, model.quant, model.backend)):
-        model = dataclasses.replace(model, panels=True)
+        model = dataclasses.replace(model, backend="xla")
+    if os.environ.get("JAXSERVE_CPU_PANELS", "1") != "0" and packed.can_pack(model):
+        model = packed.pack_model(model)
+    else:
+        model = packed.unpack_model(model)
     return model, layout
 
 

@@ -48,7 +48,8 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 def truncate_layers(model, num_layers: int):
     """A copy of `model` that keeps only its first `num_layers` decoder layers (same
-    embeddings, final norm and LM head): a cheap draft for a benchmark or a test.
+    embeddings, final norm and LM head, the same weight form): a cheap draft for a
+    benchmark or a test.
 
     Raises:
         ValueError: `num_layers` not in [1, the model's layers].
@@ -59,10 +60,17 @@ def truncate_layers(model, num_layers: int):
         raise ValueError(f"num_layers must be in [1, {model.cfg.num_layers}], got {num_layers}")
     cfg = dataclasses.replace(model.cfg, num_layers=num_layers,
                               layer_windows=model.cfg.layer_windows[:num_layers])
-    params = {**model.params, "layers": jax.tree_util.tree_map(lambda x: x[:num_layers],
-                                                               model.params["layers"])}
-    return Model(cfg, params, model.dtype, f"{model.source} (first {num_layers} layers)",
-                 backend=model.backend, quant=model.quant, panels=model.panels)
+    return Model(cfg, _first_layers(model.params, num_layers), model.dtype,
+                 f"{model.source} (first {num_layers} layers)", backend=model.backend,
+                 quant=model.quant)
+
+
+def _first_layers(tree: dict, num_layers: int) -> dict:
+    """`tree` with every stack of layer weights (a "layers" entry, in whichever variable
+    collection) cut to its first `num_layers`."""
+    return {k: jax.tree_util.tree_map(lambda x: x[:num_layers], v) if k == "layers"
+            else _first_layers(v, num_layers) if isinstance(v, dict) else v
+            for k, v in tree.items()}
 
 
 def _propose_loop(model, num_steps: int, page_size: int, params, kv_pages, ids, positions,

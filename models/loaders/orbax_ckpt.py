@@ -16,6 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from models.config import ArchConfig
+from models.packed import unpack_params
 from models.quant import NO_QUANT, QuantPlan
 
 MARKER = "jaxserve_model.json"
@@ -31,16 +32,14 @@ def save_checkpoint(dst: str, cfg: ArchConfig, params, dtype: str, tokenizer,
                     source: str = "", quant: QuantPlan = NO_QUANT) -> None:
     """Writes params (orbax), config and tokenizer to `dst`, which must not exist yet.
 
-    The standard tree is written: a `cpu`-backend model's panel tree (`models.panels`) is
-    unpacked first.
+    The standard tree is written: the weights of a model packed for the `cpu` backend
+    (`models.packed`; `quant.packed`) are unpacked first.
 
     Raises:
         ValueError: `dst` already exists.
     """
-    from models import panels
-
-    if panels.is_panel_tree(params):
-        params = panels.from_panels(params, cfg)
+    if quant.packed:
+        params = unpack_params(params, cfg)
     dst = os.path.abspath(dst)
     if os.path.exists(dst):
         raise ValueError(f"destination {dst} already exists; choose a new directory")

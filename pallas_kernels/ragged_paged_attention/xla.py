@@ -34,7 +34,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_decode import paged_decode_cpu, supports
+from pallas_kernels.cpu_ffi import paged_decode_cpu, supports
 from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import check_shapes, token_positions
@@ -292,7 +292,7 @@ def ragged_paged_attention_xla(
             (`decode_rows x decode_block_kv` keys) stays small enough for the cache
             whatever the batch.
         cpu_decode: Decode rows go to the C++ kernel that reads the pool in place
-            (`pallas_kernels.cpu_decode`, CPU only) instead of the gathered blocks above;
+            (`pallas_kernels.cpu_ffi`, CPU only) instead of the gathered blocks above;
             pools it does not read (8-bit, bf16) keep the XLA decode part.
         cpu_decode_min_rows: Steps of fewer tokens than this keep the XLA decode part
             (where the kernel's step is not faster).

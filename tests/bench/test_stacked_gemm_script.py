@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu_decode import gemm
-from pallas_kernels.cpu_decode.build import register
+from pallas_kernels.cpu_ffi import gemm
+from pallas_kernels.cpu_ffi.build import register
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
 

@@ -2,13 +2,17 @@
 previous one runs, its placeholder tokens read from that step's samples on the device.
 Outputs must equal synchronous stepping token for token, through chunked prefill,
 preemption (recompute; swap in the slow tier), prefix-cache hits, stop strings and seeded
-sampling."""
+sampling.
+
+The engine runs the tiny random model of tests/conftest.py (what is checked is the stepping,
+not the weights): its stop strings are pieces of the text it writes greedily."""
 
 from __future__ import annotations
 
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from models.loaders import load_model
 
 SHARED = ("You are a helpful assistant. Answer briefly and precisely, in one sentence, "
           "and do not repeat the question. ")
@@ -21,25 +25,43 @@ PROMPTS = ["Once upon a time", SHARED + "Question: what is the capital of France
            "The three primary colors are"]
 
 
-def params_of(i: int) -> SamplingParams:
+def params_of(i: int, stops: dict[int, str]) -> SamplingParams:
     """Greedy, seeded sampling, a stop string and different lengths, mixed in one batch."""
     if i % 3 == 0:
         return SamplingParams(temperature=0.0, max_tokens=12 + i)
     if i % 3 == 1:
         return SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=20,
                               ignore_eos=True)  # NOTE: its length never depends on the draws
-    return SamplingParams(temperature=0.0, max_tokens=24, stop=[" the", "."])
+    return SamplingParams(temperature=0.0, max_tokens=24, stop=[stops[i]])
 
 
 @pytest.fixture(scope="module", params=["recompute", pytest.param("swap", marks=pytest.mark.slow)])
-def llm(request, smollm2, smollm2_tokenizer) -> LLM:
+def llm(request, tiny_model_dir, smollm2_tokenizer) -> LLM:
     # A 15-page pool (16 tokens each) cannot hold the batch: requests are preempted.
-    return LLM(smollm2, tokenizer=smollm2_tokenizer, max_num_seqs=8, max_num_batched_tokens=64,
-               max_model_len=256, num_kv_blocks=16, attention_backend="xla", warmup=False,
-               preemption_mode=request.param, swap_space=0.05)
+    return LLM(load_model(tiny_model_dir, "float32"), tokenizer=smollm2_tokenizer,
+               max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=16,
+               attention_backend="xla", warmup=False, preemption_mode=request.param,
+               swap_space=0.05)
 
 
-def run(llm: LLM, overlap: bool):
+@pytest.fixture(scope="module")
+def stops(llm) -> dict[int, str]:
+    """{i: a stop string} for the stop-string requests: three characters from the middle of
+    the text each writes greedily without one, so it stops there (or earlier)."""
+    ids = [i for i in range(len(PROMPTS)) if i % 3 == 2]
+    outs = llm.generate([PROMPTS[i] for i in ids],
+                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)
+    found = {}
+    for i, out in zip(ids, outs, strict=True):
+        text = out.outputs[0].text
+        start = next(j for j in range(len(text) // 2, len(text) - 3)
+                     if text[j:j + 3].strip() and "\ufffd" not in text[j:j + 3])
+        found[i] = text[start:start + 3]
+    return found
+
+
+def run(llm: LLM, stops: dict[int, str], overlap: bool):
     """Each request's (token ids, text, finish reason), the step counts (overlapped, all)
     and the metrics gained, from a cold prefix cache: the batch twice, so the second round
     hits the pages of the first."""
@@ -59,7 +81,7 @@ def run(llm: LLM, overlap: bool):
     try:
         results = []
         for _ in range(2):
-            outs = llm.generate(PROMPTS, [params_of(i) for i in range(len(PROMPTS))],
+            outs = llm.generate(PROMPTS, [params_of(i, stops) for i in range(len(PROMPTS))],
                                 use_tqdm=False)
             results += [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
                         for o in outs]
@@ -73,9 +95,9 @@ def run(llm: LLM, overlap: bool):
     return results, counts, gained
 
 
-def test_overlapped_steps_give_the_same_outputs_as_synchronous_ones(llm):
-    sync, sync_counts, sync_gained = run(llm, overlap=False)
-    overlapped, counts, gained = run(llm, overlap=True)
+def test_overlapped_steps_give_the_same_outputs_as_synchronous_ones(llm, stops):
+    sync, sync_counts, sync_gained = run(llm, stops, overlap=False)
+    overlapped, counts, gained = run(llm, stops, overlap=True)
     assert sync_counts["overlapped"] == 0
     # Most steps overlap the one before (not those after a prompt's first token is
     # sampled with n > 1, nor the first of each round).

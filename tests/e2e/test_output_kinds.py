@@ -8,9 +8,10 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.sampling_params import RequestOutputKind as Kind
+from tests.conftest import TINY_ENGINE
 
-ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-                   attention_backend="xla", warmup=False, num_kv_blocks=64)
+# The shared tiny-engine sizes: the programs come from the persistent compilation cache.
+ENGINE_ARGS = {**TINY_ENGINE, "warmup": False}
 PROMPTS = ["Once upon a time", "The three primary colors are", "def fibonacci(n):"]
 
 

@@ -23,7 +23,9 @@ def test_serve_process_drains_on_sigterm(tmp_path, smollm2_path):
     log = open(tmp_path / "serve.log", "w+")  # read back after the process ends
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port),
-         # NOTE: a budget of 16 keeps warm-up to three token buckets (4, 8, 16).
+         # NOTE: no warm-up (tests/entrypoints/test_server_lifecycle.py covers it): the
+         # stream compiles the one token bucket it uses; loading still answers 503.
+         "--no-warmup",
          "--max-model-len", "256", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
          "--num-kv-blocks", "64", "--compilation-cache-dir", CACHE_DIR, "--log-interval", "1",
          "--uvicorn-log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)

@@ -10,11 +10,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.metrics import ServerMetrics
+from tests.conftest import TINY_ENGINE
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, ServerThread
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 2}
-TINY_LIMITS = dict(max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4,
-                   num_kv_blocks=64, warmup=False)
+# The shared tiny-engine sizes (the programs of the server without speculation come from
+# the persistent compilation cache).
+TINY_LIMITS = {**TINY_ENGINE, "warmup": False}
 # The tiny random model's greedy continuation of it soon repeats one token, so the n-gram
 # lookup finds the history's suffix earlier and proposes (and the target accepts) drafts.
 PROMPT = "one two three one two three one two three one two"

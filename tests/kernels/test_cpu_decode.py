@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention, resolve_backend
-from pallas_kernels.cpu_decode import build, op, paged_decode_cpu
+from pallas_kernels.cpu_ffi import build, op, paged_decode_cpu
 from pallas_kernels.kv_quant import quantize_kv
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla

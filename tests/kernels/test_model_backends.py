@@ -11,7 +11,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from models.config import ArchConfig
 from models.model import Model, random_params
-from pallas_kernels import cpu_decode
+from pallas_kernels import cpu_ffi
 
 TINY = ArchConfig("LlamaForCausalLM", vocab_size=97, hidden_size=64, intermediate_size=96,
                   num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
@@ -62,7 +62,7 @@ def test_tiny_model_greedy_same_on_both_backends(tiny_params, page_size):
     assert decode_steps == [0, 0, 23]
 
 
-@pytest.mark.skipif(not cpu_decode.available(), reason="no CPU decode kernel here")
+@pytest.mark.skipif(not cpu_ffi.available(), reason="no CPU decode kernel here")
 def test_many_decode_rows_same_on_xla_and_cpu(tiny_params):
     # Ten requests decode together (8-row steps: the C++ kernel's, not the 4-row bucket
     # that keeps the XLA decode part), one layer with a sliding window.
@@ -82,7 +82,7 @@ def test_many_decode_rows_same_on_xla_and_cpu(tiny_params):
             buf = np.zeros(layout.size, np.int32)
             hlo += step.lower(runner.params, runner.kv_pages, buf, runner._no_prev_ids).as_text()
     assert outs["xla"] == outs["cpu"]
-    assert cpu_decode.op.TARGET in hlo  # the cpu engine's steps called the kernel
+    assert cpu_ffi.op.TARGET in hlo  # the cpu engine's steps called the kernel
 
 
 @pytest.mark.slow

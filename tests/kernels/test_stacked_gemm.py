@@ -1,18 +1,21 @@
-"""The `cpu` backend's layer matmuls (`pallas_kernels/cpu_decode/gemm.py`, panel mode in
-`models/panels.py`) against `jnp` matmuls and the standard model."""
+"""The `cpu` backend's layer matmuls (`pallas_kernels/cpu_ffi/gemm.py`, the packed weights
+of `models/packed.py`) against `jnp` matmuls and the standard model."""
 
 import dataclasses
+import json
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import panels
+from models import packed
 from models.config import ArchConfig
 from models.model import Model, random_params
-from pallas_kernels.cpu_decode import gemm
+from pallas_kernels.cpu_ffi import gemm
 from tests.kernels.cases import slow_except
 from tests.kernels.test_model_backends import ENGINE
 from tests.kernels.test_model_backends import TINY as SERVED
@@ -110,12 +113,12 @@ def test_the_kernel_rejects_panels_not_in_whole_units(weights):
                                    jnp.asarray(0, jnp.int32)))
 
 
-# NOTE: two programs per case (the standard model's and the panel model's): the default tier
-# runs biases and a tied embedding together; each alone and neither, the slow tier (the panel
-# model's untied LM head and bias-free layers serve in test_model_backends.py's engines).
+# NOTE: two programs per case (the standard model's and the packed model's): the default tier
+# runs biases and a tied embedding together; each alone and neither, the slow tier (the
+# packed model's untied LM head and bias-free layers serve in test_model_backends.py's engines).
 @pytest.mark.parametrize("bias,tied", slow_except(
     [(False, False), (True, False), (False, True), (True, True)], 3))
-def test_panel_model_gives_the_standard_logits(bias, tied):
+def test_packed_model_gives_the_standard_logits(bias, tied):
     cfg = dataclasses.replace(TINY, qkv_bias=bias, mlp_bias=bias, tie_word_embeddings=tied)
     params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(cfg, seed=3))
     if bias:  # random_params zeroes biases: make them count
@@ -124,33 +127,71 @@ def test_panel_model_gives_the_standard_logits(bias, tied):
     # NOTE: both on the `cpu` backend, so that only the matmuls differ (the attention of
     # a short prompt runs on the C++ kernel there, on XLA's tiles on `xla`).
     standard = Model(cfg, params, backend="cpu")
-    paneled = Model(cfg, params, backend="cpu", panels=True)
-    assert paneled.panels and not standard.panels
+    paneled = packed.pack_model(standard)
+    assert packed.is_packed(paneled) and not packed.is_packed(standard)
+    assert not paneled.quant and paneled.quant.name == "none"  # packed is not quantized
+    rest, stacks = paneled.params["params"], paneled.params[packed.COLLECTION]
     paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_leaves_with_path(paneled.params["layers"])]
+             jax.tree_util.tree_leaves_with_path(rest["layers"])]
     assert not [p for p in paths if "kernel" in p]  # packed, not kept twice
     assert any("bias" in p for p in paths) == bias
-    head = paneled.params["embed_tokens" if tied else "lm_head"]
-    assert list(head) == ["panels"]  # the LM head packed too, the tied embedding not kept
-    assert head["panels"].shape == (1, 9, cfg.hidden_size, 16)  # vocab 97: three units
+    assert stacks["layers"]["mlp"]["up_proj"]["kernel"].shape == (3, 6, 64, 16)  # 96 columns
+    head = stacks["embed_tokens" if tied else "lm_head"]
+    assert list(head) == ["embedding" if tied else "kernel"]  # the LM head packed too
+    assert head["embedding" if tied else "kernel"].shape == (1, 9, cfg.hidden_size, 16)  # 97
+    assert "lm_head" not in rest and ("embed_tokens" in rest) != tied  # not kept twice
     ids = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 37)]
     np.testing.assert_allclose(forward_logits(paneled, ids), forward_logits(standard, ids),
                                rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_panel_tree_converts_back_and_forth(tied):
+def test_packed_model_unpacks_and_saves_the_standard_tree(tied, tmp_path):
+    from models.loaders.orbax_ckpt import save_checkpoint
+    from models.quant import NO_QUANT
+
     # NOTE: the tied model has biases too (their leaves make the round trip): the model of
-    # test_panel_model_gives_the_standard_logits's default case, whose init is compiled.
+    # test_packed_model_gives_the_standard_logits's default case, whose init is compiled.
     cfg = dataclasses.replace(TINY, tie_word_embeddings=tied, qkv_bias=tied, mlp_bias=tied)
     params = random_params(cfg, seed=5)
-    paneled = Model(cfg, params, backend="cpu", panels=True)
-    back = Model(cfg, paneled.params, backend="xla")  # a panel tree given to xla
-    assert not panels.is_panel_tree(back.params)
+    paneled = packed.pack_model(Model(cfg, params, backend="cpu"))
+    assert packed.pack_model(paneled) is paneled
+    back = packed.unpack_model(paneled)
+    assert back.quant == NO_QUANT and packed.unpack_model(back) is back
     jax.tree_util.tree_map(np.testing.assert_array_equal, back.params, params)
-    hlo = jax.jit(paneled.forward).lower(
-        paneled.params, *_step_args(paneled)).as_text()
-    assert gemm.TARGET in hlo
+    hlo = jax.jit(paneled.forward).lower(paneled.params, *_step_args(paneled)).as_text()
+    # Each of the layer's 7 matmuls reads its whole stack [L, P, K, 16] (the scan
+    # broadcasts it), not a copy of one layer sliced out of it.
+    stacks = re.findall(rf"custom_call @{gemm.TARGET}\(.*: \(tensor<[^>]*>, tensor<(\d+)x", hlo)
+    assert stacks == [str(cfg.num_layers)] * 7
+    assert gemm.TARGET not in jax.jit(back.forward).lower(back.params,
+                                                           *_step_args(back)).as_text()
+    save_checkpoint(str(tmp_path / "ckpt"), cfg, paneled.params, "float32", None,
+                    quant=paneled.quant)
+    saved = json.loads((tmp_path / "ckpt" / "jaxserve_model.json").read_text())
+    assert saved["quantization"] == NO_QUANT.to_dict()  # packing is never saved
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "ckpt" / "params")
+    jax.tree_util.tree_map(np.testing.assert_array_equal, restored, params)
+
+
+def test_a_truncated_packed_model_is_the_truncated_model_packed():
+    from jaxserve.spec_decode.draft import truncate_layers
+
+    cfg = dataclasses.replace(TINY, tie_word_embeddings=True, qkv_bias=True, mlp_bias=True)
+    model = Model(cfg, random_params(cfg, seed=5), backend="cpu")
+    draft = truncate_layers(packed.pack_model(model), 2)
+    assert packed.is_packed(draft) and draft.cfg.num_layers == 2
+    assert draft.params[packed.COLLECTION]["layers"]["self_attn"]["q_proj"]["kernel"].shape[0] == 2
+    jax.tree_util.tree_map(np.testing.assert_array_equal, packed.unpack_model(draft).params,
+                           truncate_layers(model, 2).params)
+
+
+def test_a_packed_weight_missing_is_a_value_error():
+    cfg = dataclasses.replace(TINY, tie_word_embeddings=True, qkv_bias=True, mlp_bias=True)
+    paneled = packed.pack_model(Model(cfg, random_params(cfg, seed=5), backend="cpu"))
+    del paneled.params[packed.COLLECTION]["layers"]["mlp"]["down_proj"]
+    with pytest.raises(ValueError, match="down_proj: no packed weight 'kernel'"):
+        jax.eval_shape(paneled.forward, paneled.params, *_step_args(paneled))  # traced only
 
 
 def _step_args(model):
@@ -164,38 +205,45 @@ def _step_args(model):
     return jnp.zeros(4, jnp.int32), jnp.arange(4, dtype=jnp.int32), pool, md
 
 
-def test_sharded_weights_are_not_paneled():
+def test_sharded_weights_are_not_packed():
     params = random_params(TINY, seed=6)
     mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     spec = NamedSharding(mesh, PartitionSpec(None, None, "tp"))
     params["layers"]["mlp"]["up_proj"]["kernel"] = jax.device_put(
         params["layers"]["mlp"]["up_proj"]["kernel"], spec)
-    assert not panels.eligible(params, jnp.float32, None, "cpu")
-    with pytest.raises(ValueError, match="panels=True needs the 'cpu' backend"):
-        Model(TINY, params, backend="cpu", panels=True)
+    model = Model(TINY, params, backend="cpu")
+    assert not packed.can_pack(model)
+    with pytest.raises(ValueError, match="packing the weights needs the 'cpu' backend"):
+        packed.pack_model(model)
 
 
 @pytest.mark.parametrize("change", [{"backend": "xla"}, {"dtype": jnp.bfloat16}])
-def test_panels_need_the_cpu_backend_and_float32(change):
+def test_packing_needs_the_cpu_backend_and_float32(change):
     params = random_params(TINY, seed=6)
     args = {"backend": "cpu", "dtype": jnp.float32} | change
-    with pytest.raises(ValueError, match="panels=True needs the 'cpu' backend"):
-        Model(TINY, params, panels=True, **args)
+    model = Model(TINY, params, **args)
+    assert not packed.can_pack(model)
+    with pytest.raises(ValueError, match="packing the weights needs the 'cpu' backend"):
+        packed.pack_model(model)
 
 
-def test_the_engine_serves_the_cpu_backend_in_panel_mode(monkeypatch):
+def test_the_engine_serves_the_cpu_backend_packed(monkeypatch):
     from types import SimpleNamespace
 
     from jaxserve import LLM, SamplingParams
 
     # NOTE: the model, weights and engine sizes of test_model_backends.py, whose xla and
-    # cpu (panel mode) engines compile the same step programs.
+    # cpu (packed) engines compile the same step programs.
     params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(SERVED, seed=7))
+    standard = Model(SERVED, params, backend="cpu")
     outs = {}
-    for backend in ("cpu", "xla"):
-        llm = LLM(Model(SERVED, params, backend=backend), warmup=False,
-                  tokenizer=SimpleNamespace(eos_token_id=None), **ENGINE)
-        assert llm.engine.model.panels == (backend == "cpu")
+    # A model handed over in either form serves in the backend's: packed on `cpu`, not on
+    # `xla`.
+    for backend, model in (("cpu", standard),
+                           ("xla", dataclasses.replace(packed.pack_model(standard),
+                                                       backend="xla"))):
+        llm = LLM(model, warmup=False, tokenizer=SimpleNamespace(eos_token_id=None), **ENGINE)
+        assert packed.is_packed(llm.engine.model) == (backend == "cpu")
         prompts = [{"prompt_token_ids": [3, 5, 7, 11 + i]} for i in range(3)]
         res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
                                                    ignore_eos=True, detokenize=False),
@@ -203,21 +251,20 @@ def test_the_engine_serves_the_cpu_backend_in_panel_mode(monkeypatch):
         outs[backend] = [r.outputs[0].token_ids for r in res]
     assert outs["cpu"] == outs["xla"]
     monkeypatch.setenv("JAXSERVE_CPU_PANELS", "0")
-    llm = LLM(Model(SERVED, params, backend="cpu"), warmup=False, max_model_len=64,
+    llm = LLM(packed.pack_model(standard), warmup=False, max_model_len=64,
               tokenizer=SimpleNamespace(eos_token_id=None), num_kv_blocks=32)
-    assert llm.engine.model.backend == "cpu" and not llm.engine.model.panels
+    assert llm.engine.model.backend == "cpu" and not packed.is_packed(llm.engine.model)
 
 
 def test_an_unavailable_kernel_keeps_xla_matmuls(monkeypatch):
     monkeypatch.setattr(gemm, "_registered", lambda: "building the FFI library failed")
-    params = random_params(TINY, seed=8)
-    assert not panels.eligible(params, jnp.float32, None, "cpu")
+    assert not packed.can_pack(Model(TINY, random_params(TINY, seed=8), backend="cpu"))
     with pytest.raises(RuntimeError, match="CPU matmul kernel is unavailable"):
         gemm.stacked_gemm(np.ones((2, 40), np.float32), gemm.pack(np.ones((1, 40, 48))), 0, 48)
 
 
 def test_a_failing_build_names_the_library(monkeypatch, tmp_path):
-    from pallas_kernels.cpu_decode import build
+    from pallas_kernels.cpu_ffi import build
 
     monkeypatch.setenv("JAXSERVE_FFI_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # exits 1

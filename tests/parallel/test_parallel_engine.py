@@ -17,7 +17,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.parallel.sharding import make_tensor_parallel
 from models.config import ArchConfig
 from models.model import Model, random_params
-from pallas_kernels import cpu_decode
+from pallas_kernels import cpu_ffi
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, detokenize=False)
 # Untied LM head with a vocabulary that 2 and 4 divide, so the head is vocabulary-split.
@@ -185,7 +185,7 @@ def test_bad_sizes_are_clear_errors(smollm2, smollm2_tokenizer):
         make_tensor_parallel(odd, 2)
 
 
-@pytest.mark.skipif(not cpu_decode.available(), reason="no CPU decode kernel here")
+@pytest.mark.skipif(not cpu_ffi.available(), reason="no CPU decode kernel here")
 def test_cpu_backend_under_tensor_parallelism_is_an_error(tiny_model, smollm2_tokenizer):
     with pytest.raises(ValueError, match="attention_backend 'cpu' serves one device's page "
                                          "pool; with tensor_parallel_size 2 use 'xla'"):

@@ -1,7 +1,10 @@
-"""Draft-model speculation on SmolLM2: greedy outputs equal the engine's without it (chunked,
-preempted), a draft identical to the target has its proposals accepted (its KV is kept
-right across steps), a bad draft leaves the sampled distribution the target's, and bad
-drafts are refused."""
+"""Draft-model speculation: greedy outputs equal the engine's without it (chunked, preempted),
+a draft identical to the target has its proposals accepted (its KV is kept right across
+steps), a bad draft leaves the sampled distribution the target's, and bad drafts are refused.
+
+The default tier runs the parity checks on the tiny random model (what is checked is the
+verification and the draft's KV, not the weights); SmolLM2 runs them in the slow tier and
+for the distribution check, which needs a real model's distribution."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.spec_decode.draft import truncate_layers
+from models.loaders import load_model
 from models.model import Model
 
 ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
@@ -27,6 +31,10 @@ PROMPTS = [
     "1, 2, 3, 4, 5,",
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+# The tiny model's engines run on a 9-page pool (requests are preempted and recomputed), the
+# size of the truncated draft's "recompute" case: its target programs are then the ones the
+# reference and self-draft engines compiled (the persistent compilation cache).
+TINY_ARGS = {**ENGINE_ARGS, "num_kv_blocks": 9, "preemption_mode": "recompute"}
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:
@@ -50,6 +58,26 @@ def want(base) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in base.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> Model:
+    """The conftest's tiny random Llama (2 layers, SmolLM2's vocabulary)."""
+    return load_model(tiny_model_dir, "float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_want(tiny, smollm2_tokenizer) -> list[list[int]]:
+    return token_ids(LLM(tiny, tokenizer=smollm2_tokenizer, **TINY_ARGS))
+
+
+@pytest.fixture(params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def target(request, smollm2_tokenizer) -> tuple[Model, list[list[int]], dict]:
+    """(a target model, its greedy tokens without speculation, its engine's arguments): the
+    tiny model in the default tier, SmolLM2 in the slow one."""
+    if request.param == "tiny":
+        return request.getfixturevalue("tiny"), request.getfixturevalue("tiny_want"), TINY_ARGS
+    return request.getfixturevalue("smollm2"), request.getfixturevalue("want"), ENGINE_ARGS
+
+
 def token_ids(llm: LLM, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
@@ -61,12 +89,13 @@ def acceptance(llm: LLM) -> float:
         "jaxserve:spec_decode_num_draft_tokens"]
 
 
-def test_self_draft_is_accepted(smollm2, smollm2_tokenizer, want):
+def test_self_draft_is_accepted(target, smollm2_tokenizer):
     """The target as its own draft: every proposal is the target's greedy token, so all
     are accepted unless the draft's KV went wrong between steps (catch-up, proposals'
     slots written again)."""
-    llm = LLM(smollm2, tokenizer=smollm2_tokenizer, speculative_config=draft_config(smollm2),
-              **ENGINE_ARGS)
+    model, want, args = target
+    llm = LLM(model, tokenizer=smollm2_tokenizer, speculative_config=draft_config(model),
+              **args)
     assert token_ids(llm) == want
     assert acceptance(llm) > 0.95
 
@@ -78,14 +107,13 @@ def test_self_draft_is_accepted(smollm2, smollm2_tokenizer, want):
                  marks=pytest.mark.slow),
     pytest.param({"attention_backend": "pallas"}, id="pallas", marks=pytest.mark.slow),
 ])
-def test_truncated_draft_greedy_parity(smollm2, smollm2_tokenizer, want, overrides):
-    """A 2-layer copy proposes (mostly wrongly); outputs are the target's under chunking,
-    preemption and the Pallas kernels (the target's; the draft keeps its XLA attention).
-    (A 20-layer copy, which agrees with the target ~14% of the time, costs two thirds of
-    a target step per proposal for the same check.)"""
-    llm = LLM(smollm2, tokenizer=smollm2_tokenizer,
-              speculative_config=draft_config(truncate_layers(smollm2, 2), k=2),
-              **{**ENGINE_ARGS, **overrides})
+def test_truncated_draft_greedy_parity(target, smollm2_tokenizer, overrides):
+    """A 1-layer copy proposes (mostly wrongly); outputs are the target's under chunking,
+    preemption and the Pallas kernels (the target's; the draft keeps its XLA attention)."""
+    model, want, args = target
+    llm = LLM(model, tokenizer=smollm2_tokenizer,
+              speculative_config=draft_config(truncate_layers(model, 1), k=2),
+              **{**args, **overrides})
     llm.engine.speculator.gate.min_acceptance = 0.0  # verify every step, though it never pays
     assert token_ids(llm) == want
     acceptance(llm)

@@ -14,7 +14,7 @@ TARGET = "jaxserve_paged_decode_cpu"
 @functools.cache
 def _registered() -> str | None:
     """Builds and registers the FFI target once per process; None, or why it failed."""
-    from pallas_kernels.cpu_decode.build import SOURCE, register
+    from pallas_kernels.cpu_ffi.build import SOURCE, register
 
     return register(SOURCE, "PagedDecode", TARGET, "the CPU decode kernel",
                     "decode rows use the XLA path")

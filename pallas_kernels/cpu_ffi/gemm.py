@@ -26,7 +26,7 @@ SOURCE = os.path.join(os.path.dirname(__file__), "stacked_gemm.cc")
 @functools.cache
 def _registered() -> str | None:
     """Builds and registers the FFI target once per process; None, or why it failed."""
-    from pallas_kernels.cpu_decode.build import register
+    from pallas_kernels.cpu_ffi.build import register
 
     return register(SOURCE, "StackedGemm", TARGET, "the CPU matmul kernel",
                     "layer matmuls use XLA's")

@@ -1,0 +1,171 @@
+"""Packed weights: the `cpu` backend's serving form of a float32 model (panel mode).
+
+The CPU matmul kernel (`pallas_kernels/cpu_ffi/gemm.py`) multiplies by layer `i` of a whole
+weight stack f32[L, K, N] packed into 16-column panels f32[L, P, K, 16] (P = 3 ceil(N / 48),
+zero-padded), read in place with the traced layer index: the layer scan makes no per-layer
+copy of the weights, and the panels spread over XLA's thread pool. The LM head [hidden,
+vocab] is packed the same way, as f32[1, P, hidden, 16]; a tied embedding looks tokens up
+in the head's panels (one copy of the table).
+
+`pack_model` moves each such weight out of the "params" collection into `COLLECTION`,
+packed, at the same module path and leaf name (`layers/self_attn/q_proj/kernel`, ...,
+`lm_head/kernel`, or `embed_tokens/embedding` when tied; biases and norms stay), and lists
+the modules in the plan (`QuantPlan.packed`), from which `models.qlayers.dense` and `embed`
+pick `PackedDense` and `PackedEmbed` as they pick quantized layers. The model's `params`
+is then the Flax variables dict {"params": ..., COLLECTION: ...}, and the layer scan
+broadcasts COLLECTION whole to every layer (`models/decoder.py`). `unpack_model` undoes it.
+The worker packs a model it serves on the `cpu` backend (`serving_model`); loaders never
+do, and checkpoints are written unpacked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ArchConfig
+from pallas_kernels.cpu_ffi import gemm
+
+COLLECTION = "packed"  # the Flax variable collection of the packed weights
+# (parent module, module) of every layer matmul that is packed.
+LAYER_MATMULS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
+                 ("mlp", "down_proj"))
+
+
+class PackedDense(nn.Module):
+    """A Dense layer whose kernel is layer `layer` of the packed stack at its path in
+    `COLLECTION` (only its bias, if any, is a parameter of its own)."""
+
+    features: int
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+    layer: int | jax.Array = 0  # i32[] (traced inside the layer scan)
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = gemm.stacked_gemm(x, _packed(self, "kernel"), self.layer, self.features)
+        y = y.astype(self.dtype)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+class PackedEmbed(nn.Module):
+    """A tied embedding stored as the LM head's panels f32[1, P, hidden, 16] (at its path
+    in `COLLECTION`, leaf "embedding"): `attend` is the LM head matmul (the CPU matmul
+    kernel), `__call__` looks tokens up in the same panels."""
+
+    num_embeddings: int
+    features: int
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """f32[T, hidden] rows of `ids` i32[T]: column id % 16 of panel id // 16."""
+        return _packed(self, "embedding")[0, ids // gemm.PANEL, :, ids % gemm.PANEL]
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """f32[T, vocab] logits of hidden states h [T, hidden]."""
+        return gemm.stacked_gemm(h.astype(jnp.float32), _packed(self, "embedding"), 0,
+                                 self.num_embeddings)
+
+
+def _packed(module: nn.Module, name: str) -> jax.Array:
+    """The module's packed weight; ValueError when the variables lack it."""
+    w = module.get_variable(COLLECTION, name)
+    if w is None:
+        raise ValueError(f"{'/'.join(module.path)}: no packed weight {name!r} in the "
+                         f"{COLLECTION!r} collection; build the model unpacked and pack it "
+                         "with models.packed.pack_model")
+    return w
+
+
+def can_pack(model) -> bool:
+    """Whether `model` can serve packed: the `cpu` backend, float32 unquantized weights on
+    one device, and the CPU matmul kernel builds here."""
+    if model.backend != "cpu" or jnp.dtype(model.dtype) != jnp.float32 or model.quant:
+        return False
+    leaves = jax.tree_util.tree_leaves(model.params)
+    if any(len(x.sharding.device_set) > 1 for x in leaves if isinstance(x, jax.Array)):
+        return False  # a tensor-parallel layout: the engine serves it on "xla"
+    return gemm.available()
+
+
+def is_packed(model) -> bool:
+    """Whether `model` is in the packed form."""
+    return bool(model.quant.packed)
+
+
+def pack_model(model):
+    """`model` in the packed form (the same model when it already is).
+
+    Raises:
+        ValueError: A model that cannot serve packed (`can_pack`).
+    """
+    if is_packed(model):
+        return model
+    if not can_pack(model):
+        raise ValueError("packing the weights needs the 'cpu' backend with float32, "
+                         "unquantized weights on one device and the CPU matmul kernel (got "
+                         f"backend {model.backend!r}, dtype {jnp.dtype(model.dtype).name}, "
+                         f"quantization {model.quant.to_dict() or None})")
+    tied = model.cfg.tie_word_embeddings
+    modules = (*(name for _, name in LAYER_MATMULS), "embed_tokens" if tied else "lm_head")
+    return dataclasses.replace(model, params=pack_params(model.params),
+                               quant=dataclasses.replace(model.quant, packed=modules))
+
+
+def unpack_model(model):
+    """`model` in the standard form (the same model when it already is)."""
+    if not is_packed(model):
+        return model
+    return dataclasses.replace(model, params=unpack_params(model.params, model.cfg),
+                               quant=dataclasses.replace(model.quant, packed=()))
+
+
+def pack_params(params: dict) -> dict:
+    """The variables {"params": ..., COLLECTION: ...} of a standard params tree (new
+    dicts; the input is left as it was)."""
+    rest = jax.tree_util.tree_map(lambda x: x, params)  # a copy of the dicts
+    packed = {"layers": {}}
+    for parent, name in LAYER_MATMULS:
+        leaf = rest["layers"][parent][name]
+        packed["layers"].setdefault(parent, {})[name] = {"kernel": gemm.pack(leaf.pop("kernel"))}
+        if not leaf:  # no bias left either
+            del rest["layers"][parent][name]
+            if not rest["layers"][parent]:
+                del rest["layers"][parent]
+    if "lm_head" in rest:
+        packed["lm_head"] = {"kernel": gemm.pack(np.asarray(rest.pop("lm_head")["kernel"])[None])}
+    else:  # tied: the embedding [vocab, hidden] is the head's transpose
+        table = np.asarray(rest.pop("embed_tokens")["embedding"])
+        packed["embed_tokens"] = {"embedding": gemm.pack(table.T[None])}
+    return {"params": rest, COLLECTION: packed}
+
+
+def unpack_params(variables: dict, cfg: ArchConfig) -> dict:
+    """The standard params tree of packed variables (the inverse of `pack_params`)."""
+    params = jax.tree_util.tree_map(lambda x: x, variables["params"])
+    packed = variables[COLLECTION]
+    for parent, name in LAYER_MATMULS:
+        kernel = gemm.unpack(packed["layers"][parent][name]["kernel"],
+                             _out_features(cfg, name))
+        params["layers"].setdefault(parent, {}).setdefault(name, {})["kernel"] = kernel
+    if "lm_head" in packed:
+        params["lm_head"] = {"kernel": gemm.unpack(packed["lm_head"]["kernel"],
+                                                   cfg.vocab_size)[0]}
+    else:
+        params["embed_tokens"] = {"embedding": gemm.unpack(packed["embed_tokens"]["embedding"],
+                                                           cfg.vocab_size)[0].T}
+    return params
+
+
+def _out_features(cfg: ArchConfig, name: str) -> int:
+    """Output columns of layer matmul `name` (its panels are padded past them)."""
+    return {"q_proj": cfg.num_heads * cfg.head_dim, "k_proj": cfg.num_kv_heads * cfg.head_dim,
+            "v_proj": cfg.num_kv_heads * cfg.head_dim, "o_proj": cfg.hidden_size,
+            "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size,
+            "down_proj": cfg.hidden_size}[name]

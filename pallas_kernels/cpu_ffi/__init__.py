@@ -1,0 +1,20 @@
+"""The `cpu` backend's C++ kernels: XLA FFI custom calls compiled on first use (`build.py`).
+
+- `op.py` + `paged_decode.cc`: paged decode attention reading the page pool in place
+  (the decode rows, and the tokens of short prompts, of `ragged_paged_attention/xla.py`).
+- `gemm.py` + `stacked_gemm.cc`: the layer matmul over weights packed into panels, reading
+  layer `i` of the whole stack in place (the model's packed weights, `models/packed.py`).
+
+The CPU backend is for development, CI and small deployments: one host's cores, float32,
+one device (a tensor-parallel mesh serves on `xla`). Production serving is the Pallas
+kernels on GPU and TPU.
+"""
+
+from pallas_kernels.cpu_ffi.op import (
+    available,
+    paged_decode_cpu,
+    supports,
+    unavailable_reason,
+)
+
+__all__ = ["available", "paged_decode_cpu", "supports", "unavailable_reason"]
