@@ -5,7 +5,7 @@ Two measurements, both at a steady decode state with N running requests:
 - `component_overhead`: no model at all. The real `Scheduler` + `KVCacheManager`
   (schedule, update_from_output), the runner's input builders called directly
   (`build_step_arrays` over the runner's kept block tables + `transfer.pack`), and the
-  sampling arrays (`build_sampling_metadata` + the runner's `promote` + `pack`).
+  sampling arrays (the runner's kept rows, `SamplingRows.gather`, + `promote` + `pack`).
 - `engine_overhead`: a real `LLMEngine` over a tiny random-weight model (SmolLM2's
   vocabulary and tokenizer, so detokenizing is real) whose device step is cheap; each
   phase of `engine.step()` is timed by wrapping the engine's methods and the runner's
@@ -57,9 +57,9 @@ def component_overhead(num_running: int, *, prompt_len: int = 64, num_steps: int
     from jaxserve.runner.block_table_rows import BlockTableRows
     from jaxserve.runner.buckets import pick_bucket, rows_for_bucket, token_buckets
     from jaxserve.runner.sampler_variants import promote, variant_of
+    from jaxserve.runner.sampling_rows import SamplingRows
     from jaxserve.runner.step_input import build_step_arrays
     from jaxserve.runner.transfer import pack
-    from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 
     # Outputs long enough that the first admitted are still running when the last start.
     max_tokens = num_steps + 8 + num_running * prompt_len // 2048
@@ -69,6 +69,7 @@ def component_overhead(num_running: int, *, prompt_len: int = 64, num_steps: int
     # NOTE: the runner's kept tables, which the steps before this loop never sent to:
     # each request sends its whole table once here (a decode step's deltas thereafter).
     kept = BlockTableRows(max_pages, num_running)
+    sampling_rows = SamplingRows(49152, None, num_running)
     for request in sched.running:
         sched.kv.resend_pages(request.request_id)
     times = {k: [] for k in ("schedule", "update", "step_arrays", "pack_inputs",
@@ -88,13 +89,8 @@ def component_overhead(num_running: int, *, prompt_len: int = 64, num_steps: int
         arrays = timed("step_arrays", build_step_arrays, out, num_tokens, num_rows, page_size,
                        max_pages, tables=kept)
         timed("pack_inputs", pack, arrays.device_tree())
-        rows = []
-        for s in out.scheduled:
-            req = sched.requests[s.request_id]
-            rows.append(RowSpec(req.sampling_params, req.prompt_token_ids,
-                                req.output_token_ids, 0, s.sampling_counter))
         t0 = time.perf_counter()
-        md = build_sampling_metadata(rows, num_rows, 49152)
+        md, _ = sampling_rows.gather(out, num_rows, lambda req: req.sampling_params)
         md = promote(md, variant_of(md), 49152, 1024, 16)
         times["sampling_metadata"].append(time.perf_counter() - t0)
         timed("pack_sampling", pack, md)
@@ -124,7 +120,8 @@ def tiny_model(vocab_size: int = 49152, max_position_embeddings: int = 4096):
 
 @contextlib.contextmanager
 def _patched(module, names: list[str], acc: dict):
-    """Times module-level functions (as the engine/runner call them) into `acc`."""
+    """Times module-level functions or an object's methods (as the engine and runner call
+    them) into `acc`."""
     saved = {n: getattr(module, n) for n in names}
 
     def wrap(name, fn):
@@ -153,7 +150,6 @@ def engine_overhead(llm, num_running: int, *, prompt_len: int = 32, num_steps: i
         output_kind: The requests' `RequestOutputKind` name: CUMULATIVE (an output per
             step, as a stream reads it) or FINAL_ONLY (as `LLM.generate` runs them).
     """
-    import jaxserve.engine.llm_engine as le
     import jaxserve.runner.model_runner as mr
     from jaxserve.bench.engine_run import StepProbe
     from jaxserve.sampling_params import RequestOutputKind
@@ -175,7 +171,7 @@ def engine_overhead(llm, num_running: int, *, prompt_len: int = 32, num_steps: i
         eng.step()
     acc: dict[str, float] = {}
     rows = []
-    with StepProbe(eng) as probe, _patched(le, ["build_sampling_metadata"], acc), \
+    with StepProbe(eng) as probe, _patched(eng, ["_kept_rows"], acc), \
             _patched(mr, ["build_step_arrays", "pack", "promote"], acc):
         for _ in range(num_steps):
             acc.clear()
@@ -187,13 +183,13 @@ def engine_overhead(llm, num_running: int, *, prompt_len: int = 32, num_steps: i
            "step": med([r.seconds for r, _ in rows]),
            "schedule": med([r.schedule_s for r, _ in rows]),
            "update": med([r.update_s for r, _ in rows]),
-           "sampling_metadata": med([a.get("build_sampling_metadata", 0) for _, a in rows]),
+           "sampling_metadata": med([a.get("_kept_rows", 0) for _, a in rows]),
            "step_arrays": med([a.get("build_step_arrays", 0) for _, a in rows]),
            "pack_promote": med([a.get("pack", 0) + a.get("promote", 0) for _, a in rows]),
            "device": med([r.execute_s - a.get("build_step_arrays", 0) - a.get("pack", 0)
                           - a.get("promote", 0) for r, a in rows]),
            "output_processing": med([r.seconds - r.schedule_s - r.update_s - r.execute_s
-                                     - a.get("build_sampling_metadata", 0)
+                                     - a.get("_kept_rows", 0)
                                      for r, a in rows])}
     res["scheduling"] = res["schedule"] + res["update"]
     res["input_preparation"] = res["sampling_metadata"] + res["step_arrays"] + res["pack_promote"]

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import time
-
-import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.input_processor import InputProcessor
-from jaxserve.engine.output_processor import CoreStep, OutputProcessor, prompt_targets
+from jaxserve.engine.output_processor import CoreStep, OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_io import PendingStep
@@ -22,7 +19,7 @@ from jaxserve.runner.worker import Worker
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.factory import make_speculator
-from jaxserve.structured import mask_rows
+from jaxserve.structured import mask_rows, row_bitmasks
 
 logger = logging.getLogger("jaxserve")
 # The row that stands in for a request whose own row could not be built (it computes
@@ -37,7 +34,6 @@ class _InFlight:
     out: SchedulerOutput
     requests: dict[str, Request]
     pending: PendingStep
-    targets: np.ndarray | None  # i32[step tokens]: prompt logprob targets
     failed: dict[str, BaseException]
 
 
@@ -198,19 +194,6 @@ class LLMEngine:
             pending, self._pending = self._pending, None
             self._stashed.extend(self._finish(pending))
 
-    def _row_for(self, now: float, req, s, k) -> RowSpec:
-        state = self.outputs.row_state(req, now)
-        seed = req.seeds[k] if s.num_samples > 1 else req.seeds[req.sample_index]
-        if s.num_spec_tokens and k:
-            # Row k samples the token after proposal k-1: as if proposals 0..k-1 were
-            # output already (penalties, min_tokens and bad words see them; the counter
-            # is that output position's, so seeded draws match a run without proposals).
-            return RowSpec(state.row_params, req.prompt_token_ids,
-                           [*req.output_token_ids, *s.spec_token_ids[:k]], seed,
-                           s.sampling_counter + k)
-        return RowSpec(state.row_params, req.prompt_token_ids, req.output_token_ids, seed,
-                       s.sampling_counter)
-
     def _can_overlap(self, inflight: _InFlight) -> bool:
         """Whether the next step may be scheduled before `inflight`'s samples are known:
         no request forks on them (n > 1), none waits for prompt logprobs from it, no
@@ -224,8 +207,8 @@ class LLMEngine:
             return False
         # NOTE: a step verifying proposals yields an unknown number of tokens per request;
         # nothing can be scheduled on top of it.
-        if inflight.targets is not None or any(s.num_samples > 1 or s.num_spec_tokens
-                                               for s in inflight.out.scheduled):
+        if inflight.pending.prompt_logprobs is not None or any(
+                s.num_samples > 1 or s.num_spec_tokens for s in inflight.out.scheduled):
             return False
         if any(r.sampling_params.needs_output_history for r in self.scheduler.running):
             return False
@@ -247,22 +230,24 @@ class LLMEngine:
             return None
         reached_runner = False
         try:
-            requests, sampling, failed, targets = self._step_inputs(out, row_for)
+            requests, sampling, failed = self._step_inputs(out, row_for)
             reached_runner = True
-            pending = self.runner.dispatch(out, sampling, prompt_targets=targets,
+            pending = self.runner.dispatch(out, sampling,
                                            prev=None if prev is None else prev.pending)
         except BaseException:
             if not reached_runner:
                 self.runner.apply_kv_changes(out)  # the device must agree, step or none
             self.scheduler.unschedule(out)
             raise
-        return _InFlight(out, requests, pending, targets, failed)
+        return _InFlight(out, requests, pending, failed)
 
     def _step_inputs(self, out: SchedulerOutput, row_for=None):
         """(requests by id, sampling arrays, `{request_id: error}` of requests whose rows
-        failed, prompt-logprob targets) of a scheduled step."""
-        row_for = row_for or functools.partial(self._row_for, time.time())
+        failed) of a scheduled step: gathered from the runner's kept rows, or built from
+        `row_for`'s rows (beam search)."""
         requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}
+        if row_for is None:
+            return (requests, *self._kept_rows(out, requests))
         rows, row_owner, row_failed, constrained = [], [], {}, []
         for s in out.scheduled:
             req, first = requests[s.request_id], len(rows)
@@ -279,14 +264,44 @@ class LLMEngine:
         if constrained:
             mask_rows(rows, constrained, self.model.cfg.vocab_size, _INERT_ROW, row_failed)
         _, num_rows = self.runner.step_shape(out)
-        sampling, failed = self._sampling_metadata(rows, row_owner, num_rows)
-        return requests, sampling, {**row_failed, **failed}, prompt_targets(out, requests)
+        sampling, failed = self._rows_metadata(rows, row_owner, num_rows)
+        return requests, sampling, {**row_failed, **failed}
+
+    def _kept_rows(self, out: SchedulerOutput, requests: dict[str, Request]):
+        """(sampling arrays, `{request_id: error}`) of a step from the runner's kept rows:
+        each request's settings are written once, when it joins; this step adds its
+        counters, output tokens and structured-output masks."""
+        now, failed, constrained, first = time.time(), {}, [], 0
+        for s in out.scheduled:
+            req, num = requests[s.request_id], s.num_samples + s.num_spec_tokens
+            if num:
+                try:
+                    self.outputs.row_state(req, now)
+                except Exception as e:  # noqa: BLE001 - this request fails, not the step
+                    failed.setdefault(s.request_id, e)
+                if req.grammar is not None and s.request_id not in failed:
+                    constrained.append((first, req, s))
+            first += num
+        masks = row_bitmasks(constrained, self.model.cfg.vocab_size, failed) \
+            if constrained else None
+        _, num_rows = self.runner.step_shape(out)
+        sampling, row_failed = self._sampling_metadata(out, num_rows, masks, failed)
+        return sampling, {**failed, **row_failed}
+
+    def _sampling_metadata(self, out: SchedulerOutput, num_rows: int, masks, failed):
+        """The step's sampling arrays gathered from the runner's rows, and the requests whose
+        rows cannot be written. Those and the requests in `failed` get inert greedy rows:
+        the step computes the others' tokens exactly as it would without them."""
+        states = self.outputs.states
+        return self.runner.sampling_rows.gather(
+            out, num_rows, lambda req: states[req.user_request_id].row_params, masks,
+            inert=failed)
 
     def _core(self, inflight: _InFlight, on_prompt_logprobs=None) -> CoreStep:
         """Waits for a dispatched step and advances the scheduler by what it sampled."""
         result = self.runner.fetch(inflight.pending)
         out, requests = inflight.out, inflight.requests
-        if inflight.targets is not None and on_prompt_logprobs is not None:
+        if result.prompt_logprobs is not None and on_prompt_logprobs is not None:
             on_prompt_logprobs(out, requests, result.prompt_logprobs)
         # NOTE: a request that ended while the step ran is skipped (its id may be reused).
         failed = {req_id: error for req_id, error in inflight.failed.items()
@@ -318,10 +333,10 @@ class LLMEngine:
         for req_id, status in to_finish.items():
             self.scheduler.finish_request(req_id, status)
 
-    def _sampling_metadata(self, rows: list[RowSpec], row_owner: list[str], num_rows: int):
-        """The step's sampling arrays, and `{request_id: error}` of requests whose rows could
-        not be built (their rows are replaced by inert greedy ones: the step computes the
-        others' tokens exactly as it would without them)."""
+    def _rows_metadata(self, rows: list[RowSpec], row_owner: list[str], num_rows: int):
+        """The sampling arrays of hand-made rows (`run_core_step`), and `{request_id: error}`
+        of requests whose rows could not be built (their rows are replaced by inert greedy
+        ones: the step computes the others' tokens exactly as it would without them)."""
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         vocab = self.model.cfg.vocab_size
         try:

@@ -8,8 +8,6 @@ import logging
 import math
 import time
 
-import numpy as np
-
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -381,23 +379,3 @@ class OutputProcessor:
                         state.set_prompt_logprob(pos + 1, req.prompt_token_ids[pos + 1],
                                                  lp, t + i, k)
             t += s.num_new_tokens
-
-
-def prompt_targets(out, requests: dict[str, Request]) -> np.ndarray | None:
-    """i32[step tokens]: the next prompt token at each position of requests that asked for
-    prompt logprobs (-1 elsewhere), or None when no request did."""
-    if not any(requests[s.request_id].sampling_params.prompt_logprobs is not None
-               for s in out.scheduled):
-        return None  # NOTE: the common case, without an array per request
-    targets, wanted = [], False
-    for s in out.scheduled:
-        req = requests[s.request_id]
-        row = np.full(s.num_new_tokens, -1, np.int32)
-        sp = req.sampling_params
-        if sp.prompt_logprobs is not None and req.sample_index == 0:
-            pos = np.arange(s.start_pos, s.start_pos + s.num_new_tokens)
-            keep = pos + 1 < req.num_prompt_tokens
-            row[keep] = np.asarray(req.prompt_token_ids)[pos[keep] + 1]
-            wanted |= bool(keep.any())
-        targets.append(row)
-    return np.concatenate(targets) if wanted else None

@@ -25,6 +25,7 @@ from jaxserve.runner.block_table_rows import BlockTableRows
 from jaxserve.runner.buckets import pick_bucket, rows_for_bucket, token_buckets
 from jaxserve.runner.kv_ops import HostSwapSpace, copy_page_pairs
 from jaxserve.runner.sampler_variants import promote, variant_of
+from jaxserve.runner.sampling_rows import SamplingRows
 from jaxserve.runner.step_input import build_step_arrays
 from jaxserve.runner.step_io import PendingStep, StepInputs, StepResult
 from jaxserve.runner.transfer import Layout, pack, unpack
@@ -90,12 +91,14 @@ class ModelRunner:
             (`pallas_kernels.kv_quant`).
         short_tiles: Whether steps hold many requests of a few new tokens after a context
             (`AttentionMetadata.short_tiles`); None: when verifying proposals.
+        eos_token_id: The EOS id banned with `stop_token_ids` below `min_tokens`.
     """
 
     def __init__(self, model: Model, num_pages: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_swap_slots: int = 0,
                  layout: TensorParallel | None = None, num_spec_tokens: int = 0,
-                 kv_cache_dtype: str = "auto", short_tiles: bool | None = None):
+                 kv_cache_dtype: str = "auto", short_tiles: bool | None = None,
+                 eos_token_id: int | None = None):
         compile_counter.install()
         self.model = model
         self.layout = layout
@@ -106,6 +109,8 @@ class ModelRunner:
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
         # Requests' block tables kept between steps (the scheduler sends what changed).
         self.block_tables = BlockTableRows(self.max_pages_per_seq, max_num_seqs)
+        # Requests' sampling rows kept between steps (written when each request joins).
+        self.sampling_rows = SamplingRows(model.cfg.vocab_size, eos_token_id, max_num_seqs)
         self.penalty_len = 1 << (max_model_len - 1).bit_length()
         self.banned_len = MAX_BANNED_TOKEN_IDS
         # NOTE: the smallest bucket is tuned per backend (`pallas_kernels.tuning`): padded
@@ -161,22 +166,19 @@ class ModelRunner:
         return num_tokens, self.sample_rows(num_tokens)
 
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata,
-                variant: str | None = None,
-                prompt_targets: np.ndarray | None = None) -> StepResult:
+                variant: str | None = None) -> StepResult:
         """Runs one step (`dispatch`, then `fetch`): plans, model, sampler."""
-        return self.fetch(self.dispatch(out, sampling, variant, prompt_targets))
+        return self.fetch(self.dispatch(out, sampling, variant))
 
     def dispatch(self, out: SchedulerOutput, sampling: SamplingMetadata,
-                 variant: str | None = None, prompt_targets: np.ndarray | None = None,
-                 prev: PendingStep | None = None) -> PendingStep:
+                 variant: str | None = None, prev: PendingStep | None = None) -> PendingStep:
         """Hands one step to the device and returns without waiting for it.
 
         Args:
             out: The scheduler's step.
-            sampling: One row per sampling row, padded to `step_shape(out)[1]` rows.
+            sampling: One row per sampling row, padded to `step_shape(out)[1]` rows
+                (`sampling_rows.gather`, or built by hand).
             variant: Force a sampler variant (warm-up); default: the cheapest that fits.
-            prompt_targets: i32[total scheduled tokens]: for prompt logprobs, the next
-                prompt token of each position (-1 where not wanted); None skips them.
             prev: The step before this one, when it has not been fetched yet: placeholder
                 tokens take the ids it samples (on the device).
 
@@ -185,7 +187,7 @@ class ModelRunner:
         """
         start = compile_counter.num_compilations()
         try:
-            return self._dispatch(out, sampling, variant, prompt_targets, prev)
+            return self._dispatch(out, sampling, variant, prev)
         finally:
             self.num_compilations += compile_counter.num_compilations() - start
 
@@ -209,11 +211,13 @@ class ModelRunner:
                           topk_ids, topk_lp, pending.num_padded_tokens, prompt_lp)
 
     def _dispatch(self, out: SchedulerOutput, sampling: SamplingMetadata,
-                  variant: str | None, prompt_targets: np.ndarray | None,
-                  prev: PendingStep | None) -> PendingStep:
+                  variant: str | None, prev: PendingStep | None) -> PendingStep:
         self.apply_kv_changes(out)
         arrays, model_buf, model_layout, num_tokens, num_rows = self._model_inputs(out, prev)
         total = int(arrays.cu_q_lens[-1])  # the step's tokens
+        # i32[total]: for prompt logprobs, the next prompt token of each position (-1 where
+        # not wanted), from the prompts of the kept rows; None skips them.
+        prompt_targets = self.sampling_rows.prompt_targets(out, arrays.cu_q_lens)
         targets = None
         if prompt_targets is not None:
             targets = np.zeros(num_tokens, np.int32)  # i32[num_tokens]; padding: any id
@@ -320,9 +324,11 @@ class ModelRunner:
     def apply_kv_changes(self, out: SchedulerOutput) -> None:
         """Does what the KV manager counted as done when it scheduled `out`, whether the
         step runs or not (it may be empty, or fail before dispatch): forgets the kept
-        block tables of requests whose pages were dropped (`released_request_ids`; first,
-        as it cannot fail), then runs the page moves (`plans`)."""
+        block tables and sampling rows of requests whose pages were dropped
+        (`released_request_ids`; first, as it cannot fail), then runs the page moves
+        (`plans`)."""
         self.block_tables.release(out.released_request_ids)
+        self.sampling_rows.release(out)
         self.execute_plans(out.plans)
 
     # -------------------------------------------------------------- plans

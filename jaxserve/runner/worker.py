@@ -139,7 +139,8 @@ class Worker:
         self.runner = ModelRunner(self.model, lim.num_pages, cache.block_size, lim.max_model_len,
                                   max_num_seqs, lim.max_num_batched_tokens, num_swap_slots,
                                   layout=self.layout, num_spec_tokens=num_spec_tokens,
-                                  kv_cache_dtype=cache.kv_cache_dtype)
+                                  kv_cache_dtype=cache.kv_cache_dtype,
+                                  eos_token_id=(self.eos_token_ids or (None,))[0])
         logger.info("jaxserve: weights %s (%.0f MiB); KV cache %s: %d pages of %d tokens = "
                     "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
                     self.model.quant.name, self.model.weight_bytes / 2**20,

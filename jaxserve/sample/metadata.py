@@ -275,14 +275,29 @@ def _bitmask(rows: list[RowSpec], num_rows: int, vocab_size: int) -> np.ndarray 
 
 
 def _banned_ids(row: RowSpec, counter: int, eos_token_id: int | None) -> list[int] | None:
-    """Ids banned for this row's next token: stop and EOS ids below `min_tokens`, and the
-    last token of each bad word whose earlier tokens end the output (vLLM's rule)."""
-    p = row.params
+    return row_banned_ids(row.params, row.output_token_ids, counter, eos_token_id)
+
+
+def row_banned_ids(params: SamplingParams, output_token_ids: Sequence[int], counter: int,
+                   eos_token_id: int | None) -> list[int] | None:
+    """Ids banned for a row's next token: stop and EOS ids below `min_tokens`, and the last
+    token of each bad word whose earlier tokens end the output (vLLM's rule).
+
+    Args:
+        params: The row's settings.
+        output_token_ids: Its output so far (proposals before the row included).
+        counter: Tokens generated before the row's token.
+        eos_token_id: Banned with `stop_token_ids` (unless `ignore_eos`).
+
+    Returns:
+        The sorted ids, or None when nothing is banned.
+    """
+    p, out = params, output_token_ids
     banned = set(p.all_stop_token_ids(eos_token_id)) if counter < p.min_tokens else set()
-    out = row.output_token_ids
     for seq in p.bad_words_token_ids or ():
         head = len(seq) - 1
-        if head == 0 or (len(out) >= head and list(out[len(out) - head:]) == list(seq[:-1])):
+        if head == 0 or (len(out) >= head
+                         and [int(t) for t in out[len(out) - head:]] == list(seq[:-1])):
             banned.add(seq[-1])
     return sorted(banned) or None
 

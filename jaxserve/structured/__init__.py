@@ -6,8 +6,10 @@ from jaxserve.structured.grammar import (
     bitmask_width,
     fill_bitmasks,
     mask_rows,
+    row_bitmasks,
 )
 from jaxserve.structured.params import StructuredOutputsParams
 
 __all__ = ["GrammarCompiler", "RequestGrammar", "StructuredOutputsParams", "bitmask_width",
-           "fill_bitmasks", "mask_rows"]
+           "fill_bitmasks", "mask_rows",
+           "row_bitmasks"]

@@ -135,20 +135,42 @@ def mask_rows(rows: list, constrained: list, vocab_size: int, inert, failed: dic
         inert: The row that replaces a failed request's rows.
         failed: `{request_id: exception}`, added to.
     """
+    masks = row_bitmasks(constrained, vocab_size, failed)
+    for first, req, s in constrained:
+        end = first + s.num_samples + s.num_spec_tokens
+        if req.request_id in failed:
+            rows[first:end] = [inert] * (end - first)
+        else:
+            rows[first:end] = [r._replace(token_bitmask=masks[i])
+                               for i, r in enumerate(rows[first:end], first)]
+
+
+def row_bitmasks(constrained: list, vocab_size: int, failed: dict) -> dict[int, np.ndarray]:
+    """The token bitmask of each sampling row of the constrained requests (one batched
+    `fill_bitmasks`); a request whose mask cannot be built fails alone (no rows).
+
+    Args:
+        constrained: `(first row, request, scheduled entry)` of each constrained request
+            that samples this step.
+        vocab_size: V.
+        failed: `{request_id: exception}`, added to.
+
+    Returns:
+        `{row: i32[ceil(V / 32)]}`.
+    """
     items = [(req.grammar, req.output_token_ids, s.spec_token_ids[:s.num_spec_tokens],
               s.num_samples + s.num_spec_tokens) for _, req, s in constrained]
     try:
         masks, errors = fill_bitmasks(items, vocab_size)
     except Exception as e:  # noqa: BLE001 - the constrained requests fail, not the step
         masks, errors = [None] * len(items), dict.fromkeys(range(len(items)), e)
+    out: dict[int, np.ndarray] = {}
     for i, ((first, req, _), mask) in enumerate(zip(constrained, masks, strict=True)):
-        end = first + items[i][3]
         if i in errors:
             failed.setdefault(req.request_id, errors[i])
-            rows[first:end] = [inert] * (end - first)
         else:
-            rows[first:end] = [r._replace(token_bitmask=m)
-                               for r, m in zip(rows[first:end], mask, strict=True)]
+            out.update(zip(range(first, first + items[i][3]), mask, strict=True))
+    return out
 
 
 class GrammarCompiler:

@@ -230,3 +230,5 @@ def test_a_step_that_fails_before_the_device_is_taken_back(llm, monkeypatch):
         assert engine.step() == []  # an empty step releases the last finished rows
         rows = engine.runner.block_tables
         assert rows.num_kept == 0 and rows.num_free == len(rows.table)
+        kept = engine.runner.sampling_rows  # sampling rows go with the tables
+        assert kept.num_kept == 0 and kept.num_free == len(kept.floats) - 1
