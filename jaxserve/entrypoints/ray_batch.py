@@ -162,7 +162,7 @@ def run_batch_file(input_path: str, output_path: str, engine_kwargs: dict,
     """
     from jaxserve.config import EngineConfig
     from jaxserve.entrypoints.cli.args import check_engine_args
-    from jaxserve.entrypoints.openai.serving_engine import default_model_name
+    from jaxserve.entrypoints.openai.serving_base import default_model_name
     from jaxserve.entrypoints.run_batch import (
         BatchOutput,
         check_paths,

@@ -22,10 +22,11 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.entrypoints.openai.errors import OpenAIError, error_body
 from jaxserve.entrypoints.openai.protocol import BatchRequestInput
+from jaxserve.entrypoints.openai.serving_base import random_id
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxserve.entrypoints.openai.serving_engine import OpenAIError, error_body, random_id
 
 DUPLICATE = "duplicate_custom_id"
 

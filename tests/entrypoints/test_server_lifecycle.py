@@ -14,7 +14,7 @@ import pytest
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.api_server import build_app, start_in_background
-from jaxserve.entrypoints.openai.serving_engine import ServingLimits
+from jaxserve.entrypoints.openai.serving_base import ServingLimits
 from tests.entrypoints.conftest import LIMITS, MODEL_NAME, ServerThread, running_server, sse_events
 from tests.entrypoints.fake_engine import FakeEngine
 

@@ -19,7 +19,7 @@ from jaxserve.entrypoints.cli.serve import run as serve_run
 from jaxserve.entrypoints.openai.admission import PrepareLanes, PrepareLimits
 from jaxserve.entrypoints.openai.api_server import build_app
 from jaxserve.entrypoints.openai.errors import OpenAIError
-from jaxserve.entrypoints.openai.serving_engine import ServingLimits
+from jaxserve.entrypoints.openai.serving_base import ServingLimits
 from tests.entrypoints.conftest import API_KEY, running_server
 from tests.entrypoints.test_run_batch_resume import CountingEngine
 

@@ -21,7 +21,7 @@ def add_serving_args(p) -> None:
 
 def served_names(args, kwargs: dict) -> list[str]:
     """The names clients may use: `--served-model-name`, else one from the model path."""
-    from jaxserve.entrypoints.openai.serving_engine import default_model_name
+    from jaxserve.entrypoints.openai.serving_base import default_model_name
     from models.default_model import default_model_path
 
     return args.served_model_name or [default_model_name(kwargs["model"]

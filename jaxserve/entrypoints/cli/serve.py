@@ -100,7 +100,7 @@ def run(args) -> int:
         make_server,
         start_in_background,
     )
-    from jaxserve.entrypoints.openai.serving_engine import ServingLimits
+    from jaxserve.entrypoints.openai.serving_base import ServingLimits
     from jaxserve.metrics import ServerMetrics
 
     init_distributed(args)

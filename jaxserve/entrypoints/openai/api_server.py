@@ -24,12 +24,12 @@ from jaxserve.engine.protocol import EngineClient
 from jaxserve.entrypoints.openai.admission import PrepareLanes, PrepareLimits
 from jaxserve.entrypoints.openai.errors import OpenAIError, error_body, loads_body
 from jaxserve.entrypoints.openai.gate import DEFAULT_MAX_BODY_BYTES, ServerGate
-from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxserve.entrypoints.openai.serving_engine import (  # noqa: F401 - re-exported
+from jaxserve.entrypoints.openai.serving_base import (  # noqa: F401 - re-exported
     ServingLimits,
     default_model_name,
 )
+from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("jaxserve")

@@ -6,12 +6,11 @@ from collections.abc import AsyncIterator
 
 from jaxserve.entrypoints.chat_template import ChatTemplateError, render_chat
 from jaxserve.entrypoints.openai.protocol import REQUEST_FIELDS, ChatCompletionRequest, ChatMessage
+from jaxserve.entrypoints.openai.serving_base import SAMPLING_FIELDS, Prepared
 from jaxserve.entrypoints.openai.serving_completion import prompt_logprobs_json
 from jaxserve.entrypoints.openai.serving_engine import (
-    SAMPLING_FIELDS,
     OpenAIError,
     OpenAIServing,
-    Prepared,
     chunk_usage,
     deltas,
     from_value_error,

@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from jaxserve.entrypoints.openai.protocol import REQUEST_FIELDS, CompletionRequest
+from jaxserve.entrypoints.openai.serving_base import SAMPLING_FIELDS, Prepared
 from jaxserve.entrypoints.openai.serving_engine import (
-    SAMPLING_FIELDS,
     OpenAIError,
     OpenAIServing,
-    Prepared,
     chunk_usage,
     deltas,
     from_value_error,

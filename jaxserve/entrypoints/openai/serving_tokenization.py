@@ -3,14 +3,11 @@ tokenizing run in a lane of `PrepareLanes`, off the event loop), with a cap on t
 
 from __future__ import annotations
 
+from jaxserve.entrypoints.openai.errors import OpenAIError, parse_body
 from jaxserve.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from jaxserve.entrypoints.openai.serving_base import OpenAIServingBase
 from jaxserve.entrypoints.openai.serving_chat import render_messages
-from jaxserve.entrypoints.openai.serving_engine import (
-    OpenAIError,
-    OpenAIServingBase,
-    now,
-    parse_body,
-)
+from jaxserve.entrypoints.openai.serving_engine import now
 
 
 def _text_chars(content) -> int:
