@@ -41,20 +41,50 @@ _TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' mark on a continued messag
 _QUALIFIED = re.compile(r"(?<![\w.])(?:(?:[a-z_]\w*|<locals>)\.){2,}(?=[A-Za-z_])")
 
 
+class _Budget:
+    """A template's time budget: `seconds` of its own thread's CPU time (waiting for the GIL
+    or for a core under load does not count, so an ordinary template is not refused on a
+    busy machine), and at most `WALL_FACTOR` times that of wall-clock time (a thread that
+    stalls is freed). `spent` reads the CPU clock only once the wall clock says it may be
+    spent."""
+
+    WALL_FACTOR = 4
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.cpu_start = time.thread_time()
+        now = time.monotonic()
+        self.wall_end = now + self.WALL_FACTOR * seconds
+        self.check_at = now + seconds
+
+    def spent(self) -> bool:
+        """Whether the budget is used up (call it from the thread it was made in)."""
+        now = time.monotonic()
+        if now <= self.check_at:
+            return False
+        if now > self.wall_end:
+            return True
+        used = time.thread_time() - self.cpu_start
+        if used > self.seconds:
+            return True
+        self.check_at = now + (self.seconds - used)
+        return False
+
+
 @contextmanager
-def _deadline(end: float, everywhere: bool):
-    """Raises `TemplateTimeout` in this thread after `time.monotonic()` passes `end`: checked on
-    each call (`everywhere`, or only from and in compiled templates) and each line of a template."""
+def _deadline(budget: _Budget, everywhere: bool):
+    """Raises `TemplateTimeout` in this thread once `budget` is spent: checked on each call
+    (`everywhere`, or only from and in compiled templates) and each line of a template."""
 
     def on_line(frame, event, arg):
-        if time.monotonic() > end:
+        if budget.spent():
             raise TemplateTimeout
         return on_line
 
     def on_call(frame, event, arg):
         template = frame.f_code.co_filename == "<template>"
         if (everywhere or template or frame.f_back and frame.f_back.f_code.co_filename
-                == "<template>") and time.monotonic() > end:
+                == "<template>") and budget.spent():
             raise TemplateTimeout
         return on_line if template else None
 
@@ -191,11 +221,11 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
                                 "chat_template_kwargs" if from_kwargs else "messages")
     named = isinstance(tokenizer.chat_template, dict) and chat_template in tokenizer.chat_template
     untrusted = chat_template is not None and not trusted and not named
-    end = time.monotonic() + limits.deadline_s
+    budget = _Budget(limits.deadline_s)
     try:
         if untrusted:
             try:
-                with _deadline(end, everywhere=True):
+                with _deadline(budget, everywhere=True):
                     _dry_run(chat_template, messages, call,
                              {**tokenizer.special_tokens_map, **variables}, limits)
             except Exception as e:  # noqa: BLE001 - the request's template is at fault
@@ -204,7 +234,7 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
                 raise ChatTemplateError(f"invalid chat template: {_describe(e)}",
                                         "chat_template") from None
         try:
-            with _deadline(end, everywhere=False):
+            with _deadline(budget, everywhere=False):
                 ids = tokenizer.apply_chat_template(messages, chat_template=chat_template,
                                                     tokenize=True, return_dict=False,
                                                     **call, **variables)
@@ -214,6 +244,7 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
             raise ChatTemplateError(f"cannot apply the chat template: {_describe(e)}",
                                     "messages") from None
     except TemplateTimeout:
-        raise ChatTemplateError(f"chat template rendering took longer than {limits.deadline_s:g} s",
+        raise ChatTemplateError(f"chat template rendering took longer than {limits.deadline_s:g} s "
+                                "of CPU time",
                                 "chat_template" if untrusted else "messages") from None
     return [int(i) for i in ids]

@@ -27,9 +27,11 @@ class TemplateLimits:
     """Bounds on one `render_chat` call.
 
     Attributes:
-        deadline_s: Wall-clock budget of the template's execution, dry run and render (not of
-            the tokenizer, whose input the request or `max_chars` bounds). Real templates run
-            in milliseconds: 2 s leaves room for GIL contention yet frees a stalled thread soon.
+        deadline_s: CPU-time budget of the template's execution, dry run and render (not of
+            the tokenizer, whose input the request or `max_chars` bounds), on the rendering
+            thread's own clock, so a busy machine or GIL contention does not spend it; four
+            times it of wall-clock time frees a thread that stalls. Real templates run in
+            milliseconds.
         max_chars: Cap on the rendered prompt and on every value a request template builds
             (strings by length, containers by items plus contents). 2,000,000 chars is ~500k
             tokens, more than any context window served; a value is then at most 2-8 MB.

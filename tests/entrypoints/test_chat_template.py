@@ -215,3 +215,21 @@ def test_tracer_is_restored_and_threads_render_concurrently(smollm2_tokenizer):
     thread.join()
     assert [e.param for e in errors] == ["chat_template"]
     assert sys.gettrace() is before
+
+
+def test_the_budget_counts_the_threads_cpu_time_not_its_waits():
+    """A thread that waits (for the GIL, for a core on a busy machine) keeps its budget: a
+    chat request is not refused because the machine is loaded (the soak once saw one); a
+    thread that computes spends it, and one that waits past four times the budget is freed."""
+    from jaxserve.entrypoints.chat_template import _Budget
+
+    budget = _Budget(0.2)
+    time.sleep(0.3)  # waiting, no CPU used
+    assert not budget.spent()
+    end = time.monotonic() + 0.4
+    while time.monotonic() < end:  # computing
+        pass
+    assert budget.spent()
+    stalled = _Budget(0.05)
+    time.sleep(0.25)  # past 4 x 0.05 s of wall time
+    assert stalled.spent()
