@@ -138,6 +138,13 @@ class Gemma3(Gemma2):
             logger.info("%s: serving its language model only; the vision tower is ignored",
                         hf["architectures"][0])
             hf = {**hf["text_config"], "architectures": hf["architectures"]}
+            if hf.get("final_logit_softcapping") is not None:
+                # NOTE: transformers' ForConditionalGeneration never applies it (its
+                # ForCausalLM does); public multimodal Gemma 3 configs leave it null.
+                raise ValueError(
+                    f"unsupported text_config.final_logit_softcapping="
+                    f"{hf['final_logit_softcapping']} for {hf['architectures'][0]}: it "
+                    "defines no final soft cap (null in its configs)")
         return super().arch_config(hf)
 
     @classmethod
