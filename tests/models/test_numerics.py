@@ -256,3 +256,22 @@ def test_smollm2_gguf_matches_transformers(smollm2, hf_smollm2, smollm2_tokenize
     ours = forward_logits(smollm2, ids, page_size=16, chunks=chunks)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-3)
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("backend", [
+    "cpu", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_gemma2_soft_caps_on_kernel_backends(backend, tmp_path):
+    """The attention soft cap reaches the CPU decode kernel and the Pallas ragged kernel
+    (interpreted here) as it reaches the XLA path: the same logits as transformers. (The
+    paged decode kernel's soft cap: tests/kernels/test_paged_decode_attention.py.)"""
+    from pallas_kernels import cpu_ffi
+
+    if backend == "cpu" and not cpu_ffi.available():
+        pytest.skip(f"no CPU kernel here: {cpu_ffi.unavailable_reason()}")
+    case = next(c for c in CASES if c.name == "gemma2_softcap")
+    hf = build_hf(case, str(tmp_path))
+    ids = prompt(hf.config.vocab_size)
+    model = load_model(str(tmp_path), "float32", backend=backend)
+    assert model.backend == backend
+    ours = forward_logits(model, ids, page_size=PAGE_SIZE, chunks=CHUNKINGS["prefill_decode"])
+    np.testing.assert_allclose(ours, hf_logits(hf, ids), rtol=0, atol=F32_ATOL)
