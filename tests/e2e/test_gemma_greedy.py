@@ -41,10 +41,14 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# The shared sizes' "xla" backend; the "cpu" backend (the C++ decode kernel with the soft
+# cap, packed weights) in the slow tier, as the `cpu` backend's other engine runs.
+@pytest.fixture(scope="module", params=[
+    *FAMILIES, *(pytest.param(f"{f}-cpu", marks=pytest.mark.slow) for f in FAMILIES)])
 def gemma(request, smollm2_tokenizer, tmp_path_factory):
     """(transformers model, our engine) of one tiny family, saved with SmolLM2's tokenizer."""
-    config_cls, model_cls, extra = FAMILIES[request.param]
+    family, _, backend = request.param.partition("-")
+    config_cls, model_cls, extra = FAMILIES[family]
     config = getattr(transformers, config_cls)(**BASE, **extra, attn_implementation="eager")
     torch.manual_seed(0)
     hf = getattr(transformers, model_cls)(config).to(torch.float32).eval()
@@ -53,10 +57,17 @@ def gemma(request, smollm2_tokenizer, tmp_path_factory):
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    path = str(tmp_path_factory.mktemp(request.param))
+    path = str(tmp_path_factory.mktemp(family))
     hf.save_pretrained(path, safe_serialization=True)
     smollm2_tokenizer.save_pretrained(path)
-    return hf, LLM(path, **ENGINE_ARGS)
+    if backend == "cpu":
+        from pallas_kernels import cpu_ffi
+
+        if not cpu_ffi.available():
+            pytest.skip(f"no CPU kernel here: {cpu_ffi.unavailable_reason()}")
+    llm = LLM(path, **{**ENGINE_ARGS, "attention_backend": backend or "xla"})
+    assert llm.engine.model.backend == (backend or "xla")
+    return hf, llm
 
 
 def _hf_greedy(hf, ids):
