@@ -101,10 +101,18 @@ class Gemma2(ModelFamily):
             hf = {**hf, "layer_types": [
                 "sliding_attention" if (i + 1) % pattern else "full_attention"
                 for i in range(int(hf["num_hidden_layers"]))]}
+        if "sliding_attention" in hf["layer_types"] and not hf.get("sliding_window"):
+            raise ValueError(f"{hf['architectures'][0]} config has sliding_attention layers "
+                             "but no sliding_window")
         return windows_from_layer_types(hf)
 
     @classmethod
     def extra_fields(cls, hf):
+        # NOTE: transformers' Gemma reads `hidden_activation` alone (`hidden_act` is
+        # ignored), so `common_fields` parsed it when present; absent, it is an error.
+        if not hf.get("hidden_activation"):
+            raise ValueError(f"{hf['architectures'][0]} config lacks hidden_activation "
+                             "(the MLP's activation); it is required")
         if hf.get("use_bidirectional_attention"):
             raise ValueError("unsupported use_bidirectional_attention=True: only causal "
                              "attention is served")

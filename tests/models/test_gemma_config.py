@@ -91,6 +91,10 @@ def test_gemma3_old_style_rope_fields():
      "unsupported rope type 'dynamic'"),
     ("Gemma2Config", "Gemma2ForCausalLM", {"final_logit_softcapping": -1.0},
      "final_logit_softcap must be positive"),
+    ("Gemma2Config", "Gemma2ForCausalLM", {"hidden_activation": None, "hidden_act": "silu"},
+     "lacks hidden_activation"),
+    ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": None},
+     "has sliding_attention layers but no sliding_window"),
 ])
 def test_bad_config_is_an_error(config_cls, arch, edit, message):
     d = {**_hf_dict(config_cls, arch), **edit}
