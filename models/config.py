@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# HF activation names the gated MLP computes ("gelu_pytorch_tanh": GELU, tanh approximation).
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,21 @@ class ArchConfig:
             sees keys at positions p - window + 1 .. p.
         bos_token_id: Beginning-of-sequence id, if any.
         eos_token_ids: End-of-sequence ids.
+        hidden_act: The gated MLP's activation, one of `SUPPORTED_ACTIVATIONS`.
+        norm_offset: RMSNorm multiplies by `norm_offset + weight` (1.0: Gemma's
+            `(1 + weight)`, weights initialised at zero).
+        embed_scale: Whether token embeddings are multiplied by `sqrt(hidden_size)` (Gemma).
+        sandwich_norms: Whether attention and MLP outputs get their own norms before the
+            residual add, and the MLP a pre-norm of its own (Gemma 2/3:
+            `post_attention_layernorm`, `pre_feedforward_layernorm`,
+            `post_feedforward_layernorm`).
+        query_pre_attn_scalar: Attention logits are scaled by its inverse square root
+            (None: by `head_dim ** -0.5`).
+        attn_logit_softcap: Attention logits become `cap * tanh(logits / cap)` (Gemma 2).
+        final_logit_softcap: The LM head's logits are soft-capped the same way.
+        local_rope_theta: Rotary base of the sliding-window layers (Gemma 3); None: every
+            layer uses `rope_theta`.
+        local_rope_scaling: Frequency scaling of the sliding-window layers' rotary.
     """
 
     architecture: str
@@ -77,6 +95,15 @@ class ArchConfig:
     layer_windows: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    local_rope_theta: float | None = None
+    local_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -91,11 +118,19 @@ class ArchConfig:
                 f"layer_windows has {len(self.layer_windows)} entries for "
                 f"{self.num_layers} layers"
             )
-        if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope type {self.rope_scaling.rope_type!r}; supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
+        for scaling in (self.rope_scaling, self.local_rope_scaling):
+            if scaling.rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"unsupported rope type {scaling.rope_type!r}; supported: "
+                    f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
+                             f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive (or None), got {value}")
 
     def to_json(self) -> str:
         """Serialises the config (inverse of `from_json`)."""
@@ -106,6 +141,8 @@ class ArchConfig:
         """Parses what `to_json` wrote."""
         d = json.loads(text)
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        if "local_rope_scaling" in d:
+            d["local_rope_scaling"] = RopeScaling(**d["local_rope_scaling"])
         d["layer_windows"] = tuple(d["layer_windows"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         return cls(**d)
@@ -138,8 +175,11 @@ def _eos_ids(hf: dict[str, Any]) -> tuple[int, ...]:
 
 def common_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The config fields every supported family spells the same way."""
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported")
+    act_field = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
+    act = hf.get(act_field) or "silu"
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"unsupported {act_field} {act!r}; supported: "
+                         f"{', '.join(SUPPORTED_ACTIVATIONS)}")
     num_heads = int(hf["num_attention_heads"])
     theta, scaling = parse_rope(hf)
     return dict(
@@ -158,10 +198,19 @@ def common_fields(hf: dict[str, Any]) -> dict[str, Any]:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_eos_ids(hf),
+        hidden_act=act,
     )
 
 
 def windows_from_layer_types(hf: dict[str, Any]) -> tuple[int, ...]:
-    """Per-layer windows from HF `layer_types` ("sliding_attention" gets `sliding_window`)."""
+    """Per-layer windows from HF `layer_types` ("sliding_attention" gets `sliding_window`).
+
+    Raises:
+        ValueError: An entry that is not one of `LAYER_TYPES`.
+    """
+    for t in hf["layer_types"]:
+        if t not in LAYER_TYPES:
+            raise ValueError(f"unsupported layer_types entry {t!r}; supported: "
+                             f"{', '.join(LAYER_TYPES)}")
     window = int(hf.get("sliding_window") or 0)
     return tuple(window if t == "sliding_attention" else 0 for t in hf["layer_types"])

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ArchConfig
-from models.layers import GatedMLP, RMSNorm, apply_rope, rope_cos_sin
+from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
 from models.packed import COLLECTION as PACKED
 from models.qlayers import dense, embed
 from models.quant import QuantPlan
@@ -42,8 +42,9 @@ class Attention(nn.Module):
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")(k)
+        cos, sin = layer_cos_sin(cos, sin, window)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
 
@@ -52,8 +53,10 @@ class Attention(nn.Module):
             rot = jnp.asarray(rot, q.dtype)
             q, k, v = q @ rot, k @ rot, v @ rot
         kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping, backend=self.backend)
-        out = ragged_paged_attention(q, kv_pages, layer, md, sm_scale=cfg.head_dim ** -0.5,
-                                     sliding_window=window, backend=self.backend)
+        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        out = ragged_paged_attention(q, kv_pages, layer, md, sm_scale=scale,
+                                     sliding_window=window, soft_cap=cfg.attn_logit_softcap,
+                                     backend=self.backend)
         if rot is not None:
             out = out @ rot.T
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
@@ -61,7 +64,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then gated MLP."""
+    """Pre-norm residual block: attention then gated MLP; with `cfg.sandwich_norms` (Gemma)
+    each block's output is normed again before its residual add."""
 
     cfg: ArchConfig
     dtype: jnp.dtype
@@ -72,15 +76,21 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
         hidden, kv_pages = carry
         layer, window = xs
-        eps = self.cfg.rms_norm_eps
-        h = RMSNorm(eps, self.dtype, name="input_layernorm")(hidden)
-        attn_out, kv_pages = Attention(self.cfg, self.dtype, self.backend, self.quant,
+        cfg = self.cfg
+        norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name=name)
+        h = norm("input_layernorm")(hidden)
+        attn_out, kv_pages = Attention(cfg, self.dtype, self.backend, self.quant,
                                        name="self_attn")(
             h, cos, sin, kv_pages, layer, window, md)
-        hidden = hidden + attn_out
-        h = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(hidden)
-        hidden = hidden + GatedMLP(self.cfg, self.dtype, self.quant, self.backend,
-                                   name="mlp")(h, layer)
+        mlp = GatedMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
+        if cfg.sandwich_norms:
+            hidden = hidden + norm("post_attention_layernorm")(attn_out)
+            h = norm("pre_feedforward_layernorm")(hidden)
+            hidden = hidden + norm("post_feedforward_layernorm")(mlp(h, layer))
+        else:
+            hidden = hidden + attn_out
+            h = norm("post_attention_layernorm")(hidden)
+            hidden = hidden + mlp(h, layer)
         return (hidden, kv_pages), None
 
 
@@ -115,7 +125,7 @@ class Decoder(nn.Module):
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
         )(cfg, self.dtype, self.backend, self.quant)
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset)
         if not cfg.tie_word_embeddings:
             self.lm_head = dense(self.quant, "lm_head", cfg.vocab_size, False, self.dtype,
                                  self.backend, in_setup=True)
@@ -134,7 +144,9 @@ class Decoder(nn.Module):
             (kv_pages, hidden) with hidden [num_tokens, hidden_size] after the final norm.
         """
         cos, sin = rope_cos_sin(positions, self.cfg)
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if self.cfg.embed_scale:  # the factor rounded to the dtype first, as transformers
+            hidden = hidden * jnp.asarray(self.cfg.hidden_size ** 0.5, hidden.dtype)
         xs = (jnp.arange(self.cfg.num_layers, dtype=jnp.int32),
               jnp.asarray(self.cfg.layer_windows, dtype=jnp.int32))
         (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md)
@@ -146,4 +158,6 @@ class Decoder(nn.Module):
             logits = self.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        cap = self.cfg.final_logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)

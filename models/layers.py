@@ -15,17 +15,31 @@ from models.quant import QuantPlan
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as transformers does."""
+    """RMSNorm computed in float32 and cast back, as transformers does.
+
+    Attributes:
+        eps: Epsilon under the square root.
+        dtype: Parameter dtype.
+        offset: 0.0 multiplies by the weight after the cast (Llama); 1.0 multiplies by
+            `1 + weight` in float32 before it (Gemma; the weight starts at zero).
+    """
 
     eps: float
     dtype: jnp.dtype = jnp.float32
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.offset else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + scale.astype(jnp.float32))).astype(x.dtype)
         return scale * x32.astype(x.dtype)
+
+
+ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True)}
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
@@ -49,12 +63,32 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarr
     return inv_freq
 
 
-def rope_cos_sin(positions: jax.Array, cfg: ArchConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables f32[num_tokens, head_dim] for the given positions."""
-    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+def _cos_sin(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling):
+    inv_freq = jnp.asarray(rope_inv_freq(head_dim, theta, scaling))
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
+
+
+def rope_cos_sin(positions: jax.Array, cfg: ArchConfig) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables for the given positions: f32[num_tokens, head_dim], or with a
+    local rotary (`cfg.local_rope_theta`) f32[2, num_tokens, head_dim], global then local
+    (`layer_cos_sin` picks a layer's)."""
+    cos, sin = _cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.local_rope_theta is None:
+        return cos, sin
+    cos_l, sin_l = _cos_sin(positions, cfg.head_dim, cfg.local_rope_theta,
+                            cfg.local_rope_scaling)
+    return jnp.stack([cos, cos_l]), jnp.stack([sin, sin_l])
+
+
+def layer_cos_sin(cos: jax.Array, sin: jax.Array, window: jax.Array):
+    """A layer's tables from `rope_cos_sin`'s: the local ones where the layer's (traced)
+    window is set, when there are two."""
+    if cos.ndim == 2:
+        return cos, sin
+    idx = (window > 0).astype(jnp.int32)  # i32[]: 0 global, 1 local
+    return cos[idx], sin[idx]
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -67,7 +101,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(act(gate(x)) * up(x)), `act` being `cfg.hidden_act` (SiLU by default)."""
 
     cfg: ArchConfig
     dtype: jnp.dtype = jnp.float32
@@ -81,6 +115,6 @@ class GatedMLP(nn.Module):
         dense = lambda n, name: make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype,
                                            self.backend, layer=layer)
 
-        h = nn.silu(dense(self.cfg.intermediate_size, "gate_proj")(x))
+        h = ACTIVATIONS[self.cfg.hidden_act](dense(self.cfg.intermediate_size, "gate_proj")(x))
         h = h * dense(self.cfg.intermediate_size, "up_proj")(x)
         return dense(self.cfg.hidden_size, "down_proj")(h)

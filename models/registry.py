@@ -1,14 +1,17 @@
 """Model families and the registry from HF `architectures` names to them.
 
-Llama, Qwen2, Qwen3 and Mistral share one Flax decoder (`models.decoder.Decoder`); a
-family only decides how its HF config maps onto `ArchConfig`.
+Llama, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 share one Flax decoder
+(`models.decoder.Decoder`); a family only decides how its HF config maps onto `ArchConfig`.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from models.config import ArchConfig, common_fields, windows_from_layer_types
+from models.config import ArchConfig, common_fields, parse_rope, windows_from_layer_types
+
+logger = logging.getLogger(__name__)
 
 
 class ModelFamily:
@@ -19,10 +22,11 @@ class ModelFamily:
     @classmethod
     def arch_config(cls, hf: dict[str, Any]) -> ArchConfig:
         """Builds the architecture config from a parsed HF `config.json`."""
-        return ArchConfig(**common_fields(hf), **cls.extra_fields(hf))
+        return ArchConfig(**{**common_fields(hf), **cls.extra_fields(hf)})
 
     @classmethod
     def extra_fields(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        """The `ArchConfig` fields this family sets apart from (or over) `common_fields`."""
         return {}
 
 
@@ -80,8 +84,103 @@ class Qwen3(Qwen2):
         return dict(qkv_bias=bias, o_bias=bias, qk_norm=True, layer_windows=cls._windows(hf))
 
 
+class Gemma2(ModelFamily):
+    """Gemma 2: GeGLU (tanh GELU), `(1 + weight)` RMSNorms around both blocks, embeddings
+    scaled by `sqrt(hidden_size)`, `query_pre_attn_scalar`, attention and final logit
+    soft-capping, sliding and global layers alternating."""
+
+    architectures = ("Gemma2ForCausalLM",)
+    default_pattern = 2  # without `layer_types`: every `pattern`-th layer is global
+
+    @classmethod
+    def _windows(cls, hf):
+        if hf.get("layer_types") is None:
+            pattern = int(hf.get("sliding_window_pattern") or cls.default_pattern)
+            if pattern < 1:
+                raise ValueError(f"sliding_window_pattern must be >= 1, got {pattern}")
+            hf = {**hf, "layer_types": [
+                "sliding_attention" if (i + 1) % pattern else "full_attention"
+                for i in range(int(hf["num_hidden_layers"]))]}
+        if "sliding_attention" in hf["layer_types"] and not hf.get("sliding_window"):
+            raise ValueError(f"{hf['architectures'][0]} config has sliding_attention layers "
+                             "but no sliding_window")
+        return windows_from_layer_types(hf)
+
+    @classmethod
+    def extra_fields(cls, hf):
+        # NOTE: transformers' Gemma reads `hidden_activation` alone (`hidden_act` is
+        # ignored), so `common_fields` parsed it when present; absent, it is an error.
+        if not hf.get("hidden_activation"):
+            raise ValueError(f"{hf['architectures'][0]} config lacks hidden_activation "
+                             "(the MLP's activation); it is required")
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError("unsupported use_bidirectional_attention=True: only causal "
+                             "attention is served")
+        if hf.get("query_pre_attn_scalar") is None:
+            raise ValueError(f"{hf['architectures'][0]} config lacks query_pre_attn_scalar "
+                             "(the attention scale); it is required")
+        bias = bool(hf.get("attention_bias", False))
+        cap = lambda name: None if hf.get(name) is None else float(hf[name])
+        return dict(qkv_bias=bias, o_bias=bias, norm_offset=1.0, embed_scale=True,
+                    sandwich_norms=True,
+                    query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+                    attn_logit_softcap=cap("attn_logit_softcapping"),
+                    final_logit_softcap=cap("final_logit_softcapping"),
+                    layer_windows=cls._windows(hf))
+
+
+class Gemma3(Gemma2):
+    """Gemma 3 (text): Gemma 2's numerics (without the attention soft cap, which a config
+    may not set) plus q/k norms, and two rotary bases: global
+    layers `rope_parameters["full_attention"]` (with its scaling), sliding ones
+    `["sliding_attention"]` (older configs: `rope_theta`, `rope_scaling`,
+    `rope_local_base_freq`). The language model of a `Gemma3ForConditionalGeneration`
+    checkpoint loads the same way (its `text_config`; the vision tower is ignored)."""
+
+    architectures = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+    default_pattern = 6
+
+    @classmethod
+    def arch_config(cls, hf):
+        if "text_config" in hf:  # a ForConditionalGeneration checkpoint
+            logger.info("%s: serving its language model only; the vision tower is ignored",
+                        hf["architectures"][0])
+            hf = {**hf["text_config"], "architectures": hf["architectures"]}
+            if hf.get("final_logit_softcapping") is not None:
+                # NOTE: transformers' ForConditionalGeneration never applies it (its
+                # ForCausalLM does); public multimodal Gemma 3 configs leave it null.
+                raise ValueError(
+                    f"unsupported text_config.final_logit_softcapping="
+                    f"{hf['final_logit_softcapping']} for {hf['architectures'][0]}: it "
+                    "defines no final soft cap (null in its configs)")
+        return super().arch_config(hf)
+
+    @classmethod
+    def extra_fields(cls, hf):
+        if hf.get("attn_logit_softcapping") is not None:
+            # NOTE: transformers' Gemma 3 reads the field but never applies it, and public
+            # Gemma 3 configs leave it null: serving either way would disagree with someone.
+            raise ValueError(f"unsupported attn_logit_softcapping="
+                             f"{hf['attn_logit_softcapping']} for {hf['architectures'][0]}: "
+                             "Gemma 3 defines no attention soft cap (null in its configs)")
+        rp = hf.get("rope_parameters") or {}
+        if "full_attention" in rp or "sliding_attention" in rp:
+            theta, scaling = parse_rope({"rope_parameters": rp.get("full_attention") or {},
+                                         "rope_theta": 1_000_000.0})
+            local_theta, local_scaling = parse_rope(
+                {"rope_parameters": rp.get("sliding_attention") or {}})
+        else:
+            theta, scaling = parse_rope({"rope_theta": 1_000_000.0, **hf})
+            local_theta = float(hf.get("rope_local_base_freq") or 10_000.0)
+            local_scaling = parse_rope({})[1]
+        return dict(super().extra_fields(hf), qk_norm=True, rope_theta=theta,
+                    rope_scaling=scaling, local_rope_theta=local_theta,
+                    local_rope_scaling=local_scaling)
+
+
 FAMILIES: dict[str, type[ModelFamily]] = {
-    name: fam for fam in (Llama, Mistral, Qwen2, Qwen3) for name in fam.architectures
+    name: fam for fam in (Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3)
+    for name in fam.architectures
 }
 
 

@@ -44,6 +44,14 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
     return header, 8 + n
 
 
+# Where a multimodal checkpoint keeps its language model (Gemma 3 ForConditionalGeneration:
+# transformers 5 saves `model.language_model.*`, earlier versions `language_model.model.*`
+# and `language_model.lm_head.*`), and the names the decoder asks for instead.
+LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."),
+                           ("language_model.model.", "model."),
+                           ("language_model.lm_head.", "lm_head."))
+
+
 class SafetensorsDir:
     """Tensor source over the safetensors files of an HF directory (sharded or not)."""
 
@@ -66,6 +74,10 @@ class SafetensorsDir:
             header, data_start = read_safetensors_header(path)
             for tensor, info in header.items():
                 self._entries[tensor] = (path, info, data_start)
+        for tensor in list(self._entries):  # the language model of a multimodal checkpoint
+            for old, new in LANGUAGE_MODEL_PREFIXES:
+                if tensor.startswith(old):
+                    self._entries.setdefault(new + tensor[len(old):], self._entries[tensor])
         self._maps: dict[str, np.memmap] = {}
 
     def where(self, name: str) -> str:

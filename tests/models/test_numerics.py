@@ -99,6 +99,41 @@ CASES = [
          dict(sliding_window=5),
          dict(layer_windows=(5, 5)),
          ablate=dict(layer_windows=(0, 0))),
+    # Gemma: soft caps below the uncapped logits' range, query_pre_attn_scalar apart from
+    # head_dim, windows shorter than the prompt. (The structural fields, the activation,
+    # norms and embedding scale, need no ablation: any prompt exercises them.)
+    Case("gemma2_softcap", "Gemma2Config", "Gemma2ForCausalLM",
+         dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=32, sliding_window=6,
+              attn_logit_softcapping=2.0, final_logit_softcapping=4.0),
+         dict(layer_windows=(6, 0, 6), hidden_act="gelu_pytorch_tanh", norm_offset=1.0,
+              embed_scale=True, sandwich_norms=True, tie_word_embeddings=True,
+              query_pre_attn_scalar=32.0, attn_logit_softcap=2.0, final_logit_softcap=4.0),
+         ablate=dict(layer_windows=(0, 0, 0), attn_logit_softcap=None,
+                     final_logit_softcap=None, query_pre_attn_scalar=None)),
+    Case("gemma2_global_first", "Gemma2Config", "Gemma2ForCausalLM",
+         dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
+              layer_types=["full_attention", "sliding_attention"],
+              attn_logit_softcapping=3.0, final_logit_softcapping=None),
+         dict(layer_windows=(0, 5), attn_logit_softcap=3.0, final_logit_softcap=None),
+         ablate=dict(layer_windows=(0, 0), attn_logit_softcap=None)),
+    Case("gemma3_two_ropes", "Gemma3TextConfig", "Gemma3ForCausalLM",
+         dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+              sliding_window_pattern=3,
+              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                  "rope_theta": 10000.0},
+                               "sliding_attention": {"rope_type": "default",
+                                                     "rope_theta": 100.0}}),
+         dict(layer_windows=(6, 6, 0), qk_norm=True, norm_offset=1.0, rope_theta=10000.0,
+              rope_scaling=RopeScaling("linear", factor=8.0), local_rope_theta=100.0,
+              attn_logit_softcap=None, final_logit_softcap=None),
+         ablate=dict(layer_windows=(0, 0, 0), local_rope_theta=None,
+                     rope_scaling=RopeScaling(), query_pre_attn_scalar=None)),
+    Case("gemma3_pattern2_softcap", "Gemma3TextConfig", "Gemma3ForCausalLM",
+         dict(num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16, sliding_window=5,
+              sliding_window_pattern=2, final_logit_softcapping=4.0),
+         dict(layer_windows=(5, 0, 5, 0), local_rope_theta=10000.0, rope_theta=1e6,
+              attn_logit_softcap=None, final_logit_softcap=4.0),
+         ablate=dict(layer_windows=(0, 0, 0, 0), final_logit_softcap=None)),
 ]
 
 
@@ -111,7 +146,11 @@ CASES = [
 #   same bias layout (its `expect` checks it), qwen2_layer_types_linear_rope a rope_theta.
 # - qwen3_qknorm_headdim (q/k norm, head_dim 24 apart from hidden / heads): qwen3_bias_sliding
 #   is Qwen3 with q/k norm and a head_dim of its own (8) too, and biases before the norm.
-SLOW_CASES = ("llama_tied", "qwen2_bias", "qwen3_qknorm_headdim")
+# - gemma2_global_first (a global first layer, attention soft cap alone) and
+#   gemma3_pattern2_softcap (Gemma 3 with the default rotary bases, final soft cap):
+#   gemma2_softcap and gemma3_two_ropes have every Gemma feature between them.
+SLOW_CASES = ("llama_tied", "qwen2_bias", "qwen3_qknorm_headdim", "gemma2_global_first",
+              "gemma3_pattern2_softcap")
 
 
 def _params(cases: list[Case]) -> list:
@@ -172,18 +211,20 @@ def test_tiny_family_matches_transformers(tiny, chunking):
 
 
 def test_tiny_features_are_exercised(tiny):
-    """Undoing a case's feature (window, rope scaling) must break agreement.
+    """Undoing any one of a case's features (window, rope scaling, soft cap) must break
+    agreement.
 
-    Guards against tests passing only because the prompt is too short for the window or
-    the positions too small for rope scaling to matter.
+    Guards against tests passing only because the prompt is too short for the window, the
+    positions too small for rope scaling to matter, or the logits below a soft cap.
     """
     case, model, ids, ref, _ = tiny
     if case.ablate is None:
         pytest.skip("no ablation for this case")
-    ablated = Model(dataclasses.replace(model.cfg, **case.ablate), model.params, model.dtype,
-                    backend=model.backend)
-    diff = np.abs(forward_logits(ablated, ids, page_size=PAGE_SIZE) - ref).max()
-    assert diff > 100 * F32_ATOL
+    for field, value in case.ablate.items():
+        ablated = Model(dataclasses.replace(model.cfg, **{field: value}), model.params,
+                        model.dtype, backend=model.backend)
+        diff = np.abs(forward_logits(ablated, ids, page_size=PAGE_SIZE) - ref).max()
+        assert diff > 100 * F32_ATOL, field
 
 
 def test_bfloat16_close_to_float32(tmp_path):
@@ -215,3 +256,22 @@ def test_smollm2_gguf_matches_transformers(smollm2, hf_smollm2, smollm2_tokenize
     ours = forward_logits(smollm2, ids, page_size=16, chunks=chunks)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-3)
     np.testing.assert_array_equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("backend", [
+    "cpu", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_gemma2_soft_caps_on_kernel_backends(backend, tmp_path):
+    """The attention soft cap reaches the CPU decode kernel and the Pallas ragged kernel
+    (interpreted here) as it reaches the XLA path: the same logits as transformers. (The
+    paged decode kernel's soft cap: tests/kernels/test_paged_decode_attention.py.)"""
+    from pallas_kernels import cpu_ffi
+
+    if backend == "cpu" and not cpu_ffi.available():
+        pytest.skip(f"no CPU kernel here: {cpu_ffi.unavailable_reason()}")
+    case = next(c for c in CASES if c.name == "gemma2_softcap")
+    hf = build_hf(case, str(tmp_path))
+    ids = prompt(hf.config.vocab_size)
+    model = load_model(str(tmp_path), "float32", backend=backend)
+    assert model.backend == backend
+    ours = forward_logits(model, ids, page_size=PAGE_SIZE, chunks=CHUNKINGS["prefill_decode"])
+    np.testing.assert_allclose(ours, hf_logits(hf, ids), rtol=0, atol=F32_ATOL)
