@@ -22,11 +22,12 @@ from jaxserve.request import Request
 from jaxserve.sample.metadata import (
     SamplingMetadata,
     logprobs_bucket,
+    pack_bitmasks,
+    pad_rows,
     padded_len,
     row_banned_ids,
 )
 from jaxserve.sampling_params import SAMPLING_EPS, SamplingParams
-from jaxserve.structured.grammar import bitmask_width
 
 # Columns of `floats` (f32) and `ints` (i64) per row.
 _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
@@ -333,22 +334,13 @@ class SamplingRows:
                 "restricted": restricted}
 
     def _bitmask(self, masks: dict[int, np.ndarray], num_rows: int) -> dict:
-        width = bitmask_width(self.vocab_size)
-        out = np.full((num_rows, width), -1, np.int32)  # i32[R, W]
-        for r, mask in masks.items():
-            if np.shape(mask) != (width,):
-                raise ValueError(f"row {r}: token_bitmask has shape {np.shape(mask)}, "
-                                 f"expected ({width},) for vocab_size {self.vocab_size}")
-            out[r] = mask
-        return {"has_bitmask": True, "token_bitmask": out}
+        return {"has_bitmask": True,
+                "token_bitmask": pack_bitmasks(masks, num_rows, self.vocab_size)}
 
     def _pad(self, id_lists: dict, num_rows: int) -> np.ndarray:
         """i32[num_rows, padded width] of `{row: ids}` left-aligned, padded with V."""
         width = padded_len(max((len(ids) for ids in id_lists.values()), default=0))
-        out = np.full((num_rows, width), self.vocab_size, np.int32)
-        for r, ids in id_lists.items():
-            out[r, :len(ids)] = ids
-        return out
+        return pad_rows(id_lists, num_rows, width, self.vocab_size)
 
     # ------------------------------------------------------------ storage
     def _clear_history(self, slot: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -162,14 +162,20 @@ def padded_len(n: int, minimum: int = MIN_TOKEN_IDS_LEN) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _pad_ids(id_lists: list[Sequence[int] | None], num_rows: int, width: int,
+def pad_rows(id_lists: Mapping[int, Sequence[int]], num_rows: int, width: int,
              pad: int) -> np.ndarray:
-    """i32[num_rows, width] holding each list left-aligned, padded with `pad`."""
+    """i32[num_rows, width] holding `{row: ids}` left-aligned, padded with `pad`."""
     out = np.full((num_rows, width), pad, np.int32)
-    for i, ids in enumerate(id_lists):
+    for i, ids in id_lists.items():
         if ids is not None and len(ids):
             out[i, :len(ids)] = np.asarray(ids, np.int32)
     return out
+
+
+def _pad_ids(id_lists: list[Sequence[int] | None], num_rows: int, width: int,
+             pad: int) -> np.ndarray:
+    """i32[num_rows, width] holding each list left-aligned, padded with `pad`."""
+    return pad_rows(dict(enumerate(id_lists)), num_rows, width, pad)
 
 
 def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: int,
@@ -261,16 +267,24 @@ _CONTROL_FIELDS = operator.attrgetter("logit_bias", "allowed_token_ids", "logpro
 def _bitmask(rows: list[RowSpec], num_rows: int, vocab_size: int) -> np.ndarray | None:
     """i32[R, ceil(V / 32)] token bitmask of the rows (all ones for unconstrained rows), or
     None when no row is constrained."""
-    if all(r.token_bitmask is None for r in rows):
-        return None
+    masks = {i: r.token_bitmask for i, r in enumerate(rows) if r.token_bitmask is not None}
+    return pack_bitmasks(masks, num_rows, vocab_size) if masks else None
+
+
+def pack_bitmasks(masks: Mapping[int, np.ndarray], num_rows: int,
+                  vocab_size: int) -> np.ndarray:
+    """i32[R, ceil(V / 32)]: `{row: i32[ceil(V / 32)]}` bitmasks, all ones elsewhere.
+
+    Raises:
+        ValueError: A mask of another width.
+    """
     width = bitmask_width(vocab_size)
     out = np.full((num_rows, width), -1, np.int32)  # i32[R, W]
-    for i, r in enumerate(rows):
-        if r.token_bitmask is not None:
-            if np.shape(r.token_bitmask) != (width,):
-                raise ValueError(f"row {i}: token_bitmask has shape {np.shape(r.token_bitmask)}"
-                                 f", expected ({width},) for vocab_size {vocab_size}")
-            out[i] = r.token_bitmask
+    for i, mask in masks.items():
+        if np.shape(mask) != (width,):
+            raise ValueError(f"row {i}: token_bitmask has shape {np.shape(mask)}, "
+                             f"expected ({width},) for vocab_size {vocab_size}")
+        out[i] = mask
     return out
 
 
