@@ -36,6 +36,10 @@ class ScheduledRequest:
             delta against the table the runner kept from this request's previous step,
             whose first `pages_from` pages are unchanged (the scheduler's steps; 0 sends
             the whole table and starts the runner's row).
+        group_pages: With a hybrid KV cache (`models.kv_groups`), the block tables of
+            groups 1, 2, ... as `(pages_from, page_ids)`, each read like `pages_from` and
+            `page_ids` above (which are group 0's); a group's `pages_from` is 0 when
+            `pages_from` is None. Empty with one group.
     """
 
     request_id: str
@@ -46,6 +50,7 @@ class ScheduledRequest:
     sampling_counter: int = 0
     num_spec_tokens: int = 0
     pages_from: int | None = None
+    group_pages: tuple[tuple[int, list[int]], ...] = ()
 
     @property
     def num_pages(self) -> int:
