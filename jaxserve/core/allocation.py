@@ -37,9 +37,10 @@ class AllocationPlan:
 def plan_allocation(tables: BlockTables, request: Request, num_new_tokens: int,
                     num_new_computed_tokens: int, hit_ids: list[list[int]],
                     num_lookahead_tokens: int, *, max_model_len: int | None,
-                    watermark_pages: int) -> AllocationPlan:
+                    watermark_pages: int, num_freed: int = 0) -> AllocationPlan:
     """Plans `KVCacheManager.allocate_slots` (see there for the arguments; `hit_ids` holds
-    one list of page ids per group).
+    one list of page ids per group; `num_freed` pages go back first, outside a sliding
+    group's window).
 
     Raises:
         ValueError: Negative counts, a swapped-out request, stale or mismatched hit
@@ -77,7 +78,7 @@ def plan_allocation(tables: BlockTables, request: Request, num_new_tokens: int,
         raise ValueError(f"request {request_id!r} needs {num_slots} slots, over "
                          f"max_model_len={max_model_len}")
     num_required = cdiv(num_slots, ps)
-    dropped = (state.num_dropped if state is not None
+    dropped = (tables.num_dropped_after(state, request.num_computed_tokens) if state is not None
                else [sum(1 for page in pages if page.is_null) for pages in computed_pages])
     num_held = sum(num_required - d for d in dropped)  # a sliding group's old pages are gone
     if num_held > pool.num_usable_pages:
@@ -94,7 +95,7 @@ def plan_allocation(tables: BlockTables, request: Request, num_new_tokens: int,
                         if page.ref_cnt == 0 and not page.is_null)
     num_needed = num_new_pages * len(groups) + len(cow) + num_reclaimed
     reserve = watermark_pages if state is None else 0
-    fits = num_needed + reserve <= pool.num_allocatable_pages
+    fits = num_needed + reserve <= pool.num_allocatable_pages + num_freed
     return AllocationPlan(computed_pages, cow, num_new_pages, num_computed,
                           num_tokens_after, fits)
 

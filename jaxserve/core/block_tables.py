@@ -181,6 +181,27 @@ class BlockTables:
         for page in self.pool.free_pages(ordered_pages):
             self.pending.drop_page(page.page_id)
 
+    def _outside_window(self, state: RequestKV, num_computed_tokens: int):
+        """(group, start, end) of each sliding group's entries `drop_outside_window` drops."""
+        for g in self.sliding:
+            first_needed = (num_computed_tokens - self.windows[g] + 1) // self.page_size
+            start, end = state.num_dropped[g], min(first_needed, len(state.tables[g]))
+            if end > start:
+                yield g, start, end
+
+    def num_dropped_after(self, state: RequestKV, num_computed_tokens: int) -> list[int]:
+        """Per group, `state.num_dropped` once `drop_outside_window` has run."""
+        dropped = list(state.num_dropped)
+        for g, _, end in self._outside_window(state, num_computed_tokens):
+            dropped[g] = end
+        return dropped
+
+    def num_freed_outside_window(self, state: RequestKV, num_computed_tokens: int) -> int:
+        """Pages `drop_outside_window` would return to the pool (those no one else holds)."""
+        return sum(1 for g, start, end in self._outside_window(state, num_computed_tokens)
+                   for page in state.tables[g][start:end]
+                   if not page.is_null and page.ref_cnt == 1)
+
     def drop_outside_window(self, state: RequestKV, num_computed_tokens: int) -> int:
         """Gives back the sliding groups' pages no later query can see; returns how many.
 
@@ -190,13 +211,8 @@ class BlockTables:
         null page; cached ones stay in the prefix cache until evicted.
         """
         num_freed = 0
-        for g in self.sliding:
-            first_needed = (num_computed_tokens - self.windows[g] + 1) // self.page_size
-            start = state.num_dropped[g]
-            if first_needed <= start:
-                continue
+        for g, start, end in list(self._outside_window(state, num_computed_tokens)):
             table = state.tables[g]
-            end = min(first_needed, len(table))
             dropped = [page for page in table[start:end] if not page.is_null]
             table[start:end] = [self.pool.null_page] * (end - start)
             state.num_dropped[g] = end

@@ -228,8 +228,9 @@ class KVCacheManager(SwapMixin):
             if self._fill_in_place(request, num_new_tokens):
                 return []
         state = self.tables.requests.get(request.request_id)
-        if state is not None and not state.is_swapped and self.tables.sliding:
-            self.tables.drop_outside_window(state, request.num_computed_tokens)
+        drops = state is not None and not state.is_swapped and bool(self.tables.sliding)
+        num_freed = (self.tables.num_freed_outside_window(state, request.num_computed_tokens)
+                     if drops else 0)
         if not hits:
             hits = [[] for _ in self.group_windows]
         elif self.num_groups == 1 and not isinstance(hits, tuple):
@@ -237,9 +238,11 @@ class KVCacheManager(SwapMixin):
         plan = plan_allocation(self.tables, request, num_new_tokens, num_new_computed_tokens,
                                list(hits), num_lookahead_tokens,
                                max_model_len=self.max_model_len,
-                               watermark_pages=self._watermark_pages)
+                               watermark_pages=self._watermark_pages, num_freed=num_freed)
         if not plan.fits:
             return None
+        if drops:
+            self.tables.drop_outside_window(state, request.num_computed_tokens)
         if state is None:
             state = self.tables.add(request.request_id)
             if self.pool.prefix_cache is not None:
