@@ -78,8 +78,8 @@ def gemma_fields(arch: str, key: Callable, where: str, hidden: int, heads: int,
         out.update({k: float(key(k, default)) for k, default in _GEMMA2_CAPS.items()})
         return {**out, "sliding_window": int(window), "sliding_window_pattern": 2}
     if key("attn_logit_softcapping") is not None:
-        fail("attn_logit_softcapping", f"={key('attn_logit_softcapping')} is not supported: "
-             "Gemma 3 defines no attention soft cap")
+        fail("attn_logit_softcapping", f"({key('attn_logit_softcapping')}) is not "
+             "supported: Gemma 3 defines no attention soft cap")
     if key("rope.freq_base") is None:
         # NOTE: llama.cpp would default to 10000, transformers to 1e6; the converter always
         # writes it.
