@@ -1,6 +1,11 @@
 """Writes a transformers Gemma 2 / Gemma 3 model as a GGUF file the way llama.cpp's
 `convert_hf_to_gguf.py` does (its metadata keys, tensor names and `+1` norm fold), for
-tests: the converter itself is not installed."""
+tests: the converter itself is not installed.
+
+Checked once against the real converter (the copy vendored in the llama-cpp-python 0.3.36
+sdist, `--outtype f32`, on the test's tiny models): the same `gemma2.*`/`gemma3.*` keys and
+values and bit-identical tensors; only `general.*` bookkeeping keys differ.
+"""
 
 from __future__ import annotations
 

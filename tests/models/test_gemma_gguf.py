@@ -124,6 +124,10 @@ def test_gguf_features_are_exercised(gemma_gguf):
             field
 
 
+# One family in the default tier (transformers' GGUF load takes seconds); the weights it
+# reads are the original ones for both, so Gemma 2's run repeats the comparison above.
+@pytest.mark.parametrize("gemma_gguf", ["gemma3", pytest.param("gemma2", marks=pytest.mark.slow)],
+                         indirect=True)
 def test_gguf_matches_transformers_gguf_loader(gemma_gguf):
     """transformers reading the same file (its own dequantizer, names and `-1` unfold) gets
     the original weights, and its logits equal ours once given the fields it does not
@@ -149,6 +153,33 @@ def test_gguf_tokenizer_loads(gemma_gguf, smollm2_tokenizer):
     tok = load_tokenizer(gemma_gguf[2])
     text = "Paged attention stores the KV cache in blocks"
     assert tok(text).input_ids == smollm2_tokenizer(text).input_ids
+
+
+# Gemma 2's tied random LM head repeats one token greedily (still compared, in the slow
+# tier); Gemma 3's varies.
+@pytest.mark.parametrize("gemma_gguf", ["gemma3", pytest.param("gemma2", marks=pytest.mark.slow)],
+                         indirect=True)
+def test_gguf_engine_greedy_matches_transformers(gemma_gguf):
+    """The engine serves the GGUF (its tokenizer, paged cache, windows) and its greedy tokens
+    equal transformers' `generate` on the original model."""
+    from jaxserve import LLM, SamplingParams
+    from tests.conftest import TINY_ENGINE
+
+    family, hf, path, _ = gemma_gguf
+    llm = LLM(path, **{**TINY_ENGINE, "warmup": False})
+    text = ("Paged attention stores the key and value cache in fixed-size blocks, and the "
+            "scheduler decides")
+    ids = llm.get_tokenizer()(text).input_ids
+    assert len(ids) > 2 * BASE["sliding_window"]  # the window binds
+    out = llm.generate([text], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
+                          do_sample=False, pad_token_id=0)[0, len(ids):].tolist()
+    assert list(out.outputs[0].token_ids) == ref
+    if family == "gemma3":
+        assert len(set(ref)) > 1
 
 
 # ------------------------------------------------------------------ header-only files
