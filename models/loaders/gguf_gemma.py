@@ -68,13 +68,17 @@ def gemma_fields(arch: str, key: Callable, where: str, hidden: int, heads: int,
         # means something else than llama.cpp would run.
         fail("attention.sliding_window_pattern", "is not supported: Gemma's layer pattern is "
              f"fixed (every {_PATTERN[arch]}th layer global)")
+    value_length = key("attention.value_length")
+    if value_length is not None and int(value_length) != head_dim:
+        fail("attention.value_length", f"({value_length}) is not supported: it must equal "
+             f"the key length ({head_dim})")
     scalar = hidden // heads if layers == _LAYERS_27B[arch] else head_dim
     out = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar}
     window = key("attention.sliding_window")
     if arch == "gemma2":
         if not window:
-            fail("attention.sliding_window", "is missing (Gemma 2 alternates sliding and "
-                 "global layers)")
+            fail("attention.sliding_window", "is missing or 0 (Gemma 2 alternates sliding "
+                 "and global layers)")
         out.update({k: float(key(k, default)) for k, default in _GEMMA2_CAPS.items()})
         return {**out, "sliding_window": int(window), "sliding_window_pattern": 2}
     if key("attn_logit_softcapping") is not None:

@@ -265,6 +265,10 @@ def test_27b_attention_scale_is_hidden_over_heads(tmp_path, arch, layers):
 @pytest.mark.parametrize("arch,skip,extra,match", [
     ("gemma2", ("attention.sliding_window",), {}, r"gemma2\.attention\.sliding_window is "
      "missing"),
+    ("gemma2", (), {"attention.sliding_window": 0}, r"gemma2\.attention\.sliding_window is "
+     "missing or 0"),
+    ("gemma3", (), {"attention.value_length": 32}, r"gemma3\.attention\.value_length \(32\) "
+     "is not supported"),
     ("gemma3", ("rope.freq_base",), {}, r"gemma3\.rope\.freq_base is missing"),
     ("gemma3", (), {"attn_logit_softcapping": 50.0},
      r"gemma3\.attn_logit_softcapping \(50\.0\) is not"),
