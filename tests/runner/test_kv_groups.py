@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.plans import CopyPlan, KVPlans, SwapPlan
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.runner.block_table_rows import BlockTableRows, group_delta
 from jaxserve.runner.model_runner import ModelRunner
@@ -252,3 +253,20 @@ def test_worker_sizes_the_pool_by_slots(params):
     assert serving_kv_layout(model, 8, True) is None
     assert serving_kv_layout(model, MAX_LEN, None) is None
     assert serving_kv_layout(hybrid.model, MAX_LEN, None) == LAYOUT
+
+
+def test_copy_and_swap_move_every_slot_of_a_page(params):
+    # A page of a hybrid pool holds its group's layers in all its slots; page plans (still
+    # on axis 3) move them all.
+    runner = ModelRunner(Model(CFG, params, backend="xla"), 8, PAGE, MAX_LEN, max_num_seqs=2,
+                         max_num_batched_tokens=8, num_swap_slots=2, kv_layout=LAYOUT)
+    pool = np.random.default_rng(0).standard_normal(runner.kv_pages.shape).astype(np.float32)
+    runner.kv_pages = jnp.asarray(pool)
+    runner.execute_plans(KVPlans(swap_out=SwapPlan([(3, 1)], to_host=True),
+                                 swap_in=SwapPlan([(1, 5)], to_host=False),
+                                 copy=CopyPlan([(2, 6)])))
+    got = np.asarray(runner.kv_pages)
+    assert got.shape[0] == LAYOUT.num_slots
+    np.testing.assert_array_equal(got[:, :, :, 5], pool[:, :, :, 3])
+    np.testing.assert_array_equal(got[:, :, :, 6], pool[:, :, :, 2])
+    np.testing.assert_array_equal(got[:, :, :, 1:5], pool[:, :, :, 1:5])  # 0: padding
