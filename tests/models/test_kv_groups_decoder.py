@@ -5,7 +5,8 @@ The oracle is the same model on the plain one-group pool (whose numerics
 and full-attention layers, soft caps, sandwich norms) runs the same teacher-forced steps
 both ways. In the hybrid run each group has its own pages, every unwritten slot holds NaN,
 and the sliding groups give back (null out, and poison) the pages that fell out of the
-window before each step, as the host-side manager does.
+window before each step, as the host-side manager does. On the cpu backend both run with
+packed weights (`models.packed`, read at the layer index, not the pool slot).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxserve.utils import cdiv
+from models import packed
 from models.config import ArchConfig
 from models.kv_groups import KVGroupLayout, kv_group_layout, single_group
 from models.model import Model, random_params
@@ -28,9 +30,10 @@ CFG = ArchConfig("Gemma2ForCausalLM", vocab_size=97, hidden_size=32, intermediat
                  attn_logit_softcap=20.0, max_position_embeddings=64)
 LAYOUT = kv_group_layout(CFG.layer_windows)  # groups: full (1, 3), sliding (0, 2), (4, 5)
 PAGE, WIDTH, NUM_PAGES = 4, 7, 48
-# New tokens of two requests per step: chunked prefills in 8-token steps, decodes
-# (2-token steps: the paged decode kernel's on Pallas), and a chunk after the sliding
-# groups gave pages back (its tile reads them as the null page).
+# New tokens of two requests per step, every step padded to 8 tokens (one compile per
+# layout): chunked prefills, decodes, and a chunk after the sliding groups gave pages back
+# (its tile reads them as the null page). The Pallas decode kernel over given-back pages
+# is tests/kernels/test_kv_groups.py's.
 STEPS = [(5, 3), (5, 3), (4, 4), (1, 1), (1, 1), (6, 2), (1, 1), (1, 1)]
 BACKENDS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(
     not cpu_ffi.available(), reason="no CPU decode kernel here")), "pallas"]
@@ -62,8 +65,7 @@ def _run(model: Model, tables: np.ndarray, windows: tuple[int, ...], poison: flo
     step = jax.jit(step)
     done, out = [0, 0], []
     for counts in STEPS:
-        n = sum(counts)
-        bucket = 2 if n == 2 else 8
+        n, bucket = sum(counts), 8
         for g, window in enumerate(windows):  # pages wholly before every query's window
             for r in range(2 if window else 0):
                 for p in range(max(0, done[r] - window + 1) // PAGE):
@@ -83,8 +85,7 @@ def _run(model: Model, tables: np.ndarray, windows: tuple[int, ...], poison: flo
         kv_lens = np.array([d + c for d, c in zip(done, counts, strict=True)], np.int32)
         md = AttentionMetadata(jnp.asarray(slots if grouped else slots[0]),
                                jnp.asarray(tables if grouped else tables[0]),
-                               jnp.asarray(kv_lens), jnp.asarray(cu, jnp.int32),
-                               decode_only=bucket == 2 and model.backend == "pallas")
+                               jnp.asarray(kv_lens), jnp.asarray(cu, jnp.int32))
         kv, logits = step(model.params, kv, jnp.asarray(ids), jnp.asarray(pos), md)
         out.append(np.asarray(logits[:n]))
         done = list(kv_lens)
@@ -104,6 +105,9 @@ def _tables(num_groups: int) -> np.ndarray:
 def test_hybrid_layout_gives_the_plain_pools_logits(params, backend):
     plain = Model(CFG, params, backend=backend)
     hybrid = Model(CFG, params, backend=backend, kv_layout=LAYOUT)
+    if packed.can_pack(plain):  # the cpu backend serves packed weights, read by layer
+        plain, hybrid = packed.pack_model(plain), packed.pack_model(hybrid)
+        assert hybrid.kv_layout == LAYOUT and packed.is_packed(hybrid)
     assert hybrid.kv_pages_shape(NUM_PAGES, PAGE)[0] == 2  # slots, not layers
     want = _run(plain, _tables(1), (0,), 0.0)
     got = _run(hybrid, _tables(3), LAYOUT.windows, np.nan)
