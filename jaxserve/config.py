@@ -103,6 +103,11 @@ class CacheConfig:
         watermark: Fraction of pages kept free when admitting new requests.
         kv_cache_dtype: "auto" (the model dtype), "int8", "fp8" / "fp8_e4m3" or "fp8_e5m2":
             8-bit K/V with one float32 scale per token and head, stored in the page.
+        disable_hybrid_kv_cache_manager: Keep one block table for every layer of a model
+            mixing sliding-window and full-attention layers (Gemma 2/3), so sliding layers
+            hold their whole context too (vLLM's flag). Off by default: each kind of layer
+            gets its KV cache groups and sliding pages go back while a request runs
+            (`models.kv_groups`).
     """
 
     block_size: int = 16
@@ -113,6 +118,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     kv_cache_dtype: str = "auto"
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self):
         _check_types(self)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from jaxserve.core.allocation import plan_allocation
 from jaxserve.core.block_tables import BlockTables
+from jaxserve.core.group_hits import find_group_hits
 from jaxserve.core.kv_metrics import KVCacheCounters, KVCacheStats, make_stats
-from jaxserve.core.kv_page import KVPage
+from jaxserve.core.kv_page import KVPage, group_key
+from jaxserve.core.kv_swap import SwapMixin
 from jaxserve.core.page_pool import HostPool, PagePool
-from jaxserve.core.plans import KVPlans, SwapPlan
+from jaxserve.core.plans import KVPlans
 from jaxserve.core.prefix_cache import update_page_hashes
 from jaxserve.request import Request
 from jaxserve.utils import cdiv
 
 
-class KVCacheManager:
+class KVCacheManager(SwapMixin):
     """Owns every request's block table (page ids) over one device page pool.
 
     Call order per step (the scheduler's side): `get_computed_pages` for a new request,
@@ -31,6 +33,12 @@ class KVCacheManager:
         swap_space: Host swap pool size in GiB (0 disables swapping).
         bytes_per_page: Bytes one page holds across all layers (sizes the host pool).
         max_model_len: Longest sequence a request may reach (None: no limit).
+        group_windows: Per KV cache group (`models.kv_groups`), its sliding window (0: full
+            attention). Every group has a block table per request and takes page ids
+            from the one pool; a sliding group's pages outside every query's window go
+            back while the request runs.
+        max_chunk_tokens: Most tokens one step computes for a request (the step budget):
+            bounds what a sliding group holds at once (None: no bound).
 
     Attributes:
         pool: The device page pool.
@@ -45,18 +53,24 @@ class KVCacheManager:
 
     def __init__(self, num_pages: int, page_size: int = 16, *, enable_prefix_caching: bool = True,
                  watermark: float = 0.01, swap_space: float = 0.0, bytes_per_page: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, group_windows: tuple[int, ...] = (0,),
+                 max_chunk_tokens: int | None = None):
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must lie in [0, 1), got {watermark}")
         if max_model_len is not None and max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+        if not group_windows or min(group_windows) < 0:
+            raise ValueError(f"group_windows must list one window >= 0 per KV cache group, "
+                             f"got {group_windows}")
         self.page_size = page_size
         self.max_model_len = max_model_len
+        self.group_windows = tuple(group_windows)
+        self.max_chunk_tokens = max_chunk_tokens
         self.pool = PagePool(num_pages, enable_caching=enable_prefix_caching)
         self.host_pool = HostPool.from_swap_space(swap_space, bytes_per_page)
-        self.tables = BlockTables(self.pool, self.host_pool, page_size)
+        self.tables = BlockTables(self.pool, self.host_pool, page_size, self.group_windows)
         self.counters = KVCacheCounters()
         self._watermark_pages = int(watermark * self.pool.num_usable_pages)
 
@@ -70,16 +84,26 @@ class KVCacheManager:
         state = self.tables.requests.get(request_id)
         return state is not None and state.is_swapped
 
-    def page_ids(self, request_id: str) -> list[int]:
-        """The request's block table: its page ids in logical order.
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups (block tables per request)."""
+        return len(self.group_windows)
+
+    def page_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """A block table of the request: its page ids in logical order (0: a sliding
+        group's page given back).
 
         Raises:
             ValueError: The request is swapped out or holds nothing.
         """
-        return [page.page_id for page in self.tables.on_device(request_id).pages]
+        return [page.page_id for page in self.tables.on_device(request_id).tables[group]]
 
     def page_delta(self, request_id: str) -> tuple[int, list[int]]:
-        """What changed in the request's block table since the last call: `(start, ids)`,
+        """Group 0's part of `page_deltas` (the whole of it with one group)."""
+        return self._delta(self.tables.on_device(request_id), 0)
+
+    def page_deltas(self, request_id: str) -> list[tuple[int, list[int]]]:
+        """What changed in each group's block table since the last call: `(start, ids)`,
         the table from index `start` on (the runner keeps the pages before it); start 0
         and the whole table the first time, after a swap-in or `resend_pages`.
 
@@ -87,16 +111,20 @@ class KVCacheManager:
             ValueError: The request is swapped out or holds nothing.
         """
         state = self.tables.on_device(request_id)
-        start, pages = state.num_sent_pages, state.pages
-        state.num_sent_pages = len(pages)
-        return start, [page.page_id for page in pages[start:]]
+        return [self._delta(state, g) for g in range(self.num_groups)]
+
+    @staticmethod
+    def _delta(state, group: int) -> tuple[int, list[int]]:
+        start, table = state.num_sent_pages[group], state.tables[group]
+        state.num_sent_pages[group] = len(table)
+        return start, [page.page_id for page in table[start:]]
 
     def resend_pages(self, request_id: str) -> None:
-        """Makes the next `page_delta` the whole table (the last one never reached the
+        """Makes the next `page_deltas` the whole tables (the last ones never reached the
         runner: its step failed to dispatch)."""
         state = self.tables.requests.get(request_id)
         if state is not None:
-            state.num_sent_pages = 0
+            state.resend()
 
     def take_released(self) -> list[str]:
         """Requests whose device block table was dropped (freed, swapped out) since the
@@ -111,20 +139,39 @@ class KVCacheManager:
     @property
     def max_tokens_per_request(self) -> int:
         """Most tokens one request's KV can ever hold: what it gets admitted alone into
-        an empty pool (every usable page less the admission watermark)."""
-        return (self.pool.num_usable_pages - self._watermark_pages) * self.page_size
+        an empty pool (every usable page less the admission watermark), counting every
+        group's pages at the worst step (`pages_for_tokens`)."""
+        budget = self.pool.num_usable_pages - self._watermark_pages
+        if len(self.group_windows) == 1 and not self.group_windows[0]:
+            return budget * self.page_size
+        lo, hi = 0, self.max_model_len or budget * self.page_size * len(self.group_windows)
+        while lo < hi:  # the largest n with pages_for_tokens(n) <= budget
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.pages_for_tokens(mid) <= budget else (lo, mid - 1)
+        return lo
+
+    def pages_for_tokens(self, num_tokens: int) -> int:
+        """Most pages a request of `num_tokens` tokens holds at once, over all groups: a
+        sliding group holds its window plus the step's new tokens (`max_chunk_tokens`)."""
+        n = cdiv(num_tokens, self.page_size)
+        chunk = self.max_chunk_tokens or num_tokens
+        return sum(n if not w else min(n, cdiv(w - 1 + chunk, self.page_size) + 1)
+                   for w in self.group_windows)
 
     # ------------------------------------------------------------- allocation
-    def get_computed_pages(self, request: Request) -> tuple[list[int], int]:
+    def get_computed_pages(self, request: Request) -> tuple[list[int] | tuple[list[int], ...], int]:
         """Looks up cached pages for a request's leading full pages.
 
         The hit stops before the page holding the last token, so at least that token is
-        computed (its logits are needed). The query is counted when the request's first
-        `allocate_slots` succeeds, so a request that waits and looks up again each step
-        counts once.
+        computed (its logits are needed). With several KV cache groups it is the longest
+        prefix every group serves (`group_hits.find_group_hits`). The query is counted
+        when the request's first `allocate_slots` succeeds, so a request that waits and
+        looks up again each step counts once.
 
         Returns:
-            (page ids of the hit, number of tokens they hold).
+            (page ids of the hit, number of tokens they hold); with several groups the
+            ids are a tuple of one list per group (0 where a sliding group's window
+            does not reach).
 
         Raises:
             ValueError: The request already holds pages or is swapped out.
@@ -132,35 +179,39 @@ class KVCacheManager:
         if self.has_request(request.request_id):
             raise ValueError(f"request {request.request_id!r} already holds KV; "
                              "get_computed_pages is for requests without pages")
+        empty = [] if self.num_groups == 1 else tuple([] for _ in self.group_windows)
         if self.pool.prefix_cache is None:
-            return [], 0
+            return empty, 0
         ps = self.page_size
         hashes = update_page_hashes(request, ps)
         token_ids = request.all_token_ids
-        hit_ids: list[int] = []
-        for index in range((request.num_tokens - 1) // ps):
-            page = self.pool.get_cached_page(hashes[index], token_ids[index * ps:(index + 1) * ps])
-            if page is None:
-                break
-            hit_ids.append(page.page_id)
-        return hit_ids, len(hit_ids) * ps
+
+        def lookup(group: int, index: int):
+            return self.pool.get_cached_page(group_key(hashes[index], group),
+                                             token_ids[index * ps:(index + 1) * ps])
+
+        num_pages, pages = find_group_hits(lookup, self.group_windows,
+                                           (request.num_tokens - 1) // ps, ps)
+        ids = [[0 if page is None else page.page_id for page in group] for group in pages]
+        return (ids[0] if self.num_groups == 1 else tuple(ids)), num_pages * ps
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
-                       new_computed_page_ids: list[int] | None = None,
+                       new_computed_page_ids: list[int] | tuple[list[int], ...] | None = None,
                        num_lookahead_tokens: int = 0) -> list[int] | None:
         """Makes room for `num_new_tokens` more tokens of `request` this step.
 
-        Takes the prefix-hit pages (first allocation only), gives a private copy of any
-        shared page this step writes into (recording a copy plan when it holds computed
-        tokens), appends new pages, and queues newly full pages for the prefix cache
-        (indexed at `take_plans()`).
+        Gives back sliding groups' pages outside the window, takes the prefix-hit pages
+        (first allocation only), gives a private copy of any shared page this step writes
+        into (recording a copy plan when it holds computed tokens), appends new pages to
+        every group's table, and queues newly full pages for the prefix cache (indexed at
+        `take_plans()`).
 
         Args:
             request: The request; `request.num_computed_tokens` is its progress so far.
             num_new_tokens: Tokens to compute this step.
             num_new_computed_tokens: Tokens covered by `new_computed_page_ids`.
-            new_computed_page_ids: Page ids from `get_computed_pages`.
+            new_computed_page_ids: Page ids from `get_computed_pages` (as it returns them).
             num_lookahead_tokens: Extra slots to reserve (speculative tokens).
 
         Returns:
@@ -172,31 +223,44 @@ class KVCacheManager:
             ValueError: Negative counts, a swapped-out request, stale or mismatched hit
                 pages, more tokens than the request has, or more pages than exist.
         """
-        if not (num_new_computed_tokens or new_computed_page_ids or num_lookahead_tokens):
+        hits = new_computed_page_ids
+        if not (num_new_computed_tokens or hits or num_lookahead_tokens):
             if self._fill_in_place(request, num_new_tokens):
                 return []
+        state = self.tables.requests.get(request.request_id)
+        drops = state is not None and not state.is_swapped and bool(self.tables.sliding)
+        num_freed = (self.tables.num_freed_outside_window(state, request.num_computed_tokens)
+                     if drops else 0)
+        if not hits:
+            hits = [[] for _ in self.group_windows]
+        elif self.num_groups == 1 and not isinstance(hits, tuple):
+            hits = [hits]
         plan = plan_allocation(self.tables, request, num_new_tokens, num_new_computed_tokens,
-                               new_computed_page_ids, num_lookahead_tokens,
+                               list(hits), num_lookahead_tokens,
                                max_model_len=self.max_model_len,
-                               watermark_pages=self._watermark_pages)
+                               watermark_pages=self._watermark_pages, num_freed=num_freed)
         if not plan.fits:
             return None
-        state = self.tables.requests.get(request.request_id)
+        if drops:
+            self.tables.drop_outside_window(state, request.num_computed_tokens)
         if state is None:
             state = self.tables.add(request.request_id)
             if self.pool.prefix_cache is not None:
                 self.counters.prefix_queries += request.num_tokens
                 self.counters.prefix_hits += num_new_computed_tokens
-        self.pool.touch(plan.computed_pages)
-        state.pages.extend(plan.computed_pages)
+        for g, pages in enumerate(plan.computed_pages):
+            self.pool.touch(page for page in pages if not page.is_null)
+            state.tables[g].extend(pages)
+            state.num_dropped[g] = sum(1 for page in pages if page.is_null)
         new_pages: list[KVPage] = []
-        for index in plan.cow_indices:
+        for g, index in plan.cow:
             copy_content = index * self.page_size < plan.num_computed_tokens
-            new_pages.append(self.tables.copy_on_write(state, index, copy_content))
+            new_pages.append(self.tables.copy_on_write(state, g, index, copy_content))
             self.counters.num_cow_copies += int(copy_content)
-        appended = self.pool.get_new_pages(plan.num_new_pages)
-        state.pages.extend(appended)
-        new_pages.extend(appended)
+        for table in state.tables:
+            appended = self.pool.get_new_pages(plan.num_new_pages)
+            table.extend(appended)
+            new_pages.extend(appended)
         state.num_slot_tokens = plan.num_tokens_after
         self.tables.queue_for_cache(request, plan.num_tokens_after)
         return [page.page_id for page in new_pages]
@@ -208,15 +272,18 @@ class KVCacheManager:
         state = self.tables.requests.get(request.request_id)
         if state is None or state.is_swapped or num_new_tokens < 0:
             return False
-        ps, table = self.page_size, state.pages
+        ps, tables = self.page_size, state.tables
         num_after = request.num_computed_tokens + num_new_tokens
-        if num_after > len(table) * ps or num_after > request.num_tokens_with_placeholders or (
+        if num_after > len(tables[0]) * ps or num_after > request.num_tokens_with_placeholders or (
                 self.max_model_len is not None and num_after > self.max_model_len):
             return False
-        for index in range(request.num_computed_tokens // ps, cdiv(num_after, ps)):
-            page = table[index]
-            if page.ref_cnt > 1 and self.tables.num_holders(page) > 1:
-                return False  # copy-on-write needed
+        for table in tables:
+            for index in range(request.num_computed_tokens // ps, cdiv(num_after, ps)):
+                page = table[index]
+                if page.ref_cnt > 1 and self.tables.num_holders(page) > 1:
+                    return False  # copy-on-write needed
+        if self.tables.sliding:
+            self.tables.drop_outside_window(state, request.num_computed_tokens)
         state.num_slot_tokens = num_after
         # NOTE: most decodes fill no page: offering nothing is what the offer would do.
         if min(num_after, request.num_tokens) // ps > state.num_cached_pages:
@@ -233,13 +300,16 @@ class KVCacheManager:
         if state is None or state.is_swapped:
             return 0
         keep = cdiv(request.num_tokens_with_placeholders, self.page_size)
-        extra = state.pages[keep:]
-        if extra:
-            del state.pages[keep:]
-            state.num_sent_pages = min(state.num_sent_pages, keep)
-            self.tables.release(reversed(extra))
+        num_trimmed = 0
+        for g, table in enumerate(state.tables):
+            extra = [page for page in reversed(table[keep:]) if not page.is_null]
+            if len(table) > keep:
+                del table[keep:]
+                state.num_sent_pages[g] = min(state.num_sent_pages[g], keep)
+                self.tables.release(extra)
+            num_trimmed += len(extra)
         state.num_slot_tokens = min(state.num_slot_tokens, request.num_tokens_with_placeholders)
-        return len(extra)
+        return num_trimmed
 
     # -------------------------------------------------------------- lifecycle
     def free(self, request: Request) -> None:
@@ -269,62 +339,6 @@ class KVCacheManager:
             raise ValueError(f"child {child.request_id!r} must match parent "
                              f"{parent.request_id!r} in computed tokens (use Request.fork)")
         self.tables.share(parent_state, child.request_id)
-
-    # ------------------------------------------------------------------- swap
-    def can_swap_out(self, request: Request) -> bool:
-        """Whether `swap_out` would succeed now."""
-        needed = self.tables.num_swap_out_slots(self.tables.on_device(request.request_id))
-        return needed is not None and needed <= self.host_pool.num_free_slots
-
-    def swap_out(self, request: Request) -> SwapPlan | None:
-        """Moves a request's pages to host slots and frees the device pages.
-
-        Returns:
-            The request's (device page, host slot) pairs (also part of the next
-            `take_plans()`), or None when host slots are short: nothing changed, so the
-            caller falls back to recompute (`free` and restart from token 0).
-
-        Raises:
-            ValueError: Unknown or already swapped-out request.
-        """
-        if self.is_swapped(request.request_id):
-            raise ValueError(f"request {request.request_id!r} is already swapped out")
-        if not self.can_swap_out(request):
-            self.counters.num_swap_fallbacks += 1
-            return None
-        pairs = self.tables.move_to_host(request)
-        self.counters.num_swap_outs += 1
-        self.counters.num_swapped_out_pages += len(pairs)
-        return SwapPlan(pairs, to_host=True)
-
-    def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
-        """Whether `swap_in` would succeed now (watermark included), and the free pages
-        would also cover the request's next `num_new_tokens` tokens.
-
-        Raises:
-            ValueError: The request is not swapped out.
-        """
-        slot_ids = self.tables.swapped_out(request.request_id).host_slot_ids
-        num_free = self.pool.num_allocatable_pages
-        return (len(slot_ids) + self._watermark_pages <= num_free and
-                cdiv(request.num_computed_tokens + num_new_tokens, self.page_size) <= num_free)
-
-    def swap_in(self, request: Request) -> SwapPlan | None:
-        """Brings a swapped-out request back into fresh device pages, same logical order.
-
-        Returns:
-            The (host slot, device page) pairs (also part of the next `take_plans()`), or
-            None when device pages are short (nothing changed).
-
-        Raises:
-            ValueError: The request is not swapped out.
-        """
-        if not self.can_swap_in(request):
-            return None
-        pairs = self.tables.move_to_device(request)
-        self.counters.num_swap_ins += 1
-        self.counters.num_swapped_in_pages += len(pairs)
-        return SwapPlan(pairs, to_host=False)
 
     # ---------------------------------------------------------- step / metrics
     def take_plans(self) -> KVPlans:

@@ -8,6 +8,12 @@ NULL_PAGE_ID = 0
 PageHash = bytes
 
 
+def group_key(page_hash: PageHash, group: int) -> PageHash:
+    """The prefix-cache key of a page of KV cache group `group` holding `page_hash`'s
+    tokens: each group caches its own pages (the same tokens, other layers)."""
+    return page_hash if group == 0 else page_hash + group.to_bytes(2, "little")
+
+
 class KVPage:
     """One device KV page: its id, reference count and prefix-cache identity."""
 

@@ -15,7 +15,6 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from jaxserve.core.stop_checker import check_stop
 from jaxserve.request import Request, RequestStatus
-from jaxserve.utils import cdiv
 
 
 class _StepDraft:
@@ -101,11 +100,10 @@ class Scheduler:
                 raise ValueError(f"prompt of request {request.request_id!r} has "
                                  f"{request.num_prompt_tokens} tokens, more than "
                                  f"max_num_batched_tokens {budget} without chunked prefill")
-            pages, max_pages = (cdiv(request.num_prompt_tokens, kv.page_size),
-                                kv.max_tokens_per_request // kv.page_size)
-            raise ValueError(f"request {request.request_id!r} needs {pages} KV pages; one "
-                             f"request may hold at most {max_pages} (the pool less its "
-                             "admission watermark)")
+            raise ValueError(f"request {request.request_id!r} needs KV for "
+                             f"{request.num_prompt_tokens} tokens; one request may hold at "
+                             f"most {kv.max_tokens_per_request} (the pool less its admission "
+                             "watermark)")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)
@@ -263,7 +261,7 @@ class Scheduler:
         start = request.num_computed_tokens
         token_ids = request.all_token_ids[start:start + num_new]
         token_ids += [PLACEHOLDER] * (num_new - len(token_ids))
-        pages_from, page_ids = self.kv.page_delta(request.request_id)
+        (pages_from, page_ids), *group_pages = self.kv.page_deltas(request.request_id)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=token_ids + request.spec_token_ids[:num_spec] if num_spec else token_ids,
@@ -272,7 +270,8 @@ class Scheduler:
             num_samples=self._num_samples(request, num_new),
             sampling_counter=request.num_output_tokens + request.num_output_placeholders,
             num_spec_tokens=num_spec,
-            pages_from=pages_from)
+            pages_from=pages_from,
+            group_pages=tuple(group_pages))
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether a token in flight surely ends the request (its length limits): it is

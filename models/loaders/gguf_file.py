@@ -2,7 +2,8 @@
 
 Tensors are served under their Hugging Face names so `hf_names.build_params` fills the
 model from GGUF exactly as from safetensors. llama.cpp stores Llama q/k projection rows
-permuted for its rotary layout; they are un-permuted here.
+permuted for its rotary layout; they are un-permuted here. Gemma's names, norms and
+metadata are in `gguf_gemma`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import gguf
 import numpy as np
 from gguf.quants import dequantize
 
+from models.loaders.gguf_gemma import GEMMA_ARCHS, GEMMA_LAYER_NAMES, gemma_fields, unfold_norm
 from models.loaders.gguf_quant import GGUF_KEPT, decode_gguf_rows
 from models.quant import QUANT_MODULES, QuantPlan
 
 # GGUF architecture -> HF architecture name.
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "qwen3": "Qwen3ForCausalLM"}
+              "qwen3": "Qwen3ForCausalLM", **GEMMA_ARCHS}
+# GGUF rope.scaling.type values served (Gemma 3 scales its global layers linearly).
+_ROPE_SCALINGS = ("none", "linear")
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -33,13 +37,14 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 
 
-def hf_name_of_gguf(name: str) -> str | None:
-    """HF tensor name for a GGUF tensor name, or None for tensors the model does not use."""
+def hf_name_of_gguf(name: str, arch: str = "llama") -> str | None:
+    """HF tensor name for a GGUF tensor name of architecture `arch`, or None for tensors
+    the model does not use."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m:
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}" if part in _LAYER_NAMES \
-            else None
+        names = {**_LAYER_NAMES, **GEMMA_LAYER_NAMES} if arch in GEMMA_ARCHS else _LAYER_NAMES
+        return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
     base, _, kind = name.rpartition(".")
     return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
 
@@ -75,15 +80,18 @@ class GGUFFile:
         self._hf_config: dict | None = None
         self._tensors = {}
         for t in self.reader.tensors:
-            hf = hf_name_of_gguf(t.name)
+            hf = hf_name_of_gguf(t.name, self.arch)
             if hf is not None:
                 self._tensors[hf] = t
 
     def field(self, key: str, default=None):
-        """Value of a metadata field (strings decoded, 1-element arrays unwrapped)."""
+        """Value of a metadata field (strings decoded, 1-element arrays unwrapped; a float32
+        as the shortest decimal it stores, so 1e-6 reads back as 1e-6)."""
         f = self.reader.fields.get(key)
         if f is None:
             return default
+        if f.types == [gguf.GGUFValueType.FLOAT32]:
+            return float(str(np.float32(f.contents())))
         return f.contents()
 
     def where(self, name: str) -> str:
@@ -93,6 +101,8 @@ class GGUFFile:
         t = self._tensors[name]
         arr = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
         arr = np.asarray(arr, dtype=np.float32)
+        if self.arch in GEMMA_ARCHS:
+            arr = unfold_norm(name, arr)
         heads = self._permuted_heads(name)
         return _unpermute(arr, heads) if heads else arr
 
@@ -147,16 +157,29 @@ class GGUFFile:
             raise ValueError(f"{self.path}: GGUF rope_freqs (Llama 3.1 rope scaling) is not "
                              "supported; load the Hugging Face directory instead")
         key = lambda k, default=None: self.field(f"{arch}.{k}", default)
-        heads = int(key("attention.head_count"))
-        hidden = int(key("embedding_length"))
+
+        def required(k: str):
+            if key(k) is None:
+                raise ValueError(f"{self.path}: GGUF metadata field {arch}.{k} is missing")
+            return key(k)
+
+        heads = int(required("attention.head_count"))
+        hidden = int(required("embedding_length"))
+        layers = int(required("block_count"))
         tokens = self.reader.fields.get("tokenizer.ggml.tokens")
         vocab = key("vocab_size") or (len(tokens.data) if tokens else None)
+        if arch in GEMMA_ARCHS and "model.embed_tokens.weight" in self._tensors:
+            # Gemma 3's converter drops the embedding rows past the tokenizer's vocabulary.
+            vocab = int(self._tensors["model.embed_tokens.weight"].shape[-1])
+        if vocab is None:
+            raise ValueError(f"{self.path}: the vocabulary size is unknown (no {arch}.vocab_size "
+                             "and no tokenizer.ggml.tokens)")
         cfg = {
             "architectures": [GGUF_ARCHS[arch]],
             "vocab_size": int(vocab),
             "hidden_size": hidden,
-            "intermediate_size": int(key("feed_forward_length")),
-            "num_hidden_layers": int(key("block_count")),
+            "intermediate_size": int(required("feed_forward_length")),
+            "num_hidden_layers": layers,
             "num_attention_heads": heads,
             "num_key_value_heads": int(key("attention.head_count_kv", heads)),
             "head_dim": int(key("attention.key_length", hidden // heads)),
@@ -167,13 +190,20 @@ class GGUFFile:
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
         }
-        if key("rope.scaling.type") == "linear":
+        scaling = key("rope.scaling.type")
+        if scaling is not None and scaling not in _ROPE_SCALINGS:
+            raise ValueError(f"{self.path}: unsupported GGUF {arch}.rope.scaling.type "
+                             f"{scaling!r}; supported: {', '.join(_ROPE_SCALINGS)}")
+        if scaling == "linear":
             cfg["rope_scaling"] = {"rope_type": "linear",
-                                   "factor": float(key("rope.scaling.factor"))}
+                                   "factor": float(required("rope.scaling.factor"))}
         if arch == "llama" and "model.layers.0.self_attn.q_proj.bias" in self._tensors:
             cfg["attention_bias"] = True
         if arch == "qwen3" and "model.layers.0.self_attn.q_proj.bias" in self._tensors:
             cfg["attention_bias"] = True
+        if arch in GEMMA_ARCHS:
+            cfg.update(gemma_fields(arch, key, self.path, hidden, heads, cfg["head_dim"],
+                                    layers))
         return cfg
 
 

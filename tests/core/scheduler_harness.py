@@ -9,6 +9,7 @@ deltas as the runner does (`BlockTableRows`). `Harness.step` also checks the sch
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 from jaxserve.config import SchedulerConfig
@@ -26,10 +27,12 @@ HOST_PAGE_BYTES = 2**30  # swap_space=N GiB then gives exactly N host slots
 
 def make_scheduler(*, num_pages: int = 33, page_size: int = PS, budget: int = 32,
                    max_model_len: int = 64, host_slots: int = 0, prefix: bool = True,
-                   watermark: float = 0.0, **config) -> Scheduler:
+                   watermark: float = 0.0, group_windows: tuple[int, ...] = (0,),
+                   **config) -> Scheduler:
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix, watermark=watermark,
                         swap_space=float(host_slots), bytes_per_page=HOST_PAGE_BYTES,
-                        max_model_len=max_model_len)
+                        max_model_len=max_model_len, group_windows=group_windows,
+                        max_chunk_tokens=budget)
     return Scheduler(SchedulerConfig(**config), kv, max_model_len, budget)
 
 
@@ -83,9 +86,12 @@ class Harness:
         self.seen: dict[str, Request] = {}  # every request added or forked
         self.overlap = overlap
         self.pending: SchedulerOutput | None = None  # overlap: the step "on the device"
-        # The runner's kept tables, and each step's tables rebuilt from them (by step, id).
-        self.rows = BlockTableRows(scheduler.max_model_len // self.kv.page_size + 1, 2)
-        self.tables: dict[int, dict[str, list[int]]] = {}
+        # The runner's kept tables (one set per KV cache group), and each step's tables
+        # rebuilt from them: by step, id, group.
+        width = scheduler.max_model_len // self.kv.page_size + 1
+        self.group_rows = [BlockTableRows(width, 2) for _ in self.kv.group_windows]
+        self.rows = self.group_rows[0]
+        self.tables: dict[int, dict[str, list[list[int]]]] = {}
 
     def add(self, *requests: Request) -> None:
         for request in requests:
@@ -127,11 +133,17 @@ class Harness:
         when the step is scheduled; tests that call `schedule()` themselves get them at
         `_run`)."""
         if id(out) not in self.tables:
-            self.rows.release(out.released_request_ids)
-            table, lengths = self.rows.gather(out.scheduled, len(out.scheduled))
-            self.tables[id(out)] = {
-                e.request_id: table[i, :n].tolist()
-                for i, (e, n) in enumerate(zip(out.scheduled, lengths, strict=True))}
+            tables: dict[str, list[list[int]]] = {e.request_id: [] for e in out.scheduled}
+            for g, rows in enumerate(self.group_rows):
+                rows.release(out.released_request_ids)
+                entries = out.scheduled if g == 0 else [
+                    dataclasses.replace(e, page_ids=e.group_pages[g - 1][1], pages_from=(
+                        None if e.pages_from is None else e.group_pages[g - 1][0]))
+                    for e in out.scheduled]
+                table, lengths = rows.gather(entries, len(entries))
+                for i, (e, n) in enumerate(zip(out.scheduled, lengths, strict=True)):
+                    tables[e.request_id].append(table[i, :n].tolist())
+            self.tables[id(out)] = tables
         return self.tables[id(out)]
 
     def _update(self, out: SchedulerOutput, sampled=None) -> list:
@@ -180,9 +192,11 @@ class Harness:
         assert kv.pool.num_allocatable_pages == kv.pool.num_usable_pages
         assert kv.host_pool.num_free_slots == kv.host_pool.num_slots
         assert not kv.tables.requests and kv.tables.pending.is_empty()
-        self.rows.release(kv.take_released())  # what the next step would release
-        assert self.rows.num_kept == 0, self.rows.slot_of
-        assert self.rows.num_free == len(self.rows.table)  # every row back for reuse
+        released = kv.take_released()  # what the next step would release
+        for rows in self.group_rows:
+            rows.release(released)
+            assert rows.num_kept == 0, rows.slot_of
+            assert rows.num_free == len(rows.table)  # every row back for reuse
 
     # ------------------------------------------------------------------ checks
     def _check_output(self, out: SchedulerOutput, before, placeholders) -> None:
@@ -222,11 +236,14 @@ class Harness:
             assert entry.token_ids[:num_new] == (request.all_token_ids[start:start + num_known]
                                                  + [PLACEHOLDER] * (num_new - num_known))
             table = self.tables[id(out)][entry.request_id]
-            assert table == kv.page_ids(entry.request_id)
-            assert entry.pages_from is not None and entry.num_pages == len(table)
-            assert entry.page_ids == table[entry.pages_from:]
-            assert 0 not in table
-            assert len(table) * ps >= start + num_new + num_spec
+            assert table == [kv.page_ids(entry.request_id, g) for g in range(kv.num_groups)]
+            assert entry.pages_from is not None and entry.num_pages == len(table[0])
+            assert entry.page_ids == table[0][entry.pages_from:]
+            for (pages_from, ids), group_table in zip(entry.group_pages, table[1:], strict=True):
+                assert ids == group_table[pages_from:]
+            for w, group_table in zip(kv.group_windows, table, strict=True):
+                assert 0 not in group_table[max(0, start - w + 1) // ps if w else 0:]
+                assert len(group_table) * ps >= start + num_new + num_spec
             assert entry.sampling_counter == request.num_output_tokens + in_flight
             assert request.num_output_placeholders == in_flight + bool(entry.num_samples)
             if start + num_new < request.num_tokens + in_flight:
@@ -250,7 +267,12 @@ class Harness:
         for r in sched.running:
             assert r.status == RequestStatus.RUNNING
             assert kv.has_request(r.request_id) and not kv.is_swapped(r.request_id)
-            assert len(kv.page_ids(r.request_id)) * kv.page_size >= r.num_computed_tokens
+            for g, w in enumerate(kv.group_windows):
+                ids = kv.page_ids(r.request_id, g)
+                assert len(ids) * kv.page_size >= r.num_computed_tokens
+                # A sliding group holds every page the next query's window reaches.
+                first = max(0, r.num_computed_tokens - w + 1) // kv.page_size if w else 0
+                assert 0 not in ids[first:r.num_computed_tokens // kv.page_size + 1]
             assert r.num_computed_tokens <= r.num_tokens_with_placeholders
             assert 0 <= r.num_output_placeholders <= 1 + self.overlap
         for r in sched.waiting:
@@ -263,7 +285,8 @@ class Harness:
         assert {rid for rid in kv.tables.requests if kv.is_swapped(rid)} == {
             r.request_id for r in sched.swapped}
         # Every page's ref count is the number of block tables holding it.
-        holders = Counter(pid for r in sched.running for pid in kv.page_ids(r.request_id))
+        holders = Counter(pid for r in sched.running for g in range(kv.num_groups)
+                          for pid in kv.page_ids(r.request_id, g) if pid)
         owned = {p.page_id: p.ref_cnt for p in kv.pool.pages if p.ref_cnt}
         assert holders == owned
         assert kv.pool.num_used_pages == len(owned)
@@ -289,16 +312,22 @@ class Harness:
                 tokens = tokens[:entry.start_pos + 1] + entry.token_ids[1:]
             fps = prefix_fingerprints(tokens)
             fingerprints[entry.request_id] = fps
-            for pos in range(entry.start_pos, entry.start_pos + entry.num_new_tokens):
-                page = self.device.setdefault(tables[entry.request_id][pos // ps],
-                                              [None] * ps)
-                page[pos % ps] = fps[pos]
+            for table in tables[entry.request_id]:
+                for pos in range(entry.start_pos, entry.start_pos + entry.num_new_tokens):
+                    assert table[pos // ps], f"{entry.request_id} writes into the null page"
+                    page = self.device.setdefault(table[pos // ps], [None] * ps)
+                    page[pos % ps] = fps[pos]
         for entry in out.scheduled:
             fps = fingerprints[entry.request_id]
-            for pos in range(entry.start_pos + entry.num_new_tokens):
-                page = tables[entry.request_id][pos // ps]
-                assert self.device[page][pos % ps] == fps[pos], (
-                    f"{entry.request_id} reads wrong KV at position {pos} (page {page})")
+            for g, table in enumerate(tables[entry.request_id]):
+                # What the step's first query reads: a sliding group only its window.
+                w = self.kv.group_windows[g]
+                first = max(0, entry.start_pos - w + 1) if w else 0
+                for pos in range(first, entry.start_pos + entry.num_new_tokens):
+                    page = table[pos // ps]
+                    assert self.device[page][pos % ps] == fps[pos], (
+                        f"{entry.request_id} reads wrong KV at position {pos} (page {page}, "
+                        f"group {g})")
 
 
 def scheduled(out: SchedulerOutput) -> dict[str, int]:

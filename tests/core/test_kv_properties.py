@@ -36,13 +36,22 @@ def fingerprint(token_ids: list[int], position: int) -> int:
     return hash(tuple(token_ids[:position + 1])) & 0x7FFFFFFF
 
 
+def hits_of(hit_ids, num_groups: int) -> list[list[int]]:
+    """`get_computed_pages`' ids as one list per group."""
+    return [list(hit_ids)] if num_groups == 1 else [list(ids) for ids in hit_ids]
+
+
 class KVCacheMachine(RuleBasedStateMachine):
+    WINDOWS: tuple[int, ...] = (0,)  # the KV cache groups' windows
+
     def __init__(self):
         super().__init__()
+        self.num_pages = (NUM_PAGES - 1) * len(self.WINDOWS) + 1
         self.manager = KVCacheManager(
-            NUM_PAGES, PS, watermark=0.1, swap_space=NUM_HOST_SLOTS * BYTES_PER_PAGE / 2**30,
-            bytes_per_page=BYTES_PER_PAGE)
-        self.device = np.full((NUM_PAGES, PS), -1, dtype=np.int64)
+            self.num_pages, PS, watermark=0.1,
+            swap_space=NUM_HOST_SLOTS * BYTES_PER_PAGE / 2**30, bytes_per_page=BYTES_PER_PAGE,
+            group_windows=self.WINDOWS)
+        self.device = np.full((self.num_pages, PS), -1, dtype=np.int64)
         self.host = np.full((NUM_HOST_SLOTS, PS), -2, dtype=np.int64)
         self.requests: dict[str, Request] = {}  # holding KV: running or swapped
         self.waiting: list[Request] = []
@@ -64,8 +73,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def snapshot(self):
         pool, tables = self.manager.pool, self.manager.tables
         pending, states = tables.pending, tables.requests
-        return (sorted((rid, tuple(p.page_id for p in s.pages)) for rid, s in states.items()
-                       if not s.is_swapped),
+        return (sorted((rid, tuple(tuple(p.page_id for p in t) for t in s.tables))
+                       for rid, s in states.items() if not s.is_swapped),
                 [(p.ref_cnt, p.page_hash) for p in pool.pages],
                 [p.page_id for p in pool.free_queue], list(self.manager.host_pool._free_slot_ids),
                 sorted(rid for rid, s in states.items() if s.is_swapped),
@@ -79,7 +88,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.snapshot() == before, "a failed allocation changed the manager"
             return False
         assert NULL_PAGE_ID not in new_ids
-        assert self.manager.page_ids(request.request_id)[:len(hit_ids)] == list(hit_ids)
+        for g, ids in enumerate(hits_of(hit_ids, len(self.WINDOWS))):
+            assert self.manager.page_ids(request.request_id, g)[:len(ids)] == ids
         request.num_computed_tokens += num_hit
         self.scheduled[request.request_id] = num_new_tokens
         return True
@@ -94,7 +104,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def admit(self, data):
         request = self.waiting[data.draw(st.integers(0, len(self.waiting) - 1))]
         hit_ids, num_hit = self.manager.get_computed_pages(request)
-        assert num_hit < request.num_tokens and num_hit == len(hit_ids) * PS
+        hits = hits_of(hit_ids, len(self.WINDOWS))
+        assert num_hit < request.num_tokens and all(num_hit == len(ids) * PS for ids in hits)
         chunk = data.draw(st.integers(1, request.num_tokens - num_hit))
         if self.schedule(request, chunk, hit_ids, num_hit):
             self.waiting.remove(request)
@@ -155,7 +166,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         if plan is None:
             assert self.snapshot() == before
             return
-        assert [d for _, d in plan.pairs] == self.manager.page_ids(rid)
+        assert [d for _, d in plan.pairs] == [
+            p for g in range(len(self.WINDOWS)) for p in self.manager.page_ids(rid, g) if p]
 
     @rule(max_num_pages=st.one_of(st.none(), st.integers(0, 4)))
     def evict(self, max_num_pages):
@@ -193,10 +205,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.device[into[:, 1]] = self.host[into[:, 0]]
         self.device[cp[:, 1]] = self.device[cp[:, 0]]
         for rid, num_new in self.scheduled.items():
-            request, page_ids = self.requests[rid], self.manager.page_ids(rid)
-            for pos in range(request.num_computed_tokens, request.num_computed_tokens + num_new):
-                value = fingerprint(request.all_token_ids, pos)
-                self.device[page_ids[pos // PS], pos % PS] = value
+            request = self.requests[rid]
+            for g in range(len(self.WINDOWS)):
+                page_ids = self.manager.page_ids(rid, g)
+                for pos in range(request.num_computed_tokens,
+                                 request.num_computed_tokens + num_new):
+                    assert page_ids[pos // PS] != NULL_PAGE_ID, "a write into the null page"
+                    value = fingerprint(request.all_token_ids, pos)
+                    self.device[page_ids[pos // PS], pos % PS] = value
             request.num_computed_tokens += num_new
         self.scheduled.clear()
         for rid in self.running_ids():
@@ -216,14 +232,19 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def check_contents(self):
         for rid, request in self.requests.items():
-            if self.manager.is_swapped(rid):
-                memory, ids = self.host, self.manager.tables.requests[rid].host_slot_ids
-            else:
-                memory, ids = self.device, self.manager.page_ids(rid)
-            for pos in range(request.num_computed_tokens):
-                expected = fingerprint(request.all_token_ids, pos)
-                assert memory[ids[pos // PS], pos % PS] == expected, (
-                    f"{rid} reads a wrong KV at position {pos}")
+            for g, w in enumerate(self.WINDOWS):
+                if self.manager.is_swapped(rid):
+                    memory, ids = self.host, self.manager.tables.requests[rid].host_tables[g]
+                else:
+                    memory, ids = self.device, self.manager.page_ids(rid, g)
+                # what the next query (at num_computed_tokens) reads: a window, or all
+                c = request.num_computed_tokens
+                for pos in range(max(0, c - w + 1) if w else 0, c):
+                    expected = fingerprint(request.all_token_ids, pos)
+                    assert ids[pos // PS] > 0 if not self.manager.is_swapped(rid) else (
+                        ids[pos // PS] >= 0), f"{rid} lost the page of position {pos} (group {g})"
+                    assert memory[ids[pos // PS], pos % PS] == expected, (
+                        f"{rid} reads a wrong KV at position {pos} (group {g})")
 
     # ---------------------------------------------------------- invariants
     @invariant()
@@ -231,10 +252,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         manager, pool = self.manager, self.manager.pool
         holders = Counter()
         for rid in [rid for rid in manager.tables.requests if not manager.is_swapped(rid)]:
-            page_ids = manager.page_ids(rid)
-            assert len(set(page_ids)) == len(page_ids), f"{rid} holds a page twice"
-            assert NULL_PAGE_ID not in page_ids
-            holders.update(page_ids)
+            for g, w in enumerate(self.WINDOWS):
+                page_ids = manager.page_ids(rid, g)
+                held = [p for p in page_ids if p != NULL_PAGE_ID]
+                assert len(set(held)) == len(held), f"{rid} holds a page twice"
+                if not w:
+                    assert NULL_PAGE_ID not in page_ids
+                else:  # only a leading run of entries is given back
+                    assert NULL_PAGE_ID not in page_ids[len(page_ids) - len(held):]
+                holders.update(held)
         holders.update(manager.tables.pending.pins)
         for page in pool.pages:
             assert page.ref_cnt == holders[page.page_id], f"page {page.page_id} ref count"
@@ -242,7 +268,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         queued = [p.page_id for p in pool.free_queue]
         assert sorted(queued) == [p.page_id for p in pool.pages[1:] if p.ref_cnt == 0]
         stats = manager.stats()
-        assert stats.num_free_pages + stats.num_used_pages + stats.num_cached_pages == NUM_PAGES - 1
+        assert (stats.num_free_pages + stats.num_used_pages + stats.num_cached_pages
+                == self.num_pages - 1)
         assert stats.num_cached_pages == sum(
             1 for p in pool.pages if p.ref_cnt == 0 and p.page_hash is not None)
         index = pool.prefix_cache._pages
@@ -265,7 +292,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.manager.take_plans()
         stats = self.manager.stats()
         assert stats.num_used_pages == 0 and self.manager.tables.pending.is_empty()
-        assert stats.num_free_pages + stats.num_cached_pages == NUM_PAGES - 1
+        assert stats.num_free_pages + stats.num_cached_pages == self.num_pages - 1
         assert stats.num_free_host_slots == NUM_HOST_SLOTS
         assert all(p.ref_cnt == 0 for p in self.manager.pool.pages)
 
@@ -274,3 +301,13 @@ KVCacheMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=50, deadline=None, database=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestKVCacheProperties = KVCacheMachine.TestCase
+
+
+class HybridKVCacheMachine(KVCacheMachine):
+    """The same with a full-attention group beside two sliding-window groups."""
+
+    WINDOWS = (0, 5, 6)
+
+
+HybridKVCacheMachine.TestCase.settings = KVCacheMachine.TestCase.settings
+TestHybridKVCacheProperties = HybridKVCacheMachine.TestCase

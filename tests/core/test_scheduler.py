@@ -227,7 +227,7 @@ def test_add_request_rejects_what_can_never_run():
     sched = make_scheduler(num_pages=5, max_model_len=64)  # 4 usable pages of 4 tokens
     with pytest.raises(ValueError, match="max_model_len"):
         sched.add_request(make_request("long", 65))
-    with pytest.raises(ValueError, match="pages"):
+    with pytest.raises(ValueError, match="needs KV for 20 tokens; one request may hold at most 16"):
         sched.add_request(make_request("big", 20, max_tokens=1))
     sched.add_request(make_request("ok", 10))
     with pytest.raises(ValueError, match="already in use"):
@@ -250,7 +250,7 @@ def test_request_outgrowing_the_pool_ends_length_capped():
 
 
 @pytest.mark.parametrize("kwargs, max_kv_tokens, match", [
-    ({"watermark": 0.25}, 24, "pages"),  # two of 8 pages kept free at admission
+    ({"watermark": 0.25}, 24, "admission watermark"),  # two of 8 pages kept free at admission
     ({"budget": 16, "enable_chunked_prefill": False}, 16, "max_num_batched_tokens"),
 ])
 def test_watermark_and_unchunked_budget_bound_a_request(kwargs, max_kv_tokens, match):

@@ -23,6 +23,11 @@ SOAK_CONFIGS = [
     {"preemption_mode": "swap", "host_slots": 4, "long_prefill_token_threshold": 3,
      "scheduling_policy": "priority", "watermark": 0.1},
     {"preemption_mode": "recompute", "scheduling_mode": "naive"},
+    # Hybrid KV cache: a full group beside sliding ones, every layer sliding.
+    {"preemption_mode": "recompute", "group_windows": (0, 6, 6)},
+    {"preemption_mode": "swap", "host_slots": 8, "group_windows": (0, 5)},
+    {"preemption_mode": "swap", "host_slots": 6, "long_prefill_token_threshold": 3,
+     "group_windows": (9,)},
 ]
 
 
@@ -32,7 +37,8 @@ SOAK_CONFIGS = [
 def test_random_soak(config, seed, overlap):
     rng = random.Random(seed)
     config = dict(config)
-    num_pages = rng.choice([9, 13, 17, 33])
+    # NOTE: each KV cache group takes its own pages: as many per group as one group gets.
+    num_pages = (rng.choice([9, 13, 17, 33]) - 1) * len(config.get("group_windows", (0,))) + 1
     max_model_len = 48
     budget = rng.choice([8, 16, 48]) if config.get("scheduling_mode") is None else 48
     sched = make_scheduler(num_pages=num_pages, budget=budget, max_model_len=max_model_len,
@@ -93,7 +99,8 @@ def test_overlapped_steps_give_every_request_the_same_tokens(config):
     def run(overlap: bool) -> dict:
         rng = random.Random(7)
         budget = 16 if config.get("scheduling_mode") is None else 48
-        sched = make_scheduler(num_pages=13, budget=budget, max_model_len=48, max_num_seqs=4,
+        num_pages = 12 * len(config.get("group_windows", (0,))) + 1
+        sched = make_scheduler(num_pages=num_pages, budget=budget, max_model_len=48, max_num_seqs=4,
                                **config)
         h = Harness(sched, choose, overlap=overlap)
         for step in range(400):

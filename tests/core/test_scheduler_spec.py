@@ -26,11 +26,13 @@ def proposer(k: int):
     return propose
 
 
+@pytest.mark.parametrize("windows", [(0,), (0, 5, 5)], ids=["one-group", "hybrid"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("seed", range(6))
-def test_soak_with_random_acceptance_and_preemption(mode, seed):
+def test_soak_with_random_acceptance_and_preemption(mode, seed, windows):
     rng = random.Random(seed)
-    h = Harness(make_scheduler(num_pages=14, budget=16, host_slots=16, preemption_mode=mode),
+    h = Harness(make_scheduler(num_pages=13 * len(windows) + 1, budget=16, host_slots=16,
+                               preemption_mode=mode, group_windows=windows),
                 propose=proposer(3), accept=lambda r, p: rng.randint(0, len(p)))
     lengths = {}
     for i in range(6):

@@ -40,6 +40,9 @@ ENGINE_ARGS = [
      "KV budget in GiB where the device reports no memory (the CPU)"),
     ("--swap-space", float, None, "4", "host swap space in GiB for --preemption-mode swap"),
     ("--enable-prefix-caching", "bool", None, "on", "reuse KV pages of shared prefixes"),
+    ("--disable-hybrid-kv-cache-manager", "bool", None, "off",
+     "one block table for sliding-window and full-attention layers alike (Gemma 2/3: "
+     "sliding layers then keep their whole context)"),
     ("--enable-chunked-prefill", "bool", None, "on", "split long prompts across steps"),
     ("--long-prefill-token-threshold", int, None, "0 (no cap)",
      "cap on one request's prefill chunk"),

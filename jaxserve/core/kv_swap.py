@@ -1,0 +1,83 @@
+"""Swap preemption of the KV cache manager: a request's pages to host slots and back."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxserve.core.plans import SwapPlan
+from jaxserve.request import Request
+from jaxserve.utils import cdiv
+
+if TYPE_CHECKING:
+    from jaxserve.core.block_tables import BlockTables
+    from jaxserve.core.kv_metrics import KVCacheCounters
+    from jaxserve.core.page_pool import HostPool, PagePool
+
+
+class SwapMixin:
+    """`KVCacheManager`'s swap methods (its pools, tables and counters are theirs)."""
+
+    tables: BlockTables
+    pool: PagePool
+    host_pool: HostPool
+    counters: KVCacheCounters
+    page_size: int
+    num_groups: int
+    _watermark_pages: int
+
+    def can_swap_out(self, request: Request) -> bool:
+        """Whether `swap_out` would succeed now."""
+        needed = self.tables.num_swap_out_slots(self.tables.on_device(request.request_id))
+        return needed is not None and needed <= self.host_pool.num_free_slots
+
+    def swap_out(self, request: Request) -> SwapPlan | None:
+        """Moves a request's pages to host slots and frees the device pages.
+
+        Returns:
+            The request's (device page, host slot) pairs (also part of the next
+            `take_plans()`), or None when host slots are short: nothing changed, so the
+            caller falls back to recompute (`free` and restart from token 0).
+
+        Raises:
+            ValueError: Unknown or already swapped-out request.
+        """
+        if self.is_swapped(request.request_id):
+            raise ValueError(f"request {request.request_id!r} is already swapped out")
+        if not self.can_swap_out(request):
+            self.counters.num_swap_fallbacks += 1
+            return None
+        pairs = self.tables.move_to_host(request)
+        self.counters.num_swap_outs += 1
+        self.counters.num_swapped_out_pages += len(pairs)
+        return SwapPlan(pairs, to_host=True)
+
+    def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
+        """Whether `swap_in` would succeed now (watermark included), and the free pages
+        would also cover the request's next `num_new_tokens` tokens.
+
+        Raises:
+            ValueError: The request is not swapped out.
+        """
+        slot_ids = self.tables.swapped_out(request.request_id).host_slot_ids
+        num_free = self.pool.num_allocatable_pages
+        num_next = cdiv(request.num_computed_tokens + num_new_tokens, self.page_size)
+        return (len(slot_ids) + self._watermark_pages <= num_free and
+                num_next * self.num_groups <= num_free)
+
+    def swap_in(self, request: Request) -> SwapPlan | None:
+        """Brings a swapped-out request back into fresh device pages, same logical order.
+
+        Returns:
+            The (host slot, device page) pairs (also part of the next `take_plans()`), or
+            None when device pages are short (nothing changed).
+
+        Raises:
+            ValueError: The request is not swapped out.
+        """
+        if not self.can_swap_in(request):
+            return None
+        pairs = self.tables.move_to_device(request)
+        self.counters.num_swap_ins += 1
+        self.counters.num_swapped_in_pages += len(pairs)
+        return SwapPlan(pairs, to_host=False)
+

@@ -1,0 +1,136 @@
+"""Gemma 2 and 3 served with the hybrid KV cache equal transformers' greedy tokens under
+chunked prefill, prefix hits, both preemption modes and n-gram speculation, and the
+sliding groups' pages go back while a request decodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.conftest import TINY_ENGINE
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+MAX_TOKENS = 16
+PROMPTS = [
+    "Paged attention stores the key and value cache in fixed-size blocks, and the "
+    "scheduler decides which requests advance at every step of the engine",
+    "Once upon a time there was a small engine that served many requests",
+    "The three primary colors are red, yellow and blue; mixing two of them gives",
+    "Sliding windows keep only the most recent keys, so old pages can be given back",
+]
+# SmolLM2's vocabulary; windows of 8 tokens over pages of 8, so a page leaves a sliding
+# group's window every 8 tokens. Two layer patterns per family.
+BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            initializer_range=0.1, sliding_window=8, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, tie_word_embeddings=False)
+ROPE3 = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+FAMILIES = {
+    "gemma2-alternating": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_hidden_layers=4, query_pre_attn_scalar=32, attn_logit_softcapping=2.0,
+        final_logit_softcapping=4.0)),
+    "gemma2-two-sliding": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_hidden_layers=3, query_pre_attn_scalar=32, attn_logit_softcapping=2.0,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])),
+    "gemma3-pattern3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, query_pre_attn_scalar=16, sliding_window_pattern=3,
+        final_logit_softcapping=4.0, rope_parameters=ROPE3)),
+    "gemma3-pattern2": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=4, query_pre_attn_scalar=16, sliding_window_pattern=2,
+        rope_parameters=ROPE3)),
+}
+ENGINE = {**TINY_ENGINE, "warmup": False, "block_size": 8, "max_num_batched_tokens": 16}
+# Few pages (null page included): the four requests cannot all hold their KV at once.
+SMALL_POOL = {"num_kv_blocks": 40, "max_num_seqs": 4}
+
+
+def _build(family: str, tokenizer, directory: str):
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**BASE, **extra, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norms away from their zero init: (1 + weight) must matter
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    hf.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, smollm2_tokenizer, tmp_path_factory):
+    """(directory, prompt ids, transformers' greedy tokens for each prompt)."""
+    directory = str(tmp_path_factory.mktemp(request.param))
+    hf = _build(request.param, smollm2_tokenizer, directory)
+    ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
+    want = []
+    with torch.no_grad():
+        for x in ids:
+            out = hf.generate(torch.tensor([x]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              min_new_tokens=MAX_TOKENS, pad_token_id=0)
+            want.append(out[0, len(x):].tolist())
+    return directory, ids, want
+
+
+def _greedy(llm: LLM, ids) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _gained(llm: LLM, before: dict, name: str) -> float:
+    return llm.get_metrics()[f"jaxserve:{name}"] - before[f"jaxserve:{name}"]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_chunks_prefix_hits_and_preemption(family, mode):
+    directory, ids, want = family
+    llm = LLM(directory, **ENGINE, **SMALL_POOL, preemption_mode=mode, swap_space=0.01)
+    assert llm.engine.runner.kv_layout.is_hybrid
+    assert min(len(x) for x in ids) > BASE["sliding_window"]
+    before = llm.get_metrics()
+    assert _greedy(llm, ids[:1]) == want[:1]  # alone
+    assert _greedy(llm, ids) == want  # batched, preempted
+    assert _greedy(llm, ids) == want  # again, from prefix hits
+    assert _gained(llm, before, "num_preemptions") > 0
+    assert _gained(llm, before, "prefix_cache_hits") > 0
+    if mode == "swap":
+        assert _gained(llm, before, "num_swap_outs") > 0
+    assert llm.get_metrics()["jaxserve:kv_cache_usage_perc"] == 0.0
+
+
+def test_ngram_speculation(family):
+    directory, ids, want = family
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2}
+    llm = LLM(directory, **ENGINE, speculative_config=spec)
+    assert _greedy(llm, ids) == want
+    assert llm.get_metrics()["jaxserve:spec_decode_num_draft_tokens"] > 0
+
+
+def test_pages_go_back_during_a_long_decode(family):
+    directory, ids, _ = family
+    llm = LLM(directory, **ENGINE)
+    engine, kv = llm.engine, llm.engine.kv
+    assert kv.num_groups > 1 and min(kv.group_windows) == 0
+    engine.add_request("long", {"prompt_token_ids": ids[0]},
+                       SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+    held, sliding_dropped = [], False
+    while engine.has_unfinished_requests():
+        engine.step()
+        if kv.has_request("long"):
+            held.append(kv.pool.num_used_pages)
+            tables = [kv.page_ids("long", g) for g in range(kv.num_groups)]
+            sliding_dropped |= any(t[0] == 0 for g, t in enumerate(tables)
+                                   if kv.group_windows[g])
+    assert sliding_dropped
+    # Per 8 tokens, each full group takes a page; each sliding group takes one and gives
+    # one back, so growth is the full groups' alone.
+    num_full = sum(1 for w in kv.group_windows if w == 0)
+    assert held[-1] - held[len(held) // 2] <= num_full * (len(held) - len(held) // 2) // 8 + num_full
+    assert kv.usage == 0.0 and kv.pool.num_used_pages == 0
