@@ -123,7 +123,8 @@ class ModelRunner:
         # Requests' block tables kept between steps (the scheduler sends what changed): group
         # 0's, and with a hybrid KV cache one `BlockTableRows` per group (group 0's first).
         self.block_tables = BlockTableRows(self.max_pages_per_seq, max_num_seqs)
-        self.num_kv_groups = model.kv_groups.num_groups if model.is_hybrid else 1
+        self.kv_layout = model.kv_groups  # the KV cache groups served (one: the plain pool)
+        self.num_kv_groups = self.kv_layout.num_groups if model.is_hybrid else 1
         self.group_tables = [self.block_tables] + [
             BlockTableRows(self.max_pages_per_seq, max_num_seqs)
             for _ in range(self.num_kv_groups - 1)]

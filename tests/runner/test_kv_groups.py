@@ -210,6 +210,7 @@ def test_runner_steps_over_groups_equal_the_plain_pools(params):
     hybrid, tokens, lp = _generate(model, LAYOUT)
     assert hybrid.kv_pages.shape[0] == 2 and plain.kv_pages.shape[0] == 6  # slots, layers
     assert (hybrid.num_kv_groups, plain.num_kv_groups) == (3, 1)
+    assert hybrid.kv_layout == LAYOUT and plain.kv_layout == single_group(6)
     assert tokens == want_tokens
     assert len({t for step in tokens for t in step.values()}) > 3  # not a degenerate run
     np.testing.assert_allclose(lp, want_lp, atol=1e-5, rtol=0)
