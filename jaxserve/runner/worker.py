@@ -91,7 +91,8 @@ def serving_kv_layout(model: Model, max_model_len: int,
             the model was given one).
 
     Returns:
-        The layout, or None for one group (the plain pool).
+        The layout (one group of a window when every layer has it alike: the plain pool
+        on the device, pages given back on the host), or None: one group, every page kept.
     """
     if isinstance(kv_layout, KVGroupLayout):
         return kv_layout
@@ -99,8 +100,9 @@ def serving_kv_layout(model: Model, max_model_len: int,
         return model.kv_layout
     if not kv_layout:
         return None
-    layout = kv_group_layout(model.cfg.layer_windows, max_model_len)
-    return layout if layout.is_hybrid else None
+    # NOTE: one group of sliding layers (Mistral) keeps its window here: the KV cache
+    # manager gives its pages back too; the device serves it as the plain pool.
+    return kv_group_layout(model.cfg.layer_windows, max_model_len)
 
 
 class Worker:

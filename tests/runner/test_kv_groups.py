@@ -251,7 +251,9 @@ def test_worker_sizes_the_pool_by_slots(params):
     assert runner.kv_pages.shape == (2, 2, 2, hybrid.limits.num_pages, 8, 8)
     # False keeps one group; windows of max_model_len or more give back nothing.
     assert serving_kv_layout(hybrid.model, MAX_LEN, False) is None
-    assert serving_kv_layout(model, 8, True) is None
+    assert serving_kv_layout(model, 8, True) == single_group(6)  # no window gives back
+    uniform = Model(dataclasses.replace(CFG, layer_windows=(8,) * 6), params, backend="xla")
+    assert serving_kv_layout(uniform, MAX_LEN, True) == single_group(6, 8)
     assert serving_kv_layout(model, MAX_LEN, None) is None
     assert serving_kv_layout(hybrid.model, MAX_LEN, None) == LAYOUT
 
