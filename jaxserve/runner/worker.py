@@ -203,5 +203,8 @@ class Worker:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens the KV pool holds (every page but the null page)."""
-        return (self.limits.num_pages - 1) * self.config.cache.block_size
+        """Tokens of context the KV pool holds (every page but the null page) when every
+        KV cache group keeps every page: a hybrid cache's sliding groups hold less, so
+        long requests fit more."""
+        num_groups = self.kv_layout.num_groups
+        return (self.limits.num_pages - 1) * self.config.cache.block_size // num_groups
