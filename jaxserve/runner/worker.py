@@ -148,12 +148,12 @@ class Worker:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             self.model.source)
         self.limits: Limits = resolve_limits(config, self.model)
+        self.runner: ModelRunner | None = None
 
     @property
     def kv_layout(self) -> KVGroupLayout:
         """The KV cache groups served (one group, slot = layer, when not hybrid)."""
         return self.model.kv_groups
-        self.runner: ModelRunner | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
