@@ -102,10 +102,13 @@ class SplitFused:
         return arr[start:start + sizes[index]]
 
     def where(self, name: str) -> str:
-        found = self._fused(name)
         where = self.source.where(name)
-        if found is None or found[0] == name:
+        found = self._fused(name)
+        names = getattr(self.source, "names", None)
+        if found is None or names is None or name in (present := set(names())):
             return where
+        if found[0] in present:  # served from the fused tensor
+            return self.source.where(found[0])
         return f"{where} (nor is the fused {found[0]!r} there)"
 
 
