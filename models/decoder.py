@@ -2,8 +2,10 @@
 
 `Decoder.__call__(input_ids, positions, kv_pages, md)` runs one packed step (any mix of
 prefill chunks and decode tokens) and returns `(kv_pages, hidden)`; the page pool rides in
-the scan carry so each layer's KV write updates it in place. `compute_logits` applies the
-LM head to whichever rows the caller wants sampled.
+the scan carry so each layer's KV write updates it in place. With a hybrid KV cache
+(`kv_layout`, `models.kv_groups`) each layer also carries its pool slot and KV cache group:
+weights stay indexed by the layer, KV by the slot, through the group's block tables.
+`compute_logits` applies the LM head to whichever rows the caller wants sampled.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ArchConfig
+from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
 from models.packed import COLLECTION as PACKED
 from models.qlayers import dense, embed
@@ -30,8 +33,11 @@ class Attention(nn.Module):
     quant: QuantPlan = QuantPlan()
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata):
+    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata, slot=None):
+        """`layer` indexes the weights, `slot` (default: the layer) the pool's axis 0; `md`
+        is the layer's group's (2-D block tables)."""
         cfg = self.cfg
+        slot = layer if slot is None else slot
         num_tokens = x.shape[0]
         proj = lambda n, bias, name: dense(self.quant, name, n, bias, self.dtype, self.backend,
                                            layer=layer)
@@ -52,9 +58,9 @@ class Attention(nn.Module):
         if rot is not None:  # 8-bit pages that quantize better rotated (kv_quant.py)
             rot = jnp.asarray(rot, q.dtype)
             q, k, v = q @ rot, k @ rot, v @ rot
-        kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping, backend=self.backend)
+        kv_pages = write_kv(kv_pages, slot, k, v, md.slot_mapping, backend=self.backend)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        out = ragged_paged_attention(q, kv_pages, layer, md, sm_scale=scale,
+        out = ragged_paged_attention(q, kv_pages, slot, md, sm_scale=scale,
                                      sliding_window=window, soft_cap=cfg.attn_logit_softcap,
                                      backend=self.backend)
         if rot is not None:
@@ -75,13 +81,18 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
         hidden, kv_pages = carry
-        layer, window = xs
+        # (layer, window) with one KV cache group; (layer, window, slot, group) with several.
+        layer, window, *grouped = xs
+        slot = None
+        if grouped:
+            slot, group = grouped
+            md = md.for_group(group)
         cfg = self.cfg
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name=name)
         h = norm("input_layernorm")(hidden)
         attn_out, kv_pages = Attention(cfg, self.dtype, self.backend, self.quant,
                                        name="self_attn")(
-            h, cos, sin, kv_pages, layer, window, md)
+            h, cos, sin, kv_pages, layer, window, md, slot)
         mlp = GatedMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
         if cfg.sandwich_norms:
             hidden = hidden + norm("post_attention_layernorm")(attn_out)
@@ -103,12 +114,15 @@ class Decoder(nn.Module):
         backend: Attention backend name (see `pallas_kernels.ATTENTION_BACKENDS`).
         quant: How each weight is stored (`QuantPlan`: quantized formats, the modules
             packed for the CPU matmul kernel); empty means dense.
+        kv_layout: The KV cache groups (`models.kv_groups`) when there are several; None
+            (or a one-group layout): the plain pool, slot = layer, 2-D block tables.
     """
 
     cfg: ArchConfig
     dtype: jnp.dtype = jnp.float32
     backend: str = "xla"
     quant: QuantPlan = QuantPlan()
+    kv_layout: KVGroupLayout | None = None
 
     def setup(self):
         cfg = self.cfg
@@ -137,18 +151,33 @@ class Decoder(nn.Module):
         Args:
             input_ids: i32[num_tokens] token ids (padding: any id).
             positions: i32[num_tokens] absolute position of each token.
-            kv_pages: dtype[num_layers, 2, num_kv_heads, num_pages, page_size, head_dim].
-            md: Attention metadata of this step.
+            kv_pages: dtype[num_slots, 2, num_kv_heads, num_pages, page_size, head_dim]
+                (num_slots: the layers, or `kv_layout.num_slots`).
+            md: Attention metadata of this step (with several KV cache groups, its slot
+                mapping and block tables per group: `AttentionMetadata.for_group`).
 
         Returns:
             (kv_pages, hidden) with hidden [num_tokens, hidden_size] after the final norm.
+
+        Raises:
+            ValueError: `md` carries another number of KV cache groups than `kv_layout`.
         """
+        lay = self.kv_layout if self.kv_layout is not None and self.kv_layout.is_hybrid else None
+        groups = 1 if lay is None else lay.num_groups
+        grouped = lay is not None
+        if (md.num_groups != groups or md.block_tables.ndim != 2 + grouped
+                or md.slot_mapping.ndim != 1 + grouped):
+            raise ValueError(f"block_tables {md.block_tables.shape} and slot_mapping "
+                             f"{md.slot_mapping.shape} do not carry the {groups} KV cache "
+                             f"group(s) of the model's layout")
         cos, sin = rope_cos_sin(positions, self.cfg)
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         if self.cfg.embed_scale:  # the factor rounded to the dtype first, as transformers
             hidden = hidden * jnp.asarray(self.cfg.hidden_size ** 0.5, hidden.dtype)
         xs = (jnp.arange(self.cfg.num_layers, dtype=jnp.int32),
               jnp.asarray(self.cfg.layer_windows, dtype=jnp.int32))
+        if lay is not None:  # NOTE: the window stays the layer's (masking never changes)
+            xs += (jnp.asarray(lay.layer_slot, jnp.int32), jnp.asarray(lay.layer_group, jnp.int32))
         (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md)
         return kv_pages, self.norm(hidden)
 

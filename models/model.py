@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from models.config import ArchConfig
 from models.decoder import Decoder
+from models.kv_groups import KVGroupLayout, single_group
 from models.quant import NO_QUANT, QuantPlan, quantize_params
 from pallas_kernels import AttentionMetadata, kv_pages_shape, resolve_backend
 
@@ -79,6 +80,12 @@ class Model:
         source: Where the weights came from (path), for logs and errors.
         backend: Attention backend ("auto" resolves per platform).
         quant: How `params` holds each weight: quantized (`models.quant`) or packed.
+        kv_layout: Its KV cache groups (`models.kv_groups`): with several, the pool holds
+            `kv_layout.num_slots` layers per page and each step carries a block table per
+            group. None: one group (the pool holds every layer, slot = layer).
+
+    Raises:
+        ValueError: A `kv_layout` that does not fit the model (`check_kv_layout`).
     """
 
     cfg: ArchConfig
@@ -87,10 +94,24 @@ class Model:
     source: str = ""
     backend: str = "auto"
     quant: QuantPlan = NO_QUANT
+    kv_layout: KVGroupLayout | None = None
 
     def __post_init__(self):
         self.backend = resolve_backend(self.backend)
-        self.module = Decoder(self.cfg, self.dtype, self.backend, self.quant)
+        if self.kv_layout is not None:
+            check_kv_layout(self.kv_layout, self.cfg)
+        self.module = Decoder(self.cfg, self.dtype, self.backend, self.quant,
+                              self.kv_layout if self.is_hybrid else None)
+
+    @property
+    def kv_groups(self) -> KVGroupLayout:
+        """The KV cache layout the model serves with (one group when none was given)."""
+        return self.kv_layout or single_group(self.cfg.num_layers)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether steps carry a block table per KV cache group (several groups)."""
+        return self.kv_layout is not None and self.kv_layout.is_hybrid
 
     def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata):
         """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size])."""
@@ -106,6 +127,37 @@ class Model:
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.params))
 
     def kv_pages_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
-        """Shape of this model's page pool for `num_pages` pages of `page_size` slots."""
-        return kv_pages_shape(self.cfg.num_layers, self.cfg.num_kv_heads, num_pages, page_size,
-                              self.cfg.head_dim)
+        """Shape of this model's page pool for `num_pages` pages of `page_size` slots (one
+        layer per slot: all layers with one KV cache group, `kv_layout.num_slots` with
+        several)."""
+        return kv_pages_shape(self.kv_groups.num_slots, self.cfg.num_kv_heads, num_pages,
+                              page_size, self.cfg.head_dim)
+
+
+def check_kv_layout(layout: KVGroupLayout, cfg: ArchConfig) -> None:
+    """Checks that a KV cache layout fits a model.
+
+    Raises:
+        ValueError: Another layer count than the model's, a slot or group out of range,
+            two layers of a group on one slot, or a layer in a sliding group whose window
+            is shorter than the layer's (the group would give back pages it still reads).
+    """
+    n = cfg.num_layers
+    if layout.num_layers != n:
+        raise ValueError(f"kv_layout maps {layout.num_layers} layers; the model has {n}")
+    if not 1 <= layout.num_slots <= n:
+        raise ValueError(f"kv_layout.num_slots={layout.num_slots} must be in [1, {n}]")
+    seen = set()
+    for layer, (group, slot) in enumerate(zip(layout.layer_group, layout.layer_slot,
+                                              strict=True)):
+        if not 0 <= group < layout.num_groups or not 0 <= slot < layout.num_slots:
+            raise ValueError(f"kv_layout: layer {layer} has group {group} / slot {slot}, "
+                             f"outside {layout.num_groups} groups of {layout.num_slots} slots")
+        if (group, slot) in seen:
+            raise ValueError(f"kv_layout: layer {layer} shares slot {slot} of group {group} "
+                             "with another layer")
+        seen.add((group, slot))
+        kept, own = layout.windows[group], cfg.layer_windows[layer]
+        if kept > 0 and not 0 < own <= kept:
+            raise ValueError(f"kv_layout: layer {layer} (window {own or 'none'}) is in group "
+                             f"{group}, which keeps only the last {kept} tokens")

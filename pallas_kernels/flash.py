@@ -47,8 +47,9 @@ def online_softmax_step(carry, q, k, v, mask, v_valid, *, sm_scale: float,
         k: f32[block_k, D] keys.
         v: [block_k, D] values (any float dtype).
         mask: bool[rows, block_k] which (query, key) pairs attend.
-        v_valid: bool[block_k, D] False for slots past the context (free or null pages
-            may hold NaN, which must not reach the output through 0 * NaN).
+        v_valid: bool[block_k, D] False for slots no query of the block sees (past the
+            context, or before the window: free or null pages may hold NaN, which must
+            not reach the output through 0 * NaN).
     """
     o, m, lsum = carry
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # [rows, block_k]

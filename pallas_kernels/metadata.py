@@ -1,7 +1,9 @@
 """Per-step attention metadata shared by the model, the kernels and the runner.
 
 Page pool layout (one array for the whole model):
-    kv_pages: dtype[num_layers, 2, num_kv_heads, num_pages, page_size, head_dim]
+    kv_pages: dtype[num_slots, 2, num_kv_heads, num_pages, page_size, head_dim]
+Axis 0 holds one layer per slot: num_slots = num_layers with one KV cache group, fewer with
+a hybrid cache (`models.kv_groups`: each group's layers share its pages, one slot each).
 Axis 1 is K (0) or V (1). Head-major pages keep each (head, page) a contiguous
 `[page_size, head_dim]` tile, the unit a TPU or GPU kernel copies, and let tensor
 parallelism shard axis 2. Page 0 is the null page: never handed out, written by padded
@@ -30,8 +32,11 @@ class AttentionMetadata:
     write to slot 0 of the null page and produce zeros.
 
     Attributes:
-        slot_mapping: i32[num_tokens] page_id * page_size + offset of each token's K/V.
-        block_tables: i32[max_num_seqs, max_pages_per_seq] page ids per request (0 pads).
+        slot_mapping: i32[num_tokens] page_id * page_size + offset of each token's K/V;
+            i32[num_groups, num_tokens] with several KV cache groups.
+        block_tables: i32[max_num_seqs, max_pages_per_seq] page ids per request (0 pads);
+            i32[num_groups, max_num_seqs, max_pages_per_seq] with several groups (a page a
+            sliding group gave back reads as 0, the null page, masked by the window).
         kv_lens: i32[max_num_seqs] context length of each request after this step.
         cu_q_lens: i32[max_num_seqs + 1] cumulative query lengths.
         decode_only: Static. Every request has exactly one query and token i belongs to
@@ -49,8 +54,24 @@ class AttentionMetadata:
     decode_only: bool = False
     short_tiles: bool = False
 
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups whose tables this step carries (1: the plain 2-D arrays)."""
+        return 1 if self.block_tables.ndim == 2 else self.block_tables.shape[0]
 
-def kv_pages_shape(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
+    def for_group(self, group) -> AttentionMetadata:
+        """The metadata one group's layers attend with: its slot mapping and block tables
+        as the plain 1-D and 2-D arrays (`group` may be traced, e.g. in the layer scan).
+        Metadata of one group is returned as it is."""
+        if self.block_tables.ndim == 2:
+            return self
+        pick = lambda x: jax.lax.dynamic_index_in_dim(x, group, keepdims=False)
+        return dataclasses.replace(self, slot_mapping=pick(self.slot_mapping),
+                                   block_tables=pick(self.block_tables))
+
+
+def kv_pages_shape(num_slots: int, num_kv_heads: int, num_pages: int, page_size: int,
                    head_dim: int) -> tuple[int, ...]:
-    """Shape of the page pool for a model (see the module docstring)."""
-    return (num_layers, 2, num_kv_heads, num_pages, page_size, head_dim)
+    """Shape of the page pool for a model (see the module docstring): `num_slots` is the
+    model's layer count with one KV cache group, `KVGroupLayout.num_slots` with several."""
+    return (num_slots, 2, num_kv_heads, num_pages, page_size, head_dim)

@@ -9,8 +9,11 @@ for every layer (`--disable-hybrid-kv-cache-manager`). Memory is counted in laye
 1. One 8,192-token prompt plus `--max-tokens` outputs: peak and final layer-pages held.
 2. A fixed pool (`--pool-requests` all-global requests' worth of memory) and many 8K
    requests with long outputs: the most running at once, and preemptions.
+3. With `--engine`: the same one request served by the engine (a tiny random model of the
+   same layer pattern, on this machine's backend), the pool read after every step, with
+   and without the hybrid KV cache, beside the step count and wall time.
 
-Usage: python scripts/bench_hybrid_kv.py [--layers 12] [--window 512] [--prompt-len 8192]
+Usage: python scripts/bench_hybrid_kv.py [--layers 26] [--window 512] [--engine]
 """
 
 from __future__ import annotations
@@ -61,6 +64,48 @@ def run(layout, num_pages: int, args, num_requests: int, max_tokens: int) -> dic
             "max_tokens_per_request": kv.max_tokens_per_request}
 
 
+def engine_run(args, windows, hybrid: bool) -> dict:
+    """One request through `LLMEngine` of a tiny random Gemma 3-like model."""
+    import time
+
+    import jax.numpy as jnp
+
+    from jaxserve import LLM, SamplingParams
+    from models.config import ArchConfig
+    from models.default_model import default_model_path
+    from models.loaders import load_tokenizer
+    from models.model import Model, random_params
+
+    cfg = ArchConfig("Gemma3ForCausalLM", vocab_size=49152, hidden_size=64,
+                     intermediate_size=128, num_layers=len(windows), num_heads=2,
+                     num_kv_heads=1, head_dim=32, layer_windows=windows,
+                     tie_word_embeddings=True, max_position_embeddings=args.max_model_len,
+                     eos_token_ids=(2,), hidden_act="gelu_pytorch_tanh", norm_offset=1.0,
+                     embed_scale=True, sandwich_norms=True, qk_norm=True,
+                     query_pre_attn_scalar=32, local_rope_theta=10000.0)
+    model = Model(cfg, random_params(cfg), jnp.float32, "tiny-gemma3", backend="auto")
+    llm = LLM(model, tokenizer=load_tokenizer(default_model_path()), warmup=False,
+              max_model_len=args.max_model_len, max_num_batched_tokens=args.budget,
+              block_size=args.page_size, enable_prefix_caching=False,
+              num_kv_blocks=cdiv(args.max_model_len, args.page_size) * len(windows) + 1,
+              disable_hybrid_kv_cache_manager=not hybrid)
+    engine = llm.engine
+    slots = engine.runner.kv_layout.num_slots
+    prompt = [(7 * j) % 30000 + 10 for j in range(args.prompt_len)]
+    engine.add_request("r", {"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
+    peak = steps = final = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        held = engine.kv.pool.num_used_pages * slots
+        peak = max(peak, held)
+        final = held if engine.kv.has_request("r") else final
+    return {"peak": peak, "final": final, "steps": steps, "seconds": time.perf_counter() - t0,
+            "groups": engine.kv.num_groups, "slots": slots}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=26, help="26: Gemma 3 1B's published config")
@@ -75,6 +120,8 @@ def main() -> None:
     p.add_argument("--long-max-tokens", type=int, default=1024,
                    help="outputs per request in the fixed-pool run (long enough that all "
                         "requests overlap)")
+    p.add_argument("--engine", action="store_true",
+                   help="also serve the one request through the engine (a tiny model)")
     args = p.parse_args()
     args.max_model_len = args.prompt_len + max(args.max_tokens, args.long_max_tokens)
     windows = gemma3_windows(args.layers, args.window)
@@ -98,6 +145,17 @@ def main() -> None:
               f"{one['final']} ({one['final'] / base['final']:.3f}x); fixed pool: "
               f"{many['max_running']} running at once, {many['preemptions']} preemptions, "
               f"{many['steps']} steps")
+    if args.engine:
+        args.max_model_len = args.prompt_len + args.max_tokens
+        runs = {}
+        for hybrid in (False, True, False, True):  # interleaved: the machine is shared
+            r = engine_run(args, windows, hybrid)
+            runs.setdefault(hybrid, []).append(r)
+            base = runs[False][0]
+            print(f"engine, hybrid={hybrid}: {r['groups']} groups x {r['slots']} layers; "
+                  f"peak {r['peak']} layer-pages ({r['peak'] / base['peak']:.3f}x), last "
+                  f"step {r['final']} ({r['final'] / base['final']:.3f}x); {r['steps']} steps "
+                  f"in {r['seconds']:.1f} s (load {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":

@@ -48,12 +48,17 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
         self.config = config
-        self.worker = Worker(config, model, tokenizer)  # the model, its sizes, its devices
+        # The model, its sizes, its devices; its KV cache groups by window (Gemma 2/3) unless
+        # the hybrid KV cache is off.
+        self.worker = Worker(config, model, tokenizer,
+                             kv_layout=not config.cache.disable_hybrid_kv_cache_manager)
         lim, cache = self.limits, config.cache
         self.kv = KVCacheManager(
             lim.num_pages, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
             watermark=cache.watermark, swap_space=cache.swap_space,
-            bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len)
+            bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len,
+            group_windows=self.worker.kv_layout.windows,
+            max_chunk_tokens=lim.max_num_batched_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
                                    lim.max_num_batched_tokens)
         self.speculator = make_speculator(
@@ -405,8 +410,9 @@ class LLMEngine:
             "jaxserve:num_requests_swapped": len(sched.swapped),
             "jaxserve:kv_cache_usage_perc": stats.usage,
             "jaxserve:kv_cache_capacity_tokens": self.kv_capacity_tokens,
+            # every group's page of a token (a sliding group's are given back later)
             "jaxserve:kv_cache_bytes_per_token": self.limits.bytes_per_page
-            / self.config.cache.block_size,
+            * self.kv.num_groups / self.config.cache.block_size,
             "jaxserve:weight_bytes": self.model.weight_bytes,
             "jaxserve:prefix_cache_queries": stats.prefix_queries,
             "jaxserve:prefix_cache_hits": stats.prefix_hits,

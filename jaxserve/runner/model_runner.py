@@ -11,6 +11,7 @@ device from that step's output.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -34,6 +35,7 @@ from jaxserve.sample.logprobs import compute_prompt_logprobs
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, MAX_LOGPROBS, SamplingMetadata
 from jaxserve.sample.sampler import sample
 from jaxserve.utils import cdiv
+from models.kv_groups import KVGroupLayout
 from models.model import Model
 from pallas_kernels import AttentionMetadata
 from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
@@ -92,14 +94,25 @@ class ModelRunner:
         short_tiles: Whether steps hold many requests of a few new tokens after a context
             (`AttentionMetadata.short_tiles`); None: when verifying proposals.
         eos_token_id: The EOS id banned with `stop_token_ids` below `min_tokens`.
+        kv_layout: The KV cache groups the runner serves (`models.kv_groups`): with several,
+            the pool holds `kv_layout.num_slots` layers per page, the runner keeps a block
+            table per request and group, and every scheduled entry carries the tables of
+            groups 1.. (`ScheduledRequest.group_pages`). None: the model's
+            (`Model.kv_layout`; one group unless it was given one).
+
+    Raises:
+        ValueError: A `kv_layout` that does not fit the model (`models.model.check_kv_layout`),
+            or a KV cache dtype the backend cannot serve.
     """
 
     def __init__(self, model: Model, num_pages: int, page_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_swap_slots: int = 0,
                  layout: TensorParallel | None = None, num_spec_tokens: int = 0,
                  kv_cache_dtype: str = "auto", short_tiles: bool | None = None,
-                 eos_token_id: int | None = None):
+                 eos_token_id: int | None = None, kv_layout: KVGroupLayout | None = None):
         compile_counter.install()
+        if kv_layout is not None and kv_layout != model.kv_layout:
+            model = dataclasses.replace(model, kv_layout=kv_layout)
         self.model = model
         self.layout = layout
         self.page_size = page_size
@@ -107,8 +120,14 @@ class ModelRunner:
         self.num_spec_tokens = num_spec_tokens
         self.short_tiles = num_spec_tokens > 0 if short_tiles is None else short_tiles
         self.max_pages_per_seq = cdiv(max_model_len, page_size)
-        # Requests' block tables kept between steps (the scheduler sends what changed).
+        # Requests' block tables kept between steps (the scheduler sends what changed): group
+        # 0's, and with a hybrid KV cache one `BlockTableRows` per group (group 0's first).
         self.block_tables = BlockTableRows(self.max_pages_per_seq, max_num_seqs)
+        self.kv_layout = model.kv_groups  # the KV cache groups served (one: the plain pool)
+        self.num_kv_groups = self.kv_layout.num_groups if model.is_hybrid else 1
+        self.group_tables = [self.block_tables] + [
+            BlockTableRows(self.max_pages_per_seq, max_num_seqs)
+            for _ in range(self.num_kv_groups - 1)]
         # Requests' sampling rows kept between steps (written when each request joins).
         self.sampling_rows = SamplingRows(model.cfg.vocab_size, eos_token_id, max_num_seqs)
         self.penalty_len = 1 << (max_model_len - 1).bit_length()
@@ -270,7 +289,7 @@ class ModelRunner:
             req_id: row for row, req_id in reversed(list(enumerate(prev.row_request_ids)))}
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
                                    self.max_pages_per_seq, prev_rows, num_sample_rows,
-                                   self.block_tables)
+                                   self.group_tables)
         model_buf, model_layout = pack(arrays.device_tree())
         return arrays, model_buf, model_layout, num_tokens, num_rows
 
@@ -327,7 +346,8 @@ class ModelRunner:
         block tables and sampling rows of requests whose pages were dropped
         (`released_request_ids`; first, as it cannot fail), then runs the page moves
         (`plans`)."""
-        self.block_tables.release(out.released_request_ids)
+        for tables in self.group_tables:
+            tables.release(out.released_request_ids)
         self.sampling_rows.release(out)
         self.execute_plans(out.plans)
 

@@ -25,7 +25,8 @@ class Limits:
         max_model_len: Longest prompt + output.
         max_num_batched_tokens: Token budget of one step (largest bucket).
         num_pages: KV pages in the pool, the null page included.
-        bytes_per_page: Bytes one page holds across all layers (K and V).
+        bytes_per_page: Bytes one page holds across all its layers (K and V): every layer
+            with one KV cache group, `KVGroupLayout.num_slots` of them with several.
     """
 
     max_model_len: int
@@ -35,7 +36,8 @@ class Limits:
 
 
 def page_bytes(model, block_size: int, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one KV page of `model` across layers, K and V (8-bit: codes + scales)."""
+    """Bytes of one KV page of `model` across the layers a page holds (`Model.kv_pages_shape`:
+    all of them, or a hybrid layout's `num_slots`), K and V (8-bit: codes + scales)."""
     shape, dtype = kv_pool_layout(model.kv_pages_shape(1, block_size), model.dtype,
                                   kv_cache_dtype)
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -48,12 +50,8 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
         ValueError: max_model_len over the model's limit, a token budget that cannot hold
             a whole prompt without chunking, or a pool too small for one sequence.
     """
-    mc, cc, sc = config.model, config.cache, config.scheduler
-    limit = model.cfg.max_position_embeddings
-    max_model_len = mc.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
-    if max_model_len > limit:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                         f"max_position_embeddings={limit}")
+    cc, sc = config.cache, config.scheduler
+    max_model_len = resolve_max_model_len(config, model)
     if sc.chunked:
         budget = sc.max_num_batched_tokens or max(DEFAULT_CHUNKED_BUDGET, sc.max_num_seqs)
         if budget < sc.max_num_seqs:
@@ -72,7 +70,7 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
         num_pages = cc.num_kv_blocks
     else:
         num_pages = agree_across_processes(_pages_from_memory(config, per_page // kv_shards))
-    min_pages = cdiv(max_model_len, cc.block_size) + 1
+    min_pages = pages_per_sequence(model.kv_groups, max_model_len, cc.block_size) + 1
     if num_pages < 2:
         raise ValueError(f"num_kv_blocks={num_pages}: the pool needs at least 2 pages")
     if num_pages < min_pages:
@@ -80,6 +78,30 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
                        "longer prompts are rejected and longer outputs end as length-capped",
                        num_pages, max_model_len)
     return Limits(max_model_len, budget, num_pages, per_page)
+
+
+def resolve_max_model_len(config: EngineConfig, model) -> int:
+    """The longest sequence served: the configured one, else the model's limit capped at
+    `DEFAULT_MAX_MODEL_LEN`.
+
+    Raises:
+        ValueError: max_model_len over the model's `max_position_embeddings`.
+    """
+    limit = model.cfg.max_position_embeddings
+    max_model_len = config.model.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={limit}")
+    return max_model_len
+
+
+def pages_per_sequence(layout, max_model_len: int, block_size: int) -> int:
+    """Pages one sequence of `max_model_len` tokens holds at most, over all KV cache groups
+    of `layout` (`KVGroupLayout`): a full-attention group its whole table, a sliding group
+    the pages of its window and one more (one step's tokens may straddle a page)."""
+    full = cdiv(max_model_len, block_size)
+    return sum(full if not window else min(full, cdiv(window, block_size) + 1)
+               for window in layout.windows)
 
 
 def _pages_from_memory(config: EngineConfig, per_device_page: int) -> int:

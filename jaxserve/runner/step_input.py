@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -20,8 +21,10 @@ class StepArrays:
         prev_rows: i32[num_tokens] for a placeholder token, the previous step's sampling
             row whose id it takes (on the device); -1 elsewhere.
         positions: i32[num_tokens] absolute positions; padding 0.
-        slot_mapping: i32[num_tokens] KV slots; padding 0 (null page, not written).
-        block_tables: i32[num_rows, max_pages_per_seq] page ids; padding 0.
+        slot_mapping: i32[num_tokens] KV slots; padding 0 (null page, not written). With
+            several KV cache groups i32[num_groups, num_tokens], each group's slots.
+        block_tables: i32[num_rows, max_pages_per_seq] page ids; padding 0. With several
+            KV cache groups i32[num_groups, num_rows, max_pages_per_seq].
         kv_lens: i32[num_rows] context length after the step; padded rows 0.
         cu_q_lens: i32[num_rows + 1] cumulative new-token counts.
         logits_indices: i32[num_sample_rows] token whose logits each sampling row uses.
@@ -51,7 +54,8 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
                       max_pages_per_seq: int,
                       prev_rows: dict[str, int] | None = None,
                       num_sample_rows: int | None = None,
-                      tables: BlockTableRows | None = None) -> StepArrays:
+                      tables: BlockTableRows | Sequence[BlockTableRows] | None = None,
+                      num_groups: int = 1) -> StepArrays:
     """Packs the scheduled requests' tokens in order and pads everything to the bucket.
 
     Requests occupy attention rows 0..len(scheduled)-1. Sampling rows list each request
@@ -71,15 +75,20 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
             holds placeholders for what that step samples.
         num_sample_rows: Sampling-row bucket (default `num_rows`).
         tables: The runner's persistent block tables, which apply the entries' deltas
-            (`ScheduledRequest.pages_from`); None: a fresh one (whole tables only).
+            (`ScheduledRequest.pages_from`): one `BlockTableRows`, or with a hybrid KV
+            cache one per KV cache group (group g's applies `group_pages[g - 1]`); None:
+            fresh ones (whole tables only).
+        num_groups: KV cache groups when `tables` is None.
 
     Returns:
-        The step's host arrays; padding tokens and rows point at the null page 0.
+        The step's host arrays; padding tokens and rows point at the null page 0. With
+        several groups, the slot mapping and block tables have a leading group axis.
 
     Raises:
         ValueError: The step does not fit `num_tokens` tokens or `num_rows` rows, a block
             table is wider than `max_pages_per_seq`, a delta does not apply to the table
-            kept, a token's position lies past its request's block table, or a
+            kept, an entry carries the tables of another number of KV cache groups, a
+            token's position lies past its request's block table (in any group), or a
             placeholder's request sampled nothing in the previous step.
     """
     sched = out.scheduled
@@ -95,11 +104,21 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
         raise ValueError(f"step of {t} tokens / {r} requests / {num_real_rows} sampling rows "
                          f"does not fit bucket ({num_tokens}, {num_rows}, {num_sample_rows})")
     if tables is None:
-        tables = BlockTableRows(max_pages_per_seq, r)
-    elif tables.width != max_pages_per_seq:
-        raise ValueError(f"block tables of width {tables.width} for max_pages_per_seq="
-                         f"{max_pages_per_seq}")
-    table, num_pages = tables.gather(sched, num_rows)  # i32[num_rows, max_pages], i64[r]
+        tables = [BlockTableRows(max_pages_per_seq, r) for _ in range(num_groups)]
+    elif isinstance(tables, BlockTableRows):
+        tables = [tables]
+    for kept in tables:
+        if kept.width != max_pages_per_seq:
+            raise ValueError(f"block tables of width {kept.width} for max_pages_per_seq="
+                             f"{max_pages_per_seq}")
+    groups = len(tables)
+    for s in sched:
+        if len(s.group_pages) != groups - 1:
+            raise ValueError(f"request {s.request_id!r}: group_pages holds "
+                             f"{len(s.group_pages)} block tables; a KV cache of {groups} "
+                             f"group(s) needs {groups - 1} (groups 1..)")
+    # i32[G, num_rows, max_pages], i64[G, r]
+    per_group = [kept.gather(sched, num_rows, g) for g, kept in enumerate(tables)]
     cu = np.zeros(num_rows + 1, np.int32)  # i32[num_rows + 1]
     np.cumsum(n, out=cu[1:r + 1])
     cu[r + 1:] = t
@@ -120,10 +139,12 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
     pos = positions[:t]  # i32[t], a view
     pos[:] = np.arange(t, dtype=np.int32) - cu[row_of_token] + starts[row_of_token]
     page_of_token = pos // page_size  # i32[t]
-    if t and (page_of_token >= num_pages[row_of_token]).any():
-        raise ValueError("a scheduled token's position lies past its request's block table")
-    slots = np.zeros(num_tokens, np.int32)  # i32[num_tokens]
-    slots[:t] = table[row_of_token, page_of_token] * page_size + pos % page_size
+    slots = np.zeros((groups, num_tokens), np.int32)  # i32[G, num_tokens]
+    for g, (table, num_pages) in enumerate(per_group):
+        if t and (page_of_token >= num_pages[row_of_token]).any():
+            raise ValueError("a scheduled token's position lies past its request's block "
+                             "table" + (f" of KV cache group {g}" if groups > 1 else ""))
+        slots[g, :t] = table[row_of_token, page_of_token] * page_size + pos % page_size
     kv_lens = np.zeros(num_rows, np.int32)  # i32[num_rows]
     kv_lens[:r] = starts + n
     logits_indices = np.zeros(num_sample_rows, np.int32)  # i32[num_sample_rows]
@@ -135,5 +156,9 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
         last = last - np.where(s_of_row > 0, s_of_row - (np.arange(last.size) - first_row), 0)
     logits_indices[:last.size] = last
     row_ids = [s.request_id for s in sched for _ in range(s.num_samples + s.num_spec_tokens)]
-    return StepArrays(input_ids, src, positions, slots, table, kv_lens, cu, logits_indices,
-                      row_ids)
+    if groups == 1:
+        slot_mapping, block_tables = slots[0], per_group[0][0]
+    else:
+        slot_mapping, block_tables = slots, np.stack([table for table, _ in per_group])
+    return StepArrays(input_ids, src, positions, slot_mapping, block_tables, kv_lens, cu,
+                      logits_indices, row_ids)

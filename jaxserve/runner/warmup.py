@@ -60,10 +60,16 @@ def dummy_steps(runner, num_tokens: int) -> list[tuple[SchedulerOutput, bool]]:
     num_rows = rows_for_bucket(num_tokens, runner.max_num_seqs)
     cap = runner.max_pages_per_seq * runner.page_size
     sizes = [min(cap, num_tokens - start) for start in range(0, num_tokens, cap)]
-    out = SchedulerOutput(scheduled=[ScheduledRequest(
-        f"warmup-{i}", [0] * n, 0, [0] * cdiv(n, runner.page_size), int(i == 0))
-        for i, n in enumerate(sizes[:num_rows])])
-    decodes = SchedulerOutput(scheduled=[ScheduledRequest(f"warmup-d{i}", [0], 0, [0], 1)
+    others = runner.num_kv_groups - 1  # a hybrid KV cache: null tables of groups 1.. too
+
+    def entry(request_id: str, n: int, num_samples: int) -> ScheduledRequest:
+        pages = [0] * cdiv(n, runner.page_size)
+        return ScheduledRequest(request_id, [0] * n, 0, pages, num_samples,
+                                group_pages=((0, pages),) * others)
+
+    out = SchedulerOutput(scheduled=[entry(f"warmup-{i}", n, int(i == 0))
+                                     for i, n in enumerate(sizes[:num_rows])])
+    decodes = SchedulerOutput(scheduled=[entry(f"warmup-d{i}", 1, 1)
                                          for i in range(num_rows)])
     steps = [(out, runner.is_decode_step(out, num_tokens, num_rows))]
     if runner.is_decode_step(decodes, num_tokens, num_rows):

@@ -21,7 +21,8 @@ from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.parallel.sharding import TensorParallel, tensor_parallel_layout
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.sizing import Limits, resolve_limits
+from jaxserve.runner.sizing import Limits, resolve_limits, resolve_max_model_len
+from models.kv_groups import KVGroupLayout, kv_group_layout
 from models.model import Model
 
 logger = logging.getLogger("jaxserve")
@@ -76,6 +77,34 @@ def serving_model(config: EngineConfig, model: Model | None
     return model, layout
 
 
+def serving_kv_layout(model: Model, max_model_len: int,
+                      kv_layout: KVGroupLayout | bool | None) -> KVGroupLayout | None:
+    """The KV cache layout a model serves with.
+
+    Args:
+        model: The serving model.
+        max_model_len: The longest sequence served (windows this long or longer never
+            give a page back: such layers count as full attention).
+        kv_layout: True: the model's own groups by window (`kv_group_layout` of its
+            `layer_windows`; one group when every layer is alike); False: one group; a
+            `KVGroupLayout`: that one; None: the model's `kv_layout` (one group unless
+            the model was given one).
+
+    Returns:
+        The layout (one group of a window when every layer has it alike: the plain pool
+        on the device, pages given back on the host), or None: one group, every page kept.
+    """
+    if isinstance(kv_layout, KVGroupLayout):
+        return kv_layout
+    if kv_layout is None:
+        return model.kv_layout
+    if not kv_layout:
+        return None
+    # NOTE: one group of sliding layers (Mistral) keeps its window here: the KV cache
+    # manager gives its pages back too; the device serves it as the plain pool.
+    return kv_group_layout(model.cfg.layer_windows, max_model_len)
+
+
 class Worker:
     """Owns the model on its devices and the runner that steps it.
 
@@ -83,9 +112,16 @@ class Worker:
         config: Engine configuration.
         model: An already loaded model (else loaded from `config.model`).
         tokenizer: Its tokenizer (else loaded from the model's source).
+        kv_layout: The KV cache groups (`serving_kv_layout`): True groups the model's
+            layers by window (a hybrid KV cache for Gemma 2/3-like models), False keeps
+            one group, a `KVGroupLayout` is used as given, None keeps the given model's
+            (one group for a model loaded here). It sets the pool's
+            layers per page, hence `limits.num_pages`, and the runner's block tables.
 
     Attributes:
-        model: The model in its serving form (`serving_model`).
+        model: The model in its serving form (`serving_model`), with its `kv_layout`.
+        kv_layout: The resolved layout (`Model.kv_groups`: one group when not hybrid); the
+            KV cache manager must use the same groups.
         layout: Its tensor-parallel layout, or None for the default device.
         tokenizer: The tokenizer.
         limits: The engine's sizes (`resolve_limits`).
@@ -95,7 +131,8 @@ class Worker:
         ValueError: A model, layout or size the config cannot serve (naming the setting).
     """
 
-    def __init__(self, config: EngineConfig, model: Model | None = None, tokenizer=None):
+    def __init__(self, config: EngineConfig, model: Model | None = None, tokenizer=None,
+                 kv_layout: KVGroupLayout | bool | None = None):
         from models.loaders import load_tokenizer
 
         self.config = config
@@ -104,9 +141,18 @@ class Worker:
         if config.compilation_cache_dir or not jax.config.jax_compilation_cache_dir:
             enable_compilation_cache(config.compilation_cache_dir)
         self.model, self.layout = serving_model(config, model)
+        layout = serving_kv_layout(self.model, resolve_max_model_len(config, self.model),
+                                   kv_layout)
+        if layout != self.model.kv_layout:
+            self.model = dataclasses.replace(self.model, kv_layout=layout)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             self.model.source)
         self.limits: Limits = resolve_limits(config, self.model)
+
+    @property
+    def kv_layout(self) -> KVGroupLayout:
+        """The KV cache groups served (one group, slot = layer, when not hybrid)."""
+        return self.model.kv_groups
         self.runner: ModelRunner | None = None
 
     @property
@@ -140,16 +186,25 @@ class Worker:
                                   max_num_seqs, lim.max_num_batched_tokens, num_swap_slots,
                                   layout=self.layout, num_spec_tokens=num_spec_tokens,
                                   kv_cache_dtype=cache.kv_cache_dtype,
-                                  eos_token_id=(self.eos_token_ids or (None,))[0])
+                                  eos_token_id=(self.eos_token_ids or (None,))[0],
+                                  kv_layout=self.model.kv_layout)
         logger.info("jaxserve: weights %s (%.0f MiB); KV cache %s: %d pages of %d tokens = "
                     "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
                     self.model.quant.name, self.model.weight_bytes / 2**20,
                     cache.kv_cache_dtype, lim.num_pages, cache.block_size,
                     self.kv_capacity_tokens, lim.num_pages * lim.bytes_per_page / 2**20,
                     lim.max_model_len, self.runner.buckets)
+        if self.model.is_hybrid:
+            kv = self.kv_layout
+            logger.info("jaxserve: hybrid KV cache: %d groups (windows %s), %d of %d layers "
+                        "per page", kv.num_groups, list(kv.windows), kv.num_slots,
+                        kv.num_layers)
         return self.runner
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens the KV pool holds (every page but the null page)."""
-        return (self.limits.num_pages - 1) * self.config.cache.block_size
+        """Tokens of context the KV pool holds (every page but the null page) when every
+        KV cache group keeps every page: a hybrid cache's sliding groups hold less, so
+        long requests fit more."""
+        num_groups = self.kv_layout.num_groups
+        return (self.limits.num_pages - 1) * self.config.cache.block_size // num_groups

@@ -8,10 +8,12 @@ Greedy proposals are one-hot drafts, so the engine verifies them like n-gram one
 `speculator`): the output distribution is the target's whatever the draft's quality.
 
 The draft's KV lives in its own pool (its layers and heads differ from the target's) with
-its own page allocator: a request's draft pages hold the KV of its first
-`num_computed` tokens and are freed when the request finishes. Tokens never change once
-known, so the draft's KV stays valid across preemption (recompute or swap) of the target;
-the positions proposals were written at are simply written again by the next catch-up.
+its own page allocator, always as one KV cache group (the draft's steps are built here,
+with one block table per request, whatever groups a hybrid target's pool has): a
+request's draft pages hold the KV of its first `num_computed` tokens and are freed when
+the request finishes. Tokens never change once known, so the draft's KV stays valid
+across preemption (recompute or swap) of the target; the positions proposals were
+written at are simply written again by the next catch-up.
 The draft's catch-up runs through a `ModelRunner` of its own (the same buckets, warm-up
 and compile counting as the target); its k - 1 single-token steps are one more program
 per row bucket, compiled at warm-up too.
@@ -41,6 +43,7 @@ from jaxserve.sample.rowwise import argmax_rows
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.speculator import Speculator
 from jaxserve.utils import cdiv
+from models.kv_groups import single_group
 from pallas_kernels import AttentionMetadata
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -147,12 +150,14 @@ class DraftModelSpeculator(Speculator):
                              f"{draft.cfg.vocab_size} tokens, the target's {vocab_size}")
         super().__init__(config, draft_cost=min(1.0, draft.weight_bytes / target_params)
                          if target_params else 1.0)
-        self.model = draft
         self.page_size = page_size
         self.max_model_len = max_model_len
-        # NOTE: catch-up steps are requests of a few tokens each (short query tiles).
+        # NOTE: catch-up steps are requests of a few tokens each (short query tiles). One KV
+        # cache group: the steps built here carry one block table per request.
         self.runner = ModelRunner(draft, num_pages, page_size, max_model_len, max_num_seqs,
-                                  max_num_batched_tokens, short_tiles=True)
+                                  max_num_batched_tokens, short_tiles=True,
+                                  kv_layout=single_group(draft.cfg.num_layers))
+        self.model = self.runner.model
         self.pool = PagePool(num_pages, enable_caching=False)
         self.seqs: dict[str, _DraftSeq] = {}
         self.max_tokens_per_call = self.runner.buckets[-1]

@@ -49,8 +49,10 @@ def _kernel(scalars_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, o_ref, m_ref, l
         mask = (k_pos < end) & (k_pos >= split * pages_per_split * page_size) & head_ok
         mask &= (window <= 0) | (q_pos - k_pos < window)
         v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-        return online_softmax_step(carry, q, k, v, mask, v_pos < kv_len, sm_scale=sm_scale,
-                                   soft_cap=soft_cap)
+        # NOTE: values before the window (a sliding group's given-back null pages) and past
+        # the context are zeroed: they may hold NaN.
+        return online_softmax_step(carry, q, k, v, mask, (v_pos < kv_len) & (v_pos >= lo),
+                                   sm_scale=sm_scale, soft_cap=soft_cap)
 
     init = init_carry(gp, head_dim)
     o, m, lsum = lax.fori_loop(0, num_blk, body, init)

@@ -66,6 +66,14 @@ def block_span(b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, 
     return seq, n_valid, kv_len, first_pos, first_blk, num_blk
 
 
+def value_slots(v_pos, kv_len, first_pos, window):
+    """bool (v_pos's shape): value slots some query of the block sees, from the window of
+    its first query up to the context's end. Others are zeroed before `p @ v`: free pages
+    past the context and a sliding KV cache group's given-back (null) pages before the
+    window may hold anything, NaN included."""
+    return (v_pos < kv_len) & ((window <= 0) | (first_pos - v_pos < window))
+
+
 class Program(NamedTuple):
     """What one (query block, KV head) program of a ragged kernel works on."""
 
@@ -120,8 +128,9 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
         mask = (k_pos < kv_len) & (k_pos <= row_pos[:, None]) & row_ok[:, None]
         mask &= (window <= 0) | (row_pos[:, None] - k_pos < window)
         v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-        return online_softmax_step(carry, q, k, v, mask, v_pos < kv_len, sm_scale=sm_scale,
-                                   soft_cap=soft_cap)
+        return online_softmax_step(carry, q, k, v, mask, value_slots(v_pos, kv_len, first_pos,
+                                                                     window),
+                                   sm_scale=sm_scale, soft_cap=soft_cap)
 
     init = init_carry(rows, head_dim)
     o, _, lsum = lax.fori_loop(0, num_blk, body, init)

@@ -24,7 +24,12 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.flash import MASK
 from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.ragged_paged_attention.kernel import program, query_blocks, scatter_rows
+from pallas_kernels.ragged_paged_attention.kernel import (
+    program,
+    query_blocks,
+    scatter_rows,
+    value_slots,
+)
 from pallas_kernels.ragged_paged_attention.reference import check_shapes
 
 
@@ -73,7 +78,8 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
         corr = jnp.exp(m - m_new)
         v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-        v = jnp.where(v_pos < kv_len, v, 0.0)  # NaN past kv_len must not leak via 0 * NaN
+        # NaN past kv_len or before the window must not leak via 0 * NaN
+        v = jnp.where(value_slots(v_pos, kv_len, first_pos, window), v, 0.0)
         o = o * corr + jnp.dot(p, v, preferred_element_type=jnp.float32)
         return o, m_new, lsum * corr + p.sum(axis=-1, keepdims=True)
 

@@ -225,7 +225,11 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, 
             mask = ((k_pos[None, :] < length) & (k_pos[None, :] <= pos[:, None])
                     & _window_ok(pos, k_pos[None, :], window))  # bool[block_q, block_kv]
             mask = jnp.repeat(mask, group, axis=0).reshape(1, block_q * group, 1, block_kv)
-            keep = (k_pos < length).reshape(1, 1, block_kv, 1)
+            # Values zeroed outside what any query of the tile sees: past the context, and
+            # before the window of its first (earliest) query, where a sliding KV cache
+            # group's given-back pages read as the null page.
+            keep = ((k_pos < length) & _window_ok(pos[:1], k_pos[None, :], window)[0]
+                    ).reshape(1, 1, block_kv, 1)
             return _block_update(st, jnp.einsum("kqd,kpcd->kqpc", qh, k), v, mask, keep,
                                  "kqpc,kpcd->kqd", sm_scale, soft_cap)
 

@@ -45,3 +45,29 @@ def test_kernels_lower_to_triton(page_size, group, head_dim, dtype):
     for fn, args in cases:
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text().lower()
+
+
+def test_kernels_lower_to_triton_through_a_group_view():
+    # A hybrid KV cache's step: the layer's pool slot and KV cache group are traced (the
+    # layer scan's), and each kernel gets its group's 2-D view of the grouped metadata.
+    num_groups, num_slots, num_seqs, num_tokens, width = 3, 2, 4, 32, 8
+    kv = jax.ShapeDtypeStruct((num_slots, 2, 2, 32, 16, 64), "float32")
+    q = jax.ShapeDtypeStruct((num_tokens, 4, 64), "float32")
+    new = jax.ShapeDtypeStruct((num_tokens, 2, 64), "float32")
+    md = AttentionMetadata(i32(num_groups, num_tokens), i32(num_groups, num_seqs, width),
+                           i32(num_seqs), i32(num_seqs + 1))
+
+    def step(q, kv, new, slot, group, window, md):
+        view = md.for_group(group)
+        kv = write_kv_kernel(kv, slot, new, new, view.slot_mapping)
+        out = ragged_paged_attention_kernel(q, kv, slot, view, sm_scale=0.1,
+                                            sliding_window=window, pages_per_block=2)
+        dec = paged_decode_attention_kernel(q[:num_seqs], kv, slot, view.block_tables,
+                                            view.kv_lens, sm_scale=0.1,
+                                            sliding_window=window, pages_per_block=2,
+                                            num_splits=2)
+        return kv, out, dec
+
+    lowered = jax.jit(step).trace(q, kv, new, i32(), i32(), i32(), md).lower(
+        lowering_platforms=("cuda",))
+    assert lowered.as_text().lower().count("triton") >= 3

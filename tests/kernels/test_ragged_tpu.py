@@ -65,3 +65,20 @@ def test_tpu_kernel_lowers_to_mosaic(fake_tpu_info, dtype, page_size, head_dim):
     fn = functools.partial(ragged_paged_attention_tpu, sm_scale=0.1, soft_cap=30.0)
     lowered = jax.jit(fn).trace(q, kv, 0, md).lower(lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()
+
+
+def test_tpu_kernel_lowers_through_a_group_view(fake_tpu_info):
+    # A hybrid KV cache's step: the pool slot and the KV cache group traced (the layer
+    # scan's), the kernel given its group's 2-D view of the grouped metadata.
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    q = jax.ShapeDtypeStruct((32, 4, 128), "bfloat16")
+    kv = jax.ShapeDtypeStruct((2, 2, 2, 32, 16, 128), "bfloat16")
+    md = AttentionMetadata(i32(3, 32), i32(3, 4, 8), i32(4), i32(5))
+
+    def step(q, kv, slot, group, window, md):
+        return ragged_paged_attention_tpu(q, kv, slot, md.for_group(group), sm_scale=0.1,
+                                          sliding_window=window)
+
+    lowered = jax.jit(step).trace(q, kv, i32(), i32(), i32(), md).lower(
+        lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
