@@ -42,11 +42,40 @@ class RMSNorm(nn.Module):
 ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True)}
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
-    """Inverse rotary frequencies f32[head_dim // 2], with linear or Llama 3 scaling."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32)
-                                / head_dim))
-    inv_freq = inv_freq.astype(np.float32)
+def _yarn_inv_freq(pos_freqs: np.ndarray, dim: int, theta: float,
+                   scaling: RopeScaling) -> np.ndarray:
+    """YaRN: each frequency blends its interpolated (divided by `factor`) and extrapolated
+    (kept) values by a linear ramp over the dimensions whose rotation count within the
+    original context falls from `beta_fast` to `beta_slow`."""
+    def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times
+        return (dim * math.log(scaling.original_max_position_embeddings
+                               / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # f32[dim // 2]: 1 = extrapolate
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (scaling.factor * pos_freqs)
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """Inverse rotary frequencies f32[dim // 2] of a `dim`-channel rotary (the head, or its
+    rotated part), scaled as `scaling.rope_type` says; computed in float32 in
+    transformers' order of operations, so the tables match it to the last bit or two."""
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+    pos_freqs = (theta ** exponents).astype(np.float32)  # f32[dim // 2]
+    if scaling.rope_type == "longrope":  # divisors per frequency (`ext_factors`)
+        factors = np.asarray(scaling.ext_factors, np.float32)
+        return (1.0 / (factors * pos_freqs)).astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(pos_freqs, dim, theta, scaling).astype(np.float32)
+    inv_freq = (1.0 / pos_freqs).astype(np.float32)
     if scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
     elif scaling.rope_type == "llama3":
@@ -59,25 +88,32 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarr
             scaling.high_freq_factor - scaling.low_freq_factor)
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
-    return inv_freq
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
 
 
-def _cos_sin(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling):
-    inv_freq = jnp.asarray(rope_inv_freq(head_dim, theta, scaling))
+def _cos_sin(positions: jax.Array, dim: int, theta: float, scaling: RopeScaling):
+    inv_freq = jnp.asarray(rope_inv_freq(dim, theta, scaling))
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # f32[num_tokens, dim]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    # NOTE: yarn's and longrope's attention factor scales cos and sin (as transformers'
+    # `attention_scaling`), so it enters q.k squared and leaves v and the softmax scale alone.
+    factor = scaling.attention_scaling()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
 
 
 def rope_cos_sin(positions: jax.Array, cfg: ArchConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables for the given positions: f32[num_tokens, head_dim], or with a
-    local rotary (`cfg.local_rope_theta`) f32[2, num_tokens, head_dim], global then local
-    (`layer_cos_sin` picks a layer's)."""
-    cos, sin = _cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    """cos and sin tables for the given positions: f32[num_tokens, rotary_dim], or with a
+    local rotary (`cfg.local_rope_theta`) f32[2, num_tokens, rotary_dim], global then
+    local (`layer_cos_sin` picks a layer's). `rotary_dim` is `cfg.rotary_dim` (the head
+    unless `partial_rotary_factor` < 1)."""
+    cos, sin = _cos_sin(positions, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
     if cfg.local_rope_theta is None:
         return cos, sin
-    cos_l, sin_l = _cos_sin(positions, cfg.head_dim, cfg.local_rope_theta,
+    cos_l, sin_l = _cos_sin(positions, cfg.rotary_dim, cfg.local_rope_theta,
                             cfg.local_rope_scaling)
     return jnp.stack([cos, cos_l]), jnp.stack([sin, sin_l])
 
@@ -92,8 +128,13 @@ def layer_cos_sin(cos: jax.Array, sin: jax.Array, window: jax.Array):
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x [num_tokens, num_heads, head_dim] by half-split (non-interleaved) rotary."""
-    half = x.shape[-1] // 2
+    """Rotates x [num_tokens, num_heads, head_dim] by half-split (non-interleaved) rotary;
+    tables narrower than the head ([num_tokens, rotary_dim]) turn its first `rotary_dim`
+    channels and pass the rest through (partial rotary)."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :dim], cos, sin), x[..., dim:]], axis=-1)
+    half = dim // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos = cos[:, None, :].astype(x.dtype)
     sin = sin[:, None, :].astype(x.dtype)

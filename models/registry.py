@@ -1,6 +1,6 @@
 """Model families and the registry from HF `architectures` names to them.
 
-Llama, Qwen2, Qwen3, Mistral, Gemma 2 and Gemma 3 share one Flax decoder
+Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 share one Flax decoder
 (`models.decoder.Decoder`); a family only decides how its HF config maps onto `ArchConfig`.
 """
 
@@ -9,7 +9,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from models.config import ArchConfig, common_fields, parse_rope, windows_from_layer_types
+from models.config import (
+    ArchConfig,
+    common_fields,
+    parse_rope,
+    partial_rotary_factor,
+    windows_from_layer_types,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -18,10 +24,20 @@ class ModelFamily:
     """Base of a decoder family: turns an HF config dict into an `ArchConfig`."""
 
     architectures: tuple[str, ...] = ()
+    partial_rotary = False  # whether its transformers class reads `partial_rotary_factor`
 
     @classmethod
     def arch_config(cls, hf: dict[str, Any]) -> ArchConfig:
-        """Builds the architecture config from a parsed HF `config.json`."""
+        """Builds the architecture config from a parsed HF `config.json`.
+
+        Raises:
+            ValueError: A field the family does not serve, named (as `partial_rotary_factor`
+                below 1 for a family whose transformers class rotates the whole head).
+        """
+        factor = partial_rotary_factor(hf)
+        if factor != 1.0 and not cls.partial_rotary:
+            raise ValueError(f"unsupported partial_rotary_factor={factor} for "
+                             f"{hf['architectures'][0]}: it rotates whole heads")
         return ArchConfig(**{**common_fields(hf), **cls.extra_fields(hf)})
 
     @classmethod
@@ -51,6 +67,38 @@ class Mistral(ModelFamily):
         # NOTE: transformers' Mistral ignores layer_types: the window applies to every layer.
         window = int(hf.get("sliding_window") or 0)
         return dict(layer_windows=(window,) * int(hf["num_hidden_layers"]))
+
+
+class Phi3(ModelFamily):
+    """Phi-3, Phi-3.5 and Phi-4-mini (dense): fused `qkv_proj` and `gate_up_proj` weights
+    (split at load: `models.loaders.hf_names.SplitFused`), LongRoPE, a partial rotary
+    (`partial_rotary_factor`), and `sliding_window` on every layer."""
+
+    architectures = ("Phi3ForCausalLM",)
+    partial_rotary = True
+
+    @classmethod
+    def arch_config(cls, hf):
+        # As transformers' Phi3Config: the old rope type names "su" and "yarn" mean longrope,
+        # `original_max_position_embeddings` defaults to 4096 and, set, is the rope's.
+        hf = {"rms_norm_eps": 1e-5, "original_max_position_embeddings": 4096, **hf}
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = dict(hf.get(key) or {})
+            kind = rope.get("rope_type", rope.get("type"))
+            if kind in ("su", "yarn"):
+                rope.pop("type", None)
+                hf[key] = {**rope, "rope_type": "longrope"}
+        kind = parse_rope(hf)[1].rope_type
+        if kind not in ("default", "longrope"):
+            raise ValueError(f"unsupported rope type {kind!r} for {hf['architectures'][0]}: "
+                             "its transformers class takes default or longrope only")
+        return super().arch_config(hf)
+
+    @classmethod
+    def extra_fields(cls, hf):
+        window = int(hf.get("sliding_window") or 0)
+        return dict(layer_windows=(window,) * int(hf["num_hidden_layers"]),
+                    partial_rotary_factor=partial_rotary_factor(hf))
 
 
 class Qwen2(ModelFamily):
@@ -165,10 +213,11 @@ class Gemma3(Gemma2):
                              "Gemma 3 defines no attention soft cap (null in its configs)")
         rp = hf.get("rope_parameters") or {}
         if "full_attention" in rp or "sliding_attention" in rp:
+            max_len = {"max_position_embeddings": hf.get("max_position_embeddings")}
             theta, scaling = parse_rope({"rope_parameters": rp.get("full_attention") or {},
-                                         "rope_theta": 1_000_000.0})
+                                         "rope_theta": 1_000_000.0, **max_len})
             local_theta, local_scaling = parse_rope(
-                {"rope_parameters": rp.get("sliding_attention") or {}})
+                {"rope_parameters": rp.get("sliding_attention") or {}, **max_len})
         else:
             theta, scaling = parse_rope({"rope_theta": 1_000_000.0, **hf})
             local_theta = float(hf.get("rope_local_base_freq") or 10_000.0)
@@ -179,7 +228,7 @@ class Gemma3(Gemma2):
 
 
 FAMILIES: dict[str, type[ModelFamily]] = {
-    name: fam for fam in (Llama, Mistral, Qwen2, Qwen3, Gemma2, Gemma3)
+    name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen3, Gemma2, Gemma3)
     for name in fam.architectures
 }
 

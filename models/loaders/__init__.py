@@ -15,7 +15,7 @@ from models.default_model import default_model_path
 from models.loaders import orbax_ckpt
 from models.loaders.gguf_file import open_gguf
 from models.loaders.gguf_tokenizer import tokenizer_from_gguf
-from models.loaders.hf_names import build_params
+from models.loaders.hf_names import SplitFused, build_params
 from models.loaders.safetensors_dir import SafetensorsDir, read_config
 from models.model import Model, abstract_params, parse_dtype
 from models.quant import QUANTIZATIONS, QuantFormat, QuantPlan, quantize_params, uniform_plan
@@ -139,7 +139,7 @@ def load_model(model: str | None = None, dtype: str = "float32", backend: str = 
         if plan and not stored:
             params = _place(quantize_params(params, plan), cfg, jdtype, plan, shardings)
     else:
-        source = open_gguf(path) if kind == "gguf" else SafetensorsDir(path)
+        source = open_gguf(path) if kind == "gguf" else SplitFused(SafetensorsDir(path), cfg)
         keep = plan if plan.name == "gguf" else QuantPlan()
         host = build_params(cfg, abstract_params(cfg, jdtype, keep), source, jdtype,
                             quant_rows=getattr(source, "get_quant_rows", None))

@@ -49,6 +49,69 @@ def hf_name(path: tuple[str, ...], layer: int | None) -> tuple[str, bool]:
     return prefix + ".".join(mods) + "." + suffix, leaf == "kernel"
 
 
+# Tensors some checkpoints store fused (Phi-3), by the decoder's module: the fused module
+# and the piece's index in it (rows: q, k, v; gate, up).
+_FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0),
+          "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+          "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+          "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+          "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+
+
+class SplitFused:
+    """A `TensorSource` that also serves q/k/v and gate/up projections cut from a
+    checkpoint's fused `qkv_proj` and `gate_up_proj` (Phi-3: rows q, then k, then v; gate,
+    then up), when the unfused tensor is absent.
+
+    Args:
+        source: The checkpoint's tensors.
+        cfg: Architecture config (the pieces' row counts).
+    """
+
+    def __init__(self, source: TensorSource, cfg: ArchConfig):
+        self.source = source
+        self.cfg = cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self._rows = {"self_attn.qkv_proj": (q, kv, kv),
+                      "mlp.gate_up_proj": (cfg.intermediate_size,) * 2}
+
+    def _fused(self, name: str) -> tuple[str, str, int] | None:
+        """(fused tensor name, fused module, piece index) for a fusable name, else None."""
+        stem, _, leaf = name.rpartition(".")
+        for module, (fused, index) in _FUSED.items():
+            if stem.endswith("." + module):
+                return f"{stem[:-len(module)]}{fused}.{leaf}", fused, index
+        return None
+
+    def get(self, name: str) -> np.ndarray:
+        try:
+            return self.source.get(name)
+        except KeyError:
+            found = self._fused(name)
+            if found is None:
+                raise
+        fused_name, fused, index = found
+        arr = self.source.get(fused_name)
+        sizes = self._rows[fused]
+        if arr.shape[0] != sum(sizes):
+            raise ValueError(
+                f"tensor {fused_name!r} in {self.source.where(fused_name)} has {arr.shape[0]} "
+                f"rows, expected {' + '.join(map(str, sizes))} = {sum(sizes)} for "
+                f"{self.cfg.architecture}")
+        start = sum(sizes[:index])
+        return arr[start:start + sizes[index]]
+
+    def where(self, name: str) -> str:
+        where = self.source.where(name)
+        found = self._fused(name)
+        names = getattr(self.source, "names", None)
+        if found is None or names is None or name in (present := set(names())):
+            return where
+        if found[0] in present:  # served from the fused tensor
+            return self.source.where(found[0])
+        return f"{where} (nor is the fused {found[0]!r} there)"
+
+
 QUANT_LEAVES = ("qweight", "scales", "zeros")
 
 

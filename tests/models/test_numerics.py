@@ -39,6 +39,13 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
 
+# Phi-3: half of each 16-wide head rotated, LongRoPE past an original context of 16 (the
+# 24-token prompt: transformers takes the long factors, as our tables by default).
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+             "short_factor": [1.0, 1.3, 2.1, 3.5], "long_factor": [1.5, 4.0, 9.0, 20.0]}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+             "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 1.0}
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -67,6 +74,17 @@ CASES = [
          dict(rope_parameters=LLAMA3_ROPE),
          dict(num_kv_heads=2, tie_word_embeddings=False, qkv_bias=False),
          ablate=dict(rope_scaling=RopeScaling())),
+    Case("llama_yarn", "LlamaConfig", "LlamaForCausalLM",
+         dict(rope_parameters=YARN_ROPE),
+         dict(rope_scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=16,
+                                       beta_fast=8.0)),
+         ablate=dict(rope_scaling=RopeScaling())),
+    Case("phi3_longrope_partial", "Phi3Config", "Phi3ForCausalLM",
+         dict(original_max_position_embeddings=16, partial_rotary_factor=0.5, sliding_window=7,
+              rope_parameters=PHI3_ROPE, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+         dict(rotary_dim=8, partial_rotary_factor=0.5, layer_windows=(7, 7), qkv_bias=False,
+              rms_norm_eps=1e-6),
+         ablate=dict(rope_scaling=RopeScaling(), layer_windows=(0, 0))),
     Case("llama_tied", "LlamaConfig", "LlamaForCausalLM",
          dict(tie_word_embeddings=True, num_hidden_layers=3),
          dict(tie_word_embeddings=True)),
@@ -146,11 +164,13 @@ CASES = [
 #   same bias layout (its `expect` checks it), qwen2_layer_types_linear_rope a rope_theta.
 # - qwen3_qknorm_headdim (q/k norm, head_dim 24 apart from hidden / heads): qwen3_bias_sliding
 #   is Qwen3 with q/k norm and a head_dim of its own (8) too, and biases before the norm.
+# - llama_yarn (YaRN through a whole model): tests/models/test_rope_scaling.py checks its
+#   tables, attention factor included, against transformers'; the tables are all it changes.
 # - gemma2_global_first (a global first layer, attention soft cap alone) and
 #   gemma3_pattern2_softcap (Gemma 3 with the default rotary bases, final soft cap):
 #   gemma2_softcap and gemma3_two_ropes have every Gemma feature between them.
-SLOW_CASES = ("llama_tied", "qwen2_bias", "qwen3_qknorm_headdim", "gemma2_global_first",
-              "gemma3_pattern2_softcap")
+SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen3_qknorm_headdim",
+              "gemma2_global_first", "gemma3_pattern2_softcap")
 
 
 def _params(cases: list[Case]) -> list:
