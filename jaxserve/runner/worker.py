@@ -141,8 +141,13 @@ class Worker:
         if config.compilation_cache_dir or not jax.config.jax_compilation_cache_dir:
             enable_compilation_cache(config.compilation_cache_dir)
         self.model, self.layout = serving_model(config, model)
-        layout = serving_kv_layout(self.model, resolve_max_model_len(config, self.model),
-                                   kv_layout)
+        max_model_len = resolve_max_model_len(config, self.model)
+        # NOTE: LongRoPE's factor set is fixed per engine by the longest context served
+        # (as vLLM): a request's KV is never recomputed when it passes the original length.
+        cfg = self.model.cfg.for_max_model_len(max_model_len)
+        if cfg != self.model.cfg:
+            self.model = dataclasses.replace(self.model, cfg=cfg)
+        layout = serving_kv_layout(self.model, max_model_len, kv_layout)
         if layout != self.model.kv_layout:
             self.model = dataclasses.replace(self.model, kv_layout=layout)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(

@@ -49,6 +49,7 @@ def phi3(smollm2_tokenizer, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("phi3"))
     hf.save_pretrained(path, safe_serialization=True)
     smollm2_tokenizer.save_pretrained(path)
+    hf.local_path = path
     return hf, LLM(path, **ENGINE_ARGS)
 
 
@@ -74,3 +75,19 @@ def test_phi3_greedy_matches_transformers(phi3, smollm2_tokenizer):
         ours = out.outputs[0].token_ids
         assert len(set(ours)) > 1  # not a degenerate repeat
         assert ours == _hf_greedy(hf, prompt_ids), smollm2_tokenizer.decode(ours)
+
+
+def test_a_short_max_model_len_serves_the_short_factors(phi3, smollm2_tokenizer):
+    """An engine whose contexts never pass the original length runs LongRoPE's short
+    factors, as transformers does for such sequences."""
+    hf, _ = phi3
+    llm = LLM(hf.local_path, **{**ENGINE_ARGS, "max_model_len": ORIGINAL})
+    assert not llm.engine.model.cfg.rope_scaling.use_long_factors
+    ids = smollm2_tokenizer("Once upon a").input_ids[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=ORIGINAL - len(ids), ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=ORIGINAL - len(ids),
+                           do_sample=False, min_new_tokens=ORIGINAL - len(ids),
+                           pad_token_id=0)[0, len(ids):].tolist()
+    assert out.outputs[0].token_ids == want
