@@ -142,9 +142,10 @@ def main() -> None:
         base = base or one
         print(f"{name:28s} groups {layout.num_groups} x {layout.num_slots} layers: one "
               f"request peak {one['peak']} ({one['peak'] / base['peak']:.3f}x), end "
-              f"{one['final']} ({one['final'] / base['final']:.3f}x); fixed pool: "
-              f"{many['max_running']} running at once, {many['preemptions']} preemptions, "
-              f"{many['steps']} steps")
+              f"{one['final']} ({one['final'] / base['final']:.3f}x); fixed pool: holds "
+              f"{memory // one['peak']} such requests at their peak, the scheduler ran "
+              f"{many['max_running']} at once ({many['preemptions']} preemptions), "
+              f"{args.num_requests} requests in {many['steps']} steps")
     if args.engine:
         args.max_model_len = args.prompt_len + args.max_tokens
         runs = {}
