@@ -33,10 +33,13 @@ def test_gemma_tensor_parallel_matches_one_device(smollm2_tokenizer):
                for n in (5, 17, 33)]
     greedy = SamplingParams(temperature=0, max_tokens=12, detokenize=False)
     runs = []
-    for tp in (1, 2):
+    # One device with one block table, then the hybrid KV cache on one and two devices.
+    for tp, plain in ((1, True), (1, False), (2, False)):
         llm = LLM(Model(GEMMA, params), tokenizer=smollm2_tokenizer, tensor_parallel_size=tp,
-                  **SMALL)
+                  disable_hybrid_kv_cache_manager=plain, **SMALL)
+        assert llm.engine.kv.num_groups == (1 if plain else 3)  # one full, two sliding
         runs.append([o.outputs[0].token_ids
                      for o in llm.generate(prompts, greedy, use_tqdm=False)])
+        assert llm.engine.kv.usage == 0.0
     assert len(set(runs[0][1])) > 1
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
