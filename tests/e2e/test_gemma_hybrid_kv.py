@@ -8,6 +8,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from tests.conftest import TINY_ENGINE
+from tests.e2e.hf_family import TINY, build_hf_model, hf_greedy
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -22,10 +23,7 @@ PROMPTS = [
 ]
 # SmolLM2's vocabulary; windows of 8 tokens over pages of 8, so a page leaves a sliding
 # group's window every 8 tokens. Two layer patterns per family.
-BASE = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-            initializer_range=0.1, sliding_window=8, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2, tie_word_embeddings=False)
+BASE = dict(**TINY, head_dim=16, sliding_window=8)
 ROPE3 = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 FAMILIES = {
@@ -48,21 +46,6 @@ ENGINE = {**TINY_ENGINE, "warmup": False, "block_size": 8, "max_num_batched_toke
 SMALL_POOL = {"num_kv_blocks": 18, "max_num_seqs": 4}
 
 
-def _build(family: str, tokenizer, directory: str):
-    config_cls, model_cls, extra = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**BASE, **extra, attn_implementation="eager")
-    torch.manual_seed(0)
-    hf = getattr(transformers, model_cls)(config).to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # norms away from their zero init: (1 + weight) must matter
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    hf.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
-    return hf
-
-
 @pytest.fixture(scope="module")
 def families(smollm2_tokenizer, tmp_path_factory):
     """name -> (directory, prompt ids, transformers' greedy tokens for each prompt), built
@@ -72,16 +55,11 @@ def families(smollm2_tokenizer, tmp_path_factory):
     def get(name: str):
         if name not in built:
             directory = str(tmp_path_factory.mktemp(name))
-            hf = _build(name, smollm2_tokenizer, directory)
+            config_cls, model_cls, extra = FAMILIES[name]
+            hf = build_hf_model(config_cls, model_cls, {**BASE, **extra}, smollm2_tokenizer,
+                                directory, norm_center=0.0)  # 1 + weight must matter
             ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
-            want = []
-            with torch.no_grad():
-                for x in ids:
-                    out = hf.generate(torch.tensor([x]), max_new_tokens=MAX_TOKENS,
-                                      do_sample=False, min_new_tokens=MAX_TOKENS,
-                                      pad_token_id=0)
-                    want.append(out[0, len(x):].tolist())
-            built[name] = directory, ids, want
+            built[name] = directory, ids, [hf_greedy(hf, x, MAX_TOKENS) for x in ids]
         return built[name]
 
     return get

@@ -1,0 +1,60 @@
+"""Shared by the new-family engine tests: prompts longer than the tiny models' windows, a
+tiny transformers model built and saved beside SmolLM2's tokenizer, and its greedy tokens."""
+
+from __future__ import annotations
+
+PROMPTS = [
+    "Paged attention stores the key and value cache in fixed-size blocks, and the "
+    "scheduler decides which requests advance",
+    "Once upon a time, in a village by the sea, there lived",
+    "The three primary colors are red, yellow and blue; mixing two of them gives",
+]
+# SmolLM2's vocabulary (49152, the tokenizer's); hidden 64, heads of 16; an untied LM head
+# (a tied random one repeats one token).
+TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+def build_hf_model(config_cls: str, model_cls: str, config: dict, tokenizer, directory: str,
+                   norm_center: float):
+    """A float32 transformers model of `config` (eager attention), its norms drawn around
+    `norm_center` (0 for Gemma's `1 + weight`, 1 elsewhere) so they matter, saved as
+    safetensors into `directory` with `tokenizer`."""
+    import torch
+    import transformers
+
+    cfg = getattr(transformers, config_cls)(**config, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(norm_center + 0.3 * torch.randn(p.shape, generator=gen))
+    hf.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return hf
+
+
+def hf_greedy(hf, ids: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `ids`, exactly `max_tokens` long."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                          min_new_tokens=max_tokens, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def check_engine_greedy(llm, hf, tokenizer, ids: list[list[int]], max_tokens: int) -> None:
+    """The engine's greedy tokens for every prompt (batched) equal transformers', and are
+    not one token repeated."""
+    from jaxserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+    for prompt_ids, out in zip(ids, outs, strict=True):
+        ours = out.outputs[0].token_ids
+        assert len(set(ours)) > 1  # not a degenerate repeat
+        assert ours == hf_greedy(hf, prompt_ids, max_tokens), tokenizer.decode(ours)
