@@ -1,0 +1,66 @@
+"""The engine's figures: capacity, progress, vLLM-named counters and gauges (`get_metrics`)."""
+
+from __future__ import annotations
+
+
+class EngineMetrics:
+    """`LLMEngine`'s metrics (its worker, scheduler, KV cache manager, runner, outputs and
+    speculator are read, nothing is changed)."""
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV pool holds (every page but the null page)."""
+        return self.worker.kv_capacity_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens the engine's steps have computed so far."""
+        return self.runner.num_scheduled_tokens
+
+    @property
+    def warmup_progress(self) -> tuple[int, int]:
+        """(buckets compiled, buckets in all) while warm-up runs."""
+        return self.runner.warmup_progress
+
+    def cache_config_info(self) -> dict[str, object]:
+        """The KV cache's settings, labelled as vLLM's `cache_config_info`."""
+        cache = self.config.cache
+        return {"block_size": cache.block_size, "num_gpu_blocks": self.limits.num_pages,
+                "enable_prefix_caching": cache.enable_prefix_caching,
+                "gpu_memory_utilization": cache.gpu_memory_utilization,
+                "swap_space": cache.swap_space, "cache_dtype": cache.kv_cache_dtype}
+
+    def get_metrics(self) -> dict[str, float]:
+        """Counters and gauges, named like vLLM's with a `jaxserve:` prefix."""
+        stats = self.kv.stats()
+        sched = self.scheduler
+        padded = self.runner.num_padded_tokens
+        total = padded + self.runner.num_scheduled_tokens
+        metrics = {
+            "jaxserve:num_requests_running": len(sched.running),
+            "jaxserve:num_requests_waiting": len(sched.waiting),
+            "jaxserve:num_requests_swapped": len(sched.swapped),
+            "jaxserve:kv_cache_usage_perc": stats.usage,
+            "jaxserve:kv_cache_capacity_tokens": self.kv_capacity_tokens,
+            # every group's page of a token (a sliding group's are given back later)
+            "jaxserve:kv_cache_bytes_per_token": self.limits.bytes_per_page
+            * self.kv.num_groups / self.config.cache.block_size,
+            "jaxserve:weight_bytes": self.model.weight_bytes,
+            "jaxserve:prefix_cache_queries": stats.prefix_queries,
+            "jaxserve:prefix_cache_hits": stats.prefix_hits,
+            "jaxserve:num_preemptions": sched.num_preemptions,
+            "jaxserve:prompt_tokens": self.counters["prompt_tokens"],
+            "jaxserve:generation_tokens": self.outputs.num_generation_tokens,
+            "jaxserve:num_compilations": self.runner.num_compilations + (
+                self.speculator.num_compilations if self.speculator is not None else 0),
+            "jaxserve:padding_waste_ratio": padded / total if total else 0.0,
+            "jaxserve:warmup_seconds": self.runner.warmup_seconds,
+            "jaxserve:num_cow_copies": stats.num_cow_copies,
+            "jaxserve:num_swap_outs": stats.num_swap_outs,
+            "jaxserve:num_swap_ins": stats.num_swap_ins,
+        }
+        if self.speculator is not None:
+            metrics.update(self.speculator.metrics())
+        for reason, count in self.finished_reasons.items():
+            metrics[f"jaxserve:request_success{{finished_reason={reason}}}"] = count
+        return metrics
