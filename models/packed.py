@@ -85,8 +85,11 @@ def _packed(module: nn.Module, name: str) -> jax.Array:
 
 def can_pack(model) -> bool:
     """Whether `model` can serve packed: the `cpu` backend, float32 unquantized weights on
-    one device, and the CPU matmul kernel builds here."""
+    one device, a dense model (not a mixture of experts), and the CPU matmul kernel
+    builds here."""
     if model.backend != "cpu" or jnp.dtype(model.dtype) != jnp.float32 or model.quant:
+        return False
+    if model.cfg.is_moe:  # NOTE: the experts are grouped matmuls, not packed panels
         return False
     leaves = jax.tree_util.tree_leaves(model.params)
     if any(len(x.sharding.device_set) > 1 for x in leaves if isinstance(x, jax.Array)):

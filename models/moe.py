@@ -1,0 +1,182 @@
+"""The mixture-of-experts MLP: a router, the experts as one grouped matmul, a dense reference.
+
+Each token picks `top_k` of `num_experts` gated MLPs (`route`, in its family's order). The
+token x expert pairs (tokens x top_k, a static count per bucket: nothing is dropped) are
+sorted by expert so each expert's rows are contiguous, and every projection is one
+`jax.lax.ragged_dot` over the sorted rows (`grouped_experts`). Steps with fewer pairs than
+experts (small decode batches) gather the chosen experts' weights per pair instead, so
+they read only the experts used. `dense_experts` runs every expert on every token, masked
+by the routing weights: the tests' oracle.
+
+Expert weights are stacked on a leading expert axis (`[E, in, out]` per layer, `[L, E, in,
+out]` in the layer scan's stack); expert parallelism will shard that axis on a mesh axis.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ROUTER_ORDERS, ArchConfig
+from models.layers import ACTIVATIONS, GatedMLP
+from models.qlayers import dense as make_dense
+from models.quant import QuantPlan
+
+
+def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool):
+    """Each token's experts and their weights.
+
+    Args:
+        logits: f32[T, E] router logits.
+        top_k: Experts per token.
+        order: "topk_softmax" (Mixtral: the k largest logits, softmax over those k) or
+            "softmax_topk" (Qwen-MoE, OLMoE: softmax over all experts, the k largest
+            probabilities, divided by their sum when `norm_topk_prob`).
+        norm_topk_prob: See `order`; "topk_softmax" weights always sum to one.
+
+    Returns:
+        (weights f32[T, top_k], ids i32[T, top_k]).
+
+    Raises:
+        ValueError: An unknown `order`, or `top_k` outside 1..E.
+    """
+    if order not in ROUTER_ORDERS:
+        raise ValueError(f"unknown router order {order!r}; supported: {', '.join(ROUTER_ORDERS)}")
+    if not 0 < top_k <= logits.shape[-1]:
+        raise ValueError(f"top_k={top_k} must be in 1..{logits.shape[-1]} (the experts)")
+    logits = logits.astype(jnp.float32)
+    if order == "topk_softmax":
+        top, ids = jax.lax.top_k(logits, top_k)
+        return jax.nn.softmax(top, axis=-1), ids
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids
+
+
+def _check(x, experts):
+    gate, up, down = experts["gate_proj"], experts["up_proj"], experts["down_proj"]
+    if (gate.ndim != 3 or gate.shape != up.shape or down.shape != (gate.shape[0], gate.shape[2],
+                                                                   gate.shape[1])
+            or gate.shape[1] != x.shape[-1]):
+        raise ValueError(f"expert weights gate {gate.shape}, up {up.shape}, down {down.shape} "
+                         f"do not fit tokens {x.shape}: want [E, H, I], [E, H, I], [E, I, H]")
+
+
+def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: dict,
+                    act: str = "silu") -> jax.Array:
+    """The routed experts' outputs combined by the routing weights, computing only the
+    (token, expert) pairs routed.
+
+    Args:
+        x: [T, H] tokens.
+        weights: f32[T, k] routing weights (`route`).
+        ids: i32[T, k] expert of each pair.
+        experts: {"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}.
+        act: The gated MLP's activation (`models.layers.ACTIVATIONS`).
+
+    Returns:
+        [T, H] in x's dtype.
+    """
+    _check(x, experts)
+    num_tokens, top_k = ids.shape
+    num_experts = experts["gate_proj"].shape[0]
+    flat = ids.reshape(-1)  # i32[T*k]
+    if flat.shape[0] < num_experts:
+        # NOTE: fewer pairs than experts (small decodes): each pair reads its expert's
+        # weights, so the step reads k experts per token, never all of them.
+        xs = jnp.repeat(x, top_k, axis=0)  # [T*k, H]
+        gate = jnp.einsum("ph,phi->pi", xs, experts["gate_proj"][flat])
+        up = jnp.einsum("ph,phi->pi", xs, experts["up_proj"][flat])
+        h = ACTIVATIONS[act](gate) * up
+        y = jnp.einsum("pi,pih->ph", h, experts["down_proj"][flat])  # [T*k, H]
+    else:
+        order = jnp.argsort(flat, stable=True)  # i32[T*k]: pairs sorted by expert
+        xs = x[order // top_k]  # [T*k, H]
+        sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # i32[E]
+        gate = jax.lax.ragged_dot(xs, experts["gate_proj"], sizes)  # [T*k, I]
+        up = jax.lax.ragged_dot(xs, experts["up_proj"], sizes)
+        h = ACTIVATIONS[act](gate) * up
+        y_sorted = jax.lax.ragged_dot(h, experts["down_proj"], sizes)  # [T*k, H]
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        y = y_sorted[inverse]  # [T*k, H] back in (token, k) order
+    y = y.reshape(num_tokens, top_k, -1) * weights[..., None].astype(y.dtype)
+    return jnp.sum(y, axis=1).astype(x.dtype)
+
+
+def dense_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: dict,
+                  act: str = "silu") -> jax.Array:
+    """Reference of `grouped_experts`: every expert on every token, each output scaled by
+    the token's weight for that expert (0 where not routed). Cost: all experts."""
+    _check(x, experts)
+    num_experts = experts["gate_proj"].shape[0]
+    mask = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32)  # f32[T, k, E]
+    per_expert = jnp.einsum("tk,tke->te", weights.astype(jnp.float32), mask)  # f32[T, E]
+    gate = jnp.einsum("th,ehi->tei", x, experts["gate_proj"])
+    up = jnp.einsum("th,ehi->tei", x, experts["up_proj"])
+    y = jnp.einsum("tei,eih->teh", ACTIVATIONS[act](gate) * up, experts["down_proj"])
+    return jnp.einsum("teh,te->th", y, per_expert.astype(y.dtype)).astype(x.dtype)
+
+
+class MoEMLP(nn.Module):
+    """A sparse MLP layer: router `gate` [H, E], experts stacked in `experts`
+    ({gate,up,down}_proj: [E, H, I], [E, H, I], [E, I, H]), and, when
+    `cfg.shared_expert_intermediate_size`, Qwen2-MoE's shared expert (a `GatedMLP`)
+    scaled by `sigmoid(shared_expert_gate(x))`.
+
+    Attributes:
+        cfg: Architecture config (`num_experts`, `num_experts_per_tok`,
+            `moe_intermediate_size`, `router_order`, `norm_topk_prob`).
+        dtype: Parameter dtype.
+        quant: The model's plan (the shared expert's projections follow it; the routed
+            experts stay unquantized).
+        backend: Attention/matmul backend name.
+        reference: Run `dense_experts` instead of `grouped_experts` (tests).
+    """
+
+    cfg: ArchConfig
+    dtype: jnp.dtype = jnp.float32
+    quant: QuantPlan = QuantPlan()
+    backend: str = "xla"
+    reference: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, layer=None) -> jax.Array:
+        """x [T, H] -> [T, H]."""
+        cfg = self.cfg
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        logits = nn.Dense(e, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                          name="gate")(x)  # [T, E]
+        weights, ids = route(logits, cfg.num_experts_per_tok, cfg.router_order,
+                             cfg.norm_topk_prob)
+        experts = Experts(e, h, i, self.dtype, name="experts")()
+        run = dense_experts if self.reference else grouped_experts
+        out = run(x, weights, ids, experts, cfg.hidden_act)
+        if cfg.shared_expert_intermediate_size:
+            shared = GatedMLP(cfg, self.dtype, self.quant, self.backend,
+                              intermediate_size=cfg.shared_expert_intermediate_size,
+                              name="shared_expert")(x, layer)
+            gate = make_dense(self.quant, "shared_expert_gate", 1, False, self.dtype,
+                              self.backend, layer=layer)(x)  # [T, 1]
+            out = out + jax.nn.sigmoid(gate) * shared
+        return out
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, stacked on a leading expert axis (the axis expert
+    parallelism shards)."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self) -> dict:
+        """{"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}."""
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        return {name: self.param(name, init, shape, self.dtype)
+                for name, shape in (("gate_proj", (e, h, i)), ("up_proj", (e, h, i)),
+                                    ("down_proj", (e, i, h)))}
