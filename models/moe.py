@@ -3,9 +3,9 @@
 Each token picks `top_k` of `num_experts` gated MLPs (`route`, in its family's order). The
 token x expert pairs (tokens x top_k, a static count per bucket: nothing is dropped) are
 sorted by expert so each expert's rows are contiguous, and every projection is one
-`jax.lax.ragged_dot` over the sorted rows (`grouped_experts`). Steps with fewer pairs than
-experts (small decode batches) gather the chosen experts' weights per pair instead, so
-they read only the experts used. `dense_experts` runs every expert on every token, masked
+`jax.lax.ragged_dot` over the sorted rows (`grouped_experts`) on GPU and TPU; on the CPU,
+where XLA expands `ragged_dot` into every row times every expert, a loop over the routed
+experts in chunks of rows (`_expert_loop`) does the same work. `dense_experts` runs every expert on every token, masked
 by the routing weights: the tests' oracle.
 
 Expert weights are stacked on a leading expert axis (`[E, in, out]` per layer, `[L, E, in,
@@ -64,10 +64,51 @@ def _check(x, experts):
                          f"do not fit tokens {x.shape}: want [E, H, I], [E, H, I], [E, I, H]")
 
 
+GROUPED_IMPLS = ("ragged_dot", "loop")
+
+
+def grouped_impl() -> str:
+    """The grouped matmul for this platform: XLA's `ragged_dot` (grouped GEMMs on GPU and
+    TPU) or, on the CPU, where XLA expands `ragged_dot` into a matmul of every row with
+    every group, `_expert_loop`."""
+    return "loop" if jax.default_backend() == "cpu" else "ragged_dot"
+
+
+def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str) -> jax.Array:
+    """The experts' gated MLPs over rows sorted by expert (`sizes[e]` rows each), expert by
+    expert in chunks of at most `chunk` rows: a routed expert's weights are read once,
+    an expert with no row costs nothing, and compute follows the rows (plus one
+    partial chunk per routed expert)."""
+    pairs, hidden = xs.shape
+    chunk = min(pairs, 64)
+    xs = jnp.concatenate([xs, jnp.zeros((chunk, hidden), xs.dtype)])  # [P + chunk, H]
+    ends = jnp.cumsum(sizes)  # i32[E]
+    starts = ends - sizes
+
+    def expert(e, out):
+        gate, up, down = (experts[n][e] for n in ("gate_proj", "up_proj", "down_proj"))
+        start, end = starts[e], ends[e]
+
+        def step(c, out):
+            row = start + c * chunk
+            rows = jax.lax.dynamic_slice_in_dim(xs, row, chunk)  # [chunk, H]
+            y = (ACTIVATIONS[act](rows @ gate) * (rows @ up)) @ down  # [chunk, H]
+            keep = (row + jnp.arange(chunk) < end)[:, None]
+            old = jax.lax.dynamic_slice_in_dim(out, row, chunk)
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), row, 0)
+
+        num_chunks = (sizes[e] + chunk - 1) // chunk
+        return jax.lax.fori_loop(0, num_chunks, step, out)
+
+    out = jax.lax.fori_loop(0, sizes.shape[0], expert, jnp.zeros_like(xs))
+    return out[:pairs]
+
+
 def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: dict,
-                    act: str = "silu") -> jax.Array:
+                    act: str = "silu", impl: str | None = None) -> jax.Array:
     """The routed experts' outputs combined by the routing weights, computing only the
-    (token, expert) pairs routed.
+    (token, expert) pairs routed: pairs sorted by expert, each projection one grouped
+    matmul over the sorted rows, the results put back in (token, k) order and summed.
 
     Args:
         x: [T, H] tokens.
@@ -75,32 +116,33 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
         ids: i32[T, k] expert of each pair.
         experts: {"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}.
         act: The gated MLP's activation (`models.layers.ACTIVATIONS`).
+        impl: One of `GROUPED_IMPLS`; None: `grouped_impl()`.
 
     Returns:
         [T, H] in x's dtype.
+
+    Raises:
+        ValueError: Expert weights whose shapes do not fit, or an unknown `impl`.
     """
     _check(x, experts)
+    impl = impl or grouped_impl()
+    if impl not in GROUPED_IMPLS:
+        raise ValueError(f"unknown grouped matmul {impl!r}; supported: {', '.join(GROUPED_IMPLS)}")
     num_tokens, top_k = ids.shape
     num_experts = experts["gate_proj"].shape[0]
     flat = ids.reshape(-1)  # i32[T*k]
-    if flat.shape[0] < num_experts:
-        # NOTE: fewer pairs than experts (small decodes): each pair reads its expert's
-        # weights, so the step reads k experts per token, never all of them.
-        xs = jnp.repeat(x, top_k, axis=0)  # [T*k, H]
-        gate = jnp.einsum("ph,phi->pi", xs, experts["gate_proj"][flat])
-        up = jnp.einsum("ph,phi->pi", xs, experts["up_proj"][flat])
-        h = ACTIVATIONS[act](gate) * up
-        y = jnp.einsum("pi,pih->ph", h, experts["down_proj"][flat])  # [T*k, H]
+    order = jnp.argsort(flat, stable=True)  # i32[T*k]: pairs sorted by expert
+    xs = x[order // top_k]  # [T*k, H]
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # i32[E]
+    if impl == "loop":
+        y_sorted = _expert_loop(xs, sizes, experts, act)
     else:
-        order = jnp.argsort(flat, stable=True)  # i32[T*k]: pairs sorted by expert
-        xs = x[order // top_k]  # [T*k, H]
-        sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # i32[E]
         gate = jax.lax.ragged_dot(xs, experts["gate_proj"], sizes)  # [T*k, I]
         up = jax.lax.ragged_dot(xs, experts["up_proj"], sizes)
         h = ACTIVATIONS[act](gate) * up
         y_sorted = jax.lax.ragged_dot(h, experts["down_proj"], sizes)  # [T*k, H]
-        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-        y = y_sorted[inverse]  # [T*k, H] back in (token, k) order
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    y = y_sorted[inverse]  # [T*k, H] back in (token, k) order
     y = y.reshape(num_tokens, top_k, -1) * weights[..., None].astype(y.dtype)
     return jnp.sum(y, axis=1).astype(x.dtype)
 
