@@ -12,14 +12,14 @@ from models.config import ArchConfig
 from models.moe import GROUPED_IMPLS, MoEMLP, dense_experts, grouped_experts, route
 from models.registry import arch_config_from_hf
 
-E, H, I = 8, 16, 12
+E, H, FF = 8, 16, 12  # experts, hidden, one expert's width
 
 
 def _experts(seed: int = 0) -> dict:
     k = jax.random.split(jax.random.key(seed), 3)
-    return {"gate_proj": jax.random.normal(k[0], (E, H, I)),
-            "up_proj": jax.random.normal(k[1], (E, H, I)),
-            "down_proj": jax.random.normal(k[2], (E, I, H))}
+    return {"gate_proj": jax.random.normal(k[0], (E, H, FF)),
+            "up_proj": jax.random.normal(k[1], (E, H, FF)),
+            "down_proj": jax.random.normal(k[2], (E, FF, H))}
 
 
 def _logits(num_tokens: int, skew: bool, seed: int = 1) -> jax.Array:
@@ -105,7 +105,7 @@ def test_route_and_grouped_errors():
 def _cfg(**kw) -> ArchConfig:
     base = dict(architecture="Qwen3MoeForCausalLM", vocab_size=32, hidden_size=H,
                 intermediate_size=24, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
-                num_experts=E, num_experts_per_tok=2, moe_intermediate_size=I)
+                num_experts=E, num_experts_per_tok=2, moe_intermediate_size=FF)
     return ArchConfig(**{**base, **kw})
 
 
@@ -114,7 +114,7 @@ def test_moe_mlp_grouped_equals_its_reference():
     cfg = _cfg(shared_expert_intermediate_size=20, norm_topk_prob=True)
     x = jax.random.normal(jax.random.key(3), (12, H))
     params = MoEMLP(cfg).init(jax.random.key(4), x)
-    assert params["params"]["experts"]["gate_proj"].shape == (E, H, I)
+    assert params["params"]["experts"]["gate_proj"].shape == (E, H, FF)
     assert params["params"]["shared_expert"]["gate_proj"]["kernel"].shape == (H, 20)
     ours = MoEMLP(cfg).apply(params, x)
     ref = MoEMLP(cfg, reference=True).apply(params, x)
