@@ -5,8 +5,8 @@ token x expert pairs (tokens x top_k, a static count per bucket: nothing is drop
 sorted by expert so each expert's rows are contiguous, and every projection is one
 `jax.lax.ragged_dot` over the sorted rows (`grouped_experts`) on GPU and TPU; on the CPU,
 where XLA expands `ragged_dot` into every row times every expert, a loop over the routed
-experts in chunks of rows (`_expert_loop`) does the same work. `dense_experts` runs every expert on every token, masked
-by the routing weights: the tests' oracle.
+experts in chunks of rows (`_expert_loop`) does the same work. `dense_experts` runs every
+expert on every token, masked by the routing weights: the tests' oracle.
 
 Expert weights are stacked on a leading expert axis (`[E, in, out]` per layer, `[L, E, in,
 out]` in the layer scan's stack); expert parallelism will shard that axis on a mesh axis.
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from models.config import ROUTER_ORDERS, ArchConfig
 from models.layers import ACTIVATIONS, GatedMLP
+from models.packed import COLLECTION
 from models.qlayers import dense as make_dense
 from models.quant import QuantPlan
 
@@ -55,8 +56,10 @@ def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool):
     return weights, ids
 
 
-def _check(x, experts):
+def _check(x, experts, layer=None):
     gate, up, down = experts["gate_proj"], experts["up_proj"], experts["down_proj"]
+    if layer is not None:  # the whole stack [L, E, ...]: check one layer's shapes
+        gate, up, down = gate[0], up[0], down[0]
     if (gate.ndim != 3 or gate.shape != up.shape or down.shape != (gate.shape[0], gate.shape[2],
                                                                    gate.shape[1])
             or gate.shape[1] != x.shape[-1]):
@@ -74,19 +77,25 @@ def grouped_impl() -> str:
     return "loop" if jax.default_backend() == "cpu" else "ragged_dot"
 
 
-def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str) -> jax.Array:
+def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
+                 layer=None) -> jax.Array:
     """The experts' gated MLPs over rows sorted by expert (`sizes[e]` rows each), expert by
-    expert in chunks of at most `chunk` rows: a routed expert's weights are read once,
+    expert in chunks of `chunk` rows: a routed expert's weights are read once,
     an expert with no row costs nothing, and compute follows the rows (plus one
-    partial chunk per routed expert)."""
+    partial chunk per routed expert). With `layer`, `experts` are the whole stacks
+    [L, E, ...] and only the routed experts of that layer are read."""
     pairs, hidden = xs.shape
-    chunk = min(pairs, 64)
+    # NOTE: about the rows of one expert were the routing even (rounded up to 8, at most
+    # 64): a routed expert wastes at most one partial chunk, so at most `pairs` rows in all.
+    per_expert = -(-pairs // sizes.shape[0])
+    chunk = min(pairs, 64, 8 * -(-per_expert // 8))
     xs = jnp.concatenate([xs, jnp.zeros((chunk, hidden), xs.dtype)])  # [P + chunk, H]
     ends = jnp.cumsum(sizes)  # i32[E]
     starts = ends - sizes
 
     def expert(e, out):
-        gate, up, down = (experts[n][e] for n in ("gate_proj", "up_proj", "down_proj"))
+        at = (e,) if layer is None else (layer, e)
+        gate, up, down = (experts[n][at] for n in ("gate_proj", "up_proj", "down_proj"))
         start, end = starts[e], ends[e]
 
         def step(c, out):
@@ -105,7 +114,7 @@ def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str) -> ja
 
 
 def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: dict,
-                    act: str = "silu", impl: str | None = None) -> jax.Array:
+                    act: str = "silu", impl: str | None = None, layer=None) -> jax.Array:
     """The routed experts' outputs combined by the routing weights, computing only the
     (token, expert) pairs routed: pairs sorted by expert, each projection one grouped
     matmul over the sorted rows, the results put back in (token, k) order and summed.
@@ -117,6 +126,8 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
         experts: {"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}.
         act: The gated MLP's activation (`models.layers.ACTIVATIONS`).
         impl: One of `GROUPED_IMPLS`; None: `grouped_impl()`.
+        layer: i32[] when `experts` are the layer scan's whole stacks [L, E, ...] (the
+            serving form, `models.packed.broadcast_experts`): the layer to read.
 
     Returns:
         [T, H] in x's dtype.
@@ -124,19 +135,21 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
     Raises:
         ValueError: Expert weights whose shapes do not fit, or an unknown `impl`.
     """
-    _check(x, experts)
+    _check(x, experts, layer)
     impl = impl or grouped_impl()
     if impl not in GROUPED_IMPLS:
         raise ValueError(f"unknown grouped matmul {impl!r}; supported: {', '.join(GROUPED_IMPLS)}")
     num_tokens, top_k = ids.shape
-    num_experts = experts["gate_proj"].shape[0]
+    num_experts = experts["gate_proj"].shape[0 if layer is None else 1]
     flat = ids.reshape(-1)  # i32[T*k]
     order = jnp.argsort(flat, stable=True)  # i32[T*k]: pairs sorted by expert
     xs = x[order // top_k]  # [T*k, H]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # i32[E]
     if impl == "loop":
-        y_sorted = _expert_loop(xs, sizes, experts, act)
+        y_sorted = _expert_loop(xs, sizes, experts, act, layer)
     else:
+        if layer is not None:
+            experts = {k: v[layer] for k, v in experts.items()}
         gate = jax.lax.ragged_dot(xs, experts["gate_proj"], sizes)  # [T*k, I]
         up = jax.lax.ragged_dot(xs, experts["up_proj"], sizes)
         h = ACTIVATIONS[act](gate) * up
@@ -192,9 +205,14 @@ class MoEMLP(nn.Module):
                           name="gate")(x)  # [T, E]
         weights, ids = route(logits, cfg.num_experts_per_tok, cfg.router_order,
                              cfg.norm_topk_prob)
-        experts = Experts(e, h, i, self.dtype, name="experts")()
-        run = dense_experts if self.reference else grouped_experts
-        out = run(x, weights, ids, experts, cfg.hidden_act)
+        experts, stacked = Experts(e, h, i, self.dtype, name="experts")()
+        if self.reference:
+            if stacked:
+                experts = {k: v[layer] for k, v in experts.items()}
+            out = dense_experts(x, weights, ids, experts, cfg.hidden_act)
+        else:
+            out = grouped_experts(x, weights, ids, experts, cfg.hidden_act,
+                                  layer=layer if stacked else None)
         if cfg.shared_expert_intermediate_size:
             shared = GatedMLP(cfg, self.dtype, self.quant, self.backend,
                               intermediate_size=cfg.shared_expert_intermediate_size,
@@ -207,7 +225,10 @@ class MoEMLP(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts' weights, stacked on a leading expert axis (the axis expert
-    parallelism shards)."""
+    parallelism shards). In the serving form (`models.packed.broadcast_experts`) they are
+    the whole layer stacks [L, E, ...] in the broadcast `COLLECTION`, which the layer
+    scan does not slice (XLA:CPU would copy every expert of a layer out of the stack each
+    step); the experts then index the layer themselves."""
 
     num_experts: int
     hidden_size: int
@@ -215,10 +236,14 @@ class Experts(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self) -> dict:
-        """{"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}."""
+    def __call__(self) -> tuple[dict, bool]:
+        """({"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}, False),
+        or in the serving form the same names' [L, E, ...] stacks and True."""
+        names = ("gate_proj", "up_proj", "down_proj")
+        if self.has_variable(COLLECTION, "gate_proj"):
+            return {n: self.get_variable(COLLECTION, n) for n in names}, True
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         return {name: self.param(name, init, shape, self.dtype)
-                for name, shape in (("gate_proj", (e, h, i)), ("up_proj", (e, h, i)),
-                                    ("down_proj", (e, i, h)))}
+                for name, shape in zip(names, ((e, h, i), (e, h, i), (e, i, h)),
+                                       strict=True)}, False

@@ -172,3 +172,21 @@ def _out_features(cfg: ArchConfig, name: str) -> int:
             "v_proj": cfg.num_kv_heads * cfg.head_dim, "o_proj": cfg.hidden_size,
             "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size,
             "down_proj": cfg.hidden_size}[name]
+
+
+def broadcast_experts(model):
+    """A mixture-of-experts model in its serving form: the experts' stacks
+    (`layers/mlp/experts`, [L, E, ...]) moved from "params" into `COLLECTION`, which the
+    layer scan broadcasts whole, so a step reads only the routed experts of each layer
+    (`models.moe.Experts`). Other models, and weights on several devices, are returned
+    as they are (the same model when already in that form)."""
+    params = model.params
+    if not model.cfg.is_moe or "params" in params:
+        return model
+    leaves = jax.tree_util.tree_leaves(params)
+    if any(len(x.sharding.device_set) > 1 for x in leaves if isinstance(x, jax.Array)):
+        return model
+    rest = jax.tree_util.tree_map(lambda x: x, params)  # a copy of the dicts
+    experts = rest["layers"]["mlp"].pop("experts")
+    return dataclasses.replace(model, params={
+        "params": rest, COLLECTION: {"layers": {"mlp": {"experts": experts}}}})

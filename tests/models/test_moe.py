@@ -166,3 +166,37 @@ def test_family_configs_parse():
     assert (qwen3.norm_topk_prob, qwen3.qk_norm, qwen3.layer_windows) == (True, True, (5,) * 4)
     olmoe = arch_config_from_hf({**HF_MOE, "architectures": ["OlmoeForCausalLM"]})
     assert (olmoe.qk_norm_full, olmoe.moe_intermediate_size) == (True, 24)
+
+
+@pytest.mark.parametrize("impl", GROUPED_IMPLS)
+def test_grouped_reads_its_layer_of_the_whole_stack(impl):
+    """The serving form (`broadcast_experts`): the experts of every layer, indexed by the
+    traced layer, give that layer's experts' result."""
+    layers = [_experts(seed) for seed in (5, 6, 7)]
+    stack = {k: jnp.stack([e[k] for e in layers]) for k in layers[0]}  # [L, E, ...]
+    x = jax.random.normal(jax.random.key(2), (10, H))
+    weights, ids = route(_logits(10, False), 2, "softmax_topk", False)
+    fn = jax.jit(lambda layer: grouped_experts(x, weights, ids, stack, impl=impl, layer=layer))
+    for layer, experts in enumerate(layers):
+        np.testing.assert_allclose(fn(jnp.int32(layer)),
+                                   dense_experts(x, weights, ids, experts),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_broadcast_experts_serves_the_same_logits():
+    """A model moved to the serving form gives the logits of the plain one."""
+    from models.model import Model, random_params
+    from models.packed import COLLECTION, broadcast_experts
+    from tests.models.helpers import forward_logits
+
+    cfg = _cfg(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+               shared_expert_intermediate_size=8)
+    model = Model(cfg, random_params(cfg), backend="xla")
+    served = broadcast_experts(model)
+    assert "experts" not in served.params["params"]["layers"]["mlp"]
+    assert served.params[COLLECTION]["layers"]["mlp"]["experts"]["gate_proj"].shape == (
+        2, E, H, FF)
+    assert broadcast_experts(served) is served
+    ids = list(range(1, 20))
+    np.testing.assert_allclose(forward_logits(served, ids, page_size=4),
+                               forward_logits(model, ids, page_size=4), rtol=1e-5, atol=1e-5)
