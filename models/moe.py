@@ -23,6 +23,7 @@ from models.layers import ACTIVATIONS, GatedMLP
 from models.packed import COLLECTION
 from models.qlayers import dense as make_dense
 from models.quant import QuantPlan
+from pallas_kernels.tuning import tuned
 
 
 def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool):
@@ -85,10 +86,12 @@ def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
     partial chunk per routed expert). With `layer`, `experts` are the whole stacks
     [L, E, ...] and only the routed experts of that layer are read."""
     pairs, hidden = xs.shape
-    # NOTE: about the rows of one expert were the routing even (rounded up to 8, at most
-    # 64): a routed expert wastes at most one partial chunk, so at most `pairs` rows in all.
+    # NOTE: about the rows of one expert were the routing even (`pallas_kernels.tuning`):
+    # a routed expert wastes at most one partial chunk, so about `pairs` rows in all.
+    knobs = tuned("moe_loop")
     per_expert = -(-pairs // sizes.shape[0])
-    chunk = min(pairs, 64, 8 * -(-per_expert // 8))
+    multiple = knobs["chunk_multiple"]
+    chunk = min(pairs, knobs["max_chunk"], multiple * -(-per_expert // multiple))
     xs = jnp.concatenate([xs, jnp.zeros((chunk, hidden), xs.dtype)])  # [P + chunk, H]
     ends = jnp.cumsum(sizes)  # i32[E]
     starts = ends - sizes
