@@ -48,10 +48,10 @@ def qwen3_moe(smollm2_tokenizer, tmp_path_factory):
     return hf, LLM(path, **ENGINE_ARGS)
 
 
-def _hf_greedy(hf, ids):
+def _hf_greedy(hf, ids, max_tokens: int = MAX_TOKENS):
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                          min_new_tokens=MAX_TOKENS, pad_token_id=0)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                          min_new_tokens=max_tokens, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
@@ -92,3 +92,29 @@ def test_qwen3_moe_any_routing_compiles_nothing(qwen3_moe):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
     assert llm.get_metrics()["jaxserve:num_compilations"] == 0
+
+
+@pytest.mark.slow  # the default-tier test above checks the tokens; this one the modes
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_qwen3_moe_greedy_under_preemption_prefix_hits_and_ngram(qwen3_moe, smollm2_tokenizer,
+                                                                 mode):
+    """The same tokens from a pool too small for the batch (requests preempted), a prompt
+    sent twice (prefix-cache hits) and n-gram speculation verifying proposals."""
+    hf, served = qwen3_moe
+    llm = LLM(served.engine.model, tokenizer=smollm2_tokenizer,
+              **{**ENGINE_ARGS, "warmup": False, "num_kv_blocks": 10,
+                 "max_model_len": 128, "enable_prefix_caching": True,
+                 "preemption_mode": mode, "swap_space": 0.05,
+                 "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}})
+    llm.engine.speculator.gate.min_acceptance = 0.0  # proposals every step
+    ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
+    ids.append(list(ids[2]))  # a prefix hit once the first copy's pages are cached
+    # NOTE: longer outputs: the random model's text repeats itself, so proposals hold.
+    params = SamplingParams(temperature=0.0, max_tokens=3 * MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+    for prompt_ids, out in zip(ids, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt_ids, 3 * MAX_TOKENS)
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:num_preemptions"] > 0
+    assert metrics["jaxserve:prefix_cache_hits"] > 0
+    assert metrics["jaxserve:spec_decode_num_accepted_tokens"] > 0
