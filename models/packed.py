@@ -190,3 +190,14 @@ def broadcast_experts(model):
     experts = rest["layers"]["mlp"].pop("experts")
     return dataclasses.replace(model, params={
         "params": rest, COLLECTION: {"layers": {"mlp": {"experts": experts}}}})
+
+
+def gather_experts(params: dict) -> dict:
+    """The standard params tree of a `broadcast_experts` form (the inverse; any other tree
+    is returned as it is)."""
+    experts = params.get(COLLECTION, {}).get("layers", {}).get("mlp", {}).get("experts")
+    if "params" not in params or experts is None:
+        return params
+    rest = jax.tree_util.tree_map(lambda x: x, params["params"])
+    rest["layers"]["mlp"]["experts"] = experts
+    return rest
