@@ -118,3 +118,17 @@ def test_qwen3_moe_greedy_under_preemption_prefix_hits_and_ngram(qwen3_moe, smol
     assert metrics["jaxserve:num_preemptions"] > 0
     assert metrics["jaxserve:prefix_cache_hits"] > 0
     assert metrics["jaxserve:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow  # another engine's programs; the tokens are checked above
+def test_qwen3_moe_under_tensor_parallelism(qwen3_moe, smollm2_tokenizer):
+    """Tensor parallelism 2 (attention split by heads; the routed experts replicated: no
+    expert parallelism yet) gives transformers' tokens."""
+    hf, served = qwen3_moe
+    llm = LLM(served.engine.model, tokenizer=smollm2_tokenizer,
+              **{**ENGINE_ARGS, "warmup": False, "tensor_parallel_size": 2})
+    ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS[:2]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+    for prompt_ids, out in zip(ids, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt_ids)
