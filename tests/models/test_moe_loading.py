@@ -53,3 +53,19 @@ def test_int8_quantizes_all_but_the_routed_experts(qwen2_moe):
     # median error is held to what int8 costs a dense model's logits, the max is not.
     assert err.max() > 0 and np.median(err) < 0.02 * np.abs(ref).max()
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
+
+
+def test_a_missing_expert_tensor_is_named(qwen2_moe, tmp_path):
+    """One expert's tensor absent: the error names it and its file."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    path = qwen2_moe[0]
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
+        load_model(str(broken), "float32")
