@@ -12,6 +12,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # HF activation names the gated MLP computes ("gelu_pytorch_tanh": GELU, tanh approximation).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# How a mixture-of-experts router turns logits into weights (`models.moe.route`):
+# softmax over all experts then top-k (Qwen-MoE, OLMoE), or top-k logits then softmax (Mixtral).
+ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -136,6 +139,17 @@ class ArchConfig:
         local_rope_scaling: Frequency scaling of the sliding-window layers' rotary.
         partial_rotary_factor: The fraction of each head the rotary turns (its first
             `rotary_dim` channels; the rest pass unrotated: Phi-3.5/4-mini).
+        qk_norm_full: With `qk_norm`, q and k are normed over their whole projection
+            (`num_heads * head_dim`, OLMoE) instead of per head.
+        num_experts: Routed experts of every layer's MLP (0: a dense `GatedMLP`; else
+            every layer is a `models.moe.MoEMLP`).
+        num_experts_per_tok: Experts each token is routed to (top-k).
+        moe_intermediate_size: Hidden width of one routed expert.
+        shared_expert_intermediate_size: Width of the shared expert every token also
+            runs, gated by a sigmoid (Qwen2-MoE); 0: none.
+        norm_topk_prob: Whether the top-k probabilities are divided by their sum
+            (`router_order` "softmax_topk").
+        router_order: One of `ROUTER_ORDERS`.
     """
 
     architecture: str
@@ -168,6 +182,18 @@ class ArchConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     partial_rotary_factor: float = 1.0
+    qk_norm_full: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_order: str = "softmax_topk"
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the layers' MLPs are mixtures of experts."""
+        return self.num_experts > 0
 
     @property
     def rotary_dim(self) -> int:
@@ -209,10 +235,28 @@ class ArchConfig:
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
                              f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+        self._check_moe()
         for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive (or None), got {value}")
+
+    def _check_moe(self) -> None:
+        if self.num_experts < 0 or self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"num_experts ({self.num_experts}) and "
+                             f"shared_expert_intermediate_size "
+                             f"({self.shared_expert_intermediate_size}) must be >= 0")
+        if not self.num_experts:
+            return
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"1..num_experts ({self.num_experts})")
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"moe_intermediate_size must be positive, got "
+                             f"{self.moe_intermediate_size}")
+        if self.router_order not in ROUTER_ORDERS:
+            raise ValueError(f"unsupported router_order {self.router_order!r}; supported: "
+                             f"{', '.join(ROUTER_ORDERS)}")
 
     def _check_rope(self, name: str, scaling: RopeScaling) -> None:
         if scaling.rope_type not in SUPPORTED_ROPE_TYPES:

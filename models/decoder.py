@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from models.config import ArchConfig
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
+from models.moe import MoEMLP
 from models.packed import COLLECTION as PACKED
 from models.qlayers import dense, embed
 from models.quant import QuantPlan
@@ -44,10 +45,13 @@ class Attention(nn.Module):
         q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj")(x)
         k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj")(x)
         v = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj")(x)
+        if cfg.qk_norm and cfg.qk_norm_full:  # OLMoE: over the whole projection
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")(k)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        if cfg.qk_norm:
+        if cfg.qk_norm and not cfg.qk_norm_full:
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")(k)
         cos, sin = layer_cos_sin(cos, sin, window)
@@ -70,7 +74,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then gated MLP; with `cfg.sandwich_norms` (Gemma)
+    """Pre-norm residual block: attention then gated MLP (a mixture of experts when
+    `cfg.num_experts`: `models.moe.MoEMLP`); with `cfg.sandwich_norms` (Gemma)
     each block's output is normed again before its residual add."""
 
     cfg: ArchConfig
@@ -93,7 +98,10 @@ class DecoderLayer(nn.Module):
         attn_out, kv_pages = Attention(cfg, self.dtype, self.backend, self.quant,
                                        name="self_attn")(
             h, cos, sin, kv_pages, layer, window, md, slot)
-        mlp = GatedMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
+        if cfg.is_moe:  # every layer sparse (the scan needs one params structure)
+            mlp = MoEMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
+        else:
+            mlp = GatedMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
         if cfg.sandwich_norms:
             hidden = hidden + norm("post_attention_layernorm")(attn_out)
             h = norm("pre_feedforward_layernorm")(hidden)

@@ -142,12 +142,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)), `act` being `cfg.hidden_act` (SiLU by default)."""
+    """down(act(gate(x)) * up(x)), `act` being `cfg.hidden_act` (SiLU by default); its
+    width is `cfg.intermediate_size` unless `intermediate_size` is set (a shared expert)."""
 
     cfg: ArchConfig
     dtype: jnp.dtype = jnp.float32
     quant: QuantPlan = QuantPlan()
     backend: str = "xla"
+    intermediate_size: int | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, layer=None) -> jax.Array:
@@ -156,6 +158,7 @@ class GatedMLP(nn.Module):
         dense = lambda n, name: make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype,
                                            self.backend, layer=layer)
 
-        h = ACTIVATIONS[self.cfg.hidden_act](dense(self.cfg.intermediate_size, "gate_proj")(x))
-        h = h * dense(self.cfg.intermediate_size, "up_proj")(x)
+        width = self.intermediate_size or self.cfg.intermediate_size
+        h = ACTIVATIONS[self.cfg.hidden_act](dense(width, "gate_proj")(x))
+        h = h * dense(width, "up_proj")(x)
         return dense(self.cfg.hidden_size, "down_proj")(h)

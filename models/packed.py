@@ -85,8 +85,11 @@ def _packed(module: nn.Module, name: str) -> jax.Array:
 
 def can_pack(model) -> bool:
     """Whether `model` can serve packed: the `cpu` backend, float32 unquantized weights on
-    one device, and the CPU matmul kernel builds here."""
+    one device, a dense model (not a mixture of experts), and the CPU matmul kernel
+    builds here."""
     if model.backend != "cpu" or jnp.dtype(model.dtype) != jnp.float32 or model.quant:
+        return False
+    if model.cfg.is_moe:  # NOTE: the experts are grouped matmuls, not packed panels
         return False
     leaves = jax.tree_util.tree_leaves(model.params)
     if any(len(x.sharding.device_set) > 1 for x in leaves if isinstance(x, jax.Array)):
@@ -169,3 +172,32 @@ def _out_features(cfg: ArchConfig, name: str) -> int:
             "v_proj": cfg.num_kv_heads * cfg.head_dim, "o_proj": cfg.hidden_size,
             "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size,
             "down_proj": cfg.hidden_size}[name]
+
+
+def broadcast_experts(model):
+    """A mixture-of-experts model in its serving form: the experts' stacks
+    (`layers/mlp/experts`, [L, E, ...]) moved from "params" into `COLLECTION`, which the
+    layer scan broadcasts whole, so a step reads only the routed experts of each layer
+    (`models.moe.Experts`). Other models, and weights on several devices, are returned
+    as they are (the same model when already in that form)."""
+    params = model.params
+    if not model.cfg.is_moe or "params" in params:
+        return model
+    leaves = jax.tree_util.tree_leaves(params)
+    if any(len(x.sharding.device_set) > 1 for x in leaves if isinstance(x, jax.Array)):
+        return model
+    rest = jax.tree_util.tree_map(lambda x: x, params)  # a copy of the dicts
+    experts = rest["layers"]["mlp"].pop("experts")
+    return dataclasses.replace(model, params={
+        "params": rest, COLLECTION: {"layers": {"mlp": {"experts": experts}}}})
+
+
+def gather_experts(params: dict) -> dict:
+    """The standard params tree of a `broadcast_experts` form (the inverse; any other tree
+    is returned as it is)."""
+    experts = params.get(COLLECTION, {}).get("layers", {}).get("mlp", {}).get("experts")
+    if "params" not in params or experts is None:
+        return params
+    rest = jax.tree_util.tree_map(lambda x: x, params["params"])
+    rest["layers"]["mlp"]["experts"] = experts
+    return rest

@@ -1,6 +1,7 @@
 """Model families and the registry from HF `architectures` names to them.
 
-Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3 share one Flax decoder
+Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3, and the mixtures of experts
+Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, share one Flax decoder
 (`models.decoder.Decoder`); a family only decides how its HF config maps onto `ArchConfig`.
 """
 
@@ -227,8 +228,107 @@ class Gemma3(Gemma2):
                     local_rope_scaling=local_scaling)
 
 
+def sparse_fields(hf: dict[str, Any], num_experts_key: str, expert_size_key: str) -> dict:
+    """The mixture-of-experts fields of an HF config (`num_experts_key`: its expert count,
+    `expert_size_key`: one expert's width).
+
+    Raises:
+        ValueError: No experts, or a config whose layers mix dense and sparse MLPs
+            (`mlp_only_layers`, `decoder_sparse_step`): the layer scan needs every layer
+            to have the same parameters.
+    """
+    arch = hf["architectures"][0]
+    # NOTE: transformers 5 saves some configs' `num_experts` as `num_local_experts`
+    # (its attribute map); published checkpoints spell it `num_experts`.
+    num_experts = int(hf.get(num_experts_key) or hf.get("num_local_experts") or 0)
+    if num_experts <= 0:
+        raise ValueError(f"{arch} config has {num_experts_key}={num_experts}; a mixture of "
+                         "experts needs at least one")
+    n = int(hf["num_hidden_layers"])
+    dense = sorted(set(int(i) for i in hf.get("mlp_only_layers") or []) & set(range(n)))
+    if dense:
+        raise ValueError(f"unsupported mlp_only_layers={dense} for {arch}: every layer must "
+                         "be sparse (the layer scan needs one parameter structure)")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    if step < 1 or any((i + 1) % step for i in range(n)):
+        raise ValueError(f"unsupported decoder_sparse_step={step} for {arch} with {n} "
+                         "layers: every layer must be sparse (step 1)")
+    if hf.get("output_router_logits"):
+        logger.info("%s: output_router_logits is ignored (serving returns no router "
+                    "logits)", arch)
+    return dict(num_experts=num_experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf[expert_size_key]))
+
+
+class Mixtral(Mistral):
+    """Mixtral: Mistral's attention (the window on every layer) with a sparse MLP of
+    `num_local_experts` experts of `intermediate_size`, routed by top-k logits then a
+    softmax over those k (`block_sparse_moe.experts.{e}.w1/w2/w3` in checkpoints)."""
+
+    architectures = ("MixtralForCausalLM",)
+
+    @classmethod
+    def extra_fields(cls, hf):
+        return dict(super().extra_fields(hf), router_order="topk_softmax",
+                    **sparse_fields(hf, "num_local_experts", "intermediate_size"))
+
+
+class Qwen2Moe(Qwen2):
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (`qkv_bias` as the
+    config says), routed experts of `moe_intermediate_size` (softmax then top-k,
+    `norm_topk_prob`), and a shared expert gated by a sigmoid."""
+
+    architectures = ("Qwen2MoeForCausalLM",)
+
+    @classmethod
+    def extra_fields(cls, hf):
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        return dict(super().extra_fields(hf), qkv_bias=bool(hf.get("qkv_bias", True)),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=shared,
+                    **sparse_fields(hf, "num_experts", "moe_intermediate_size"))
+
+
+class Qwen3Moe(Qwen3):
+    """Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3's attention (per-head q/k norms) with
+    routed experts of `moe_intermediate_size` (softmax then top-k, `norm_topk_prob`)."""
+
+    architectures = ("Qwen3MoeForCausalLM",)
+
+    @classmethod
+    def _windows(cls, hf):
+        # NOTE: transformers' Qwen3-MoE puts the window on every layer when
+        # use_sliding_window is set (it reads no max_window_layers nor layer_types).
+        window = int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
+        return (window,) * int(hf["num_hidden_layers"])
+
+    @classmethod
+    def extra_fields(cls, hf):
+        return dict(super().extra_fields(hf),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    **sparse_fields(hf, "num_experts", "moe_intermediate_size"))
+
+
+class Olmoe(ModelFamily):
+    """OLMoE: q/k RMSNorms over the whole q and k projections (not per head), routed
+    experts of `intermediate_size` (softmax then top-k, `norm_topk_prob`)."""
+
+    architectures = ("OlmoeForCausalLM",)
+
+    @classmethod
+    def extra_fields(cls, hf):
+        if hf.get("clip_qkv") is not None:
+            raise ValueError(f"unsupported clip_qkv={hf['clip_qkv']} for "
+                             f"{hf['architectures'][0]}: q/k/v clipping is not served")
+        bias = bool(hf.get("attention_bias", False))
+        return dict(qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_full=True,
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    **sparse_fields(hf, "num_experts", "intermediate_size"))
+
+
 FAMILIES: dict[str, type[ModelFamily]] = {
-    name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen3, Gemma2, Gemma3)
+    name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen3, Gemma2, Gemma3, Mixtral,
+                          Qwen2Moe, Qwen3Moe, Olmoe)
     for name in fam.architectures
 }
 

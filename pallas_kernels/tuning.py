@@ -36,6 +36,12 @@ TUNED: dict[str, dict[str, dict[str, int]]] = {
     "min_bucket": {
         "*": dict(xla=4, cpu=4, pallas=16),
     },
+    # The MoE layer's expert loop on the CPU (`models.moe._expert_loop`): rows per chunk,
+    # about one expert's share of the step's (token, expert) pairs, rounded up to
+    # `chunk_multiple`, at most `max_chunk` (BENCHMARKS.md, "MoE decode step").
+    "moe_loop": {
+        "*": dict(chunk_multiple=8, max_chunk=64),
+    },
 }
 
 

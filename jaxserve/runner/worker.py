@@ -46,7 +46,9 @@ def serving_model(config: EngineConfig, model: Model | None
     applies the configured attention backend to a given model, falls back from the `cpu`
     backend to `xla` across a mesh (the C++ decode kernel reads one device's whole pool),
     and packs float32 weights for the `cpu` backend's matmul kernel (`models.packed`;
-    `JAXSERVE_CPU_PANELS=0` keeps XLA's matmuls, for comparison and debugging). A given
+    `JAXSERVE_CPU_PANELS=0` keeps XLA's matmuls, for comparison and debugging); a
+    mixture of experts on one device gets its experts out of the layer scan's slices
+    (`packed.broadcast_experts`). A given
     model may come in either form: packed weights that will not serve packed are unpacked.
 
     Raises:
@@ -74,7 +76,7 @@ def serving_model(config: EngineConfig, model: Model | None
         model = packed.pack_model(model)
     else:
         model = packed.unpack_model(model)
-    return model, layout
+    return packed.broadcast_experts(model), layout
 
 
 def serving_kv_layout(model: Model, max_model_len: int,

@@ -49,6 +49,28 @@ def hf_name(path: tuple[str, ...], layer: int | None) -> tuple[str, bool]:
     return prefix + ".".join(mods) + "." + suffix, leaf == "kernel"
 
 
+# Mixtral's checkpoint names for the sparse MLP (`block_sparse_moe`) and its experts.
+MIXTRAL_EXPERTS = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+
+
+def family_hf_name(cfg: ArchConfig, path: tuple[str, ...], layer: int | None,
+                   expert: int | None = None) -> tuple[str, bool]:
+    """`hf_name` for `cfg`'s family: also the routed experts' leaves (`layers/mlp/experts/
+    gate_proj` of expert `expert`: `mlp.experts.{e}.gate_proj.weight`, Mixtral's
+    `block_sparse_moe.experts.{e}.w1.weight`), and Mixtral's `block_sparse_moe` module."""
+    mixtral = cfg.architecture == "MixtralForCausalLM"
+    if "experts" in path:
+        leaf = path[-1]
+        if mixtral:
+            return (f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+                    f"{MIXTRAL_EXPERTS[leaf]}.weight", True)
+        return f"model.layers.{layer}.mlp.experts.{expert}.{leaf}.weight", True
+    name, transpose = hf_name(path, layer)
+    if mixtral and path[:2] == ("layers", "mlp"):
+        name = name.replace(".mlp.", ".block_sparse_moe.", 1)
+    return name, transpose
+
+
 # Tensors some checkpoints store fused (Phi-3), by the decoder's module: the fused module
 # and the piece's index in it (rows: q, k, v; gate, up).
 _FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -180,12 +202,19 @@ def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
                 return np.stack([fetch_quant(hf_name(keys, i)[0], keys[-1], spec.shape[1:])
                                  for i in range(cfg.num_layers)])
             return fetch_quant(hf_name(keys, None)[0], keys[-1], spec.shape)
-        if keys[0] == "layers":
+        if "experts" in keys:  # [L, E, in, out]: one HF tensor per layer and expert
+            per_expert = spec.shape[2:]
+            arrays = [np.stack([fetch(*family_hf_name(cfg, keys, i, e), per_expert)
+                                for e in range(spec.shape[1])])
+                      for i in range(cfg.num_layers)]
+            out = np.stack(arrays).astype(np.float32)
+        elif keys[0] == "layers":
             per_layer = spec.shape[1:]
-            arrays = [fetch(*hf_name(keys, i), per_layer) for i in range(cfg.num_layers)]
+            arrays = [fetch(*family_hf_name(cfg, keys, i), per_layer)
+                      for i in range(cfg.num_layers)]
             out = np.stack(arrays).astype(np.float32)
         else:
-            out = fetch(*hf_name(keys, None), spec.shape).astype(np.float32)
+            out = fetch(*family_hf_name(cfg, keys, None), spec.shape).astype(np.float32)
         return out.astype(jnp.dtype(dtype))  # stays on the host; the caller places it
 
     return jax.tree_util.tree_map_with_path(leaf, expected)

@@ -16,7 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from models.config import ArchConfig
-from models.packed import unpack_params
+from models.packed import gather_experts, unpack_params
 from models.quant import NO_QUANT, QuantPlan
 
 MARKER = "jaxserve_model.json"
@@ -33,13 +33,15 @@ def save_checkpoint(dst: str, cfg: ArchConfig, params, dtype: str, tokenizer,
     """Writes params (orbax), config and tokenizer to `dst`, which must not exist yet.
 
     The standard tree is written: the weights of a model packed for the `cpu` backend
-    (`models.packed`; `quant.packed`) are unpacked first.
+    (`models.packed`; `quant.packed`) are unpacked first, a served mixture of experts'
+    experts put back (`models.packed.gather_experts`).
 
     Raises:
         ValueError: `dst` already exists.
     """
     if quant.packed:
         params = unpack_params(params, cfg)
+    params = gather_experts(params)  # a served mixture of experts: its experts back
     dst = os.path.abspath(dst)
     if os.path.exists(dst):
         raise ValueError(f"destination {dst} already exists; choose a new directory")

@@ -152,6 +152,31 @@ CASES = [
          dict(layer_windows=(5, 0, 5, 0), local_rope_theta=10000.0, rope_theta=1e6,
               attn_logit_softcap=None, final_logit_softcap=4.0),
          ablate=dict(layer_windows=(0, 0, 0, 0), final_logit_softcap=None)),
+    # Mixtures of experts (4-6 experts, top 2, 24 tokens: every expert is routed some and
+    # the routers' orders differ). `ablate` proves the router order and norm_topk_prob matter.
+    Case("mixtral_moe", "MixtralConfig", "MixtralForCausalLM",
+         dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+              sliding_window=None),
+         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+              router_order="topk_softmax", layer_windows=(0, 0)),
+         ablate=dict(router_order="softmax_topk")),
+    Case("qwen2_moe_shared", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+              shared_expert_intermediate_size=48, norm_topk_prob=False),
+         dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+              norm_topk_prob=False, router_order="softmax_topk", qkv_bias=True),
+         ablate=dict(router_order="topk_softmax")),
+    Case("qwen3_moe_norm_topk", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+         dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+              norm_topk_prob=True),
+         dict(num_experts=6, norm_topk_prob=True, qk_norm=True, qk_norm_full=False),
+         ablate=dict(norm_topk_prob=False)),
+    Case("olmoe_full_qknorm", "OlmoeConfig", "OlmoeForCausalLM",
+         dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32,
+              norm_topk_prob=False, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+         dict(num_experts=4, moe_intermediate_size=32, qk_norm=True, qk_norm_full=True,
+              norm_topk_prob=False),
+         ablate=dict(router_order="topk_softmax")),
 ]
 
 

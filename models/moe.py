@@ -1,0 +1,252 @@
+"""The mixture-of-experts MLP: a router, the experts as one grouped matmul, a dense reference.
+
+Each token picks `top_k` of `num_experts` gated MLPs (`route`, in its family's order). The
+token x expert pairs (tokens x top_k, a static count per bucket: nothing is dropped) are
+sorted by expert so each expert's rows are contiguous, and every projection is one
+`jax.lax.ragged_dot` over the sorted rows (`grouped_experts`) on GPU and TPU; on the CPU,
+where XLA expands `ragged_dot` into every row times every expert, a loop over the routed
+experts in chunks of rows (`_expert_loop`) does the same work. `dense_experts` runs every
+expert on every token, masked by the routing weights: the tests' oracle.
+
+Expert weights are stacked on a leading expert axis (`[E, in, out]` per layer, `[L, E, in,
+out]` in the layer scan's stack); expert parallelism will shard that axis on a mesh axis.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.config import ROUTER_ORDERS, ArchConfig
+from models.layers import ACTIVATIONS, GatedMLP
+from models.packed import COLLECTION
+from models.qlayers import dense as make_dense
+from models.quant import QuantPlan
+from pallas_kernels.tuning import tuned
+
+
+def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool):
+    """Each token's experts and their weights.
+
+    Args:
+        logits: f32[T, E] router logits.
+        top_k: Experts per token.
+        order: "topk_softmax" (Mixtral: the k largest logits, softmax over those k) or
+            "softmax_topk" (Qwen-MoE, OLMoE: softmax over all experts, the k largest
+            probabilities, divided by their sum when `norm_topk_prob`).
+        norm_topk_prob: See `order`; "topk_softmax" weights always sum to one.
+
+    Returns:
+        (weights f32[T, top_k], ids i32[T, top_k]).
+
+    Raises:
+        ValueError: An unknown `order`, or `top_k` outside 1..E.
+    """
+    if order not in ROUTER_ORDERS:
+        raise ValueError(f"unknown router order {order!r}; supported: {', '.join(ROUTER_ORDERS)}")
+    if not 0 < top_k <= logits.shape[-1]:
+        raise ValueError(f"top_k={top_k} must be in 1..{logits.shape[-1]} (the experts)")
+    logits = logits.astype(jnp.float32)
+    if order == "topk_softmax":
+        top, ids = jax.lax.top_k(logits, top_k)
+        return jax.nn.softmax(top, axis=-1), ids
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids
+
+
+def _check(x, experts, layer=None):
+    gate, up, down = experts["gate_proj"], experts["up_proj"], experts["down_proj"]
+    if layer is not None:  # the whole stack [L, E, ...]: check one layer's shapes
+        gate, up, down = gate[0], up[0], down[0]
+    if (gate.ndim != 3 or gate.shape != up.shape or down.shape != (gate.shape[0], gate.shape[2],
+                                                                   gate.shape[1])
+            or gate.shape[1] != x.shape[-1]):
+        raise ValueError(f"expert weights gate {gate.shape}, up {up.shape}, down {down.shape} "
+                         f"do not fit tokens {x.shape}: want [E, H, I], [E, H, I], [E, I, H]")
+
+
+GROUPED_IMPLS = ("ragged_dot", "loop")
+
+
+def grouped_impl() -> str:
+    """The grouped matmul for this platform: XLA's `ragged_dot` (grouped GEMMs on GPU and
+    TPU) or, on the CPU, where XLA expands `ragged_dot` into a matmul of every row with
+    every group, `_expert_loop`."""
+    return "loop" if jax.default_backend() == "cpu" else "ragged_dot"
+
+
+def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
+                 layer=None) -> jax.Array:
+    """The experts' gated MLPs over rows sorted by expert (`sizes[e]` rows each), expert by
+    expert in chunks of `chunk` rows: a routed expert's weights are read once,
+    an expert with no row costs nothing, and compute follows the rows (plus one
+    partial chunk per routed expert). With `layer`, `experts` are the whole stacks
+    [L, E, ...] and only the routed experts of that layer are read."""
+    pairs, hidden = xs.shape
+    # NOTE: about the rows of one expert were the routing even (`pallas_kernels.tuning`):
+    # a routed expert wastes at most one partial chunk, so about `pairs` rows in all.
+    knobs = tuned("moe_loop")
+    per_expert = -(-pairs // sizes.shape[0])
+    multiple = knobs["chunk_multiple"]
+    chunk = min(pairs, knobs["max_chunk"], multiple * -(-per_expert // multiple))
+    xs = jnp.concatenate([xs, jnp.zeros((chunk, hidden), xs.dtype)])  # [P + chunk, H]
+    ends = jnp.cumsum(sizes)  # i32[E]
+    starts = ends - sizes
+
+    def expert(e, out):
+        at = (e,) if layer is None else (layer, e)
+        gate, up, down = (experts[n][at] for n in ("gate_proj", "up_proj", "down_proj"))
+        start, end = starts[e], ends[e]
+
+        def step(c, out):
+            row = start + c * chunk
+            rows = jax.lax.dynamic_slice_in_dim(xs, row, chunk)  # [chunk, H]
+            y = (ACTIVATIONS[act](rows @ gate) * (rows @ up)) @ down  # [chunk, H]
+            keep = (row + jnp.arange(chunk) < end)[:, None]
+            old = jax.lax.dynamic_slice_in_dim(out, row, chunk)
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), row, 0)
+
+        num_chunks = (sizes[e] + chunk - 1) // chunk
+        return jax.lax.fori_loop(0, num_chunks, step, out)
+
+    out = jax.lax.fori_loop(0, sizes.shape[0], expert, jnp.zeros_like(xs))
+    return out[:pairs]
+
+
+def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: dict,
+                    act: str = "silu", impl: str | None = None, layer=None) -> jax.Array:
+    """The routed experts' outputs combined by the routing weights, computing only the
+    (token, expert) pairs routed: pairs sorted by expert, each projection one grouped
+    matmul over the sorted rows, the results put back in (token, k) order and summed.
+
+    Args:
+        x: [T, H] tokens.
+        weights: f32[T, k] routing weights (`route`).
+        ids: i32[T, k] expert of each pair.
+        experts: {"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}.
+        act: The gated MLP's activation (`models.layers.ACTIVATIONS`).
+        impl: One of `GROUPED_IMPLS`; None: `grouped_impl()`.
+        layer: i32[] when `experts` are the layer scan's whole stacks [L, E, ...] (the
+            serving form, `models.packed.broadcast_experts`): the layer to read.
+
+    Returns:
+        [T, H] in x's dtype.
+
+    Raises:
+        ValueError: Expert weights whose shapes do not fit, or an unknown `impl`.
+    """
+    _check(x, experts, layer)
+    impl = impl or grouped_impl()
+    if impl not in GROUPED_IMPLS:
+        raise ValueError(f"unknown grouped matmul {impl!r}; supported: {', '.join(GROUPED_IMPLS)}")
+    num_tokens, top_k = ids.shape
+    num_experts = experts["gate_proj"].shape[0 if layer is None else 1]
+    flat = ids.reshape(-1)  # i32[T*k]
+    order = jnp.argsort(flat, stable=True)  # i32[T*k]: pairs sorted by expert
+    xs = x[order // top_k]  # [T*k, H]
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # i32[E]
+    if impl == "loop":
+        y_sorted = _expert_loop(xs, sizes, experts, act, layer)
+    else:
+        if layer is not None:
+            experts = {k: v[layer] for k, v in experts.items()}
+        gate = jax.lax.ragged_dot(xs, experts["gate_proj"], sizes)  # [T*k, I]
+        up = jax.lax.ragged_dot(xs, experts["up_proj"], sizes)
+        h = ACTIVATIONS[act](gate) * up
+        y_sorted = jax.lax.ragged_dot(h, experts["down_proj"], sizes)  # [T*k, H]
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    y = y_sorted[inverse]  # [T*k, H] back in (token, k) order
+    y = y.reshape(num_tokens, top_k, -1) * weights[..., None].astype(y.dtype)
+    return jnp.sum(y, axis=1).astype(x.dtype)
+
+
+def dense_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: dict,
+                  act: str = "silu") -> jax.Array:
+    """Reference of `grouped_experts`: every expert on every token, each output scaled by
+    the token's weight for that expert (0 where not routed). Cost: all experts."""
+    _check(x, experts)
+    num_experts = experts["gate_proj"].shape[0]
+    mask = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32)  # f32[T, k, E]
+    per_expert = jnp.einsum("tk,tke->te", weights.astype(jnp.float32), mask)  # f32[T, E]
+    gate = jnp.einsum("th,ehi->tei", x, experts["gate_proj"])
+    up = jnp.einsum("th,ehi->tei", x, experts["up_proj"])
+    y = jnp.einsum("tei,eih->teh", ACTIVATIONS[act](gate) * up, experts["down_proj"])
+    return jnp.einsum("teh,te->th", y, per_expert.astype(y.dtype)).astype(x.dtype)
+
+
+class MoEMLP(nn.Module):
+    """A sparse MLP layer: router `gate` [H, E], experts stacked in `experts`
+    ({gate,up,down}_proj: [E, H, I], [E, H, I], [E, I, H]), and, when
+    `cfg.shared_expert_intermediate_size`, Qwen2-MoE's shared expert (a `GatedMLP`)
+    scaled by `sigmoid(shared_expert_gate(x))`.
+
+    Attributes:
+        cfg: Architecture config (`num_experts`, `num_experts_per_tok`,
+            `moe_intermediate_size`, `router_order`, `norm_topk_prob`).
+        dtype: Parameter dtype.
+        quant: The model's plan (the shared expert's projections follow it; the routed
+            experts stay unquantized).
+        backend: Attention/matmul backend name.
+        reference: Run `dense_experts` instead of `grouped_experts` (tests).
+    """
+
+    cfg: ArchConfig
+    dtype: jnp.dtype = jnp.float32
+    quant: QuantPlan = QuantPlan()
+    backend: str = "xla"
+    reference: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, layer=None) -> jax.Array:
+        """x [T, H] -> [T, H]."""
+        cfg = self.cfg
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        logits = nn.Dense(e, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                          name="gate")(x)  # [T, E]
+        weights, ids = route(logits, cfg.num_experts_per_tok, cfg.router_order,
+                             cfg.norm_topk_prob)
+        experts, stacked = Experts(e, h, i, self.dtype, name="experts")()
+        if self.reference:
+            if stacked:
+                experts = {k: v[layer] for k, v in experts.items()}
+            out = dense_experts(x, weights, ids, experts, cfg.hidden_act)
+        else:
+            out = grouped_experts(x, weights, ids, experts, cfg.hidden_act,
+                                  layer=layer if stacked else None)
+        if cfg.shared_expert_intermediate_size:
+            shared = GatedMLP(cfg, self.dtype, self.quant, self.backend,
+                              intermediate_size=cfg.shared_expert_intermediate_size,
+                              name="shared_expert")(x, layer)
+            gate = make_dense(self.quant, "shared_expert_gate", 1, False, self.dtype,
+                              self.backend, layer=layer)(x)  # [T, 1]
+            out = out + jax.nn.sigmoid(gate) * shared
+        return out
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, stacked on a leading expert axis (the axis expert
+    parallelism shards). In the serving form (`models.packed.broadcast_experts`) they are
+    the whole layer stacks [L, E, ...] in the broadcast `COLLECTION`, which the layer
+    scan does not slice (XLA:CPU would copy every expert of a layer out of the stack each
+    step); the experts then index the layer themselves."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self) -> tuple[dict, bool]:
+        """({"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}, False),
+        or in the serving form the same names' [L, E, ...] stacks and True."""
+        names = ("gate_proj", "up_proj", "down_proj")
+        if self.has_variable(COLLECTION, "gate_proj"):
+            return {n: self.get_variable(COLLECTION, n) for n in names}, True
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        return {name: self.param(name, init, shape, self.dtype)
+                for name, shape in zip(names, ((e, h, i), (e, h, i), (e, i, h)),
+                                       strict=True)}, False
