@@ -194,8 +194,11 @@ CASES = [
 # - gemma2_global_first (a global first layer, attention soft cap alone) and
 #   gemma3_pattern2_softcap (Gemma 3 with the default rotary bases, final soft cap):
 #   gemma2_softcap and gemma3_two_ropes have every Gemma feature between them.
+# - mixtral_moe (top-k then softmax routing, experts named w1/w2/w3): its router is compared
+#   with transformers' by tests/models/test_moe.py; qwen2_moe_shared and qwen3_moe_norm_topk
+#   run the MoE layer through whole models.
 SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen3_qknorm_headdim",
-              "gemma2_global_first", "gemma3_pattern2_softcap")
+              "gemma2_global_first", "gemma3_pattern2_softcap", "mixtral_moe")
 
 
 def _params(cases: list[Case]) -> list:
