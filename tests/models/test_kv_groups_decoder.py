@@ -36,7 +36,10 @@ PAGE, WIDTH, NUM_PAGES = 4, 7, 48
 # is tests/kernels/test_kv_groups.py's.
 STEPS = [(5, 3), (5, 3), (4, 4), (1, 1), (1, 1), (6, 2), (1, 1), (1, 1)]
 BACKENDS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(
-    not cpu_ffi.available(), reason="no CPU decode kernel here")), "pallas"]
+    not cpu_ffi.available(), reason="no CPU decode kernel here")),
+    # NOTE: the Pallas kernels over a group's tables are checked alone in the default tier
+    # (tests/kernels/test_kv_groups.py); the whole interpreted model is slow.
+    pytest.param("pallas", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")

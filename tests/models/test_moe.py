@@ -183,6 +183,7 @@ def test_grouped_reads_its_layer_of_the_whole_stack(impl):
                                    rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow  # the engine serves this form in tests/e2e/test_moe_greedy.py
 def test_broadcast_experts_serves_the_same_logits():
     """A model moved to the serving form gives the logits of the plain one."""
     from models.model import Model, random_params

@@ -89,6 +89,7 @@ def acceptance(llm: LLM) -> float:
         "jaxserve:spec_decode_num_draft_tokens"]
 
 
+@pytest.mark.slow  # the draft path's tokens are checked by the parity test; this, its rate
 def test_self_draft_is_accepted(target, smollm2_tokenizer):
     """The target as its own draft: every proposal is the target's greedy token, so all
     are accepted unless the draft's KV went wrong between steps (catch-up, proposals'
