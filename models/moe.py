@@ -10,6 +10,11 @@ expert on every token, masked by the routing weights: the tests' oracle.
 
 Expert weights are stacked on a leading expert axis (`[E, in, out]` per layer, `[L, E, in,
 out]` in the layer scan's stack); expert parallelism will shard that axis on a mesh axis.
+A projection the model's plan quantizes (`models.quant.EXPERT_MODULES`) is instead the
+quantized leaves of `models.quant` with the same leading axes (q8: `qweight` i8[E, K, N],
+`scales` f16[E, K // block, N]; q4 adds `zeros` and packs two codes a byte): the loop
+dequantizes one routed expert's weights where it multiplies by them, `ragged_dot` gets the
+layer's stack dequantized (`dequantize_experts`).
 """
 
 from __future__ import annotations
@@ -22,8 +27,12 @@ from models.config import ROUTER_ORDERS, ArchConfig
 from models.layers import ACTIVATIONS, GatedMLP
 from models.packed import COLLECTION
 from models.qlayers import dense as make_dense
-from models.quant import QuantPlan
+from models.quant import QuantFormat, QuantPlan
+from pallas_kernels.quant_matmul.reference import dequantize
+from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 from pallas_kernels.tuning import tuned
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool):
@@ -57,14 +66,51 @@ def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool):
     return weights, ids
 
 
+def expert_kind(w) -> str | None:
+    """"q8" or "q4" for a quantized expert stack (a dict of `models.quant` leaves), None
+    for a float one."""
+    if not isinstance(w, dict):
+        return None
+    return "q4" if "zeros" in w else "q8"
+
+
+def _stack_shape(w) -> tuple[int, ...]:
+    """The logical shape [..., E, K, N] of a float or quantized expert stack."""
+    if not isinstance(w, dict):
+        return tuple(w.shape)
+    q = w["qweight"]
+    packing = 2 if expert_kind(w) == "q4" else 1
+    return (*q.shape[:-2], q.shape[-2] * packing, q.shape[-1])
+
+
+def _at(w, index):
+    """One expert (or layer) of a float or quantized stack: every leaf indexed."""
+    return jax.tree_util.tree_map(lambda v: v[index], w)
+
+
+def dequantize_experts(experts: dict, dtype=jnp.float32) -> dict:
+    """The experts' float stacks: quantized ones ([..., E, K', N] leaves) dequantized to
+    dtype[..., E, K, N], float ones as they are (cast to `dtype`)."""
+    out = {}
+    for name, w in experts.items():
+        kind = expert_kind(w)
+        if kind is None:
+            out[name] = w.astype(dtype)
+            continue
+        fn = lambda leaves, kind=kind: dequantize(leaves, kind, dtype)
+        for _ in range(w["qweight"].ndim - 2):  # one vmap per leading axis
+            fn = jax.vmap(fn)
+        out[name] = fn(w)
+    return out
+
+
 def _check(x, experts, layer=None):
-    gate, up, down = experts["gate_proj"], experts["up_proj"], experts["down_proj"]
+    gate, up, down = (_stack_shape(experts[n]) for n in PROJECTIONS)
     if layer is not None:  # the whole stack [L, E, ...]: check one layer's shapes
-        gate, up, down = gate[0], up[0], down[0]
-    if (gate.ndim != 3 or gate.shape != up.shape or down.shape != (gate.shape[0], gate.shape[2],
-                                                                   gate.shape[1])
-            or gate.shape[1] != x.shape[-1]):
-        raise ValueError(f"expert weights gate {gate.shape}, up {up.shape}, down {down.shape} "
+        gate, up, down = gate[1:], up[1:], down[1:]
+    if (len(gate) != 3 or gate != up or down != (gate[0], gate[2], gate[1])
+            or gate[1] != x.shape[-1]):
+        raise ValueError(f"expert weights gate {gate}, up {up}, down {down} "
                          f"do not fit tokens {x.shape}: want [E, H, I], [E, H, I], [E, I, H]")
 
 
@@ -84,7 +130,8 @@ def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
     expert in chunks of `chunk` rows: a routed expert's weights are read once,
     an expert with no row costs nothing, and compute follows the rows (plus one
     partial chunk per routed expert). With `layer`, `experts` are the whole stacks
-    [L, E, ...] and only the routed experts of that layer are read."""
+    [L, E, ...] and only the routed experts of that layer are read. Rows past
+    `sum(sizes)` (pairs whose expert id is past E) are left zero."""
     pairs, hidden = xs.shape
     # NOTE: about the rows of one expert were the routing even (`pallas_kernels.tuning`):
     # a routed expert wastes at most one partial chunk, so about `pairs` rows in all.
@@ -98,13 +145,24 @@ def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
 
     def expert(e, out):
         at = (e,) if layer is None else (layer, e)
-        gate, up, down = (experts[n][at] for n in ("gate_proj", "up_proj", "down_proj"))
+        # Float weights are sliced here; a quantized expert's leaves are sliced and
+        # dequantized inside the chunk loop, fused into its matmuls (`quant_matmul_xla`),
+        # so an expert with no row reads none of its bytes.
+        dense = {n: experts[n][at] for n in PROJECTIONS if expert_kind(experts[n]) is None}
+
+        def matmul(rows, name):
+            if name in dense:
+                return rows @ dense[name]
+            w = experts[name]
+            return quant_matmul_xla(rows, _at(w, at), expert_kind(w))
+
         start, end = starts[e], ends[e]
 
         def step(c, out):
             row = start + c * chunk
             rows = jax.lax.dynamic_slice_in_dim(xs, row, chunk)  # [chunk, H]
-            y = (ACTIVATIONS[act](rows @ gate) * (rows @ up)) @ down  # [chunk, H]
+            h = ACTIVATIONS[act](matmul(rows, "gate_proj")) * matmul(rows, "up_proj")
+            y = matmul(h, "down_proj")  # [chunk, H]
             keep = (row + jnp.arange(chunk) < end)[:, None]
             old = jax.lax.dynamic_slice_in_dim(out, row, chunk)
             return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), row, 0)
@@ -125,8 +183,11 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
     Args:
         x: [T, H] tokens.
         weights: f32[T, k] routing weights (`route`).
-        ids: i32[T, k] expert of each pair.
-        experts: {"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}.
+        ids: i32[T, k] expert of each pair; a pair with an id >= E is skipped (its
+            output is zero), so a caller can drop pairs by mapping them past E.
+        experts: {"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]},
+            each a float stack or the quantized leaves of one (`models.quant`: codes,
+            scales, zeros with the same leading axes).
         act: The gated MLP's activation (`models.layers.ACTIVATIONS`).
         impl: One of `GROUPED_IMPLS`; None: `grouped_impl()`.
         layer: i32[] when `experts` are the layer scan's whole stacks [L, E, ...] (the
@@ -143,7 +204,7 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
     if impl not in GROUPED_IMPLS:
         raise ValueError(f"unknown grouped matmul {impl!r}; supported: {', '.join(GROUPED_IMPLS)}")
     num_tokens, top_k = ids.shape
-    num_experts = experts["gate_proj"].shape[0 if layer is None else 1]
+    num_experts = _stack_shape(experts["gate_proj"])[0 if layer is None else 1]
     flat = ids.reshape(-1)  # i32[T*k]
     order = jnp.argsort(flat, stable=True)  # i32[T*k]: pairs sorted by expert
     xs = x[order // top_k]  # [T*k, H]
@@ -152,7 +213,11 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
         y_sorted = _expert_loop(xs, sizes, experts, act, layer)
     else:
         if layer is not None:
-            experts = {k: v[layer] for k, v in experts.items()}
+            experts = {k: _at(v, layer) for k, v in experts.items()}
+        # NOTE: a quantized layer is dequantized whole before the grouped matmul (every
+        # expert of the layer, routed or not); a fused kernel would dequantize each
+        # group's tiles in registers instead (docs/design.md, mixture of experts).
+        experts = dequantize_experts(experts, xs.dtype)
         gate = jax.lax.ragged_dot(xs, experts["gate_proj"], sizes)  # [T*k, I]
         up = jax.lax.ragged_dot(xs, experts["up_proj"], sizes)
         h = ACTIVATIONS[act](gate) * up
@@ -187,8 +252,8 @@ class MoEMLP(nn.Module):
         cfg: Architecture config (`num_experts`, `num_experts_per_tok`,
             `moe_intermediate_size`, `router_order`, `norm_topk_prob`).
         dtype: Parameter dtype.
-        quant: The model's plan (the shared expert's projections follow it; the routed
-            experts stay unquantized).
+        quant: The model's plan (the shared expert's projections follow it as a dense
+            MLP's; the routed experts' stacks follow `models.quant.EXPERT_MODULES`).
         backend: Attention/matmul backend name.
         reference: Run `dense_experts` instead of `grouped_experts` (tests).
     """
@@ -208,11 +273,12 @@ class MoEMLP(nn.Module):
                           name="gate")(x)  # [T, E]
         weights, ids = route(logits, cfg.num_experts_per_tok, cfg.router_order,
                              cfg.norm_topk_prob)
-        experts, stacked = Experts(e, h, i, self.dtype, name="experts")()
+        experts, stacked = Experts(e, h, i, self.dtype, self.quant, name="experts")()
         if self.reference:
             if stacked:
-                experts = {k: v[layer] for k, v in experts.items()}
-            out = dense_experts(x, weights, ids, experts, cfg.hidden_act)
+                experts = {k: _at(v, layer) for k, v in experts.items()}
+            out = dense_experts(x, weights, ids, dequantize_experts(experts, x.dtype),
+                                cfg.hidden_act)
         else:
             out = grouped_experts(x, weights, ids, experts, cfg.hidden_act,
                                   layer=layer if stacked else None)
@@ -228,25 +294,48 @@ class MoEMLP(nn.Module):
 
 class Experts(nn.Module):
     """The routed experts' weights, stacked on a leading expert axis (the axis expert
-    parallelism shards). In the serving form (`models.packed.broadcast_experts`) they are
-    the whole layer stacks [L, E, ...] in the broadcast `COLLECTION`, which the layer
-    scan does not slice (XLA:CPU would copy every expert of a layer out of the stack each
-    step); the experts then index the layer themselves."""
+    parallelism shards): a float stack per projection, or where the plan quantizes it
+    (`models.quant.EXPERT_MODULES`) that stack's quantized leaves under the projection's
+    name (`experts/gate_proj/qweight` [E, K', N], ...). In the serving form
+    (`models.packed.broadcast_experts`) they are the whole layer stacks [L, E, ...] in the
+    broadcast `COLLECTION`, which the layer scan does not slice (XLA:CPU would copy every
+    expert of a layer out of the stack each step); the experts then index the layer
+    themselves."""
 
     num_experts: int
     hidden_size: int
     intermediate_size: int
     dtype: jnp.dtype = jnp.float32
+    quant: QuantPlan = QuantPlan()
 
     @nn.compact
     def __call__(self) -> tuple[dict, bool]:
-        """({"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}, False),
-        or in the serving form the same names' [L, E, ...] stacks and True."""
-        names = ("gate_proj", "up_proj", "down_proj")
+        """({"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}, False)
+        (a quantized projection: its dict of leaves), or in the serving form the same
+        names' [L, E, ...] stacks and True."""
         if self.has_variable(COLLECTION, "gate_proj"):
-            return {n: self.get_variable(COLLECTION, n) for n in names}, True
+            return {n: self.get_variable(COLLECTION, n) for n in PROJECTIONS}, True
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        return {name: self.param(name, init, shape, self.dtype)
-                for name, shape in zip(names, ((e, h, i), (e, h, i), (e, i, h)),
-                                       strict=True)}, False
+        out = {}
+        for name, (k, n) in zip(PROJECTIONS, ((h, i), (h, i), (i, h)), strict=True):
+            fmt = self.quant.get(f"experts.{name}")
+            out[name] = (self.param(name, init, (e, k, n), self.dtype) if fmt is None
+                         else _QuantStack(e, k, n, fmt, name=name)())
+        return out, False
+
+
+class _QuantStack(nn.Module):
+    """One projection's quantized expert stack: `fmt`'s leaves of E [K, N] kernels, each
+    with the leading [E] axis (zeros at init; loaders fill them)."""
+
+    num_experts: int
+    k: int
+    n: int
+    fmt: QuantFormat
+
+    @nn.compact
+    def __call__(self) -> dict:
+        return {leaf: self.param(leaf, nn.initializers.zeros, (self.num_experts, *shape),
+                                 jnp.dtype(dtype))
+                for leaf, (shape, dtype) in self.fmt.leaf_shapes(self.k, self.n).items()}

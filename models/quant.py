@@ -25,9 +25,13 @@ import dataclasses
 import numpy as np
 
 QUANTIZATIONS = ("none", "gguf", "int8", "q8_0")
-# Modules a plan may quantize: the decoder's projections, the embedding and the LM head.
+# A mixture of experts' routed expert stacks, as a plan names them (`models.moe.Experts`):
+# apart from the dense MLP's and the shared expert's `gate_proj`/`up_proj`/`down_proj`.
+EXPERT_MODULES = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+# Modules a plan may quantize: the decoder's projections, the routed experts, the embedding
+# and the LM head.
 QUANT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                 "embed_tokens", "lm_head")
+                 *EXPERT_MODULES, "embed_tokens", "lm_head")
 Q4_BLOCK = 32
 
 
@@ -183,13 +187,28 @@ def to_leaves(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(a.T) for name, a in rows.items()}
 
 
+def quantize_stack(fmt: QuantFormat, w: np.ndarray) -> dict[str, np.ndarray]:
+    """Quantizes a stack of [K, N] kernels (f32[..., K, N], e.g. the experts' [L, E, K, N])
+    into `fmt`'s on-device leaves with the same leading axes ([..., K', N] each).
+
+    Raises:
+        ValueError: K is not a multiple of the format's block.
+    """
+    lead, (k, n) = w.shape[:-2], w.shape[-2:]
+    fmt.leaf_shapes(k, n)  # checks the block divides K
+    flat = np.asarray(w, np.float32).reshape(-1, k, n)
+    leaves = [to_leaves(quantize_rows(fmt, m.T)) for m in flat]  # one [K, N] kernel each
+    return {name: np.stack([x[name] for x in leaves]).reshape(*lead, *leaves[0][name].shape)
+            for name in leaves[0]}
+
 
 def quantize_params(params: dict, plan: QuantPlan) -> dict:
     """Quantizes a dense params tree (host or device arrays) as `plan` says, on the host.
 
-    Dense kernels [in, out] (stacked layers: [L, in, out]) and the embedding [vocab, hidden]
-    of every module the plan names become that module's quantized leaves (NumPy); all other
-    leaves are returned as they are.
+    Dense kernels [in, out] (stacked layers: [L, in, out]), the embedding [vocab, hidden]
+    and the routed experts' stacks ([L, E, in, out], `EXPERT_MODULES`) of every module the
+    plan names become that module's quantized leaves (NumPy; experts keep their leading
+    axes); all other leaves are returned as they are.
     """
 
     def convert(fmt: QuantFormat, rows_of: list[np.ndarray], stack: bool) -> dict:
@@ -197,9 +216,20 @@ def quantize_params(params: dict, plan: QuantPlan) -> dict:
         return {k: np.stack([x[k] for x in leaves]) if stack else leaves[0][k]
                 for k in leaves[0]}
 
+    def experts(tree: dict) -> dict:  # {"gate_proj": [(L,) E, K, N], ...}: the routed stacks
+        out = dict(tree)
+        for name, w in tree.items():
+            fmt = plan.get(f"experts.{name}")
+            if fmt is not None and not isinstance(w, dict):  # a dict: already quantized
+                out[name] = quantize_stack(fmt, np.asarray(w, np.float32))
+        return out
+
     def walk(tree: dict, stacked: bool) -> dict:
         out = {}
         for key, sub in tree.items():
+            if key == "experts" and isinstance(sub, dict):
+                out[key] = experts(sub)
+                continue
             fmt = plan.get(key) if isinstance(sub, dict) else None
             if fmt is not None and ("kernel" in sub or "embedding" in sub):
                 if "embedding" in sub:

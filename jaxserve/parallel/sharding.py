@@ -63,6 +63,8 @@ class TensorParallel:
 
         def spec(path, leaf):
             keys = tuple(p.key for p in path)
+            if "experts" in keys:  # routed experts replicated, quantized leaves included
+                return P()
             tail = keys[-2:]
             ndim = np.ndim(leaf)
             if tail in _COLUMN:

@@ -132,3 +132,29 @@ def test_qwen3_moe_under_tensor_parallelism(qwen3_moe, smollm2_tokenizer):
     outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
     for prompt_ids, out in zip(ids, outs, strict=True):
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt_ids)
+
+
+def test_qwen3_moe_int8_greedy_is_its_dequantized_model(qwen3_moe, smollm2_tokenizer):
+    """int8 weights, the routed expert stacks included (q8 leaves [L, E, ...] in the
+    serving form), served greedily: every token is the argmax of the float model holding
+    the dequantized weights (teacher-forced over prompt + output), batched."""
+    from models.model import Model
+    from tests.models.helpers import dequantized_params, forward_logits
+
+    _, served = qwen3_moe
+    llm = LLM(served.engine.model.source, quantization="int8",
+              **{**ENGINE_ARGS, "warmup": False})
+    model = llm.engine.model
+    assert "qweight" in model.params["packed"]["layers"]["mlp"]["experts"]["gate_proj"]
+    ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS[:2]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+    from models.packed import gather_experts
+
+    floats = Model(model.cfg, dequantized_params(gather_experts(model.params)),
+                   backend="xla")
+    for prompt_ids, out in zip(ids, outs, strict=True):
+        tokens = out.outputs[0].token_ids
+        assert len(set(tokens)) > 1
+        logits = forward_logits(floats, prompt_ids + tokens[:-1])
+        assert logits[len(prompt_ids) - 1:].argmax(-1).tolist() == tokens

@@ -104,3 +104,32 @@ def hf_logits(hf_model, token_ids: Sequence[int]) -> np.ndarray:
         out = hf_model(input_ids=torch.tensor([list(token_ids)], dtype=torch.long),
                        use_cache=False)
     return out.logits[0].float().numpy()
+
+
+def dequantized_params(params: dict) -> dict:
+    """The float params tree holding what a quantized tree's codes mean, dequantized by the
+    row-form NumPy oracle (`models.quant.dequantize_rows`): each quantized module's leaves
+    become its `kernel` (stacked axes kept; the routed experts' stacks a float stack), a
+    quantized embedding its `embedding` [vocab, hidden]."""
+    from models.quant import QuantFormat, dequantize_rows
+
+    def kernels(leaves: dict) -> np.ndarray:  # f32[..., K, N] of leaves [..., K', N]
+        fmt = QuantFormat("q4" if "zeros" in leaves else "q8")
+        lead = leaves["qweight"].shape[:-2]
+        flat = {k: np.asarray(v).reshape(-1, *v.shape[-2:]) for k, v in leaves.items()}
+        out = [dequantize_rows(fmt, {k: v[i].T for k, v in flat.items()}).T
+               for i in range(flat["qweight"].shape[0])]
+        return np.stack(out).reshape(*lead, *out[0].shape)
+
+    def walk(tree: dict, name: str = "") -> dict:
+        if "qweight" in tree:
+            w = kernels({k: tree[k] for k in ("qweight", "scales", "zeros") if k in tree})
+            if name.split("/")[-1] == "embed_tokens":
+                return {"embedding": w.T}
+            if "experts" in name.split("/"):
+                return w
+            return {"kernel": w, **({"bias": tree["bias"]} if "bias" in tree else {})}
+        return {k: walk(v, f"{name}/{k}") if isinstance(v, dict) else v
+                for k, v in tree.items()}
+
+    return walk(params)  # the leaves say their format (q4 has zeros)

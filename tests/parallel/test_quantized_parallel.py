@@ -49,3 +49,26 @@ def test_quantized_tensor_parallel_matches_one_device(quantized, smollm2_tokeniz
     assert qweight.sharding.spec[-1] is not None  # column-parallel codes are split
     pool = llm.engine.runner.kv_pages
     assert pool.dtype == np.int8 and pool.sharding.spec[2] == "kv"
+
+
+def test_quantized_expert_stacks_stay_replicated():
+    """A mixture of experts under int8: the routed experts' codes and scales stay whole on
+    every device (their tails `gate_proj/qweight` would otherwise split like a dense
+    MLP's); the shared expert splits as the dense MLP does."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.parallel.sharding import make_tensor_parallel
+    from models.config import ArchConfig
+    from models.model import abstract_params
+
+    cfg = ArchConfig(architecture="Qwen2MoeForCausalLM", vocab_size=64, hidden_size=64,
+                     intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    specs = make_tensor_parallel(cfg, 2).param_specs(
+        abstract_params(cfg, "float32", PLANS["int8"]))
+    mlp = specs["layers"]["mlp"]
+    assert set(mlp["experts"]["gate_proj"]) == {"qweight", "scales"}
+    assert all(s == P() for s in jax.tree_util.tree_leaves(
+        mlp["experts"], is_leaf=lambda x: isinstance(x, P)))
+    assert mlp["shared_expert"]["gate_proj"]["qweight"][-1] is not None
