@@ -3,7 +3,8 @@
 Tensors are served under their Hugging Face names so `hf_names.build_params` fills the
 model from GGUF exactly as from safetensors. llama.cpp stores Llama q/k projection rows
 permuted for its rotary layout; they are un-permuted here. Gemma's names, norms and
-metadata are in `gguf_gemma`.
+metadata are in `gguf_gemma`; the mixtures of experts' (stacked experts served one
+expert at a time) in `gguf_moe`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,20 @@ import numpy as np
 from gguf.quants import dequantize
 
 from models.loaders.gguf_gemma import GEMMA_ARCHS, GEMMA_LAYER_NAMES, gemma_fields, unfold_norm
+from models.loaders.gguf_moe import (
+    MOE_ARCHS,
+    MOE_LAYER_NAMES,
+    PER_EXPERT_GGUF,
+    canonical_name,
+    expert_of,
+    moe_fields,
+)
 from models.loaders.gguf_quant import GGUF_KEPT, decode_gguf_rows
 from models.quant import QUANT_MODULES, QuantPlan
 
 # GGUF architecture -> HF architecture name.
 GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "qwen3": "Qwen3ForCausalLM", **GEMMA_ARCHS}
+              "qwen3": "Qwen3ForCausalLM", **GEMMA_ARCHS, **MOE_ARCHS}
 # GGUF rope.scaling.type values served (Gemma 3 scales its global layers linearly).
 _ROPE_SCALINGS = ("none", "linear")
 
@@ -43,7 +52,8 @@ def hf_name_of_gguf(name: str, arch: str = "llama") -> str | None:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m:
         layer, part, kind = m.groups()
-        names = {**_LAYER_NAMES, **GEMMA_LAYER_NAMES} if arch in GEMMA_ARCHS else _LAYER_NAMES
+        names = ({**_LAYER_NAMES, **GEMMA_LAYER_NAMES} if arch in GEMMA_ARCHS
+                 else {**_LAYER_NAMES, **MOE_LAYER_NAMES})
         return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
     base, _, kind = name.rpartition(".")
     return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
@@ -80,6 +90,10 @@ class GGUFFile:
         self._hf_config: dict | None = None
         self._tensors = {}
         for t in self.reader.tensors:
+            if PER_EXPERT_GGUF.fullmatch(t.name):
+                raise ValueError(f"{path}: tensor {t.name!r} holds one expert (an older "
+                                 "llama.cpp layout); convert the model again to stack the "
+                                 "experts (ffn_*_exps)")
             hf = hf_name_of_gguf(t.name, self.arch)
             if hf is not None:
                 self._tensors[hf] = t
@@ -97,10 +111,28 @@ class GGUFFile:
     def where(self, name: str) -> str:
         return self.path
 
+    def _lookup(self, name: str):
+        """(GGUF tensor, its raw data, whether that is one expert of a stack) of an HF name:
+        an expert's slice of a stacked experts tensor [E, out, in], Mixtral's names read as
+        the generic ones. KeyError when absent."""
+        name = canonical_name(name)
+        stacked = expert_of(name)
+        if stacked is None:
+            t = self._tensors[name]
+            return t, t.data, False
+        t = self._tensors[stacked[0]]
+        if stacked[1] >= t.data.shape[0]:
+            raise KeyError(name)
+        return t, t.data[stacked[1]], True
+
     def get(self, name: str) -> np.ndarray:
-        t = self._tensors[name]
-        arr = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        arr = np.asarray(arr, dtype=np.float32)
+        t, data, one_expert = self._lookup(name)
+        shape = tuple(reversed(t.shape.tolist()))
+        if one_expert:
+            shape = shape[1:]
+        elif name.endswith("shared_expert_gate.weight") and len(shape) == 1:
+            shape = (1, *shape)  # the converter may squeeze its [1, hidden]
+        arr = np.asarray(dequantize(data, t.tensor_type).reshape(shape), dtype=np.float32)
         if self.arch in GEMMA_ARCHS:
             arr = unfold_norm(name, arr)
         heads = self._permuted_heads(name)
@@ -115,25 +147,28 @@ class GGUFFile:
 
     def tensor_type(self, name: str) -> str:
         """GGUF storage type of an HF-named tensor ("F32", "Q4_1", ...)."""
-        return self._tensors[name].tensor_type.name
+        return self._lookup(name)[0].tensor_type.name
 
     def get_quant_rows(self, name: str) -> dict[str, np.ndarray]:
         """Row-form quantized leaves of a tensor kept in its stored type (`gguf_quant`)."""
-        t = self._tensors[name]
-        rows = decode_gguf_rows(t.tensor_type.name, t.data, int(t.shape[0]))
+        t, data, _ = self._lookup(name)
+        rows = decode_gguf_rows(t.tensor_type.name, data, int(t.shape[0]))
         heads = self._permuted_heads(name)
         return {k: _unpermute(v, heads) for k, v in rows.items()} if heads else rows
 
     def quant_plan(self) -> QuantPlan:
         """The plan that keeps every module whose tensors share one kept type quantized.
 
-        A module (say `down_proj`) stays quantized when all its layers are stored in types
-        of one on-device format (Q8_0; or Q4_0/Q4_1/Q4_K); otherwise (F16, Q6_K, mixed
-        types) it is dequantized to the model dtype.
+        A module (say `down_proj`, or the routed experts' `experts.down_proj` stacks) stays
+        quantized when all its layers are stored in types of one on-device format (Q8_0;
+        or Q4_0/Q4_1/Q4_K); otherwise (F16, Q6_K, mixed types) it is dequantized to the
+        model dtype.
         """
         kinds: dict[str, set] = {}
         for hf, t in self._tensors.items():
             module = hf.split(".")[-2]
+            if ".mlp.experts." in hf:  # a stack of routed experts (`EXPERT_MODULES`)
+                module = f"experts.{module}"
             if module not in QUANT_MODULES or not hf.endswith(".weight"):
                 continue
             fmt = GGUF_KEPT.get(t.tensor_type.name)
@@ -199,12 +234,19 @@ class GGUFFile:
                                    "factor": float(required("rope.scaling.factor"))}
         if arch == "llama" and "model.layers.0.self_attn.q_proj.bias" in self._tensors:
             cfg["attention_bias"] = True
-        if arch == "qwen3" and "model.layers.0.self_attn.q_proj.bias" in self._tensors:
+        if arch in ("qwen3", "qwen3moe") and "model.layers.0.self_attn.q_proj.bias" in \
+                self._tensors:
             cfg["attention_bias"] = True
         if arch in GEMMA_ARCHS:
             cfg.update(gemma_fields(arch, key, self.path, hidden, heads, cfg["head_dim"],
                                     layers))
+        cfg.update(moe_fields(arch, key, self.path, cfg["intermediate_size"], self._rows_of))
         return cfg
+
+    def _rows_of(self, name: str) -> int | None:
+        """Output rows of an HF-named tensor (a stack's per expert), None when absent."""
+        t = self._tensors.get(name)
+        return None if t is None else int(t.shape[1])
 
 
 def open_gguf(path: str) -> GGUFFile:

@@ -198,6 +198,11 @@ def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
     def leaf(path, spec):
         keys = tuple(p.key for p in path)
         if keys[-1] in QUANT_LEAVES:
+            if "experts" in keys:  # [L, E, ...]: one tensor per layer and expert
+                return np.stack([np.stack([
+                    fetch_quant(family_hf_name(cfg, keys[:-1], i, e)[0], keys[-1],
+                                spec.shape[2:]) for e in range(spec.shape[1])])
+                    for i in range(cfg.num_layers)])
             if keys[0] == "layers":
                 return np.stack([fetch_quant(hf_name(keys, i)[0], keys[-1], spec.shape[1:])
                                  for i in range(cfg.num_layers)])
