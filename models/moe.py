@@ -143,11 +143,18 @@ def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
     ends = jnp.cumsum(sizes)  # i32[E]
     starts = ends - sizes
 
-    def expert(e, out):
+    # Only the routed experts are visited (their ids first, a traced trip count): a loop
+    # over every expert cost time in proportion to E whatever the routing (an expert's
+    # weight slice is invariant in its chunk loop, which XLA may hoist out of it).
+    routed = jnp.argsort(sizes == 0, stable=True)  # i32[E]: routed experts first
+    num_routed = jnp.sum(sizes > 0)
+
+    def expert(j, out):
+        e = routed[j]
         at = (e,) if layer is None else (layer, e)
         # Float weights are sliced here; a quantized expert's leaves are sliced and
-        # dequantized inside the chunk loop, fused into its matmuls (`quant_matmul_xla`),
-        # so an expert with no row reads none of its bytes.
+        # dequantized inside the chunk loop, beside its matmuls (`quant_matmul_xla`), so
+        # an expert with no row reads none of its bytes.
         dense = {n: experts[n][at] for n in PROJECTIONS if expert_kind(experts[n]) is None}
 
         def matmul(rows, name):
@@ -170,7 +177,7 @@ def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
         num_chunks = (sizes[e] + chunk - 1) // chunk
         return jax.lax.fori_loop(0, num_chunks, step, out)
 
-    out = jax.lax.fori_loop(0, sizes.shape[0], expert, jnp.zeros_like(xs))
+    out = jax.lax.fori_loop(0, num_routed, expert, jnp.zeros_like(xs))
     return out[:pairs]
 
 
