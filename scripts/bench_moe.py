@@ -11,7 +11,12 @@ interleaved (A B C, C B A, ...) in one process, so machine drift hits all alike.
 the `xla` backend (the `cpu` backend packs dense weights for its C++ matmul, which the
 experts do not use: that would compare matmul kernels, not the layer).
 
+`--int8 experts|all` adds a fourth model, "moe_int8": the MoE with its routed expert stacks
+int8 per output channel (`models.quant.EXPERT_MODULES`), or every weight int8
+(`quantization="int8"`), printed against the float MoE.
+
 Usage: python scripts/bench_moe.py [--batches 1,32] [--hidden 1024] [--layers 4]
+       [--int8 experts|all]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from models.config import ArchConfig
 from models.default_model import default_model_path
 from models.loaders import load_tokenizer
 from models.model import Model, random_params
+from models.quant import EXPERT_MODULES, QUANT_MODULES, QuantFormat, uniform_plan
 
 NUM_PAGES = 1024
 
@@ -83,10 +89,18 @@ def main() -> None:
     ap.add_argument("--expert-size", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--int8", choices=("experts", "all"),
+                    help="also time the MoE with int8 experts (or every weight int8)")
     args = ap.parse_args()
     tok = load_tokenizer(default_model_path())
+    cfgs = configs(args)
     models = {name: Model(cfg, random_params(cfg, seed=0), backend="xla")
-              for name, cfg in configs(args).items()}
+              for name, cfg in cfgs.items()}
+    if args.int8:
+        plan = uniform_plan("int8", QuantFormat("q8", 0),
+                            EXPERT_MODULES if args.int8 == "experts" else QUANT_MODULES)
+        models["moe_int8"] = Model(cfgs["moe"], random_params(cfgs["moe"], seed=0, quant=plan),
+                                   backend="xla", quant=plan)
     names = list(models)
     for batch in (int(b) for b in args.batches.split(",")):
         steps = {n: compiled(models[n], tok, batch, args.context) for n in names}
@@ -104,7 +118,9 @@ def main() -> None:
         print(f"batch {batch}, context {args.context}: " + ", ".join(
             f"{n} {med[n]:.2f} ms" for n in names)
             + f"; moe / dense_active {med['moe'] / med['dense_active']:.2f}x, "
-            f"moe / dense_all {med['moe'] / med['dense_all']:.2f}x; load "
+            f"moe / dense_all {med['moe'] / med['dense_all']:.2f}x"
+            + (f", moe_int8 / moe {med['moe_int8'] / med['moe']:.2f}x" if args.int8 else "")
+            + "; load "
             f"{os.getloadavg()[0]:.2f}", flush=True)
         del steps
 
