@@ -134,6 +134,9 @@ def test_qwen3_moe_under_tensor_parallelism(qwen3_moe, smollm2_tokenizer):
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt_ids)
 
 
+# Slow tier: a second engine's compiles (~25 s here); the default tier checks int8 experts
+# at the model level (tests/models/test_moe_loading.py, test_moe_quant.py: the serving form).
+@pytest.mark.slow
 def test_qwen3_moe_int8_greedy_is_its_dequantized_model(qwen3_moe, smollm2_tokenizer):
     """int8 weights, the routed expert stacks included (q8 leaves [L, E, ...] in the
     serving form), served greedily: every token is the argmax of the float model holding
