@@ -140,8 +140,10 @@ def test_qwen3_moe_under_tensor_parallelism(qwen3_moe, smollm2_tokenizer):
 def test_qwen3_moe_int8_greedy_is_its_dequantized_model(qwen3_moe, smollm2_tokenizer):
     """int8 weights, the routed expert stacks included (q8 leaves [L, E, ...] in the
     serving form), served greedily: every token is the argmax of the float model holding
-    the dequantized weights (teacher-forced over prompt + output), batched."""
+    the dequantized weights (teacher-forced over prompt + output), batched; and the same
+    tokens under tensor parallelism 2 (the quantized experts replicated)."""
     from models.model import Model
+    from models.packed import gather_experts
     from tests.models.helpers import dequantized_params, forward_logits
 
     _, served = qwen3_moe
@@ -152,8 +154,6 @@ def test_qwen3_moe_int8_greedy_is_its_dequantized_model(qwen3_moe, smollm2_token
     ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS[:2]]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
-    from models.packed import gather_experts
-
     floats = Model(model.cfg, dequantized_params(gather_experts(model.params)),
                    backend="xla")
     for prompt_ids, out in zip(ids, outs, strict=True):
@@ -161,3 +161,11 @@ def test_qwen3_moe_int8_greedy_is_its_dequantized_model(qwen3_moe, smollm2_token
         assert len(set(tokens)) > 1
         logits = forward_logits(floats, prompt_ids + tokens[:-1])
         assert logits[len(prompt_ids) - 1:].argmax(-1).tolist() == tokens
+    tp = LLM(model, tokenizer=smollm2_tokenizer,
+             **{**ENGINE_ARGS, "warmup": False, "tensor_parallel_size": 2})
+    codes = gather_experts(tp.engine.runner.params)["layers"]["mlp"]["experts"]["up_proj"]
+    sharding = codes["qweight"].sharding
+    assert codes["qweight"].dtype == np.int8
+    assert len(sharding.device_set) == 2 and sharding.is_fully_replicated
+    tp_outs = tp.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in tp_outs] == [o.outputs[0].token_ids for o in outs]
