@@ -124,6 +124,27 @@ def test_moe_gguf_q8_0_experts_stay_quantized(built, name):
     assert (ours.argmax(-1) == floats.argmax(-1)).mean() >= 0.75
 
 
+@pytest.mark.slow  # a compile more; Q8_0 is the default tier's block case
+def test_moe_gguf_q4_0_experts_stay_quantized(built, tmp_path):
+    """Q4_0 (two codes a byte, a zero per block) kept quantized: q4 expert leaves, the
+    logits of gguf-py's dequantization and of transformers' GGUF loader."""
+    _, hf, directory, _, _ = built("qwen3_moe_norm_topk")
+    path = str(tmp_path / "q4_0.gguf")
+    write_moe_gguf(directory, path, gguf.GGMLQuantizationType.Q4_0)
+    kept = load_model(path, "float32", quantization="gguf")
+    experts = kept.params["layers"]["mlp"]["experts"]["gate_proj"]
+    assert dict(kept.quant.formats)["experts.gate_proj"].kind == "q4"
+    assert experts["qweight"].dtype == np.uint8 and "zeros" in experts
+    ids = prompt(160, seed=5)
+    ours = forward_logits(kept, ids, page_size=PAGE_SIZE)
+    dequantized = forward_logits(load_model(path, "float32", quantization="none"), ids,
+                                 page_size=PAGE_SIZE)
+    np.testing.assert_allclose(ours, dequantized, rtol=0,
+                               atol=1e-5 * np.abs(dequantized).max())
+    np.testing.assert_allclose(ours, hf_logits(_transformers_gguf(hf, path), ids), rtol=0,
+                               atol=1e-4)
+
+
 def test_moe_gguf_missing_expert_stack_is_named(built, tmp_path):
     directory = built("qwen3_moe_norm_topk")[2]
     path = str(tmp_path / "broken.gguf")
