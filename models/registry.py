@@ -13,10 +13,10 @@ from typing import Any
 from models.config import (
     ArchConfig,
     common_fields,
-    parse_rope,
     partial_rotary_factor,
     windows_from_layer_types,
 )
+from models.rope import parse_rope
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from models.config import RopeScaling
 from models.loaders import load_model
 from models.model import Model
+from models.rope import RopeScaling
 from tests.models.helpers import forward_logits, hf_logits
 
 torch = pytest.importorskip("torch")
