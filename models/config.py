@@ -62,8 +62,9 @@ class ArchConfig:
             `rotary_dim` channels; the rest pass unrotated: Phi-3.5/4-mini).
         qk_norm_full: With `qk_norm`, q and k are normed over their whole projection
             (`num_heads * head_dim`, OLMoE) instead of per head.
-        num_experts: Routed experts of every layer's MLP (0: a dense `GatedMLP`; else
-            every layer is a `models.moe.MoEMLP`).
+        num_experts: Routed experts of each sparse layer's MLP (0: a dense `GatedMLP`
+            in every layer; else a `models.moe.MoEMLP` in every layer not in
+            `dense_layers`).
         num_experts_per_tok: Experts each token is routed to (top-k).
         moe_intermediate_size: Hidden width of one routed expert.
         shared_expert_intermediate_size: Width of the shared expert every token also
@@ -71,6 +72,9 @@ class ArchConfig:
         norm_topk_prob: Whether the top-k probabilities are divided by their sum
             (`router_order` "softmax_topk").
         router_order: One of `ROUTER_ORDERS`.
+        dense_layers: The layers of a mixture of experts whose MLP is a dense `GatedMLP`
+            of `intermediate_size` (Qwen-MoE's `mlp_only_layers` and
+            `decoder_sparse_step`; `models.mixed`); () when every layer is sparse.
     """
 
     architecture: str
@@ -110,11 +114,25 @@ class ArchConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     router_order: str = "softmax_topk"
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
-        """Whether the layers' MLPs are mixtures of experts."""
+        """Whether the layers' MLPs are mixtures of experts (all, or all but
+        `dense_layers`)."""
         return self.num_experts > 0
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether the layers mix sparse and dense MLPs (`dense_layers`)."""
+        return bool(self.dense_layers)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (none for a dense model)."""
+        if not self.is_moe:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
 
     @property
     def rotary_dim(self) -> int:
@@ -142,6 +160,8 @@ class ArchConfig:
             )
         if not self.layer_windows:
             object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+        # A list (JSON) becomes a tuple: the config is hashed as a static Flax attribute.
+        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
         if len(self.layer_windows) != self.num_layers:
             raise ValueError(
                 f"layer_windows has {len(self.layer_windows)} entries for "
@@ -168,6 +188,9 @@ class ArchConfig:
                              f"shared_expert_intermediate_size "
                              f"({self.shared_expert_intermediate_size}) must be >= 0")
         if not self.num_experts:
+            if self.dense_layers:
+                raise ValueError(f"dense_layers={list(self.dense_layers)} needs a mixture "
+                                 "of experts (num_experts > 0)")
             return
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
@@ -178,6 +201,14 @@ class ArchConfig:
         if self.router_order not in ROUTER_ORDERS:
             raise ValueError(f"unsupported router_order {self.router_order!r}; supported: "
                              f"{', '.join(ROUTER_ORDERS)}")
+        dense = self.dense_layers
+        if list(dense) != sorted(set(dense)) or not all(0 <= i < self.num_layers
+                                                        for i in dense):
+            raise ValueError(f"dense_layers={list(dense)} must be distinct layers in "
+                             f"0..{self.num_layers - 1}, ascending")
+        if len(dense) == self.num_layers:
+            raise ValueError(f"dense_layers={list(dense)} leaves no sparse layer; a model "
+                             "without experts has num_experts=0")
 
     def to_json(self) -> str:
         """Serialises the config (inverse of `from_json`)."""

@@ -143,8 +143,12 @@ HF_MOE = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_la
 
 
 @pytest.mark.parametrize("arch,extra,match", [
-    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\]"),
-    ("Qwen2MoeForCausalLM", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[1, 4]), r"mlp_only_layers=\[1, 4\].*0\.\.3"),
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[-1]), r"mlp_only_layers=\[-1\]"),
+    ("Qwen2MoeForCausalLM", dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
+    ("Qwen2MoeForCausalLM", dict(decoder_sparse_step=5), "decoder_sparse_step=5 leave no sparse"),
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[2], decoder_sparse_step=3),
+     "leave no sparse layer"),
     ("Qwen3MoeForCausalLM", dict(num_experts=0), "num_experts=0"),
     ("OlmoeForCausalLM", dict(clip_qkv=8.0), "clip_qkv=8.0"),
     ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=5),
@@ -166,6 +170,32 @@ def test_family_configs_parse():
     assert (qwen3.norm_topk_prob, qwen3.qk_norm, qwen3.layer_windows) == (True, True, (5,) * 4)
     olmoe = arch_config_from_hf({**HF_MOE, "architectures": ["OlmoeForCausalLM"]})
     assert (olmoe.qk_norm_full, olmoe.moe_intermediate_size) == (True, 24)
+
+
+@pytest.mark.parametrize("arch,extra,dense", [
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[1]), (1,)),
+    ("Qwen2MoeForCausalLM", dict(decoder_sparse_step=2), (0, 2)),  # layer i: (i + 1) % 2
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[3], decoder_sparse_step=2), (0, 2, 3)),
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=None, decoder_sparse_step=None), ()),
+    # transformers' Mixtral and OLMoE read neither field: every layer stays sparse.
+    ("MixtralForCausalLM", dict(num_local_experts=4, mlp_only_layers=[1]), ()),
+    ("OlmoeForCausalLM", dict(decoder_sparse_step=2), ()),
+])
+def test_dense_layers_follow_transformers_rule(arch, extra, dense):
+    cfg = arch_config_from_hf({**HF_MOE, "architectures": [arch], **extra})
+    assert cfg.dense_layers == dense and cfg.is_mixed == bool(dense)
+    assert cfg.sparse_layers == tuple(i for i in range(4) if i not in dense)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dense_layers=(1,), num_experts=0), r"dense_layers=\[1\] needs a mixture"),
+    (dict(dense_layers=(0, 0)), r"dense_layers=\[0, 0\] must be distinct"),
+    (dict(dense_layers=(2,)), r"dense_layers=\[2\] must be distinct layers in 0\.\.1"),
+    (dict(dense_layers=(0, 1)), "leaves no sparse layer"),
+])
+def test_arch_config_dense_layers_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(num_layers=2, **kw)
 
 
 @pytest.mark.parametrize("impl", GROUPED_IMPLS)
