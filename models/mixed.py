@@ -87,6 +87,28 @@ def broadcast_mlp(variables: dict) -> dict:
             COLLECTION: collection}
 
 
+def first_layers(cfg: ArchConfig, params: dict, num_layers: int) -> tuple[ArchConfig, dict]:
+    """A mixed model's config and params tree cut to its first `num_layers` layers (a
+    truncated draft model): each MLP stack keeps its layers among them, and a model left
+    with one kind of layer becomes all-sparse or dense, in that kind's usual form."""
+    n = num_layers
+    sparse = sum(i < n for i in cfg.sparse_layers)
+    dense = tuple(i for i in cfg.dense_layers if i < n)
+    cut = lambda tree, k: jax.tree_util.tree_map(lambda a: a[:k], tree)
+    layers = {k: cut(v, n) for k, v in params["layers"].items() if k not in ("mlp", DENSE)}
+    cfg = dataclasses.replace(cfg, num_layers=n, layer_windows=cfg.layer_windows[:n],
+                              dense_layers=dense if sparse else ())
+    if sparse:
+        layers["mlp"] = cut(params["layers"]["mlp"], sparse)
+    else:  # every layer left is dense: a dense model
+        cfg = dataclasses.replace(cfg, num_experts=0, num_experts_per_tok=0,
+                                  moe_intermediate_size=0, shared_expert_intermediate_size=0)
+        layers["mlp"] = cut(params["layers"][DENSE], len(dense))
+    if sparse and dense:
+        layers[DENSE] = cut(params["layers"][DENSE], len(dense))
+    return cfg, {**params, "layers": layers}
+
+
 class MixedMLP(nn.Module):
     """A mixed model's MLP in the layer scan: the layer's `MoEMLP` when it is sparse, its
     dense `GatedMLP` otherwise, as a `jax.lax.cond` on the (traced) layer, each branch

@@ -127,3 +127,31 @@ def test_mixed_layers_int8(qwen2_moe_mixed):
     err = np.abs(ours - ref)
     assert err.max() > 0 and np.median(err) < 0.02 * np.abs(ref).max()
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.75
+
+
+@pytest.mark.slow  # a draft-model helper (`jaxserve bench --draft-layers`)
+@pytest.mark.parametrize("name,keep,dense", [
+    ("qwen3_moe_sparse_step", 3, (0, 2)),  # still mixed
+    ("qwen3_moe_sparse_step", 1, None),  # layer 0 alone: a dense model
+    ("qwen2_moe_mixed", 2, ()),  # layers 0-1: all sparse
+])
+def test_truncated_mixed_model_matches_transformers_first_layers(name, keep, dense, tmp_path):
+    """`truncate_layers` of a mixed model keeps each stack's first layers: the logits of
+    transformers' model cut to the same layers."""
+    import torch
+
+    from jaxserve.spec_decode.draft import truncate_layers
+    from tests.models.helpers import hf_logits
+
+    case = next(c for c in CASES if c.name == name)
+    hf = build_hf(case, str(tmp_path), seed=7)
+    draft = truncate_layers(load_model(str(tmp_path), "float32"), keep)
+    if dense is None:
+        assert not draft.cfg.is_moe and "dense_mlp" not in draft.params["layers"]
+    else:
+        assert draft.cfg.dense_layers == dense and draft.cfg.is_moe
+    hf.model.layers = torch.nn.ModuleList(hf.model.layers[:keep])
+    hf.config.num_hidden_layers = keep
+    ids = prompt(draft.cfg.vocab_size, seed=7)
+    np.testing.assert_allclose(forward_logits(draft, ids, page_size=PAGE_SIZE),
+                               hf_logits(hf, ids), rtol=0, atol=1e-4)
