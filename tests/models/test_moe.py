@@ -231,3 +231,34 @@ def test_broadcast_experts_serves_the_same_logits():
     ids = list(range(1, 20))
     np.testing.assert_allclose(forward_logits(served, ids, page_size=4),
                                forward_logits(model, ids, page_size=4), rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_mlp_runs_each_layers_own_mlp():
+    """`MixedMLP` at a traced layer equals that layer's `MoEMLP` or `GatedMLP` on its
+    slice of the stacks (one program for every layer); without the stacks in the broadcast
+    collection it is a ValueError naming the fix."""
+    from models.layers import GatedMLP
+    from models.mixed import DENSE, MixedMLP, broadcast_mlp, mlp_index
+    from models.model import random_params
+    from models.packed import COLLECTION
+
+    cfg = _cfg(num_layers=3, dense_layers=(1,), shared_expert_intermediate_size=8)
+    layers = random_params(cfg)["layers"]
+    assert layers["mlp"]["experts"]["gate_proj"].shape[0] == 2
+    assert layers[DENSE]["gate_proj"]["kernel"].shape == (1, H, 24)
+    collection = broadcast_mlp({"params": {"layers": layers}})[COLLECTION]["layers"]["mlp"]
+    x = jax.random.normal(jax.random.key(5), (7, H))
+    fn = jax.jit(lambda layer: MixedMLP(cfg).apply({COLLECTION: collection}, x, layer))
+    at = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i], tree)
+    outs = []
+    for layer, index in enumerate(mlp_index(cfg)):
+        if layer in cfg.dense_layers:
+            want = GatedMLP(cfg).apply({"params": at(layers[DENSE], index)}, x)
+        else:
+            want = MoEMLP(cfg).apply({"params": at(layers["mlp"], index)}, x)
+        outs.append(fn(jnp.int32(layer)))
+        np.testing.assert_allclose(outs[-1], want, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(outs[0]) - np.asarray(outs[2])).max() > 1e-3  # own weights
+    assert fn._cache_size() == 1
+    with pytest.raises(ValueError, match="apply it with models.model.variables"):
+        MixedMLP(cfg).apply({"params": {}}, x, jnp.int32(0))
