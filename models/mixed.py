@@ -119,14 +119,12 @@ class MixedMLP(nn.Module):
         dtype: Parameter dtype.
         quant: The model's plan (both MLPs follow it as they would alone).
         backend: Attention/matmul backend name.
-        reference: The sparse branch runs `models.moe.dense_experts` (tests).
     """
 
     cfg: ArchConfig
     dtype: jnp.dtype = jnp.float32
     quant: QuantPlan = QuantPlan()
     backend: str = "xla"
-    reference: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array) -> jax.Array:
@@ -142,14 +140,15 @@ class MixedMLP(nn.Module):
                              f"{COLLECTION!r} collection; apply it with "
                              "models.model.variables(params)")
         cfg, args = self.cfg, (self.cfg, self.dtype, self.quant, self.backend)
-        is_sparse = jnp.asarray(np.isin(np.arange(cfg.num_layers), cfg.sparse_layers))[layer]
+        kinds = np.isin(np.arange(cfg.num_layers), cfg.sparse_layers)  # bool[L]: sparse
+        is_sparse = jnp.asarray(kinds)[layer]  # bool[]
         index = jnp.asarray(mlp_index(cfg))[layer]  # i32[]: the layer in its kind's stack
         at = lambda tree: jax.tree_util.tree_map(lambda a: a[index], tree)
 
         def run_sparse(x):
             # NOTE: the experts stay whole ([L_sparse, E, ...]): they read their layer.
             small = {k: v for k, v in sparse.items() if k != "experts"}
-            return MoEMLP(*args, reference=self.reference, parent=None).apply(
+            return MoEMLP(*args, parent=None).apply(
                 {"params": at(small), COLLECTION: {"experts": sparse["experts"]}}, x, index)
 
         def run_dense(x):

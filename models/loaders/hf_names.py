@@ -67,12 +67,17 @@ def family_hf_name(cfg: ArchConfig, path: tuple[str, ...], layer: int | None,
             return (f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
                     f"{MIXTRAL_EXPERTS[leaf]}.weight", True)
         return f"model.layers.{layer}.mlp.experts.{expert}.{leaf}.weight", True
-    if path[:2] == ("layers", DENSE):  # a mixed model's dense layers: their `mlp`
-        path = ("layers", "mlp", *path[2:])
+    path = _dense_as_mlp(path)
     name, transpose = hf_name(path, layer)
     if mixtral and path[:2] == ("layers", "mlp"):
         name = name.replace(".mlp.", ".block_sparse_moe.", 1)
     return name, transpose
+
+
+def _dense_as_mlp(path: tuple[str, ...]) -> tuple[str, ...]:
+    """A mixed model's dense-layer MLP leaf (`layers/dense_mlp/...`) under the name its
+    checkpoint gives it (the layer's `mlp`); other paths as they are."""
+    return ("layers", "mlp", *path[2:]) if path[:2] == ("layers", DENSE) else path
 
 
 # Tensors some checkpoints store fused (Phi-3), by the decoder's module: the fused module
@@ -203,7 +208,8 @@ def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
         keys = tuple(p.key for p in path)
         if keys[-1] in QUANT_LEAVES:
             if keys[0] == "layers":
-                return np.stack([fetch_quant(hf_name(keys, i)[0], keys[-1], spec.shape[1:])
+                return np.stack([fetch_quant(hf_name(_dense_as_mlp(keys), i)[0], keys[-1],
+                                             spec.shape[1:])
                                  for i in stack_layers(cfg, keys)])
             return fetch_quant(hf_name(keys, None)[0], keys[-1], spec.shape)
         if "experts" in keys:  # [L, E, in, out]: one HF tensor per layer and expert

@@ -239,15 +239,14 @@ def test_mixed_mlp_runs_each_layers_own_mlp():
     collection it is a ValueError naming the fix."""
     from models.layers import GatedMLP
     from models.mixed import DENSE, MixedMLP, broadcast_mlp, mlp_index
-    from models.model import random_params
     from models.packed import COLLECTION
 
     cfg = _cfg(num_layers=3, dense_layers=(1,), shared_expert_intermediate_size=8)
-    layers = random_params(cfg)["layers"]
-    assert layers["mlp"]["experts"]["gate_proj"].shape[0] == 2
-    assert layers[DENSE]["gate_proj"]["kernel"].shape == (1, H, 24)
-    collection = broadcast_mlp({"params": {"layers": layers}})[COLLECTION]["layers"]["mlp"]
     x = jax.random.normal(jax.random.key(5), (7, H))
+    stack = lambda trees: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *trees)
+    layers = {"mlp": stack([MoEMLP(cfg).init(jax.random.key(s), x)["params"] for s in (0, 2)]),
+              DENSE: stack([GatedMLP(cfg).init(jax.random.key(1), x)["params"]])}
+    collection = broadcast_mlp({"params": {"layers": layers}})[COLLECTION]["layers"]["mlp"]
     fn = jax.jit(lambda layer: MixedMLP(cfg).apply({COLLECTION: collection}, x, layer))
     at = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i], tree)
     outs = []
