@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from models.config import ArchConfig
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
+from models.mixed import MixedMLP
 from models.moe import MoEMLP
 from models.packed import COLLECTION as PACKED
 from models.qlayers import dense, embed
@@ -75,7 +76,8 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then gated MLP (a mixture of experts when
-    `cfg.num_experts`: `models.moe.MoEMLP`); with `cfg.sandwich_norms` (Gemma)
+    `cfg.num_experts`: `models.moe.MoEMLP`, or `models.mixed.MixedMLP` when some layers
+    stay dense); with `cfg.sandwich_norms` (Gemma)
     each block's output is normed again before its residual add."""
 
     cfg: ArchConfig
@@ -98,7 +100,9 @@ class DecoderLayer(nn.Module):
         attn_out, kv_pages = Attention(cfg, self.dtype, self.backend, self.quant,
                                        name="self_attn")(
             h, cos, sin, kv_pages, layer, window, md, slot)
-        if cfg.is_moe:  # every layer sparse (the scan needs one params structure)
+        if cfg.is_mixed:  # sparse and dense layers: one of two stacks per layer
+            mlp = MixedMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
+        elif cfg.is_moe:  # every layer sparse
             mlp = MoEMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
         else:
             mlp = GatedMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
