@@ -41,12 +41,13 @@ def _routing(skew: bool):
     return route(logits, 2, "softmax_topk", True)
 
 
-# NOTE: the CPU serves the loop; ragged_dot (GPU/TPU) and the spread router, which the
-# engine tests also run, go to the slow tier.
+# NOTE: the CPU serves the loop; ragged_dot (GPU/TPU), the spread router and one layer's
+# weights (the engine tests run the last two) go to the slow tier.
 @pytest.mark.parametrize("impl", [i if i == "loop" else pytest.param(i, marks=pytest.mark.slow)
                                   for i in GROUPED_IMPLS])
 @pytest.mark.parametrize("split", list(SPLITS))
-@pytest.mark.parametrize("stacked", [False, True], ids=["layer", "stacks"])
+@pytest.mark.parametrize("stacked", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["layer", "stacks"])
 @pytest.mark.parametrize("skew", [pytest.param(False, marks=pytest.mark.slow), True],
                          ids=["spread", "skewed"])
 def test_sharded_matches_dense_reference(mesh, impl, split, stacked, skew):
