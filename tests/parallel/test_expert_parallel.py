@@ -239,3 +239,12 @@ def test_cli_flags_reach_the_engine_arguments():
     assert (kwargs["enable_expert_parallel"], kwargs["expert_parallel_size"],
             kwargs["tensor_parallel_size"]) == (True, 2, 2)
     assert "enable_expert_parallel" not in engine_kwargs(p.parse_args(["m"]))
+
+
+@pytest.mark.slow  # two more engines' programs
+def test_data_parallel_replicas_of_expert_parallel_engines(moe_dir, reference):
+    """Two replicas of EP 2 take 2 devices each (`ParallelConfig.devices_per_replica`)."""
+    llm = LLM(moe_dir, data_parallel_size=2, expert_parallel_size=2, warmup=False, **SMALL)
+    meshes = [sorted(d.id for d in r.layout.mesh.devices.flat) for r in llm.engine.replicas]
+    assert meshes == [[0, 1], [2, 3]]
+    assert _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
