@@ -129,7 +129,9 @@ def sharded_experts(grouped: Callable, x: jax.Array, weights: jax.Array, ids: ja
     """
     stacked = layer is not None
     e_axis = 1 if stacked else 0
-    num_local = experts["gate_proj"].shape[e_axis] // sharding.num_expert_shards
+    # NOTE: quantized leaves (a subtree per projection) keep the leading [L, E] axes.
+    num_experts = jax.tree_util.tree_leaves(experts["gate_proj"])[0].shape[e_axis]
+    num_local = num_experts // sharding.num_expert_shards
     reduce_over = tuple(a for a in (*sharding.expert_axes, *sharding.width_axes)
                         if sharding.mesh.shape[a] > 1)
 
