@@ -248,3 +248,23 @@ def test_data_parallel_replicas_of_expert_parallel_engines(moe_dir, reference):
     meshes = [sorted(d.id for d in r.layout.mesh.devices.flat) for r in llm.engine.replicas]
     assert meshes == [[0, 1], [2, 3]]
     assert _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == reference
+
+
+@pytest.mark.slow  # another family's model and engine
+def test_shared_expert_family_under_ep2_tp2_matches_transformers(smollm2_tokenizer,
+                                                                 tmp_path_factory,
+                                                                 torch_one_thread):
+    """Qwen2-MoE (a shared expert, split as the dense MLP over "kv"/"rep", beside routed
+    experts split over "expert" and their width) against transformers' `generate`."""
+    from tests.e2e.hf_family import PROMPTS, check_engine_greedy
+
+    path = str(tmp_path_factory.mktemp("qwen2_moe_ep"))
+    config = dict(TINY, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                  norm_topk_prob=False)
+    hf = build_hf_model("Qwen2MoeConfig", "Qwen2MoeForCausalLM", config, smollm2_tokenizer,
+                        path, norm_center=1.0)
+    llm = LLM(path, expert_parallel_size=2, tensor_parallel_size=2, warmup=False, **SMALL)
+    assert llm.engine.layout.experts.expert_axes == ("expert",)
+    ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
+    check_engine_greedy(llm, hf, smollm2_tokenizer, ids, max_tokens=8)
