@@ -4,96 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+from models.rope import RopeScaling, check_rope_scaling, parse_rope
+
 # HF activation names the gated MLP computes ("gelu_pytorch_tanh": GELU, tanh approximation).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # How a mixture-of-experts router turns logits into weights (`models.moe.route`):
 # softmax over all experts then top-k (Qwen-MoE, OLMoE), or top-k logits then softmax (Mixtral).
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction `0.1 * mscale * ln(factor) + 1` (1 for factor <= 1)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Rotary-embedding frequency scaling (HF `rope_scaling` / `rope_parameters`).
-
-    Attributes:
-        rope_type: One of `SUPPORTED_ROPE_TYPES`: "default" (none), "linear", "llama3",
-            "yarn" or "longrope".
-        factor: Context extension factor (linear, llama3, yarn; longrope's only sets its
-            default attention factor).
-        low_freq_factor: Llama 3 low-frequency factor.
-        high_freq_factor: Llama 3 high-frequency factor.
-        original_max_position_embeddings: The pre-training context length (llama3, yarn,
-            longrope).
-        attention_factor: What cos and sin are multiplied by (so q.k by its square); None
-            derives it: yarn from `factor`, `mscale`, `mscale_all_dim`, longrope
-            `sqrt(1 + ln(factor) / ln(original))`; the other types 1.
-        beta_fast: YaRN: rotations above which a frequency is extrapolated (kept).
-        beta_slow: YaRN: rotations below which a frequency is interpolated (divided).
-        mscale: YaRN: the attention factor's numerator coefficient (with `mscale_all_dim`).
-        mscale_all_dim: YaRN: its denominator coefficient; used only with `mscale`.
-        truncate: YaRN: whether the ramp's bounds are rounded out to whole dimensions.
-        short_factor: LongRoPE: per-frequency divisors f32[rotary_dim // 2] within the
-            original context.
-        long_factor: LongRoPE: the divisors past it.
-        use_long_factors: LongRoPE: which set the tables use, for every position. transformers
-            picks by the sequence's length and recomputes the KV cache when a sequence
-            crosses `original_max_position_embeddings`; a paged server cannot rewrite a
-            request's KV, so (as vLLM) the set is fixed for the engine: the long factors when
-            the longest context served exceeds the original length (`ArchConfig.
-            for_max_model_len`; parsing assumes `max_position_embeddings`).
-    """
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    attention_factor: float | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
-    use_long_factors: bool = True
-
-    def __post_init__(self):
-        # Lists (JSON) become tuples: the config is hashed as a static Flax attribute.
-        for name in ("short_factor", "long_factor"):
-            object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
-
-    @property
-    def ext_factors(self) -> tuple[float, ...]:
-        """LongRoPE's divisors in use (`use_long_factors`), else ()."""
-        if self.rope_type != "longrope":
-            return ()
-        return self.long_factor if self.use_long_factors else self.short_factor
-
-    def attention_scaling(self) -> float:
-        """The factor cos and sin are multiplied by (transformers' `attention_scaling`)."""
-        if self.attention_factor is not None:
-            return float(self.attention_factor)
-        if self.rope_type == "yarn":
-            if self.mscale and self.mscale_all_dim:
-                return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
-                    self.factor, self.mscale_all_dim)
-            return yarn_mscale(self.factor)
-        if self.rope_type == "longrope" and self.factor > 1.0:
-            return math.sqrt(1 + math.log(self.factor)
-                             / math.log(self.original_max_position_embeddings))
-        return 1.0
 
 
 @dataclass(frozen=True)
@@ -141,8 +62,9 @@ class ArchConfig:
             `rotary_dim` channels; the rest pass unrotated: Phi-3.5/4-mini).
         qk_norm_full: With `qk_norm`, q and k are normed over their whole projection
             (`num_heads * head_dim`, OLMoE) instead of per head.
-        num_experts: Routed experts of every layer's MLP (0: a dense `GatedMLP`; else
-            every layer is a `models.moe.MoEMLP`).
+        num_experts: Routed experts of each sparse layer's MLP (0: a dense `GatedMLP`
+            in every layer; else a `models.moe.MoEMLP` in every layer not in
+            `dense_layers`).
         num_experts_per_tok: Experts each token is routed to (top-k).
         moe_intermediate_size: Hidden width of one routed expert.
         shared_expert_intermediate_size: Width of the shared expert every token also
@@ -150,6 +72,9 @@ class ArchConfig:
         norm_topk_prob: Whether the top-k probabilities are divided by their sum
             (`router_order` "softmax_topk").
         router_order: One of `ROUTER_ORDERS`.
+        dense_layers: The layers of a mixture of experts whose MLP is a dense `GatedMLP`
+            of `intermediate_size` (Qwen-MoE's `mlp_only_layers` and
+            `decoder_sparse_step`; `models.mixed`); () when every layer is sparse.
     """
 
     architecture: str
@@ -189,11 +114,25 @@ class ArchConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = False
     router_order: str = "softmax_topk"
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
-        """Whether the layers' MLPs are mixtures of experts."""
+        """Whether the layers' MLPs are mixtures of experts (all, or all but
+        `dense_layers`)."""
         return self.num_experts > 0
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether the layers mix sparse and dense MLPs (`dense_layers`)."""
+        return bool(self.dense_layers)
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (none for a dense model)."""
+        if not self.is_moe:
+            return ()
+        return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
 
     @property
     def rotary_dim(self) -> int:
@@ -221,6 +160,8 @@ class ArchConfig:
             )
         if not self.layer_windows:
             object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+        # A list (JSON) becomes a tuple: the config is hashed as a static Flax attribute.
+        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
         if len(self.layer_windows) != self.num_layers:
             raise ValueError(
                 f"layer_windows has {len(self.layer_windows)} entries for "
@@ -231,7 +172,7 @@ class ArchConfig:
                              f"dimension of {self.rotary_dim} for head_dim {self.head_dim}; it "
                              "must be a positive even number of channels")
         for name in ("rope_scaling", "local_rope_scaling"):
-            self._check_rope(name, getattr(self, name))
+            check_rope_scaling(name, getattr(self, name), self.rotary_dim)
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
                              f"{', '.join(SUPPORTED_ACTIVATIONS)}")
@@ -247,6 +188,9 @@ class ArchConfig:
                              f"shared_expert_intermediate_size "
                              f"({self.shared_expert_intermediate_size}) must be >= 0")
         if not self.num_experts:
+            if self.dense_layers:
+                raise ValueError(f"dense_layers={list(self.dense_layers)} needs a mixture "
+                                 "of experts (num_experts > 0)")
             return
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
@@ -257,21 +201,14 @@ class ArchConfig:
         if self.router_order not in ROUTER_ORDERS:
             raise ValueError(f"unsupported router_order {self.router_order!r}; supported: "
                              f"{', '.join(ROUTER_ORDERS)}")
-
-    def _check_rope(self, name: str, scaling: RopeScaling) -> None:
-        if scaling.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {scaling.rope_type!r}; supported: "
-                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-        if scaling.rope_type in ("linear", "llama3", "yarn") and not scaling.factor > 0:
-            raise ValueError(f"{name}.factor must be positive, got {scaling.factor}")
-        if scaling.rope_type == "longrope":
-            for f in ("short_factor", "long_factor"):
-                n = len(getattr(scaling, f))
-                if n != self.rotary_dim // 2:
-                    raise ValueError(f"{name}.{f} has {n} entries; the rotary dimension "
-                                     f"{self.rotary_dim} needs {self.rotary_dim // 2}")
-                if not all(x > 0 for x in getattr(scaling, f)):
-                    raise ValueError(f"{name}.{f} must be positive")
+        dense = self.dense_layers
+        if list(dense) != sorted(set(dense)) or not all(0 <= i < self.num_layers
+                                                        for i in dense):
+            raise ValueError(f"dense_layers={list(dense)} must be distinct layers in "
+                             f"0..{self.num_layers - 1}, ascending")
+        if len(dense) == self.num_layers:
+            raise ValueError(f"dense_layers={list(dense)} leaves no sparse layer; a model "
+                             "without experts has num_experts=0")
 
     def to_json(self) -> str:
         """Serialises the config (inverse of `from_json`)."""
@@ -287,64 +224,6 @@ class ArchConfig:
         d["layer_windows"] = tuple(d["layer_windows"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         return cls(**d)
-
-
-# The `rope_scaling` / `rope_parameters` keys each type reads (transformers' own; others
-# are ignored, as transformers ignores them), and those it cannot do without.
-_ROPE_KEYS = {
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-               "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
-             "beta_slow", "mscale", "mscale_all_dim", "truncate"),
-    "longrope": ("factor", "original_max_position_embeddings", "attention_factor",
-                 "short_factor", "long_factor"),
-}
-_ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor",),
-                  "longrope": ("short_factor", "long_factor")}
-
-
-def parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
-    """Reads rotary settings from either transformers 5 (`rope_parameters`) or 4 style.
-
-    As transformers: a top-level `original_max_position_embeddings` (Phi-3) comes before
-    the scaling's own, and `max_position_embeddings` stands in for both it and a missing
-    yarn or longrope `factor` (their ratio); longrope's factor set follows
-    `max_position_embeddings` (`RopeScaling.use_long_factors`).
-
-    Raises:
-        ValueError: A key the rope type cannot do without is missing (named).
-    """
-    params = dict(hf.get("rope_parameters") or {})
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    scaling = dict(hf.get("rope_scaling") or {})
-    scaling.update(params)
-    scaling = {k: v for k, v in scaling.items() if v is not None}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    if rope_type == "default":
-        return theta, RopeScaling()
-    if rope_type not in _ROPE_KEYS:  # ArchConfig names it
-        return theta, RopeScaling(rope_type=rope_type)
-    for key in _ROPE_REQUIRED.get(rope_type, ()):
-        if key not in scaling:
-            raise ValueError(f"rope_scaling of type {rope_type!r} lacks {key}")
-    kwargs = {k: scaling[k] for k in _ROPE_KEYS[rope_type] if k in scaling}
-    if rope_type != "linear":  # the types that know a pre-training length
-        max_len = int(hf.get("max_position_embeddings") or 2048)
-        original = int(hf.get("original_max_position_embeddings")
-                       or kwargs.get("original_max_position_embeddings") or max_len)
-        kwargs["original_max_position_embeddings"] = original
-        if rope_type != "llama3":
-            kwargs.setdefault("factor", max_len / original)
-        if rope_type == "longrope":
-            kwargs["use_long_factors"] = max_len > original
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor",
-                "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-        if key in kwargs:
-            kwargs[key] = float(kwargs[key])
-    if "truncate" in kwargs:
-        kwargs["truncate"] = bool(kwargs["truncate"])
-    return theta, RopeScaling(rope_type=rope_type, **kwargs)
 
 
 def partial_rotary_factor(hf: dict[str, Any]) -> float:

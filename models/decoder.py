@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from models.config import ArchConfig
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
+from models.mixed import MixedMLP
 from models.moe import MoEMLP
 from models.moe_parallel import ExpertSharding
 from models.packed import COLLECTION as PACKED
@@ -76,9 +77,10 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then gated MLP (a mixture of experts when
-    `cfg.num_experts`: `models.moe.MoEMLP`, its experts split over a mesh by
-    `expert_sharding`); with `cfg.sandwich_norms` (Gemma) each block's output is normed
-    again before its residual add."""
+    `cfg.num_experts`: `models.moe.MoEMLP`, or `models.mixed.MixedMLP` when some layers
+    stay dense, their experts split over a mesh by `expert_sharding`); with
+    `cfg.sandwich_norms` (Gemma) each block's output is normed again before its residual
+    add."""
 
     cfg: ArchConfig
     dtype: jnp.dtype
@@ -101,7 +103,10 @@ class DecoderLayer(nn.Module):
         attn_out, kv_pages = Attention(cfg, self.dtype, self.backend, self.quant,
                                        name="self_attn")(
             h, cos, sin, kv_pages, layer, window, md, slot)
-        if cfg.is_moe:  # every layer sparse (the scan needs one params structure)
+        if cfg.is_mixed:  # sparse and dense layers: one of two stacks per layer
+            mlp = MixedMLP(cfg, self.dtype, self.quant, self.backend,
+                           sharding=self.expert_sharding, name="mlp")
+        elif cfg.is_moe:  # every layer sparse
             mlp = MoEMLP(cfg, self.dtype, self.quant, self.backend,
                          sharding=self.expert_sharding, name="mlp")
         else:

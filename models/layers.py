@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import math
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from models.config import ArchConfig, RopeScaling
+from models.config import ArchConfig
 from models.qlayers import dense as make_dense
 from models.quant import QuantPlan
+from models.rope import RopeScaling, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -40,56 +38,6 @@ class RMSNorm(nn.Module):
 
 
 ACTIVATIONS = {"silu": nn.silu, "gelu_pytorch_tanh": lambda x: nn.gelu(x, approximate=True)}
-
-
-def _yarn_inv_freq(pos_freqs: np.ndarray, dim: int, theta: float,
-                   scaling: RopeScaling) -> np.ndarray:
-    """YaRN: each frequency blends its interpolated (divided by `factor`) and extrapolated
-    (kept) values by a linear ramp over the dimensions whose rotation count within the
-    original context falls from `beta_fast` to `beta_slow`."""
-    def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times
-        return (dim * math.log(scaling.original_max_position_embeddings
-                               / (rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
-    if scaling.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # no zero-width ramp
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    keep = (1 - ramp).astype(np.float32)  # f32[dim // 2]: 1 = extrapolate
-    extrapolated = 1.0 / pos_freqs
-    interpolated = 1.0 / (scaling.factor * pos_freqs)
-    return interpolated * (1 - keep) + extrapolated * keep
-
-
-def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
-    """Inverse rotary frequencies f32[dim // 2] of a `dim`-channel rotary (the head, or its
-    rotated part), scaled as `scaling.rope_type` says; computed in float32 in
-    transformers' order of operations, so the tables match it to the last bit or two."""
-    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
-    pos_freqs = (theta ** exponents).astype(np.float32)  # f32[dim // 2]
-    if scaling.rope_type == "longrope":  # divisors per frequency (`ext_factors`)
-        factors = np.asarray(scaling.ext_factors, np.float32)
-        return (1.0 / (factors * pos_freqs)).astype(np.float32)
-    if scaling.rope_type == "yarn":
-        return _yarn_inv_freq(pos_freqs, dim, theta, scaling).astype(np.float32)
-    inv_freq = (1.0 / pos_freqs).astype(np.float32)
-    if scaling.rope_type == "linear":
-        inv_freq = inv_freq / scaling.factor
-    elif scaling.rope_type == "llama3":
-        old_len = scaling.original_max_position_embeddings
-        low_wavelen = old_len / scaling.low_freq_factor
-        high_wavelen = old_len / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = np.where(medium, smoothed, scaled)
-    return inv_freq.astype(np.float32)
 
 
 def _cos_sin(positions: jax.Array, dim: int, theta: float, scaling: RopeScaling):

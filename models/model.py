@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from models.config import ArchConfig
 from models.decoder import Decoder
 from models.kv_groups import KVGroupLayout, single_group
+from models.mixed import broadcast_mlp, mixed_init
 from models.moe_parallel import ExpertSharding
 from models.quant import NO_QUANT, QuantPlan, quantize_params
 from pallas_kernels import AttentionMetadata, kv_pages_shape, resolve_backend
@@ -31,6 +32,8 @@ def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
 
 def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT):
     """A function of an RNG key that initialises every parameter (LM head included)."""
+    if cfg.is_mixed:  # two MLP stacks of their own (`models.mixed`)
+        return mixed_init(cfg, lambda c: _init_fn(c, dtype, quant))
     module = Decoder(cfg, parse_dtype(dtype), quant=quant)
     md = AttentionMetadata(slot_mapping=jnp.zeros(1, jnp.int32),
                            block_tables=jnp.zeros((1, 1), jnp.int32),
@@ -64,8 +67,10 @@ def random_params(cfg: ArchConfig, dtype="float32", seed: int = 0,
 
 def variables(params: dict) -> dict:
     """The Flax variables of a `Model.params`: the "params" collection's tree, or already
-    the variables dict (a serving form with a collection of its own)."""
-    return params if "params" in params else {"params": params}
+    the variables dict (a serving form with a collection of its own); a mixed mixture of
+    experts' MLP stacks moved to the collection the layer scan broadcasts
+    (`models.mixed.broadcast_mlp`)."""
+    return broadcast_mlp(params if "params" in params else {"params": params})
 
 
 @dataclasses.dataclass

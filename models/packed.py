@@ -179,9 +179,10 @@ def broadcast_experts(model):
     (`layers/mlp/experts`, [L, E, ...]) moved from "params" into `COLLECTION`, which the
     layer scan broadcasts whole, so a step reads only the routed experts of each layer
     (`models.moe.Experts`). Other models, and weights on several devices, are returned
-    as they are (the same model when already in that form)."""
+    as they are (the same model when already in that form), and so is a model mixing
+    sparse and dense layers, whose MLP stacks are always broadcast (`models.mixed`)."""
     params = model.params
-    if not model.cfg.is_moe or "params" in params:
+    if not model.cfg.is_moe or model.cfg.is_mixed or "params" in params:
         return model
     leaves = jax.tree_util.tree_leaves(params)
     if any(len(x.sharding.device_set) > 1 for x in leaves if isinstance(x, jax.Array)):

@@ -13,10 +13,10 @@ from typing import Any
 from models.config import (
     ArchConfig,
     common_fields,
-    parse_rope,
     partial_rotary_factor,
     windows_from_layer_types,
 )
+from models.rope import parse_rope
 
 logger = logging.getLogger(__name__)
 
@@ -228,14 +228,19 @@ class Gemma3(Gemma2):
                     local_rope_scaling=local_scaling)
 
 
-def sparse_fields(hf: dict[str, Any], num_experts_key: str, expert_size_key: str) -> dict:
+def sparse_fields(hf: dict[str, Any], num_experts_key: str, expert_size_key: str,
+                  mixed: bool = False) -> dict:
     """The mixture-of-experts fields of an HF config (`num_experts_key`: its expert count,
     `expert_size_key`: one expert's width).
 
+    With `mixed` (Qwen2-MoE, Qwen3-MoE), the layers whose MLP stays dense, as
+    transformers decides: layer i is sparse unless it is in `mlp_only_layers` or
+    `(i + 1) % decoder_sparse_step` is not 0 (`ArchConfig.dense_layers`). Other families'
+    transformers classes read neither field, and neither do we.
+
     Raises:
-        ValueError: No experts, or a config whose layers mix dense and sparse MLPs
-            (`mlp_only_layers`, `decoder_sparse_step`): the layer scan needs every layer
-            to have the same parameters.
+        ValueError: No experts; an `mlp_only_layers` entry that is not a layer, a
+            `decoder_sparse_step` below 1, or fields that leave no layer sparse (named).
     """
     arch = hf["architectures"][0]
     # NOTE: transformers 5 saves some configs' `num_experts` as `num_local_experts`
@@ -244,20 +249,32 @@ def sparse_fields(hf: dict[str, Any], num_experts_key: str, expert_size_key: str
     if num_experts <= 0:
         raise ValueError(f"{arch} config has {num_experts_key}={num_experts}; a mixture of "
                          "experts needs at least one")
-    n = int(hf["num_hidden_layers"])
-    dense = sorted(set(int(i) for i in hf.get("mlp_only_layers") or []) & set(range(n)))
-    if dense:
-        raise ValueError(f"unsupported mlp_only_layers={dense} for {arch}: every layer must "
-                         "be sparse (the layer scan needs one parameter structure)")
-    step = int(hf.get("decoder_sparse_step") or 1)
-    if step < 1 or any((i + 1) % step for i in range(n)):
-        raise ValueError(f"unsupported decoder_sparse_step={step} for {arch} with {n} "
-                         "layers: every layer must be sparse (step 1)")
     if hf.get("output_router_logits"):
         logger.info("%s: output_router_logits is ignored (serving returns no router "
                     "logits)", arch)
-    return dict(num_experts=num_experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                moe_intermediate_size=int(hf[expert_size_key]))
+    fields = dict(num_experts=num_experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                  moe_intermediate_size=int(hf[expert_size_key]))
+    if mixed:
+        fields["dense_layers"] = _dense_layers(hf, arch)
+    return fields
+
+
+def _dense_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """The dense layers `mlp_only_layers` and `decoder_sparse_step` give (`sparse_fields`)."""
+    n = int(hf["num_hidden_layers"])
+    only = list(hf.get("mlp_only_layers") or [])
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in only):
+        raise ValueError(f"mlp_only_layers={only} for {arch}: every entry must be a layer "
+                         f"index in 0..{n - 1}")
+    step = hf.get("decoder_sparse_step")
+    step = 1 if step is None else step
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"decoder_sparse_step={step!r} for {arch} must be an integer >= 1")
+    dense = tuple(i for i in range(n) if i in only or (i + 1) % step)
+    if len(dense) == n:
+        raise ValueError(f"mlp_only_layers={only} and decoder_sparse_step={step} leave no "
+                         f"sparse layer among the {n} layers of this {arch}")
+    return dense
 
 
 class Mixtral(Mistral):
@@ -276,7 +293,8 @@ class Mixtral(Mistral):
 class Qwen2Moe(Qwen2):
     """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (`qkv_bias` as the
     config says), routed experts of `moe_intermediate_size` (softmax then top-k,
-    `norm_topk_prob`), and a shared expert gated by a sigmoid."""
+    `norm_topk_prob`), and a shared expert gated by a sigmoid; the layers
+    `mlp_only_layers` / `decoder_sparse_step` name have a dense MLP instead."""
 
     architectures = ("Qwen2MoeForCausalLM",)
 
@@ -286,12 +304,13 @@ class Qwen2Moe(Qwen2):
         return dict(super().extra_fields(hf), qkv_bias=bool(hf.get("qkv_bias", True)),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                     shared_expert_intermediate_size=shared,
-                    **sparse_fields(hf, "num_experts", "moe_intermediate_size"))
+                    **sparse_fields(hf, "num_experts", "moe_intermediate_size", mixed=True))
 
 
 class Qwen3Moe(Qwen3):
     """Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3's attention (per-head q/k norms) with
-    routed experts of `moe_intermediate_size` (softmax then top-k, `norm_topk_prob`)."""
+    routed experts of `moe_intermediate_size` (softmax then top-k, `norm_topk_prob`); the
+    layers `mlp_only_layers` / `decoder_sparse_step` name have a dense MLP instead."""
 
     architectures = ("Qwen3MoeForCausalLM",)
 
@@ -306,7 +325,7 @@ class Qwen3Moe(Qwen3):
     def extra_fields(cls, hf):
         return dict(super().extra_fields(hf),
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                    **sparse_fields(hf, "num_experts", "moe_intermediate_size"))
+                    **sparse_fields(hf, "num_experts", "moe_intermediate_size", mixed=True))
 
 
 class Olmoe(ModelFamily):

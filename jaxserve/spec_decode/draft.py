@@ -57,13 +57,18 @@ def truncate_layers(model, num_layers: int):
     Raises:
         ValueError: `num_layers` not in [1, the model's layers].
     """
+    from models.mixed import first_layers
     from models.model import Model
 
     if not 1 <= num_layers <= model.cfg.num_layers:
         raise ValueError(f"num_layers must be in [1, {model.cfg.num_layers}], got {num_layers}")
-    cfg = dataclasses.replace(model.cfg, num_layers=num_layers,
-                              layer_windows=model.cfg.layer_windows[:num_layers])
-    return Model(cfg, _first_layers(model.params, num_layers), model.dtype,
+    if model.cfg.is_mixed:  # sparse and dense MLP stacks of their own lengths
+        cfg, params = first_layers(model.cfg, model.params, num_layers)
+    else:
+        cfg = dataclasses.replace(model.cfg, num_layers=num_layers,
+                                  layer_windows=model.cfg.layer_windows[:num_layers])
+        params = _first_layers(model.params, num_layers)
+    return Model(cfg, params, model.dtype,
                  f"{model.source} (first {num_layers} layers)", backend=model.backend,
                  quant=model.quant)
 

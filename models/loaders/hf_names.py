@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ArchConfig
+from models.mixed import DENSE, stack_layers
 from models.quant import to_leaves
 
 
@@ -57,7 +58,8 @@ def family_hf_name(cfg: ArchConfig, path: tuple[str, ...], layer: int | None,
                    expert: int | None = None) -> tuple[str, bool]:
     """`hf_name` for `cfg`'s family: also the routed experts' leaves (`layers/mlp/experts/
     gate_proj` of expert `expert`: `mlp.experts.{e}.gate_proj.weight`, Mixtral's
-    `block_sparse_moe.experts.{e}.w1.weight`), and Mixtral's `block_sparse_moe` module."""
+    `block_sparse_moe.experts.{e}.w1.weight`), Mixtral's `block_sparse_moe` module, and a
+    mixed model's dense MLPs (`layers/dense_mlp`: the layer's `mlp`)."""
     mixtral = cfg.architecture == "MixtralForCausalLM"
     if "experts" in path:
         leaf = path[-1]
@@ -65,10 +67,17 @@ def family_hf_name(cfg: ArchConfig, path: tuple[str, ...], layer: int | None,
             return (f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
                     f"{MIXTRAL_EXPERTS[leaf]}.weight", True)
         return f"model.layers.{layer}.mlp.experts.{expert}.{leaf}.weight", True
+    path = _dense_as_mlp(path)
     name, transpose = hf_name(path, layer)
     if mixtral and path[:2] == ("layers", "mlp"):
         name = name.replace(".mlp.", ".block_sparse_moe.", 1)
     return name, transpose
+
+
+def _dense_as_mlp(path: tuple[str, ...]) -> tuple[str, ...]:
+    """A mixed model's dense-layer MLP leaf (`layers/dense_mlp/...`) under the name its
+    checkpoint gives it (the layer's `mlp`); other paths as they are."""
+    return ("layers", "mlp", *path[2:]) if path[:2] == ("layers", DENSE) else path
 
 
 # Tensors some checkpoints store fused (Phi-3), by the decoder's module: the fused module
@@ -199,19 +208,20 @@ def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
         keys = tuple(p.key for p in path)
         if keys[-1] in QUANT_LEAVES:
             if keys[0] == "layers":
-                return np.stack([fetch_quant(hf_name(keys, i)[0], keys[-1], spec.shape[1:])
-                                 for i in range(cfg.num_layers)])
+                return np.stack([fetch_quant(hf_name(_dense_as_mlp(keys), i)[0], keys[-1],
+                                             spec.shape[1:])
+                                 for i in stack_layers(cfg, keys)])
             return fetch_quant(hf_name(keys, None)[0], keys[-1], spec.shape)
         if "experts" in keys:  # [L, E, in, out]: one HF tensor per layer and expert
             per_expert = spec.shape[2:]
             arrays = [np.stack([fetch(*family_hf_name(cfg, keys, i, e), per_expert)
                                 for e in range(spec.shape[1])])
-                      for i in range(cfg.num_layers)]
+                      for i in stack_layers(cfg, keys)]
             out = np.stack(arrays).astype(np.float32)
         elif keys[0] == "layers":
             per_layer = spec.shape[1:]
             arrays = [fetch(*family_hf_name(cfg, keys, i), per_layer)
-                      for i in range(cfg.num_layers)]
+                      for i in stack_layers(cfg, keys)]
             out = np.stack(arrays).astype(np.float32)
         else:
             out = fetch(*family_hf_name(cfg, keys, None), spec.shape).astype(np.float32)

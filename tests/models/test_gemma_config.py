@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from models.config import RopeScaling
 from models.loaders import convert, load_model
 from models.registry import arch_config_from_hf
+from models.rope import RopeScaling
 from tests.models.helpers import forward_logits, hf_logits
 
 torch = pytest.importorskip("torch")

@@ -13,11 +13,11 @@ import gguf
 import numpy as np
 import pytest
 
-from models.config import RopeScaling
 from models.loaders import load_model, read_arch_config
 from models.loaders.gguf_file import GGUFFile, open_gguf
 from models.model import Model
 from models.registry import arch_config_from_hf
+from models.rope import RopeScaling
 from tests.models.gemma_gguf import write_gemma_gguf
 from tests.models.helpers import forward_logits, hf_logits
 

@@ -143,8 +143,12 @@ HF_MOE = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_la
 
 
 @pytest.mark.parametrize("arch,extra,match", [
-    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[1]), r"mlp_only_layers=\[1\]"),
-    ("Qwen2MoeForCausalLM", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[1, 4]), r"mlp_only_layers=\[1, 4\].*0\.\.3"),
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[-1]), r"mlp_only_layers=\[-1\]"),
+    ("Qwen2MoeForCausalLM", dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
+    ("Qwen2MoeForCausalLM", dict(decoder_sparse_step=5), "decoder_sparse_step=5 leave no sparse"),
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[2], decoder_sparse_step=3),
+     "leave no sparse layer"),
     ("Qwen3MoeForCausalLM", dict(num_experts=0), "num_experts=0"),
     ("OlmoeForCausalLM", dict(clip_qkv=8.0), "clip_qkv=8.0"),
     ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=5),
@@ -166,6 +170,32 @@ def test_family_configs_parse():
     assert (qwen3.norm_topk_prob, qwen3.qk_norm, qwen3.layer_windows) == (True, True, (5,) * 4)
     olmoe = arch_config_from_hf({**HF_MOE, "architectures": ["OlmoeForCausalLM"]})
     assert (olmoe.qk_norm_full, olmoe.moe_intermediate_size) == (True, 24)
+
+
+@pytest.mark.parametrize("arch,extra,dense", [
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[1]), (1,)),
+    ("Qwen2MoeForCausalLM", dict(decoder_sparse_step=2), (0, 2)),  # layer i: (i + 1) % 2
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[3], decoder_sparse_step=2), (0, 2, 3)),
+    ("Qwen3MoeForCausalLM", dict(mlp_only_layers=None, decoder_sparse_step=None), ()),
+    # transformers' Mixtral and OLMoE read neither field: every layer stays sparse.
+    ("MixtralForCausalLM", dict(num_local_experts=4, mlp_only_layers=[1]), ()),
+    ("OlmoeForCausalLM", dict(decoder_sparse_step=2), ()),
+])
+def test_dense_layers_follow_transformers_rule(arch, extra, dense):
+    cfg = arch_config_from_hf({**HF_MOE, "architectures": [arch], **extra})
+    assert cfg.dense_layers == dense and cfg.is_mixed == bool(dense)
+    assert cfg.sparse_layers == tuple(i for i in range(4) if i not in dense)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dense_layers=(1,), num_experts=0), r"dense_layers=\[1\] needs a mixture"),
+    (dict(dense_layers=(0, 0)), r"dense_layers=\[0, 0\] must be distinct"),
+    (dict(dense_layers=(2,)), r"dense_layers=\[2\] must be distinct layers in 0\.\.1"),
+    (dict(dense_layers=(0, 1)), "leaves no sparse layer"),
+])
+def test_arch_config_dense_layers_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        _cfg(num_layers=2, **kw)
 
 
 @pytest.mark.parametrize("impl", GROUPED_IMPLS)
@@ -201,3 +231,33 @@ def test_broadcast_experts_serves_the_same_logits():
     ids = list(range(1, 20))
     np.testing.assert_allclose(forward_logits(served, ids, page_size=4),
                                forward_logits(model, ids, page_size=4), rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_mlp_runs_each_layers_own_mlp():
+    """`MixedMLP` at a traced layer equals that layer's `MoEMLP` or `GatedMLP` on its
+    slice of the stacks (one program for every layer); without the stacks in the broadcast
+    collection it is a ValueError naming the fix."""
+    from models.layers import GatedMLP
+    from models.mixed import DENSE, MixedMLP, broadcast_mlp, mlp_index
+    from models.packed import COLLECTION
+
+    cfg = _cfg(num_layers=3, dense_layers=(1,), shared_expert_intermediate_size=8)
+    x = jax.random.normal(jax.random.key(5), (7, H))
+    stack = lambda trees: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *trees)
+    layers = {"mlp": stack([MoEMLP(cfg).init(jax.random.key(s), x)["params"] for s in (0, 2)]),
+              DENSE: stack([GatedMLP(cfg).init(jax.random.key(1), x)["params"]])}
+    collection = broadcast_mlp({"params": {"layers": layers}})[COLLECTION]["layers"]["mlp"]
+    fn = jax.jit(lambda layer: MixedMLP(cfg).apply({COLLECTION: collection}, x, layer))
+    at = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i], tree)
+    outs = []
+    for layer, index in enumerate(mlp_index(cfg)):
+        if layer in cfg.dense_layers:
+            want = GatedMLP(cfg).apply({"params": at(layers[DENSE], index)}, x)
+        else:
+            want = MoEMLP(cfg).apply({"params": at(layers["mlp"], index)}, x)
+        outs.append(fn(jnp.int32(layer)))
+        np.testing.assert_allclose(outs[-1], want, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(outs[0]) - np.asarray(outs[2])).max() > 1e-3  # own weights
+    assert fn._cache_size() == 1
+    with pytest.raises(ValueError, match="apply it with models.model.variables"):
+        MixedMLP(cfg).apply({"params": {}}, x, jnp.int32(0))

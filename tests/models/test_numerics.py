@@ -12,9 +12,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from models.config import RopeScaling
 from models.loaders import load_model
 from models.model import Model
+from models.rope import RopeScaling
 from tests.models.helpers import forward_logits, hf_logits
 
 torch = pytest.importorskip("torch")
@@ -177,6 +177,21 @@ CASES = [
          dict(num_experts=4, moe_intermediate_size=32, qk_norm=True, qk_norm_full=True,
               norm_topk_prob=False),
          ablate=dict(router_order="topk_softmax")),
+    # Mixtures of experts whose layers mix sparse and dense MLPs (`models.mixed`): the
+    # dense layers' MLPs have their own width (intermediate_size 96, experts 32).
+    Case("qwen3_moe_mlp_only", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+              norm_topk_prob=True, mlp_only_layers=[1]),
+         dict(num_experts=4, dense_layers=(1,))),
+    Case("qwen3_moe_sparse_step", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+         dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=32, head_dim=16, decoder_sparse_step=2),
+         dict(dense_layers=(0, 2))),
+    Case("qwen2_moe_mixed", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+         dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=32, shared_expert_intermediate_size=48,
+              norm_topk_prob=False, mlp_only_layers=[2], decoder_sparse_step=1),
+         dict(dense_layers=(2,), shared_expert_intermediate_size=48)),
 ]
 
 
@@ -197,8 +212,12 @@ CASES = [
 # - mixtral_moe (top-k then softmax routing, experts named w1/w2/w3): its router is compared
 #   with transformers' by tests/models/test_moe.py; qwen2_moe_shared and qwen3_moe_norm_topk
 #   run the MoE layer through whole models.
+# - qwen3_moe_sparse_step and qwen2_moe_mixed (dense layers from decoder_sparse_step; a
+#   shared expert beside dense layers): qwen3_moe_mlp_only runs the mixed layers, and
+#   tests/e2e/test_moe_greedy.py serves the Qwen2-MoE one against transformers.
 SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen3_qknorm_headdim",
-              "gemma2_global_first", "gemma3_pattern2_softcap", "mixtral_moe")
+              "gemma2_global_first", "gemma3_pattern2_softcap", "mixtral_moe",
+              "qwen3_moe_sparse_step", "qwen2_moe_mixed")
 
 
 def _params(cases: list[Case]) -> list:

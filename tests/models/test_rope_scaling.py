@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from models.config import ArchConfig
-from models.layers import rope_cos_sin, rope_inv_freq
+from models.layers import rope_cos_sin
 from models.registry import arch_config_from_hf
+from models.rope import rope_inv_freq
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -251,20 +251,24 @@ def test_data_parallel_replicas_of_expert_parallel_engines(moe_dir, reference):
 
 
 @pytest.mark.slow  # another family's model and engine
-def test_shared_expert_family_under_ep2_tp2_matches_transformers(smollm2_tokenizer,
-                                                                 tmp_path_factory,
-                                                                 torch_one_thread):
-    """Qwen2-MoE (a shared expert, split as the dense MLP over "kv"/"rep", beside routed
-    experts split over "expert" and their width) against transformers' `generate`."""
+def test_shared_expert_and_dense_layers_under_ep2_tp2_match_transformers(smollm2_tokenizer,
+                                                                         tmp_path_factory,
+                                                                         torch_one_thread):
+    """Qwen2-MoE with a dense middle layer (`models.mixed`) and a shared expert (both split
+    as a dense MLP over "kv"/"rep"), its routed experts split over "expert" and their
+    width, against transformers' `generate`."""
     from tests.e2e.hf_family import PROMPTS, check_engine_greedy
 
     path = str(tmp_path_factory.mktemp("qwen2_moe_ep"))
-    config = dict(TINY, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+    config = dict(TINY, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                  norm_topk_prob=False)
+                  mlp_only_layers=[1])
     hf = build_hf_model("Qwen2MoeConfig", "Qwen2MoeForCausalLM", config, smollm2_tokenizer,
                         path, norm_center=1.0)
     llm = LLM(path, expert_parallel_size=2, tensor_parallel_size=2, warmup=False, **SMALL)
+    assert llm.engine.model.cfg.dense_layers == (1,)
     assert llm.engine.layout.experts.expert_axes == ("expert",)
+    gate = _experts(llm)["gate_proj"]  # [L_sparse, E, H, I]
+    assert {s.data.shape[1:] for s in gate.addressable_shards} == {(4, 64, 16)}
     ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
     check_engine_greedy(llm, hf, smollm2_tokenizer, ids, max_tokens=8)

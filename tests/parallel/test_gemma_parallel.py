@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from models.config import ArchConfig, RopeScaling
+from models.config import ArchConfig
 from models.model import Model, random_params
+from models.rope import RopeScaling
 
 pytestmark = [pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices"),
               pytest.mark.slow]  # two engines' compiles; the layout is the Llama one's

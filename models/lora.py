@@ -1,0 +1,54 @@
+"""Batched LoRA deltas: every token of a step adds its own adapter's low-rank update.
+
+The device keeps `S` adapter slots per target module, stacked and zero-padded to the
+largest rank served: A f32[S, in, R], B f32[S, R, out] (the adapter's scaling folded into
+B, as `models.loaders.peft_adapter` lays it out). A step carries each token's slot
+(-1: the base model alone). Two ways to compute the deltas, the same numbers:
+
+- "masked": `x @ A` for every slot (a [T, S*R] shrink, cheap since S*R is small), the
+  slots other than each token's zeroed, then one [T, S*R] @ [S*R, out] expand. Cost
+  follows S*R, not the number of distinct adapters, and reads each weight once.
+- "gathered": each token's A and B gathered ([T, in, R], [T, R, out]) and applied per row;
+  reads the weights once per token, the reference for the other.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+LORA_IMPLS = ("masked", "gathered")
+
+
+def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array,
+               impl: str = "masked") -> jax.Array:
+    """Each token's LoRA update of one module.
+
+    Args:
+        x: [T, in] the module's input.
+        slots: i32[T] each token's adapter slot, -1 for none.
+        a: [S, in, R] the slots' A stacks.
+        b: [S, R, out] the slots' B stacks, scaled.
+        impl: One of `LORA_IMPLS`.
+
+    Returns:
+        [T, out] in x's dtype: zeros for tokens with no adapter.
+
+    Raises:
+        ValueError: An unknown `impl`, or stacks whose shapes do not fit `x`.
+    """
+    if impl not in LORA_IMPLS:
+        raise ValueError(f"unknown LoRA impl {impl!r}; supported: {', '.join(LORA_IMPLS)}")
+    num_slots, d_in, rank = a.shape
+    if b.shape[:2] != (num_slots, rank) or x.shape[-1] != d_in or slots.shape != x.shape[:1]:
+        raise ValueError(f"LoRA stacks A {a.shape}, B {b.shape} do not fit tokens {x.shape} "
+                         f"with slots {slots.shape}: want [S, in, R], [S, R, out], [T, in], [T]")
+    if impl == "gathered":
+        safe = jnp.maximum(slots, 0)
+        h = jnp.einsum("ti,tir->tr", x, a[safe])  # [T, R]
+        y = jnp.einsum("tr,tro->to", h, b[safe])  # [T, out]
+        return jnp.where((slots >= 0)[:, None], y, 0).astype(x.dtype)
+    h = jnp.einsum("ti,sir->tsr", x, a)  # [T, S, R]
+    mine = slots[:, None] == jnp.arange(num_slots)  # bool[T, S]
+    h = jnp.where(mine[..., None], h, 0).reshape(x.shape[0], num_slots * rank)  # [T, S*R]
+    return (h @ b.reshape(num_slots * rank, -1)).astype(x.dtype)  # [T, out]
