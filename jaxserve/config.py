@@ -193,14 +193,22 @@ class ParallelConfig:
 
     Attributes:
         tensor_parallel_size: Devices one model is split over (heads and MLP units).
-        data_parallel_size: Independent replicas, each on its own tensor-parallel group.
+        data_parallel_size: Independent replicas, each on its own group of devices.
         device_ids: The devices of this replica (default: the first
-            `tensor_parallel_size` devices); set by the data-parallel front end.
+            `devices_per_replica` devices); set by the data-parallel front end.
+        enable_expert_parallel: A mixture of experts' routed experts split over the
+            tensor-parallel devices, whole experts per device (vLLM's: the expert-parallel
+            size is the tensor-parallel size), instead of each expert's width split.
+        expert_parallel_size: Devices of an "expert" mesh axis in front of the
+            tensor-parallel ones (a mixture of experts only): the experts are split over
+            it, attention and dense weights replicated over it (None or 1: no such axis).
     """
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     device_ids: tuple[int, ...] | None = None
+    enable_expert_parallel: bool = False
+    expert_parallel_size: int | None = None
 
     def __post_init__(self):
         _check_types(self)
@@ -208,8 +216,16 @@ class ParallelConfig:
                "tensor_parallel_size", self.tensor_parallel_size, "a positive integer")
         _check(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
                "data_parallel_size", self.data_parallel_size, "a positive integer")
-        _check(self.device_ids is None or len(self.device_ids) == self.tensor_parallel_size,
-               "device_ids", self.device_ids, "one id per tensor-parallel device")
+        _check(self.expert_parallel_size is None or self.expert_parallel_size >= 1,
+               "expert_parallel_size", self.expert_parallel_size, "a positive integer or None")
+        _check(self.device_ids is None or len(self.device_ids) == self.devices_per_replica,
+               "device_ids", self.device_ids,
+               "one id per device of the replica (expert_parallel_size x tensor_parallel_size)")
+
+    @property
+    def devices_per_replica(self) -> int:
+        """Devices one engine's mesh spans: expert_parallel_size x tensor_parallel_size."""
+        return (self.expert_parallel_size or 1) * self.tensor_parallel_size
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
 from models.mixed import MixedMLP
 from models.moe import MoEMLP
+from models.moe_parallel import ExpertSharding
 from models.packed import COLLECTION as PACKED
 from models.qlayers import dense, embed
 from models.quant import QuantPlan
@@ -77,13 +78,15 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then gated MLP (a mixture of experts when
     `cfg.num_experts`: `models.moe.MoEMLP`, or `models.mixed.MixedMLP` when some layers
-    stay dense); with `cfg.sandwich_norms` (Gemma)
-    each block's output is normed again before its residual add."""
+    stay dense, their experts split over a mesh by `expert_sharding`); with
+    `cfg.sandwich_norms` (Gemma) each block's output is normed again before its residual
+    add."""
 
     cfg: ArchConfig
     dtype: jnp.dtype
     backend: str
     quant: QuantPlan = QuantPlan()
+    expert_sharding: ExpertSharding | None = None
 
     @nn.compact
     def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
@@ -101,9 +104,11 @@ class DecoderLayer(nn.Module):
                                        name="self_attn")(
             h, cos, sin, kv_pages, layer, window, md, slot)
         if cfg.is_mixed:  # sparse and dense layers: one of two stacks per layer
-            mlp = MixedMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
+            mlp = MixedMLP(cfg, self.dtype, self.quant, self.backend,
+                           sharding=self.expert_sharding, name="mlp")
         elif cfg.is_moe:  # every layer sparse
-            mlp = MoEMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
+            mlp = MoEMLP(cfg, self.dtype, self.quant, self.backend,
+                         sharding=self.expert_sharding, name="mlp")
         else:
             mlp = GatedMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
         if cfg.sandwich_norms:
@@ -128,6 +133,8 @@ class Decoder(nn.Module):
             packed for the CPU matmul kernel); empty means dense.
         kv_layout: The KV cache groups (`models.kv_groups`) when there are several; None
             (or a one-group layout): the plain pool, slot = layer, 2-D block tables.
+        expert_sharding: How a device mesh splits a mixture of experts' routed experts
+            (`models.moe_parallel`); None: one device, or the experts replicated.
     """
 
     cfg: ArchConfig
@@ -135,6 +142,7 @@ class Decoder(nn.Module):
     backend: str = "xla"
     quant: QuantPlan = QuantPlan()
     kv_layout: KVGroupLayout | None = None
+    expert_sharding: ExpertSharding | None = None
 
     def setup(self):
         cfg = self.cfg
@@ -150,7 +158,7 @@ class Decoder(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
-        )(cfg, self.dtype, self.backend, self.quant)
+        )(cfg, self.dtype, self.backend, self.quant, self.expert_sharding)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset)
         if not cfg.tie_word_embeddings:
             self.lm_head = dense(self.quant, "lm_head", cfg.vocab_size, False, self.dtype,

@@ -27,6 +27,7 @@ import numpy as np
 from models.config import ArchConfig
 from models.layers import GatedMLP
 from models.moe import MoEMLP
+from models.moe_parallel import ExpertSharding
 from models.packed import COLLECTION
 from models.quant import QuantPlan
 
@@ -119,12 +120,15 @@ class MixedMLP(nn.Module):
         dtype: Parameter dtype.
         quant: The model's plan (both MLPs follow it as they would alone).
         backend: Attention/matmul backend name.
+        sharding: How a device mesh splits the sparse layers' experts
+            (`models.moe_parallel`), handed to their `MoEMLP`; None: one device.
     """
 
     cfg: ArchConfig
     dtype: jnp.dtype = jnp.float32
     quant: QuantPlan = QuantPlan()
     backend: str = "xla"
+    sharding: ExpertSharding | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array) -> jax.Array:
@@ -148,7 +152,7 @@ class MixedMLP(nn.Module):
         def run_sparse(x):
             # NOTE: the experts stay whole ([L_sparse, E, ...]): they read their layer.
             small = {k: v for k, v in sparse.items() if k != "experts"}
-            return MoEMLP(*args, parent=None).apply(
+            return MoEMLP(*args, sharding=self.sharding, parent=None).apply(
                 {"params": at(small), COLLECTION: {"experts": sparse["experts"]}}, x, index)
 
         def run_dense(x):

@@ -11,6 +11,7 @@ from models.config import ArchConfig
 from models.decoder import Decoder
 from models.kv_groups import KVGroupLayout, single_group
 from models.mixed import broadcast_mlp, mixed_init
+from models.moe_parallel import ExpertSharding
 from models.quant import NO_QUANT, QuantPlan, quantize_params
 from pallas_kernels import AttentionMetadata, kv_pages_shape, resolve_backend
 
@@ -88,6 +89,9 @@ class Model:
         kv_layout: Its KV cache groups (`models.kv_groups`): with several, the pool holds
             `kv_layout.num_slots` layers per page and each step carries a block table per
             group. None: one group (the pool holds every layer, slot = layer).
+        expert_sharding: How the device mesh splits the routed experts of a mixture of
+            experts (`models.moe_parallel`; set by the runner from its tensor-parallel
+            layout). None: one device, or the experts replicated.
 
     Raises:
         ValueError: A `kv_layout` that does not fit the model (`check_kv_layout`).
@@ -100,13 +104,15 @@ class Model:
     backend: str = "auto"
     quant: QuantPlan = NO_QUANT
     kv_layout: KVGroupLayout | None = None
+    expert_sharding: ExpertSharding | None = None
 
     def __post_init__(self):
         self.backend = resolve_backend(self.backend)
         if self.kv_layout is not None:
             check_kv_layout(self.kv_layout, self.cfg)
         self.module = Decoder(self.cfg, self.dtype, self.backend, self.quant,
-                              self.kv_layout if self.is_hybrid else None)
+                              self.kv_layout if self.is_hybrid else None,
+                              self.expert_sharding)
 
     @property
     def kv_groups(self) -> KVGroupLayout:

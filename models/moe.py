@@ -9,7 +9,8 @@ experts in chunks of rows (`_expert_loop`) does the same work. `dense_experts` r
 expert on every token, masked by the routing weights: the tests' oracle.
 
 Expert weights are stacked on a leading expert axis (`[E, in, out]` per layer, `[L, E, in,
-out]` in the layer scan's stack); expert parallelism will shard that axis on a mesh axis.
+out]` in the layer scan's stack). On a device mesh `models.moe_parallel.sharded_experts`
+runs `grouped_experts` on each device's experts (and slice of their width) and sums.
 A projection the model's plan quantizes (`models.quant.EXPERT_MODULES`) is instead the
 quantized leaves of `models.quant` with the same leading axes (q8: `qweight` i8[E, K, N],
 `scales` f16[E, K // block, N]; q4 adds `zeros` and packs two codes a byte): the loop
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 
 from models.config import ROUTER_ORDERS, ArchConfig
 from models.layers import ACTIVATIONS, GatedMLP
+from models.moe_parallel import ExpertSharding, sharded_experts
 from models.packed import COLLECTION
 from models.qlayers import dense as make_dense
 from models.quant import QuantFormat, QuantPlan
@@ -229,6 +231,10 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
         up = jax.lax.ragged_dot(xs, experts["up_proj"], sizes)
         h = ACTIVATIONS[act](gate) * up
         y_sorted = jax.lax.ragged_dot(h, experts["down_proj"], sizes)  # [T*k, H]
+        # NOTE: rows past the groups (pairs of another device's experts under expert
+        # parallelism) are zero on XLA's CPU path; ragged_dot does not promise it elsewhere.
+        rows = jnp.arange(y_sorted.shape[0]) < jnp.sum(sizes)  # bool[T*k]
+        y_sorted = jnp.where(rows[:, None], y_sorted, 0)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     y = y_sorted[inverse]  # [T*k, H] back in (token, k) order
     y = y.reshape(num_tokens, top_k, -1) * weights[..., None].astype(y.dtype)
@@ -263,6 +269,9 @@ class MoEMLP(nn.Module):
             MLP's; the routed experts' stacks follow `models.quant.EXPERT_MODULES`).
         backend: Attention/matmul backend name.
         reference: Run `dense_experts` instead of `grouped_experts` (tests).
+        sharding: How a device mesh splits the experts (`models.moe_parallel`): set, the
+            grouped experts run per device under `shard_map`; None: one device (or
+            replicated experts).
     """
 
     cfg: ArchConfig
@@ -270,6 +279,7 @@ class MoEMLP(nn.Module):
     quant: QuantPlan = QuantPlan()
     backend: str = "xla"
     reference: bool = False
+    sharding: ExpertSharding | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, layer=None) -> jax.Array:
@@ -286,6 +296,9 @@ class MoEMLP(nn.Module):
                 experts = {k: _at(v, layer) for k, v in experts.items()}
             out = dense_experts(x, weights, ids, dequantize_experts(experts, x.dtype),
                                 cfg.hidden_act)
+        elif self.sharding is not None:
+            out = sharded_experts(grouped_experts, x, weights, ids, experts, cfg.hidden_act,
+                                  self.sharding, layer=layer if stacked else None)
         else:
             out = grouped_experts(x, weights, ids, experts, cfg.hidden_act,
                                   layer=layer if stacked else None)

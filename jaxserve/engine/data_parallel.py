@@ -35,16 +35,19 @@ class DataParallelEngine:
 
         par = config.parallel
         devices = jax.devices()
-        need = par.data_parallel_size * par.tensor_parallel_size
+        per = par.devices_per_replica  # expert_parallel_size x tensor_parallel_size
+        need = par.data_parallel_size * per
         if len(devices) < need:
             raise ValueError(f"data_parallel_size={par.data_parallel_size} x "
-                             f"tensor_parallel_size={par.tensor_parallel_size} needs {need} "
-                             f"devices; {len(devices)} available")
+                             f"{per} devices per replica (tensor_parallel_size="
+                             f"{par.tensor_parallel_size}, expert_parallel_size="
+                             f"{par.expert_parallel_size or 1}) needs {need} devices; "
+                             f"{len(devices)} available")
         model = model or load_weights(config)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.model)
         self.replicas = []
         for i in range(par.data_parallel_size):
-            group = devices[i * par.tensor_parallel_size:(i + 1) * par.tensor_parallel_size]
+            group = devices[i * per:(i + 1) * per]
             replica_cfg = dataclasses.replace(config, parallel=dataclasses.replace(
                 par, data_parallel_size=1, device_ids=tuple(d.id for d in group)))
             self.replicas.append(LLMEngine(replica_cfg, model=model, tokenizer=tokenizer))

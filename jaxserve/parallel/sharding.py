@@ -11,6 +11,16 @@ KV heads as devices "rep" has size 1; with fewer (say 2 KV heads on 4 devices) e
 head is replicated on the `rep` devices holding its query heads, so no device ever needs
 another's pages. Page ids, block tables and the scheduler are unchanged: one host-side
 scheduler drives every shard.
+
+A mixture of experts adds a third axis in front, "expert" (`expert_parallel_size`, 1 by
+default): the mesh is ("expert", "kv", "rep") of expert_parallel_size x
+tensor_parallel_size devices. Attention and every dense weight are split over ("kv",
+"rep") as above and replicated over "expert" (each expert group computes the same tokens'
+attention: one engine has no data-parallel attention). The routed experts' stacks are
+split on their expert axis E and each expert's width I (`models.moe_parallel`): plain
+tensor parallelism splits I over ("kv", "rep") (vLLM's default); `enable_expert_parallel`
+splits E over ("kv", "rep") instead, whole experts per device (vLLM's: EP size = TP size);
+an `expert_parallel_size` splits E over "expert" as well.
 """
 
 from __future__ import annotations
@@ -24,10 +34,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ArchConfig
+from models.moe_parallel import ExpertSharding
+from models.packed import COLLECTION
 
 logger = logging.getLogger("jaxserve")
-KV, REP = "kv", "rep"
-ALL = (KV, REP)  # head- and unit-parallel dimensions split over every device
+EXPERT, KV, REP = "expert", "kv", "rep"
+ALL = (KV, REP)  # head- and unit-parallel dimensions split over the tensor-parallel devices
 
 # Leaf path suffix -> which axis of the (stacked) parameter is split: "out" = last axis
 # (column parallel), "in" = the input axis (row parallel). Unlisted leaves are replicated.
@@ -41,13 +53,17 @@ _ROW = {(m, leaf) for m in ("o_proj", "down_proj") for leaf in _WEIGHTS}
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """A tensor-parallel layout for one model over `mesh`.
+    """A tensor-parallel layout for one model over `mesh` (with expert parallelism for a
+    mixture of experts).
 
     Attributes:
-        mesh: Mesh with axes ("kv", "rep").
+        mesh: Mesh with axes ("expert", "kv", "rep").
+        experts: How the mesh splits the routed experts (a mixture of experts' layout);
+            None for a dense model.
     """
 
     mesh: Mesh
+    experts: ExpertSharding | None = None
 
     @property
     def shard_kv_heads(self) -> bool:
@@ -56,17 +72,32 @@ class TensorParallel:
 
     @property
     def size(self) -> int:
+        """The tensor-parallel size: devices that split heads and MLP units ("kv" x
+        "rep"); `num_devices` counts the expert axis too."""
+        return self.mesh.shape[KV] * self.mesh.shape[REP]
+
+    @property
+    def num_devices(self) -> int:
+        """Devices of the mesh: expert_parallel_size x tensor_parallel_size."""
         return self.mesh.devices.size
 
     def param_specs(self, params) -> dict:
-        """PartitionSpec tree matching `params` (stacked layers lead with the layer axis)."""
+        """PartitionSpec tree matching `params` (stacked layers lead with the layer axis):
+        the "params" tree, or a serving form's variables dict ({"params": ...,
+        `models.packed.COLLECTION`: ...}, the experts' stacks broadcast to the layer scan)."""
+        collections = "params" in params  # a variables dict: paths lead with the collection
 
         def spec(path, leaf):
             keys = tuple(p.key for p in path)
-            if "experts" in keys:  # routed experts replicated, quantized leaves included
-                return P()
+            if collections and keys[0] in ("params", COLLECTION):
+                keys = keys[1:]
             tail = keys[-2:]
             ndim = np.ndim(leaf)
+            if "experts" in keys[:-1] and self.experts is not None:  # [L, E, ...] stacks
+                name = keys[keys.index("experts") + 1]
+                return self.experts.leaf_spec(name, np.shape(leaf), keys[0] == "layers")
+            if "experts" in keys:  # no expert layout: replicated, quantized leaves included
+                return P()
             if tail in _COLUMN:
                 return P(*([None] * (ndim - 1)), ALL)
             if tail in _KV_COLUMN:
@@ -86,7 +117,8 @@ class TensorParallel:
                                       self.param_specs(params))
 
     def kv_pages_sharding(self) -> NamedSharding:
-        """The pool [L, 2, Hkv, pages, page_size, D] split on its KV-head axis."""
+        """The pool [L, 2, Hkv, pages, page_size, D] split on its KV-head axis (replicated
+        over "expert")."""
         return NamedSharding(self.mesh, P(None, None, KV))
 
     def replicated(self) -> NamedSharding:
@@ -97,13 +129,24 @@ class TensorParallel:
         return jax.device_put(params, self.param_shardings(params))
 
 
-def make_tensor_parallel(cfg: ArchConfig, size: int,
-                         devices: list | None = None) -> TensorParallel:
-    """Builds the layout for `size` devices (default: the first `size` local devices).
+def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None,
+                         expert_parallel_size: int = 1,
+                         enable_expert_parallel: bool = False) -> TensorParallel:
+    """Builds the layout for `expert_parallel_size` x `size` devices (default: the first
+    local devices; expert groups of `size` consecutive devices).
+
+    Args:
+        cfg: The model's architecture.
+        size: tensor_parallel_size: devices that split heads and MLP units.
+        devices: The devices to use (the first expert_parallel_size x size of them).
+        expert_parallel_size: Devices of the "expert" axis (a mixture of experts only).
+        enable_expert_parallel: Split the experts over the tensor-parallel devices (whole
+            experts per device) instead of each expert's width (a mixture of experts only).
 
     Raises:
         ValueError: `size` does not divide the query heads or the MLP width, KV heads and
-            `size` do not divide one another, or too few devices exist.
+            `size` do not divide one another, too few devices exist, or an expert layout
+            the model does not allow (`expert_layout`).
     """
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
@@ -116,17 +159,66 @@ def make_tensor_parallel(cfg: ArchConfig, size: int,
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         raise ValueError(f"tensor_parallel_size={size} and num_kv_heads={cfg.num_kv_heads} "
                          "must divide one another")
+    expert_axes, width_axes = expert_layout(cfg, size, expert_parallel_size,
+                                            enable_expert_parallel)
     devices = list(devices if devices is not None else jax.devices())
-    if len(devices) < size:
-        raise ValueError(f"tensor_parallel_size={size} needs {size} devices; "
-                         f"{len(devices)} available")
+    need = expert_parallel_size * size
+    if len(devices) < need:
+        what = (f"tensor_parallel_size={size}" if expert_parallel_size == 1 else
+                f"expert_parallel_size={expert_parallel_size} x tensor_parallel_size={size}")
+        raise ValueError(f"{what} needs {need} devices; {len(devices)} available")
     num_kv = min(size, cfg.num_kv_heads)
-    mesh = Mesh(np.asarray(devices[:size]).reshape(num_kv, size // num_kv), (KV, REP))
+    grid = np.asarray(devices[:need]).reshape(expert_parallel_size, num_kv, size // num_kv)
+    mesh = Mesh(grid, (EXPERT, KV, REP))
     if num_kv < size:
         logger.warning("jaxserve: %d KV heads < tensor_parallel_size %d: each KV head (and its "
                        "pages) is replicated on %d devices", cfg.num_kv_heads, size,
                        size // num_kv)
-    return TensorParallel(mesh)
+    experts = ExpertSharding(mesh, expert_axes, width_axes) if cfg.is_moe else None
+    return TensorParallel(mesh, experts)
+
+
+def expert_layout(cfg: ArchConfig, size: int, expert_parallel_size: int = 1,
+                  enable_expert_parallel: bool = False
+                  ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The mesh axes that split a mixture of experts' expert axis E and each expert's width
+    I: ("expert",) with an expert_parallel_size over 1, plus ("kv", "rep") for E with
+    `enable_expert_parallel`, else for I.
+
+    Raises:
+        ValueError: expert_parallel_size < 1, expert parallelism asked of a dense model, E
+            not divisible by the devices splitting it, or I (or the shared expert's
+            width) not divisible by the tensor-parallel size that splits it.
+    """
+    if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) \
+            or expert_parallel_size < 1:
+        raise ValueError(f"expert_parallel_size must be at least 1, got {expert_parallel_size!r}")
+    if not cfg.is_moe:
+        if enable_expert_parallel or expert_parallel_size > 1:
+            arg = ("enable_expert_parallel" if enable_expert_parallel
+                   else f"expert_parallel_size={expert_parallel_size}")
+            raise ValueError(f"{arg} needs a mixture-of-experts model; {cfg.architecture} "
+                             "is dense (num_experts=0)")
+        return (), ()
+    expert_axes = ((EXPERT,) if expert_parallel_size > 1 else ()) + (
+        ALL if enable_expert_parallel else ())
+    width_axes = () if enable_expert_parallel else ALL
+    split = expert_parallel_size * (size if enable_expert_parallel else 1)
+    if cfg.num_experts % split:
+        arg = " x ".join([*([f"expert_parallel_size={expert_parallel_size}"]
+                            if expert_parallel_size > 1 else []),
+                          *([f"tensor_parallel_size={size} (enable_expert_parallel)"]
+                            if enable_expert_parallel else [])])
+        raise ValueError(f"{arg} does not divide num_experts={cfg.num_experts}: each device "
+                         "holds an equal share of whole experts")
+    if not enable_expert_parallel and cfg.moe_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide moe_intermediate_size="
+                         f"{cfg.moe_intermediate_size} (each expert's width is split; "
+                         "enable_expert_parallel keeps experts whole)")
+    if cfg.shared_expert_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide "
+                         f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}")
+    return expert_axes, width_axes
 
 
 def process_spanning_devices(size: int) -> list:
@@ -158,15 +250,18 @@ def tensor_parallel_layout(config, cfg: ArchConfig) -> TensorParallel | None:
 
     Raises:
         ValueError: data_parallel_size > 1 (use `LLM` or `DataParallelEngine`), unknown
-            device ids, or a tensor-parallel size the model's heads do not allow.
+            device ids, or a tensor- or expert-parallel size the model does not allow.
     """
     par = config.parallel
     if par.data_parallel_size > 1:
         raise ValueError("LLMEngine serves one replica; data_parallel_size > 1 needs "
                          "jaxserve.engine.data_parallel.DataParallelEngine (LLM picks it)")
+    ep = par.expert_parallel_size or 1
+    # NOTE: checked even where no mesh is built (expert parallelism of a dense model).
+    expert_layout(cfg, par.tensor_parallel_size, ep, par.enable_expert_parallel)
     if jax.process_count() > 1 and par.device_ids is None:
-        devices = process_spanning_devices(par.tensor_parallel_size)
-    elif par.tensor_parallel_size == 1 and par.device_ids is None:
+        devices = process_spanning_devices(par.devices_per_replica)
+    elif par.devices_per_replica == 1 and par.device_ids is None:
         return None
     else:
         devices = jax.devices()
@@ -176,7 +271,14 @@ def tensor_parallel_layout(config, cfg: ArchConfig) -> TensorParallel | None:
         if missing:
             raise ValueError(f"device_ids {missing} do not exist; devices: {sorted(by_id)}")
         devices = [by_id[i] for i in par.device_ids]
-    layout = make_tensor_parallel(cfg, par.tensor_parallel_size, devices)
+    layout = make_tensor_parallel(cfg, par.tensor_parallel_size, devices, ep,
+                                  par.enable_expert_parallel)
     logger.info("jaxserve: tensor parallel over %s (mesh %s)",
                 [d.id for d in layout.mesh.devices.flat], dict(layout.mesh.shape))
+    if layout.experts is not None:
+        ex = layout.experts
+        logger.info("jaxserve: %d experts: %d per device (expert axis over %s), each "
+                    "expert's width in %d pieces (over %s)", cfg.num_experts,
+                    cfg.num_experts // ex.num_expert_shards, list(ex.expert_axes) or "none",
+                    ex.num_width_shards, list(ex.width_axes) or "none")
     return layout

@@ -84,8 +84,8 @@ class ModelRunner:
         max_num_seqs: Most requests per step.
         max_num_batched_tokens: Token budget per step (the largest bucket).
         num_swap_slots: Host pages for swapped-out requests.
-        layout: Tensor-parallel layout (mesh and shardings); None runs on the default
-            device.
+        layout: Tensor-parallel layout (mesh and shardings, the experts' split over it);
+            None runs on the default device.
         num_spec_tokens: Most proposals a request verifies per step (speculative
             decoding): each such request needs 1 + that many sampling rows, so a bucket
             has up to `max_num_seqs * (1 + num_spec_tokens)` of them.
@@ -113,6 +113,11 @@ class ModelRunner:
         compile_counter.install()
         if kv_layout is not None and kv_layout != model.kv_layout:
             model = dataclasses.replace(model, kv_layout=kv_layout)
+        # NOTE: a mixture of experts runs its experts per device under the layout's mesh
+        # (`models.moe_parallel`); without a layout, on one device.
+        experts = None if layout is None else layout.experts
+        if experts != model.expert_sharding:
+            model = dataclasses.replace(model, expert_sharding=experts)
         self.model = model
         self.layout = layout
         self.page_size = page_size

@@ -118,8 +118,9 @@ def _pages_from_memory(config: EngineConfig, per_device_page: int) -> int:
         budget = max(free * 0.9, 0)  # NOTE: 10% of it left for activations and logits
         return max(2, int(budget // per_device_page))
     # NOTE: CPU "devices" all live in host memory, so the budget covers every shard of the
-    # replica together (KV heads replicated across shards count once per copy).
-    host_page = per_device_page * config.parallel.tensor_parallel_size
+    # replica together (KV heads replicated across shards, and the pool's copy on each
+    # expert-parallel group, count once per copy).
+    host_page = per_device_page * config.parallel.devices_per_replica
     return max(2, int(config.cache.kv_cache_memory_gib * 2**30 // host_page))
 
 

@@ -66,7 +66,7 @@ def serving_model(config: EngineConfig, model: Model | None
         layout = tensor_parallel_layout(config, model.cfg)
         if mc.attention_backend != "auto":
             model = dataclasses.replace(model, backend=mc.attention_backend)
-    if model.backend == "cpu" and layout is not None and layout.size > 1:
+    if model.backend == "cpu" and layout is not None and layout.num_devices > 1:
         if mc.attention_backend == "cpu":
             raise ValueError("attention_backend 'cpu' serves one device's page pool; with "
                              f"tensor_parallel_size {config.parallel.tensor_parallel_size} use "

@@ -122,8 +122,8 @@ def test_qwen3_moe_greedy_under_preemption_prefix_hits_and_ngram(qwen3_moe, smol
 
 @pytest.mark.slow  # another engine's programs; the tokens are checked above
 def test_qwen3_moe_under_tensor_parallelism(qwen3_moe, smollm2_tokenizer):
-    """Tensor parallelism 2 (attention split by heads; the routed experts replicated: no
-    expert parallelism yet) gives transformers' tokens."""
+    """Tensor parallelism 2 (attention split by heads, each routed expert's width split:
+    `models.moe_parallel`) gives transformers' tokens."""
     hf, served = qwen3_moe
     llm = LLM(served.engine.model, tokenizer=smollm2_tokenizer,
               **{**ENGINE_ARGS, "warmup": False, "tensor_parallel_size": 2})

@@ -51,10 +51,12 @@ def test_quantized_tensor_parallel_matches_one_device(quantized, smollm2_tokeniz
     assert pool.dtype == np.int8 and pool.sharding.spec[2] == "kv"
 
 
-def test_quantized_expert_stacks_stay_replicated():
-    """A mixture of experts under int8: the routed experts' codes and scales stay whole on
-    every device (their tails `gate_proj/qweight` would otherwise split like a dense
-    MLP's); the shared expert splits as the dense MLP does."""
+def test_quantized_expert_stacks_split_as_their_float_stacks():
+    """A mixture of experts under int8 and tensor parallelism 2: the routed experts' codes
+    and scales split on each expert's width as the float stacks do (gate/up's last axis,
+    down's input axis; down's one row of per-column scales stays whole, it scales each
+    partial sum), never on the layer or expert axes; the shared expert splits as the dense
+    MLP does."""
     from jax.sharding import PartitionSpec as P
 
     from jaxserve.parallel.sharding import make_tensor_parallel
@@ -69,6 +71,10 @@ def test_quantized_expert_stacks_stay_replicated():
         abstract_params(cfg, "float32", PLANS["int8"]))
     mlp = specs["layers"]["mlp"]
     assert set(mlp["experts"]["gate_proj"]) == {"qweight", "scales"}
-    assert all(s == P() for s in jax.tree_util.tree_leaves(
-        mlp["experts"], is_leaf=lambda x: isinstance(x, P)))
+    width = ("kv", "rep")
+    for name in ("gate_proj", "up_proj"):
+        assert mlp["experts"][name]["qweight"] == P(None, None, None, width)
+        assert mlp["experts"][name]["scales"] == P(None, None, None, width)
+    assert mlp["experts"]["down_proj"]["qweight"] == P(None, None, width, None)
+    assert mlp["experts"]["down_proj"]["scales"] == P(None, None, None, None)
     assert mlp["shared_expert"]["gate_proj"]["qweight"][-1] is not None

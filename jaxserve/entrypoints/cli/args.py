@@ -55,6 +55,12 @@ ENGINE_ARGS = [
     ("--attention-backend", str, ATTENTION_BACKENDS, "auto", "attention kernels"),
     ("--seed", int, None, "0", "seed of the engine's random stream"),
     ("--tensor-parallel-size", int, None, "1", "devices one model is split over"),
+    ("--enable-expert-parallel", "bool", None, "off",
+     "mixture of experts: split the experts over the tensor-parallel devices (whole experts "
+     "per device) instead of each expert's width"),
+    ("--expert-parallel-size", int, None, "1",
+     "mixture of experts: devices of an expert axis in front of the tensor-parallel ones "
+     "(experts split over it; attention replicated over it)"),
     ("--data-parallel-size", int, None, "1", "engine replicas on disjoint devices"),
     ("--warmup", "bool", None, "on",
      "precompile every bucket at start-up (--no-warmup: compile on first use instead)"),
