@@ -69,13 +69,25 @@ class ExpertSharding:
                 their width on the same side (the last axis of gate/up, axis -2 of down).
             shape: The leaf's shape.
             stacked: Whether it leads with the layer axis ([L, E, ...]).
+
+        Raises:
+            ValueError: A width split over devices that does not divide the leaf's width
+                axis (quantized blocks that would straddle devices); a width of one (a
+                per-column scale of down) stays whole.
         """
         spec: list = [None] * len(shape)
         e_axis = 1 if stacked else 0
         spec[e_axis] = self.expert_axes or None
         width = len(shape) - 1 if name in _WIDTH_LAST else len(shape) - 2
         # NOTE: a per-column scale of down (one row) stays whole: it scales each partial sum.
-        if self.width_axes and width > e_axis and shape[width] % self.num_width_shards == 0:
+        if self.width_axes and width > e_axis and shape[width] > 1:
+            if shape[width] % self.num_width_shards:
+                raise ValueError(
+                    f"expert leaf of {name} {shape}: its width axis ({shape[width]}: values, "
+                    f"or quantized blocks of them) does not split over the "
+                    f"{self.num_width_shards} tensor-parallel devices; use "
+                    "enable_expert_parallel (whole experts per device) or a "
+                    "tensor_parallel_size that divides it")
             spec[width] = self.width_axes
         return P(*spec)
 

@@ -90,3 +90,13 @@ def test_leaf_specs():
     # A per-column scale of down (one row) stays whole; E is still split.
     assert s.leaf_spec("down_proj", (L, E, 1, H), True) == P(None, "expert", None, None)
     assert ExpertSharding(mesh).leaf_spec("up_proj", (E, H, FF), False) == P(None, None, None)
+
+
+def test_quantized_blocks_that_would_straddle_devices_are_refused():
+    """Down's q8_0 scales [L, E, I / 32, H] with I / 32 = 3 blocks cannot split in two: the
+    codes would split mid-block while the scales stayed whole, so it is an error."""
+    mesh = Mesh(np.asarray(jax.devices()[:2]).reshape(1, 2, 1), ("expert", "kv", "rep"))
+    s = ExpertSharding(mesh, (), ("kv", "rep"))
+    assert s.leaf_spec("down_proj", (L, E, 96, H), True) == P(None, None, ("kv", "rep"), None)
+    with pytest.raises(ValueError, match=r"does not split over the 2 tensor-parallel devices"):
+        s.leaf_spec("down_proj", (L, E, 3, H), True)
