@@ -1,8 +1,9 @@
-"""Greedy tokens of the tiny random Mixtral, Qwen2-MoE (all sparse, shared expert) and OLMoE
-through the engine equal transformers' `generate`: batched and alone, a prompt past the
-token budget (chunked prefill), a prompt sent twice (prefix-cache hits), a pool too small
-for the batch (recompute preemption) and n-gram speculation. Qwen3-MoE's runs of the same
-modes are in tests/e2e/test_moe_greedy.py."""
+"""Greedy tokens of the tiny random Mixtral, Qwen2-MoE (all sparse, shared expert), OLMoE and
+Phi-3 (fused weights, LongRoPE, a window) through the engine equal transformers'
+`generate`: batched and alone, a prompt past the token budget (chunked prefill), a prompt
+sent twice (prefix-cache hits), a pool too small for the batch (recompute or swap
+preemption) and n-gram speculation. Qwen3-MoE's runs of the same modes are in
+tests/e2e/test_moe_greedy.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from tests.conftest import TINY_ENGINE
 from tests.e2e.hf_family import PROMPTS, TINY, build_hf_model, hf_greedy
+from tests.e2e.test_phi3_greedy import CONFIG as PHI3
 
 torch = pytest.importorskip("torch")
 
@@ -23,23 +25,25 @@ FAMILIES = {
                        shared_expert_intermediate_size=48, norm_topk_prob=False)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
               dict(TINY, **MOE, num_experts=8, intermediate_size=32)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", PHI3),
 }
 LONG = " ".join(["The three primary colors are red, yellow and blue; mixing two of them "
                  "gives a secondary color, and the painter knows"] * 4)
 MAX_TOKENS = 24
 
 
-@pytest.mark.slow  # three more MoE engines; the default tier serves Qwen3-MoE and Qwen2-MoE
+@pytest.mark.slow  # eight more engines; the default tier serves Qwen3-MoE, Qwen2-MoE, Phi-3
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_moe_family_greedy_under_every_mode(family, smollm2_tokenizer, tmp_path):
+def test_family_greedy_under_every_mode(family, mode, smollm2_tokenizer, tmp_path):
     config_cls, model_cls, config = FAMILIES[family]
     hf = build_hf_model(config_cls, model_cls, config, smollm2_tokenizer, str(tmp_path), 1.0)
     llm = LLM(str(tmp_path), **{**TINY_ENGINE, "warmup": False, "num_kv_blocks": 12,
                                 "max_model_len": 128, "enable_prefix_caching": True,
-                                "preemption_mode": "recompute",
+                                "preemption_mode": mode, "swap_space": 0.05,
                                 "speculative_config": {"method": "ngram",
                                                        "num_speculative_tokens": 3}})
-    assert llm.engine.model.cfg.num_experts == 8
+    assert llm.engine.model.cfg.num_experts == (0 if family == "phi3" else 8)
     llm.engine.speculator.gate.min_acceptance = 0.0  # proposals every step
     ids = [smollm2_tokenizer(p).input_ids for p in [*PROMPTS, LONG]]
     assert len(ids[-1]) > TINY_ENGINE["max_num_batched_tokens"]  # chunked prefill
