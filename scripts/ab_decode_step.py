@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import time
+import sys
 
 import numpy as np
 
@@ -34,6 +34,9 @@ from jaxserve.core.scheduler_output import SchedulerOutput
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
 from models.model import Model
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_moe import interleaved_ms  # noqa: E402
 
 XLA_FILE = "pallas_kernels/ragged_paged_attention/xla.py"
 MAX_SEQS, MAX_TOKENS, NUM_PAGES = 32, 256, 2048  # the engine both runners get
@@ -118,16 +121,7 @@ def main() -> None:
         tol = 2e-4 if args.before and args.backend == "xla" else 2e-3
         np.testing.assert_allclose(np.asarray(steps["A"][4]), np.asarray(steps["B"][4]),
                                    rtol=tol, atol=tol)
-        times = {"A": [], "B": []}
-        for i in range(args.rounds + 2):  # two untimed rounds first
-            for name in ("A", "B") if i % 2 == 0 else ("B", "A"):
-                fn, runner, dbuf, pool, _ = steps[name]
-                t = time.perf_counter()
-                pool, logits, _ = fn(runner.params, pool, dbuf, runner._no_prev_ids)
-                logits.block_until_ready()
-                steps[name][3] = pool
-                if i >= 2:
-                    times[name].append(1e3 * (time.perf_counter() - t))
+        times = interleaved_ms(steps, ["A", "B"], args.rounds)
         a, b = np.array(times["A"]), np.array(times["B"])
         print(f"{case}: A median {np.median(a):.1f} ms (min "
               f"{a.min():.1f}), B median {np.median(b):.1f} ms (min {b.min():.1f}); B / A "

@@ -19,12 +19,11 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe import compiled  # noqa: E402
+from bench_moe import compiled, interleaved_ms  # noqa: E402
 
 from models.config import ArchConfig  # noqa: E402
 from models.default_model import default_model_path  # noqa: E402
@@ -68,16 +67,7 @@ def main() -> None:
         steps = {n: compiled(models[n], tok, batch, args.context) for n in names}
         fn, runner, dbuf, pool = steps["mixed"]
         hlo = fn.lower(runner.params, pool, dbuf, runner._no_prev_ids).compile().as_text()
-        times: dict[str, list[float]] = {n: [] for n in names}
-        for i in range(args.rounds + 2):  # two untimed rounds first
-            for name in names if i % 2 == 0 else names[::-1]:
-                fn, runner, dbuf, pool = steps[name]
-                t = time.perf_counter()
-                pool, logits, _ = fn(runner.params, pool, dbuf, runner._no_prev_ids)
-                logits.block_until_ready()
-                steps[name][3] = pool
-                if i >= 2:
-                    times[name].append(1e3 * (time.perf_counter() - t))
+        times = interleaved_ms(steps, names, args.rounds)
         med = {n: float(np.median(times[n])) for n in names}
         mean = (med["sparse"] + med["dense"]) / 2
         print(f"batch {batch}, context {args.context}: " + ", ".join(

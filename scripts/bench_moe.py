@@ -78,6 +78,23 @@ def compiled(model: Model, tok, batch: int, context: int):
     return [fn, runner, dbuf, pool]
 
 
+def interleaved_ms(steps: dict, names: list[str], rounds: int) -> dict[str, list[float]]:
+    """Milliseconds of each named compiled step (`compiled`'s [fn, runner, dbuf, pool, ...],
+    its pool updated in place), `rounds` timed rounds after two untimed ones, the order
+    reversed every other round (A, B, B, A, ...) so drifting load falls on both alike."""
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(rounds + 2):
+        for name in names if i % 2 == 0 else names[::-1]:
+            fn, runner, dbuf, pool = steps[name][:4]
+            t = time.perf_counter()
+            pool, logits, _ = fn(runner.params, pool, dbuf, runner._no_prev_ids)
+            logits.block_until_ready()
+            steps[name][3] = pool
+            if i >= 2:
+                times[name].append(1e3 * (time.perf_counter() - t))
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,32")
@@ -104,16 +121,7 @@ def main() -> None:
     names = list(models)
     for batch in (int(b) for b in args.batches.split(",")):
         steps = {n: compiled(models[n], tok, batch, args.context) for n in names}
-        times: dict[str, list[float]] = {n: [] for n in names}
-        for i in range(args.rounds + 2):  # two untimed rounds first
-            for name in names if i % 2 == 0 else names[::-1]:
-                fn, runner, dbuf, pool = steps[name]
-                t = time.perf_counter()
-                pool, logits, _ = fn(runner.params, pool, dbuf, runner._no_prev_ids)
-                logits.block_until_ready()
-                steps[name][3] = pool
-                if i >= 2:
-                    times[name].append(1e3 * (time.perf_counter() - t))
+        times = interleaved_ms(steps, names, args.rounds)
         med = {n: float(np.median(times[n])) for n in names}
         print(f"batch {batch}, context {args.context}: " + ", ".join(
             f"{n} {med[n]:.2f} ms" for n in names)
