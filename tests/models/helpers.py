@@ -133,3 +133,23 @@ def dequantized_params(params: dict) -> dict:
                 for k, v in tree.items()}
 
     return walk(params)  # the leaves say their format (q4 has zeros)
+
+
+def write_gguf_header(path: str, arch: str, fields: dict, tensors: dict | None = None) -> str:
+    """Writes a GGUF file of `arch` at `path` with metadata `fields` ({key suffix: str,
+    float or int value}, each stored as `{arch}.{key}`) and `tensors` ({name: array});
+    returns `path`."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, arch)
+    for k, v in fields.items():
+        add = (w.add_string if isinstance(v, str) else w.add_float32 if isinstance(v, float)
+               else w.add_uint32)
+        add(f"{arch}.{k}", v)
+    for name, arr in (tensors or {}).items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

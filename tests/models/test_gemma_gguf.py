@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import gguf
 import numpy as np
 import pytest
 
@@ -19,7 +18,7 @@ from models.model import Model
 from models.registry import arch_config_from_hf
 from models.rope import RopeScaling
 from tests.models.gemma_gguf import write_gemma_gguf
-from tests.models.helpers import forward_logits, hf_logits
+from tests.models.helpers import forward_logits, hf_logits, write_gguf_header
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -201,20 +200,7 @@ def _header(tmp_path, arch: str, layers: int = 4, hidden: int = 64, heads: int =
     else:
         fields |= {"rope.freq_base": 1e6}
     fields = {k: v for k, v in (fields | extra).items() if k not in skip}
-    path = str(tmp_path / f"{arch}.gguf")
-    w = gguf.GGUFWriter(path, arch)
-    for k, v in fields.items():
-        if isinstance(v, str):
-            w.add_string(f"{arch}.{k}", v)
-        elif isinstance(v, float):
-            w.add_float32(f"{arch}.{k}", v)
-        else:
-            w.add_uint32(f"{arch}.{k}", v)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_gguf_header(str(tmp_path / f"{arch}.gguf"), arch, fields)
 
 
 def _cfg(path: str):

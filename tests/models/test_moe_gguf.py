@@ -14,7 +14,7 @@ import pytest
 from models.loaders import load_model, read_arch_config
 from models.loaders.gguf_file import GGUFFile
 from models.registry import arch_config_from_hf
-from tests.models.helpers import forward_logits, hf_logits
+from tests.models.helpers import forward_logits, hf_logits, write_gguf_header
 from tests.models.moe_gguf import write_moe_gguf
 
 torch = pytest.importorskip("torch")
@@ -161,18 +161,8 @@ BASE = {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96,
 
 def _header(tmp_path, arch: str, skip=(), tensors=None, **extra) -> str:
     """A GGUF file of `arch` with metadata only (plus `tensors`: {name: f32 array})."""
-    path = str(tmp_path / f"{arch}.gguf")
-    w = gguf.GGUFWriter(path, arch)
-    for k, v in ({**BASE, **extra}).items():
-        if k not in skip:
-            (w.add_float32 if isinstance(v, float) else w.add_uint32)(f"{arch}.{k}", v)
-    for name, arr in (tensors or {}).items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    fields = {k: v for k, v in ({**BASE, **extra}).items() if k not in skip}
+    return write_gguf_header(str(tmp_path / f"{arch}.gguf"), arch, fields, tensors)
 
 
 def _cfg(path: str):
