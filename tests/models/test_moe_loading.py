@@ -20,15 +20,20 @@ pytest.importorskip("transformers")
 from tests.models.test_numerics import CASES, PAGE_SIZE, build_hf, prompt  # noqa: E402
 
 
+def _built(tmp_path_factory, case_name: str, seed: int):
+    """(HF directory, the float model, a prompt, its logits) of numerics case `case_name`."""
+    case = next(c for c in CASES if c.name == case_name)
+    path = str(tmp_path_factory.mktemp(case_name))
+    build_hf(case, path, seed=seed)
+    model = load_model(path, "float32")
+    ids = prompt(model.cfg.vocab_size, seed=seed)
+    return path, model, ids, forward_logits(model, ids, page_size=PAGE_SIZE)
+
+
 @pytest.fixture(scope="module")
 def qwen2_moe(tmp_path_factory):
     """(HF directory, the float model, a prompt, its logits)."""
-    case = next(c for c in CASES if c.name == "qwen2_moe_shared")
-    path = str(tmp_path_factory.mktemp("qwen2_moe"))
-    build_hf(case, path, seed=5)
-    model = load_model(path, "float32")
-    ids = prompt(model.cfg.vocab_size, seed=5)
-    return path, model, ids, forward_logits(model, ids, page_size=PAGE_SIZE)
+    return _built(tmp_path_factory, "qwen2_moe_shared", seed=5)
 
 
 def test_orbax_round_trip_from_the_serving_form(qwen2_moe, tmp_path):
@@ -93,12 +98,7 @@ def test_a_missing_expert_tensor_is_named(qwen2_moe, tmp_path):
 def qwen2_moe_mixed(tmp_path_factory):
     """(HF directory, the float model, a prompt, its logits) of a Qwen2-MoE whose last
     layer is dense."""
-    case = next(c for c in CASES if c.name == "qwen2_moe_mixed")
-    path = str(tmp_path_factory.mktemp("qwen2_moe_mixed"))
-    build_hf(case, path, seed=6)
-    model = load_model(path, "float32")
-    ids = prompt(model.cfg.vocab_size, seed=6)
-    return path, model, ids, forward_logits(model, ids, page_size=PAGE_SIZE)
+    return _built(tmp_path_factory, "qwen2_moe_mixed", seed=6)
 
 
 def test_mixed_layers_orbax_round_trip(qwen2_moe_mixed, tmp_path):
