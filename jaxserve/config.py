@@ -229,6 +229,42 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served per request (vLLM's engine arguments).
+
+    Attributes:
+        enable_lora: Whether requests may name an adapter (`lora_request=`).
+        max_loras: Adapters one step may run (the device's slots per target module).
+        max_lora_rank: Largest adapter rank served (every slot's rank axis).
+        max_cpu_loras: Adapters kept loaded on the host (an LRU); None: `max_loras`.
+        lora_impl: How a step computes its rows' updates (`models.lora.LORA_IMPLS`).
+    """
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_impl: str = "masked"
+
+    def __post_init__(self):
+        from models.lora import LORA_IMPLS
+
+        _check_types(self)
+        _check(self.max_loras >= 1, "max_loras", self.max_loras, "a positive integer")
+        _check(self.max_lora_rank >= 1, "max_lora_rank", self.max_lora_rank,
+               "a positive integer")
+        _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+               "max_cpu_loras", self.max_cpu_loras, f"None or >= max_loras ({self.max_loras})")
+        _check(self.lora_impl in LORA_IMPLS, "lora_impl", self.lora_impl,
+               f"one of {LORA_IMPLS}")
+
+    @property
+    def cpu_slots(self) -> int:
+        """Adapters the host keeps loaded."""
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
     """How proposals are made and how many each decoding request gets per step.
 
@@ -318,6 +354,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     warmup: bool = True
     compilation_cache_dir: str | None = None
     # vLLM's `speculative_config` (dict or JSON), parsed by `from_kwargs`; None: off.
@@ -332,7 +369,7 @@ class EngineConfig:
                 outside its range (the message names the field).
         """
         groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                  "parallel": ParallelConfig}
+                  "parallel": ParallelConfig, "lora": LoRAConfig}
         known = {f.name: g for g, c in groups.items() for f in dataclasses.fields(c)}
         top = {"warmup", "compilation_cache_dir", "speculative_config"}
         unknown = sorted(set(kwargs) - set(known) - top)

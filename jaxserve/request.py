@@ -44,6 +44,8 @@ class Request:
         request_id: Unique, non-empty id.
         prompt_token_ids: The prompt; at least one token.
         cache_salt: Optional tenant key; prefix-cache hits only happen inside one salt.
+        lora_request: The LoRA adapter the request runs with (`jaxserve.lora.LoRARequest`;
+            None: the base model); its KV is cached under the adapter's id.
         arrival_time: Seconds (time.time()); defaults to now.
         sampling_params: The request's `SamplingParams`; the scheduler reads its stop
             settings (max_tokens, stop ids, min_tokens, ignore_eos) and prompt_logprobs.
@@ -63,7 +65,8 @@ class Request:
                  cache_salt: str | None = None, arrival_time: float | None = None,
                  sampling_params: SamplingParams | None = None, priority: int = 0,
                  eos_token_ids: tuple[int, ...] = (),
-                 user_request_id: str | None = None, seeds: tuple[int, ...] = (0,)):
+                 user_request_id: str | None = None, seeds: tuple[int, ...] = (0,),
+                 lora_request=None):
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         prompt = [int(t) for t in prompt_token_ids]
@@ -77,6 +80,7 @@ class Request:
         self._all_token_ids: list[int] = list(prompt)
         self.num_computed_tokens = 0
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
@@ -160,6 +164,11 @@ class Request:
         """Whether the request reached a finished status."""
         return RequestStatus.is_finished(self.status)
 
+    @property
+    def lora_id(self) -> int:
+        """The adapter's `lora_int_id`, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
     def fork(self, request_id: str) -> Request:
         """A copy with a new id: same tokens, progress, salt and status (for n > 1, beams).
 
@@ -168,7 +177,8 @@ class Request:
         child = Request(request_id, self.prompt_token_ids, cache_salt=self.cache_salt,
                         arrival_time=self.arrival_time, sampling_params=self.sampling_params,
                         priority=self.priority, eos_token_ids=self.eos_token_ids,
-                        user_request_id=self.user_request_id, seeds=self.seeds)
+                        user_request_id=self.user_request_id, seeds=self.seeds,
+                        lora_request=self.lora_request)
         child.fan_out = 1
         child.num_cached_tokens = self.num_cached_tokens
         child.append_output_token_ids(self.output_token_ids)

@@ -10,6 +10,8 @@ weights stay indexed by the layer, KV by the slot, through the group's block tab
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,8 @@ import jax.numpy as jnp
 from models.config import ArchConfig
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
+from models.lora import COLLECTION as LORA
+from models.lora import add_lora
 from models.mixed import MixedMLP
 from models.moe import MoEMLP
 from models.moe_parallel import ExpertSharding
@@ -36,17 +40,22 @@ class Attention(nn.Module):
     quant: QuantPlan = QuantPlan()
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata, slot=None):
+    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata, slot=None,
+                 lora_slots=None):
         """`layer` indexes the weights, `slot` (default: the layer) the pool's axis 0; `md`
-        is the layer's group's (2-D block tables)."""
+        is the layer's group's (2-D block tables); `lora_slots` (i32[T] or None) each
+        token's adapter slot (`models.lora`)."""
         cfg = self.cfg
         slot = layer if slot is None else slot
         num_tokens = x.shape[0]
-        proj = lambda n, bias, name: dense(self.quant, name, n, bias, self.dtype, self.backend,
-                                           layer=layer)
-        q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj")(x)
-        k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj")(x)
-        v = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj")(x)
+
+        def proj(n, bias, name, h):
+            y = dense(self.quant, name, n, bias, self.dtype, self.backend, layer=layer)(h)
+            return add_lora(self, name, h, y, lora_slots)
+
+        q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj", x)
+        k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj", x)
+        v = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj", x)
         if cfg.qk_norm and cfg.qk_norm_full:  # OLMoE: over the whole projection
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")(k)
@@ -72,7 +81,7 @@ class Attention(nn.Module):
         if rot is not None:
             out = out @ rot.T
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
-        return proj(cfg.hidden_size, cfg.o_bias, "o_proj")(out), kv_pages
+        return proj(cfg.hidden_size, cfg.o_bias, "o_proj", out), kv_pages
 
 
 class DecoderLayer(nn.Module):
@@ -89,7 +98,7 @@ class DecoderLayer(nn.Module):
     expert_sharding: ExpertSharding | None = None
 
     @nn.compact
-    def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
+    def __call__(self, carry, xs, cos, sin, md: AttentionMetadata, lora_slots=None):
         hidden, kv_pages = carry
         # (layer, window) with one KV cache group; (layer, window, slot, group) with several.
         layer, window, *grouped = xs
@@ -102,7 +111,7 @@ class DecoderLayer(nn.Module):
         h = norm("input_layernorm")(hidden)
         attn_out, kv_pages = Attention(cfg, self.dtype, self.backend, self.quant,
                                        name="self_attn")(
-            h, cos, sin, kv_pages, layer, window, md, slot)
+            h, cos, sin, kv_pages, layer, window, md, slot, lora_slots)
         if cfg.is_mixed:  # sparse and dense layers: one of two stacks per layer
             mlp = MixedMLP(cfg, self.dtype, self.quant, self.backend,
                            sharding=self.expert_sharding, name="mlp")
@@ -111,6 +120,8 @@ class DecoderLayer(nn.Module):
                          sharding=self.expert_sharding, name="mlp")
         else:
             mlp = GatedMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
+            if lora_slots is not None:
+                mlp = functools.partial(mlp, lora_slots=lora_slots)
         if cfg.sandwich_norms:
             hidden = hidden + norm("post_attention_layernorm")(attn_out)
             h = norm("pre_feedforward_layernorm")(hidden)
@@ -153,10 +164,10 @@ class Decoder(nn.Module):
         # broadcasts their collection instead.
         self.layers = nn.scan(
             DecoderLayer,
-            variable_axes={"params": 0},
+            variable_axes={"params": 0, LORA: 0},
             variable_broadcast=PACKED,
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
         )(cfg, self.dtype, self.backend, self.quant, self.expert_sharding)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset)
@@ -165,7 +176,8 @@ class Decoder(nn.Module):
                                  self.backend, in_setup=True)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_pages: jax.Array,
-                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+                 md: AttentionMetadata, lora_slots: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
         """Runs one packed step.
 
         Args:
@@ -198,7 +210,7 @@ class Decoder(nn.Module):
               jnp.asarray(self.cfg.layer_windows, dtype=jnp.int32))
         if lay is not None:  # NOTE: the window stays the layer's (masking never changes)
             xs += (jnp.asarray(lay.layer_slot, jnp.int32), jnp.asarray(lay.layer_group, jnp.int32))
-        (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md)
+        (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md, lora_slots)
         return kv_pages, self.norm(hidden)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ArchConfig
+from models.lora import add_lora
 from models.qlayers import dense as make_dense
 from models.quant import QuantPlan
 from models.rope import RopeScaling, rope_inv_freq
@@ -100,13 +101,17 @@ class GatedMLP(nn.Module):
     intermediate_size: int | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, layer=None) -> jax.Array:
+    def __call__(self, x: jax.Array, layer=None, lora_slots=None) -> jax.Array:
         """x [T, hidden] -> [T, hidden]; `layer` (i32[], inside the layer scan) is the index
-        packed weights are read at (`models.qlayers.dense`)."""
-        dense = lambda n, name: make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype,
-                                           self.backend, layer=layer)
+        packed weights are read at (`models.qlayers.dense`); `lora_slots` (i32[T] or None)
+        each token's adapter slot (`models.lora.add_lora`)."""
+
+        def dense(n, name, h):
+            y = make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype, self.backend,
+                           layer=layer)(h)
+            return add_lora(self, name, h, y, lora_slots)
 
         width = self.intermediate_size or self.cfg.intermediate_size
-        h = ACTIVATIONS[self.cfg.hidden_act](dense(width, "gate_proj")(x))
-        h = h * dense(width, "up_proj")(x)
-        return dense(self.cfg.hidden_size, "down_proj")(h)
+        h = ACTIVATIONS[self.cfg.hidden_act](dense(width, "gate_proj", x))
+        h = h * dense(width, "up_proj", x)
+        return dense(self.cfg.hidden_size, "down_proj", h)

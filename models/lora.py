@@ -14,10 +14,20 @@ B, as `models.loaders.peft_adapter` lays it out). A step carries each token's sl
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.config import ArchConfig
+
 LORA_IMPLS = ("masked", "gathered")
+# The decoder modules an adapter may target, as (block, module).
+TARGETS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+           ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
+           ("mlp", "down_proj"))
+# The Flax collection of the slot stacks: {"layers": {block: {module: {"a", "b"}}}}, each
+# leaf led by the layer axis, which the layer scan slices like the params.
+COLLECTION = "lora"
 
 
 def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array,
@@ -52,3 +62,43 @@ def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array,
     mine = slots[:, None] == jnp.arange(num_slots)  # bool[T, S]
     h = jnp.where(mine[..., None], h, 0).reshape(x.shape[0], num_slots * rank)  # [T, S*R]
     return (h @ b.reshape(num_slots * rank, -1)).astype(x.dtype)  # [T, out]
+
+
+def module_shapes(cfg: ArchConfig) -> dict[tuple[str, str], tuple[int, int]]:
+    """(in, out) of every module an adapter may target in `cfg`'s decoder layers."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    i = cfg.intermediate_size
+    return {("self_attn", "q_proj"): (h, q), ("self_attn", "k_proj"): (h, kv),
+            ("self_attn", "v_proj"): (h, kv), ("self_attn", "o_proj"): (q, h),
+            ("mlp", "gate_proj"): (h, i), ("mlp", "up_proj"): (h, i),
+            ("mlp", "down_proj"): (i, h)}
+
+
+def served_targets(cfg: ArchConfig) -> tuple[tuple[str, str], ...]:
+    """The (block, module) pairs adapters may change in `cfg`'s layers: attention and the
+    dense MLP's projections; attention only in a mixture of experts (its experts, router
+    and shared expert are not adapted)."""
+    if cfg.is_moe or cfg.is_mixed:
+        return tuple(t for t in TARGETS if t[0] == "self_attn")
+    return TARGETS
+
+
+def stack_shapes(cfg: ArchConfig, num_slots: int, rank: int
+                 ) -> dict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(block, module) -> the shapes of its A [L, S, in, R] and B [L, S, R, out] stacks."""
+    shapes = module_shapes(cfg)
+    return {t: ((cfg.num_layers, num_slots, shapes[t][0], rank),
+                (cfg.num_layers, num_slots, rank, shapes[t][1]))
+            for t in served_targets(cfg)}
+
+
+def add_lora(module: nn.Module, name: str, x: jax.Array, y: jax.Array,
+             slots: jax.Array | None) -> jax.Array:
+    """`y` (the output of `module`'s projection `name` of `x`) plus each token's LoRA
+    update, when the step carries adapter slots (`slots` i32[T]) and the variables hold
+    the projection's stacks (collection `COLLECTION`, {"a": [S, in, R], "b": [S, R, out]}
+    inside the layer scan); else `y` as it is."""
+    if slots is None or not module.has_variable(COLLECTION, name):
+        return y
+    w = module.get_variable(COLLECTION, name)
+    return y + lora_delta(x.astype(w["a"].dtype), slots, w["a"], w["b"]).astype(y.dtype)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from models.config import ArchConfig
 from models.decoder import Decoder
 from models.kv_groups import KVGroupLayout, single_group
+from models.lora import COLLECTION as LORA
 from models.mixed import broadcast_mlp, mixed_init
 from models.moe_parallel import ExpertSharding
 from models.quant import NO_QUANT, QuantPlan, quantize_params
@@ -124,9 +125,18 @@ class Model:
         """Whether steps carry a block table per KV cache group (several groups)."""
         return self.kv_layout is not None and self.kv_layout.is_hybrid
 
-    def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata):
-        """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size])."""
-        return self.module.apply(variables(params), input_ids, positions, kv_pages, md)
+    def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata,
+                lora: dict | None = None, lora_slots: jax.Array | None = None):
+        """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size]).
+
+        `lora` (the adapter slots' stacks, `models.lora.COLLECTION`'s tree) and
+        `lora_slots` (i32[num_tokens], each token's slot, -1 none) add every token's LoRA
+        update; None: the base model alone."""
+        var = variables(params)
+        if lora is not None:
+            var = {**var, LORA: lora}
+        return self.module.apply(var, input_ids, positions, kv_pages, md,
+                                 None if lora is None else lora_slots)
 
     def compute_logits(self, params, hidden):
         """Pure LM head (jit-able): f32[num_rows, vocab_size]."""

@@ -39,13 +39,15 @@ def hash_page_tokens(parent_hash: PageHash | None, token_ids: Sequence[int],
 
 
 def extra_keys_for_page(request: Request, page_index: int) -> tuple:
-    """Extra hash keys of a request's page: the cache salt, on the first page only.
+    """Extra hash keys of a request's page: the cache salt and the LoRA adapter's id (two
+    adapters never share KV), on the first page only.
 
-    NOTE: chaining carries the salt into every later page, as in vLLM.
+    NOTE: chaining carries them into every later page, as in vLLM.
     """
-    if page_index == 0 and request.cache_salt is not None:
-        return ("salt", request.cache_salt)
-    return ()
+    if page_index != 0:
+        return ()
+    keys = () if request.cache_salt is None else ("salt", request.cache_salt)
+    return keys + ("lora", request.lora_id) if request.lora_id else keys
 
 
 def update_page_hashes(request: Request, page_size: int) -> list[PageHash]:

@@ -47,15 +47,19 @@ class Scheduler:
         kv: The KV cache manager (page allocation, prefix cache, swap).
         max_model_len: Longest prompt + output.
         max_num_batched_tokens: Token budget of a step (already resolved).
+        max_loras: Most distinct LoRA adapters among the running requests (the device's
+            adapter slots): a waiting request whose adapter would be one too many waits,
+            and the ones behind it may go first (vLLM's rule). None: no adapters.
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, max_loras: int | None = None):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = 1 if config.scheduling_mode == "naive" else config.max_num_seqs
+        self.max_loras = max_loras
         # Most tokens one request may hold in KV: what the pool gives a request running
         # alone (past the admission watermark) and, without chunking, what one step computes.
         # NOTE: a request reaching it ends as length-capped, like at max_model_len; were it
@@ -271,7 +275,8 @@ class Scheduler:
             sampling_counter=request.num_output_tokens + request.num_output_placeholders,
             num_spec_tokens=num_spec,
             pages_from=pages_from,
-            group_pages=tuple(group_pages))
+            group_pages=tuple(group_pages),
+            lora_id=request.lora_id)
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether a token in flight surely ends the request (its length limits): it is
@@ -310,7 +315,8 @@ class Scheduler:
             num_new = self._num_new_tokens(request, step.budget)
             # NOTE: the pages for this step's tokens must be free as well; a request swapped
             # in without them would not run and would be swapped straight back out.
-            if num_new == 0 or not self.kv.can_swap_in(request, num_new):
+            if (num_new == 0 or not self._lora_fits(request)
+                    or not self.kv.can_swap_in(request, num_new)):
                 break
             self.kv.swap_in(request)
             self.swapped.popleft()
@@ -328,8 +334,13 @@ class Scheduler:
                     return
             else:
                 self._batch_open = True
-        while self.waiting and step.budget > 0 and self._num_slots() < self.max_num_seqs:
-            request = self.waiting[0]
+        skipped = 0  # waiting requests passed over: their adapter has no slot this step
+        while (len(self.waiting) > skipped and step.budget > 0
+               and self._num_slots() < self.max_num_seqs):
+            request = self.waiting[skipped]
+            if not self._lora_fits(request):
+                skipped += 1
+                continue
             hit_ids, num_hit = self._prefix_hit(request)
             num_new = self._num_new_tokens(request, step.budget, num_hit)
             if num_new == 0:
@@ -339,7 +350,7 @@ class Scheduler:
                 break
             if self.kv.allocate_slots(request, num_new, num_hit, hit_ids) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[skipped]
             request.num_computed_tokens += num_hit
             request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
             request.status = RequestStatus.RUNNING
@@ -347,6 +358,14 @@ class Scheduler:
             step.add(self._entry(request, num_new))
         if static and self.running:
             self._batch_open = False
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether `request` may run beside the running requests: it has no adapter, or
+        one they use, or fewer than `max_loras` adapters are running."""
+        if self.max_loras is None or not request.lora_id:
+            return True
+        running = {r.lora_id for r in self.running if r.lora_id}
+        return request.lora_id in running or len(running) < self.max_loras
 
     def _prefix_hit(self, request: Request) -> tuple[list[int], int]:
         """Cached pages for a waiting request's prompt: (page ids, tokens they hold)."""

@@ -40,6 +40,7 @@ class ScheduledRequest:
             groups 1, 2, ... as `(pages_from, page_ids)`, each read like `pages_from` and
             `page_ids` above (which are group 0's); a group's `pages_from` is 0 when
             `pages_from` is None. Empty with one group.
+        lora_id: The request's LoRA adapter (`lora_int_id`), 0 for the base model.
     """
 
     request_id: str
@@ -51,6 +52,7 @@ class ScheduledRequest:
     num_spec_tokens: int = 0
     pages_from: int | None = None
     group_pages: tuple[tuple[int, list[int]], ...] = ()
+    lora_id: int = 0
 
     @property
     def num_pages(self) -> int:

@@ -104,12 +104,14 @@ class _Group:
         self.num_children = 0
 
 
-def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """Runs beam search for each prompt on `engine` (which must have no other requests).
+def beam_search(engine, prompts: list, params: BeamSearchParams,
+                loras: list | None = None) -> list[BeamSearchOutput]:
+    """Runs beam search for each prompt on `engine` (which must have no other requests),
+    prompt i with adapter `loras[i]` (a `LoRARequest`, or None: the base model).
 
     Raises:
-        ValueError: The engine is busy or speculates (`speculative_config`), or a prompt is
-            invalid or too long.
+        ValueError: The engine is busy or speculates (`speculative_config`), a prompt is
+            invalid or too long, or an adapter does not load.
     """
     if engine.speculator is not None:
         raise ValueError("speculative_config: beam search does not combine with speculative "
@@ -125,11 +127,16 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
             raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_tokens "
                              f"{params.max_tokens} exceeds max_model_len "
                              f"{engine.limits.max_model_len}")
+    loras = loras or [None] * len(prompts)
+    for lora in loras:
+        if lora is not None:
+            engine.add_lora(lora)
     groups: dict[str, _Group] = {}
     for i, ids in enumerate(all_ids):
         root = Request(f"beam-{i}", ids, sampling_params=sp.clone(
             max_tokens=engine.limits.max_model_len - len(ids)),
-            eos_token_ids=engine.eos_token_ids, user_request_id=f"beam-{i}")
+            eos_token_ids=engine.eos_token_ids, user_request_id=f"beam-{i}",
+            lora_request=loras[i])
         engine.scheduler.add_request(root)
         groups[root.request_id] = _Group(root)
     owner = {g: g for g in groups}  # beam request id -> group id

@@ -78,7 +78,8 @@ class InputProcessor:
         return text, ids
 
     def process(self, request_id: str, prompt, params: SamplingParams, *, priority: int = 0,
-                cache_salt: str | None = None, arrival_time: float | None = None) -> RequestState:
+                cache_salt: str | None = None, arrival_time: float | None = None,
+                lora_request=None) -> RequestState:
         """Validates and tokenizes a new request; returns its state (root request inside).
 
         Raises:
@@ -118,6 +119,7 @@ class InputProcessor:
         seeds = [base] + [int(x) for x in np.random.SeedSequence([base, params.n]).generate_state(
             params.n - 1)]
         root = Request(request_id, ids, cache_salt=cache_salt, arrival_time=arrival_time,
+                       lora_request=lora_request,
                        sampling_params=params, priority=priority, eos_token_ids=self.eos_token_ids,
                        seeds=tuple(seeds))
         state = RequestState(self.tokenizer, root, text, params)

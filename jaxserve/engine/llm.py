@@ -23,6 +23,20 @@ def _as_prompt_list(prompts) -> list:
     return prompts
 
 
+def per_prompt_loras(lora_request, num_prompts: int) -> list:
+    """`lora_request` (None, one `LoRARequest` for every prompt, or a list of one per
+    prompt, None entries allowed) as a list of one per prompt.
+
+    Raises:
+        ValueError: A list of another length than the prompts.
+    """
+    if lora_request is None or not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * num_prompts
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"got {len(lora_request)} lora_requests for {num_prompts} prompts")
+    return list(lora_request)
+
+
 def _final_only(params: list) -> list:
     """`params` as FINAL_ONLY copies (one per distinct object; others left for add_request
     to refuse)."""
@@ -50,7 +64,8 @@ class LLM:
             `kv_cache_dtype`, `seed`,
             `gpu_memory_utilization`, `num_kv_blocks`, `attention_backend`,
             `preemption_mode`, `scheduling_policy`, `long_prefill_token_threshold`,
-            `scheduling_mode`, ...).
+            `scheduling_mode`, `enable_lora`, `max_loras`, `max_lora_rank`,
+            `max_cpu_loras`, ...).
 
     Raises:
         ValueError: An unknown argument or a value out of range, naming it.
@@ -86,7 +101,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, *, use_tqdm: bool = True,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, lora_request=None
+                 ) -> list[RequestOutput]:
         """Generates completions for every prompt; returns them in the prompts' order.
 
         Args:
@@ -96,6 +112,8 @@ class LLM:
                 `SamplingParams()`, as in vLLM).
             use_tqdm: Show a progress bar.
             priority: Per-prompt priority (scheduling_policy="priority"; lower runs first).
+            lora_request: A `jaxserve.lora.LoRARequest` for every prompt, or a list of one
+                per prompt (None entries: the base model); needs `enable_lora`.
 
         Raises:
             ValueError: A bad prompt or parameters (no request of the batch is left queued).
@@ -112,6 +130,7 @@ class LLM:
         # NOTE: only final outputs are read here, so (as vLLM's LLM does) requests emit
         # nothing until they finish; the engine then skips per-step output building.
         params = _final_only(params)
+        loras = per_prompt_loras(lora_request, len(prompts))
         ids = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -119,7 +138,8 @@ class LLM:
                 self._counter += 1
                 ids.append(request_id)  # before adding: aborting an unknown id is a no-op
                 self.engine.add_request(request_id, prompt, sp,
-                                        priority=priority[i] if priority else 0)
+                                        priority=priority[i] if priority else 0,
+                                        lora_request=loras[i])
         except BaseException:
             # NOTE: whatever failed (a ValueError, a TypeError, Ctrl-C), no request of this
             # batch stays queued to run silently inside the next call.
@@ -129,7 +149,7 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, *,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, lora_request=None) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of conversations.
 
         Each conversation is a list of `{"role": ..., "content": ...}` messages rendered
@@ -143,14 +163,17 @@ class LLM:
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
                 chat_template=chat_template, return_dict=False)
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
-    def beam_search(self, prompts, params):
+    def beam_search(self, prompts, params, lora_request=None):
         """Beam search over forked requests (see `jaxserve.engine.beam_search`).
 
         Args:
             prompts: A prompt or a list of prompts (text, ids, or a prompt dict).
             params: A `BeamSearchParams`.
+            lora_request: An adapter for every prompt, or one per prompt (see
+                `generate`).
 
         Returns:
             One `BeamSearchOutput` per prompt, its sequences best first.
@@ -159,7 +182,9 @@ class LLM:
 
         if not isinstance(self.engine, LLMEngine):
             raise ValueError("beam_search runs on one engine; use data_parallel_size=1")
-        return beam_search(self.engine, _as_prompt_list(prompts), params)
+        prompts = _as_prompt_list(prompts)
+        return beam_search(self.engine, prompts, params,
+                           per_prompt_loras(lora_request, len(prompts)))
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)

@@ -61,7 +61,8 @@ class LLMEngine(EngineMetrics):
             group_windows=self.worker.kv_layout.windows,
             max_chunk_tokens=lim.max_num_batched_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
-                                   lim.max_num_batched_tokens)
+                                   lim.max_num_batched_tokens,
+                                   config.lora.max_loras if config.lora.enable_lora else None)
         self.speculator = make_speculator(
             config.speculative_config, **self.worker.draft_runner_args(self.scheduler.max_num_seqs))
         self.worker.init_device(self.scheduler.max_num_seqs, self.kv.host_pool.num_slots,
@@ -99,21 +100,50 @@ class LLMEngine(EngineMetrics):
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request=None) -> None:
         """Queues a request: text, token ids, or `{"prompt_token_ids": [...]}`.
 
+        `lora_request` (`jaxserve.lora.LoRARequest`) runs it with that adapter, loaded
+        now if it is not yet.
+
         Raises:
-            ValueError: Duplicate id, bad prompt or parameters, or a request that can never
-                fit (prompt over max_model_len, more pages than exist).
+            ValueError: Duplicate id, bad prompt or parameters, a request that can never
+                fit (prompt over max_model_len, more pages than exist), an adapter without
+                `enable_lora` or one that does not load (`LoRAManager.add`).
         """
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         state = self.inputs.process(request_id, prompt, params or SamplingParams(),
                                     priority=priority, cache_salt=cache_salt,
-                                    arrival_time=arrival_time)
+                                    arrival_time=arrival_time, lora_request=lora_request)
         self.scheduler.add_request(state.root)
         self.outputs.add(state)
         self.counters["prompt_tokens"] += len(state.prompt_token_ids)
+
+    def add_lora(self, lora_request) -> bool:
+        """Loads an adapter now (vLLM's `add_lora`); True once loaded.
+
+        Raises:
+            ValueError: The engine was built without `enable_lora`, or the adapter does not
+                load (`jaxserve.lora.manager.LoRAManager.add`: the message names the
+                problem).
+        """
+        if self.runner.lora is None:
+            raise ValueError("lora_request given, but the engine serves no LoRA adapters "
+                             "(build it with enable_lora=True)")
+        self.runner.lora.manager.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets a loaded adapter (vLLM's `remove_lora`); requests running it finish with
+        it. Returns whether it was loaded."""
+        return self.runner.lora is not None and self.runner.lora.manager.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters loaded (vLLM's `list_loras`)."""
+        return set() if self.runner.lora is None else set(self.runner.lora.manager.loaded_ids)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Ends requests now; their pages are freed at once. Unknown ids are ignored.

@@ -116,6 +116,24 @@ class TensorParallel:
         return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s),
                                       self.param_specs(params))
 
+    def lora_shardings(self, stacks: dict) -> dict:
+        """Shardings of LoRA slot stacks (`models.lora.COLLECTION`'s tree: {"layers":
+        {block: {module: {"a": [L, S, in, R], "b": [L, S, R, out]}}}}) that match the base
+        weights: a column-parallel module's B split on its output axis (its A whole), a
+        row-parallel module's A split on its input axis (its B whole)."""
+
+        def spec(path, leaf):
+            module, which = path[-2].key, path[-1].key
+            shape = np.shape(leaf)
+            if which == "b" and (module, "kernel") in _COLUMN | _KV_COLUMN:
+                axis = KV if (module, "kernel") in _KV_COLUMN else ALL
+                return NamedSharding(self.mesh, P(None, None, None, axis))
+            if which == "a" and (module, "kernel") in _ROW and shape[2] % self.size == 0:
+                return NamedSharding(self.mesh, P(None, None, ALL, None))
+            return self.replicated()
+
+        return jax.tree_util.tree_map_with_path(spec, stacks)
+
     def kv_pages_sharding(self) -> NamedSharding:
         """The pool [L, 2, Hkv, pages, page_size, D] split on its KV-head axis (replicated
         over "expert")."""

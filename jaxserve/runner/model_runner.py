@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.config import LoRAConfig
 from jaxserve.core.plans import KVPlans
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.parallel.sharding import TensorParallel
@@ -25,6 +26,7 @@ from jaxserve.runner import compile_counter
 from jaxserve.runner.block_table_rows import BlockTableRows
 from jaxserve.runner.buckets import pick_bucket, rows_for_bucket, token_buckets
 from jaxserve.runner.kv_ops import HostSwapSpace, copy_page_pairs
+from jaxserve.runner.lora_slots import LoRASlots
 from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.sampling_rows import SamplingRows
 from jaxserve.runner.step_input import build_step_arrays
@@ -43,13 +45,14 @@ from pallas_kernels.tuning import tuned
 
 
 def _model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: bool, params,
-                kv_pages, buf, prev_ids):
+                kv_pages, buf, prev_ids, lora=None):
     x = unpack(buf, layout)
     md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"],
                            decode_only, short_tiles)
     src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
     input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
-    kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md)
+    kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md, lora,
+                                     x.get("lora_slots"))
     logits = model.compute_logits(params, hidden[x["logits_indices"]])  # f32[rows, vocab]
     return kv_pages, logits, hidden
 
@@ -99,6 +102,8 @@ class ModelRunner:
             table per request and group, and every scheduled entry carries the tables of
             groups 1.. (`ScheduledRequest.group_pages`). None: the model's
             (`Model.kv_layout`; one group unless it was given one).
+        lora: LoRA settings: with `enable_lora`, the runner keeps the adapter slots
+            (`LoRASlots`) and every step carries each token's slot.
 
     Raises:
         ValueError: A `kv_layout` that does not fit the model (`models.model.check_kv_layout`),
@@ -109,7 +114,8 @@ class ModelRunner:
                  max_num_seqs: int, max_num_batched_tokens: int, num_swap_slots: int = 0,
                  layout: TensorParallel | None = None, num_spec_tokens: int = 0,
                  kv_cache_dtype: str = "auto", short_tiles: bool | None = None,
-                 eos_token_id: int | None = None, kv_layout: KVGroupLayout | None = None):
+                 eos_token_id: int | None = None, kv_layout: KVGroupLayout | None = None,
+                 lora: LoRAConfig | None = None):
         compile_counter.install()
         if kv_layout is not None and kv_layout != model.kv_layout:
             model = dataclasses.replace(model, kv_layout=kv_layout)
@@ -156,6 +162,8 @@ class ModelRunner:
             self.kv_pages = jax.jit(lambda: jnp.zeros(pool_shape, pool_dtype),
                                     out_shardings=layout.kv_pages_sharding())()
             self._inputs_on = layout.replicated()
+        self.lora = (LoRASlots(model, lora, layout) if lora is not None and lora.enable_lora
+                     else None)
         # i32[max_rows]: what a step reads for placeholders when no step precedes it.
         self._no_prev_ids = self._to_device(np.zeros(self.max_rows, np.int32))
         page_shape = pool_shape[:3] + pool_shape[4:]  # one page: [L, 2, Hkv, page_size, row]
@@ -277,7 +285,7 @@ class ModelRunner:
         self.num_decode_steps += inputs.decode_only
         self.kv_pages, logits, hidden = self._step_fn(inputs.model_layout, inputs.decode_only)(
             self.params, self.kv_pages, self._to_device(inputs.model_buf),
-            self._no_prev_ids if prev_ids is None else prev_ids)
+            self._no_prev_ids if prev_ids is None else prev_ids, self.lora_stacks)
         prompt_lp = None
         if inputs.prompt_targets is not None:
             prompt_lp = self._prompt_fn()(self.params, hidden,
@@ -295,8 +303,15 @@ class ModelRunner:
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
                                    self.max_pages_per_seq, prev_rows, num_sample_rows,
                                    self.group_tables)
+        if self.lora is not None:
+            arrays.lora_slots = self.lora.token_slots(out, num_tokens)
         model_buf, model_layout = pack(arrays.device_tree())
         return arrays, model_buf, model_layout, num_tokens, num_rows
+
+    @property
+    def lora_stacks(self) -> dict | None:
+        """The LoRA slot stacks every step reads (None: no adapters served)."""
+        return None if self.lora is None else self.lora.stacks
 
     def _sample_inputs(self, sampling: SamplingMetadata, variant: str | None):
         """The packed sampling buffer of the cheapest variant that fits (or `variant`)."""

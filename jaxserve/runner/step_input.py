@@ -29,6 +29,8 @@ class StepArrays:
         cu_q_lens: i32[num_rows + 1] cumulative new-token counts.
         logits_indices: i32[num_sample_rows] token whose logits each sampling row uses.
         row_request_ids: Request id of each real sampling row (host only, not sent).
+        lora_slots: i32[num_tokens] each token's LoRA adapter slot (-1: none; padding -1),
+            set by the runner when it serves adapters; None: not sent.
     """
 
     input_ids: np.ndarray
@@ -40,6 +42,7 @@ class StepArrays:
     cu_q_lens: np.ndarray
     logits_indices: np.ndarray
     row_request_ids: list[str]
+    lora_slots: np.ndarray | None = None
 
     def device_tree(self) -> dict:
         """The arrays the jitted step receives."""
@@ -47,7 +50,8 @@ class StepArrays:
                 "positions": self.positions,
                 "slot_mapping": self.slot_mapping, "block_tables": self.block_tables,
                 "kv_lens": self.kv_lens, "cu_q_lens": self.cu_q_lens,
-                "logits_indices": self.logits_indices}
+                "logits_indices": self.logits_indices,
+                **({} if self.lora_slots is None else {"lora_slots": self.lora_slots})}
 
 
 def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page_size: int,

@@ -83,7 +83,8 @@ def _lower_bucket(runner, num_tokens: int, make_dummy_sampling) -> list:
     for step, decode_only in dummy_steps(runner, num_tokens):
         _, buf, layout, _, _ = runner._model_inputs(step, None)
         lowered.append(runner._step_fn(layout, decode_only).lower(
-            runner.params, runner.kv_pages, runner._to_device(buf), runner._no_prev_ids))
+            runner.params, runner.kv_pages, runner._to_device(buf), runner._no_prev_ids,
+            runner.lora_stacks))
     _, logits, hidden = lowered[0].out_info
     lowered.append(runner._prompt_fn().lower(
         runner.params, hidden, runner._to_device(np.zeros(num_tokens, np.int32))))
@@ -157,6 +158,8 @@ def run_warmup(runner, make_dummy_sampling, threads: int | None = None) -> float
             runner.warmup_progress = (done, total)
         _run_bucket(runner, num_tokens, make_dummy_sampling)
     runner.kv_pages = copy_page_pairs(runner.kv_pages, NULL_PAIRS)
+    if runner.lora is not None:  # the slot-writing program, on an empty slot
+        runner.lora.write(0, None)
     if runner.swap.num_slots:
         # The real swap path, on the null page: out to scratch slots -1..-n, back in.
         scratch = NULL_PAIRS.copy()
@@ -174,7 +177,8 @@ def _run_bucket(runner, num_tokens: int, make_dummy_sampling) -> None:
     num_sample_rows = runner.sample_rows(num_tokens)
     _, buf, layout, _, _ = runner._model_inputs(out, None)
     runner.kv_pages, logits, hidden = runner._step_fn(layout, decode_only)(
-        runner.params, runner.kv_pages, runner._to_device(buf), runner._no_prev_ids)
+        runner.params, runner.kv_pages, runner._to_device(buf), runner._no_prev_ids,
+        runner.lora_stacks)
     jax.block_until_ready(runner._prompt_fn()(
         runner.params, hidden, runner._to_device(np.zeros(num_tokens, np.int32))))
     for variant in VARIANTS:

@@ -155,6 +155,9 @@ class Worker:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             self.model.source)
         self.limits: Limits = resolve_limits(config, self.model)
+        if config.lora.enable_lora and jax.process_count() > 1:
+            raise ValueError("enable_lora: LoRA adapters are served on one host only (the "
+                             "adapter slots are not sent to the other processes)")
         self.runner: ModelRunner | None = None
 
     @property
@@ -194,7 +197,7 @@ class Worker:
                                   layout=self.layout, num_spec_tokens=num_spec_tokens,
                                   kv_cache_dtype=cache.kv_cache_dtype,
                                   eos_token_id=(self.eos_token_ids or (None,))[0],
-                                  kv_layout=self.model.kv_layout)
+                                  kv_layout=self.model.kv_layout, lora=self.config.lora)
         logger.info("jaxserve: weights %s (%.0f MiB); KV cache %s: %d pages of %d tokens = "
                     "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
                     self.model.quant.name, self.model.weight_bytes / 2**20,

@@ -26,11 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.config import ArchConfig
+from models.lora import TARGETS, module_shapes
 
-# The decoder modules an adapter may target, as (block, module).
-TARGETS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-           ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
-           ("mlp", "down_proj"))
 # Fused checkpoint modules and the decoder modules their output rows hold, in order.
 _FUSED = {("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
           ("mlp", "gate_up_proj"): ("gate_proj", "up_proj")}
@@ -56,16 +53,6 @@ class LoRAWeights:
     def targets(self) -> tuple[str, ...]:
         """The target modules' names ("q_proj", ...), in the decoder's order."""
         return tuple(m for b, m in TARGETS if (b, m) in self.stacks)
-
-
-def module_shapes(cfg: ArchConfig) -> dict[tuple[str, str], tuple[int, int]]:
-    """(in, out) of every module an adapter may target in `cfg`'s decoder layers."""
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    i = cfg.intermediate_size
-    return {("self_attn", "q_proj"): (h, q), ("self_attn", "k_proj"): (h, kv),
-            ("self_attn", "v_proj"): (h, kv), ("self_attn", "o_proj"): (q, h),
-            ("mlp", "gate_proj"): (h, i), ("mlp", "up_proj"): (h, i),
-            ("mlp", "down_proj"): (i, h)}
 
 
 def read_adapter_config(path: str) -> dict:
