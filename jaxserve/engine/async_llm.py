@@ -144,7 +144,8 @@ class AsyncLLM:
 
     # ------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt, params: SamplingParams, *,
-                          priority: int = 0, cache_salt: str | None = None) -> RequestStream:
+                          priority: int = 0, cache_salt: str | None = None,
+                          lora_request=None) -> RequestStream:
         """Queues a request; returns its stream once the engine accepted it.
 
         Raises:
@@ -152,13 +153,15 @@ class AsyncLLM:
             EngineDeadError: The engine is shut down.
         """
         streams = await self.add_requests([(request_id, prompt)], params, priority=priority,
-                                          cache_salt=cache_salt)
+                                          cache_salt=cache_salt, lora_request=lora_request)
         return streams[0]
 
     async def add_requests(self, requests: Sequence[tuple[str, object]],
                            params: SamplingParams, *, priority: int = 0,
-                           cache_salt: str | None = None) -> list[RequestStream]:
-        """Queues several `(request_id, prompt)` requests at once, all or none.
+                           cache_salt: str | None = None,
+                           lora_request=None) -> list[RequestStream]:
+        """Queues several `(request_id, prompt)` requests at once, all or none, with one
+        LoRA adapter (`lora_request`, a `jaxserve.lora.LoRARequest`) or none.
 
         They reach the engine together (before its next step), so a request with many
         prompts is admitted as one batch, not one prompt per step.
@@ -173,8 +176,8 @@ class AsyncLLM:
         streams = [RequestStream(rid, self, loop) for rid, _ in requests]
         accepted: Future = Future()
         batch = [(stream, prompt) for stream, (_, prompt) in zip(streams, requests, strict=True)]
-        self._commands.put(("add", (batch, params, priority, cache_salt, time.time()),
-                            accepted))
+        self._commands.put(("add", (batch, params, priority, cache_salt, time.time(),
+                                    lora_request), accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -188,13 +191,36 @@ class AsyncLLM:
         return streams
 
     async def generate(self, prompt, params: SamplingParams, request_id: str, *,
-                       priority: int = 0, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """Adds a request and yields its cumulative outputs until it finishes."""
+                       priority: int = 0, cache_salt: str | None = None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
+        """Adds a request (run with adapter `lora_request`, if given) and yields its
+        cumulative outputs until it finishes."""
         stream = await self.add_request(request_id, prompt, params, priority=priority,
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, lora_request=lora_request)
         async for out in stream:
             yield out
+
+    async def add_lora(self, lora_request) -> bool:
+        """Loads an adapter on the engine thread (vLLM's `add_lora`).
+
+        Raises:
+            ValueError: LoRA is off, or the adapter does not load (the message names why).
+            EngineDeadError: The engine is shut down.
+        """
+        return await self._call("add_lora", lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forgets a loaded adapter (requests running it finish with it); whether it was
+        loaded."""
+        return await self._call("remove_lora", lora_id)
+
+    async def _call(self, method: str, *args):
+        """Runs `engine.<method>(*args)` on the engine thread, between steps."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        done: Future = Future()
+        self._commands.put(("call", (method, args), done))
+        return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
         """Aborts a request (thread-safe); its pages are freed before the next step."""
@@ -221,7 +247,7 @@ class AsyncLLM:
     def _handle(self, kind: str, payload, done: Future | None) -> None:
         engine = self.engine
         if kind == "add":
-            batch, params, priority, cache_salt, arrival = payload
+            batch, params, priority, cache_salt, arrival, lora = payload
             if any(stream.finished for stream, _ in batch):  # its consumer already left
                 done.cancel()
                 return
@@ -229,7 +255,8 @@ class AsyncLLM:
             try:
                 for stream, prompt in batch:
                     engine.add_request(stream.request_id, prompt, params, priority=priority,
-                                       cache_salt=cache_salt, arrival_time=arrival)
+                                       cache_salt=cache_salt, arrival_time=arrival,
+                                       lora_request=lora)
                     added.append(stream.request_id)
             except Exception as e:  # noqa: BLE001 - rejected: the caller gets the error
                 engine.abort_request(added)
@@ -239,6 +266,12 @@ class AsyncLLM:
                 self._streams[stream.request_id] = stream
                 self.metrics.on_added(stream.request_id, params)
             done.set_result(None)
+        elif kind == "call":
+            method, args = payload
+            try:
+                done.set_result(getattr(engine, method)(*args))
+            except Exception as e:  # noqa: BLE001 - the caller gets the error
+                done.set_exception(e)
         elif kind == "abort":
             # NOTE: the stream may be gone already (dropped by its consumer); the engine
             # request is aborted all the same.

@@ -66,6 +66,14 @@ class DataParallelEngine:
         self.replicas[index].add_request(request_id, prompt, params, **kwargs)
         self._owner[request_id] = index
 
+    def add_lora(self, lora_request) -> bool:
+        """Loads an adapter on every replica (`LLMEngine.add_lora`)."""
+        return all(replica.add_lora(lora_request) for replica in self.replicas)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter on every replica; whether any had it loaded."""
+        return any([replica.remove_lora(lora_id) for replica in self.replicas])
+
     def _load(self, index: int) -> tuple[int, float]:
         replica = self.replicas[index]
         queued = 0
