@@ -38,6 +38,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype
     backend: str
     quant: QuantPlan = QuantPlan()
+    lora_impl: str = "masked"
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata, slot=None,
@@ -51,7 +52,7 @@ class Attention(nn.Module):
 
         def proj(n, bias, name, h):
             y = dense(self.quant, name, n, bias, self.dtype, self.backend, layer=layer)(h)
-            return add_lora(self, name, h, y, lora_slots)
+            return add_lora(self, name, h, y, lora_slots, self.lora_impl)
 
         q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj", x)
         k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj", x)
@@ -96,6 +97,7 @@ class DecoderLayer(nn.Module):
     backend: str
     quant: QuantPlan = QuantPlan()
     expert_sharding: ExpertSharding | None = None
+    lora_impl: str = "masked"
 
     @nn.compact
     def __call__(self, carry, xs, cos, sin, md: AttentionMetadata, lora_slots=None):
@@ -110,7 +112,7 @@ class DecoderLayer(nn.Module):
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name=name)
         h = norm("input_layernorm")(hidden)
         attn_out, kv_pages = Attention(cfg, self.dtype, self.backend, self.quant,
-                                       name="self_attn")(
+                                       self.lora_impl, name="self_attn")(
             h, cos, sin, kv_pages, layer, window, md, slot, lora_slots)
         if cfg.is_mixed:  # sparse and dense layers: one of two stacks per layer
             mlp = MixedMLP(cfg, self.dtype, self.quant, self.backend,
@@ -119,7 +121,8 @@ class DecoderLayer(nn.Module):
             mlp = MoEMLP(cfg, self.dtype, self.quant, self.backend,
                          sharding=self.expert_sharding, name="mlp")
         else:
-            mlp = GatedMLP(cfg, self.dtype, self.quant, self.backend, name="mlp")
+            mlp = GatedMLP(cfg, self.dtype, self.quant, self.backend,
+                           lora_impl=self.lora_impl, name="mlp")
             if lora_slots is not None:
                 mlp = functools.partial(mlp, lora_slots=lora_slots)
         if cfg.sandwich_norms:
@@ -146,6 +149,8 @@ class Decoder(nn.Module):
             (or a one-group layout): the plain pool, slot = layer, 2-D block tables.
         expert_sharding: How a device mesh splits a mixture of experts' routed experts
             (`models.moe_parallel`); None: one device, or the experts replicated.
+        lora_impl: How LoRA updates are computed (`models.lora.LORA_IMPLS`), when a step
+            carries adapter slots.
     """
 
     cfg: ArchConfig
@@ -154,6 +159,7 @@ class Decoder(nn.Module):
     quant: QuantPlan = QuantPlan()
     kv_layout: KVGroupLayout | None = None
     expert_sharding: ExpertSharding | None = None
+    lora_impl: str = "masked"
 
     def setup(self):
         cfg = self.cfg
@@ -169,7 +175,7 @@ class Decoder(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
-        )(cfg, self.dtype, self.backend, self.quant, self.expert_sharding)
+        )(cfg, self.dtype, self.backend, self.quant, self.expert_sharding, self.lora_impl)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset)
         if not cfg.tie_word_embeddings:
             self.lm_head = dense(self.quant, "lm_head", cfg.vocab_size, False, self.dtype,

@@ -99,6 +99,7 @@ class GatedMLP(nn.Module):
     quant: QuantPlan = QuantPlan()
     backend: str = "xla"
     intermediate_size: int | None = None
+    lora_impl: str = "masked"
 
     @nn.compact
     def __call__(self, x: jax.Array, layer=None, lora_slots=None) -> jax.Array:
@@ -109,7 +110,7 @@ class GatedMLP(nn.Module):
         def dense(n, name, h):
             y = make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype, self.backend,
                            layer=layer)(h)
-            return add_lora(self, name, h, y, lora_slots)
+            return add_lora(self, name, h, y, lora_slots, self.lora_impl)
 
         width = self.intermediate_size or self.cfg.intermediate_size
         h = ACTIVATIONS[self.cfg.hidden_act](dense(width, "gate_proj", x))

@@ -1,15 +1,19 @@
 """Batched LoRA deltas: every token of a step adds its own adapter's low-rank update.
 
 The device keeps `S` adapter slots per target module, stacked and zero-padded to the
-largest rank served: A f32[S, in, R], B f32[S, R, out] (the adapter's scaling folded into
-B, as `models.loaders.peft_adapter` lays it out). A step carries each token's slot
-(-1: the base model alone). Two ways to compute the deltas, the same numbers:
+largest rank served: A [in, S, R] and B [S, R, out] (the adapter's scaling folded into B,
+as `models.loaders.peft_adapter` lays it out; A's input axis first so that `x @ A` over
+every slot at once is one plain [T, in] @ [in, S*R] matmul). A step carries each token's
+slot (-1: the base model alone). Two ways to compute the deltas, the same numbers:
 
-- "masked": `x @ A` for every slot (a [T, S*R] shrink, cheap since S*R is small), the
-  slots other than each token's zeroed, then one [T, S*R] @ [S*R, out] expand. Cost
-  follows S*R, not the number of distinct adapters, and reads each weight once.
+- "masked": `x @ A` for every slot at once (the [T, S*R] shrink), each token's columns of
+  other slots zeroed, then one [T, S*R] @ [S*R, out] expand: two dense matmuls whose cost
+  follows S*R, not the number of distinct adapters, reading each weight once.
 - "gathered": each token's A and B gathered ([T, in, R], [T, R, out]) and applied per row;
-  reads the weights once per token, the reference for the other.
+  reads the weights once per token (vLLM's BGMV shape).
+
+Either runs only when some token of the step has an adapter (a `lax.cond`): a step on the
+base model alone pays one predicate per module.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ TARGETS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_pr
            ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
            ("mlp", "down_proj"))
 # The Flax collection of the slot stacks: {"layers": {block: {module: {"a", "b"}}}}, each
-# leaf led by the layer axis, which the layer scan slices like the params.
+# leaf led by the layer axis (A [L, in, S, R], B [L, S, R, out]), which the layer scan
+# slices like the params.
 COLLECTION = "lora"
 
 
@@ -37,7 +42,7 @@ def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array,
     Args:
         x: [T, in] the module's input.
         slots: i32[T] each token's adapter slot, -1 for none.
-        a: [S, in, R] the slots' A stacks.
+        a: [in, S, R] the slots' A stacks.
         b: [S, R, out] the slots' B stacks, scaled.
         impl: One of `LORA_IMPLS`.
 
@@ -49,19 +54,28 @@ def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array,
     """
     if impl not in LORA_IMPLS:
         raise ValueError(f"unknown LoRA impl {impl!r}; supported: {', '.join(LORA_IMPLS)}")
-    num_slots, d_in, rank = a.shape
+    d_in, num_slots, rank = a.shape
     if b.shape[:2] != (num_slots, rank) or x.shape[-1] != d_in or slots.shape != x.shape[:1]:
         raise ValueError(f"LoRA stacks A {a.shape}, B {b.shape} do not fit tokens {x.shape} "
-                         f"with slots {slots.shape}: want [S, in, R], [S, R, out], [T, in], [T]")
-    if impl == "gathered":
+                         f"with slots {slots.shape}: want [in, S, R], [S, R, out], [T, in], "
+                         "[T]")
+    out_shape = (x.shape[0], b.shape[-1])
+    x, slots, a, b = (jnp.asarray(v) for v in (x, slots, a, b))
+
+    def gathered():
         safe = jnp.maximum(slots, 0)
-        h = jnp.einsum("ti,tir->tr", x, a[safe])  # [T, R]
+        h = jnp.einsum("ti,itr->tr", x, a[:, safe])  # [T, R]
         y = jnp.einsum("tr,tro->to", h, b[safe])  # [T, out]
         return jnp.where((slots >= 0)[:, None], y, 0).astype(x.dtype)
-    h = jnp.einsum("ti,sir->tsr", x, a)  # [T, S, R]
-    mine = slots[:, None] == jnp.arange(num_slots)  # bool[T, S]
-    h = jnp.where(mine[..., None], h, 0).reshape(x.shape[0], num_slots * rank)  # [T, S*R]
-    return (h @ b.reshape(num_slots * rank, -1)).astype(x.dtype)  # [T, out]
+
+    def masked():
+        h = x @ a.reshape(d_in, num_slots * rank)  # [T, S*R]
+        col_slot = jnp.arange(num_slots * rank, dtype=slots.dtype) // rank  # i32[S*R]
+        h = jnp.where(col_slot == slots[:, None], h, 0)  # each token's own slot's columns
+        return (h @ b.reshape(num_slots * rank, -1)).astype(x.dtype)  # [T, out]
+
+    return jax.lax.cond(jnp.any(slots >= 0), gathered if impl == "gathered" else masked,
+                        lambda: jnp.zeros(out_shape, x.dtype))
 
 
 def module_shapes(cfg: ArchConfig) -> dict[tuple[str, str], tuple[int, int]]:
@@ -85,20 +99,20 @@ def served_targets(cfg: ArchConfig) -> tuple[tuple[str, str], ...]:
 
 def stack_shapes(cfg: ArchConfig, num_slots: int, rank: int
                  ) -> dict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(block, module) -> the shapes of its A [L, S, in, R] and B [L, S, R, out] stacks."""
+    """(block, module) -> the shapes of its A [L, in, S, R] and B [L, S, R, out] stacks."""
     shapes = module_shapes(cfg)
-    return {t: ((cfg.num_layers, num_slots, shapes[t][0], rank),
+    return {t: ((cfg.num_layers, shapes[t][0], num_slots, rank),
                 (cfg.num_layers, num_slots, rank, shapes[t][1]))
             for t in served_targets(cfg)}
 
 
 def add_lora(module: nn.Module, name: str, x: jax.Array, y: jax.Array,
-             slots: jax.Array | None) -> jax.Array:
+             slots: jax.Array | None, impl: str = "masked") -> jax.Array:
     """`y` (the output of `module`'s projection `name` of `x`) plus each token's LoRA
-    update, when the step carries adapter slots (`slots` i32[T]) and the variables hold
-    the projection's stacks (collection `COLLECTION`, {"a": [S, in, R], "b": [S, R, out]}
-    inside the layer scan); else `y` as it is."""
+    update (`lora_delta` by `impl`), when the step carries adapter slots (`slots` i32[T])
+    and the variables hold the projection's stacks (collection `COLLECTION`, {"a":
+    [in, S, R], "b": [S, R, out]} inside the layer scan); else `y` as it is."""
     if slots is None or not module.has_variable(COLLECTION, name):
         return y
     w = module.get_variable(COLLECTION, name)
-    return y + lora_delta(x.astype(w["a"].dtype), slots, w["a"], w["b"]).astype(y.dtype)
+    return y + lora_delta(x.astype(w["a"].dtype), slots, w["a"], w["b"], impl).astype(y.dtype)

@@ -93,6 +93,8 @@ class Model:
         expert_sharding: How the device mesh splits the routed experts of a mixture of
             experts (`models.moe_parallel`; set by the runner from its tensor-parallel
             layout). None: one device, or the experts replicated.
+        lora_impl: How steps with LoRA adapters compute their updates
+            (`models.lora.LORA_IMPLS`; set by the runner from its LoRA settings).
 
     Raises:
         ValueError: A `kv_layout` that does not fit the model (`check_kv_layout`).
@@ -106,6 +108,7 @@ class Model:
     quant: QuantPlan = NO_QUANT
     kv_layout: KVGroupLayout | None = None
     expert_sharding: ExpertSharding | None = None
+    lora_impl: str = "masked"
 
     def __post_init__(self):
         self.backend = resolve_backend(self.backend)
@@ -113,7 +116,7 @@ class Model:
             check_kv_layout(self.kv_layout, self.cfg)
         self.module = Decoder(self.cfg, self.dtype, self.backend, self.quant,
                               self.kv_layout if self.is_hybrid else None,
-                              self.expert_sharding)
+                              self.expert_sharding, self.lora_impl)
 
     @property
     def kv_groups(self) -> KVGroupLayout:

@@ -128,8 +128,8 @@ class TensorParallel:
             if which == "b" and (module, "kernel") in _COLUMN | _KV_COLUMN:
                 axis = KV if (module, "kernel") in _KV_COLUMN else ALL
                 return NamedSharding(self.mesh, P(None, None, None, axis))
-            if which == "a" and (module, "kernel") in _ROW and shape[2] % self.size == 0:
-                return NamedSharding(self.mesh, P(None, None, ALL, None))
+            if which == "a" and (module, "kernel") in _ROW and shape[1] % self.size == 0:
+                return NamedSharding(self.mesh, P(None, ALL, None, None))
             return self.replicated()
 
         return jax.tree_util.tree_map_with_path(spec, stacks)

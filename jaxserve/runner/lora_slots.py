@@ -1,7 +1,7 @@
 """`LoRASlots`: the device's LoRA adapter slots and each step's per-token slot index.
 
 The device holds `max_loras` slots per served target module, stacked with the layers
-(`models.lora.COLLECTION`'s tree: A [L, S, in, R], B [L, S, R, out], zero-padded to
+(`models.lora.COLLECTION`'s tree: A [L, in, S, R], B [L, S, R, out], zero-padded to
 `max_lora_rank`, in the model dtype, split over a tensor-parallel mesh like the base
 weights). Putting an adapter in a slot is one jitted `dynamic_update_slice` per leaf with
 the slot as a traced index (the stacks donated): any slot, any adapter, one program, so
@@ -25,11 +25,15 @@ from models.model import Model
 
 
 def _write_slot(stacks: dict, slot: jax.Array, new: dict) -> dict:
-    """`stacks` with slot `slot` (i32[]) of every leaf replaced by `new`'s leaf
-    ([L, in, R] or [L, R, out], the slot axis left out)."""
-    return jax.tree_util.tree_map(
-        lambda s, n: jax.lax.dynamic_update_slice_in_dim(s, n[:, None].astype(s.dtype),
-                                                         slot, axis=1), stacks, new)
+    """`stacks` with slot `slot` (i32[]) of every leaf replaced by `new`'s leaf (A
+    [L, in, R] into [L, in, S, R] at axis 2, B [L, R, out] into [L, S, R, out] at axis 1)."""
+
+    def put(path, stack, leaf):
+        axis = 2 if path[-1].key == "a" else 1
+        return jax.lax.dynamic_update_slice_in_dim(
+            stack, jnp.expand_dims(leaf, axis).astype(stack.dtype), slot, axis=axis)
+
+    return jax.tree_util.tree_map_with_path(put, stacks, new)
 
 
 class LoRASlots:
@@ -53,7 +57,7 @@ class LoRASlots:
         tree: dict = {"layers": {}}
         for (block, module), (a, b) in self.shapes.items():
             tree["layers"].setdefault(block, {})[module] = {
-                "a": jax.ShapeDtypeStruct(a, model.dtype),  # [L, S, in, R]
+                "a": jax.ShapeDtypeStruct(a, model.dtype),  # [L, in, S, R]
                 "b": jax.ShapeDtypeStruct(b, model.dtype)}  # [L, S, R, out]
         shardings = None if layout is None else layout.lora_shardings(tree)
         kw = {} if shardings is None else {"out_shardings": shardings}
@@ -67,7 +71,7 @@ class LoRASlots:
         ranks past its own, are zeros."""
         new: dict = {"layers": {}}
         for (block, module), (shape_a, shape_b) in self.shapes.items():
-            a = np.zeros(shape_a[:1] + shape_a[2:], np.float32)  # f32[L, in, R]
+            a = np.zeros(shape_a[:2] + shape_a[3:], np.float32)  # f32[L, in, R]
             b = np.zeros(shape_b[:1] + shape_b[2:], np.float32)  # f32[L, R, out]
             if weights is not None and (block, module) in weights.stacks:
                 wa, wb = weights.stacks[(block, module)]

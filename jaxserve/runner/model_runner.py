@@ -124,6 +124,8 @@ class ModelRunner:
         experts = None if layout is None else layout.experts
         if experts != model.expert_sharding:
             model = dataclasses.replace(model, expert_sharding=experts)
+        if lora is not None and lora.enable_lora and lora.lora_impl != model.lora_impl:
+            model = dataclasses.replace(model, lora_impl=lora.lora_impl)
         self.model = model
         self.layout = layout
         self.page_size = page_size

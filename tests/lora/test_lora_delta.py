@@ -27,14 +27,14 @@ def test_each_token_gets_its_own_adapter(impl, slots):
     a[3, :, 5:] = 0  # a rank-5 adapter padded to 8
     b[3, 5:] = 0
     slots = np.asarray(slots, np.int32)
-    got = np.asarray(lora_delta(x, slots, a, b, impl))
+    got = np.asarray(lora_delta(x, slots, a.transpose(1, 0, 2), b, impl))  # A [in, S, R]
     np.testing.assert_allclose(got, reference(x, slots, a, b), rtol=1e-4, atol=1e-4)
     assert not got[slots < 0].any()
 
 
 def test_bad_inputs_are_value_errors():
     x, slots = np.zeros((3, 8), np.float32), np.zeros(3, np.int32)
-    a, b = np.zeros((2, 8, 4), np.float32), np.zeros((2, 4, 6), np.float32)
+    a, b = np.zeros((8, 2, 4), np.float32), np.zeros((2, 4, 6), np.float32)  # [in, S, R]
     with pytest.raises(ValueError, match="unknown LoRA impl 'bgmv'"):
         lora_delta(x, slots, a, b, "bgmv")
     with pytest.raises(ValueError, match=r"do not fit tokens \(3, 8\)"):

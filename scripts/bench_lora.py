@@ -1,0 +1,126 @@
+"""A batch of decoding requests spread over several LoRA adapters against the same batch
+on the base model alone: the cost of serving adapters per request.
+
+Engines over one loaded model (the embedded SmolLM2-135M by default, in its serving form
+on this machine), each warmed up:
+- "base": no LoRA at all (the baseline every ratio divides by);
+- "lora-none": `enable_lora` with every request on the base model (the adapter path runs,
+  every token's slot -1);
+- "lora-masked" / "lora-gathered": `enable_lora`, the requests spread evenly over
+  `--adapters` random rank-`--rank` adapters on all seven projections, with each of
+  `models.lora.LORA_IMPLS`.
+Each round runs the engines one after another (A, B, C, D, A, B, ...) on the same prompts
+(prefix caching off) and times `generate` of `--max-tokens` greedy tokens per request; the
+figures are the median over rounds, with the load average beside them. Adapter load time
+(reading a PEFT directory) and slot write time, and the device bytes of one slot, are
+measured on the masked engine.
+
+Usage: python scripts/bench_lora.py [--batch 32] [--adapters 4] [--rank 16]
+       [--max-tokens 64] [--rounds 3] [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.lora import LoRARequest
+from models.default_model import default_model_path
+from models.loaders import load_model, load_tokenizer
+from models.lora import module_shapes, served_targets
+
+
+def write_random_adapter(directory: str, cfg, rank: int, seed: int) -> str:
+    """A PEFT LoRA adapter directory of random A and B on every served projection."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    shapes = module_shapes(cfg)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for block, module in served_targets(cfg):
+            d_in, d_out = shapes[(block, module)]
+            name = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{name}.lora_A.weight"] = (rng.standard_normal((rank, d_in)) / d_in ** 0.5
+                                                ).astype(np.float32)
+            tensors[f"{name}.lora_B.weight"] = (0.1 * rng.standard_normal((d_out, rank))
+                                                ).astype(np.float32)
+    os.makedirs(directory, exist_ok=True)
+    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+                   "target_modules": sorted({m for _, m in served_targets(cfg)})}, f)
+    return directory
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--adapters", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", default=None)
+    args = ap.parse_args()
+
+    path = args.model or default_model_path()
+    model, tokenizer = load_model(path, "float32"), load_tokenizer(path)
+    tmp = tempfile.mkdtemp(prefix="bench_lora_")
+    loras = [LoRARequest(f"a{i}", i + 1, write_random_adapter(
+        os.path.join(tmp, f"a{i}"), model.cfg, args.rank, seed=i)) for i in range(args.adapters)]
+    sizes = dict(max_num_seqs=args.batch, max_num_batched_tokens=256, max_model_len=512,
+                 enable_prefix_caching=False)
+    lora_args = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
+    engines = {"base": (LLM(model, tokenizer=tokenizer, **sizes), None)}
+    engines["lora-none"] = (LLM(model, tokenizer=tokenizer, **sizes, **lora_args), None)
+    for impl in ("masked", "gathered"):
+        engines[f"lora-{impl}"] = (LLM(model, tokenizer=tokenizer, lora_impl=impl, **sizes,
+                                       **lora_args), loras)
+    prompts = [f"Request {i}: write a short story about the number {i * 7 + 3}."
+               for i in range(args.batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    seconds: dict[str, list[float]] = {name: [] for name in engines}
+    loads: list[float] = []
+    for _ in range(args.rounds + 1):  # the first round loads the adapters: not counted
+        for name, (llm, adapters) in engines.items():
+            per_prompt = None if adapters is None else [
+                adapters[i % len(adapters)] for i in range(args.batch)]
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False, lora_request=per_prompt)
+            seconds[name].append(time.perf_counter() - start)
+        loads.append(os.getloadavg()[0])
+    tokens = args.batch * args.max_tokens
+    base = statistics.median(seconds["base"][1:])
+    print(f"{args.batch} requests x {args.max_tokens} tokens, {args.adapters} adapters of rank "
+          f"{args.rank}, {model.cfg.architecture} ({path}), {jax.devices()[0].platform}; "
+          f"median of {args.rounds} rounds, load average {min(loads):.1f}-{max(loads):.1f}")
+    for name in engines:
+        s = statistics.median(seconds[name][1:])
+        print(f"  {name:14s} {s:7.2f} s  {tokens / s:8.1f} tok/s  {base / s:5.2f}x of base")
+    compiles = engines["lora-masked"][0].engine.runner.num_compilations
+    lora = engines["lora-masked"][0].engine.runner.lora
+    slot_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(lora.stacks)) // args.adapters
+    extra = LoRARequest("extra", 99, write_random_adapter(os.path.join(tmp, "extra"),
+                                                          model.cfg, args.rank, seed=99))
+    start = time.perf_counter()
+    weights = lora.manager.add(extra)
+    read = time.perf_counter() - start
+    start = time.perf_counter()
+    lora.write(0, weights)
+    jax.block_until_ready(lora.stacks)
+    write = time.perf_counter() - start
+    print(f"  one slot: {slot_bytes / 2**20:.1f} MiB on the device; loading an adapter: "
+          f"{read * 1e3:.0f} ms to read, {write * 1e3:.0f} ms to write its slot; "
+          f"compilations after warm-up (masked engine): {compiles}")
+
+
+if __name__ == "__main__":
+    main()
