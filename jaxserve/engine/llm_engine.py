@@ -12,6 +12,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.engine_metrics import EngineMetrics
 from jaxserve.engine.input_processor import InputProcessor
+from jaxserve.engine.lora_control import LoRAControl
 from jaxserve.engine.output_processor import CoreStep, OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
@@ -38,7 +39,7 @@ class _InFlight:
     failed: dict[str, BaseException]
 
 
-class LLMEngine(EngineMetrics):
+class LLMEngine(EngineMetrics, LoRAControl):
     """Continuous-batching engine over one model.
 
     Args:
@@ -121,29 +122,6 @@ class LLMEngine(EngineMetrics):
         self.scheduler.add_request(state.root)
         self.outputs.add(state)
         self.counters["prompt_tokens"] += len(state.prompt_token_ids)
-
-    def add_lora(self, lora_request) -> bool:
-        """Loads an adapter now (vLLM's `add_lora`); True once loaded.
-
-        Raises:
-            ValueError: The engine was built without `enable_lora`, or the adapter does not
-                load (`jaxserve.lora.manager.LoRAManager.add`: the message names the
-                problem).
-        """
-        if self.runner.lora is None:
-            raise ValueError("lora_request given, but the engine serves no LoRA adapters "
-                             "(build it with enable_lora=True)")
-        self.runner.lora.manager.add(lora_request)
-        return True
-
-    def remove_lora(self, lora_id: int) -> bool:
-        """Forgets a loaded adapter (vLLM's `remove_lora`); requests running it finish with
-        it. Returns whether it was loaded."""
-        return self.runner.lora is not None and self.runner.lora.manager.remove(lora_id)
-
-    def list_loras(self) -> set[int]:
-        """Ids of the adapters loaded (vLLM's `list_loras`)."""
-        return set() if self.runner.lora is None else set(self.runner.lora.manager.loaded_ids)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Ends requests now; their pages are freed at once. Unknown ids are ignored.

@@ -31,49 +31,15 @@ from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.sampling_rows import SamplingRows
 from jaxserve.runner.step_input import build_step_arrays
 from jaxserve.runner.step_io import PendingStep, StepInputs, StepResult
-from jaxserve.runner.transfer import Layout, pack, unpack
+from jaxserve.runner.step_programs import model_step, prompt_logprobs, sample_step, to_host
+from jaxserve.runner.transfer import Layout, pack
 from jaxserve.runner.warmup import run_warmup
-from jaxserve.sample.logprobs import compute_prompt_logprobs
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, MAX_LOGPROBS, SamplingMetadata
-from jaxserve.sample.sampler import sample
 from jaxserve.utils import cdiv
 from models.kv_groups import KVGroupLayout
 from models.model import Model
-from pallas_kernels import AttentionMetadata
 from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
 from pallas_kernels.tuning import tuned
-
-
-def _model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: bool, params,
-                kv_pages, buf, prev_ids, lora=None):
-    x = unpack(buf, layout)
-    md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"],
-                           decode_only, short_tiles)
-    src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
-    input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
-    kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md, lora,
-                                     x.get("lora_slots"))
-    logits = model.compute_logits(params, hidden[x["logits_indices"]])  # f32[rows, vocab]
-    return kv_pages, logits, hidden
-
-
-def _prompt_logprobs(model: Model, num_logprobs: int, params, hidden, next_token_ids):
-    # f32[num_tokens, vocab] logits of every position: only steps that asked for it.
-    logits = model.compute_logits(params, hidden)
-    return compute_prompt_logprobs(logits, next_token_ids, num_logprobs)
-
-
-def _sample_step(layout: Layout, max_rows: int, logits, buf):
-    res = sample(logits, unpack(buf, layout))
-    ids = res.token_ids  # i32[num_rows]
-    return res, jnp.zeros(max_rows, jnp.int32).at[:ids.shape[0]].set(ids)  # i32[max_rows]
-
-
-def _to_host(tree):
-    """NumPy copies of replicated device arrays (one local replica when a mesh spans
-    processes, where the whole array is not addressable here)."""
-    return jax.tree_util.tree_map(
-        lambda x: np.asarray(x if x.is_fully_addressable else x.addressable_data(0)), tree)
 
 
 class ModelRunner:
@@ -229,11 +195,11 @@ class ModelRunner:
         """Waits for a dispatched step and brings its samples to the host."""
         start = compile_counter.num_compilations()
         try:
-            res = _to_host(pending.result)
+            res = to_host(pending.result)
             prompt_lp = None
             if pending.prompt_logprobs is not None:
                 prompt_lp = jax.tree_util.tree_map(lambda x: x[:pending.num_prompt_targets],
-                                                   _to_host(pending.prompt_logprobs))
+                                                   to_host(pending.prompt_logprobs))
         finally:
             self.num_compilations += compile_counter.num_compilations() - start
         n = len(pending.row_request_ids)
@@ -324,7 +290,7 @@ class ModelRunner:
     def _prompt_fn(self):
         if self._prompt_logprobs is None:
             self._prompt_logprobs = jax.jit(functools.partial(
-                _prompt_logprobs, self.model, min(MAX_LOGPROBS, self.model.cfg.vocab_size)))
+                prompt_logprobs, self.model, min(MAX_LOGPROBS, self.model.cfg.vocab_size)))
         return self._prompt_logprobs
 
     def _to_device(self, buf: np.ndarray) -> jax.Array:
@@ -341,7 +307,7 @@ class ModelRunner:
             shardings = {} if self.layout is None else {"out_shardings": (
                 self.layout.kv_pages_sharding(), self.layout.replicated(),
                 self.layout.replicated())}
-            fn = jax.jit(functools.partial(_model_step, self.model, layout, decode_only,
+            fn = jax.jit(functools.partial(model_step, self.model, layout, decode_only,
                                            self.short_tiles),
                          donate_argnums=1, **shardings)
             self._steps[(layout, decode_only)] = fn
@@ -358,7 +324,7 @@ class ModelRunner:
     def _sampler_fn(self, layout: Layout):
         fn = self._samplers.get(layout)
         if fn is None:
-            fn = jax.jit(functools.partial(_sample_step, layout, self.max_rows))
+            fn = jax.jit(functools.partial(sample_step, layout, self.max_rows))
             self._samplers[layout] = fn
         return fn
 

@@ -1,0 +1,53 @@
+"""The jitted programs of a step (model forward, prompt logprobs, sampler) and the copy of
+their outputs to the host; `ModelRunner` compiles them per input layout."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.runner.transfer import Layout, unpack
+from jaxserve.sample.logprobs import compute_prompt_logprobs
+from jaxserve.sample.sampler import sample
+from models.model import Model
+from pallas_kernels import AttentionMetadata
+
+
+def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: bool, params,
+                kv_pages, buf, prev_ids, lora=None):
+    """One step's model forward on its packed inputs `buf` (unpacked by `layout`): the
+    placeholder tokens read from `prev_ids` (i32[max_rows]), every token's LoRA slot from
+    the buffer when `lora` (the slot stacks) is given. Returns (kv_pages, f32[rows, vocab]
+    logits of the sampled rows, hidden [num_tokens, hidden_size])."""
+    x = unpack(buf, layout)
+    md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"],
+                           decode_only, short_tiles)
+    src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
+    input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
+    kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md, lora,
+                                     x.get("lora_slots"))
+    logits = model.compute_logits(params, hidden[x["logits_indices"]])  # f32[rows, vocab]
+    return kv_pages, logits, hidden
+
+
+def prompt_logprobs(model: Model, num_logprobs: int, params, hidden, next_token_ids):
+    """Top logprobs and each prompt position's next-token logprob from every position."""
+    # f32[num_tokens, vocab] logits of every position: only steps that asked for it.
+    logits = model.compute_logits(params, hidden)
+    return compute_prompt_logprobs(logits, next_token_ids, num_logprobs)
+
+
+def sample_step(layout: Layout, max_rows: int, logits, buf):
+    """Samples the rows (`buf`: packed `SamplingMetadata`); (SamplerOutput, the ids as
+    i32[max_rows], what the next step's placeholders read)."""
+    res = sample(logits, unpack(buf, layout))
+    ids = res.token_ids  # i32[num_rows]
+    return res, jnp.zeros(max_rows, jnp.int32).at[:ids.shape[0]].set(ids)  # i32[max_rows]
+
+
+def to_host(tree):
+    """NumPy copies of replicated device arrays (one local replica when a mesh spans
+    processes, where the whole array is not addressable here)."""
+    return jax.tree_util.tree_map(
+        lambda x: np.asarray(x if x.is_fully_addressable else x.addressable_data(0)), tree)
