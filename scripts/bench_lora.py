@@ -22,43 +22,18 @@ Usage: python scripts/bench_lora.py [--batch 32] [--adapters 4] [--rank 16]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 
 import jax
-import numpy as np
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.bench.lora_adapters import write_random_adapter
 from jaxserve.lora import LoRARequest
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
-from models.lora import module_shapes, served_targets
-
-
-def write_random_adapter(directory: str, cfg, rank: int, seed: int) -> str:
-    """A PEFT LoRA adapter directory of random A and B on every served projection."""
-    from safetensors.numpy import save_file
-
-    rng = np.random.default_rng(seed)
-    shapes = module_shapes(cfg)
-    tensors = {}
-    for layer in range(cfg.num_layers):
-        for block, module in served_targets(cfg):
-            d_in, d_out = shapes[(block, module)]
-            name = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{name}.lora_A.weight"] = (rng.standard_normal((rank, d_in)) / d_in ** 0.5
-                                                ).astype(np.float32)
-            tensors[f"{name}.lora_B.weight"] = (0.1 * rng.standard_normal((d_out, rank))
-                                                ).astype(np.float32)
-    os.makedirs(directory, exist_ok=True)
-    save_file(tensors, os.path.join(directory, "adapter_model.safetensors"))
-    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
-                   "target_modules": sorted({m for _, m in served_targets(cfg)})}, f)
-    return directory
 
 
 def main() -> None:

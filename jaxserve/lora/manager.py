@@ -17,7 +17,7 @@ from jaxserve.config import LoRAConfig
 from jaxserve.lora.request import LoRARequest
 from models.config import ArchConfig
 from models.loaders.peft_adapter import LoRAWeights, load_peft_adapter
-from models.lora import served_targets
+from models.lora import TARGETS, served_targets
 
 
 class LoRAManager:
@@ -68,7 +68,7 @@ class LoRAManager:
             self._loaded.move_to_end(lora.lora_int_id)
             return held[1]
         weights = load_peft_adapter(lora.lora_path, self.cfg, self.config.max_lora_rank)
-        extra = [m for b, m in weights.stacks if (b, m) not in self.targets]
+        extra = [m for b, m in TARGETS if (b, m) in weights.stacks and (b, m) not in self.targets]
         if extra:
             raise ValueError(f"LoRA adapter {lora.lora_name!r} ({lora.lora_path!r}) targets "
                              f"{', '.join(extra)}, which this model does not adapt (targets: "
