@@ -115,6 +115,15 @@ def test_chat_reaches_an_adapter(client, served, lora_setup, smollm2_tokenizer):
     assert r.model == "mlp4" and r.choices[0].message.content == want
 
 
+def test_beam_search_runs_with_the_adapter(client, lora_setup, smollm2_tokenizer):
+    base, adapters = lora_setup
+    want = oracle_text(adapters["qv8"].merged, smollm2_tokenizer, PROMPT, 4)
+    assert want != oracle_text(base, smollm2_tokenizer, PROMPT, 4)
+    r = client.completions.create(model="qv8", prompt=PROMPT, max_tokens=4, n=1,
+                                  extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert r.choices[0].text == want  # width 1: the greedy tokens
+
+
 def test_models_lists_adapters_with_their_parent(client, lora_setup):
     _, adapters = lora_setup
     cards = {m.id: m for m in client.models.list().data}
