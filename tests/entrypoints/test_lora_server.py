@@ -184,6 +184,10 @@ def test_runtime_lora_errors_name_the_adapter(served, tmp_path):
     assert gone.status_code == 404 and "never-loaded" in gone.json()["error"]["message"]
     neither = post(url, "/v1/unload_lora_adapter", {})
     assert neither.status_code == 400
+    mismatch = post(url, "/v1/unload_lora_adapter", {"lora_name": "qv8", "lora_int_id": 999})
+    assert mismatch.status_code == 404
+    assert mismatch.json()["error"]["message"] == ("The lora adapter 'qv8' with id 999 "
+                                                   "cannot be found.")
     assert "broken" not in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
 
 
@@ -282,6 +286,14 @@ def test_cli_refuses_bad_lora_flags_before_loading(tmp_path, capsys):
     for flags, message in cases:
         assert cli.main(["serve", *flags]) == 2, flags
         assert message in capsys.readouterr().err, flags
+
+
+def test_run_batch_on_ray_refuses_lora_modules(tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text("\n")
+    code = cli.main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o",
+                     str(tmp_path / "out.jsonl"), "--ray", "local", "--enable-lora",
+                     "--lora-modules", f"a={tmp_path}"])
+    assert code == 2 and "--lora-modules is not supported with --ray" in capsys.readouterr().err
 
 
 def test_runtime_updating_env_var():

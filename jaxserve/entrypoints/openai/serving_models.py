@@ -212,7 +212,9 @@ class OpenAIServingModels:
                          if (not lora_name or lo.lora_name == lora_name)
                          and (lora_int_id is None or lo.lora_int_id == lora_int_id)]
                 if not found:
-                    what = f"'{lora_name}'" if lora_name else f"with id {lora_int_id}"
+                    what = " ".join(([f"'{lora_name}'"] if lora_name else [])
+                                    + ([f"with id {lora_int_id}"] if lora_int_id is not None
+                                       else []))
                     raise OpenAIError(404, f"The lora adapter {what} cannot be found.",
                                       "lora_name" if lora_name else "lora_int_id")
                 lora = self.lora_requests.pop(found[0].lora_name)
