@@ -27,6 +27,7 @@ from jaxserve.entrypoints.openai.protocol import BatchRequestInput
 from jaxserve.entrypoints.openai.serving_base import random_id
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
 
 DUPLICATE = "duplicate_custom_id"
 
@@ -151,11 +152,16 @@ class BatchRunner:
     Args:
         llm: The async engine.
         served_model_names: Names the lines' `model` may use.
+        models: The base names and the LoRA adapters a line's `model` may name (None:
+            `served_model_names`, no adapters); an unknown name is that line's 404.
     """
 
-    def __init__(self, llm: AsyncLLM, served_model_names: list[str]):
-        self.handlers = {"/v1/completions": OpenAIServingCompletion(llm, served_model_names),
-                         "/v1/chat/completions": OpenAIServingChat(llm, served_model_names)}
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str],
+                 models: OpenAIServingModels | None = None):
+        models = models or OpenAIServingModels(served_model_names)
+        self.handlers = {
+            "/v1/completions": OpenAIServingCompletion(llm, served_model_names, models=models),
+            "/v1/chat/completions": OpenAIServingChat(llm, served_model_names, models=models)}
 
     async def run_line(self, line: str, lineno: int = 0) -> dict:
         """The output record of one input line (never raises); `lineno` labels errors."""
@@ -322,8 +328,8 @@ async def run_lines(runner: BatchRunner, lines: list[str], out: BatchOutput,
 
 
 def run_batch_file(llm: AsyncLLM, served_model_names: list[str], input_path: str,
-                   output_path: str, use_tqdm: bool = True,
-                   resume: bool = False) -> dict[str, int]:
+                   output_path: str, use_tqdm: bool = True, resume: bool = False,
+                   models: OpenAIServingModels | None = None) -> dict[str, int]:
     """Reads `input_path` (`-` for stdin), writes `output_path` (`-` for stdout).
 
     Args:
@@ -333,6 +339,8 @@ def run_batch_file(llm: AsyncLLM, served_model_names: list[str], input_path: str
         output_path: Results JSONL, one line per non-blank input line.
         use_tqdm: Show a progress bar.
         resume: Keep the output file's finished records and run only the other lines.
+        models: LoRA adapters a line's `body.model` may name (loaded in the engine
+            already: `cli.engine.start_engine`); None: the base model only.
 
     Returns:
         Counts: `total`, `succeeded` (status 200), `failed` (the rest) and `skipped`
@@ -345,7 +353,8 @@ def run_batch_file(llm: AsyncLLM, served_model_names: list[str], input_path: str
     lines = read_lines(input_path)
     out = BatchOutput(output_path, resume)
     try:
-        asyncio.run(run_lines(BatchRunner(llm, served_model_names), lines, out, use_tqdm))
+        asyncio.run(run_lines(BatchRunner(llm, served_model_names, models), lines, out,
+                              use_tqdm))
     finally:
         out.close()
     out.finish()

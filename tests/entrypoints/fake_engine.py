@@ -30,7 +30,10 @@ class FakeEngine:
         self.num_steps = 0
 
     def add_request(self, request_id, prompt, params, *, priority=0, cache_salt=None,
-                    arrival_time=None):
+                    arrival_time=None, lora_request=None):
+        if lora_request is not None:  # as an engine built without enable_lora
+            raise ValueError("lora_request given, but the engine serves no LoRA adapters "
+                             "(build it with enable_lora=True)")
         if request_id in self.running:
             raise ValueError(f"request id {request_id!r} is already in use")
         if prompt == "":

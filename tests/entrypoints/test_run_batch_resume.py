@@ -231,14 +231,15 @@ def test_cli_reports_counts_and_stops_cleanly_on_sigterm(smollm2_tokenizer, tmp_
                                                           capsys):
     engines = []
 
-    def fake_start(args, verbose=True):
+    def fake_start(args, verbose=True, models=None):
         engines.append(make_llm(smollm2_tokenizer, step_seconds=0.04))
         return engines[-1], [MODEL]
 
     monkeypatch.setattr(cli_run_batch, "start_engine", fake_start)
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(batch(5) + ["oops"]) + "\n")
-    args = ["run-batch", "-i", str(src), "-o", str(dst), "--no-progress"]
+    args = ["run-batch", "-i", str(src), "-o", str(dst), "--no-progress",
+            "--served-model-name", MODEL]
     assert cli.main(args) == 0
     err = capsys.readouterr().err
     assert "6 requests: 5 succeeded, 1 failed, 0 skipped" in err and str(dst) in err

@@ -70,6 +70,15 @@ ENGINE_ARGS = [
      'speculative decoding, vLLM\'s JSON object, e.g. \'{"method": "ngram", '
      '"num_speculative_tokens": 3}\' (optional: prompt_lookup_min, prompt_lookup_max)'),
 ]
+# The LoRA engine flags (vLLM's), on the commands that can name an adapter (`serve`,
+# `run-batch`), with `--lora-modules` beside them (`add_lora_args`).
+LORA_ARGS = [
+    ("--enable-lora", "bool", None, "off",
+     "serve LoRA adapters (PEFT directories) on top of the base model, per request"),
+    ("--max-loras", int, None, "1", "adapters one step may run (the device's adapter slots)"),
+    ("--max-lora-rank", int, None, "16", "largest adapter rank served"),
+    ("--max-cpu-loras", int, None, "max-loras", "adapters kept loaded on the host (an LRU)"),
+]
 MODEL_HELP = ("GGUF file, Hugging Face directory or jaxserve checkpoint (default: the "
               "embedded SmolLM2-135M-Instruct)")
 
@@ -97,8 +106,33 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True,
         p.add_argument("--model", default=None, help="the model, as an option (same as MODEL)")
     else:
         p.add_argument("--model", default=None, help=MODEL_HELP)
-    group = p.add_argument_group("engine arguments")
-    for flag, kind, choices, shown, text in ENGINE_ARGS:
+    _add_flags(p.add_argument_group("engine arguments"), ENGINE_ARGS, defaults)
+
+
+def add_lora_args(p: argparse.ArgumentParser, runtime_updating: bool = False) -> None:
+    """Adds the LoRA engine flags (`LORA_ARGS`) and `--lora-modules` (read by
+    `cli.engine.serving_models`).
+
+    Args:
+        p: The command's parser.
+        runtime_updating: Also add `--allow-runtime-lora-updating` (the server's).
+    """
+    group = p.add_argument_group("LoRA adapters")
+    _add_flags(group, LORA_ARGS, None)
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="adapters served from the start, each 'name=path' or vLLM's JSON "
+                            '\'{"name": "x", "path": "/adapters/x", "base_model_name": "b"}\' '
+                            "(a request's model field picks one by name; needs --enable-lora)")
+    if runtime_updating:
+        group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                           help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                                "(any client with the key may then load adapter directories "
+                                "of this host; also on with "
+                                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; needs --enable-lora)")
+
+
+def _add_flags(group, specs: list, defaults: dict | None) -> None:
+    for flag, kind, choices, shown, text in specs:
         dest = flag[2:].replace("-", "_")
         shown = (defaults or {}).get(dest, shown)
         help_text = f"{text} (default: {shown})"
@@ -122,7 +156,7 @@ def engine_kwargs(args) -> dict:
         ValueError: A JSON flag's text is not JSON (the message names the argument).
     """
     kwargs = {}
-    for flag, kind, *_ in ENGINE_ARGS:
+    for flag, kind, *_ in ENGINE_ARGS + LORA_ARGS:
         dest = flag[2:].replace("-", "_")
         value = getattr(args, dest, None)
         if value is not None and kind == "json":

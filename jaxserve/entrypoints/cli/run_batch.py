@@ -5,8 +5,13 @@ from __future__ import annotations
 import signal
 import sys
 
-from jaxserve.entrypoints.cli.args import add_engine_args
-from jaxserve.entrypoints.cli.engine import add_serving_args, start_engine
+from jaxserve.entrypoints.cli.args import add_engine_args, add_lora_args, engine_kwargs
+from jaxserve.entrypoints.cli.engine import (
+    add_serving_args,
+    served_names,
+    serving_models,
+    start_engine,
+)
 
 
 def add_parser(sub) -> None:
@@ -21,6 +26,7 @@ def add_parser(sub) -> None:
                         "run only the other lines (without it the output file is truncated "
                         "first)")
     add_engine_args(p, positional_model=False)
+    add_lora_args(p)
     add_serving_args(p)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     ray = p.add_argument_group("Ray cluster (pip install 'jaxserve[ray]')")
@@ -46,12 +52,16 @@ def run(args) -> int:
 
     check_paths(args.input_file, args.output_file, args.resume)  # before the slow model load
     if args.ray is not None:
+        if args.lora_modules:
+            raise ValueError("--lora-modules is not supported with --ray (the actors would "
+                             "each need the adapters); run without --ray")
         return _run_on_ray(args)
-    llm, names = start_engine(args, verbose=False)
+    models = serving_models(args, served_names(args, engine_kwargs(args)))
+    llm, names = start_engine(args, verbose=False, models=models)
     try:
         counts, code = _interruptible(lambda: run_batch_file(
             llm, names, args.input_file, args.output_file, use_tqdm=not args.no_progress,
-            resume=args.resume), args.output_file)
+            resume=args.resume, models=models), args.output_file)
     finally:
         llm.shutdown()
     if code is not None:
@@ -63,7 +73,6 @@ def run(args) -> int:
 
 
 def _run_on_ray(args) -> int:
-    from jaxserve.entrypoints.cli.args import engine_kwargs
     from jaxserve.entrypoints.ray_batch import print_report, run_batch_file
 
     kwargs = engine_kwargs(args)  # checked by run_batch_file (paths only on a local cluster)

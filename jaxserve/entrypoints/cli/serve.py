@@ -8,13 +8,14 @@ import os
 from jaxserve.entrypoints.cli.args import (
     add_distributed_args,
     add_engine_args,
+    add_lora_args,
     check_engine_args,
     engine_kwargs,
     init_distributed,
     print_backend,
     quiet_start,
 )
-from jaxserve.entrypoints.cli.engine import add_serving_args, served_names
+from jaxserve.entrypoints.cli.engine import add_serving_args, served_names, serving_models
 
 
 def add_parser(sub) -> None:
@@ -23,6 +24,7 @@ def add_parser(sub) -> None:
                                    "/health answers 503 with the warm-up progress until the "
                                    "engine is ready.")
     add_engine_args(p)
+    add_lora_args(p, runtime_updating=True)
     add_distributed_args(p)
     add_serving_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -91,6 +93,9 @@ def run(args) -> int:
         raise ValueError(f"--heavy-prepare-share must be in (0, 1], got "
                          f"{args.heavy_prepare_share}")
     names = served_names(args, kwargs)
+    models = serving_models(args, names)
+    if args.allow_runtime_lora_updating and not kwargs.get("enable_lora"):
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
     quiet_start(verbose=True)
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.engine.llm import LLM
@@ -101,6 +106,10 @@ def run(args) -> int:
         start_in_background,
     )
     from jaxserve.entrypoints.openai.serving_base import ServingLimits
+    from jaxserve.entrypoints.openai.serving_models import (
+        load_static_loras,
+        runtime_lora_updating_from_env,
+    )
     from jaxserve.metrics import ServerMetrics
 
     init_distributed(args)
@@ -120,7 +129,10 @@ def run(args) -> int:
                     max_body_bytes=args.max_request_body_bytes, prepare_limits=lanes,
                     disable_docs=args.disable_fastapi_docs,
                     enable_server_load_tracking=args.enable_server_load_tracking,
-                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                    models=models,
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating
+                    or runtime_lora_updating_from_env())
     server = make_server(app, args.host, args.port, args.shutdown_timeout,
                          args.uvicorn_log_level)
 
@@ -137,6 +149,9 @@ def run(args) -> int:
 
             channels.append(lead(engine))
         startup.engine = engine
+        if models.lora_requests:
+            startup.phase = "loading LoRA adapters"
+            load_static_loras(engine, models)  # a bad adapter fails start-up, named
         if warmup:
             startup.phase = "warm-up"
             engine.warmup()

@@ -22,14 +22,16 @@ import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxserve.engine.protocol import EngineClient
 from jaxserve.entrypoints.openai.admission import PrepareLanes, PrepareLimits
-from jaxserve.entrypoints.openai.errors import OpenAIError, error_body, loads_body
+from jaxserve.entrypoints.openai.errors import OpenAIError, error_body, loads_body, parse_body
 from jaxserve.entrypoints.openai.gate import DEFAULT_MAX_BODY_BYTES, ServerGate
+from jaxserve.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from jaxserve.entrypoints.openai.serving_base import (  # noqa: F401 - re-exported
     ServingLimits,
     default_model_name,
 )
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
 from jaxserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("jaxserve")
@@ -83,7 +85,8 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
               enable_server_load_tracking: bool = False,
               enable_tokenizer_info_endpoint: bool = False,
               prepare_limits: PrepareLimits | None = None,
-              disable_docs: bool = False) -> FastAPI:
+              disable_docs: bool = False, models: OpenAIServingModels | None = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The FastAPI app over an engine.
 
     Args:
@@ -102,6 +105,12 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
         prepare_limits: The lanes requests are prepared in (`PrepareLimits()` when None).
         disable_docs: Serve no `/docs`, `/redoc` or `/openapi.json` (vLLM's
             `--disable-fastapi-docs`); they are open, without the key, otherwise.
+        models: The base model's names and the LoRA adapters requests may name (None:
+            `served_model_names`, no adapters); its names must match
+            `served_model_names`.
+        allow_runtime_lora_updating: Serve `POST /v1/load_lora_adapter` and
+            `/v1/unload_lora_adapter` (vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING`); without
+            it they do not exist (404).
     """
 
     @contextlib.asynccontextmanager
@@ -122,6 +131,8 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
     state.tokenizer_info = enable_tokenizer_info_endpoint
     state.startup = Startup()
     state.startup_status = state.startup.status
+    state.models = models or OpenAIServingModels(served_model_names)
+    state.runtime_lora = allow_runtime_lora_updating
     app.add_middleware(ServerGate, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
 
     def attach(engine: AsyncLLM) -> None:
@@ -130,10 +141,10 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
             vocab = getattr(engine.tokenizer, "get_vocab", dict)()
             per_token = max((len(t) for t in vocab), default=0)
             lim = dataclasses.replace(lim, max_chars_per_token=per_token)
-        lanes = state.lanes
-        state.completion = OpenAIServingCompletion(engine, served_model_names, lim, lanes)
-        state.chat = OpenAIServingChat(engine, served_model_names, lim, lanes)
-        state.tokenization = OpenAIServingTokenization(engine, served_model_names, lim, lanes)
+        lanes, names, models = state.lanes, served_model_names, state.models
+        state.completion = OpenAIServingCompletion(engine, names, lim, lanes, models)
+        state.chat = OpenAIServingChat(engine, names, lim, lanes, models)
+        state.tokenization = OpenAIServingTokenization(engine, names, lim, lanes, models)
         state.llm, state.ready = engine, True
 
     state.attach = attach
@@ -229,6 +240,36 @@ def _add_routes(app: FastAPI, state) -> None:
         if not state.tokenizer_info:
             raise OpenAIError(404, "/tokenizer_info is off (--enable-tokenizer-info-endpoint)")
         return JSONResponse(state.tokenization.tokenizer_info())
+
+    if state.runtime_lora:
+        _add_lora_routes(app, state)
+
+
+def _add_lora_routes(app: FastAPI, state) -> None:
+    """vLLM's runtime LoRA endpoints (only with `allow_runtime_lora_updating`): 200 with a
+    plain-text success line, or an OpenAI-style error naming the adapter."""
+    logger.warning("jaxserve: LoRA adapters may be loaded and unloaded at runtime "
+                   "(/v1/load_lora_adapter): any client with access can read adapter "
+                   "directories on this host")
+
+    async def body_of(request: Request, model):
+        raw = await request.body()
+        return await state.lanes.run(state.lanes.is_heavy(len(raw)), parse_body, raw, model)
+
+    @app.post("/v1/load_lora_adapter")
+    @_guard
+    async def load_lora_adapter(request: Request):
+        body = await body_of(request, LoadLoRAAdapterRequest)
+        text = await state.models.load_lora_adapter(state.llm, body.lora_name, body.lora_path)
+        return Response(text, media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    @_guard
+    async def unload_lora_adapter(request: Request):
+        body = await body_of(request, UnloadLoRAAdapterRequest)
+        text = await state.models.unload_lora_adapter(state.llm, body.lora_name,
+                                                      body.lora_int_id)
+        return Response(text, media_type="text/plain")
 
 
 def start_in_background(app: FastAPI, build, on_error=None) -> threading.Thread:

@@ -23,10 +23,11 @@ from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 async def _top_tokens(llm, tokens: list[int], params: SamplingParams, request_id: str,
-                      k: int, cache_salt: str | None) -> list[tuple[int, float]]:
+                      k: int, cache_salt: str | None, lora_request=None
+                      ) -> list[tuple[int, float]]:
     """The top `k` (token, logprob) of the next token after `tokens`."""
     stream = (await llm.add_requests([(request_id, {"prompt_token_ids": tokens})], params,
-                                     cache_salt=cache_salt))[0]
+                                     cache_salt=cache_salt, lora_request=lora_request))[0]
     try:
         out = await stream.get()
         while not out.finished:
@@ -39,8 +40,8 @@ async def _top_tokens(llm, tokens: list[int], params: SamplingParams, request_id
 
 
 async def beam_search(llm, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
-                      eos_token_ids: tuple[int, ...], cache_salt: str | None = None
-                      ) -> list[BeamSearchSequence]:
+                      eos_token_ids: tuple[int, ...], cache_salt: str | None = None,
+                      lora_request=None) -> list[BeamSearchSequence]:
     """The best `params.beam_width` hypotheses for one prompt, best first.
 
     Args:
@@ -50,6 +51,7 @@ async def beam_search(llm, prompt_ids: list[int], params: BeamSearchParams, requ
         request_id: Prefix of the engine request ids of the steps.
         eos_token_ids: Tokens that end a hypothesis (unless `params.ignore_eos`).
         cache_salt: The request's prefix-cache salt.
+        lora_request: The LoRA adapter every step runs with (None: the base model).
 
     Raises:
         RequestFailedError, EngineDeadError: A step's request failed.
@@ -64,7 +66,7 @@ async def beam_search(llm, prompt_ids: list[int], params: BeamSearchParams, requ
     for step in range(params.max_tokens):
         tops = await asyncio.gather(*[
             _top_tokens(llm, beam.tokens, step_params, f"{request_id}-s{step}b{i}", k,
-                        cache_salt)
+                        cache_salt, lora_request)
             for i, beam in enumerate(beams)])
         scored = [(beam.cum_logprob + lp, -i, token)
                   for i, (beam, cands) in enumerate(zip(beams, tops, strict=True))

@@ -332,3 +332,17 @@ class BatchRequestInput(OpenAIBaseModel):
     method: Literal["POST"]
     url: str
     body: dict[str, Any]
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """Body of `POST /v1/load_lora_adapter` (vLLM's)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """Body of `POST /v1/unload_lora_adapter` (vLLM's: the name, or the id)."""
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None

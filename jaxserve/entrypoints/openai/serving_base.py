@@ -12,6 +12,8 @@ from typing import Any
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.admission import PrepareLanes
 from jaxserve.entrypoints.openai.errors import OpenAIError
+from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
+from jaxserve.lora import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -67,11 +69,13 @@ class Prepared:
         params: The engine's sampling parameters.
         prompts: Per prompt `{"prompt": text or None, "prompt_token_ids": ids}`.
         extra: Endpoint-specific values (echo text, ...).
+        lora_request: The LoRA adapter the request's `model` named (None: the base).
     """
 
     params: SamplingParams
     prompts: list[dict]
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    lora_request: LoRARequest | None = None
 
 
 def random_id(prefix: str) -> str:
@@ -89,13 +93,17 @@ class OpenAIServingBase:
         limits: Per-request limits.
         lanes: Where requests are prepared (the server shares one between its handlers;
             None: lanes of this handler's own).
+        models: The base names and LoRA adapters requests may name (the server shares
+            one between its handlers; None: `served_model_names` without adapters).
     """
 
     def __init__(self, llm: AsyncLLM, served_model_names: list[str],
-                 limits: ServingLimits | None = None, lanes: PrepareLanes | None = None):
+                 limits: ServingLimits | None = None, lanes: PrepareLanes | None = None,
+                 models: OpenAIServingModels | None = None):
         self.llm = llm
         self.lanes = lanes or PrepareLanes()
-        self.served_model_names = list(served_model_names)
+        self.serving_models = models or OpenAIServingModels(served_model_names)
+        self.served_model_names = list(self.serving_models.base_model_names)
         self.model_name = self.served_model_names[0]
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
@@ -104,10 +112,13 @@ class OpenAIServingBase:
         self.vocab_size: int | None = llm.engine.vocab_size
 
     # ----------------------------------------------------------- helpers
-    def check_model(self, model: str | None) -> None:
-        """Raises a 404 for a model this server does not serve (None means the default)."""
-        if model is not None and model not in self.served_model_names:
-            raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model, or no model given).
+
+        Raises:
+            OpenAIError: 404 for a model this server does not serve.
+        """
+        return self.serving_models.lora_request(model)
 
     def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True,
                check: bool = True) -> list[int]:

@@ -128,7 +128,8 @@ class OpenAIServingChat(OpenAIServing):
                 if params.logprobs is not None else None,
                 "finish_reason": finish_reason, "stop_reason": comp.stop_reason})
         response = {"id": request_id, "object": "chat.completion", "created": now(),
-                    "model": self.model_name, "choices": choices, "usage": usage([final])}
+                    "model": self.serving_models.response_name(prep.lora_request),
+                    "choices": choices, "usage": usage([final])}
         if req.prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(final)
         return response
@@ -136,7 +137,7 @@ class OpenAIServingChat(OpenAIServing):
     async def stream_events(self, req, prep, request_id, streams) -> AsyncIterator[dict]:
         params = prep.params
         head = {"id": request_id, "object": "chat.completion.chunk", "created": now(),
-                "model": self.model_name}
+                "model": self.serving_models.response_name(prep.lora_request)}
         for c in range(params.n):
             yield {**head, "choices": [{
                 "index": c, "delta": {"role": "assistant", "content": prep.extra["echo"]},

@@ -145,11 +145,12 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = [self._choice(req, prep, i, out, comp, True, comp.text, 0, 0)
                    for i, out in enumerate(finals) for comp in out.outputs]
         return {"id": request_id, "object": "text_completion", "created": now(),
-                "model": self.model_name, "choices": choices, "usage": usage(finals, req)}
+                "model": self.serving_models.response_name(prep.lora_request),
+                "choices": choices, "usage": usage(finals, req)}
 
     async def stream_events(self, req, prep, request_id, streams) -> AsyncIterator[dict]:
         head = {"id": request_id, "object": "text_completion", "created": now(),
-                "model": self.model_name}
+                "model": self.serving_models.response_name(prep.lora_request)}
         finals = [None] * len(streams)
         sent = {}  # (prompt, completion) -> characters of text already streamed
         async for d in deltas(streams, prep.params, finals):

@@ -30,6 +30,7 @@ from jaxserve.entrypoints.openai.serving_base import (
     Prepared,
     random_id,
 )
+from jaxserve.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -96,11 +97,15 @@ class OpenAIServing(OpenAIServingBase, abc.ABC):
         req, prep = await self.lanes.run(heavy, self._parse_and_prepare, body, heavy)
         if prep is None:
             prep = await self.lanes.run(True, self.prepare, req)
+        # NOTE: resolved again here, on the event loop: an adapter unloaded since `_parse`
+        # checked the name is a 404 now, not a request for an adapter no longer served.
+        prep.lora_request = self.check_model(req.model)
         request_id = random_id(self.id_prefix)
         if getattr(req, "use_beam_search", False):
             return await self._beam_search(req, prep, request_id, is_disconnected)
         streams = await self.start(request_id, prep.prompts, prep.params,
-                                   getattr(req, "priority", 0), getattr(req, "cache_salt", None))
+                                   getattr(req, "priority", 0), getattr(req, "cache_salt", None),
+                                   prep.lora_request)
         if getattr(req, "stream", False):
             return self._sse(self.stream_events(req, prep, request_id, streams))
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -125,7 +130,8 @@ class OpenAIServing(OpenAIServingBase, abc.ABC):
             # NOTE: max_tokens=None runs to max_model_len, as for sampling.
             bp = req.beam_search_params(prep.params.max_tokens
                                         or max(1, self.max_model_len - len(ids) - 1))
-            seqs = await beam_search(self.llm, ids, bp, f"{request_id}-{i}", eos, salt)
+            seqs = await beam_search(self.llm, ids, bp, f"{request_id}-{i}", eos, salt,
+                                     prep.lora_request)
             outputs = [CompletionOutput(
                 j, self.tokenizer.decode(s.tokens[len(ids):], skip_special_tokens=True),
                 s.tokens[len(ids):], s.cum_logprob, None, s.finish_reason)
@@ -150,8 +156,10 @@ class OpenAIServing(OpenAIServingBase, abc.ABC):
         return self.full_response(req, prep, request_id, finals)
 
     async def start(self, base_id: str, prompts: list[dict], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> list[RequestStream]:
-        """Adds one engine request per prompt, all at once; all or none."""
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> list[RequestStream]:
+        """Adds one engine request per prompt (with the LoRA adapter `lora_request`, if
+        any), all at once; all or none."""
         limit = self.limits.max_prompts_per_request
         if len(prompts) > limit:
             raise OpenAIError(400, f"prompt: at most {limit} prompts per request, got "
@@ -159,7 +167,8 @@ class OpenAIServing(OpenAIServingBase, abc.ABC):
         ids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
         try:
             return await self.llm.add_requests(list(zip(ids, prompts, strict=True)), params,
-                                               priority=priority, cache_salt=cache_salt)
+                                               priority=priority, cache_salt=cache_salt,
+                                               lora_request=lora_request)
         except EngineDeadError as e:
             raise OpenAIError(503, str(e)) from None
         except ValueError as e:

@@ -114,8 +114,6 @@ class OpenAIServingTokenization(OpenAIServingBase):
         return info
 
     def models(self) -> dict:
-        """OpenAI's model list: one card per served name (no file system paths)."""
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": now(), "owned_by": "jaxserve",
-             "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
-            for name in self.served_model_names]}
+        """OpenAI's model list: one card per served name (no file system paths), then one
+        per LoRA adapter (`parent`: its base model; `root`: its directory)."""
+        return self.serving_models.cards(self.max_model_len, now())
