@@ -214,12 +214,13 @@ class AsyncLLM:
         loaded."""
         return await self._call("remove_lora", lora_id)
 
-    async def _call(self, method: str, *args):
-        """Runs `engine.<method>(*args)` on the engine thread, between steps."""
+    async def _call(self, method: str, arg):
+        """Runs the engine's `add_lora` or `remove_lora` on `arg` on the engine thread,
+        between steps."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         done: Future = Future()
-        self._commands.put(("call", (method, args), done))
+        self._commands.put(("call", (method, arg), done))
         return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
@@ -267,9 +268,10 @@ class AsyncLLM:
                 self.metrics.on_added(stream.request_id, params)
             done.set_result(None)
         elif kind == "call":
-            method, args = payload
+            method, arg = payload
             try:
-                done.set_result(getattr(engine, method)(*args))
+                done.set_result(engine.add_lora(arg) if method == "add_lora"
+                                else engine.remove_lora(arg))
             except Exception as e:  # noqa: BLE001 - the caller gets the error
                 done.set_exception(e)
         elif kind == "abort":

@@ -41,8 +41,16 @@ class EngineClient(Protocol):
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queues a request; raises ValueError for a bad one (nothing is queued then)."""
+                    arrival_time: float | None = None, lora_request=None) -> None:
+        """Queues a request (with a LoRA adapter when `lora_request` is given); raises
+        ValueError for a bad one (nothing is queued then)."""
+
+    def add_lora(self, lora_request) -> bool:
+        """Loads a LoRA adapter; raises ValueError when LoRA is off or it does not load."""
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets a loaded adapter (requests running it finish with it); whether it was
+        loaded."""
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Ends requests now; returns the final output of each that was live."""

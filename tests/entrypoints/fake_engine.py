@@ -42,6 +42,13 @@ class FakeEngine:
         self.running[request_id] = (prompt, params, [], metrics)
         self.added_at_step[request_id] = self.num_steps
 
+    def add_lora(self, lora_request):  # as an engine built without enable_lora
+        raise ValueError("lora_request given, but the engine serves no LoRA adapters "
+                         "(build it with enable_lora=True)")
+
+    def remove_lora(self, lora_id):
+        return False
+
     def abort_request(self, request_ids):
         outputs = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
