@@ -14,6 +14,7 @@ from jaxserve.engine.engine_metrics import EngineMetrics
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.lora_control import LoRAControl
 from jaxserve.engine.output_processor import CoreStep, OutputProcessor
+from jaxserve.engine.weight_control import WeightControl
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_io import PendingStep
@@ -39,7 +40,7 @@ class _InFlight:
     failed: dict[str, BaseException]
 
 
-class LLMEngine(EngineMetrics, LoRAControl):
+class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
     """Continuous-batching engine over one model.
 
     Args:
@@ -114,6 +115,7 @@ class LLMEngine(EngineMetrics, LoRAControl):
         """
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_awake()
         if lora_request is not None:
             self.add_lora(lora_request)
         state = self.inputs.process(request_id, prompt, params or SamplingParams(),
