@@ -15,19 +15,27 @@ host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 
 from models import packed
 from models.model import Model, abstract_params
-from models.quant import quantize_params
+from models.quant import NO_QUANT, quantize_params
 
 
 def standard_form(model: Model) -> Model:
     """`model` described in its standard layout (no packed panels), params left out."""
     return dataclasses.replace(model, params={},
                                quant=dataclasses.replace(model.quant, packed=()))
+
+
+@functools.lru_cache(maxsize=8)
+def _layout(cfg, dtype_name: str, quant):
+    """The abstract params tree of (cfg, dtype, quant): traced once per model kind (a
+    trace of the whole model's init costs a large part of a second)."""
+    return abstract_params(cfg, dtype_name, quant)
 
 
 def _mismatch(got, want) -> str | None:
@@ -59,10 +67,11 @@ def checked_params(model: Model, params: dict) -> dict:
         raise ValueError(f"update_weights takes a params tree (dict) or a path, got "
                          f"{type(params).__name__}")
     base = standard_form(model)
-    want = abstract_params(base.cfg, base.dtype, base.quant)
+    dtype = np.dtype(base.dtype).name
+    want = _layout(base.cfg, dtype, base.quant)
     why = _mismatch(params, want)
     if why is not None and base.quant:
-        float_tree = abstract_params(base.cfg, base.dtype)
+        float_tree = _layout(base.cfg, dtype, NO_QUANT)
         if _mismatch(params, float_tree) is None:  # float weights: quantize them
             return jax.device_put(quantize_params(params, base.quant))
     if why is not None:
