@@ -78,6 +78,9 @@ class DataParallelEngine:
         """New weights on every replica (`WeightControl.update_weights`)."""
         return [out for r in self.replicas for out in r.update_weights(weights, abort_running)]
 
+    def get_weights(self) -> dict:
+        return self.replicas[0].get_weights()
+
     def reset_prefix_cache(self) -> bool:
         return all([r.reset_prefix_cache() for r in self.replicas])
 

@@ -193,6 +193,10 @@ class LLM:
         `jaxserve.engine.weight_control.WeightControl.update_weights`."""
         return self.engine.update_weights(weights, abort_running)
 
+    def get_weights(self) -> dict:
+        """The served weights in the model's standard layout (`update_weights`'s input)."""
+        return self.engine.get_weights()
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; False while requests hold pages."""
         return self.engine.reset_prefix_cache()

@@ -40,6 +40,11 @@ class WeightControl:
         self.reset_prefix_cache()
         return aborted
 
+    def get_weights(self) -> dict:
+        """The served weights as a params tree in the model's standard layout (the form
+        `update_weights` takes; the `cpu` backend's packed panels unpacked into a copy)."""
+        return self.worker.get_weights()
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix (vLLM's `reset_prefix_cache`); False, and nothing
         done, while requests hold pages."""

@@ -79,6 +79,15 @@ def checked_params(model: Model, params: dict) -> dict:
     return params
 
 
+def standard_params(model: Model) -> dict:
+    """`model`'s weights in its standard layout (what `update_weights` takes): packed
+    panels unpacked (a copy), a mixture of experts' broadcast stacks put back."""
+    params = model.params
+    if packed.is_packed(model):
+        params = packed.unpack_params(params, model.cfg)
+    return packed.gather_experts(params)
+
+
 def serving_params(model: Model, params: dict) -> dict:
     """Standard-layout `params` (checked) in `model`'s serving form."""
     new = dataclasses.replace(standard_form(model), params=params)

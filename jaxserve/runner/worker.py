@@ -242,6 +242,18 @@ class Worker:
         self.runner.set_params(params)
         self.model = dataclasses.replace(self.model, params=self.runner.params)
 
+    def get_weights(self) -> dict:
+        """The served weights in the model's standard layout (`update_weights`'s input).
+
+        Raises:
+            ValueError: The weights were dropped by `sleep(level=2)`.
+        """
+        from jaxserve.runner.weight_sync import standard_params
+
+        if self.runner.params is None:
+            raise ValueError("get_weights: the weights were dropped by sleep(level=2)")
+        return standard_params(self.runner.model)
+
     def sleep(self, level: int) -> int:
         """Frees the page pool's device memory (level 2: also drops the weights); returns
         the bytes freed (weights shared with a caller's `Model` stay alive there)."""

@@ -5,6 +5,7 @@ placed weights never go through the host, and the page pool's memory is given ba
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -179,3 +180,18 @@ def test_sharded_weights_update_in_place_over_a_mesh(tiny_model_dir, new_params,
     q = llm.engine.runner.params["layers"]["self_attn"]["q_proj"]["kernel"]
     assert q is placed["layers"]["self_attn"]["q_proj"]["kernel"]
     assert tokens(llm) == expected_new
+
+
+def test_get_weights_of_the_packed_cpu_form_round_trips(tiny_model_dir, base_model):
+    """The `cpu` backend serves packed panels; `get_weights` gives the standard layout back
+    (the loaded weights exactly), which `update_weights` takes."""
+    llm = LLM(tiny_model_dir, warmup=False, **{**TINY_ENGINE, "attention_backend": "cpu"})
+    assert llm.engine.model.quant.packed
+    got = llm.get_weights()
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(a, b), got,
+                           base_model.params)
+    before = tokens(llm)
+    llm.update_weights(jax.tree_util.tree_map(lambda x: x * 1.5, got))
+    assert tokens(llm) != before
+    llm.update_weights(got)
+    assert tokens(llm) == before
