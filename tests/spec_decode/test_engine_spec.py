@@ -10,12 +10,9 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.beam_search import BeamSearchParams
-from tests.conftest import TINY_ENGINE
 
-# NOTE: the shared tiny-engine sizes: the steps and sampler programs of both engines (the
-# speculating one's warm-up too, but for its verification rows) are those other tiny-model
-# files compile, loaded from the persistent compilation cache.
-ENGINE_ARGS = {**TINY_ENGINE, "enable_prefix_caching": False}
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                   num_kv_blocks=64, enable_prefix_caching=False, attention_backend="xla")
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 # Continuations that copy spans of their prompts, so proposals are made and accepted.
 PROMPTS = [
