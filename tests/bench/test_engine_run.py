@@ -22,27 +22,40 @@ def tiny(smollm2_tokenizer):
     return tiny_model(max_position_embeddings=256), smollm2_tokenizer
 
 
-@pytest.fixture(scope="module")
-def runs(tiny):
+def _run(tiny, mode: str) -> dict:
+    """The trace through a warmed-up engine in `mode`."""
     model, tok = tiny
-    out = {}
-    for mode in ("static", "continuous+chunked"):
-        llm = make_llm(model, tok, mode, **ARGS)
-        res = run_trace(llm.engine, TRACE, prefix=mode)
-        out[mode] = {"summary": res.summary, "breakdown": breakdown(res.steps),
-                     "run": res.to_json(), "steps": res.steps}
-    return out
+    llm = make_llm(model, tok, mode, **ARGS)
+    res = run_trace(llm.engine, TRACE, prefix=mode)
+    return {"summary": res.summary, "breakdown": breakdown(res.steps), "run": res.to_json(),
+            "steps": res.steps}
 
 
-def test_every_request_gets_its_tokens_and_steps_add_up(runs):
-    for r in runs.values():
-        s = r["summary"]
-        assert s["completed"] == len(TRACE)
-        assert s["total_output_tokens"] == sum(t.output_len for t in TRACE)
-        steps = r["steps"]
-        assert sum(st.num_prefill_tokens for st in steps) == sum(t.prompt_len for t in TRACE)
-        assert all(st.schedule_s + st.execute_s + st.update_s <= st.seconds for st in steps)
-        assert 0 < s["max_kv_usage"] <= 1 and s["num_compilations"] == 0
+@pytest.fixture(scope="module")
+def chunked(tiny):
+    return _run(tiny, "continuous+chunked")
+
+
+# NOTE: the static mode is a second warmed-up engine (its budget adds a bucket): the tests
+# that compare it with the chunked mode run in the slow tier (the default tier checks the
+# static mode's admission in tests/core/test_scheduler.py).
+@pytest.fixture(scope="module")
+def runs(tiny, chunked):
+    return {"static": _run(tiny, "static"), "continuous+chunked": chunked}
+
+
+@pytest.mark.parametrize("mode", ["continuous+chunked",
+                                  pytest.param("static", marks=pytest.mark.slow)])
+def test_every_request_gets_its_tokens_and_steps_add_up(request, mode):
+    r = request.getfixturevalue("runs")[mode] if mode == "static" else \
+        request.getfixturevalue("chunked")
+    s = r["summary"]
+    assert s["completed"] == len(TRACE)
+    assert s["total_output_tokens"] == sum(t.output_len for t in TRACE)
+    steps = r["steps"]
+    assert sum(st.num_prefill_tokens for st in steps) == sum(t.prompt_len for t in TRACE)
+    assert all(st.schedule_s + st.execute_s + st.update_s <= st.seconds for st in steps)
+    assert 0 < s["max_kv_usage"] <= 1 and s["num_compilations"] == 0
 
 
 def test_a_sampled_run_seeds_each_request(tiny):
@@ -64,19 +77,21 @@ def test_a_sampled_run_seeds_each_request(tiny):
     assert sorted(p.seed for p in seen) == list(range(len(TRACE)))
 
 
+@pytest.mark.slow
 def test_static_waits_for_its_batch_and_chunked_does_not(runs):
     static, chunked = runs["static"]["summary"], runs["continuous+chunked"]["summary"]
     assert chunked["mean_batch_size"] > static["mean_batch_size"]
     assert chunked["num_steps"] < static["num_steps"]
 
 
-def test_real_runs_report_the_simulator_fields(runs):
+def test_real_runs_report_the_simulator_fields(chunked):
     sim = simulate([TraceRequest(8, 4)] * 3, PRESETS["gpu-8b"], SchedulerConfig(),
                    num_pages=64, max_model_len=64, max_num_batched_tokens=32).summary
-    missing = set(sim) - set(runs["static"]["summary"]) - {"host_ms_per_step"}
+    missing = set(sim) - set(chunked["summary"]) - {"host_ms_per_step"}
     assert not missing
 
 
+@pytest.mark.slow
 def test_mode_table_has_ratios_and_breakdown(runs):
     text = format_modes({k: {kk: v for kk, v in r.items() if kk != "steps"}
                          for k, r in runs.items()})
@@ -84,12 +99,12 @@ def test_mode_table_has_ratios_and_breakdown(runs):
     assert "| continuous+chunked |" in text
 
 
-def test_plots_are_written(runs, tmp_path):
+def test_plots_are_written(chunked, tmp_path):
     pytest.importorskip("matplotlib")
     from jaxserve.bench.plots import plot_modes
 
-    paths = plot_modes({k: {kk: v for kk, v in r.items() if kk != "steps"}
-                        for k, r in runs.items()}, str(tmp_path))
+    paths = plot_modes({"continuous+chunked": {k: v for k, v in chunked.items()
+                                               if k != "steps"}}, str(tmp_path))
     assert len(paths) == 3 and all(os.path.getsize(p) > 1000 for p in paths)
 
 

@@ -13,8 +13,10 @@ def test_prompt_logprobs_match_transformers(smollm2, smollm2_tokenizer, hf_smoll
     import torch
 
     # A 16-token budget cuts the prompt into chunks; the second request shares its prefix.
-    llm = LLM(smollm2, tokenizer=smollm2_tokenizer, max_num_seqs=4, max_num_batched_tokens=16,
-              max_model_len=128)
+    # NOTE: otherwise the serving tests' sizes (tests/entrypoints/conftest.py), so its
+    # 16-token bucket's programs are the server's, from the compilation cache.
+    llm = LLM(smollm2, tokenizer=smollm2_tokenizer, max_num_seqs=8, max_num_batched_tokens=16,
+              max_model_len=256, num_kv_blocks=64)
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
     first, second = llm.generate([PROMPT, PROMPT + " tired"], params, use_tqdm=False)
     for out in (first, second):

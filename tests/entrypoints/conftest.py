@@ -1,5 +1,5 @@
-"""Serving tests' shared pieces: an in-process server on a free loopback port (one per package,
-`--api-key` set), the `openai` client for it, `/metrics` and SSE readers."""
+"""Serving tests' shared pieces: an in-process server on a free loopback port (one per test
+process, `--api-key` set), the `openai` client for it, `/metrics` and SSE readers."""
 
 from __future__ import annotations
 
@@ -135,15 +135,19 @@ def sse_events(response: httpx.Response) -> list:
     return events
 
 
-@pytest.fixture(scope="package")
+# NOTE: session scope, not package: the heaviest-first file order (tests/conftest.py) runs
+# other packages' files between this package's, and a package fixture is torn down each time
+# the run leaves the package, so every serving file warmed up a SmolLM2 server again.
+@pytest.fixture(scope="session")
 def server(smollm2, smollm2_tokenizer):
-    """The default SmolLM2 engine behind uvicorn on 127.0.0.1, `--api-key` set."""
+    """The default SmolLM2 engine behind uvicorn on 127.0.0.1, `--api-key` set (one per test
+    process: the serving files share it, and stopped at the end of the session)."""
     srv = ServerThread(smollm2, smollm2_tokenizer, api_key=API_KEY, num_kv_blocks=64, **LIMITS)
     yield srv
     srv.stop()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def client(server):
     """The official `openai` client pointed at `server`."""
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,

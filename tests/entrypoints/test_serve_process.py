@@ -24,9 +24,11 @@ def test_serve_process_drains_on_sigterm(tmp_path, smollm2_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port", str(port),
          # NOTE: no warm-up (tests/entrypoints/test_server_lifecycle.py covers it): the
-         # stream compiles the one token bucket it uses; loading still answers 503.
+         # stream runs the one token bucket it uses; loading still answers 503. The sizes
+         # of the serving tests' server (tests/entrypoints/conftest.py), whose warm-up put
+         # that bucket's programs in the compilation cache.
          "--no-warmup",
-         "--max-model-len", "256", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
+         "--max-model-len", "256", "--max-num-batched-tokens", "64", "--max-num-seqs", "8",
          "--num-kv-blocks", "64", "--compilation-cache-dir", CACHE_DIR, "--log-interval", "1",
          "--uvicorn-log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
     try:
