@@ -19,20 +19,13 @@ import time
 import jax
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.bench.scale import rss_mib
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea."]
 
 
 def live_mib() -> float:
     return sum(x.nbytes for x in jax.live_arrays()) / 2**20
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main() -> None:

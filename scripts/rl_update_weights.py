@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.bench.scale import rss_mib
 from jaxserve.utils import cdiv
 from models.default_model import default_model_path
 from models.loaders import load_tokenizer, read_arch_config
@@ -34,15 +35,6 @@ from pallas_kernels import AttentionMetadata
 
 PROMPT = "Question: what is the capital of France? Answer:"
 ANSWER = " Paris is the capital of France."
-
-
-def rss_mib() -> float:
-    """Resident set size of this process (MiB), from /proc."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def answer_hidden(model: Model, params, ids: np.ndarray, num_prompt: int,

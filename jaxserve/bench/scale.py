@@ -31,18 +31,32 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_rss_mib() -> float:
-    """Peak resident set size since start (or the last reset), MiB."""
+def _status_mib(field: str) -> float | None:
+    """A `/proc/self/status` memory field (`VmHWM`, `VmRSS`), MiB; None where unreadable."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
+    return None
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size since start (or the last reset), MiB."""
+    peak = _status_mib("VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def rss_mib() -> float:
+    """Resident set size now, MiB (NaN where /proc is unreadable)."""
+    now = _status_mib("VmRSS")
+    return float("nan") if now is None else now
 
 
 def concurrency_sweep(model, tokenizer, levels: list[int], engine_args: dict, *,
