@@ -14,7 +14,9 @@ from jaxserve.engine.engine_metrics import EngineMetrics
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.lora_control import LoRAControl
 from jaxserve.engine.output_processor import CoreStep, OutputProcessor
+from jaxserve.engine.pooling import POOLING_SAMPLING, Pooler
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_io import PendingStep
 from jaxserve.runner.worker import Worker
@@ -55,8 +57,12 @@ class LLMEngine(EngineMetrics, LoRAControl):
         self.worker = Worker(config, model, tokenizer,
                              kv_layout=not config.cache.disable_hybrid_kv_cache_manager)
         lim, cache = self.limits, config.cache
+        # The pooling runner (embeddings) or None (generation); see `engine/pooling.py`.
+        self.pooler = Pooler(config.model.pooler_config, self.model.cfg.hidden_size) \
+            if config.model.runner == "pooling" else None
         self.kv = KVCacheManager(
-            lim.num_pages, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
+            lim.num_pages, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching
+            and (self.pooler is None or self.pooler.prefix_caching_allowed),
             watermark=cache.watermark, swap_space=cache.swap_space,
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len,
             group_windows=self.worker.kv_layout.windows,
@@ -68,6 +74,8 @@ class LLMEngine(EngineMetrics, LoRAControl):
             config.speculative_config, **self.worker.draft_runner_args(self.scheduler.max_num_seqs))
         self.worker.init_device(self.scheduler.max_num_seqs, self.kv.host_pool.num_slots,
                                 self.speculator.k if self.speculator else 0)
+        if self.pooler is not None:
+            self.runner.pooling_type = self.pooler.config.pooling_type
         self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
                                      lim.max_model_len, self.scheduler.max_num_seqs,
                                      self.worker.eos_token_ids, config.model.seed)
@@ -114,6 +122,9 @@ class LLMEngine(EngineMetrics, LoRAControl):
         """
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.pooler is not None or isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, params, priority=priority,
+                                             arrival_time=arrival_time)
         if lora_request is not None:
             self.add_lora(lora_request)
         state = self.inputs.process(request_id, prompt, params or SamplingParams(),
@@ -121,6 +132,25 @@ class LLMEngine(EngineMetrics, LoRAControl):
                                     arrival_time=arrival_time, lora_request=lora_request)
         self.scheduler.add_request(state.root)
         self.outputs.add(state)
+        self.counters["prompt_tokens"] += len(state.prompt_token_ids)
+
+    def _add_pooling_request(self, request_id: str, prompt, params, *, priority: int,
+                             arrival_time: float | None) -> None:
+        """Queues a pooling request (prefill only; `engine/pooling.py`).
+
+        Raises:
+            ValueError: A generate engine, `SamplingParams` on a pooling engine, bad
+                `dimensions`, or a bad prompt.
+        """
+        if self.pooler is None:
+            raise ValueError("this engine runs the generate runner: embeddings (PoolingParams) "
+                             "need an engine with runner='pooling' (task='embed')")
+        params = self.pooler.check(params)
+        state = self.inputs.process(request_id, prompt, POOLING_SAMPLING, priority=priority,
+                                    arrival_time=arrival_time)
+        self.scheduler.add_request(state.root)
+        self.outputs.add(state)
+        self.pooler.add(request_id, params, len(state.prompt_token_ids))
         self.counters["prompt_tokens"] += len(state.prompt_token_ids)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -132,7 +162,7 @@ class LLMEngine(EngineMetrics, LoRAControl):
         done = self.outputs.abort([request_ids] if isinstance(request_ids, str)
                                   else list(request_ids))
         self._finish_requests(done.to_finish)
-        return done.outputs
+        return done.outputs if self.pooler is None else self.pooler.outputs(done.outputs)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -332,6 +362,8 @@ class LLMEngine(EngineMetrics, LoRAControl):
             if s.num_spec_tokens and s.request_id in sampled and s.request_id not in failed:
                 sampled[s.request_id] = self.speculator.verify(s.spec_token_ids,
                                                                sampled[s.request_id])
+        if self.pooler is not None and result.pooled is not None:
+            self.pooler.accumulate(out, result.pooled, skip=failed)
         updates = self.scheduler.update_from_output(out, sampled)
         return CoreStep(out, requests, result, updates, row_of, failed)
 
@@ -340,7 +372,7 @@ class LLMEngine(EngineMetrics, LoRAControl):
         self.counters["num_steps"] += 1
         done = self.outputs.process(core)
         self._finish_requests(done.to_finish)
-        return done.outputs
+        return done.outputs if self.pooler is None else self.pooler.outputs(done.outputs)
 
     def _finish_requests(self, to_finish: dict[str, RequestStatus]) -> None:
         """Ends the scheduler requests the output processor says are over."""
