@@ -171,6 +171,11 @@ class LLMEngine(EngineMetrics, LoRAControl):
         return self.inputs.eos_token_ids
 
     @property
+    def runner_type(self) -> str:
+        """"generate" or "pooling" (`ModelConfig.runner`; vLLM's `runner_type`)."""
+        return self.config.model.runner
+
+    @property
     def max_model_len(self) -> int:
         """Longest prompt + output a request may have."""
         return self.limits.max_model_len
