@@ -124,7 +124,8 @@ class LLMEngine(EngineMetrics, LoRAControl):
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.pooler is not None or isinstance(params, PoolingParams):
             return self._add_pooling_request(request_id, prompt, params, priority=priority,
-                                             arrival_time=arrival_time)
+                                             cache_salt=cache_salt, arrival_time=arrival_time,
+                                             lora_request=lora_request)
         if lora_request is not None:
             self.add_lora(lora_request)
         state = self.inputs.process(request_id, prompt, params or SamplingParams(),
@@ -135,19 +136,23 @@ class LLMEngine(EngineMetrics, LoRAControl):
         self.counters["prompt_tokens"] += len(state.prompt_token_ids)
 
     def _add_pooling_request(self, request_id: str, prompt, params, *, priority: int,
-                             arrival_time: float | None) -> None:
+                             cache_salt: str | None, arrival_time: float | None,
+                             lora_request) -> None:
         """Queues a pooling request (prefill only; `engine/pooling.py`).
 
         Raises:
             ValueError: A generate engine, `SamplingParams` on a pooling engine, bad
-                `dimensions`, or a bad prompt.
+                `dimensions`, a LoRA adapter (not served by the pooling runner), or a bad
+                prompt.
         """
         if self.pooler is None:
             raise ValueError("this engine runs the generate runner: embeddings (PoolingParams) "
                              "need an engine with runner='pooling' (task='embed')")
         params = self.pooler.check(params)
+        if lora_request is not None:
+            raise ValueError("lora_request: the pooling runner serves no LoRA adapters")
         state = self.inputs.process(request_id, prompt, POOLING_SAMPLING, priority=priority,
-                                    arrival_time=arrival_time)
+                                    cache_salt=cache_salt, arrival_time=arrival_time)
         self.scheduler.add_request(state.root)
         self.outputs.add(state)
         self.pooler.add(request_id, params, len(state.prompt_token_ids))

@@ -94,6 +94,9 @@ def test_errors_name_the_problem(mean_llm, tiny_model_dir):
     with pytest.raises(ValueError, match="pooling runner .*takes PoolingParams, not "
                                          "SamplingParams"):
         mean_llm.generate(PROMPTS[0], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="lora_request: the pooling runner serves no LoRA"):
+        mean_llm.engine.add_request("lora-1", PROMPTS[0], PoolingParams(),
+                                    lora_request=object())
     with pytest.raises(ValueError, match="got 1 pooling_params for 2 prompts"):
         mean_llm.embed(PROMPTS[:2], [PoolingParams()], use_tqdm=False)
     generate = LLM(tiny_model_dir, warmup=False, **TINY_ENGINE)
@@ -124,3 +127,26 @@ def test_default_dimensions_above_the_hidden_size_fail_at_start(tiny_model_dir):
     with pytest.raises(ValueError, match="dimensions=100 exceeds the model's hidden size 72"):
         LLM(tiny_model_dir, runner="pooling", pooler_config={"dimensions": 100},
             warmup=False, **TINY_ENGINE)
+
+
+def test_a_warmed_up_pooling_engine_compiles_nothing_while_embedding(tiny_model_dir, alone):
+    llm = LLM(tiny_model_dir, runner="pooling", pooler_config={"pooling_type": "MEAN",
+                                                               "normalize": False},
+              **TINY_ENGINE)  # warm-up runs every bucket's pooling program too
+    outs = llm.embed(PROMPTS, use_tqdm=False)
+    assert llm.get_metrics()["jaxserve:num_compilations"] == 0
+    for out, want in zip(outs, alone, strict=True):
+        np.testing.assert_allclose(out.outputs.embedding, want, rtol=1e-5, atol=1e-6)
+
+
+def test_serve_flags_select_the_pooling_runner():
+    from jaxserve.config import EngineConfig
+    from jaxserve.entrypoints.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["serve", "--runner", "pooling", "--pooler-config",
+                                      '{"pooling_type": "CLS", "normalize": false}'])
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert config.model.runner == "pooling"
+    assert config.model.pooler_config == PoolerConfig("CLS", normalize=False)
+    args = build_parser().parse_args(["serve", "--task", "embed"])
+    assert EngineConfig.from_kwargs(**engine_kwargs(args)).model.runner == "pooling"

@@ -112,3 +112,13 @@ def test_a_generate_server_answers_embeddings_with_a_400():
         r = httpx.post(f"{url}/v1/embeddings", json={"model": "fake", "input": "Hi"})
     assert r.status_code == 400
     assert "does not support the Embeddings API" in r.json()["error"]["message"]
+
+
+def test_async_llm_encode(server, oracle):
+    import asyncio
+
+    from jaxserve import PoolingParams
+
+    out = asyncio.run(server.llm.encode("Hi there", PoolingParams(), "encode-1"))
+    assert out.finished and out.request_id == "encode-1"
+    assert float(np.dot(out.outputs.embedding, oracle(out.prompt_token_ids))) > 1 - 1e-5
