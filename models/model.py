@@ -36,12 +36,6 @@ def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT):
     if cfg.is_mixed:  # two MLP stacks of their own (`models.mixed`)
         return mixed_init(cfg, lambda c: _init_fn(c, dtype, quant))
     module = Decoder(cfg, parse_dtype(dtype), quant=quant)
-    md = AttentionMetadata(slot_mapping=jnp.zeros(1, jnp.int32),
-                           block_tables=jnp.zeros((1, 1), jnp.int32),
-                           kv_lens=jnp.ones(1, jnp.int32),
-                           cu_q_lens=jnp.array([0, 1], jnp.int32))
-    kv = jnp.zeros(kv_pages_shape(cfg.num_layers, cfg.num_kv_heads, 2, 1, cfg.head_dim),
-                   parse_dtype(dtype))
 
     def forward_and_logits(mdl, input_ids, positions, kv_pages, md):
         # NOTE: compute_logits must run too: a setup-defined lm_head only gets params when
@@ -49,13 +43,24 @@ def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT):
         kv_pages, hidden = mdl(input_ids, positions, kv_pages, md)
         return kv_pages, mdl.compute_logits(hidden)
 
-    return lambda key: module.init(key, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), kv,
-                                   md, method=forward_and_logits)["params"]
+    def init(key):
+        # NOTE: the dummy inputs are made inside, so under `eval_shape` nothing is ever
+        # placed on a device (`abstract_params` runs under a transfer guard too).
+        md = AttentionMetadata(slot_mapping=jnp.zeros(1, jnp.int32),
+                               block_tables=jnp.zeros((1, 1), jnp.int32),
+                               kv_lens=jnp.ones(1, jnp.int32),
+                               cu_q_lens=jnp.arange(2, dtype=jnp.int32))
+        kv = jnp.zeros(kv_pages_shape(cfg.num_layers, cfg.num_kv_heads, 2, 1, cfg.head_dim),
+                       parse_dtype(dtype))
+        return module.init(key, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), kv, md,
+                           method=forward_and_logits)["params"]
+
+    return init
 
 
 def abstract_params(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT) -> dict:
     """The params tree as `jax.ShapeDtypeStruct`s, without allocating anything."""
-    return jax.eval_shape(_init_fn(cfg, dtype, quant), jax.random.key(0))
+    return jax.eval_shape(lambda: _init_fn(cfg, dtype, quant)(jax.random.key(0)))
 
 
 def random_params(cfg: ArchConfig, dtype="float32", seed: int = 0,

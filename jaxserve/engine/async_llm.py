@@ -225,9 +225,30 @@ class AsyncLLM:
         loaded."""
         return await self._call("remove_lora", lora_id)
 
+    async def sleep(self, level: int = 1) -> int:
+        """Frees the KV cache (level 2: the weights too) until `wake_up`; bytes freed.
+
+        Raises:
+            ValueError: A bad level, or requests are unfinished.
+        """
+        return await self._call("sleep", level)
+
+    async def wake_up(self) -> None:
+        """Allocates again what `sleep` freed."""
+        await self._call("wake_up", None)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False while requests hold pages."""
+        return await self._call("reset_prefix_cache", None)
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps."""
+        return self.engine.is_sleeping()
+
     async def _call(self, method: str, arg):
-        """Runs the engine's `add_lora` or `remove_lora` on `arg` on the engine thread,
-        between steps."""
+        """Runs one of the engine's calls (add_lora, remove_lora, sleep, wake_up,
+        reset_prefix_cache) on `arg` on the engine thread, between
+        steps."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         done: Future = Future()
@@ -281,9 +302,11 @@ class AsyncLLM:
             done.set_result(None)
         elif kind == "call":
             method, arg = payload
+            calls = {"add_lora": engine.add_lora, "remove_lora": engine.remove_lora,
+                     "sleep": engine.sleep, "wake_up": lambda _: engine.wake_up(),
+                     "reset_prefix_cache": lambda _: engine.reset_prefix_cache()}
             try:
-                done.set_result(engine.add_lora(arg) if method == "add_lora"
-                                else engine.remove_lora(arg))
+                done.set_result(calls[method](arg))
             except Exception as e:  # noqa: BLE001 - the caller gets the error
                 done.set_exception(e)
         elif kind == "abort":

@@ -74,6 +74,26 @@ class DataParallelEngine:
         """Forgets an adapter on every replica; whether any had it loaded."""
         return any([replica.remove_lora(lora_id) for replica in self.replicas])
 
+    def update_weights(self, weights, abort_running: bool = False) -> list[RequestOutput]:
+        """New weights on every replica (`WeightControl.update_weights`)."""
+        return [out for r in self.replicas for out in r.update_weights(weights, abort_running)]
+
+    def get_weights(self) -> dict:
+        return self.replicas[0].get_weights()
+
+    def reset_prefix_cache(self) -> bool:
+        return all([r.reset_prefix_cache() for r in self.replicas])
+
+    def sleep(self, level: int = 1) -> int:
+        return sum(r.sleep(level) for r in self.replicas)
+
+    def wake_up(self) -> None:
+        for r in self.replicas:
+            r.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return any(r.is_sleeping() for r in self.replicas)
+
     def _load(self, index: int) -> tuple[int, float]:
         replica = self.replicas[index]
         queued = 0

@@ -221,6 +221,32 @@ class LLM:
         return beam_search(self.engine, prompts, params,
                            per_prompt_loras(lora_request, len(prompts)))
 
+    # ------------------------------------------------ weights, cache, sleep
+    def update_weights(self, weights, abort_running: bool = False) -> list[RequestOutput]:
+        """Serves new weights without a restart or a recompile (a params tree in the
+        model's layout, or a checkpoint path); see
+        `jaxserve.engine.weight_control.WeightControl.update_weights`."""
+        return self.engine.update_weights(weights, abort_running)
+
+    def get_weights(self) -> dict:
+        """The served weights in the model's standard layout (`update_weights`'s input)."""
+        return self.engine.get_weights()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False while requests hold pages."""
+        return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> int:
+        """Frees the KV cache (level 2: the weights too) until `wake_up`; bytes freed."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Allocates again what `sleep` freed."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}

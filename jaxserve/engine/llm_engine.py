@@ -15,6 +15,7 @@ from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.lora_control import LoRAControl
 from jaxserve.engine.output_processor import CoreStep, OutputProcessor
 from jaxserve.engine.pooling import POOLING_SAMPLING, Pooler
+from jaxserve.engine.weight_control import WeightControl
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.request import Request, RequestStatus
@@ -41,7 +42,7 @@ class _InFlight:
     failed: dict[str, BaseException]
 
 
-class LLMEngine(EngineMetrics, LoRAControl):
+class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
     """Continuous-batching engine over one model.
 
     Args:
@@ -122,6 +123,7 @@ class LLMEngine(EngineMetrics, LoRAControl):
         """
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.check_awake()
         if self.pooler is not None or isinstance(params, PoolingParams):
             return self._add_pooling_request(request_id, prompt, params, priority=priority,
                                              cache_salt=cache_salt, arrival_time=arrival_time,

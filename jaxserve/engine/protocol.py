@@ -52,6 +52,19 @@ class EngineClient(Protocol):
     def add_lora(self, lora_request) -> bool:
         """Loads a LoRA adapter; raises ValueError when LoRA is off or it does not load."""
 
+    def sleep(self, level: int = 1) -> int:
+        """Frees the KV cache (level 2: the weights too); raises ValueError while requests
+        are unfinished. Returns the bytes freed."""
+
+    def wake_up(self) -> None:
+        """Allocates again what `sleep` freed."""
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps (new requests are refused)."""
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; False while requests hold pages."""
+
     def remove_lora(self, lora_id: int) -> bool:
         """Forgets a loaded adapter (requests running it finish with it); whether it was
         loaded."""

@@ -98,7 +98,9 @@ class ModelRunner:
             model = dataclasses.replace(model, expert_sharding=experts)
         if lora is not None and lora.enable_lora and lora.lora_impl != model.lora_impl:
             model = dataclasses.replace(model, lora_impl=lora.lora_impl)
-        self.model = model
+        # NOTE: a copy of its own: `set_params` updates it in place (the compiled steps
+        # hold it), never a model object the caller or another engine holds.
+        self.model = dataclasses.replace(model)
         self.layout = layout
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -125,17 +127,10 @@ class ModelRunner:
         check_kv_cache_dtype(kv_cache_dtype, model.backend)
         pool_shape, pool_dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size),
                                                 model.dtype, kv_cache_dtype)
-        if layout is None:
-            self.params = model.params
-            self.kv_pages = jnp.zeros(pool_shape, pool_dtype)
-            self._inputs_on = None  # the default device
-        else:
-            # NOTE: params go shard by shard and the pool is created already split, so
-            # neither is ever whole on one device.
-            self.params = layout.shard_params(model.params)
-            self.kv_pages = jax.jit(lambda: jnp.zeros(pool_shape, pool_dtype),
-                                    out_shardings=layout.kv_pages_sharding())()
-            self._inputs_on = layout.replicated()
+        self._pool_layout = (pool_shape, pool_dtype)
+        self._inputs_on = None if layout is None else layout.replicated()  # None: default
+        self.set_params(model.params)
+        self.alloc_kv_pool()
         self.lora = (LoRASlots(model, lora, layout) if lora is not None and lora.enable_lora
                      else None)
         # i32[max_rows]: what a step reads for placeholders when no step precedes it.
@@ -162,6 +157,36 @@ class ModelRunner:
         # also computes each row's pooled share on the device (`pool_step`); None: none.
         self.pooling_type: str | None = None
         self._pools: dict[Layout, object] = {}
+
+    # ------------------------------------------------------ device state
+    def set_params(self, params) -> None:
+        """Serves `params` (the model's serving form) from the next step on: placed on the
+        layout's shardings (a no-op for leaves that have them already; params go shard by
+        shard, never whole on one device). The old weights are dropped here, and the
+        model object the compiled steps hold is updated in place, so nothing keeps them.
+        """
+        if params is not None and self.layout is not None:
+            params = self.layout.shard_params(params)
+        self.params = params
+        self.model.params = self.params
+
+    def alloc_kv_pool(self) -> None:
+        """Allocates the page pool (zeros), already split over the layout's mesh."""
+        shape, dtype = self._pool_layout
+        if self.layout is None:
+            self.kv_pages = jnp.zeros(shape, dtype)
+        else:
+            self.kv_pages = jax.jit(lambda: jnp.zeros(shape, dtype),
+                                    out_shardings=self.layout.kv_pages_sharding())()
+
+    def free_kv_pool(self) -> int:
+        """Frees the page pool's device memory (`alloc_kv_pool` gives it back); returns
+        the bytes freed."""
+        freed = self.kv_pages.nbytes if self.kv_pages is not None else 0
+        if self.kv_pages is not None:
+            self.kv_pages.delete()
+        self.kv_pages = None
+        return freed
 
     # --------------------------------------------------------------- step
     def sample_rows(self, num_tokens: int) -> int:

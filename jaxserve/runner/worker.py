@@ -211,6 +211,76 @@ class Worker:
                         kv.num_layers)
         return self.runner
 
+    # ------------------------------------------------- weights and sleep
+    def update_weights(self, weights) -> None:
+        """Serves new weights from the next step on, without recompiling.
+
+        Args:
+            weights: A params tree in the model's standard layout (see
+                `jaxserve.runner.weight_sync`; float weights of a quantized model are
+                quantized by its plan), or the path of a checkpoint of the same
+                architecture (loaded straight into the layout's shardings).
+
+        Raises:
+            ValueError: A tree, shape or dtype that is not the model's, or a checkpoint of
+                another architecture.
+        """
+        from jaxserve.runner.weight_sync import checked_params, serving_params
+        from models.loaders import load_model
+
+        if isinstance(weights, (str, os.PathLike)):
+            mc, std = self.config.model, self.model
+            loaded = load_model(os.fspath(weights), mc.dtype, mc.attention_backend,
+                                shardings=self.layout.param_shardings if self.layout else None,
+                                quantization=mc.quantization)
+            if loaded.cfg.for_max_model_len(self.limits.max_model_len) != std.cfg:
+                raise ValueError(f"update_weights: {os.fspath(weights)!r} holds a "
+                                 f"{loaded.cfg.architecture} of another shape than the "
+                                 f"served {std.cfg.architecture}")
+            weights = loaded.params
+        params = serving_params(self.model, checked_params(self.model, weights))
+        self.runner.set_params(params)
+        self.model = dataclasses.replace(self.model, params=self.runner.params)
+
+    def get_weights(self) -> dict:
+        """The served weights in the model's standard layout (`update_weights`'s input).
+
+        Raises:
+            ValueError: The weights were dropped by `sleep(level=2)`.
+        """
+        from jaxserve.runner.weight_sync import standard_params
+
+        if self.runner.params is None:
+            raise ValueError("get_weights: the weights were dropped by sleep(level=2)")
+        return standard_params(self.runner.model)
+
+    def sleep(self, level: int) -> int:
+        """Frees the page pool's device memory (level 2: also drops the weights); returns
+        the bytes freed (weights shared with a caller's `Model` stay alive there)."""
+        freed = self.runner.free_kv_pool()
+        if level >= 2 and self.runner.params is not None:
+            freed += sum(x.nbytes for x in jax.tree_util.tree_leaves(self.runner.params))
+            self.runner.set_params(None)
+            self.model = dataclasses.replace(self.model, params=None)
+        return freed
+
+    def wake_up(self) -> None:
+        """Allocates the page pool again; weights dropped by `sleep(2)` are read again from
+        the model's source.
+
+        Raises:
+            ValueError: The weights were dropped and the model came without a path to read
+                them from (give them with `update_weights`).
+        """
+        if self.runner.params is None:
+            if not self.model.source or not os.path.exists(self.model.source):
+                raise ValueError("wake_up: the weights were dropped by sleep(level=2) and "
+                                 "the model has no path to read them again; give them with "
+                                 "update_weights(params) first")
+            self.update_weights(self.model.source)
+        if self.runner.kv_pages is None:
+            self.runner.alloc_kv_pool()
+
     @property
     def kv_capacity_tokens(self) -> int:
         """Tokens of context the KV pool holds (every page but the null page) when every

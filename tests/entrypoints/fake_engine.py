@@ -50,6 +50,19 @@ class FakeEngine:
     def remove_lora(self, lora_id):
         return False
 
+    def sleep(self, level=1):
+        self.sleeping = level
+        return 0
+
+    def wake_up(self):
+        self.sleeping = 0
+
+    def is_sleeping(self):
+        return bool(getattr(self, "sleeping", 0))
+
+    def reset_prefix_cache(self):
+        return True
+
     def abort_request(self, request_ids):
         outputs = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:

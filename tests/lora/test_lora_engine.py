@@ -159,3 +159,40 @@ def test_tensor_parallel_adapters_equal_their_merged_models(smollm2_path, smollm
     got = run(llm, cases, adapters)
     assert got == [hf_greedy(adapters[n].merged, smollm2_tokenizer, PROMPTS[i], MAX_TOKENS)
                    for n, i in cases]
+
+
+def test_chat_beam_search_and_async_take_the_adapter(llm, adapters, oracle, smollm2_tokenizer):
+    """`chat`, `beam_search` (width 1: greedy) and `AsyncLLM.generate` run the request
+    with its adapter: the merged model's tokens."""
+    import asyncio
+
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.engine.beam_search import BeamSearchParams
+
+    qv8 = adapters["qv8"]
+    beams = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS,
+                                                           ignore_eos=True),
+                            lora_request=qv8.request())
+    prompt_ids = smollm2_tokenizer(PROMPTS[0])["input_ids"]
+    assert beams[0].sequences[0].tokens[len(prompt_ids):] == oracle[("qv8", 0)]
+
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chat_ids = smollm2_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+    got = llm.chat(messages, greedy(), use_tqdm=False, lora_request=qv8.request())
+    text = smollm2_tokenizer.decode(chat_ids)
+    assert list(got[0].outputs[0].token_ids) == hf_greedy(qv8.merged, smollm2_tokenizer, text,
+                                                          MAX_TOKENS)
+
+    async def stream():
+        engine = AsyncLLM(llm.engine, log_interval=0)
+        try:
+            final = None
+            async for out in engine.generate(PROMPTS[1], greedy(), "async-lora",
+                                             lora_request=adapters["ko2"].request()):
+                final = out
+            return list(final.outputs[0].token_ids)
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(stream()) == oracle[("ko2", 1)]

@@ -69,6 +69,10 @@ def add_parser(sub) -> None:
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (the tokenizer's configuration and chat "
                         "template)")
+    p.add_argument("--server-dev-mode", action="store_true",
+                   help="serve vLLM's development endpoints POST /sleep?level=1|2, POST "
+                        "/wake_up, GET /is_sleeping, POST /reset_prefix_cache (also on with "
+                        "VLLM_SERVER_DEV_MODE=1)")
     p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "none"],
                    help="how chat replies to requests with tools (tool_choice 'auto') are "
                         "read for tool calls: 'hermes' (<tool_call>{json}</tool_call>), or "
@@ -105,6 +109,7 @@ def run(args) -> int:
         make_server,
         start_in_background,
     )
+    from jaxserve.entrypoints.openai.dev_routes import dev_mode_from_env
     from jaxserve.entrypoints.openai.serving_base import ServingLimits
     from jaxserve.entrypoints.openai.serving_models import (
         load_static_loras,
@@ -132,7 +137,8 @@ def run(args) -> int:
                     enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                     models=models,
                     allow_runtime_lora_updating=args.allow_runtime_lora_updating
-                    or runtime_lora_updating_from_env())
+                    or runtime_lora_updating_from_env(),
+                    server_dev_mode=args.server_dev_mode or dev_mode_from_env())
     server = make_server(app, args.host, args.port, args.shutdown_timeout,
                          args.uvicorn_log_level)
 

@@ -22,6 +22,7 @@ import jaxserve
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxserve.engine.protocol import EngineClient
 from jaxserve.entrypoints.openai.admission import PrepareLanes, PrepareLimits
+from jaxserve.entrypoints.openai.dev_routes import add_dev_routes
 from jaxserve.entrypoints.openai.errors import OpenAIError, error_body, loads_body, parse_body
 from jaxserve.entrypoints.openai.gate import DEFAULT_MAX_BODY_BYTES, ServerGate
 from jaxserve.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -87,7 +88,8 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
               enable_tokenizer_info_endpoint: bool = False,
               prepare_limits: PrepareLimits | None = None,
               disable_docs: bool = False, models: OpenAIServingModels | None = None,
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False,
+              server_dev_mode: bool = False) -> FastAPI:
     """The FastAPI app over an engine.
 
     Args:
@@ -112,6 +114,8 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
         allow_runtime_lora_updating: Serve `POST /v1/load_lora_adapter` and
             `/v1/unload_lora_adapter` (vLLM's `VLLM_ALLOW_RUNTIME_LORA_UPDATING`); without
             it they do not exist (404).
+        server_dev_mode: Serve vLLM's development endpoints (`/sleep`, `/wake_up`,
+            `/is_sleeping`, `/reset_prefix_cache`: `dev_routes.add_dev_routes`).
     """
 
     @contextlib.asynccontextmanager
@@ -134,6 +138,7 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
     state.startup_status = state.startup.status
     state.models = models or OpenAIServingModels(served_model_names)
     state.runtime_lora = allow_runtime_lora_updating
+    state.dev_mode = server_dev_mode
     app.add_middleware(ServerGate, state=state, api_key=api_key, max_body_bytes=max_body_bytes)
 
     def attach(engine: AsyncLLM) -> None:
@@ -266,6 +271,8 @@ def _add_routes(app: FastAPI, state) -> None:
 
     if state.runtime_lora:
         _add_lora_routes(app, state)
+    if state.dev_mode:
+        add_dev_routes(app, state, _guard)
 
 
 def _add_lora_routes(app: FastAPI, state) -> None:

@@ -15,7 +15,8 @@ from jaxserve.entrypoints.openai.errors import error_body
 # Paths answered whatever the server's state, and without a key.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/load"})
 # Paths that do work on their input: behind the key when one is set.
-KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info")
+KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/invocations", "/tokenizer_info",
+                  "/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache")
 # Requests that `/load` counts while they are answered (streams until their last event).
 LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024

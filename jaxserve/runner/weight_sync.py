@@ -1,0 +1,96 @@
+"""New weights for a serving model: checked against its layout and turned into its serving form.
+
+A caller (an RL loop, an evaluation job) hands `update_weights` a params tree in the
+model's own standard layout (`models.model.abstract_params` of its architecture, dtype and
+quantization: what `Model.params` holds when loaded, before any serving transform) or a
+checkpoint path. The tree is checked leaf by leaf (structure, shape, dtype: the error
+names the first leaf that differs); float weights for a quantized model are quantized by
+its plan. Then the same transforms the worker applied at load time (`Worker`'s
+`serving_model`: the `cpu` backend's packed panels, a mixture of experts' broadcast
+stacks) give the serving form; the runner places it (`ModelRunner.set_params`). Leaves
+that already have the serving shardings are used as they are: nothing goes through the
+host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from models import packed
+from models.model import Model, abstract_params
+from models.quant import NO_QUANT, quantize_params
+
+
+def standard_form(model: Model) -> Model:
+    """`model` described in its standard layout (no packed panels), params left out."""
+    return dataclasses.replace(model, params={},
+                               quant=dataclasses.replace(model.quant, packed=()))
+
+
+@functools.lru_cache(maxsize=8)
+def _layout(cfg, dtype_name: str, quant):
+    """The abstract params tree of (cfg, dtype, quant): traced once per model kind (a
+    trace of the whole model's init costs a large part of a second)."""
+    return abstract_params(cfg, dtype_name, quant)
+
+
+def _mismatch(got, want) -> str | None:
+    """Why leaf trees `got` and `want` differ (the first leaf path), or None."""
+    got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(got)
+    want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(want)
+    if got_tree != want_tree:
+        got_paths = {jax.tree_util.keystr(p) for p, _ in got_leaves}
+        want_paths = {jax.tree_util.keystr(p) for p, _ in want_leaves}
+        missing, extra = sorted(want_paths - got_paths), sorted(got_paths - want_paths)
+        return (f"the tree differs from the model's: missing {missing[:3]}, unexpected "
+                f"{extra[:3]}")
+    for (path, g), (_, w) in zip(got_leaves, want_leaves, strict=True):
+        if tuple(np.shape(g)) != tuple(w.shape) or np.dtype(g.dtype) != np.dtype(w.dtype):
+            return (f"leaf {jax.tree_util.keystr(path)} is {np.dtype(g.dtype).name}"
+                    f"{list(np.shape(g))}, the model's is {np.dtype(w.dtype).name}"
+                    f"{list(w.shape)}")
+    return None
+
+
+def checked_params(model: Model, params: dict) -> dict:
+    """`params` checked against `model`'s standard layout (float weights of a quantized
+    model quantized by its plan).
+
+    Raises:
+        ValueError: A tree, shape or dtype that is not the model's (naming the leaf).
+    """
+    if not isinstance(params, dict):
+        raise ValueError(f"update_weights takes a params tree (dict) or a path, got "
+                         f"{type(params).__name__}")
+    base = standard_form(model)
+    dtype = np.dtype(base.dtype).name
+    want = _layout(base.cfg, dtype, base.quant)
+    why = _mismatch(params, want)
+    if why is not None and base.quant:
+        float_tree = _layout(base.cfg, dtype, NO_QUANT)
+        if _mismatch(params, float_tree) is None:  # float weights: quantize them
+            return jax.device_put(quantize_params(params, base.quant))
+    if why is not None:
+        raise ValueError(f"update_weights: {why}")
+    return params
+
+
+def standard_params(model: Model) -> dict:
+    """`model`'s weights in its standard layout (what `update_weights` takes): packed
+    panels unpacked (a copy), a mixture of experts' broadcast stacks put back."""
+    params = model.params
+    if packed.is_packed(model):
+        params = packed.unpack_params(params, model.cfg)
+    return packed.gather_experts(params)
+
+
+def serving_params(model: Model, params: dict) -> dict:
+    """Standard-layout `params` (checked) in `model`'s serving form."""
+    new = dataclasses.replace(standard_form(model), params=params)
+    if packed.is_packed(model):
+        new = packed.pack_model(new)
+    return packed.broadcast_experts(new).params
