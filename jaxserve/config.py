@@ -73,7 +73,9 @@ class ModelConfig:
             `/v1/embeddings`; such an engine refuses generation and the other way round).
         task: vLLM's older spelling: "embed" (the pooling runner) or "generate".
         pooler_config: The pooler (`jaxserve.pooling_params.PoolerConfig`, or a dict / JSON
-            of its fields `pooling_type`, `normalize`, `dimensions`); parsed here.
+            of its fields `pooling_type`, `normalize`, `dimensions`); parsed here. None:
+            the model directory's sentence-transformers pooling (`modules.json`), else
+            LAST and normalized (vLLM's defaults).
         override_pooler_config: vLLM's older name of `pooler_config` (either, not both).
     """
 
@@ -111,7 +113,7 @@ def _resolve_runner(cfg: ModelConfig) -> None:
         raise ValueError("pooler_config and override_pooler_config both given; use "
                          "pooler_config")
     given = cfg.pooler_config if cfg.pooler_config is not None else cfg.override_pooler_config
-    object.__setattr__(cfg, "pooler_config", PoolerConfig.parse(given))
+    object.__setattr__(cfg, "pooler_config", None if given is None else PoolerConfig.parse(given))
     object.__setattr__(cfg, "override_pooler_config", None)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,38 @@ class PoolerConfig:
             raise ValueError(f"pooler_config: unknown field(s) {', '.join(unknown)}; known: "
                              f"{', '.join(sorted(known))}")
         return cls(**{k: v for k, v in value.items() if v is not None})
+
+
+# sentence-transformers' pooling modes (`1_Pooling/config.json`) the runner serves.
+ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                    "pooling_mode_cls_token": "CLS"}
+
+
+def sentence_transformers_pooler(directory: str | None) -> PoolerConfig | None:
+    """The pooler a sentence-transformers model directory declares (`modules.json`: its
+    `Pooling` module's mode, and whether a `Normalize` module follows, as vLLM reads them);
+    None where there is no such file.
+
+    Raises:
+        ValueError: A pooling mode the runner does not serve (max, weighted mean, ...), or
+            none or several of them set.
+    """
+    modules_path = os.path.join(directory or "", "modules.json")
+    if not directory or not os.path.isfile(modules_path):
+        return None
+    with open(modules_path) as f:
+        modules = json.load(f)
+    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
+    if "Pooling" not in kinds:
+        return None
+    with open(os.path.join(directory, kinds["Pooling"].get("path", ""), "config.json")) as f:
+        pooling = json.load(f)
+    modes = sorted(k for k, v in pooling.items() if k.startswith("pooling_mode_") and v)
+    if len(modes) != 1 or modes[0] not in ST_POOLING_MODES:
+        raise ValueError(f"pooler_config: {modules_path} declares pooling {modes or 'none'}; "
+                         f"served: one of {sorted(ST_POOLING_MODES)} (give pooler_config to "
+                         "choose another)")
+    return PoolerConfig(ST_POOLING_MODES[modes[0]], normalize="Normalize" in kinds)
 
 
 def _check_dimensions(dimensions) -> None:

@@ -17,7 +17,7 @@ from jaxserve.engine.output_processor import CoreStep, OutputProcessor
 from jaxserve.engine.pooling import POOLING_SAMPLING, Pooler
 from jaxserve.engine.weight_control import WeightControl
 from jaxserve.outputs import RequestOutput
-from jaxserve.pooling_params import PoolingParams
+from jaxserve.pooling_params import PoolerConfig, PoolingParams, sentence_transformers_pooler
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_io import PendingStep
 from jaxserve.runner.worker import Worker
@@ -59,7 +59,8 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
                              kv_layout=not config.cache.disable_hybrid_kv_cache_manager)
         lim, cache = self.limits, config.cache
         # The pooling runner (embeddings) or None (generation); see `engine/pooling.py`.
-        self.pooler = Pooler(config.model.pooler_config, self.model.cfg.hidden_size) \
+        self.pooler = Pooler(config.model.pooler_config or sentence_transformers_pooler(
+            self.model.source) or PoolerConfig(), self.model.cfg.hidden_size) \
             if config.model.runner == "pooling" else None
         self.kv = KVCacheManager(
             lim.num_pages, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching
