@@ -14,7 +14,7 @@ from jaxserve.engine.engine_metrics import EngineMetrics
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.lora_control import LoRAControl
 from jaxserve.engine.output_processor import CoreStep, OutputProcessor
-from jaxserve.engine.pooling import POOLING_SAMPLING, Pooler
+from jaxserve.engine.pooling import Pooler, PoolingControl
 from jaxserve.engine.weight_control import WeightControl
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling_params import PoolerConfig, PoolingParams, sentence_transformers_pooler
@@ -42,7 +42,7 @@ class _InFlight:
     failed: dict[str, BaseException]
 
 
-class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
+class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
     """Continuous-batching engine over one model.
 
     Args:
@@ -138,29 +138,6 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
         self.outputs.add(state)
         self.counters["prompt_tokens"] += len(state.prompt_token_ids)
 
-    def _add_pooling_request(self, request_id: str, prompt, params, *, priority: int,
-                             cache_salt: str | None, arrival_time: float | None,
-                             lora_request) -> None:
-        """Queues a pooling request (prefill only; `engine/pooling.py`).
-
-        Raises:
-            ValueError: A generate engine, `SamplingParams` on a pooling engine, bad
-                `dimensions`, a LoRA adapter (not served by the pooling runner), or a bad
-                prompt.
-        """
-        if self.pooler is None:
-            raise ValueError("this engine runs the generate runner: embeddings (PoolingParams) "
-                             "need an engine with runner='pooling' (task='embed')")
-        params = self.pooler.check(params)
-        if lora_request is not None:
-            raise ValueError("lora_request: the pooling runner serves no LoRA adapters")
-        state = self.inputs.process(request_id, prompt, POOLING_SAMPLING, priority=priority,
-                                    cache_salt=cache_salt, arrival_time=arrival_time)
-        self.scheduler.add_request(state.root)
-        self.outputs.add(state)
-        self.pooler.add(request_id, params, len(state.prompt_token_ids))
-        self.counters["prompt_tokens"] += len(state.prompt_token_ids)
-
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Ends requests now; their pages are freed at once. Unknown ids are ignored.
 
@@ -177,11 +154,6 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
         """The model's and tokenizer's EOS ids, the first one the sampler's (held once, by
         the input processor, which stamps them on each request)."""
         return self.inputs.eos_token_ids
-
-    @property
-    def runner_type(self) -> str:
-        """"generate" or "pooling" (`ModelConfig.runner`; vLLM's `runner_type`)."""
-        return self.config.model.runner
 
     @property
     def max_model_len(self) -> int:

@@ -8,7 +8,8 @@ preemption and (for LAST pooling) prefix hits work unchanged. Each step's
 `ModelRunner.pool_step` returns every scheduled row's share (`StepResult.pooled`);
 `Pooler.accumulate` keeps a vector per request (reset whenever a chunk starts at
 position 0, as after a recompute preemption), and `Pooler.outputs` turns the finished
-requests' `RequestOutput`s into embeddings.
+requests' `RequestOutput`s into embeddings. `PoolingControl` (mixed into `LLMEngine`) adds
+them.
 """
 
 from __future__ import annotations
@@ -117,3 +118,36 @@ class Pooler:
                                                  error))
             self.forget([out.request_id])
         return result
+
+
+class PoolingControl:
+    """Mixed into `LLMEngine`: its pooling requests (reads `self.pooler`, None on a
+    generate engine, and the engine's parts)."""
+
+    @property
+    def runner_type(self) -> str:
+        """"generate" or "pooling" (`ModelConfig.runner`; vLLM's `runner_type`)."""
+        return self.config.model.runner
+
+    def _add_pooling_request(self, request_id: str, prompt, params, *, priority: int,
+                             cache_salt: str | None, arrival_time: float | None,
+                             lora_request) -> None:
+        """Queues a pooling request (prefill only; `engine/pooling.py`).
+
+        Raises:
+            ValueError: A generate engine, `SamplingParams` on a pooling engine, bad
+                `dimensions`, a LoRA adapter (not served by the pooling runner), or a bad
+                prompt.
+        """
+        if self.pooler is None:
+            raise ValueError("this engine runs the generate runner: embeddings (PoolingParams) "
+                             "need an engine with runner='pooling' (task='embed')")
+        params = self.pooler.check(params)
+        if lora_request is not None:
+            raise ValueError("lora_request: the pooling runner serves no LoRA adapters")
+        state = self.inputs.process(request_id, prompt, POOLING_SAMPLING, priority=priority,
+                                    cache_salt=cache_salt, arrival_time=arrival_time)
+        self.scheduler.add_request(state.root)
+        self.outputs.add(state)
+        self.pooler.add(request_id, params, len(state.prompt_token_ids))
+        self.counters["prompt_tokens"] += len(state.prompt_token_ids)
