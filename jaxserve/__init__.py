@@ -5,7 +5,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput",
-           "SamplingParams", "StructuredOutputsParams"]
+           "SamplingParams", "StructuredOutputsParams", "PoolingParams", "PoolerConfig",
+           "EmbeddingRequestOutput"]
 
 # NOTE: resolved lazily, so `import jaxserve.core` (plain Python, no JAX) stays light.
 _LAZY = {
@@ -16,6 +17,9 @@ _LAZY = {
     "CompletionOutput": "jaxserve.outputs",
     "SamplingParams": "jaxserve.sampling_params",
     "StructuredOutputsParams": "jaxserve.structured.params",
+    "PoolingParams": "jaxserve.pooling_params",
+    "PoolerConfig": "jaxserve.pooling_params",
+    "EmbeddingRequestOutput": "jaxserve.outputs",
 }
 
 

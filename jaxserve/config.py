@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxserve.pooling_params import RUNNERS, TASKS, PoolerConfig
 from models.quant import QUANTIZATIONS
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -68,6 +69,14 @@ class ModelConfig:
             keeps its quantized types on GPU/TPU and is dequantized on the CPU, where that
             is faster), "none" (dense `dtype`), "gguf", "int8" (weight-only, per output
             channel) or "q8_0" (int8 in blocks of 32).
+        runner: "generate" (the default) or "pooling" (embeddings: `LLM.embed`,
+            `/v1/embeddings`; such an engine refuses generation and the other way round).
+        task: vLLM's older spelling: "embed" (the pooling runner) or "generate".
+        pooler_config: The pooler (`jaxserve.pooling_params.PoolerConfig`, or a dict / JSON
+            of its fields `pooling_type`, `normalize`, `dimensions`); parsed here. None:
+            the model directory's sentence-transformers pooling (`modules.json`), else
+            LAST and normalized (vLLM's defaults).
+        override_pooler_config: vLLM's older name of `pooler_config` (either, not both).
     """
 
     model: str | None = None
@@ -76,15 +85,36 @@ class ModelConfig:
     attention_backend: str = "auto"
     seed: int = 0
     quantization: str | None = None
+    runner: str = "generate"
+    task: str | None = None
+    pooler_config: object = None
+    override_pooler_config: object = None
 
     def __post_init__(self):
         _check_types(self)
+        _resolve_runner(self)
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                self.max_model_len, "a positive integer")
         _check(isinstance(self.seed, int), "seed", self.seed, "an integer")
         _check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
                self.quantization, f"None or one of {QUANTIZATIONS}")
+
+
+def _resolve_runner(cfg: ModelConfig) -> None:
+    """Sets `runner` from vLLM's `task` and parses the pooler (on a frozen config)."""
+    _check(cfg.runner in RUNNERS, "runner", cfg.runner, f"one of {RUNNERS}")
+    if cfg.task is not None:
+        _check(cfg.task in TASKS, "task", cfg.task, f"one of {tuple(TASKS)}")
+        if cfg.runner != "generate" and TASKS[cfg.task] != cfg.runner:
+            raise ValueError(f"task={cfg.task!r} contradicts runner={cfg.runner!r}")
+        object.__setattr__(cfg, "runner", TASKS[cfg.task])
+    if cfg.pooler_config is not None and cfg.override_pooler_config is not None:
+        raise ValueError("pooler_config and override_pooler_config both given; use "
+                         "pooler_config")
+    given = cfg.pooler_config if cfg.pooler_config is not None else cfg.override_pooler_config
+    object.__setattr__(cfg, "pooler_config", None if given is None else PoolerConfig.parse(given))
+    object.__setattr__(cfg, "override_pooler_config", None)
 
 
 @dataclass(frozen=True)

@@ -104,3 +104,40 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's `EmbeddingOutput`).
+
+    Attributes:
+        embedding: The pooled vector (truncated and normalized as asked).
+    """
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of one pooling request (vLLM's `EmbeddingRequestOutput`).
+
+    Attributes:
+        request_id: The request's id.
+        outputs: Its embedding (empty when the request failed or was aborted).
+        prompt_token_ids: The prompt's ids.
+        finished: Always True: a pooling request is answered once, when its prompt is
+            computed.
+        metrics: Timings.
+        error: Why the request failed, else None.
+    """
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    error: str | None = None

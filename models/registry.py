@@ -125,7 +125,9 @@ class Qwen2(ModelFamily):
 class Qwen3(Qwen2):
     """Qwen3: per-head RMSNorm on q and k before rotary, optional attention bias."""
 
-    architectures = ("Qwen3ForCausalLM",)
+    # `Qwen3Model`: a bare decoder (Qwen3-Embedding-style checkpoints, served by the pooling
+    # runner; a missing LM head is tied to the embeddings by `read_arch_config`).
+    architectures = ("Qwen3ForCausalLM", "Qwen3Model")
 
     @classmethod
     def extra_fields(cls, hf):

@@ -26,7 +26,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (read from outputs) and small utilities. No step is built or run here.
     ("base", ("jaxserve.utils", "jaxserve.compilation_cache", "jaxserve.config",
               "jaxserve.request", "jaxserve.sampling_params", "jaxserve.structured",
-              "jaxserve.outputs", "jaxserve.metrics", "jaxserve.lora")),
+              "jaxserve.outputs", "jaxserve.metrics", "jaxserve.lora",
+              "jaxserve.pooling_params")),
     # The two independent halves of a step's logic: the host side (scheduler and KV
     # bookkeeping, JAX-free) and the device side's sampling math (per-row JAX functions).
     ("core+sample", ("jaxserve.core", "jaxserve.sample")),

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 
 from jaxserve.engine.protocol import EngineClient
 from jaxserve.metrics import ServerMetrics, StatLogger
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxserve")
@@ -200,6 +200,17 @@ class AsyncLLM:
         async for out in stream:
             yield out
 
+    async def encode(self, prompt, pooling_params, request_id: str, *,
+                     priority: int = 0) -> EmbeddingRequestOutput:
+        """Embeds one prompt on a pooling engine (vLLM's `encode`); returns its output.
+
+        Raises:
+            ValueError: A generate engine, bad `dimensions` or a bad prompt.
+            RequestFailedError: The request failed in the engine.
+        """
+        stream = await self.add_request(request_id, prompt, pooling_params, priority=priority)
+        return await stream.get()
+
     async def add_lora(self, lora_request) -> bool:
         """Loads an adapter on the engine thread (vLLM's `add_lora`).
 
@@ -286,7 +297,8 @@ class AsyncLLM:
                 return
             for stream, _ in batch:
                 self._streams[stream.request_id] = stream
-                self.metrics.on_added(stream.request_id, params)
+                if isinstance(params, SamplingParams):  # not PoolingParams (embeddings)
+                    self.metrics.on_added(stream.request_id, params)
             done.set_result(None)
         elif kind == "call":
             method, arg = payload
@@ -337,7 +349,8 @@ class AsyncLLM:
         self.metrics.observe_step(scheduled - self._scheduled_tokens)
         self._scheduled_tokens = scheduled
         for out in outputs:
-            self.metrics.observe(out, now)
+            if isinstance(out, RequestOutput):  # not an EmbeddingRequestOutput
+                self.metrics.observe(out, now)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue

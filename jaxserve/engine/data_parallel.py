@@ -146,6 +146,11 @@ class DataParallelEngine:
         return self.replicas[0].eos_token_ids
 
     @property
+    def runner_type(self) -> str:
+        """"generate" or "pooling" (every replica's)."""
+        return self.replicas[0].runner_type
+
+    @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 

@@ -9,7 +9,8 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -165,6 +166,40 @@ class LLM:
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
+
+    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams]
+              | None = None, *, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeds every prompt (an engine built with `runner="pooling"`); returns the
+        outputs in the prompts' order, each `.outputs.embedding` a list of floats.
+
+        Args:
+            prompts: A prompt or a list of prompts; each text, token ids, or
+                `{"prompt_token_ids": [...]}`.
+            pooling_params: One for all prompts, or one per prompt (default:
+                `PoolingParams()`: the pooler's `dimensions` and `normalize`).
+            use_tqdm: Show a progress bar.
+
+        Raises:
+            ValueError: A generate engine, a bad prompt, or bad `dimensions` (no request
+                of the batch is left queued).
+        """
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} pooling_params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, pp in zip(prompts, params, strict=True):
+                ids.append(f"embd-{self._counter}")
+                self._counter += 1
+                self.engine.add_request(ids[-1], prompt, pp)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts, params, lora_request=None):
         """Beam search over forked requests (see `jaxserve.engine.beam_search`).

@@ -14,8 +14,10 @@ from jaxserve.engine.engine_metrics import EngineMetrics
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.lora_control import LoRAControl
 from jaxserve.engine.output_processor import CoreStep, OutputProcessor
+from jaxserve.engine.pooling import Pooler, PoolingControl
 from jaxserve.engine.weight_control import WeightControl
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling_params import PoolerConfig, PoolingParams, sentence_transformers_pooler
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_io import PendingStep
 from jaxserve.runner.worker import Worker
@@ -40,7 +42,7 @@ class _InFlight:
     failed: dict[str, BaseException]
 
 
-class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
+class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
     """Continuous-batching engine over one model.
 
     Args:
@@ -56,8 +58,13 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
         self.worker = Worker(config, model, tokenizer,
                              kv_layout=not config.cache.disable_hybrid_kv_cache_manager)
         lim, cache = self.limits, config.cache
+        # The pooling runner (embeddings) or None (generation); see `engine/pooling.py`.
+        self.pooler = Pooler(config.model.pooler_config or sentence_transformers_pooler(
+            self.model.source) or PoolerConfig(), self.model.cfg.hidden_size) \
+            if config.model.runner == "pooling" else None
         self.kv = KVCacheManager(
-            lim.num_pages, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching,
+            lim.num_pages, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching
+            and (self.pooler is None or self.pooler.prefix_caching_allowed),
             watermark=cache.watermark, swap_space=cache.swap_space,
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len,
             group_windows=self.worker.kv_layout.windows,
@@ -69,6 +76,8 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
             config.speculative_config, **self.worker.draft_runner_args(self.scheduler.max_num_seqs))
         self.worker.init_device(self.scheduler.max_num_seqs, self.kv.host_pool.num_slots,
                                 self.speculator.k if self.speculator else 0)
+        if self.pooler is not None:
+            self.runner.pooling_type = self.pooler.config.pooling_type
         self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
                                      lim.max_model_len, self.scheduler.max_num_seqs,
                                      self.worker.eos_token_ids, config.model.seed)
@@ -116,6 +125,10 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_awake()
+        if self.pooler is not None or isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, params, priority=priority,
+                                             cache_salt=cache_salt, arrival_time=arrival_time,
+                                             lora_request=lora_request)
         if lora_request is not None:
             self.add_lora(lora_request)
         state = self.inputs.process(request_id, prompt, params or SamplingParams(),
@@ -134,7 +147,7 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
         done = self.outputs.abort([request_ids] if isinstance(request_ids, str)
                                   else list(request_ids))
         self._finish_requests(done.to_finish)
-        return done.outputs
+        return done.outputs if self.pooler is None else self.pooler.outputs(done.outputs)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -334,6 +347,8 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
             if s.num_spec_tokens and s.request_id in sampled and s.request_id not in failed:
                 sampled[s.request_id] = self.speculator.verify(s.spec_token_ids,
                                                                sampled[s.request_id])
+        if self.pooler is not None and result.pooled is not None:
+            self.pooler.accumulate(out, result.pooled, skip=failed)
         updates = self.scheduler.update_from_output(out, sampled)
         return CoreStep(out, requests, result, updates, row_of, failed)
 
@@ -342,7 +357,7 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl):
         self.counters["num_steps"] += 1
         done = self.outputs.process(core)
         self._finish_requests(done.to_finish)
-        return done.outputs
+        return done.outputs if self.pooler is None else self.pooler.outputs(done.outputs)
 
     def _finish_requests(self, to_finish: dict[str, RequestStatus]) -> None:
         """Ends the scheduler requests the output processor says are over."""

@@ -24,6 +24,10 @@ class EngineClient(Protocol):
     tokenizer: Any
 
     @property
+    def runner_type(self) -> str:
+        """"generate" (completions) or "pooling" (embeddings): each engine serves one."""
+
+    @property
     def max_model_len(self) -> int:
         """Longest prompt + output a request may have."""
 

@@ -31,7 +31,13 @@ from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.sampling_rows import SamplingRows
 from jaxserve.runner.step_input import build_step_arrays
 from jaxserve.runner.step_io import PendingStep, StepInputs, StepResult
-from jaxserve.runner.step_programs import model_step, prompt_logprobs, sample_step, to_host
+from jaxserve.runner.step_programs import (
+    model_step,
+    pool_step,
+    prompt_logprobs,
+    sample_step,
+    to_host,
+)
 from jaxserve.runner.transfer import Layout, pack
 from jaxserve.runner.warmup import run_warmup
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, MAX_LOGPROBS, SamplingMetadata
@@ -147,6 +153,10 @@ class ModelRunner:
         self.warmup_seconds = 0.0
         # (buckets compiled, buckets in all) while warm-up runs; read by `/health`.
         self.warmup_progress = (0, len(self.buckets))
+        # A pooling runner's `PoolerConfig.pooling_type` (set by the engine): every step
+        # also computes each row's pooled share on the device (`pool_step`); None: none.
+        self.pooling_type: str | None = None
+        self._pools: dict[Layout, object] = {}
 
     # ------------------------------------------------------ device state
     def set_params(self, params) -> None:
@@ -221,7 +231,9 @@ class ModelRunner:
         start = compile_counter.num_compilations()
         try:
             res = to_host(pending.result)
-            prompt_lp = None
+            prompt_lp = pooled = None
+            if pending.pooled is not None:
+                pooled = to_host(pending.pooled)[:pending.num_pool_rows]
             if pending.prompt_logprobs is not None:
                 prompt_lp = jax.tree_util.tree_map(lambda x: x[:pending.num_prompt_targets],
                                                    to_host(pending.prompt_logprobs))
@@ -233,7 +245,7 @@ class ModelRunner:
         logprobs = None if res.logprobs is None else res.logprobs[:n]
         ranks = None if res.token_ranks is None else res.token_ranks[:n]
         return StepResult(pending.row_request_ids, res.token_ids[:n], logprobs, ranks,
-                          topk_ids, topk_lp, pending.num_padded_tokens, prompt_lp)
+                          topk_ids, topk_lp, pending.num_padded_tokens, prompt_lp, pooled)
 
     def _dispatch(self, out: SchedulerOutput, sampling: SamplingMetadata,
                   variant: str | None, prev: PendingStep | None) -> PendingStep:
@@ -254,38 +266,51 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.send("step", inputs, self._step_count,
                               None if prev is None else prev.step_id)
-        res, next_ids, prompt_lp = self.launch(
-            inputs, None if prev is None else prev.next_input_ids)
+        res, next_ids, prompt_lp, *pooled = self.launch(
+            inputs, None if prev is None else prev.next_input_ids, pooled=True)
         padded = num_tokens - total
         self.num_padded_tokens += padded
         self.num_scheduled_tokens += total
         return PendingStep(arrays.row_request_ids, res, next_ids, padded, prompt_lp,
                            0 if prompt_targets is None else len(prompt_targets),
-                           self._step_count)
+                           self._step_count, pooled[0], len(out.scheduled))
 
-    def launch(self, inputs: StepInputs, prev_ids: jax.Array | None = None):
+    def launch(self, inputs: StepInputs, prev_ids: jax.Array | None = None,
+               pooled: bool = False):
         """Dispatches one step's programs (model, prompt logprobs, sampler) on its inputs.
 
         Args:
             inputs: The step's packed buffers.
             prev_ids: i32[max_rows] the previous step's sampled ids (on the device), read
                 for placeholder tokens; None when no step is in flight.
+            pooled: Also return the rows' pooled shares (a pooling runner's, else None).
 
         Returns:
             (SamplerOutput, i32[max_rows] next input ids, PromptLogprobs or None), all
-            device arrays.
+            device arrays; with `pooled`, then f32[num_rows, hidden] or None.
         """
         self.num_decode_steps += inputs.decode_only
+        model_buf = self._to_device(inputs.model_buf)
         self.kv_pages, logits, hidden = self._step_fn(inputs.model_layout, inputs.decode_only)(
-            self.params, self.kv_pages, self._to_device(inputs.model_buf),
+            self.params, self.kv_pages, model_buf,
             self._no_prev_ids if prev_ids is None else prev_ids, self.lora_stacks)
+        pool = None
+        if self.pooling_type is not None:
+            pool = self._pool_fn(inputs.model_layout)(hidden, model_buf)
         prompt_lp = None
         if inputs.prompt_targets is not None:
             prompt_lp = self._prompt_fn()(self.params, hidden,
                                           self._to_device(inputs.prompt_targets))
         sample_buf, sample_layout = self._sample_inputs(inputs.sampling, inputs.variant)
         res, next_ids = self._sampler_fn(sample_layout)(logits, self._to_device(sample_buf))
-        return res, next_ids, prompt_lp
+        return (res, next_ids, prompt_lp, pool) if pooled else (res, next_ids, prompt_lp)
+
+    def _pool_fn(self, layout: Layout):
+        fn = self._pools.get(layout)
+        if fn is None:
+            fn = jax.jit(functools.partial(pool_step, layout, self.pooling_type))
+            self._pools[layout] = fn
+        return fn
 
     def _model_inputs(self, out: SchedulerOutput, prev: PendingStep | None):
         """(host arrays, packed buffer, its layout, token bucket, row bucket) of a step."""

@@ -33,6 +33,8 @@ class PendingStep:
     prompt_logprobs: object = None
     num_prompt_targets: int = 0
     step_id: int = 0
+    pooled: object = None  # f32[num_rows, hidden] of a pooling runner (`pool_step`), or None
+    num_pool_rows: int = 0  # its real rows (the scheduled requests, in their order)
 
 
 @dataclass
@@ -84,3 +86,4 @@ class StepResult:
     topk_logprobs: np.ndarray | None
     num_padded_tokens: int
     prompt_logprobs: object = None
+    pooled: np.ndarray | None = None  # f32[len(scheduled), hidden]: `PendingStep.pooled`

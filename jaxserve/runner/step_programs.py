@@ -31,6 +31,24 @@ def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: boo
     return kv_pages, logits, hidden
 
 
+def pool_step(layout: Layout, pooling_type: str, hidden, buf):
+    """Each attention row's share of a pooled vector, from the final-normed `hidden`
+    [num_tokens, hidden_size] of its new tokens (the rows' extents: `cu_q_lens` in `buf`):
+    LAST the row's last token, CLS its first, MEAN the sum of its tokens (the host adds the
+    chunks up and divides). Returns f32[num_rows, hidden_size]."""
+    cu = unpack(buf, layout)["cu_q_lens"]  # i32[num_rows + 1]
+    num_tokens, num_rows = hidden.shape[0], cu.shape[0] - 1
+    hidden = hidden.astype(jnp.float32)
+    if pooling_type == "LAST":
+        return hidden[jnp.clip(cu[1:] - 1, 0, num_tokens - 1)]
+    if pooling_type == "CLS":
+        return hidden[jnp.clip(cu[:-1], 0, num_tokens - 1)]
+    # i32[num_tokens]: each token's row; padding tokens (past cu[-1]) get num_rows (dropped).
+    row = jnp.searchsorted(cu, jnp.arange(num_tokens, dtype=cu.dtype), side="right") - 1
+    row = jnp.where(jnp.arange(num_tokens) < cu[-1], row, num_rows)
+    return jnp.zeros((num_rows, hidden.shape[1]), jnp.float32).at[row].add(hidden, mode="drop")
+
+
 def prompt_logprobs(model: Model, num_logprobs: int, params, hidden, next_token_ids):
     """Top logprobs and each prompt position's next-token logprob from every position."""
     # f32[num_tokens, vocab] logits of every position: only steps that asked for it.

@@ -79,13 +79,16 @@ def dummy_steps(runner, num_tokens: int) -> list[tuple[SchedulerOutput, bool]]:
 
 def _lower_bucket(runner, num_tokens: int, make_dummy_sampling) -> list:
     """The lowered programs of one token bucket."""
-    lowered = []
+    lowered, pools = [], []
     for step, decode_only in dummy_steps(runner, num_tokens):
         _, buf, layout, _, _ = runner._model_inputs(step, None)
         lowered.append(runner._step_fn(layout, decode_only).lower(
             runner.params, runner.kv_pages, runner._to_device(buf), runner._no_prev_ids,
             runner.lora_stacks))
+        pools.append((layout, runner._to_device(buf)))
     _, logits, hidden = lowered[0].out_info
+    if runner.pooling_type is not None:  # a pooling runner's program, per step layout
+        lowered += [runner._pool_fn(layout).lower(hidden, buf) for layout, buf in pools]
     lowered.append(runner._prompt_fn().lower(
         runner.params, hidden, runner._to_device(np.zeros(num_tokens, np.int32))))
     dummy = make_dummy_sampling(runner.sample_rows(num_tokens))
@@ -175,14 +178,16 @@ def _run_bucket(runner, num_tokens: int, make_dummy_sampling) -> None:
     outputs (running the model once per variant cost ~7 s more cold)."""
     (out, decode_only), *decodes = dummy_steps(runner, num_tokens)
     num_sample_rows = runner.sample_rows(num_tokens)
-    _, buf, layout, _, _ = runner._model_inputs(out, None)
-    runner.kv_pages, logits, hidden = runner._step_fn(layout, decode_only)(
-        runner.params, runner.kv_pages, runner._to_device(buf), runner._no_prev_ids,
-        runner.lora_stacks)
+    _, model_buf, model_layout, _, _ = runner._model_inputs(out, None)
+    model_buf = runner._to_device(model_buf)
+    runner.kv_pages, logits, hidden = runner._step_fn(model_layout, decode_only)(
+        runner.params, runner.kv_pages, model_buf, runner._no_prev_ids, runner.lora_stacks)
+    if runner.pooling_type is not None:
+        jax.block_until_ready(runner._pool_fn(model_layout)(hidden, model_buf))
     jax.block_until_ready(runner._prompt_fn()(
         runner.params, hidden, runner._to_device(np.zeros(num_tokens, np.int32))))
     for variant in VARIANTS:
         buf, layout = runner._sample_inputs(make_dummy_sampling(num_sample_rows), variant)
         jax.block_until_ready(runner._sampler_fn(layout)(logits, runner._to_device(buf)))
-    for step, _ in decodes:  # its own program
+    for step, _ in decodes:  # its own program (`execute` runs its pooling program too)
         runner.execute(step, make_dummy_sampling(num_sample_rows), VARIANTS[0])

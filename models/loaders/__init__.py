@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import time
 
@@ -21,6 +23,7 @@ from models.model import Model, abstract_params, parse_dtype
 from models.quant import QUANTIZATIONS, QuantFormat, QuantPlan, quantize_params, uniform_plan
 from models.registry import arch_config_from_hf
 
+logger = logging.getLogger("jaxserve")
 # quantization -> plan for any dense source ("gguf" and "none" are resolved per source).
 _UNIFORM = {"int8": QuantFormat("q8", 0), "q8_0": QuantFormat("q8", 32)}
 
@@ -101,7 +104,14 @@ def read_arch_config(model: str | None = None) -> ArchConfig:
         return orbax_ckpt.read_checkpoint_meta(path)[0]
     if kind == "gguf":
         return arch_config_from_hf(open_gguf(path).hf_config())
-    return arch_config_from_hf(read_config(path))
+    cfg = arch_config_from_hf(read_config(path))
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in SafetensorsDir(path).names():
+        # NOTE: an embedding checkpoint (Qwen3-Embedding: a bare `Qwen3Model`) has no LM
+        # head; the pooling runner never reads one, so it is tied to the embeddings.
+        logger.info("jaxserve: %s has no lm_head.weight: the LM head is tied to the "
+                    "embeddings (an embedding model: serve it with runner='pooling')", path)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+    return cfg
 
 
 def load_model(model: str | None = None, dtype: str = "float32", backend: str = "auto",

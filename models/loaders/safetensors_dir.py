@@ -50,6 +50,9 @@ def read_safetensors_header(path: str) -> tuple[dict, int]:
 LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."),
                            ("language_model.model.", "model."),
                            ("language_model.lm_head.", "lm_head."))
+# A bare decoder's tensors (`Qwen3Model.save_pretrained`, as Qwen3-Embedding ships):
+# `embed_tokens.*`, `layers.*`, `norm.*` without the `model.` prefix the decoder asks for.
+BARE_DECODER_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 
 class SafetensorsDir:
@@ -78,6 +81,10 @@ class SafetensorsDir:
             for old, new in LANGUAGE_MODEL_PREFIXES:
                 if tensor.startswith(old):
                     self._entries.setdefault(new + tensor[len(old):], self._entries[tensor])
+        if not any(t.startswith("model.") for t in self._entries):
+            for tensor in list(self._entries):
+                if tensor.startswith(BARE_DECODER_PREFIXES):
+                    self._entries.setdefault("model." + tensor, self._entries[tensor])
         self._maps: dict[str, np.memmap] = {}
 
     def where(self, name: str) -> str:

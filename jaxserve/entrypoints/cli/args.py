@@ -16,6 +16,7 @@ from jaxserve.config import (
     SCHEDULING_MODES,
     SCHEDULING_POLICIES,
 )
+from jaxserve.pooling_params import RUNNERS, TASKS
 from models.quant import QUANTIZATIONS
 from pallas_kernels.ops import ATTENTION_BACKENDS
 
@@ -54,6 +55,12 @@ ENGINE_ARGS = [
      "schedule each step while the previous one runs on the device"),
     ("--attention-backend", str, ATTENTION_BACKENDS, "auto", "attention kernels"),
     ("--seed", int, None, "0", "seed of the engine's random stream"),
+    ("--runner", str, RUNNERS, "generate",
+     "pooling: serve embeddings (/v1/embeddings) instead of completions"),
+    ("--task", str, tuple(TASKS), "generate", "vLLM's older spelling: embed = --runner pooling"),
+    ("--pooler-config", "json", None, '{"pooling_type": "LAST", "normalize": true}',
+     'the pooling runner\'s pooler, vLLM\'s JSON object, e.g. \'{"pooling_type": "MEAN"}\' '
+     "(LAST, MEAN or CLS; normalize; dimensions)"),
     ("--tensor-parallel-size", int, None, "1", "devices one model is split over"),
     ("--enable-expert-parallel", "bool", None, "off",
      "mixture of experts: split the experts over the tensor-parallel devices (whole experts "

@@ -32,6 +32,7 @@ from jaxserve.entrypoints.openai.serving_base import (  # noqa: F401 - re-export
 )
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
 from jaxserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
@@ -150,6 +151,8 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
         state.completion = OpenAIServingCompletion(engine, names, lim, lanes, models)
         state.chat = OpenAIServingChat(engine, names, lim, lanes, models)
         state.tokenization = OpenAIServingTokenization(engine, names, lim, lanes, models)
+        state.embedding = OpenAIServingEmbedding(engine, names, lim, lanes, models)
+        state.runner = engine.engine.runner_type  # "generate" or "pooling": one kind of endpoint
         state.llm, state.ready = engine, True
 
     state.attach = attach
@@ -173,16 +176,32 @@ def _add_routes(app: FastAPI, state) -> None:
         return StreamingResponse(result, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    def serves(runner: str, api: str) -> None:
+        """A 400 for an endpoint of the other runner (vLLM's runner separation)."""
+        if state.runner != runner:
+            raise OpenAIError(400, f"The model does not support the {api} API: this server "
+                                   f"runs the {state.runner} runner (jaxserve serve "
+                                   f"--runner {runner} serves it)")
+
     @app.post("/v1/completions")
     @_guard
     async def completions(request: Request):
+        serves("generate", "Completions")
         return respond(await state.completion.create(await request.body(),
                                                      request.is_disconnected))
 
     @app.post("/v1/chat/completions")
     @_guard
     async def chat_completions(request: Request):
+        serves("generate", "Chat Completions")
         return respond(await state.chat.create(await request.body(), request.is_disconnected))
+
+    @app.post("/v1/embeddings")
+    @_guard
+    async def embeddings(request: Request):
+        serves("pooling", "Embeddings")
+        return respond(await state.embedding.create(await request.body(),
+                                                    request.is_disconnected))
 
     @app.get("/v1/models")
     @_guard
@@ -227,9 +246,13 @@ def _add_routes(app: FastAPI, state) -> None:
     @app.post("/invocations")
     @_guard
     async def invocations(request: Request):
-        """SageMaker-style entry: a chat body (`messages`) or a completion body (`prompt`)."""
+        """SageMaker-style entry: a chat body (`messages`) or a completion body (`prompt`);
+        on a pooling server, an embeddings body (`input`)."""
         raw = await request.body()
         body = await state.lanes.run(state.lanes.is_heavy(len(raw)), loads_body, raw)
+        if state.runner == "pooling":  # an embeddings body (`input`)
+            return respond(await state.embedding.create(body, request.is_disconnected,
+                                                        len(raw)))
         if isinstance(body, dict) and "messages" in body:
             handler = state.chat
         elif isinstance(body, dict) and "prompt" in body:
