@@ -6,11 +6,10 @@ Every engine argument is validated here, once, with a `ValueError` naming the fi
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from jaxserve.pooling_params import RUNNERS, TASKS, PoolerConfig
+from jaxserve.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig  # noqa: F401
 from models.quant import QUANTIZATIONS
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -20,9 +19,6 @@ SCHEDULING_MODES = ("naive", "static", "continuous", "continuous+chunked")
 DTYPES = ("float32", "bfloat16")
 # "auto": the model dtype; "fp8" is vLLM's alias of "fp8_e4m3".
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-_SPECULATIVE_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min",
-                       "prompt_lookup_max", "model"}
 
 
 def _check(cond: bool, name: str, value, must: str) -> None:
@@ -292,88 +288,6 @@ class LoRAConfig:
     def cpu_slots(self) -> int:
         """Adapters the host keeps loaded."""
         return self.max_cpu_loras or self.max_loras
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """How proposals are made and how many each decoding request gets per step.
-
-    Attributes:
-        method: "ngram" (prompt lookup over the request's own tokens) or "draft_model".
-        num_speculative_tokens: k, proposals per request per step (each step then
-            computes up to 1 + k query tokens for a decoding request).
-        prompt_lookup_min: Shortest suffix n-gram that may match (ngram).
-        prompt_lookup_max: Longest suffix n-gram tried first (ngram).
-        model: The draft model (draft_model): its path, or a loaded `models.model.Model`
-            (Python API); same tokenizer and vocabulary as the target.
-    """
-
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
-    model: Any = None
-
-    @classmethod
-    def from_dict(cls, spec: dict[str, Any] | str | SpeculativeConfig | None
-                  ) -> SpeculativeConfig | None:
-        """Parses vLLM's dict (or its JSON, as `--speculative-config` takes it).
-
-        For ngram, a missing `prompt_lookup_max` is 5 and a missing `prompt_lookup_min`
-        is 2 (capped at the max); one given alone bounds the other.
-
-        Raises:
-            ValueError: Unknown keys or method, k < 1, bad lookup bounds, a draft model
-                without `model` (each message names the field).
-        """
-        if spec is None or isinstance(spec, SpeculativeConfig):
-            return spec
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
-        if not isinstance(spec, dict):
-            raise ValueError("speculative_config: expected a dict such as "
-                             '{"method": "ngram", "num_speculative_tokens": 3}')
-        unknown = sorted(set(spec) - _SPECULATIVE_FIELDS)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: "
-                             f"{sorted(_SPECULATIVE_FIELDS)}")
-        method = spec.get("method")
-        if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config.method: {method!r} is not one of "
-                             f"{SPECULATIVE_METHODS}")
-        k = spec.get("num_speculative_tokens")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError("speculative_config.num_speculative_tokens: must be an integer "
-                             f">= 1, got {k!r}")
-        lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-        model = spec.get("model")
-        if method == "ngram":
-            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                    raise ValueError(f"speculative_config.{name}: must be an integer >= 1, "
-                                     f"got {v!r}")
-            if hi is None:
-                hi = max(5, lo or 0)
-            if lo is None:
-                lo = min(2, hi)
-            if lo > hi:
-                raise ValueError(f"speculative_config.prompt_lookup_min: {lo} exceeds "
-                                 f"prompt_lookup_max={hi}")
-            if model is not None:
-                raise ValueError("speculative_config.model: only the draft_model method "
-                                 "takes a model")
-        else:
-            loaded = hasattr(model, "cfg") and hasattr(model, "params")  # a loaded Model
-            if not loaded and (not isinstance(model, str) or not model):
-                raise ValueError("speculative_config.model: the draft_model method needs "
-                                 "the draft's path (or a loaded model)")
-            if lo is not None or hi is not None:
-                raise ValueError("speculative_config.prompt_lookup_min/max: only the ngram "
-                                 "method takes them")
-        return cls(method, k, lo, hi, model)
 
 
 @dataclass(frozen=True)

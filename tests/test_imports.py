@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # quantizations), requests, sampling and structured-output params, outputs, metrics
     # (read from outputs) and small utilities. No step is built or run here.
     ("base", ("jaxserve.utils", "jaxserve.compilation_cache", "jaxserve.config",
+              "jaxserve.speculative_config",
               "jaxserve.request", "jaxserve.sampling_params", "jaxserve.structured",
               "jaxserve.outputs", "jaxserve.metrics", "jaxserve.lora",
               "jaxserve.pooling_params")),

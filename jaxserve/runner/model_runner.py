@@ -12,7 +12,6 @@ device from that step's output.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,16 +30,10 @@ from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.sampling_rows import SamplingRows
 from jaxserve.runner.step_input import build_step_arrays
 from jaxserve.runner.step_io import PendingStep, StepInputs, StepResult
-from jaxserve.runner.step_programs import (
-    model_step,
-    pool_step,
-    prompt_logprobs,
-    sample_step,
-    to_host,
-)
+from jaxserve.runner.step_programs import StepPrograms, to_host
 from jaxserve.runner.transfer import Layout, pack
 from jaxserve.runner.warmup import run_warmup
-from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, MAX_LOGPROBS, SamplingMetadata
+from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, SamplingMetadata
 from jaxserve.utils import cdiv
 from models.kv_groups import KVGroupLayout
 from models.model import Model
@@ -48,7 +41,7 @@ from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
 from pallas_kernels.tuning import tuned
 
 
-class ModelRunner:
+class ModelRunner(StepPrograms):
     """Owns the device page pool and the compiled step programs.
 
     Args:
@@ -305,13 +298,6 @@ class ModelRunner:
         res, next_ids = self._sampler_fn(sample_layout)(logits, self._to_device(sample_buf))
         return (res, next_ids, prompt_lp, pool) if pooled else (res, next_ids, prompt_lp)
 
-    def _pool_fn(self, layout: Layout):
-        fn = self._pools.get(layout)
-        if fn is None:
-            fn = jax.jit(functools.partial(pool_step, layout, self.pooling_type))
-            self._pools[layout] = fn
-        return fn
-
     def _model_inputs(self, out: SchedulerOutput, prev: PendingStep | None):
         """(host arrays, packed buffer, its layout, token bucket, row bucket) of a step."""
         num_tokens, num_sample_rows = self.step_shape(out)
@@ -337,12 +323,6 @@ class ModelRunner:
                            self.model.cfg.vocab_size, self.penalty_len, self.banned_len)
         return pack(sampling)
 
-    def _prompt_fn(self):
-        if self._prompt_logprobs is None:
-            self._prompt_logprobs = jax.jit(functools.partial(
-                prompt_logprobs, self.model, min(MAX_LOGPROBS, self.model.cfg.vocab_size)))
-        return self._prompt_logprobs
-
     def _to_device(self, buf: np.ndarray) -> jax.Array:
         """One host buffer onto the step's devices (replicated over a mesh)."""
         if self._inputs_on is None:
@@ -351,18 +331,6 @@ class ModelRunner:
             return jax.make_array_from_process_local_data(self._inputs_on, buf)
         return jax.device_put(buf, self._inputs_on)
 
-    def _step_fn(self, layout: Layout, decode_only: bool = False):
-        fn = self._steps.get((layout, decode_only))
-        if fn is None:
-            shardings = {} if self.layout is None else {"out_shardings": (
-                self.layout.kv_pages_sharding(), self.layout.replicated(),
-                self.layout.replicated())}
-            fn = jax.jit(functools.partial(model_step, self.model, layout, decode_only,
-                                           self.short_tiles),
-                         donate_argnums=1, **shardings)
-            self._steps[(layout, decode_only)] = fn
-        return fn
-
     def is_decode_step(self, out: SchedulerOutput, num_tokens: int, num_rows: int) -> bool:
         """Whether a step runs the paged decode kernel: every request has one new token (and
         request i holds token i: `SchedulerOutput.decodes_first`) in a bucket whose token
@@ -370,13 +338,6 @@ class ModelRunner:
         XLA path reads decode rows once per row by itself)."""
         return (self.model.backend == "pallas" and num_tokens == num_rows
                 and all(s.num_new_tokens == 1 for s in out.scheduled))
-
-    def _sampler_fn(self, layout: Layout):
-        fn = self._samplers.get(layout)
-        if fn is None:
-            fn = jax.jit(functools.partial(sample_step, layout, self.max_rows))
-            self._samplers[layout] = fn
-        return fn
 
     def apply_kv_changes(self, out: SchedulerOutput) -> None:
         """Does what the KV manager counted as done when it scheduled `out`, whether the

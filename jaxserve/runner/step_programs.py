@@ -1,7 +1,10 @@
-"""The jitted programs of a step (model forward, prompt logprobs, sampler) and the copy of
-their outputs to the host; `ModelRunner` compiles them per input layout."""
+"""The jitted programs of a step (model forward, pooling, prompt logprobs, sampler), the copy
+of their outputs to the host, and `StepPrograms`, the runner's cache of them per input
+layout."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,7 @@ import numpy as np
 
 from jaxserve.runner.transfer import Layout, unpack
 from jaxserve.sample.logprobs import compute_prompt_logprobs
+from jaxserve.sample.metadata import MAX_LOGPROBS
 from jaxserve.sample.sampler import sample
 from models.model import Model
 from pallas_kernels import AttentionMetadata
@@ -69,3 +73,41 @@ def to_host(tree):
     processes, where the whole array is not addressable here)."""
     return jax.tree_util.tree_map(
         lambda x: np.asarray(x if x.is_fully_addressable else x.addressable_data(0)), tree)
+
+
+class StepPrograms:
+    """Mixed into `ModelRunner`: its jitted programs, built on first use per input layout
+    (reads `model`, `layout`, `short_tiles`, `max_rows`, `pooling_type` and the caches
+    `_steps`, `_samplers`, `_pools`, `_prompt_logprobs`)."""
+
+    def _pool_fn(self, layout: Layout):
+        fn = self._pools.get(layout)
+        if fn is None:
+            fn = jax.jit(functools.partial(pool_step, layout, self.pooling_type))
+            self._pools[layout] = fn
+        return fn
+
+    def _prompt_fn(self):
+        if self._prompt_logprobs is None:
+            self._prompt_logprobs = jax.jit(functools.partial(
+                prompt_logprobs, self.model, min(MAX_LOGPROBS, self.model.cfg.vocab_size)))
+        return self._prompt_logprobs
+
+    def _step_fn(self, layout: Layout, decode_only: bool = False):
+        fn = self._steps.get((layout, decode_only))
+        if fn is None:
+            shardings = {} if self.layout is None else {"out_shardings": (
+                self.layout.kv_pages_sharding(), self.layout.replicated(),
+                self.layout.replicated())}
+            fn = jax.jit(functools.partial(model_step, self.model, layout, decode_only,
+                                           self.short_tiles),
+                         donate_argnums=1, **shardings)
+            self._steps[(layout, decode_only)] = fn
+        return fn
+
+    def _sampler_fn(self, layout: Layout):
+        fn = self._samplers.get(layout)
+        if fn is None:
+            fn = jax.jit(functools.partial(sample_step, layout, self.max_rows))
+            self._samplers[layout] = fn
+        return fn
