@@ -1,5 +1,5 @@
 """Request fields existing OpenAI/vLLM clients send: usage details (prefix-cache hits, per-chunk
-usage), seeds up to 2^63 - 1 with pydantic-style messages, and bad structured-output and
+usage), any signed 64-bit seed (pydantic's codes and wording outside, as vLLM's 400s), and bad structured-output and
 tool fields (or ones that would change the output but are not supported) refused with a 400
 naming them, never silently ignored."""
 
@@ -70,9 +70,12 @@ def post(server, path, body):
      "stream_options", "stream is true"),
     ("/v1/chat/completions", {**CHAT, "stream": False, "stream_options": {
         "include_usage": True}}, "stream_options", "stream is true"),
-    ("/v1/completions", {**GOOD, "seed": -1}, "seed", "greater than or equal to 0"),
+    ("/v1/completions", {**GOOD, "seed": -(2**63) - 1}, "seed",
+     "'type': 'greater_than_equal', 'loc': 'body.seed', 'msg': 'Input should be greater than "
+     "or equal to -9223372036854775808'"),
     ("/v1/completions", {**GOOD, "seed": 2**63}, "seed",
-     "less than or equal to 9223372036854775807"),
+     "'type': 'less_than_equal', 'loc': 'body.seed', 'msg': 'Input should be less than or "
+     "equal to 9223372036854775807'"),
     ("/v1/chat/completions", {**CHAT, "seed": 2**64}, "seed", "less than or equal"),
 ])
 def test_unsupported_or_out_of_range_fields_are_400s_naming_them(server, path, body, param,
@@ -88,6 +91,16 @@ def test_largest_seed_and_text_response_format_are_accepted(client):
                                   temperature=1.0, extra_body={"response_format": {
                                       "type": "text"}})
     assert r.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 2**32 + 5])
+def test_any_signed_64_bit_seed_samples_deterministically(client, seed):
+    # n=2: completion 1's stream is derived from the seed's 64 bits (negative ones too).
+    kw = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4, temperature=1.0, n=2,
+              seed=seed)
+    first, again = (client.completions.create(**kw) for _ in range(2))
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert all(c.finish_reason == "length" for c in first.choices)
 
 
 def test_tools_can_be_shown_with_tool_choice_none(client):
