@@ -37,9 +37,9 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    """`stream_options`: a final usage chunk (`include_usage`)."""
+    """`stream_options`: a final usage chunk (`include_usage`, on by default as in vLLM)."""
 
-    include_usage: bool = False
+    include_usage: bool = True
     continuous_usage_stats: bool = False
 
 
