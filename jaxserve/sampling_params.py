@@ -16,6 +16,8 @@ INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 # Seeds are folded to 32 bits on the device; any non-negative 64-bit value is accepted.
 SEED_MAX = 2**64 - 1
+# Smallest seed: any signed 64-bit seed is taken, as vLLM's server takes it.
+SEED_MIN = -(2**63)
 # Most stop token ids one request may give (checked on the host every step).
 MAX_STOP_TOKEN_IDS = 1024
 # Widths the sampler compiles for a row's logit_bias entries and allowed_token_ids (as the
@@ -60,6 +62,23 @@ def _as_int(name: str, value: Any, low: int | None = None, high: int = INT32_MAX
     if result > high:
         raise ValueError(f"{name} must be at most {high}, got {result}")
     return result
+
+
+def device_seed(seed: int) -> int:
+    """The sampler's 32-bit seed of a request seed in [SEED_MIN, SEED_MAX].
+
+    The device key takes 32 bits: a seed in [0, 2**32) is used as it is; any other seed
+    (negative, or 2**32 and more) is mixed down from all 64 bits of its two's complement
+    (splitmix64's finalizer), so that seeds differing only in their high bits, or in sign,
+    do not share a stream the way their low 32 bits would. Deterministic for every seed.
+    """
+    if 0 <= seed < 2**32:
+        return seed
+    z = seed % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFFFFFF
 
 
 def _as_float(name: str, value: Any) -> float:
@@ -156,7 +175,7 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
-            self.seed = _as_int("seed", self.seed, 0, SEED_MAX)
+            self.seed = _as_int("seed", self.seed, SEED_MIN, SEED_MAX)
         self._init_stops()
         self._init_lengths()
         self._init_logit_controls()

@@ -14,7 +14,7 @@ import numpy as np
 from jaxserve.engine.output_processor import RequestState
 from jaxserve.request import Request
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, RowSpec, build_sampling_metadata
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, device_seed
 from jaxserve.structured import GrammarCompiler
 
 
@@ -115,9 +115,10 @@ class InputProcessor:
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=max_len - len(ids))
         base = int(params.seed) if params.seed is not None else int(self.rng.integers(2**31))
-        # NOTE: completion i of a seeded request gets its own stream, derived from the seed.
-        seeds = [base] + [int(x) for x in np.random.SeedSequence([base, params.n]).generate_state(
-            params.n - 1)]
+        # NOTE: completion i of a seeded request gets its own stream, derived from the seed
+        # (a negative seed enters SeedSequence as its 64-bit two's complement).
+        seeds = [device_seed(base)] + [int(x) for x in np.random.SeedSequence(
+            [base % 2**64, params.n]).generate_state(params.n - 1)]
         root = Request(request_id, ids, cache_salt=cache_salt, arrival_time=arrival_time,
                        lora_request=lora_request,
                        sampling_params=params, priority=priority, eos_token_ids=self.eos_token_ids,

@@ -16,6 +16,7 @@ from jaxserve.sampling_params import (
     MAX_LOGIT_BIAS,
     SAMPLING_EPS,
     SamplingParams,
+    device_seed,
 )
 from jaxserve.structured.grammar import bitmask_width
 
@@ -64,7 +65,7 @@ class SamplingMetadata:
         presence_penalty: f32[R]; 0.0 means off.
         frequency_penalty: f32[R]; 0.0 means off.
         repetition_penalty: f32[R]; 1.0 means off.
-        seeds: u32[R]; the request's seed modulo 2**32.
+        seeds: u32[R]; the request's seed as `device_seed` maps it to 32 bits.
         counters: i32[R]; tokens the request generated so far. The row's random key is
             `fold_in(key(seed), counter)`, so a seeded request draws the same tokens
             whatever its row index and whatever else shares the batch.
@@ -334,7 +335,7 @@ def _logit_controls(params: list[SamplingParams], num_rows: int, vocab_size: int
 
 
 def _seeds_and_counters(rows: list[RowSpec], num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """u32[num_rows] seeds (mod 2**32) and i32[num_rows] counters of the rows.
+    """u32[num_rows] seeds (`device_seed`) and i32[num_rows] counters of the rows.
 
     Raises:
         ValueError: A random row without a seed.
@@ -348,7 +349,7 @@ def _seeds_and_counters(rows: list[RowSpec], num_rows: int) -> tuple[np.ndarray,
                 raise ValueError(f"row {i}: a random row needs a seed (the engine draws one "
                                  "at add_request for requests without seed), got seed=None")
         row_seeds = [0 if seed is None else seed for seed in row_seeds]
-    seeds[:len(rows)] = [int(seed) & 0xFFFFFFFF for seed in row_seeds]
+    seeds[:len(rows)] = [device_seed(int(seed)) for seed in row_seeds]
     counters[:len(rows)] = [len(r.output_token_ids) if r.counter is None else int(r.counter)
                             for r in rows]
     return seeds, counters

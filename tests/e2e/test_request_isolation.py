@@ -56,7 +56,7 @@ def run_with(llm, poison=None):
     ({"stop_token_ids": [2**40], "min_tokens": 1}, "stop_token_ids"),
     ({"stop_token_ids": [49152]}, "stop_token_ids"),  # outside the vocabulary
     ({"stop_token_ids": list(range(100)), "min_tokens": 1}, "stop_token_ids"),  # > compiled
-    ({"seed": -1}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
 ])
 def test_poison_is_refused_at_add_and_neighbours_are_token_identical(llm, clean, changes, field):
     def poison(engine):

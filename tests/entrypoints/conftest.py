@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.entrypoints.openai.api_server import build_app, make_server
+from jaxserve.entrypoints.openai.api_server import ServingLimits, build_app, make_server
 from jaxserve.metrics import ServerMetrics
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -72,14 +72,16 @@ class ServerThread:
         tokenizer: Its tokenizer.
         api_key: Require this Bearer key on `/v1/*`.
         shutdown_timeout: Graceful-shutdown limit of the server.
+        limits: The server's `ServingLimits` (None: the defaults).
         **engine_args: Engine arguments (small limits for tests).
     """
 
-    def __init__(self, model, tokenizer, api_key=None, shutdown_timeout=30.0, **engine_args):
+    def __init__(self, model, tokenizer, api_key=None, shutdown_timeout=30.0, limits=None,
+                 **engine_args):
         metrics = ServerMetrics(MODEL_NAME)
         self.llm = AsyncLLM.from_engine_args(model, tokenizer=tokenizer, metrics=metrics,
                                              log_interval=0, **engine_args)
-        self.app = build_app(self.llm, [MODEL_NAME], api_key=api_key)
+        self.app = build_app(self.llm, [MODEL_NAME], api_key=api_key, limits=limits)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_server(self.app, "127.0.0.1", self.port, shutdown_timeout,
@@ -140,9 +142,11 @@ def sse_events(response: httpx.Response) -> list:
 # the run leaves the package, so every serving file warmed up a SmolLM2 server again.
 @pytest.fixture(scope="session")
 def server(smollm2, smollm2_tokenizer):
-    """The default SmolLM2 engine behind uvicorn on 127.0.0.1, `--api-key` set (one per test
-    process: the serving files share it, and stopped at the end of the session)."""
-    srv = ServerThread(smollm2, smollm2_tokenizer, api_key=API_KEY, num_kv_blocks=64, **LIMITS)
+    """The default SmolLM2 engine behind uvicorn on 127.0.0.1, `--api-key` and
+    `--enable-prompt-tokens-details` set (one per test process: the serving files share it,
+    and stopped at the end of the session)."""
+    srv = ServerThread(smollm2, smollm2_tokenizer, api_key=API_KEY, num_kv_blocks=64,
+                       limits=ServingLimits(enable_prompt_tokens_details=True), **LIMITS)
     yield srv
     srv.stop()
 

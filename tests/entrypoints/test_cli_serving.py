@@ -105,3 +105,9 @@ def test_mistyped_flags_show_the_commands_own_usage(argv, usage, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and usage in err and "unrecognized arguments" in err
+
+
+def test_enable_prompt_tokens_details_is_a_server_flag_not_an_engine_argument():
+    args = build_parser().parse_args(["serve", "m.gguf", "--enable-prompt-tokens-details"])
+    assert args.enable_prompt_tokens_details and engine_kwargs(args) == {"model": "m.gguf"}
+    assert not build_parser().parse_args(["serve", "m.gguf"]).enable_prompt_tokens_details

@@ -47,7 +47,7 @@ HOSTILE = [
     ("/v1/completions", {**GOOD, "top_k": 2**40, "temperature": 1.0}, 400),
     ("/v1/completions", {**GOOD, "top_k": -(2**40)}, 400),
     ("/v1/completions", {**GOOD, "min_p": 2}, 400),
-    ("/v1/completions", {**GOOD, "seed": -1}, 400),
+    ("/v1/completions", {**GOOD, "seed": -(2**63) - 1}, 400),
     ("/v1/completions", {**GOOD, "seed": 2**70}, 400),
     ("/v1/completions", {**GOOD, "seed": "42"}, 400),
     ("/v1/completions", {**GOOD, "stop_token_ids": [2**40], "min_tokens": 1}, 400),
@@ -146,7 +146,7 @@ def test_hostile_bodies_get_json_errors_and_the_connection_stays_usable(server):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({**GOOD, "seed": -1}, "seed"),
+    ({**GOOD, "seed": -(2**63) - 1}, "seed"),
     ({**GOOD, "prompt": [60000]}, "prompt"),
     ({**GOOD, "prompt": "\ud800"}, "prompt"),
     ({**GOOD, "max_tokens": True}, "max_tokens"),

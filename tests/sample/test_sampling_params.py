@@ -98,7 +98,7 @@ def test_helpers():
     ({"min_tokens": 2**31, "max_tokens": None}, "min_tokens"),
     ({"stop_token_ids": [2**31]}, "stop_token_ids"),
     ({"stop_token_ids": 7}, "stop_token_ids"),
-    ({"seed": -1}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
     ({"seed": 2**64}, "seed"),
     ({"stop": 3}, "stop"),
     ({"temperature": 1e308}, "temperature"),  # infinite once in float32 on the device
@@ -144,3 +144,20 @@ def test_output_kind_from_its_value():
 
     assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
     assert SamplingParams().clone(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
+
+
+def test_any_signed_64_bit_seed_is_taken_and_keeps_its_own_device_stream():
+    from jaxserve.sampling_params import SEED_MAX, SEED_MIN, device_seed
+
+    assert SamplingParams(seed=SEED_MIN).seed == -(2**63)  # vLLM's torch.long range
+    assert SamplingParams(seed=-1).seed == -1 and SamplingParams(seed=SEED_MAX).seed == SEED_MAX
+    # Seeds the device key holds as they are keep their streams; the others are mixed from
+    # all 64 bits instead of keeping their low 32 (which would make -1 the seed 2**32 - 1,
+    # and 2**32 + 5 the seed 5).
+    assert [device_seed(s) for s in (0, 5, 2**32 - 1)] == [0, 5, 2**32 - 1]
+    wide = [-1, -(2**63), 2**32, 2**32 + 5, 2**63 - 1, 2**64 - 2]
+    mapped = [device_seed(s) for s in wide]
+    assert mapped == [device_seed(s) for s in wide]  # deterministic
+    assert all(0 <= m < 2**32 for m in mapped) and len(set(mapped)) == len(wide)
+    assert device_seed(2**32 + 5) != 5 and device_seed(-1) != 2**32 - 1
+    assert device_seed(-1) == device_seed(2**64 - 1)  # one 64-bit pattern, one stream

@@ -77,6 +77,9 @@ def add_parser(sub) -> None:
                    help="how chat replies to requests with tools (tool_choice 'auto') are "
                         "read for tool calls: 'hermes' (<tool_call>{json}</tool_call>), or "
                         "'none' (the reply stays content) (default: hermes)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens (prefix-cache hits) in "
+                        "responses whose prompts hit the cache, as vLLM's flag (null otherwise)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="(default: info)")
@@ -125,7 +128,8 @@ def run(args) -> int:
                            tool_call_parser=None if args.tool_call_parser == "none"
                            else args.tool_call_parser,
                            max_tokenize_tokens=args.max_tokenize_tokens,
-                           max_stop_strings=args.max_stop_strings)
+                           max_stop_strings=args.max_stop_strings,
+                           enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     lanes = PrepareLimits(heavy_body_bytes=args.heavy_request_bytes,
                           heavy_workers=args.heavy_prepare_workers,
                           heavy_queue=args.heavy_prepare_queue,

@@ -30,8 +30,9 @@ class OpenAIError(Exception):
         self.status, self.message, self.param = status, clean_message(message), param
 
     def body(self) -> dict:
-        """The JSON error body."""
-        return error_body(self.status, self.message, self.param)
+        """The JSON error body (`message` was cleaned when the error was made)."""
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
 
 
 def clean_message(message: str) -> str:
@@ -50,13 +51,51 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
 
 
+# What a validation error's message reports, as vLLM's handler bounds it.
+_MAX_REPORTED_ERRORS, _MAX_INPUT_CHARS = 10, 200
+
+
+def _field_path(loc) -> str:
+    """The dotted field of a pydantic error location, without union-member tags."""
+    return ".".join(str(p) for p in loc
+                    if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "-" in p)))
+
+
+def _shown_input(value: object) -> object:
+    """A validation error's `input` as vLLM's message shows it: strings cut at 200
+    characters, containers described, anything else as text."""
+    if isinstance(value, str):
+        return value if len(value) <= _MAX_INPUT_CHARS else value[:_MAX_INPUT_CHARS] + \
+            "...[truncated]"
+    if isinstance(value, (list, tuple, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text if len(text) <= _MAX_INPUT_CHARS else text[:_MAX_INPUT_CHARS] + "...[truncated]"
+
+
 def from_validation_error(e: ValidationError) -> OpenAIError:
-    """A 400 naming the first bad field of a pydantic validation error."""
-    err = e.errors()[0]
-    parts = [str(p) for p in err.get("loc", ())
-             if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "-" in p))]
-    loc = ".".join(parts)
-    return OpenAIError(400, f"{loc}: {err['msg']}" if loc else err["msg"], loc or None)
+    """A 400 for a pydantic validation error: `param` names the first bad field; the message
+    is vLLM's (`1 validation error:` then each error's `type`, `loc`, `msg`, `input` and
+    `ctx`, e.g. `'type': 'less_than_equal'`), so clients matching pydantic's codes and
+    wording find them."""
+    errors = e.errors(include_url=False)
+    lines = []
+    for err in errors[:_MAX_REPORTED_ERRORS]:
+        shown = {**err, "loc": ".".join(["body", _field_path(err.get("loc", ()))]).rstrip(".")}
+        if "input" in shown:
+            shown["input"] = _shown_input(shown["input"])
+        lines.append(f"  {shown}")
+    count = len(errors)
+    label = "error" if count == 1 else "errors"
+    if count > _MAX_REPORTED_ERRORS:
+        lines.append(f"  ...and {count - _MAX_REPORTED_ERRORS} more {label}")
+    loc = _field_path(errors[0].get("loc", ())) if errors else ""
+    error = OpenAIError(400, "", loc or None)
+    # NOTE: not `clean_message`, which would shorten a dotted `loc` such as
+    # `body.stream_options.include_usage` (pydantic's texts name no internal modules).
+    message = "\n".join([f"{count} validation {label}:", *lines])
+    error.message = message if len(message) <= 1000 else message[:997] + "..."
+    return error
 
 
 def from_value_error(e: Exception, fields: set[str], renames: dict[str, str] | None = None

@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxserve.entrypoints.openai.structured import request_constraint, tool_call_schema
 from jaxserve.sampling_params import SamplingParams
 
-# Largest request seed (vLLM's server takes any signed 64-bit seed; negative ones are a 400
-# here, as issue 12 settled).
-SEED_LIMIT = 2**63 - 1
+# The request seed's range: any signed 64-bit seed, as vLLM's `Field(ge=, le=)` of torch.long
+# (issue 48); outside it a 400 carrying pydantic's `greater_than_equal`/`less_than_equal`.
+SEED_LOW, SEED_LIMIT = -(2**63), 2**63 - 1
 # vLLM's structured-output fields (besides OpenAI's `response_format`).
 STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                             "structured_outputs")
@@ -37,9 +37,9 @@ class OpenAIBaseModel(BaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    """`stream_options`: a final usage chunk (`include_usage`)."""
+    """`stream_options`: a final usage chunk (`include_usage`, on by default as in vLLM)."""
 
-    include_usage: bool = False
+    include_usage: bool = True
     continuous_usage_stats: bool = False
 
 
@@ -55,7 +55,7 @@ class SamplingFields(OpenAIBaseModel):
     top_p: float | None = None
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
-    seed: int | None = Field(None, ge=0, le=SEED_LIMIT)
+    seed: int | None = Field(None, ge=SEED_LOW, le=SEED_LIMIT)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -46,6 +46,9 @@ class ServingLimits:
             before it is tokenized.
         max_stop_strings: Most `stop` strings one request may give: each is searched for
             on the host after every token (0.36 us per string and token; BENCHMARKS.md).
+        enable_prompt_tokens_details: Report `usage.prompt_tokens_details` (the prompt's
+            prefix-cache hits) when some tokens were cached, as vLLM's
+            `--enable-prompt-tokens-details`; null otherwise.
     """
 
     max_prompts_per_request: int = 256
@@ -53,6 +56,7 @@ class ServingLimits:
     tool_call_parser: str | None = "hermes"
     max_tokenize_tokens: int | None = None
     max_stop_strings: int = 64
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self):
         for name in ("max_prompts_per_request", "max_tokenize_tokens", "max_stop_strings"):

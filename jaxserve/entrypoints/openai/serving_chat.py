@@ -13,6 +13,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     chunk_usage,
     deltas,
+    final_usage,
     from_value_error,
     now,
     usage,
@@ -126,22 +127,28 @@ class OpenAIServingChat(OpenAIServing):
                 "index": comp.index, "message": message,
                 "logprobs": chat_logprobs(comp, 0, params.logprobs, self.tokenizer)
                 if params.logprobs is not None else None,
-                "finish_reason": finish_reason, "stop_reason": comp.stop_reason})
-        response = {"id": request_id, "object": "chat.completion", "created": now(),
-                    "model": self.serving_models.response_name(prep.lora_request),
-                    "choices": choices, "usage": usage([final])}
-        if req.prompt_logprobs is not None:
-            response["prompt_logprobs"] = prompt_logprobs_json(final)
-        return response
+                "finish_reason": finish_reason, "stop_reason": comp.stop_reason,
+                "token_ids": None})
+        return {"id": request_id, "object": "chat.completion", "created": now(),
+                "model": self.serving_models.response_name(prep.lora_request),
+                "choices": choices, "service_tier": None, "system_fingerprint": None,
+                "usage": usage([final], details=self.limits.enable_prompt_tokens_details),
+                "prompt_logprobs": prompt_logprobs_json(final)
+                if req.prompt_logprobs is not None else None,
+                "prompt_token_ids": None, "kv_transfer_params": None}
 
     async def stream_events(self, req, prep, request_id, streams) -> AsyncIterator[dict]:
         params = prep.params
         head = {"id": request_id, "object": "chat.completion.chunk", "created": now(),
                 "model": self.serving_models.response_name(prep.lora_request)}
+        # NOTE: vLLM's chunks hold the keys it set (`exclude_unset`): the first one
+        # `prompt_token_ids`, every delta its deprecated `reasoning_content`.
         for c in range(params.n):
             yield {**head, "choices": [{
-                "index": c, "delta": {"role": "assistant", "content": prep.extra["echo"]},
-                "logprobs": None, "finish_reason": None}], **chunk_usage(req, prep, [None])}
+                "index": c, "delta": {"role": "assistant", "content": prep.extra["echo"],
+                                      "reasoning_content": None},
+                "logprobs": None, "finish_reason": None}], "prompt_token_ids": None,
+                **chunk_usage(req, prep, [None], chat=True)}
         finals = [None]
         mode = self.tool_mode(req)
         tools = [ToolCallStream(mode, req.tool_choice) for _ in range(params.n)]
@@ -149,9 +156,12 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = chat_logprobs(d.comp, d.token_start, params.logprobs, self.tokenizer) \
                 if params.logprobs is not None else None
             delta, finish_reason = tools[d.comp.index].feed(d.text, d.comp.finish_reason)
-            yield {**head, "choices": [{
-                "index": d.comp.index, "delta": delta, "logprobs": logprobs,
-                "finish_reason": finish_reason,
-                "stop_reason": d.comp.stop_reason}], **chunk_usage(req, prep, finals)}
+            choice = {"index": d.comp.index, "delta": {**delta, "reasoning_content": None},
+                      "logprobs": logprobs, "finish_reason": finish_reason}
+            if finish_reason is not None:
+                choice["stop_reason"] = d.comp.stop_reason
+            choice["token_ids"] = None
+            yield {**head, "choices": [choice], **chunk_usage(req, prep, finals, chat=True)}
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield {**head, "choices": [], "usage": usage(finals)}
+            yield {**head, "choices": [], "usage": final_usage(
+                finals, details=self.limits.enable_prompt_tokens_details)}

@@ -11,6 +11,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     OpenAIServing,
     chunk_usage,
     deltas,
+    final_usage,
     from_value_error,
     now,
     usage,
@@ -122,9 +123,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return prompt["prompt"] or self.tokenizer.decode(prompt["prompt_token_ids"])
 
     def _choice(self, req, prep, i: int, out: RequestOutput, comp: CompletionOutput,
-                first: bool, text: str, token_start: int, offset: int) -> dict:
-        """One choice (or stream chunk choice): the echo and prompt logprobs come with the
-        first; echo with max_tokens=0 drops the generated token."""
+                first: bool, text: str, token_start: int, offset: int,
+                stream: bool = False) -> dict:
+        """One choice (or stream chunk choice), with vLLM's keys: the echo and prompt
+        logprobs come with the first; echo with max_tokens=0 drops the generated token."""
         params = prep.params
         echo = self._echo(req, prep.prompts[i]) if first else ""
         logprobs = None
@@ -136,9 +138,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                                       self.tokenizer))
         choice = {"index": i * params.n + comp.index,
                   "text": echo + ("" if req.echo_only else text), "logprobs": logprobs,
-                  "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
-        if req.prompt_logprobs is not None and first:
-            choice["prompt_logprobs"] = prompt_logprobs_json(out)
+                  "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
+                  "prompt_token_ids": None, "token_ids": None}
+        asked = req.prompt_logprobs is not None and first
+        if not stream or asked:  # NOTE: vLLM refuses prompt logprobs when streaming
+            choice["prompt_logprobs"] = prompt_logprobs_json(out) if asked else None
         return choice
 
     def full_response(self, req, prep, request_id, finals) -> dict:
@@ -146,7 +150,9 @@ class OpenAIServingCompletion(OpenAIServing):
                    for i, out in enumerate(finals) for comp in out.outputs]
         return {"id": request_id, "object": "text_completion", "created": now(),
                 "model": self.serving_models.response_name(prep.lora_request),
-                "choices": choices, "usage": usage(finals, req)}
+                "choices": choices, "service_tier": None, "system_fingerprint": None,
+                "usage": usage(finals, req, details=self.limits.enable_prompt_tokens_details),
+                "kv_transfer_params": None}
 
     async def stream_events(self, req, prep, request_id, streams) -> AsyncIterator[dict]:
         head = {"id": request_id, "object": "text_completion", "created": now(),
@@ -157,10 +163,11 @@ class OpenAIServingCompletion(OpenAIServing):
             key = (d.prompt_index, d.comp.index)
             offset = sent.get(key, 0)
             choice = self._choice(req, prep, d.prompt_index, finals[d.prompt_index], d.comp,
-                                  d.first, d.text, d.token_start, offset)
+                                  d.first, d.text, d.token_start, offset, stream=True)
             sent[key] = offset + len(choice["text"])
             if req.echo_only and not d.first and d.comp.finish_reason is None:
                 continue
             yield {**head, "choices": [choice], **chunk_usage(req, prep, finals)}
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield {**head, "choices": [], "usage": usage(finals, req)}
+            yield {**head, "choices": [], "usage": final_usage(
+                finals, req, self.limits.enable_prompt_tokens_details)}

@@ -302,13 +302,16 @@ def visible_text(comp: CompletionOutput, params: SamplingParams) -> str:
     return comp.text[:max(0, len(comp.text) - hold)]
 
 
-def usage(outputs: list[RequestOutput | None], req=None, prep: Prepared | None = None) -> dict:
-    """OpenAI `usage` over every prompt's request and all its completions.
+def usage(outputs: list[RequestOutput | None], req=None, prep: Prepared | None = None,
+          details: bool = False) -> dict:
+    """OpenAI `usage` over every prompt's request and all its completions (vLLM's keys).
 
     Args:
         outputs: The requests' latest outputs (None: no output yet).
         req: The request body; echo with max_tokens=0 generated nothing to count.
         prep: The prepared request; its prompts count even before their first output.
+        details: `prompt_tokens_details` (`{"cached_tokens"}`) when some prompt tokens were
+            cached (`--enable-prompt-tokens-details`, as vLLM); None otherwise.
     """
     seen = [o for o in outputs if o is not None]
     prompt = sum(len(p["prompt_token_ids"]) for p in prep.prompts) if prep is not None \
@@ -316,18 +319,29 @@ def usage(outputs: list[RequestOutput | None], req=None, prep: Prepared | None =
     completion = 0 if getattr(req, "echo_only", False) else sum(
         len(c.token_ids) for o in seen for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in seen)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": cached} if details and cached else None}
 
 
-def chunk_usage(req, prep: Prepared, finals: list[RequestOutput | None]) -> dict:
-    """`{"usage": ...}` so far for a stream chunk when the request asked for
-    `stream_options.continuous_usage_stats` (with `include_usage`), else `{}`."""
+def final_usage(outputs: list[RequestOutput | None], req=None, details: bool = False) -> dict:
+    """The last stream chunk's `usage` (`include_usage`): vLLM drops its null keys."""
+    return {k: v for k, v in usage(outputs, req, details=details).items() if v is not None}
+
+
+def chunk_usage(req, prep: Prepared, finals: list[RequestOutput | None],
+                chat: bool = False) -> dict:
+    """A stream chunk's `usage` so far when the request asked for
+    `stream_options.continuous_usage_stats` (with `include_usage`), as vLLM sends it: a
+    completion chunk always has the key (null otherwise, and a null
+    `prompt_tokens_details`); a chat chunk has it only then, with the three counts."""
     opts = req.stream_options
     if opts is None or not (opts.include_usage and opts.continuous_usage_stats):
-        return {}
-    return {"usage": usage(finals, req, prep)}
+        return {} if chat else {"usage": None}
+    counts = usage(finals, req, prep)
+    if chat:
+        del counts["prompt_tokens_details"]
+    return {"usage": counts}
 
 
 def sse(data: dict | str) -> str:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import threading
+import uuid
 
 from jaxserve.entrypoints.openai.errors import OpenAIError
 from jaxserve.lora import LoRARequest
@@ -36,6 +37,15 @@ class LoRAModulePath:
     name: str
     path: str
     base_model_name: str | None = None
+
+
+def model_permission(now: int) -> dict:
+    """A model card's `permission` entry as vLLM sends it (its `ModelPermission` defaults)."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+            "created": now, "allow_create_engine": False, "allow_sampling": True,
+            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+            "allow_fine_tuning": False, "organization": "*", "group": None,
+            "is_blocking": False}
 
 
 def parse_lora_module(text: str) -> LoRAModulePath:
@@ -137,16 +147,18 @@ class OpenAIServingModels:
 
     def cards(self, max_model_len: int, now: int) -> dict:
         """`/v1/models`: the base model's names (no file system paths), then each adapter
-        with `root` its path and `parent` its base model."""
+        with `root` its path and `parent` its base model; each card with vLLM's keys (one
+        `permission` entry, vLLM's defaults)."""
         base = [{"id": name, "object": "model", "created": now, "owned_by": "jaxserve",
-                 "root": self.model_name, "parent": None, "max_model_len": max_model_len}
-                for name in self.base_model_names]
+                 "root": self.model_name, "parent": None, "max_model_len": max_model_len,
+                 "permission": [model_permission(now)]} for name in self.base_model_names]
         with self._names:
             loras = list(self.lora_requests.values())
         adapters = [{"id": lo.lora_name, "object": "model", "created": now,
                      "owned_by": "jaxserve", "root": lo.lora_path,
                      "parent": lo.base_model_name or self.model_name,
-                     "max_model_len": max_model_len} for lo in loras]
+                     "max_model_len": max_model_len, "permission": [model_permission(now)]}
+                    for lo in loras]
         return {"object": "list", "data": base + adapters}
 
     def _lock(self) -> asyncio.Lock:

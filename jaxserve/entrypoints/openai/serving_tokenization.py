@@ -29,7 +29,8 @@ class OpenAIServingTokenization(OpenAIServingBase):
                                 f"{self.max_tokens} tokens (--max-tokenize-tokens)", param)
 
     async def tokenize(self, body) -> dict:
-        """`{"count", "max_model_len", "tokens"[, "token_strs"]}` of a prompt or messages.
+        """`{"count", "max_model_len", "tokens", "token_strs"}` of a prompt or messages
+        (`token_strs` null unless `return_token_strs`, as vLLM).
 
         Raises:
             OpenAIError: 400 for a bad body or more than `max_tokens` tokens; 429 when the
@@ -80,10 +81,9 @@ class OpenAIServingTokenization(OpenAIServingBase):
     def _answer(self, req, ids: list[int], param: str) -> dict:
         if len(ids) > self.max_tokens:
             raise self._too_many("tokenizes to", len(ids), param)
-        out = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
-        return out
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": self.tokenizer.convert_ids_to_tokens(ids)
+                if req.return_token_strs else None}
 
     async def detokenize(self, body) -> dict:
         """`{"prompt": text}` of token ids (a 400 for ids outside the vocabulary or more

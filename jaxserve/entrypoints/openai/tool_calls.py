@@ -61,24 +61,24 @@ def tool_mode(tools: list[dict] | None, tool_choice) -> str | None:
 
 def reply_message(mode: str | None, text: str, tool_choice, finish_reason: str | None
                   ) -> tuple[dict, str | None]:
-    """(assistant message, finish_reason) of a whole reply under `mode`."""
+    """(assistant message, finish_reason) of a whole reply under `mode`, with the keys of
+    vLLM's `ChatMessage` (`tool_calls` always a list; a forced call's content `""`)."""
     calls: list[dict] = []
     content: str | None = text
     if mode == "named":  # as vLLM: the call, even when cut short (finish_reason says so)
-        content, calls = None, [call_json(tool_choice["function"]["name"], text)]
+        content, calls = "", [call_json(tool_choice["function"]["name"], text)]
     elif mode == "required":
         try:
-            content, calls = None, required_calls(text)
+            content, calls = "", required_calls(text)
         except (ValueError, KeyError, TypeError):  # cut short (a stop string, max_tokens)
             content, calls = text, []
     elif mode == "auto":
         content, calls = hermes_calls(text)
-    message = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = calls
-        # NOTE: OpenAI ends a forced (named) call with "stop", a chosen one "tool_calls".
-        if mode != "named" and finish_reason == "stop":
-            finish_reason = "tool_calls"
+    message = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
+               "audio": None, "function_call": None, "tool_calls": calls, "reasoning": None}
+    # NOTE: OpenAI ends a forced (named) call with "stop", a chosen one "tool_calls".
+    if calls and mode != "named" and finish_reason == "stop":
+        finish_reason = "tool_calls"
     return message, finish_reason
 
 
