@@ -68,6 +68,9 @@ class ModelConfig:
             keeps its quantized types on GPU/TPU and is dequantized on the CPU, where that
             is faster), "none" (dense `dtype`), "gguf", "int8" (weight-only, per output
             channel) or "q8_0" (int8 in blocks of 32).
+        batch_invariant: Every request's logits bit-for-bit the same whatever shares its
+            step, chunk sizes and buckets (`pallas_kernels.invariant`); "xla" and "cpu"
+            backends, float weights or quantized, one device.
     """
 
     model: str | None = None
@@ -76,6 +79,7 @@ class ModelConfig:
     attention_backend: str = "auto"
     seed: int = 0
     quantization: str | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         _check_types(self)
