@@ -54,6 +54,8 @@ ENGINE_ARGS = [
      "schedule each step while the previous one runs on the device"),
     ("--attention-backend", str, ATTENTION_BACKENDS, "auto", "attention kernels"),
     ("--seed", int, None, "0", "seed of the engine's random stream"),
+    ("--batch-invariant", "bool", None, "off",
+     "every request's logits bit-for-bit the same whatever shares its step (xla/cpu)"),
     ("--tensor-parallel-size", int, None, "1", "devices one model is split over"),
     ("--enable-expert-parallel", "bool", None, "off",
      "mixture of experts: split the experts over the tensor-parallel devices (whole experts "
