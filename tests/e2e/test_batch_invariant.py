@@ -128,13 +128,20 @@ def test_without_async_scheduling(engines, alone, prompts, others):
                    "xla, async scheduling off")
 
 
-def test_default_mode_is_not_invariant(tiny_model_dir, prompts, others):
+def test_default_mode_is_not_invariant(tiny_model_dir, alone, prompts, others):
     """Without the mode, some raw logprob of some prompt differs between its run alone and
     its run in the crowd (XLA's dot blocking follows the number of rows): what the tests
-    above would catch."""
+    above would catch. And the mode computes the same function: its tokens are the default
+    mode's and its logprobs within float32 noise of them (the default mode's own oracle is
+    transformers, `tests/e2e/test_engine_sampling.py`)."""
     llm = LLM(tiny_model_dir, **{**TINY_ENGINE, "warmup": False,
                                  "enable_prefix_caching": False})
     want = v.run_alone(llm, prompts, PARAMS)
     got = v.run_crowded(llm, prompts, others, PARAMS, seed=2)
     kinds = [d.kind for d in v.compare(want, got, 1e-3)]
     assert any(k != "identical" for k in kinds), kinds
+    for default, invariant in zip(want, alone("xla"), strict=True):
+        assert [t for t, _ in default] == [t for t, _ in invariant]
+        for (_, a), (_, b) in zip(default, invariant, strict=True):
+            assert [i for i, _ in a] == [i for i, _ in b]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) < 1e-4
