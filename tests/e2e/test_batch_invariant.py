@@ -145,3 +145,15 @@ def test_default_mode_is_not_invariant(tiny_model_dir, alone, prompts, others):
         for (_, a), (_, b) in zip(default, invariant, strict=True):
             assert [i for i, _ in a] == [i for i, _ in b]
             assert max(abs(x - y) for (_, x), (_, y) in zip(a, b, strict=True)) < 1e-4
+
+
+# NOTE: slow: warm-up compiles every bucket and sampler variant of a new engine.
+@pytest.mark.slow
+def test_no_compilation_after_warmup(tiny_model_dir, alone, prompts, others):
+    """Static shapes: after warm-up, the crowd (prefill chunks, decodes, several buckets)
+    compiles nothing, and still gives the alone runs' bits."""
+    llm = LLM(tiny_model_dir, **{**TINY_ENGINE, "warmup": True, "enable_prefix_caching": False,
+                                 "batch_invariant": True, "attention_backend": "xla"})
+    got = v.run_crowded(llm, prompts, others, PARAMS, seed=8)
+    assert llm.get_metrics()["jaxserve:num_compilations"] == 0
+    assert_bitwise(alone("xla"), got, "xla after warm-up")
