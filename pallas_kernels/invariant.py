@@ -49,9 +49,10 @@ def tile_loop(fn: Callable, xs, num_rows: int, tile: int):
     XLA neither knows the count (a loop of one tile would be inlined) nor fuses the
     inputs' producers (shaped by the step) into the body: either changed the body's
     code, and the last bits of its results, with the step's size. Padding with copies of
-    a real row rather than zeros: zero rows (request 0, no keys) in the attention's last
-    tile changed the other tokens' results in the last bits in a full model step, though
-    not in the kernel alone (cause not found; tests/e2e/test_batch_invariant.py).
+    a real row rather than zeros: all-zero query rows in the attention's last tile changed
+    the other tokens' results in the last bits inside a full model step (zero request ids,
+    positions or lengths did not), though not in the attention alone; the cause was not
+    found (the step's own padded tokens carry real values).
     """
     n = -(-num_rows // tile)
     xs = jax.tree.map(lambda x: jnp.pad(x, ((0, n * tile - num_rows),)
