@@ -73,6 +73,9 @@ class ModelConfig:
             the model directory's sentence-transformers pooling (`modules.json`), else
             LAST and normalized (vLLM's defaults).
         override_pooler_config: vLLM's older name of `pooler_config` (either, not both).
+        batch_invariant: Every request's logits bit-for-bit the same whatever shares its
+            step, chunk sizes and buckets (`pallas_kernels.invariant`); "xla" and "cpu"
+            backends, float weights or quantized, one device.
     """
 
     model: str | None = None
@@ -85,6 +88,7 @@ class ModelConfig:
     task: str | None = None
     pooler_config: object = None
     override_pooler_config: object = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         _check_types(self)

@@ -25,7 +25,7 @@ from models.mixed import MixedMLP
 from models.moe import MoEMLP
 from models.moe_parallel import ExpertSharding
 from models.packed import COLLECTION as PACKED
-from models.qlayers import dense, embed
+from models.qlayers import dense, embed, tiled_attend
 from models.quant import QuantPlan
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
 from pallas_kernels.kv_quant import kv_rotation
@@ -39,6 +39,7 @@ class Attention(nn.Module):
     backend: str
     quant: QuantPlan = QuantPlan()
     lora_impl: str = "masked"
+    batch_invariant: bool = False
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata, slot=None,
@@ -49,6 +50,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         slot = layer if slot is None else slot
         num_tokens = x.shape[0]
+        inv = self.batch_invariant
 
         def proj(n, bias, name, h):
             y = dense(self.quant, name, n, bias, self.dtype, self.backend, layer=layer)(h)
@@ -58,14 +60,14 @@ class Attention(nn.Module):
         k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj", x)
         v = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj", x)
         if cfg.qk_norm and cfg.qk_norm_full:  # OLMoE: over the whole projection
-            q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")(k)
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, inv, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, inv, name="k_norm")(k)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         if cfg.qk_norm and not cfg.qk_norm_full:
-            q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name="k_norm")(k)
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, inv, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, inv, name="k_norm")(k)
         cos, sin = layer_cos_sin(cos, sin, window)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
@@ -78,7 +80,7 @@ class Attention(nn.Module):
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         out = ragged_paged_attention(q, kv_pages, slot, md, sm_scale=scale,
                                      sliding_window=window, soft_cap=cfg.attn_logit_softcap,
-                                     backend=self.backend)
+                                     backend=self.backend, batch_invariant=self.batch_invariant)
         if rot is not None:
             out = out @ rot.T
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
@@ -98,6 +100,7 @@ class DecoderLayer(nn.Module):
     quant: QuantPlan = QuantPlan()
     expert_sharding: ExpertSharding | None = None
     lora_impl: str = "masked"
+    batch_invariant: bool = False
 
     @nn.compact
     def __call__(self, carry, xs, cos, sin, md: AttentionMetadata, lora_slots=None):
@@ -109,10 +112,11 @@ class DecoderLayer(nn.Module):
             slot, group = grouped
             md = md.for_group(group)
         cfg = self.cfg
-        norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, name=name)
+        norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset,
+                                    self.batch_invariant, name=name)
         h = norm("input_layernorm")(hidden)
         attn_out, kv_pages = Attention(cfg, self.dtype, self.backend, self.quant,
-                                       self.lora_impl, name="self_attn")(
+                                       self.lora_impl, self.batch_invariant, name="self_attn")(
             h, cos, sin, kv_pages, layer, window, md, slot, lora_slots)
         if cfg.is_mixed:  # sparse and dense layers: one of two stacks per layer
             mlp = MixedMLP(cfg, self.dtype, self.quant, self.backend,
@@ -151,6 +155,9 @@ class Decoder(nn.Module):
             (`models.moe_parallel`); None: one device, or the experts replicated.
         lora_impl: How LoRA updates are computed (`models.lora.LORA_IMPLS`), when a step
             carries adapter slots.
+        batch_invariant: Every token's result independent of what shares its step
+            (attention per token in fixed blocks; `quant.row_tile` tiles the matmuls):
+            `pallas_kernels.invariant`.
     """
 
     cfg: ArchConfig
@@ -160,6 +167,7 @@ class Decoder(nn.Module):
     kv_layout: KVGroupLayout | None = None
     expert_sharding: ExpertSharding | None = None
     lora_impl: str = "masked"
+    batch_invariant: bool = False
 
     def setup(self):
         cfg = self.cfg
@@ -175,8 +183,9 @@ class Decoder(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
-        )(cfg, self.dtype, self.backend, self.quant, self.expert_sharding, self.lora_impl)
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset)
+        )(cfg, self.dtype, self.backend, self.quant, self.expert_sharding, self.lora_impl,
+          self.batch_invariant)
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, self.batch_invariant)
         if not cfg.tie_word_embeddings:
             self.lm_head = dense(self.quant, "lm_head", cfg.vocab_size, False, self.dtype,
                                  self.backend, in_setup=True)
@@ -221,7 +230,10 @@ class Decoder(nn.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """LM head: f32[num_rows, vocab_size] logits from final hidden states."""
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and self.quant.row_tile and isinstance(
+                self.embed_tokens, nn.Embed):  # batch-invariant: the product in row tiles
+            logits = tiled_attend(self.embed_tokens.embedding, hidden, self.quant.row_tile)
+        elif self.cfg.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden)

@@ -11,6 +11,7 @@ from models.lora import add_lora
 from models.qlayers import dense as make_dense
 from models.quant import QuantPlan
 from models.rope import RopeScaling, rope_inv_freq
+from pallas_kernels.invariant import fixed_sum
 
 
 class RMSNorm(nn.Module):
@@ -21,18 +22,25 @@ class RMSNorm(nn.Module):
         dtype: Parameter dtype.
         offset: 0.0 multiplies by the weight after the cast (Llama); 1.0 multiplies by
             `1 + weight` in float32 before it (Gemma; the weight starts at zero).
+        fixed_order: The mean of squares summed in one fixed order whatever the number of
+            rows (batch-invariant mode, `pallas_kernels.invariant.fixed_sum`).
     """
 
     eps: float
     dtype: jnp.dtype = jnp.float32
     offset: float = 0.0
+    fixed_order: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         init = nn.initializers.zeros if self.offset else nn.initializers.ones
         scale = self.param("scale", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.fixed_order:
+            mean = fixed_sum(x32 * x32) / x32.shape[-1]
+        else:
+            mean = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        x32 = x32 * jax.lax.rsqrt(mean + self.eps)
         if self.offset:
             return (x32 * (self.offset + scale.astype(jnp.float32))).astype(x.dtype)
         return scale * x32.astype(x.dtype)

@@ -15,6 +15,7 @@ from models.mixed import broadcast_mlp, mixed_init
 from models.moe_parallel import ExpertSharding
 from models.quant import NO_QUANT, QuantPlan, quantize_params
 from pallas_kernels import AttentionMetadata, kv_pages_shape, resolve_backend
+from pallas_kernels.tuning import tuned
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -100,6 +101,9 @@ class Model:
             layout). None: one device, or the experts replicated.
         lora_impl: How steps with LoRA adapters compute their updates
             (`models.lora.LORA_IMPLS`; set by the runner from its LoRA settings).
+        batch_invariant: Every token's logits bit-for-bit independent of what shares its
+            step (the engine's `batch_invariant`): matmuls in fixed row tiles, attention
+            per token in fixed key blocks (`pallas_kernels.invariant`).
 
     Raises:
         ValueError: A `kv_layout` that does not fit the model (`check_kv_layout`).
@@ -114,14 +118,18 @@ class Model:
     kv_layout: KVGroupLayout | None = None
     expert_sharding: ExpertSharding | None = None
     lora_impl: str = "masked"
+    batch_invariant: bool = False
 
     def __post_init__(self):
         self.backend = resolve_backend(self.backend)
         if self.kv_layout is not None:
             check_kv_layout(self.kv_layout, self.cfg)
-        self.module = Decoder(self.cfg, self.dtype, self.backend, self.quant,
+        quant = self.quant
+        if self.batch_invariant:  # the plan the module computes with; `quant` stays as stored
+            quant = dataclasses.replace(quant, row_tile=tuned("batch_invariant")["row_tile"])
+        self.module = Decoder(self.cfg, self.dtype, self.backend, quant,
                               self.kv_layout if self.is_hybrid else None,
-                              self.expert_sharding, self.lora_impl)
+                              self.expert_sharding, self.lora_impl, self.batch_invariant)
 
     @property
     def kv_groups(self) -> KVGroupLayout:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from models.packed import PackedDense, PackedEmbed
 from models.quant import QuantFormat, QuantPlan
 from pallas_kernels import quant_embed, quant_matmul
+from pallas_kernels.invariant import row_tiled
 
 
 def _quant_params(module: nn.Module, fmt: QuantFormat, k: int, n: int) -> dict:
@@ -31,11 +32,13 @@ class QDense(nn.Module):
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
     backend: str = "xla"
+    row_tile: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         w = _quant_params(self, self.fmt, x.shape[-1], self.features)
-        y = quant_matmul(x.astype(self.dtype), w, self.fmt.kind, backend=self.backend)
+        y = row_tiled(lambda t: quant_matmul(t.astype(self.dtype), w, self.fmt.kind,
+                                             backend=self.backend), x, self.row_tile)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y
@@ -49,6 +52,7 @@ class QEmbed(nn.Module):
     fmt: QuantFormat
     dtype: jnp.dtype = jnp.float32
     backend: str = "xla"
+    row_tile: int = 0
 
     def setup(self):
         self.w = _quant_params(self, self.fmt, self.features, self.num_embeddings)
@@ -59,22 +63,51 @@ class QEmbed(nn.Module):
 
     def attend(self, h: jax.Array) -> jax.Array:
         """Logits [T, vocab] of hidden states against the (tied) embedding."""
-        return quant_matmul(h.astype(self.dtype), self.w, self.fmt.kind, backend=self.backend)
+        return row_tiled(lambda t: quant_matmul(t.astype(self.dtype), self.w, self.fmt.kind,
+                                                backend=self.backend), h, self.row_tile)
+
+
+class TiledDense(nn.Module):
+    """`nn.Dense` (same parameters: kernel [in, out], bias) whose matmul runs over fixed
+    tiles of `row_tile` rows (`pallas_kernels.invariant.row_tiled`): batch-invariant mode."""
+
+    features: int
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+    row_tile: int = 16
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.lecun_normal(),
+                            (x.shape[-1], self.features), self.dtype)
+        y = row_tiled(lambda t: t.astype(self.dtype) @ kernel, x, self.row_tile)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
+
+
+def tiled_attend(embedding: jax.Array, h: jax.Array, row_tile: int) -> jax.Array:
+    """Logits [T, vocab] of h [T, hidden] against a float embedding [vocab, hidden], in
+    fixed row tiles (`nn.Embed.attend`'s product)."""
+    return row_tiled(lambda t: t.astype(embedding.dtype) @ embedding.T, h, row_tile)
 
 
 def dense(plan: QuantPlan, name: str, features: int, bias: bool, dtype, backend: str,
           in_setup: bool = False, layer=None):
     """The layer of module `name` as `plan` stores it: `nn.Dense`, a `QDense` when the plan
     quantizes it, a `PackedDense` (reading layer `layer` of the packed stack, i32[] or None
-    outside the layer scan) when it packs it. Named `name` unless built in a `setup`, where
-    Flax names it after the attribute."""
+    outside the layer scan) when it packs it; with `plan.row_tile` (batch-invariant mode) a
+    float one is a `TiledDense` and a quantized one multiplies in row tiles too. Named
+    `name` unless built in a `setup`, where Flax names it after the attribute."""
     kw = {} if in_setup else {"name": name}
     if plan.packs(name):
         return PackedDense(features, bias, dtype, 0 if layer is None else layer, **kw)
     fmt = plan.get(name)
+    if fmt is None and plan.row_tile:
+        return TiledDense(features, bias, dtype, plan.row_tile, **kw)
     if fmt is None:
         return nn.Dense(features, use_bias=bias, dtype=dtype, param_dtype=dtype, **kw)
-    return QDense(features, fmt, bias, dtype, backend, **kw)
+    return QDense(features, fmt, bias, dtype, backend, plan.row_tile, **kw)
 
 
 def embed(plan: QuantPlan, num_embeddings: int, features: int, dtype, backend: str):
@@ -85,4 +118,4 @@ def embed(plan: QuantPlan, num_embeddings: int, features: int, dtype, backend: s
     fmt = plan.get("embed_tokens")
     if fmt is None:
         return nn.Embed(num_embeddings, features, dtype=dtype, param_dtype=dtype)
-    return QEmbed(num_embeddings, features, fmt, dtype, backend)
+    return QEmbed(num_embeddings, features, fmt, dtype, backend, plan.row_tile)

@@ -81,11 +81,15 @@ class QuantPlan:
         packed: Modules whose float weight is packed for the CPU matmul kernel (the `cpu`
             backend's serving form, set by `models.packed.pack_model`; never saved). Not a
             quantization: `bool(plan)` only says whether `formats` quantizes anything.
+        row_tile: Matmuls not packed run over fixed tiles of this many rows (batch-invariant
+            mode, `pallas_kernels.invariant.row_tiled`; set by `models.model.Model`, never
+            saved); 0: over the step's rows at once.
     """
 
     formats: tuple[tuple[str, QuantFormat], ...] = ()
     name: str = "none"
     packed: tuple[str, ...] = ()
+    row_tile: int = 0
 
     def get(self, module: str) -> QuantFormat | None:
         return dict(self.formats).get(module)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_ffi
+from pallas_kernels.invariant import invariant_attention
 from pallas_kernels.kv_write.kernel import write_kv_kernel
 from pallas_kernels.kv_write.reference import write_kv_reference
 from pallas_kernels.metadata import AttentionMetadata
@@ -82,15 +83,20 @@ def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mappin
 
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,
                            sm_scale: float, sliding_window=0, soft_cap: float | None = None,
-                           backend: str = "xla") -> jax.Array:
+                           backend: str = "xla", batch_invariant: bool = False) -> jax.Array:
     """Packed causal attention through block tables (the references in
     `pallas_kernels/*/reference.py` define the result).
 
     On the Pallas backend, decode-only steps (`md.decode_only`) go to the paged decode
     kernel; the XLA path needs no separate decode program (it reads decode rows once per
-    row by itself) and ignores the flag.
+    row by itself) and ignores the flag. With `batch_invariant` every token is computed
+    alone (its result the same whatever shares the step): on "cpu" every token is a row of
+    the C++ kernel, on "xla" (and "cpu" with a pool the kernel does not read) it goes
+    through `invariant_attention`; "pallas" has no such mode (a ValueError).
     """
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if batch_invariant:
+        return _invariant(q, kv_pages, layer, md, backend, common)
     page_size, width = kv_pages.shape[4], md.block_tables.shape[1]
     if backend == "pallas" and _on_tpu():
         ppb, _ = kernel_tiles(page_size, width)
@@ -116,6 +122,32 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
                                              interpret=_interpret(), **common)
     return ragged_paged_attention_xla(q, kv_pages, layer, md, cpu_decode=backend == "cpu",
                                       **common)
+
+
+def _invariant(q, kv_pages, layer, md, backend, common):
+    """`ragged_paged_attention` in batch-invariant mode (see there)."""
+    if backend == "pallas":
+        raise ValueError("batch_invariant attention is not built for the 'pallas' backend "
+                         "(it needs kernels whose splits and tiles do not follow the step)")
+    t = tuned("batch_invariant")
+    if backend == "cpu" and cpu_ffi.supports(kv_pages):
+        from pallas_kernels.ragged_paged_attention.reference import token_positions
+
+        num_tokens, num_q_heads, head_dim = q.shape
+        kv_heads = kv_pages.shape[2]
+        seq_ids, q_pos, valid = token_positions(md, num_tokens)
+        lens = jnp.where(valid, q_pos + 1, 0)  # i32[T]: every token a row of one query
+        qg = q.astype(jnp.float32).reshape(num_tokens, kv_heads, num_q_heads // kv_heads,
+                                           head_dim)
+        acc, _, denom = cpu_ffi.paged_decode_cpu(
+            qg, kv_pages, layer, md.block_tables[seq_ids], lens,
+            jnp.asarray(common["sliding_window"], jnp.int32), sm_scale=common["sm_scale"],
+            soft_cap=common["soft_cap"])
+        out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+        out = jnp.where(valid[:, None, None, None], out, 0.0)
+        return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    return invariant_attention(q, kv_pages, layer, md, block_kv=t["block_kv"],
+                               token_tile=t["token_tile"], **common)
 
 
 def quant_matmul(x: jax.Array, w: dict, kind: str, *, backend: str = "xla") -> jax.Array:

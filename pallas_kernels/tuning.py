@@ -20,6 +20,11 @@ TUNED: dict[str, dict[str, dict[str, int]]] = {
         "*": dict(block_kv=128, block_q=64, block_q_short=8, decode_block_kv=64,
                   decode_rows=32, cpu_decode_min_rows=8, cpu_context_max_len=768),
     },
+    # Batch-invariant mode (`pallas_kernels.invariant`): rows per matmul tile, and the
+    # per-token attention's key block and token tile (BENCHMARKS.md, "batch-invariant mode").
+    "batch_invariant": {
+        "*": dict(row_tile=16, block_kv=64, token_tile=16),
+    },
     # The Pallas kernels' key blocks (`kernel_tiles`): at least this many keys per inner
     # step, and a context split across programs from this many blocks on.
     "pallas_tiles": {

@@ -42,6 +42,7 @@ HEAVY_FIRST = (
     "tests/e2e/test_engine_errors.py", "tests/models/test_moe.py",
     "tests/models/test_moe_gguf.py", "tests/kernels/test_ragged_xla.py",
     "tests/e2e/test_engine_sampling.py", "tests/e2e/test_engine_invariance.py",
+    "tests/e2e/test_batch_invariant.py",
     "tests/test_docs.py", "tests/spec_decode/test_draft_model.py",
     "tests/e2e/test_quantized_engine.py", "tests/models/test_moe_quant.py",
     "tests/lora/test_peft_adapter.py", "tests/core/test_scheduler_soak.py",

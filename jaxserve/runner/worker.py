@@ -72,11 +72,41 @@ def serving_model(config: EngineConfig, model: Model | None
                              f"tensor_parallel_size {config.parallel.tensor_parallel_size} use "
                              "'xla' (or 'auto', which picks it)")
         model = dataclasses.replace(model, backend="xla")
+    if mc.batch_invariant or model.batch_invariant:
+        check_batch_invariant(config, model, layout)
+        model = dataclasses.replace(model, batch_invariant=mc.batch_invariant)
     if os.environ.get("JAXSERVE_CPU_PANELS", "1") != "0" and packed.can_pack(model):
         model = packed.pack_model(model)
     else:
         model = packed.unpack_model(model)
     return packed.broadcast_experts(model), layout
+
+
+def check_batch_invariant(config: EngineConfig, model: Model,
+                          layout: TensorParallel | None) -> None:
+    """Refuses `batch_invariant` where it is not built.
+
+    Raises:
+        ValueError: naming what is not built in batch-invariant mode: the "pallas"
+            backend, a tensor-parallel mesh, a mixture of experts, LoRA adapters, or an
+            8-bit KV cache.
+    """
+    if not config.model.batch_invariant:
+        return
+    why = None
+    if model.backend not in ("xla", "cpu"):
+        why = (f"attention backend {model.backend!r} (built for 'xla' and 'cpu'; a GPU/TPU "
+               "kernel would need splits and tiles that do not follow the step)")
+    elif layout is not None and layout.num_devices > 1:
+        why = f"tensor_parallel_size {config.parallel.tensor_parallel_size} (one device only)"
+    elif model.cfg.is_moe:
+        why = "a mixture of experts (its expert loop's row chunks follow the step's routing)"
+    elif config.lora.enable_lora:
+        why = "enable_lora (the adapters' matmuls are not tiled)"
+    elif config.cache.kv_cache_dtype != "auto":
+        why = f"kv_cache_dtype {config.cache.kv_cache_dtype!r} (float KV pages only)"
+    if why is not None:
+        raise ValueError(f"batch_invariant=True is not built for {why}")
 
 
 def serving_kv_layout(model: Model, max_model_len: int,

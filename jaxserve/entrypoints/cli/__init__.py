@@ -1,6 +1,6 @@
 """The `jaxserve` command line: one module per command (`generate`, `serve`, `chat`,
-`run-batch`, `convert`, `bench`, `diagnose`), one dispatch: each module's `add_parser` sets
-the `handler` its command runs."""
+`run-batch`, `convert`, `bench`, `diagnose`, `verify`), one dispatch: each module's
+`add_parser` sets the `handler` its command runs."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from jaxserve.entrypoints.cli import (
     generate,
     run_batch,
     serve,
+    verify,
 )
 from jaxserve.entrypoints.cli.args import (  # noqa: F401 - engine_kwargs re-exported
     Parser,
@@ -22,7 +23,7 @@ from jaxserve.entrypoints.cli.args import (  # noqa: F401 - engine_kwargs re-exp
     quiet_start,
 )
 
-COMMANDS = (generate, serve, chat, run_batch, convert, bench, diagnose)
+COMMANDS = (generate, serve, chat, run_batch, convert, bench, diagnose, verify)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,6 +61,8 @@ ENGINE_ARGS = [
     ("--pooler-config", "json", None, '{"pooling_type": "LAST", "normalize": true}',
      'the pooling runner\'s pooler, vLLM\'s JSON object, e.g. \'{"pooling_type": "MEAN"}\' '
      "(LAST, MEAN or CLS; normalize; dimensions)"),
+    ("--batch-invariant", "bool", None, "off",
+     "every request's logits bit-for-bit the same whatever shares its step (xla/cpu)"),
     ("--tensor-parallel-size", int, None, "1", "devices one model is split over"),
     ("--enable-expert-parallel", "bool", None, "off",
      "mixture of experts: split the experts over the tensor-parallel devices (whole experts "
