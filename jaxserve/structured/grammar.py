@@ -11,10 +11,10 @@ import numpy as np
 
 from jaxserve.structured.params import StructuredOutputsParams
 
-# Whitespace allowed between JSON tokens unless the request says otherwise: enough for
-# pretty-printed JSON (a newline and the indent of a deep level), bounded so that a model
-# cannot loop on whitespace until max_tokens and leave the JSON unfinished.
-WHITESPACE = r"[\x20\x0A\x0D\x09]{1,32}"
+# Whitespace allowed between JSON tokens unless the request says otherwise: one space, or
+# one newline and an indent (up to 24 spaces or 6 tabs: pretty-printed JSON 12 levels deep),
+# so that a gap is at most two tokens and a model cannot fill its budget with blank runs.
+WHITESPACE = r"\x20|\x0A(\x20{0,24}|\x09{0,6})"
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -258,7 +258,7 @@ class GrammarCompiler:
                 schema = {"type": "object"} if kind == "json_object" else p.json
                 if isinstance(schema, str):
                     schema = json.loads(schema)
-                if p.disable_additional_properties:
+                if p.closes_objects:
                     schema = _close_objects(schema)
                 options = {"whitespace_pattern": p.whitespace_pattern or WHITESPACE}
                 if p.disable_any_whitespace:

@@ -26,9 +26,12 @@ class StructuredOutputsParams:
         json_object: True: the output is any JSON object.
         disable_any_whitespace: JSON without whitespace between tokens (compact).
         disable_additional_properties: Objects of the schema accept no properties beyond
-            the ones it lists (unless it says otherwise).
+            the ones it lists (unless the schema says otherwise). None (the default) is
+            True, as vLLM's default backend behaves; False allows unlisted properties (the
+            JSON Schema reading, which a small model wanders into).
         whitespace_pattern: A regex for the whitespace allowed between JSON tokens
-            (default: 1 to 32 spaces, tabs or newlines, or none).
+            (default `grammar.WHITESPACE`: one space, or a newline and an indent of up to
+            24 spaces or 6 tabs; or none).
 
     Raises:
         ValueError: No constraint, more than one, or a value of the wrong type; the
@@ -41,7 +44,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool | None = None
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
@@ -75,7 +78,9 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.json_object must be a bool, got "
                              f"{self.json_object!r}")
         for name in ("disable_any_whitespace", "disable_additional_properties"):
-            if not isinstance(getattr(self, name), bool):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (
+                    value is None and name == "disable_additional_properties"):
                 raise ValueError(f"structured_outputs.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
 
@@ -99,6 +104,12 @@ class StructuredOutputsParams:
         return cls(**value)
 
     @property
+    def closes_objects(self) -> bool:
+        """Whether objects take only the properties their schema lists (unless it says
+        otherwise): `disable_additional_properties`, True unless set False."""
+        return self.disable_additional_properties is not False
+
+    @property
     def kind(self) -> str:
         """Which constraint this is: one of KINDS."""
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
@@ -110,5 +121,5 @@ class StructuredOutputsParams:
             value = json.dumps(json.loads(value) if isinstance(value, str) else value,
                                sort_keys=True)
         return json.dumps([self.kind, value if not isinstance(value, tuple) else list(value),
-                           self.disable_any_whitespace, self.disable_additional_properties,
+                           self.disable_any_whitespace, self.closes_objects,
                            self.whitespace_pattern])

@@ -135,3 +135,30 @@ def test_batched_fill_equals_one_by_one(compiler, smollm2_tokenizer):
     bad = compiler.matcher(regex_p)
     masks, errors = fill_bitmasks([(bad, enc("A"), [], 1), items[2]], 49152)
     assert masks[0] is None and "does not follow" in str(errors[0]) and masks[1] is not None
+
+
+def test_schemas_are_strict_by_default_and_whitespace_is_bounded(compiler, smollm2_tokenizer):
+    """By default an object takes only the properties its schema lists (vLLM's default
+    backend; `disable_additional_properties=False` opens it again, an explicit
+    `additionalProperties` wins), and the whitespace between JSON tokens is one space or a
+    newline and an indent: no runs of tabs, no blank lines."""
+    tok = smollm2_tokenizer
+    enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+    def texts_after(params, prefix):
+        m = compiler.matcher(params)
+        return {tok.decode([t]) for t in allowed(m.bitmask(enc(prefix)))}
+
+    strict = texts_after(StructuredOutputsParams(json=schema), '{"a": "x"')
+    assert "," not in strict and "}" in strict  # no second property
+    assert StructuredOutputsParams(json=schema).closes_objects
+    opened = StructuredOutputsParams(json=schema, disable_additional_properties=False)
+    assert not opened.closes_objects and "," in texts_after(opened, '{"a": "x"')
+    explicit = {**schema, "additionalProperties": {"type": "integer"}}
+    assert "," in texts_after(StructuredOutputsParams(json=explicit), '{"a": "x"')
+    gap = texts_after(StructuredOutputsParams(json=schema), "{\n")
+    assert not any("\t\t\t\t\t\t\t" in t or "\n\n" in t for t in gap)
+    assert all(t.strip(" \t\n") == "" or t.lstrip(" \t\n").startswith('"') for t in gap)
+    with pytest.raises(ValueError, match="disable_additional_properties must be a bool"):
+        StructuredOutputsParams(json=schema, disable_additional_properties="no")
