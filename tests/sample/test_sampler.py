@@ -19,6 +19,7 @@ from jaxserve.sample import (
 )
 from jaxserve.sample.filters import NUM_CANDIDATES, _candidate_threshold
 from jaxserve.sampling_params import SamplingParams as SP
+from jaxserve.sampling_params import device_seed
 
 # NOTE: one jitted sampler and mostly R=8, V=64 keep the number of compiles (about 0.5-1 s
 # each on a small CPU) low; tests that need other shapes say why.
@@ -357,7 +358,10 @@ def test_builder_shapes_and_errors():
                                  2, 50, output_len_padded=8)
     assert md.prompt_token_ids.shape == (2, 64) and md.output_token_ids.shape == (2, 8)
     assert md.seeds.dtype == np.uint32 and md.counters.tolist() == [3, 0]
-    assert build_sampling_metadata([(SP(seed=2**33 - 1), [1])], 1, 8).seeds.tolist() == [2**32 - 1]
+    # a seed past 32 bits is folded from all its bits (`device_seed`), not truncated
+    wide = build_sampling_metadata([(SP(seed=2**33 - 1), [1])], 1, 8).seeds.tolist()
+    assert wide == [device_seed(2**33 - 1)] and wide != [2**32 - 1]
+    assert build_sampling_metadata([(SP(seed=5), [1])], 1, 8).seeds.tolist() == [5]
     with pytest.raises(ValueError, match="num_rows_padded"):
         build_sampling_metadata([RowSpec(SP(seed=1))] * 3, 2, 10)
     with pytest.raises(ValueError, match="prompt_len_padded"):
