@@ -29,32 +29,33 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), memory // WORKER_MEMORY_BYTES))
 
 
-# The default tier's heaviest test files, heaviest first: their measured time on one worker
-# with an empty compilation cache (`pytest -q -n 1 --durations=0 --junitxml=...`, summed per
-# file; refresh when a file's cost changes much; docs/development.md). xdist hands files
+# The default tier's heaviest test files, heaviest first: their measured time in a default
+# run on a clean clone (`pytest -q --junitxml=...`, test times summed per file; refresh when
+# a file's cost changes much; docs/development.md). xdist hands files
 # to workers in collection order (`--no-loadscope-reorder` in pyproject.toml), so the long
 # ones start first and the files left for the end are short: the workers finish together.
 HEAVY_FIRST = (
-    "tests/models/test_numerics.py", "tests/entrypoints/test_openai_fields.py",
-    "tests/parallel/test_parallel_engine.py", "tests/spec_decode/test_engine_spec.py",
-    "tests/kernels/test_stacked_gemm.py", "tests/bench/test_engine_run.py",
-    "tests/parallel/test_expert_parallel.py", "tests/kernels/test_cpu_decode.py",
-    "tests/e2e/test_engine_errors.py", "tests/models/test_moe.py",
-    "tests/models/test_moe_gguf.py", "tests/kernels/test_ragged_xla.py",
-    "tests/e2e/test_engine_sampling.py", "tests/e2e/test_engine_invariance.py",
-    "tests/e2e/test_batch_invariant.py",
-    "tests/test_docs.py", "tests/spec_decode/test_draft_model.py",
-    "tests/e2e/test_quantized_engine.py", "tests/models/test_moe_quant.py",
-    "tests/lora/test_peft_adapter.py", "tests/core/test_scheduler_soak.py",
-    "tests/e2e/test_greedy.py", "tests/kernels/test_kv_quant.py",
-    "tests/structured/test_engine_constraints.py", "tests/bench/test_bench_smoke.py",
-    "tests/e2e/test_moe_mixed_greedy.py", "tests/kernels/test_ragged_paged_attention.py",
-    "tests/models/test_gemma_gguf.py", "tests/models/test_loaders.py",
-    "tests/entrypoints/test_server_hostile.py", "tests/parallel/test_quantized_parallel.py",
-    "tests/entrypoints/test_serve_process.py", "tests/models/test_tokenizer.py",
-    "tests/runner/test_kv_groups.py", "tests/e2e/test_async_scheduling.py",
-    "tests/runner/test_sampler_variants.py", "tests/models/test_quant_accuracy.py",
-    "tests/entrypoints/test_server_errors.py", "tests/entrypoints/test_structured_server.py",
+    "tests/models/test_numerics.py", "tests/e2e/test_batch_invariant.py",
+    "tests/e2e/test_engine_invariance.py", "tests/e2e/test_engine_sampling.py",
+    "tests/entrypoints/test_openai_fields.py", "tests/parallel/test_parallel_engine.py",
+    "tests/spec_decode/test_engine_spec.py", "tests/spec_decode/test_draft_model.py",
+    "tests/bench/test_engine_run.py", "tests/test_docs.py", "tests/kernels/test_kv_quant.py",
+    "tests/models/test_moe.py", "tests/e2e/test_quantized_engine.py",
+    "tests/lora/test_lora_engine.py", "tests/kernels/test_stacked_gemm.py",
+    "tests/lora/test_lora_errors.py", "tests/engine/test_weight_updates.py",
+    "tests/bench/test_bench_smoke.py", "tests/kernels/test_cpu_decode.py",
+    "tests/models/test_tokenizer.py", "tests/models/test_moe_quant.py",
+    "tests/entrypoints/test_serve_process.py", "tests/parallel/test_quantized_parallel.py",
+    "tests/e2e/test_gemma_hybrid_kv.py", "tests/models/test_gemma_gguf.py",
+    "tests/e2e/test_moe_greedy.py", "tests/models/test_moe_loading.py",
+    "tests/entrypoints/test_server_hostile.py", "tests/entrypoints/test_lora_server.py",
+    "tests/runner/test_kv_groups.py", "tests/models/test_quant_accuracy.py",
+    "tests/e2e/test_engine_errors.py", "tests/parallel/test_expert_parallel.py",
+    "tests/models/test_loaders.py", "tests/e2e/test_async_scheduling.py",
+    "tests/pooling/test_embed_oracle.py", "tests/e2e/test_greedy.py",
+    "tests/kernels/test_ragged_xla.py", "tests/pooling/test_embed_engine.py",
+    "tests/kernels/test_model_backends.py", "tests/parallel/test_multihost_serve.py",
+    "tests/entrypoints/test_concurrency.py",
 )
 
 

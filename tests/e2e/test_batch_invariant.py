@@ -111,7 +111,10 @@ def test_prefix_cache_hits(engines, alone, prompts, others, backend):
 
 @pytest.mark.parametrize("backend", ["xla", pytest.param("cpu", marks=[needs_cpu,
                                                                        pytest.mark.slow])])
-@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
+# NOTE: both modes in the slow tier (15 s of an engine with a small pool); the default tier's
+# chunk-size and prefix-hit cases recompute prompts at other splits too.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption(engines, alone, prompts, others, backend, mode):
     """A pool of 24 pages: requests are preempted (recomputed from token 0, or swapped out
     and back) and still give their alone run's bits."""

@@ -120,7 +120,11 @@ def test_a_fifth_adapter_waits_for_a_slot_and_nothing_recompiles(llm, adapters, 
     assert engine.kv.usage == 0  # no page leaks
 
 
-@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
+# NOTE: both modes in the slow tier (16 s of an engine with a small pool); in the default
+# tier the fifth-adapter case evicts and re-reads adapters under load, and
+# tests/core/test_scheduler_lora.py holds the scheduler's adapter rule.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_each_requests_adapter(tiny_model_dir, adapters, smollm2_tokenizer,
                                                 mode):
     """A pool too small for the batch: requests are preempted and come back with their
