@@ -18,16 +18,7 @@ import time
 import jsonschema
 
 from jaxserve import LLM, SamplingParams, StructuredOutputsParams
-
-NESTED = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24},
-    "address": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "country": {"enum": ["France", "Spain", "Italy", "Germany"]}},
-        "required": ["city", "country"]},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-    "required": ["name", "address", "tags", "age"]}
+from jaxserve.bench.structured import NESTED
 
 
 def main() -> None:

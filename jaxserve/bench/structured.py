@@ -9,6 +9,18 @@ import time
 import numpy as np
 
 # A schema of the kind programs ask for: nested object, enum, bounded array and strings.
+# A schema with an object inside an object, an enum, bounded strings and an array, and no
+# `additionalProperties` anywhere: what the strict default closes (`scripts/bench_json_strict.py`,
+# the slow strict-schema test).
+NESTED = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24},
+    "address": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"enum": ["France", "Spain", "Italy", "Germany"]}},
+        "required": ["city", "country"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "address", "tags", "age"]}
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -12,6 +12,7 @@ import jsonschema
 import openai
 import pytest
 
+from jaxserve.bench.structured import NESTED
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME, ServerThread
 from tests.structured import SCHEMA
 
@@ -157,17 +158,6 @@ def test_auto_tool_choice_parses_hermes_calls(client):
     assert plain.choices[0].message.content
 
 
-# An object inside an object, an enum, bounded strings, an array; no `additionalProperties`
-# anywhere: the default (strict) schemas close every object (issue 48, item 3).
-NESTED = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24},
-    "address": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "country": {"enum": ["France", "Spain", "Italy", "Germany"]}},
-        "required": ["city", "country"]},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-    "required": ["name", "address", "tags", "age"]}
 
 
 def _valid(texts) -> int:
