@@ -3,8 +3,8 @@ dot, the same dot in fixed row tiles (`pallas_kernels.invariant.row_tiled`), and
 backend's packed-weight kernel (`stacked_gemm`), at the default model's projection shapes
 and its LM head's.
 
-For each (K, N) a random row r is multiplied alone, then as row 0 and row 3 (the last of 2) of random
-batches of 2 to 256 rows; printed: the row counts whose result differs from the row alone
+For each (K, N) a random row r is multiplied alone, then as row 0 and row 3 (the last of 2)
+of random batches of 2 to 256 rows; printed: the row counts whose result differs from the row alone
 in any bit ("-": none).
 
 Usage: python scripts/probe_row_invariance.py
