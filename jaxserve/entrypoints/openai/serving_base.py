@@ -124,6 +124,22 @@ class OpenAIServingBase:
         """
         return self.serving_models.lora_request(model)
 
+    def prompt_list(self, value, param: str = "prompt") -> list:
+        """`value` (a text, token ids, or a list of either) as a list of prompts.
+
+        Raises:
+            OpenAIError: 400 for no prompt, or more than `max_prompts_per_request`.
+        """
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            value = [value]
+        if not value:
+            raise OpenAIError(400, f"{param} must not be empty", param)
+        limit = self.limits.max_prompts_per_request
+        if len(value) > limit:
+            raise OpenAIError(400, f"{param}: at most {limit} {param}s per request, got "
+                                   f"{len(value)}", param)
+        return value
+
     def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True,
                check: bool = True) -> list[int]:
         """Token ids of `text`, as the engine would tokenize it.

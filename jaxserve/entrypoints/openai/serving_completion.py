@@ -92,15 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
         except ValueError as e:
             raise from_value_error(e, _FIELDS) from None
         self.check_constraint(req, params)
-        p = req.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            p = [p]
-        if not p:
-            raise OpenAIError(400, "prompt must not be empty", "prompt")
-        limit = self.limits.max_prompts_per_request
-        if len(p) > limit:
-            raise OpenAIError(400, f"prompt: at most {limit} prompts per request, got "
-                                   f"{len(p)}", "prompt")
+        p = self.prompt_list(req.prompt)
         vocab = self.vocab_size or 2**31
         prompts = []
         for item in p:

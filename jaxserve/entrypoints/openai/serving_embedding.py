@@ -53,15 +53,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         except ValueError as e:
             raise OpenAIError(400, str(e), "dimensions") from None
-        items = req.input
-        if isinstance(items, str) or (items and isinstance(items[0], int)):
-            items = [items]
-        if not items:
-            raise OpenAIError(400, "input must not be empty", "input")
-        limit = self.limits.max_prompts_per_request
-        if len(items) > limit:
-            raise OpenAIError(400, f"input: at most {limit} inputs per request, got "
-                                   f"{len(items)}", "input")
+        items = self.prompt_list(req.input, "input")
         vocab = self.vocab_size or 2**31
         prompts = []
         for item in items:
