@@ -32,6 +32,9 @@ CALL_KEYS = {"id", "type", "status", "call_id", "name", "arguments"}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                          "required": ["city"]}}]
+# The same tool in the chat form (the oracle prompts are rendered with it).
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items()
+                                                if k != "type"}}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -171,15 +174,13 @@ def test_input_items_become_the_conversation(canned):
          "arguments": '{"city": "Paris"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}],
         tools=TOOLS)
-    chat_tools = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items()
-                                                    if k != "type"}}]
     assert engine.seen[0] == tokenized(url, [
         {"role": "system", "content": "Use tools."},
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [
             {"id": "call_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}], chat_tools)
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}], CHAT_TOOLS)
 
 
 def test_text_reply_streamed(canned):
@@ -353,3 +354,24 @@ def test_greedy_reply_matches_the_chat_completion(client):
                                  temperature=0, stream=True) as stream:
         text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
     assert text == r.output_text
+
+
+def test_a_tool_loop_sends_the_output_back(canned):
+    """The client's tool loop: the previous response's output items, then the call's result,
+    as the next request's input (nothing is stored between the two)."""
+    engine, url, client = canned
+    engine.reply = "Let me check. " + CALL
+    question = {"role": "user", "content": "Weather in Paris?"}
+    first = client.responses.create(model="fake", input=[question], tools=TOOLS)
+    call = first.output[1]
+    engine.reply = "Sunny in Paris."
+    second = client.responses.create(model="fake", tools=TOOLS, input=[
+        question, *first.output,
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert second.output_text == "Sunny in Paris."
+    assert engine.seen[0] == tokenized(url, [
+        question,
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": call.call_id}], CHAT_TOOLS)
