@@ -302,6 +302,8 @@ def test_text_format_json_schema_and_logprobs(canned):
      "needs schema"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
     ({"input": "hi", "max_output_tokens": 1000}, "max_output_tokens", "maximum context"),
+    ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 50},
+     "top_logprobs", "top_logprobs must be at most 20"),
     ({"input": "hi", "temperature": "hot"}, "temperature", "valid number"),
     ({"input": "hi", "seed": 2**63}, "seed", "less_than_equal"),
 ])

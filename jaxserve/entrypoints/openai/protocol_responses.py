@@ -13,7 +13,8 @@ from jaxserve.entrypoints.openai.protocol import SEED_LIMIT, SEED_LOW, OpenAIBas
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
 # Chat request fields whose errors are reported under the Responses field that set them.
 CHAT_FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                    "max_tokens": "max_output_tokens", "response_format": "text"}
+                    "max_tokens": "max_output_tokens", "response_format": "text",
+                    "logprobs": "top_logprobs"}
 
 
 def _type_of(default: str | None):
