@@ -13,10 +13,10 @@ Each round runs the engines one after another (A, B, C, D, A, B, ...) on the sam
 (prefix caching off) and times `generate` of `--max-tokens` greedy tokens per request; the
 figures are the median over rounds, with the load average beside them. Adapter load time
 (reading a PEFT directory) and slot write time, and the device bytes of one slot, are
-measured on the masked engine.
+measured on the engine of the last of `--impls`.
 
 Usage: python scripts/bench_lora.py [--batch 32] [--adapters 4] [--rank 16]
-       [--max-tokens 64] [--rounds 3] [--model PATH]
+       [--max-tokens 64] [--rounds 3] [--model PATH] [--impls masked,gathered,grouped]
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--impls", default=",".join(LORA_IMPLS),
+                    help="comma-separated LoRA forms to time (models.lora.LORA_IMPLS)")
     args = ap.parse_args()
 
     path = args.model or default_model_path()
@@ -57,7 +59,7 @@ def main() -> None:
     lora_args = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
     engines = {"base": (LLM(model, tokenizer=tokenizer, **sizes), None)}
     engines["lora-none"] = (LLM(model, tokenizer=tokenizer, **sizes, **lora_args), None)
-    for impl in LORA_IMPLS:
+    for impl in args.impls.split(","):
         engines[f"lora-{impl}"] = (LLM(model, tokenizer=tokenizer, lora_impl=impl, **sizes,
                                        **lora_args), loras)
     prompts = [f"Request {i}: write a short story about the number {i * 7 + 3}."
@@ -81,8 +83,9 @@ def main() -> None:
     for name in engines:
         s = statistics.median(seconds[name][1:])
         print(f"  {name:14s} {s:7.2f} s  {tokens / s:8.1f} tok/s  {base / s:5.2f}x of base")
-    compiles = engines["lora-masked"][0].engine.runner.num_compilations
-    lora = engines["lora-masked"][0].engine.runner.lora
+    last = f"lora-{args.impls.split(',')[-1]}"
+    compiles = engines[last][0].engine.runner.num_compilations
+    lora = engines[last][0].engine.runner.lora
     slot_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(lora.stacks)) // args.adapters
     extra = LoRARequest("extra", 99, write_random_adapter(os.path.join(tmp, "extra"),
                                                           model.cfg, args.rank, seed=99))
@@ -95,7 +98,7 @@ def main() -> None:
     write = time.perf_counter() - start
     print(f"  one slot: {slot_bytes / 2**20:.1f} MiB on the device; loading an adapter: "
           f"{read * 1e3:.0f} ms to read, {write * 1e3:.0f} ms to write its slot; "
-          f"compilations after warm-up (masked engine): {compiles}")
+          f"compilations after warm-up ({last} engine): {compiles}")
 
 
 if __name__ == "__main__":
