@@ -310,18 +310,20 @@ class Scheduler(SchedulerUpdates):
         self._enqueue_waiting(request, front=True)
 
     def _resume_swapped(self, step: _StepDraft) -> None:
+        adapters = self._running_adapters()
         while self.swapped and step.budget > 0 and self._num_slots() < self.max_num_seqs:
             request = self.swapped[0]
             num_new = self._num_new_tokens(request, step.budget)
             # NOTE: the pages for this step's tokens must be free as well; a request swapped
             # in without them would not run and would be swapped straight back out.
-            if (num_new == 0 or not self._lora_fits(request)
+            if (num_new == 0 or not self._lora_fits(request, adapters)
                     or not self.kv.can_swap_in(request, num_new)):
                 break
             self.kv.swap_in(request)
             self.swapped.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._note_adapter(request, adapters)
             if self.kv.allocate_slots(request, num_new) is None:
                 break  # back in device pages; it runs (or is preempted) next step
             step.add(self._entry(request, num_new))
@@ -335,10 +337,11 @@ class Scheduler(SchedulerUpdates):
             else:
                 self._batch_open = True
         skipped = 0  # waiting requests passed over: their adapter has no slot this step
+        adapters = self._running_adapters()
         while (len(self.waiting) > skipped and step.budget > 0
                and self._num_slots() < self.max_num_seqs):
             request = self.waiting[skipped]
-            if not self._lora_fits(request):
+            if not self._lora_fits(request, adapters):
                 skipped += 1
                 continue
             hit_ids, num_hit = self._prefix_hit(request)
@@ -355,17 +358,30 @@ class Scheduler(SchedulerUpdates):
             request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._note_adapter(request, adapters)
             step.add(self._entry(request, num_new))
         if static and self.running:
             self._batch_open = False
 
-    def _lora_fits(self, request: Request) -> bool:
-        """Whether `request` may run beside the running requests: it has no adapter, or
-        one they use, or fewer than `max_loras` adapters are running."""
-        if self.max_loras is None or not request.lora_id:
+    def _running_adapters(self) -> set[int] | None:
+        """The adapter ids of the running requests (None when adapters are not limited):
+        built once per admission pass, then kept current by `_note_adapter`."""
+        if self.max_loras is None:
+            return None
+        return {r.lora_id for r in self.running if r.lora_id}
+
+    @staticmethod
+    def _note_adapter(request: Request, adapters: set[int] | None) -> None:
+        if adapters is not None and request.lora_id:
+            adapters.add(request.lora_id)
+
+    def _lora_fits(self, request: Request, adapters: set[int] | None) -> bool:
+        """Whether `request` may run beside the running requests, whose adapters are
+        `adapters` (`_running_adapters`): it has no adapter, or one they use, or fewer than
+        `max_loras` adapters are running."""
+        if adapters is None or not request.lora_id:
             return True
-        running = {r.lora_id for r in self.running if r.lora_id}
-        return request.lora_id in running or len(running) < self.max_loras
+        return request.lora_id in adapters or len(adapters) < self.max_loras
 
     def _prefix_hit(self, request: Request) -> tuple[list[int], int]:
         """Cached pages for a waiting request's prompt: (page ids, tokens they hold)."""
