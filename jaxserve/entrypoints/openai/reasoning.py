@@ -74,8 +74,8 @@ class ReasoningStream:
         """The pieces `delta` completes."""
         text, self.held, out = self.held + delta, "", []
         while text:
-            if self.state == "after":
-                out.append(("content", text))
+            if self.state == "after" or "<" not in text:  # no tag can begin in it
+                out.append((self._kind(), text))
                 break
             tags = (START,) if self.state == "before" else \
                 (END,) if self.opened else (START, END)

@@ -49,14 +49,20 @@ class ToolParser:
     def hold_from(self, text: str, sent: int) -> int:
         """Where a stream that has sent `text[:sent]` as content must stop sending now."""
         if self.at_start:
-            body = text.lstrip()
-            may_call = not body or any(body.startswith(m) or m.startswith(body)
+            if sent:
+                return len(text)
+            start = _SPACE.match(text).end()  # the head only: O(1) per token of a long call
+            head = text[start:start + max(map(len, self.markers))]
+            may_call = not head or any(head.startswith(m) or m.startswith(head)
                                        for m in self.markers)
-            return 0 if sent == 0 and may_call else len(text)
+            return 0 if may_call else len(text)
         found = [i for m in self.markers if (i := text.find(m, sent)) >= 0]
         if found:
             return min(found)
         return max(sent, len(text) - max(_partial(text, m) for m in self.markers))
+
+
+_SPACE = re.compile(r"\s*")
 
 
 def _partial(text: str, marker: str) -> int:
