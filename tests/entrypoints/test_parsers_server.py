@@ -7,15 +7,17 @@ import contextlib
 import json
 import time
 
+import httpx
 import openai
 import pytest
 
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.api_server import ServingLimits, build_app
 from jaxserve.outputs import CompletionOutput, RequestOutput
-from tests.entrypoints.conftest import running_server
+from tests.entrypoints.conftest import running_server, sse_events
 from tests.entrypoints.fake_engine import FakeEngine
 from tests.entrypoints.test_parsers import CALLS, TOOLS
+from tests.entrypoints.test_response_shapes import SHAPES, keys
 
 # Canned replies by name: the user message names the one the engine answers.
 REPLIES = {
@@ -200,3 +202,22 @@ def test_reasoning_never_reaches_the_tool_parser(servers, stream):
         assert "<tool_call> comes next" in message["reasoning"] and message["content"] is None
         names = [c["function"]["name"] for c in message["tool_calls"]]
     assert finish == "tool_calls" and names == ["get_weather"]
+
+
+def test_reasoning_messages_and_deltas_have_the_tabled_keys(servers):
+    client, _ = servers("hermes", "qwen3")
+    body = {"model": "fake", "messages": [{"role": "user", "content": "[think] hi"}],
+            "max_tokens": 500}
+    url = str(client.base_url).rstrip("/")
+    message = httpx.post(f"{url}/chat/completions", json=body, timeout=30).json()[
+        "choices"][0]["message"]
+    keys(message, "chat message")
+    with httpx.stream("POST", f"{url}/chat/completions", json={**body, "stream": True},
+                      timeout=30) as r:
+        deltas = [e["choices"][0]["delta"] for e in sse_events(r)[1:-1]]
+    thinking = [d for d in deltas if d.get("reasoning")]
+    assert thinking and all(set(d) - {"content"} == SHAPES["chat reasoning delta"]
+                            for d in thinking)
+    for d in deltas:
+        if not d.get("reasoning"):
+            keys(d, "chat delta" if d.get("content") else "chat empty delta")

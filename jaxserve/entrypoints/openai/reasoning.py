@@ -65,11 +65,6 @@ class ReasoningStream:
         self.opened = False  # `<think>` seen (dropped once inside a block opened for it)
         self.held = ""
 
-    @property
-    def done(self) -> bool:
-        """Whether the think block has ended (all further text is content)."""
-        return self.state == "after"
-
     def feed(self, delta: str) -> list[tuple[str, str]]:
         """The pieces `delta` completes."""
         text, self.held, out = self.held + delta, "", []
