@@ -267,14 +267,16 @@ class LoRAConfig:
         max_loras: Adapters one step may run (the device's slots per target module).
         max_lora_rank: Largest adapter rank served (every slot's rank axis).
         max_cpu_loras: Adapters kept loaded on the host (an LRU); None: `max_loras`.
-        lora_impl: How a step computes its rows' updates (`models.lora.LORA_IMPLS`).
+        lora_impl: How a step computes its rows' updates (`models.lora.LORA_IMPLS`), or
+            "auto": the CPU LoRA kernel ("grouped") for float32 weights on one CPU device,
+            else "masked" (`models.lora.resolve_impl`).
     """
 
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    lora_impl: str = "masked"
+    lora_impl: str = "auto"
 
     def __post_init__(self):
         from models.lora import LORA_IMPLS
@@ -285,8 +287,8 @@ class LoRAConfig:
                "a positive integer")
         _check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
                "max_cpu_loras", self.max_cpu_loras, f"None or >= max_loras ({self.max_loras})")
-        _check(self.lora_impl in LORA_IMPLS, "lora_impl", self.lora_impl,
-               f"one of {LORA_IMPLS}")
+        _check(self.lora_impl in ("auto", *LORA_IMPLS), "lora_impl", self.lora_impl,
+               f"one of {('auto', *LORA_IMPLS)}")
 
     @property
     def cpu_slots(self) -> int:

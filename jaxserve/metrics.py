@@ -1,4 +1,6 @@
-"""Prometheus export of engine metrics (vLLM names, `jaxserve:` prefix) and a periodic stat log."""
+"""Prometheus export of engine metrics (vLLM's names, types, labels, buckets and counting
+rules; `jaxserve:` prefix or vLLM's own) and a periodic stat log. docs/openai_api.md has the
+table of every family against vLLM's definition."""
 
 from __future__ import annotations
 
@@ -31,10 +33,27 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# Token-count edges of the per-request and per-step histograms (vLLM's 1-2-5 series).
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
-                 100000)
+# Tokens per engine iteration (vLLM's edges).
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+# Every family's labels (vLLM's; one engine per server here, so `engine` is "0").
+LABELS = ("model_name", "engine")
+ENGINE = "0"
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count edges, the model's
+    context length being `max_value`)."""
+    edges, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(edges)
+            edges.append(m * scale)
+        scale *= 10
+
+
+TOKEN_BUCKETS = buckets_1_2_5(100_000)  # until `ServerMetrics.configure` names the length
 METRIC_PREFIXES = ("jaxserve", "vllm")
 _LABELED = re.compile(r"^(?P<name>[^{]+)\{(?P<labels>[^}]*)\}$")
 
@@ -68,11 +87,13 @@ class _SnapshotCollector:
             family = families.get(name)
             if family is None:
                 family = kind(name, f"{name} (from the engine)",
-                              labels=["model_name", *sorted(labels)])
+                              labels=[*LABELS, *sorted(labels)])
                 families[name] = family
-            family.add_metric([model, *(labels[k] for k in sorted(labels))], float(value))
+            family.add_metric([model, ENGINE, *(labels[k] for k in sorted(labels))],
+                              float(value))
         info = self.server_metrics.cache_config
         if info:
+            info = {**info, "engine": ENGINE}
             family = GaugeMetricFamily(f"{prefix}:cache_config_info",
                                        "Information of the KV cache configuration",
                                        labels=sorted(info))
@@ -102,10 +123,9 @@ class ServerMetrics:
         self.cache_config: dict[str, object] = {}  # labels of cache_config_info
         self.registry.register(_SnapshotCollector(self))
 
-        def hist(name, doc, buckets):
-            return Histogram(f"{prefix}:{name}", doc, ["model_name"], buckets=buckets,
-                             registry=self.registry).labels(model_name)
+        self._token_families: list[Histogram] = []
 
+        hist = self._histogram
         self.ttft = hist("time_to_first_token_seconds", "Time to first token, from arrival",
                          TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds",
@@ -120,25 +140,52 @@ class ServerMetrics:
                             "First scheduled step to first token", REQUEST_BUCKETS)
         self.decode = hist("request_decode_time_seconds", "First token to finish",
                            REQUEST_BUCKETS)
-        self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens of a finished "
-                                  "request", TOKEN_BUCKETS)
-        self.generation_tokens = hist("request_generation_tokens", "Tokens a finished "
-                                      "request generated (all its completions)", TOKEN_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds", "A finished request's "
+                         "decode time per output token after the first", ITL_BUCKETS)
         self.params_n = hist("request_params_n", "The n parameter of finished requests",
                              N_BUCKETS)
-        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens parameter "
-                                      "of finished requests", TOKEN_BUCKETS)
-        self.iteration_tokens = hist("iteration_tokens_total", "Tokens computed per engine "
-                                     "step", TOKEN_BUCKETS)
+        self.iteration_tokens = hist("iteration_tokens_total", "Prompt tokens of requests "
+                                     "that got their first token plus tokens generated, per "
+                                     "engine iteration", ITERATION_BUCKETS)
+        self.configure(None)
         self._last_token_time: dict[str, float] = {}
         self._params: dict[str, tuple[int, int | None]] = {}  # request id -> (n, max_tokens)
+
+    def _histogram(self, name: str, doc: str, buckets, keep: list | None = None) -> Histogram:
+        """The family `name`'s series for this server (its family appended to `keep`)."""
+        family = Histogram(f"{self.prefix}:{name}", doc, list(LABELS), buckets=buckets,
+                           registry=self.registry)
+        if keep is not None:
+            keep.append(family)
+        return family.labels(self.model_name, ENGINE)
+
+    def configure(self, max_model_len: int | None) -> None:
+        """(Re)builds the token-count histograms with edges up to `max_model_len` (vLLM's
+        1-2-5 series up to the model's context length; None: up to 100,000). Their counts
+        start again: call it before the server takes requests."""
+        for family in self._token_families:
+            self.registry.unregister(family)
+        self._token_families = []
+        edges = TOKEN_BUCKETS if max_model_len is None else buckets_1_2_5(max_model_len)
+        hist = lambda name, doc, edges: self._histogram(name, doc, edges, self._token_families)
+        self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens of a finished "
+                                  "request (each completion)", edges)
+        self.generation_tokens = hist("request_generation_tokens", "Tokens a finished "
+                                      "completion generated", edges)
+        self.max_generation_tokens = hist("request_max_num_generation_tokens", "The most "
+                                          "tokens one completion of a finished request "
+                                          "generated", edges)
+        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens "
+                                      "parameter of finished requests", edges)
 
     def on_added(self, request_id: str, params) -> None:
         """Remembers a request's `n` and `max_tokens` for the finish histograms."""
         self._params[request_id] = (params.n, params.max_tokens)
 
     def observe_step(self, num_tokens: int) -> None:
-        """Records the tokens one engine step computed."""
+        """Records the tokens one engine iteration processed, as vLLM counts them (the
+        prompt of each request that got its first token, plus every token generated); an
+        iteration that processed none (a chunk of a prompt only) is not recorded."""
         if num_tokens > 0:
             self.iteration_tokens.observe(num_tokens)
 
@@ -174,8 +221,14 @@ class ServerMetrics:
                 self.prefill.observe(max(0.0, m.first_token_time - m.first_scheduled_time))
         if m.first_token_time is not None:
             self.decode.observe(max(0.0, end - m.first_token_time))
-        self.prompt_tokens.observe(len(out.prompt_token_ids or []))
-        self.generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
+        counts = [len(c.token_ids) for c in out.outputs]
+        for count in counts:  # vLLM observes each completion of an n > 1 request
+            self.prompt_tokens.observe(len(out.prompt_token_ids or []))
+            self.generation_tokens.observe(count)
+        self.max_generation_tokens.observe(max(counts, default=0))
+        total = sum(counts)
+        if m.first_token_time is not None and total > len(counts):
+            self.tpot.observe(max(0.0, end - m.first_token_time) / (total - len(counts)))
         self.params_n.observe(n)
         if max_tokens is not None:
             self.params_max_tokens.observe(max_tokens)

@@ -20,7 +20,7 @@ from models.config import ArchConfig
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
 from models.lora import COLLECTION as LORA
-from models.lora import add_lora
+from models.lora import add_lora, scan_slices_lora
 from models.mixed import MixedMLP
 from models.moe import MoEMLP
 from models.moe_parallel import ExpertSharding
@@ -54,7 +54,7 @@ class Attention(nn.Module):
 
         def proj(n, bias, name, h):
             y = dense(self.quant, name, n, bias, self.dtype, self.backend, layer=layer)(h)
-            return add_lora(self, name, h, y, lora_slots, self.lora_impl)
+            return add_lora(self, name, h, y, lora_slots, self.lora_impl, layer)
 
         q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj", x)
         k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj", x)
@@ -175,11 +175,12 @@ class Decoder(nn.Module):
                                   self.backend)
         # NOTE: each layer's params are sliced out of their stack; packed weights
         # (`models.packed`) are read whole, at the traced layer index, so the scan
-        # broadcasts their collection instead.
+        # broadcasts their collection instead (and the LoRA stacks the CPU kernel reads).
+        sliced = scan_slices_lora(self.lora_impl)
         self.layers = nn.scan(
             DecoderLayer,
-            variable_axes={"params": 0, LORA: 0},
-            variable_broadcast=PACKED,
+            variable_axes={"params": 0, LORA: 0} if sliced else {"params": 0},
+            variable_broadcast=PACKED if sliced else (PACKED, LORA),
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,

@@ -118,7 +118,7 @@ class GatedMLP(nn.Module):
         def dense(n, name, h):
             y = make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype, self.backend,
                            layer=layer)(h)
-            return add_lora(self, name, h, y, lora_slots, self.lora_impl)
+            return add_lora(self, name, h, y, lora_slots, self.lora_impl, layer)
 
         width = self.intermediate_size or self.cfg.intermediate_size
         h = ACTIVATIONS[self.cfg.hidden_act](dense(width, "gate_proj", x))

@@ -2,14 +2,16 @@
 alone, no scheduler or sampler): the device cost of serving adapters per request.
 
 Runners over one loaded model (SmolLM2-135M by default, in its serving form here): "base"
-(no LoRA), "lora-none" (`enable_lora`, every token on the base model: the adapter path is
-skipped by its `lax.cond`), and per `models.lora.LORA_IMPLS` the same decode step with
-its tokens spread over `--adapters` random rank-`--rank` adapters on all seven
-projections. Each is timed on the same step (a decode of `--batch` requests at
-`--context` tokens), in rounds whose order reverses every other round (A B C, C B A, ...)
-so drifting load falls on all alike; printed: median and best ms and the ratio to base.
+(no LoRA), "lora-none" (`enable_lora`, every token on the base model: the XLA forms skip
+the adapter path by a `lax.cond`, the kernel returns at once; on the last of `--impls`),
+and per `models.lora.LORA_IMPLS` the same decode step with its tokens spread over
+`--adapters` random rank-`--rank` adapters on all seven projections. Each is timed on the
+same step (a decode of `--batch` requests at `--context` tokens), in rounds whose order
+reverses every other round (A B C, C B A, ...) so drifting load falls on all alike;
+printed: median and best ms and the ratio to base.
 
 Usage: python scripts/ab_lora_step.py [--batch 32] [--context 128] [--rounds 20]
+       [--impls masked,gathered,grouped]
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jaxserve.lora import LoRARequest
 from jaxserve.runner.transfer import pack
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
+from models.lora import LORA_IMPLS
 
 
 def main() -> None:
@@ -39,7 +42,10 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--impls", default=",".join(LORA_IMPLS),
+                    help="comma-separated LoRA forms to time (models.lora.LORA_IMPLS)")
     args = ap.parse_args()
+    impls = args.impls.split(",")
     path = args.model or default_model_path()
     model, tokenizer = load_model(path, "float32"), load_tokenizer(path)
     sizes = dict(max_num_seqs=args.batch, max_num_batched_tokens=max(64, args.batch),
@@ -47,7 +53,7 @@ def main() -> None:
     lora = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
     tmp = tempfile.mkdtemp(prefix="ab_lora_")
     runners = {"base": LLM(model, tokenizer=tokenizer, **sizes).engine.runner}
-    for impl in ("masked", "gathered"):
+    for impl in impls:
         runner = LLM(model, tokenizer=tokenizer, lora_impl=impl, **sizes, **lora).engine.runner
         for s in range(args.adapters):
             req = LoRARequest(f"a{s}", s + 1, write_random_adapter(
@@ -56,11 +62,11 @@ def main() -> None:
         runners[f"lora-{impl}"] = runner
     out = decode_output(args.batch, args.context, 16)
     steps = {}
-    for name, runner in [("base", runners["base"]), ("lora-none", runners["lora-masked"]),
-                         ("lora-masked", runners["lora-masked"]),
-                         ("lora-gathered", runners["lora-gathered"])]:
+    for name, runner in [("base", runners["base"]),
+                         ("lora-none", runners[f"lora-{impls[-1]}"]),
+                         *((f"lora-{impl}", runners[f"lora-{impl}"]) for impl in impls)]:
         arrays, _, _, num_tokens, _ = runner._model_inputs(out, None)
-        if name in ("lora-masked", "lora-gathered"):
+        if name not in ("base", "lora-none"):
             arrays.lora_slots = (np.arange(num_tokens) % args.adapters).astype(np.int32)
         buf, layout = pack(arrays.device_tree())
         steps[name] = [runner._step_fn(layout, False), runner, runner._to_device(buf)]

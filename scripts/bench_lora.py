@@ -4,11 +4,11 @@ on the base model alone: the cost of serving adapters per request.
 Engines over one loaded model (the embedded SmolLM2-135M by default, in its serving form
 on this machine), each warmed up:
 - "base": no LoRA at all (the baseline every ratio divides by);
-- "lora-none": `enable_lora` with every request on the base model (the adapter path runs,
-  every token's slot -1);
-- "lora-masked" / "lora-gathered": `enable_lora`, the requests spread evenly over
-  `--adapters` random rank-`--rank` adapters on all seven projections, with each of
-  `models.lora.LORA_IMPLS`.
+- "lora-none": `enable_lora` (the default form: the CPU kernel on this machine) with every
+  request on the base model (the adapter path runs, every token's slot -1);
+- "lora-masked" / "lora-gathered" / "lora-grouped": `enable_lora`, the requests spread
+  evenly over `--adapters` random rank-`--rank` adapters on all seven projections, with
+  each of `models.lora.LORA_IMPLS`.
 Each round runs the engines one after another (A, B, C, D, A, B, ...) on the same prompts
 (prefix caching off) and times `generate` of `--max-tokens` greedy tokens per request; the
 figures are the median over rounds, with the load average beside them. Adapter load time
@@ -34,6 +34,7 @@ from jaxserve.bench.lora_adapters import write_random_adapter
 from jaxserve.lora import LoRARequest
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
+from models.lora import LORA_IMPLS
 
 
 def main() -> None:
@@ -56,7 +57,7 @@ def main() -> None:
     lora_args = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank)
     engines = {"base": (LLM(model, tokenizer=tokenizer, **sizes), None)}
     engines["lora-none"] = (LLM(model, tokenizer=tokenizer, **sizes, **lora_args), None)
-    for impl in ("masked", "gathered"):
+    for impl in LORA_IMPLS:
         engines[f"lora-{impl}"] = (LLM(model, tokenizer=tokenizer, lora_impl=impl, **sizes,
                                        **lora_args), loras)
     prompts = [f"Request {i}: write a short story about the number {i * 7 + 3}."

@@ -125,7 +125,8 @@ class AsyncLLM:
         self.errored: BaseException | None = None
         self.metrics.update_snapshot(engine.get_metrics())
         self.metrics.cache_config = engine.cache_config_info()
-        self._scheduled_tokens = engine.num_scheduled_tokens
+        self.metrics.configure(engine.max_model_len)
+        self._iteration_tokens = engine.num_iteration_tokens
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -345,9 +346,9 @@ class AsyncLLM:
             self._fail_all(RuntimeError(f"engine step failed: {e}"))
             return
         now = time.time()
-        scheduled = self.engine.num_scheduled_tokens
-        self.metrics.observe_step(scheduled - self._scheduled_tokens)
-        self._scheduled_tokens = scheduled
+        processed = self.engine.num_iteration_tokens
+        self.metrics.observe_step(processed - self._iteration_tokens)
+        self._iteration_tokens = processed
         for out in outputs:
             if isinstance(out, RequestOutput):  # not an EmbeddingRequestOutput
                 self.metrics.observe(out, now)

@@ -168,6 +168,10 @@ class DataParallelEngine:
         return sum(r.num_scheduled_tokens for r in self.replicas)
 
     @property
+    def num_iteration_tokens(self) -> int:
+        return sum(r.num_iteration_tokens for r in self.replicas)
+
+    @property
     def warmup_progress(self) -> tuple[int, int]:
         """Buckets compiled and in all, over every replica."""
         done, total = zip(*(r.warmup_progress for r in self.replicas), strict=True)
@@ -183,6 +187,7 @@ class DataParallelEngine:
         merged: dict[str, float] = {}
         for name in {k for m in per for k in m}:
             values = [m.get(name, 0) for m in per]
-            average = name.endswith(("_perc", "_ratio", "warmup_seconds"))
+            average = name.split("{", 1)[0].endswith(("_perc", "_ratio", "warmup_seconds",
+                                                      "sleep_state"))
             merged[name] = sum(values) / len(values) if average else sum(values)
         return merged

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# The finish reasons vLLM's `request_success` shows from the start (others when they occur).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
 
 class EngineMetrics:
     """`LLMEngine`'s metrics (its worker, scheduler, KV cache manager, runner, outputs and
@@ -16,6 +19,18 @@ class EngineMetrics:
     def num_scheduled_tokens(self) -> int:
         """Tokens the engine's steps have computed so far."""
         return self.runner.num_scheduled_tokens
+
+    @property
+    def num_iteration_tokens(self) -> int:
+        """Prompt plus generated tokens the engine's iterations have processed, as vLLM
+        counts them: a request's prompt when its first token comes, every new token."""
+        return self.num_prompt_tokens + self.outputs.num_generation_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens counted as vLLM's `prompt_tokens`: when the request's first token
+        comes (each completion of an n > 1 request), or when a pooling request is added."""
+        return self.outputs.num_prompt_tokens + self.counters["pooled_prompt_tokens"]
 
     @property
     def warmup_progress(self) -> tuple[int, int]:
@@ -49,7 +64,7 @@ class EngineMetrics:
             "jaxserve:prefix_cache_queries": stats.prefix_queries,
             "jaxserve:prefix_cache_hits": stats.prefix_hits,
             "jaxserve:num_preemptions": sched.num_preemptions,
-            "jaxserve:prompt_tokens": self.counters["prompt_tokens"],
+            "jaxserve:prompt_tokens": self.num_prompt_tokens,
             "jaxserve:generation_tokens": self.outputs.num_generation_tokens,
             "jaxserve:num_compilations": self.runner.num_compilations + (
                 self.speculator.num_compilations if self.speculator is not None else 0),
@@ -61,6 +76,11 @@ class EngineMetrics:
         }
         if self.speculator is not None:
             metrics.update(self.speculator.metrics())
-        for reason, count in self.finished_reasons.items():
-            metrics[f"jaxserve:request_success{{finished_reason={reason}}}"] = count
+        for reason in (*FINISH_REASONS, *self.finished_reasons):  # vLLM's, from 0
+            metrics[f"jaxserve:request_success{{finished_reason={reason}}}"] = \
+                self.finished_reasons.get(reason, 0)
+        level = self._sleep_level
+        for state, on in (("awake", level == 0), ("weights_offloaded", level == 1),
+                          ("discard_all", level == 2)):
+            metrics[f"jaxserve:engine_sleep_state{{sleep_state={state}}}"] = float(on)
         return metrics

@@ -82,7 +82,7 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
                                      lim.max_model_len, self.scheduler.max_num_seqs,
                                      self.worker.eos_token_ids, config.model.seed)
         self.outputs = OutputProcessor()
-        self.counters = {"prompt_tokens": 0, "num_steps": 0}
+        self.counters = {"pooled_prompt_tokens": 0, "num_steps": 0}
         # Whether steps overlap (may be switched between steps, as tests do to compare both
         # orders on one compiled engine).
         self.async_scheduling = config.scheduler.async_scheduling
@@ -136,7 +136,6 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
                                     arrival_time=arrival_time, lora_request=lora_request)
         self.scheduler.add_request(state.root)
         self.outputs.add(state)
-        self.counters["prompt_tokens"] += len(state.prompt_token_ids)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Ends requests now; their pages are freed at once. Unknown ids are ignored.

@@ -282,6 +282,9 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self.finished_reasons: dict[str, int] = {}
         self.num_generation_tokens = 0
+        # Prompt tokens of requests (each completion of n > 1 apart) that got their first
+        # token, counted then, as vLLM counts `prompt_tokens`.
+        self.num_prompt_tokens = 0
 
     def add(self, state: RequestState) -> None:
         self.states[state.request_id] = state
@@ -344,6 +347,8 @@ class OutputProcessor:
             rows = step.row_of.get(req.request_id) \
                 or [step.row_of[req.forked_from][req.sample_index]]
             self.num_generation_tokens += len(tokens)
+            if req.num_output_tokens == len(tokens):  # its first token(s)
+                self.num_prompt_tokens += len(state.prompt_token_ids)
             try:
                 stop_str = state.on_tokens(req, tokens, step.result, rows, now)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the step's

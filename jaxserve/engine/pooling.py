@@ -150,4 +150,5 @@ class PoolingControl:
         self.scheduler.add_request(state.root)
         self.outputs.add(state)
         self.pooler.add(request_id, params, len(state.prompt_token_ids))
-        self.counters["prompt_tokens"] += len(state.prompt_token_ids)
+        # NOTE: counted when added (a pooling request ends in its prefill step).
+        self.counters["pooled_prompt_tokens"] += len(state.prompt_token_ids)

@@ -86,6 +86,11 @@ class EngineClient(Protocol):
         """Tokens the engine has computed so far (its steps' scheduled tokens)."""
 
     @property
+    def num_iteration_tokens(self) -> int:
+        """Prompt plus generated tokens processed so far, as vLLM's
+        `iteration_tokens_total` counts them (`EngineMetrics.num_iteration_tokens`)."""
+
+    @property
     def warmup_progress(self) -> tuple[int, int]:
         """(buckets compiled, buckets in all) while warm-up runs (`/health`)."""
 

@@ -36,6 +36,7 @@ from jaxserve.runner.warmup import run_warmup
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, SamplingMetadata
 from jaxserve.utils import cdiv
 from models.kv_groups import KVGroupLayout
+from models.lora import resolve_impl as resolve_lora_impl
 from models.model import Model
 from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
 from pallas_kernels.tuning import tuned
@@ -89,8 +90,10 @@ class ModelRunner(StepPrograms):
         experts = None if layout is None else layout.experts
         if experts != model.expert_sharding:
             model = dataclasses.replace(model, expert_sharding=experts)
-        if lora is not None and lora.enable_lora and lora.lora_impl != model.lora_impl:
-            model = dataclasses.replace(model, lora_impl=lora.lora_impl)
+        if lora is not None and lora.enable_lora:
+            impl = resolve_lora_impl(lora.lora_impl, model.dtype, layout is None)
+            if impl != model.lora_impl:
+                model = dataclasses.replace(model, lora_impl=impl)
         # NOTE: a copy of its own: `set_params` updates it in place (the compiled steps
         # hold it), never a model object the caller or another engine holds.
         self.model = dataclasses.replace(model)

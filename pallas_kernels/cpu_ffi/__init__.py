@@ -4,6 +4,8 @@
   (the decode rows, and the tokens of short prompts, of `ragged_paged_attention/xla.py`).
 - `gemm.py` + `stacked_gemm.cc`: the layer matmul over weights packed into panels, reading
   layer `i` of the whole stack in place (the model's packed weights, `models/packed.py`).
+- `lora.py` + `lora_sgmv.cc`: each token's LoRA update by its own adapter slot only
+  (`models/lora.py`'s "grouped" form), reading layer `i` of the slot stacks in place.
 
 The CPU backend is for development, CI and small deployments: one host's cores, float32,
 one device (a tensor-parallel mesh serves on `xla`). Production serving is the Pallas

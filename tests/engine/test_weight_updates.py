@@ -126,11 +126,15 @@ def test_sleep_frees_the_pool_and_wake_up_serves_the_same(llm):
     live = sum(x.nbytes for x in jax.live_arrays())
     assert llm.sleep(level=1) == pool_bytes
     assert llm.is_sleeping() and llm.engine.runner.kv_pages is None
+    state = lambda: {k.split("=")[1][:-1]: v for k, v in llm.engine.get_metrics().items()
+                     if k.startswith("jaxserve:engine_sleep_state{")}
+    assert state() == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}  # vLLM's gauge
     assert sum(x.nbytes for x in jax.live_arrays()) <= live - pool_bytes
     with pytest.raises(ValueError, match="sleeping"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.wake_up()
     assert not llm.is_sleeping() and tokens(llm) == before
+    assert state() == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
     assert llm.engine.runner.num_compilations == 0
 
 

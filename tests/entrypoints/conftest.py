@@ -108,7 +108,7 @@ class ServerThread:
         values = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                extra = {k: v for k, v in s.labels.items() if k != "model_name"}
+                extra = {k: v for k, v in s.labels.items() if k not in ("model_name", "engine")}
                 key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
                                 + "}" if extra else "")
                 values[key] = s.value

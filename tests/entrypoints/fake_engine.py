@@ -84,6 +84,7 @@ class FakeEngine:
     eos_token_ids = property(lambda self: tuple(
         [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]))
     num_scheduled_tokens = property(lambda self: 0)
+    num_iteration_tokens = property(lambda self: 0)
     warmup_progress = (0, 0)
 
     def check_constraint(self, structured_outputs) -> None:

@@ -111,10 +111,15 @@ def test_metrics_snapshot_follows_the_engine(llm):
     time.sleep(0.05)
     snap = llm.get_metrics()
     assert snap["jaxserve:num_requests_running"] == 0 and snap["jaxserve:generation_tokens"] >= 3
-    reg, labels = llm.metrics.registry, {"model_name": "jaxserve"}
+    reg, labels = llm.metrics.registry, {"model_name": "jaxserve", "engine": "0"}
     assert reg.get_sample_value("jaxserve:e2e_request_latency_seconds_count", labels) == 1
     assert reg.get_sample_value("jaxserve:time_to_first_token_seconds_count", labels) == 1
     assert reg.get_sample_value("jaxserve:inter_token_latency_seconds_count", labels) == 2
+    # token-count edges up to the engine's max_model_len (64 here: 1, 2, 5, ..., 50)
+    assert reg.get_sample_value("jaxserve:request_prompt_tokens_bucket",
+                                {**labels, "le": "50.0"}) == 1
+    assert reg.get_sample_value("jaxserve:request_prompt_tokens_bucket",
+                                {**labels, "le": "100.0"}) is None
 
 
 def wait_for(condition, timeout=5.0):

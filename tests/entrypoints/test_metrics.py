@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve.metrics import ServerMetrics, StatLogger, split_name
+from jaxserve.metrics import ServerMetrics, StatLogger, buckets_1_2_5, split_name
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 SNAPSHOT = {
@@ -18,6 +18,9 @@ SNAPSHOT = {
     "jaxserve:request_success{finished_reason=stop}": 4,
     "jaxserve:request_success{finished_reason=length}": 5,
 }
+
+
+LABELS = {"model_name": "tiny", "engine": "0"}
 
 
 def families(metrics: ServerMetrics) -> dict:
@@ -44,7 +47,7 @@ def test_snapshot_exports_counters_and_gauges_with_vllm_names():
                for s in fams["jaxserve:request_success"].samples if s.name.endswith("_total")}
     assert success == {"stop": 4, "length": 5}
     sample = fams["jaxserve:kv_cache_usage_perc"].samples[0]
-    assert sample.value == 0.25 and sample.labels == {"model_name": "tiny"}
+    assert sample.value == 0.25 and sample.labels == {"model_name": "tiny", "engine": "0"}
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert fams[f"jaxserve:{name}"].type == "histogram", name
@@ -64,7 +67,7 @@ def test_observe_records_ttft_itl_e2e_and_queue_time():
     m.observe(out(False))
     metrics.last_token_time = metrics.finished_time = t0 + 1.5
     m.observe(out(True))
-    get = lambda name: m.registry.get_sample_value(f"jaxserve:{name}", {"model_name": "tiny"})
+    get = lambda name: m.registry.get_sample_value(f"jaxserve:{name}", LABELS)
     assert get("time_to_first_token_seconds_sum") == 1.0
     assert get("request_queue_time_seconds_sum") == 0.5
     assert get("inter_token_latency_seconds_count") == 2
@@ -125,15 +128,45 @@ def test_request_and_step_histograms_and_cache_config():
     m.observe(RequestOutput("r", "p", [1, 2, 3], [CompletionOutput(0, token_ids=[5, 6]),
                                                   CompletionOutput(1, token_ids=[7])],
                             True, metrics))
-    get = lambda name: m.registry.get_sample_value(f"jaxserve:{name}", {"model_name": "tiny"})
+    get = lambda name: m.registry.get_sample_value(f"jaxserve:{name}", LABELS)
     assert get("iteration_tokens_total_count") == 2 and get("iteration_tokens_total_sum") == 42
-    assert get("request_prompt_tokens_sum") == 3
+    # vLLM observes each completion of an n > 1 request: the prompt twice, 2 and 1 tokens
+    assert get("request_prompt_tokens_count") == 2 and get("request_prompt_tokens_sum") == 6
+    assert get("request_generation_tokens_count") == 2
     assert get("request_generation_tokens_sum") == 3
+    assert get("request_max_num_generation_tokens_sum") == 2
+    # decode time 2.0 s over the 3 - 2 tokens after each completion's first
+    assert get("request_time_per_output_token_seconds_sum") == 2.0
     assert get("request_params_n_sum") == 2 and get("request_params_max_tokens_sum") == 9
     assert get("request_inference_time_seconds_sum") == 2.5
     assert get("request_prefill_time_seconds_sum") == 0.5
     assert get("request_decode_time_seconds_sum") == 2.0
     info = families(m)["jaxserve:cache_config_info"].samples[0]
     assert info.value == 1 and info.labels == {"block_size": "16", "num_gpu_blocks": "64",
-                                               "enable_prefix_caching": "True"}
+                                               "enable_prefix_caching": "True", "engine": "0"}
     assert m._params == {}
+
+
+def test_token_buckets_follow_the_context_length_and_iterations_vllms_edges():
+    assert buckets_1_2_5(100) == (1, 2, 5, 10, 20, 50, 100)
+    assert buckets_1_2_5(2048) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+    m = ServerMetrics("tiny")
+    m.configure(2048)
+    edges = lambda name: [s.labels["le"] for s in families(m)[f"jaxserve:{name}"].samples
+                          if s.name.endswith("_bucket")]
+    for name in ("request_prompt_tokens", "request_generation_tokens",
+                 "request_params_max_tokens", "request_max_num_generation_tokens"):
+        assert edges(name)[-2:] == ["2000.0", "+Inf"], name
+    assert edges("iteration_tokens_total") == [
+        *(f"{float(e)}" for e in (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                   16384)), "+Inf"]
+
+
+def test_engine_sleep_state_and_every_finish_reason_from_zero():
+    m = ServerMetrics("tiny")
+    m.update_snapshot({"jaxserve:engine_sleep_state{sleep_state=awake}": 1,
+                       "jaxserve:engine_sleep_state{sleep_state=discard_all}": 0})
+    fam = families(m)["jaxserve:engine_sleep_state"]
+    assert fam.type == "gauge"
+    assert {s.labels["sleep_state"]: s.value for s in fam.samples} == {
+        "awake": 1, "discard_all": 0}

@@ -345,13 +345,14 @@ def test_the_field_table_lists_every_field_the_server_parses():
     from pathlib import Path
 
     from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from jaxserve.entrypoints.openai.protocol_responses import ResponsesRequest
     from jaxserve.entrypoints.openai.serving_embedding import EmbeddingRequest
 
     doc = (Path(__file__).parents[2] / "docs" / "openai_api.md").read_text()
     rows = [line.split("|")[1] for line in doc.splitlines() if line.startswith("| `")]
     listed = {name for cell in rows for name in re.findall(r"`([a-z_]+)`", cell)}
     parsed = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
-              | set(EmbeddingRequest.model_fields))
+              | set(EmbeddingRequest.model_fields) | set(ResponsesRequest.model_fields))
     assert parsed - listed == set()
     assert listed - parsed == set()
 

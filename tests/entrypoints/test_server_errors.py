@@ -118,6 +118,9 @@ def test_metrics_parse_and_counters_move(server):
     grew = lambda name, by: after[name] - before.get(name, 0) == by
     assert grew("jaxserve:prompt_tokens_total", 1)  # "Hello" is one token
     assert grew("jaxserve:generation_tokens_total", 3)
+    # vLLM's iteration count: the prompt with the first token, then each new token
+    assert grew("jaxserve:iteration_tokens_total_sum", 1 + 3)
+    assert grew("jaxserve:request_success_total{finished_reason=stop}", 0)  # there from 0
     assert grew("jaxserve:request_success_total{finished_reason=length}", 1)
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
                  "request_queue_time_seconds"):

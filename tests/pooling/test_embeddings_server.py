@@ -100,6 +100,8 @@ def test_errors_are_openai_400s(client, server):
     with pytest.raises(openai.BadRequestError, match="Chat Completions API.*pooling runner"):
         client.chat.completions.create(model=MODEL_NAME, max_tokens=2,
                                        messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.BadRequestError, match="Responses API.*pooling runner"):
+        client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError, match="input must not be empty"):
         client.embeddings.create(model=MODEL_NAME, input=[])
     with pytest.raises(openai.BadRequestError, match="input holds token ids outside"):

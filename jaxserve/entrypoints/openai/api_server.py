@@ -34,6 +34,7 @@ from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
+from jaxserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("jaxserve")
@@ -150,6 +151,8 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
         lanes, names, models = state.lanes, served_model_names, state.models
         state.completion = OpenAIServingCompletion(engine, names, lim, lanes, models)
         state.chat = OpenAIServingChat(engine, names, lim, lanes, models)
+        state.responses = OpenAIServingResponses(engine, names, lim, lanes, models,
+                                                 chat=state.chat)
         state.tokenization = OpenAIServingTokenization(engine, names, lim, lanes, models)
         state.embedding = OpenAIServingEmbedding(engine, names, lim, lanes, models)
         state.runner = engine.engine.runner_type  # "generate" or "pooling": one kind of endpoint
@@ -195,6 +198,13 @@ def _add_routes(app: FastAPI, state) -> None:
     async def chat_completions(request: Request):
         serves("generate", "Chat Completions")
         return respond(await state.chat.create(await request.body(), request.is_disconnected))
+
+    @app.post("/v1/responses")
+    @_guard
+    async def responses(request: Request):
+        serves("generate", "Responses")
+        return respond(await state.responses.create(await request.body(),
+                                                    request.is_disconnected))
 
     @app.post("/v1/embeddings")
     @_guard
