@@ -349,7 +349,14 @@ def test_the_field_table_lists_every_field_the_server_parses():
     from jaxserve.entrypoints.openai.serving_embedding import EmbeddingRequest
 
     doc = (Path(__file__).parents[2] / "docs" / "openai_api.md").read_text()
-    rows = [line.split("|")[1] for line in doc.splitlines() if line.startswith("| `")]
+    rows, header = [], None  # the first cells of the tables headed `| field |`
+    for line in doc.splitlines():
+        if not line.startswith("|"):
+            header = None
+        elif header is None:
+            header = line.split("|")[1].strip()
+        elif header == "field" and line.startswith("| `"):
+            rows.append(line.split("|")[1])
     listed = {name for cell in rows for name in re.findall(r"`([a-z_]+)`", cell)}
     parsed = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
               | set(EmbeddingRequest.model_fields) | set(ResponsesRequest.model_fields))

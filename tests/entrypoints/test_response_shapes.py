@@ -88,7 +88,7 @@ def stream(url: str, path: str, body: dict) -> list[dict]:
 
 
 def test_the_table_names_every_response_object():
-    assert len(SHAPES) == 36 and all(SHAPES.values()), SHAPES
+    assert len(SHAPES) == 37 and all(SHAPES.values()), SHAPES
 
 
 @pytest.mark.parametrize("details", [False, True])
@@ -143,7 +143,7 @@ def test_chat(urls, details):
     message = choice["message"]
     assert message["tool_calls"] == [] and message["content"] == "t0 t1 t2 "
     assert [message[k] for k in ("refusal", "annotations", "audio", "function_call",
-                                 "reasoning")] == [None] * 5
+                                 "reasoning", "reasoning_content")] == [None] * 6
     keys(choice["logprobs"], "chat logprobs")
     keys(choice["logprobs"]["content"][0], "chat logprob")
     keys(choice["logprobs"]["content"][0]["top_logprobs"][0], "chat top logprob")

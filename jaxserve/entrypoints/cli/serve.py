@@ -16,6 +16,11 @@ from jaxserve.entrypoints.cli.args import (
     quiet_start,
 )
 from jaxserve.entrypoints.cli.engine import add_serving_args, served_names, serving_models
+from jaxserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
+REASONING_PARSER_NAMES = tuple(REASONING_PARSERS)
 
 
 def add_parser(sub) -> None:
@@ -73,10 +78,19 @@ def add_parser(sub) -> None:
                    help="serve vLLM's development endpoints POST /sleep?level=1|2, POST "
                         "/wake_up, GET /is_sleeping, POST /reset_prefix_cache (also on with "
                         "VLLM_SERVER_DEV_MODE=1)")
-    p.add_argument("--tool-call-parser", default="hermes", choices=["hermes", "none"],
+    p.add_argument("--tool-call-parser", default="hermes",
+                   choices=[*TOOL_PARSER_NAMES, "none"],
                    help="how chat replies to requests with tools (tool_choice 'auto') are "
-                        "read for tool calls: 'hermes' (<tool_call>{json}</tool_call>), or "
-                        "'none' (the reply stays content) (default: hermes)")
+                        "read for tool calls, vLLM's names: 'hermes' (<tool_call>{json}"
+                        "</tool_call>), 'llama3_json', 'mistral', 'pythonic', 'qwen3_coder', "
+                        "or 'none' (the reply stays content) (default: hermes)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice 'auto' is read by "
+                        "--tool-call-parser whenever one is set")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES,
+                   help="split a chat reply's <think>...</think> into the message's "
+                        "reasoning (and reasoning_content), vLLM's names: 'qwen3' or "
+                        "'deepseek_r1' (default: no split)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens (prefix-cache hits) in "
                         "responses whose prompts hit the cache, as vLLM's flag (null otherwise)")
@@ -127,6 +141,7 @@ def run(args) -> int:
     limits = ServingLimits(max_prompts_per_request=args.max_prompts_per_request,
                            tool_call_parser=None if args.tool_call_parser == "none"
                            else args.tool_call_parser,
+                           reasoning_parser=args.reasoning_parser,
                            max_tokenize_tokens=args.max_tokenize_tokens,
                            max_stop_strings=args.max_stop_strings,
                            enable_prompt_tokens_details=args.enable_prompt_tokens_details)

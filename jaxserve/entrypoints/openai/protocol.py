@@ -256,6 +256,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    include_reasoning: bool = True
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 

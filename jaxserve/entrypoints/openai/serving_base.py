@@ -12,7 +12,9 @@ from typing import Any
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.admission import PrepareLanes
 from jaxserve.entrypoints.openai.errors import OpenAIError
+from jaxserve.entrypoints.openai.reasoning import get_reasoning_parser
 from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
+from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
 from jaxserve.lora import LoRARequest
 from jaxserve.sampling_params import SamplingParams
 
@@ -39,8 +41,10 @@ class ServingLimits:
             `2 * max_chars_per_token * max_model_len` characters cannot fit and is refused
             before it is tokenized (None: the longest vocabulary entry; 0: always tokenize).
         tool_call_parser: How chat replies with `tool_choice="auto"` are read for tool
-            calls: "hermes" (`<tool_call>{json}</tool_call>`), or None (never: the reply
-            is content).
+            calls: a name of `tool_parsers.TOOL_PARSERS` ("hermes", "llama3_json",
+            "mistral", "pythonic", "qwen3_coder"), or None (never: the reply is content).
+        reasoning_parser: How a chat reply's reasoning is split from its content: a name
+            of `reasoning.REASONING_PARSERS` ("qwen3", "deepseek_r1"), or None (no split).
         max_tokenize_tokens: Most token ids `/tokenize` returns and `/detokenize` takes
             (None: 4 * max_model_len). Text longer than this many tokens can hold is refused
             before it is tokenized.
@@ -54,6 +58,7 @@ class ServingLimits:
     max_prompts_per_request: int = 256
     max_chars_per_token: int | None = None
     tool_call_parser: str | None = "hermes"
+    reasoning_parser: str | None = None
     max_tokenize_tokens: int | None = None
     max_stop_strings: int = 64
     enable_prompt_tokens_details: bool = False
@@ -63,6 +68,10 @@ class ServingLimits:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # an unknown name: a ValueError
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
 
 
 @dataclasses.dataclass

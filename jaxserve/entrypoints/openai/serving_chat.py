@@ -6,6 +6,11 @@ from collections.abc import AsyncIterator
 
 from jaxserve.entrypoints.chat_template import ChatTemplateError, render_chat
 from jaxserve.entrypoints.openai.protocol import REQUEST_FIELDS, ChatCompletionRequest, ChatMessage
+from jaxserve.entrypoints.openai.reasoning import (
+    ReasoningParser,
+    get_reasoning_parser,
+    thinking_disabled,
+)
 from jaxserve.entrypoints.openai.serving_base import SAMPLING_FIELDS, Prepared
 from jaxserve.entrypoints.openai.serving_completion import prompt_logprobs_json
 from jaxserve.entrypoints.openai.serving_engine import (
@@ -19,6 +24,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     usage,
 )
 from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, reply_message, tool_mode
+from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
 from jaxserve.outputs import CompletionOutput
 
 _FIELDS = SAMPLING_FIELDS | REQUEST_FIELDS | {"logit_bias", "top_logprobs", "messages",
@@ -89,6 +95,9 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise from_value_error(e, _FIELDS, {"max_tokens": limit_name}) from None
         self.check_constraint(req, params)
+        if self.tool_mode(req) == "auto" and \
+                get_tool_parser(self.limits.tool_call_parser).keep_special_tokens:
+            params = params.clone(skip_special_tokens=False)  # the call marker is one
         chars = sum(len(m.as_template_message()["content"] or "") for m in req.messages
                     if isinstance(m.content, str))
         per_token = self.limits.max_chars_per_token
@@ -113,16 +122,30 @@ class OpenAIServingChat(OpenAIServing):
         mode = tool_mode(req.tools, req.tool_choice)
         return None if mode == "auto" and not self.limits.tool_call_parser else mode
 
+    def reasoning_parser(self, req, prep: Prepared) -> ReasoningParser | None:
+        """The `--reasoning-parser` for this request's replies: None without one, when
+        `chat_template_kwargs` turned thinking off, or when the output is constrained from
+        its first token (a schema, a forced call: no think block can come first)."""
+        name = self.limits.reasoning_parser
+        if name is None or thinking_disabled(req.chat_template_kwargs) \
+                or prep.params.structured_outputs is not None:
+            return None
+        return get_reasoning_parser(name)
+
     def full_response(self, req, prep, request_id, finals) -> dict:
         params, final = prep.params, finals[0]
         mode = self.tool_mode(req)
+        splitter = self.reasoning_parser(req, prep)
         choices = []
         for comp in final.outputs:
+            reasoning, text = splitter.split(comp.text) if splitter else (None, comp.text)
             # NOTE: a forced call's arguments are the generated text alone (no echo).
-            text = comp.text if mode in ("named", "required") \
-                else prep.extra["echo"] + comp.text
-            message, finish_reason = reply_message(mode, text, req.tool_choice,
-                                                   comp.finish_reason)
+            if mode not in ("named", "required") and prep.extra["echo"]:
+                text = prep.extra["echo"] + (text or "")
+            message, finish_reason = reply_message(
+                mode, text, req.tool_choice, comp.finish_reason,
+                parser=self.limits.tool_call_parser, tools=req.tools,
+                reasoning=reasoning if req.include_reasoning else None)
             choices.append({
                 "index": comp.index, "message": message,
                 "logprobs": chat_logprobs(comp, 0, params.logprobs, self.tokenizer)
@@ -150,13 +173,16 @@ class OpenAIServingChat(OpenAIServing):
                 "logprobs": None, "finish_reason": None}], "prompt_token_ids": None,
                 **chunk_usage(req, prep, [None], chat=True)}
         finals = [None]
-        mode = self.tool_mode(req)
-        tools = [ToolCallStream(mode, req.tool_choice) for _ in range(params.n)]
+        mode, splitter = self.tool_mode(req), self.reasoning_parser(req, prep)
+        replies = [ReplyStream(ToolCallStream(mode, req.tool_choice,
+                                              self.limits.tool_call_parser, req.tools),
+                               splitter.stream() if splitter else None, req.include_reasoning)
+                   for _ in range(params.n)]
         async for d in deltas(streams, params, finals):
             logprobs = chat_logprobs(d.comp, d.token_start, params.logprobs, self.tokenizer) \
                 if params.logprobs is not None else None
-            delta, finish_reason = tools[d.comp.index].feed(d.text, d.comp.finish_reason)
-            choice = {"index": d.comp.index, "delta": {**delta, "reasoning_content": None},
+            delta, finish_reason = replies[d.comp.index].feed(d.text, d.comp.finish_reason)
+            choice = {"index": d.comp.index, "delta": delta,
                       "logprobs": logprobs, "finish_reason": finish_reason}
             if finish_reason is not None:
                 choice["stop_reason"] = d.comp.stop_reason
@@ -165,3 +191,33 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream_options is not None and req.stream_options.include_usage:
             yield {**head, "choices": [], "usage": final_usage(
                 finals, details=self.limits.enable_prompt_tokens_details)}
+
+
+class ReplyStream:
+    """One choice's streamed reply: reasoning split off first (deltas with `reasoning` and
+    vLLM's older `reasoning_content`), the rest read for tool calls.
+
+    Args:
+        tools: The choice's tool-call stream.
+        reasoning: The reasoning split's stream (None: no split).
+        include_reasoning: Send the reasoning (vLLM's `include_reasoning`; false drops it).
+    """
+
+    def __init__(self, tools: ToolCallStream, reasoning=None, include_reasoning: bool = True):
+        self.tools, self.reasoning, self.include = tools, reasoning, include_reasoning
+
+    def feed(self, delta: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """The delta object for new text `delta` (every one carries `reasoning_content`, as
+        vLLM's), and the finish_reason to report."""
+        if self.reasoning is None:
+            out, finish_reason = self.tools.feed(delta, finish_reason)
+            return {**out, "reasoning_content": None}, finish_reason
+        pieces = self.reasoning.feed(delta)
+        if finish_reason is not None:
+            pieces += self.reasoning.flush()
+        thought = "".join(t for kind, t in pieces if kind == "reasoning")
+        content = "".join(t for kind, t in pieces if kind == "content")
+        out, finish_reason = self.tools.feed(content, finish_reason)
+        if thought and self.include:
+            return {"reasoning": thought, **out, "reasoning_content": thought}, finish_reason
+        return {**out, "reasoning_content": None}, finish_reason

@@ -1,46 +1,23 @@
-"""Tool calls in chat replies: the hermes parser (`<tool_call>{json}</tool_call>`), the
-`tool_calls` of forced calls, and their streamed deltas."""
+"""Tool calls in chat replies: the `tool_calls` of a reply read by a tool-call parser
+(`tool_parsers.py`), of forced calls, and their streamed deltas."""
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 
-TOOL_CALL_PARSERS = ("hermes",)
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+from jaxserve.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    HermesToolParser,
+    call_json,
+    get_tool_parser,
+)
 
-
-def call_json(name: str, arguments: str) -> dict:
-    """One OpenAI tool call object (a new `call_...` id)."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+TOOL_CALL_PARSERS = tuple(TOOL_PARSERS)
 
 
 def hermes_calls(text: str) -> tuple[str | None, list[dict]]:
-    """(content before the first call, calls) of a hermes-style reply.
-
-    Each `<tool_call>` block holds `{"name": ..., "arguments": {...}}`; a last block that
-    the model ended without `</tool_call>` counts too. A reply with a block that is not
-    such JSON is returned as plain content, with no calls.
-    """
-    start = text.find(_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for block in _BLOCK.findall(text[start:]):
-        try:
-            call = json.loads(block)
-        except json.JSONDecodeError:
-            return text, []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return text, []
-        args = call.get("arguments", call.get("parameters", {}))
-        calls.append(call_json(call["name"], args if isinstance(args, str)
-                               else json.dumps(args, ensure_ascii=False)))
-    content = text[:start].strip()
-    return content or None, calls
+    """(content before the first call, calls) of a hermes-style reply (`HermesToolParser`)."""
+    return HermesToolParser().parse(text)
 
 
 def required_calls(text: str) -> list[dict]:
@@ -59,23 +36,35 @@ def tool_mode(tools: list[dict] | None, tool_choice) -> str | None:
     return "required" if tool_choice == "required" else "auto"
 
 
-def reply_message(mode: str | None, text: str, tool_choice, finish_reason: str | None
-                  ) -> tuple[dict, str | None]:
+def reply_message(mode: str | None, text: str | None, tool_choice, finish_reason: str | None,
+                  parser: str | None = "hermes", tools: list[dict] | None = None,
+                  reasoning: str | None = None) -> tuple[dict, str | None]:
     """(assistant message, finish_reason) of a whole reply under `mode`, with the keys of
-    vLLM's `ChatMessage` (`tool_calls` always a list; a forced call's content `""`)."""
+    vLLM's `ChatMessage` (`tool_calls` always a list; a forced call's content `""`).
+
+    Args:
+        mode: `tool_mode(...)`.
+        text: The reply, its reasoning taken out (None: nothing but reasoning).
+        tool_choice: The request's tool_choice (the name of a named call).
+        finish_reason: The engine's.
+        parser: The tool-call parser of `auto` replies (`TOOL_PARSERS`; None: none).
+        tools: The request's tools (some parsers type arguments by their schemas).
+        reasoning: The reply's reasoning (`reasoning`, and vLLM's older `reasoning_content`).
+    """
     calls: list[dict] = []
     content: str | None = text
     if mode == "named":  # as vLLM: the call, even when cut short (finish_reason says so)
-        content, calls = "", [call_json(tool_choice["function"]["name"], text)]
+        content, calls = "", [call_json(tool_choice["function"]["name"], text or "")]
     elif mode == "required":
         try:
-            content, calls = "", required_calls(text)
+            content, calls = "", required_calls(text or "")
         except (ValueError, KeyError, TypeError):  # cut short (a stop string, max_tokens)
             content, calls = text, []
-    elif mode == "auto":
-        content, calls = hermes_calls(text)
+    elif mode == "auto" and parser is not None and text:
+        content, calls = get_tool_parser(parser).parse(text, tools)
     message = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
-               "audio": None, "function_call": None, "tool_calls": calls, "reasoning": None}
+               "audio": None, "function_call": None, "tool_calls": calls,
+               "reasoning": reasoning, "reasoning_content": reasoning}
     # NOTE: OpenAI ends a forced (named) call with "stop", a chosen one "tool_calls".
     if calls and mode != "named" and finish_reason == "stop":
         finish_reason = "tool_calls"
@@ -83,19 +72,27 @@ def reply_message(mode: str | None, text: str, tool_choice, finish_reason: str |
 
 
 class ToolCallStream:
-    """Turns one choice's streamed text into content and tool-call deltas.
+    """Turns one choice's streamed text (its reasoning taken out) into content and tool-call
+    deltas.
 
     Named calls stream their arguments as they come; `required` and `auto` replies stream
-    content until a call may begin (text that could start `<tool_call>` is held back), and
-    their calls are sent whole once the reply ends.
+    content until a call may begin (from the parser's first marker on, and any end of the
+    text that may begin one, text is held back), and their calls are sent whole, each with
+    its `index`, once the reply ends. Held-back text that holds no call is sent as content.
 
     Args:
         mode: `tool_mode(...)`.
         tool_choice: The request's tool_choice (the name of a named call).
+        parser: The tool-call parser of `auto` replies (None: the reply is content).
+        tools: The request's tools.
     """
 
-    def __init__(self, mode: str | None, tool_choice):
-        self.mode, self.tool_choice = mode, tool_choice
+    def __init__(self, mode: str | None, tool_choice, parser: str | None = "hermes",
+                 tools: list[dict] | None = None):
+        if mode == "auto" and parser is None:
+            mode = None
+        self.mode, self.tool_choice, self.tools = mode, tool_choice, tools
+        self.parser = get_tool_parser(parser) if mode == "auto" else None
         self.text = ""  # the reply so far
         self.sent = 0  # characters of it sent as content
         self.call_id: str | None = None
@@ -115,27 +112,30 @@ class ToolCallStream:
         if self.mode is None:
             return ({"content": delta} if delta else {}), finish_reason
         if finish_reason is not None:
-            message, finish_reason = reply_message(self.mode, self.text, self.tool_choice,
-                                                   finish_reason)
-            out = {}
-            end = self.text.find(_OPEN) if message.get("tool_calls") else len(self.text)
-            rest = self.text[self.sent:max(end, self.sent)].rstrip() \
-                if message.get("tool_calls") else self.text[self.sent:]
-            if rest:
-                out["content"] = rest
-            if message.get("tool_calls"):
-                out["tool_calls"] = [{"index": i, **c}
-                                     for i, c in enumerate(message["tool_calls"])]
-            return out, finish_reason
+            return self._finish(finish_reason)
         if self.mode == "required":
             return {}, None
-        # auto: hold back whatever could be the start of a call
-        start = self.text.find(_OPEN, self.sent)
-        end = start if start >= 0 else len(self.text)
-        if start < 0:
-            for k in range(min(len(_OPEN) - 1, len(self.text)), 0, -1):
-                if _OPEN.startswith(self.text[-k:]):
-                    end = len(self.text) - k
-                    break
-        new, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
+        end = max(self.parser.hold_from(self.text, self.sent), self.sent)
+        new, self.sent = self.text[self.sent:end], end
         return ({"content": new} if new else {}), None
+
+    def _finish(self, finish_reason: str) -> tuple[dict, str | None]:
+        """The last delta: the held-back text read for calls (the content sent so far is
+        content whatever follows)."""
+        rest = self.text[self.sent:]
+        if self.mode == "required":
+            message, finish_reason = reply_message("required", rest, self.tool_choice,
+                                                   finish_reason)
+            content, calls = message["content"], message["tool_calls"]
+        else:
+            content, calls = self.parser.parse(rest, self.tools) if rest else (rest, [])
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        out: dict = {}
+        if calls:
+            content = (content or "").rstrip() if self.sent else (content or "").strip()
+        if content:
+            out["content"] = content
+        if calls:
+            out["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        return out, finish_reason
