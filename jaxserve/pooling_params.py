@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxserve.utils import settings_dict
+
 # How a prompt's final-normed hidden states become one vector: the last token's, their
 # mean, or the first token's (vLLM's sequence pooling types).
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -52,19 +54,8 @@ class PoolerConfig:
             return cls()
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a PoolerConfig or a dict, got "
-                             f"{type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"pooler_config: unknown field(s) {', '.join(unknown)}; known: "
-                             f"{', '.join(sorted(known))}")
+        value = settings_dict(value, "pooler_config", [f.name for f in dataclasses.fields(cls)],
+                              '{"pooling_type": "MEAN", "normalize": true}')
         return cls(**{k: v for k, v in value.items() if v is not None})
 
 

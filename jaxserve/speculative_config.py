@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from jaxserve.utils import settings_dict
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 _SPECULATIVE_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min",
@@ -45,18 +46,8 @@ class SpeculativeConfig:
         """
         if spec is None or isinstance(spec, SpeculativeConfig):
             return spec
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
-        if not isinstance(spec, dict):
-            raise ValueError("speculative_config: expected a dict such as "
+        spec = settings_dict(spec, "speculative_config", _SPECULATIVE_FIELDS,
                              '{"method": "ngram", "num_speculative_tokens": 3}')
-        unknown = sorted(set(spec) - _SPECULATIVE_FIELDS)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: "
-                             f"{sorted(_SPECULATIVE_FIELDS)}")
         method = spec.get("method")
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method: {method!r} is not one of "

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
+from typing import Any
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: how many units of size `b` (> 0) hold `a` items.
@@ -38,3 +42,28 @@ def wait_for_listener(host: str, port: int, timeout: float, what: str, hint: str
                 raise ValueError(f"{what} {host}:{port} did not answer within {timeout:g} s "
                                  f"({e}); {hint}") from None
         time.sleep(0.2)
+
+
+def settings_dict(value: Any, name: str, known: Iterable[str], example: str = "",
+                  allow_json: bool = True) -> dict:
+    """A settings object's fields given as a dict (or, with `allow_json`, its JSON text, as
+    a CLI flag takes it), checked against the `known` field names: the one parser behind
+    `--speculative-config`, `--pooler-config` and `structured_outputs`.
+
+    Raises:
+        ValueError: Text that is not JSON, not a dict, or unknown fields; each message
+            starts with `name`.
+    """
+    if isinstance(value, str) and allow_json:
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a dict{' such as ' + example if example else ''}"
+                         f", got {type(value).__name__}")
+    known = set(known)
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown field(s) {unknown}; known: {sorted(known)}")
+    return value

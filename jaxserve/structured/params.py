@@ -6,6 +6,8 @@ import dataclasses
 import json
 from typing import Any
 
+from jaxserve.utils import settings_dict
+
 # The constraint kinds, exactly one of which a StructuredOutputsParams sets.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -93,14 +95,8 @@ class StructuredOutputsParams:
         """
         if isinstance(value, cls):
             return value
-        if not isinstance(value, dict):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict, "
-                             f"got {type(value).__name__}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - fields)
-        if unknown:
-            raise ValueError(f"structured_outputs: unknown keys {unknown}; known: "
-                             f"{sorted(fields)}")
+        value = settings_dict(value, "structured_outputs",
+                              [f.name for f in dataclasses.fields(cls)], allow_json=False)
         return cls(**value)
 
     @property

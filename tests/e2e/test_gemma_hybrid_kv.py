@@ -140,3 +140,26 @@ def test_pages_go_back_during_a_long_decode(families, name):
         kv.num_groups - num_full)
     assert max(held) < num_full * (len(held) // 8 + 6) + 4 * (kv.num_groups - num_full)
     assert kv.usage == 0.0 and kv.pool.num_used_pages == 0
+
+
+@pytest.mark.parametrize("kv", ["int8", pytest.param("fp8_e4m3", marks=pytest.mark.slow)])
+def test_8bit_pages_in_the_hybrid_cache_equal_one_table(families, kv):
+    """8-bit KV pages per group (each group's pool with its own scales), preempted by swap
+    and hit by the prefix cache, give the tokens of the same 8-bit pages in one block table
+    for every layer (`disable_hybrid_kv_cache_manager`): quantizing a token's K/V does not
+    depend on which table holds its page."""
+    directory, ids, _ = families("gemma3-pattern3")
+    args = {**ENGINE, **SMALL_POOL, "kv_cache_dtype": kv, "preemption_mode": "swap",
+            "swap_space": 0.01}
+    hybrid = LLM(directory, **args)
+    assert hybrid.engine.runner.kv_layout.is_hybrid
+    before = hybrid.get_metrics()
+    got = [_greedy(hybrid, ids[:1]), _greedy(hybrid, ids)]  # alone; then a prefix hit, swaps
+    assert _gained(hybrid, before, "num_swap_outs") > 0
+    assert _gained(hybrid, before, "prefix_cache_hits") > 0
+    assert hybrid.get_metrics()["jaxserve:kv_cache_usage_perc"] == 0.0
+    one = LLM(directory, **{**ENGINE, "kv_cache_dtype": kv},
+              disable_hybrid_kv_cache_manager=True)
+    assert not one.engine.runner.kv_layout.is_hybrid
+    want = _greedy(one, ids)
+    assert got == [want[:1], want]

@@ -42,7 +42,7 @@ def post(server, path, body):
     ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "a+", "choice": ["a"]}},
      "structured_outputs", "exactly one"),
     ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regexp": "a+"}},
-     "structured_outputs", "unknown keys"),
+     "structured_outputs", "unknown field"),
     ("/v1/completions", {**GOOD, "response_format": {"type": "json_object"},
                          "guided_regex": "a+"}, "guided_regex", "one output constraint"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {

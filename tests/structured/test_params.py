@@ -29,7 +29,7 @@ def test_sampling_params_takes_a_dict_and_checks_it():
     p = SamplingParams(structured_outputs={"choice": ["x", "y"]})
     assert p.structured_outputs == StructuredOutputsParams(choice=("x", "y"))
     assert p.needs_output_history  # its next mask follows the previous token
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="unknown field"):
         SamplingParams(structured_outputs={"choices": ["x"]})
 
 
