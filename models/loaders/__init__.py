@@ -19,6 +19,7 @@ from models.loaders.gguf_file import open_gguf
 from models.loaders.gguf_tokenizer import tokenizer_from_gguf
 from models.loaders.hf_names import SplitFused, build_params
 from models.loaders.safetensors_dir import SafetensorsDir, read_config
+from models.loaders.serving_dtype import resolve_dtype
 from models.model import Model, abstract_params, parse_dtype
 from models.quant import QUANTIZATIONS, QuantFormat, QuantPlan, quantize_params, uniform_plan
 from models.registry import arch_config_from_hf
@@ -114,13 +115,14 @@ def read_arch_config(model: str | None = None) -> ArchConfig:
     return cfg
 
 
-def load_model(model: str | None = None, dtype: str = "float32", backend: str = "auto",
+def load_model(model: str | None = None, dtype: str = "auto", backend: str = "auto",
                shardings=None, quantization: str | None = None) -> Model:
     """Loads weights into a `Model`.
 
     Args:
         model: GGUF file, HF directory, jaxserve checkpoint, or None for the default model.
-        dtype: "float32" or "bfloat16".
+        dtype: "auto" (vLLM's default: float32 on the CPU, else the checkpoint's dtype,
+            bfloat16 for most; `serving_dtype.resolve_dtype`), "float32" or "bfloat16".
         backend: Attention backend.
         quantization: Weight format on the device (`quant_plan_for`): None (the source's
             own), "none" (dense `dtype`), "gguf" (GGUF blocks kept), "int8" (weight-only,
@@ -133,8 +135,8 @@ def load_model(model: str | None = None, dtype: str = "float32", backend: str = 
         ValueError: Missing files, unsupported architecture, missing or misshapen tensors,
             truncated files; the message names the file and the tensor.
     """
-    jdtype = parse_dtype(dtype)
     kind, path = resolve_model(model)
+    jdtype = parse_dtype(resolve_dtype(dtype, kind, path))
     plan = quant_plan_for(kind, path, quantization)
     start = time.perf_counter()
     cfg = read_arch_config(path)
@@ -199,6 +201,6 @@ def convert(src: str | None, dst: str, dtype: str = "float32",
         tokenizer = load_tokenizer(src)
     except (OSError, ValueError):
         tokenizer = None  # weights-only directories still convert
-    orbax_ckpt.save_checkpoint(dst, m.cfg, m.params, dtype, tokenizer, source=path,
+    orbax_ckpt.save_checkpoint(dst, m.cfg, m.params, m.dtype.name, tokenizer, source=path,
                                quant=m.quant)
     return m

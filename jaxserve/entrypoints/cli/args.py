@@ -23,13 +23,17 @@ from pallas_kernels.ops import ATTENTION_BACKENDS
 # (flag, type or "bool" for --x/--no-x or "json" for a JSON object, choices, default as shown,
 # help). The defaults are EngineConfig's; flags left unset keep them (None is never passed on).
 ENGINE_ARGS = [
-    ("--dtype", str, DTYPES, "float32", "parameter, activation and KV dtype"),
+    ("--dtype", str, DTYPES, "auto",
+     "parameter, activation and KV dtype (auto: float32 on the CPU, else the checkpoint's, "
+     "bfloat16 for most)"),
     ("--quantization", str, QUANTIZATIONS,
      "the model's own (GGUF: kept quantized on GPU/TPU, dequantized on the CPU)",
      "weight format on the device"),
     ("--kv-cache-dtype", str, KV_CACHE_DTYPES, "auto",
      "KV page dtype (8-bit: a float32 scale per token and head)"),
-    ("--max-model-len", int, None, "min(model limit, 2048)", "longest prompt + output"),
+    ("--max-model-len", int, None,
+     "the model's context length, or what the KV pool holds when less",
+     "longest prompt + output"),
     ("--max-num-seqs", int, None, "64", "most requests in one step"),
     ("--max-num-batched-tokens", int, None, "512 with chunked prefill, else max-model-len",
      "token budget of one step; warm-up compiles one program per bucket up to it"),

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
                    help="GGUF file or Hugging Face directory (default: the embedded model)")
     p.add_argument("dst", help="new directory to write")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="dtype of the stored weights (default: float32)")
+                   help="dtype of the stored weights (default: float32; auto: as "
+                        "loading would)")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="stored weight format (default: as loading would; gguf keeps a GGUF "
                         "file's quantized blocks)")
@@ -33,7 +34,7 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     model = convert(args.src, args.dst, args.dtype, args.quantization)
-    print(f"wrote {args.dst} ({model.cfg.architecture}, {args.dtype}, weights "
+    print(f"wrote {args.dst} ({model.cfg.architecture}, {model.dtype.name}, weights "
           f"{model.quant.name}, {model.weight_bytes / 2**20:.0f} MiB) in "
           f"{time.perf_counter() - t0:.1f}s")
     return 0
