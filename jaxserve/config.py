@@ -57,7 +57,12 @@ class ModelConfig:
     """Which weights, in which dtype, and how long a sequence may grow.
 
     Attributes:
-        model: GGUF file, HF directory, jaxserve checkpoint, or None for the default model.
+        model: GGUF file, HF directory, jaxserve checkpoint, a Hugging Face hub id
+            (`Qwen/Qwen3-0.6B`), an fsspec URL (`gs://bucket/model`), or None for the
+            default model (`models.loaders.model_source`).
+        revision: The hub revision (branch, tag or commit) of a hub id (default: main).
+        download_dir: The hub cache directory, or where URLs are copied (default: the
+            hub's own cache, ~/.cache/jaxserve/models for URLs).
         dtype: "auto" (the default, as vLLM's: float32 on the CPU backend, where XLA
             emulates bfloat16; on GPU/TPU the checkpoint's dtype, bfloat16 for float32 and
             float16 checkpoints), "float32" or "bfloat16".
@@ -85,6 +90,8 @@ class ModelConfig:
     """
 
     model: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
     attention_backend: str = "auto"

@@ -15,7 +15,7 @@ import jax
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
-from jaxserve.runner.worker import load_weights
+from jaxserve.runner.worker import load_weights, local_model_config
 
 
 class DataParallelEngine:
@@ -43,6 +43,7 @@ class DataParallelEngine:
                              f"{par.tensor_parallel_size}, expert_parallel_size="
                              f"{par.expert_parallel_size or 1}) needs {need} devices; "
                              f"{len(devices)} available")
+        config = local_model_config(config) if model is None else config
         model = model or load_weights(config)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.model)
         self.replicas = []

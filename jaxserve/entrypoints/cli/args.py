@@ -26,6 +26,10 @@ ENGINE_ARGS = [
     ("--dtype", str, DTYPES, "auto",
      "parameter, activation and KV dtype (auto: float32 on the CPU, else the checkpoint's, "
      "bfloat16 for most)"),
+    ("--revision", str, None, "main",
+     "the Hugging Face hub revision (branch, tag or commit) of a hub id MODEL"),
+    ("--download-dir", str, None, "the hub's cache (HF_HUB_CACHE); for URLs "
+     "~/.cache/jaxserve/models", "where hub models are cached and bucket URLs copied"),
     ("--quantization", str, QUANTIZATIONS,
      "the model's own (GGUF: kept quantized on GPU/TPU, dequantized on the CPU)",
      "weight format on the device"),
@@ -92,8 +96,9 @@ LORA_ARGS = [
     ("--max-lora-rank", int, None, "16", "largest adapter rank served"),
     ("--max-cpu-loras", int, None, "max-loras", "adapters kept loaded on the host (an LRU)"),
 ]
-MODEL_HELP = ("GGUF file, Hugging Face directory or jaxserve checkpoint (default: the "
-              "embedded SmolLM2-135M-Instruct)")
+MODEL_HELP = ("GGUF file, Hugging Face directory, jaxserve checkpoint, Hugging Face hub id "
+              "(Qwen/Qwen3-0.6B: its cache, HF_HUB_OFFLINE, HF_TOKEN) or fsspec URL "
+              "(gs://bucket/model) (default: the embedded SmolLM2-135M-Instruct)")
 
 
 class Parser(argparse.ArgumentParser):
@@ -188,18 +193,24 @@ def check_engine_args(kwargs: dict) -> None:
     `speculative_config` (vLLM's dict or its JSON) is parsed by `SpeculativeConfig.from_dict`
     and must name a method the engine runs.
 
+    A hub id or URL is only checked for its form here (it is fetched when the engine loads).
+
     Raises:
-        ValueError: A value out of range (naming it), a model path that does not exist, or
-            a bad `speculative_config` (the message names the field).
+        ValueError: A value out of range (naming it), a model path that does not exist (and
+            is no hub id or URL), or a bad `speculative_config` (the message names the
+            field).
     """
     from jaxserve.config import EngineConfig
+    from models.loaders.model_source import check_model_name
+
     config = EngineConfig.from_kwargs(**kwargs)  # parses speculative_config (from_dict)
     spec = config.speculative_config
-    if spec is not None and isinstance(spec.model, str) and not os.path.exists(spec.model):
-        raise ValueError(f"speculative_config.model: path {spec.model} does not exist")
-    model = kwargs.get("model")
-    if model is not None and not os.path.exists(model):
-        raise ValueError(f"model path {model} does not exist")
+    if spec is not None and isinstance(spec.model, str):
+        try:
+            check_model_name(spec.model)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {e}") from None
+    check_model_name(kwargs.get("model"))
 
 
 def add_distributed_args(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ import time
 
 from jaxserve.config import DTYPES
 from jaxserve.entrypoints.cli.args import quiet_start
+from models.loaders.model_source import check_model_name
 from models.quant import QUANTIZATIONS
 
 
@@ -25,8 +26,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    if args.src is not None and not os.path.exists(args.src):
-        raise ValueError(f"model path {args.src} does not exist")
+    check_model_name(args.src)  # a local path, a hub id or a URL
     if os.path.exists(args.dst):
         raise ValueError(f"{args.dst} exists; give a new directory")
     quiet_start()
