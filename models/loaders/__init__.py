@@ -12,6 +12,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 
 from models.config import ArchConfig
 from models.loaders import orbax_ckpt
@@ -202,6 +203,6 @@ def convert(src: str | None, dst: str, dtype: str = "float32",
         tokenizer = load_tokenizer(src)
     except (OSError, ValueError):
         tokenizer = None  # weights-only directories still convert
-    orbax_ckpt.save_checkpoint(dst, m.cfg, m.params, m.dtype.name, tokenizer, source=path,
-                               quant=m.quant)
+    orbax_ckpt.save_checkpoint(dst, m.cfg, m.params, jnp.dtype(m.dtype).name, tokenizer,
+                               source=path, quant=m.quant)
     return m

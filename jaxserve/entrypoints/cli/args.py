@@ -209,7 +209,8 @@ def check_engine_args(kwargs: dict) -> None:
         try:
             check_model_name(spec.model)
         except ValueError as e:
-            raise ValueError(f"speculative_config.model: {e}") from None
+            raise ValueError(f"speculative_config.model: {str(e).removeprefix('model ')}"
+                             ) from None
     check_model_name(kwargs.get("model"))
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+
 from jaxserve.config import DTYPES
 from jaxserve.entrypoints.cli.args import quiet_start
 from models.loaders.model_source import check_model_name
@@ -34,7 +36,7 @@ def run(args) -> int:
 
     t0 = time.perf_counter()
     model = convert(args.src, args.dst, args.dtype, args.quantization)
-    print(f"wrote {args.dst} ({model.cfg.architecture}, {model.dtype.name}, weights "
+    print(f"wrote {args.dst} ({model.cfg.architecture}, {np.dtype(model.dtype).name}, weights "
           f"{model.quant.name}, {model.weight_bytes / 2**20:.0f} MiB) in "
           f"{time.perf_counter() - t0:.1f}s")
     return 0
