@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 
-from models.default_model import default_model_path
+from models import default_model
 
 logger = logging.getLogger("jaxserve")
 # The files a Hugging Face model directory is loaded from (weights, config, tokenizer,
@@ -79,7 +79,7 @@ def local_model_path(model: str | None, revision: str | None = None,
             path, the hub or the URL) and why each failed.
     """
     if model is None:
-        return default_model_path()
+        return default_model.default_model_path()
     if os.path.exists(model):
         return model
     if is_url(model):
