@@ -63,6 +63,7 @@ class ModelConfig:
         revision: The hub revision (branch, tag or commit) of a hub id (default: main).
         download_dir: The hub cache directory, or where URLs are copied (default: the
             hub's own cache, ~/.cache/jaxserve/models for URLs).
+        tokenizer_revision: The hub revision of a hub id's tokenizer (default: `revision`).
         dtype: "auto" (the default, as vLLM's: float32 on the CPU backend, where XLA
             emulates bfloat16; on GPU/TPU the checkpoint's dtype, bfloat16 for float32 and
             float16 checkpoints), "float32" or "bfloat16".
@@ -92,6 +93,7 @@ class ModelConfig:
     model: str | None = None
     revision: str | None = None
     download_dir: str | None = None
+    tokenizer_revision: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
     attention_backend: str = "auto"

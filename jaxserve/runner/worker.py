@@ -51,6 +51,15 @@ def local_model_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, model=dataclasses.replace(mc, model=path))
 
 
+def tokenizer_path(config: EngineConfig) -> str | None:
+    """The tokenizer's own local directory when `tokenizer_revision` names one for a hub id
+    (`local_tokenizer_path`), else None (the tokenizer beside the weights)."""
+    from models.loaders.model_source import local_tokenizer_path
+
+    mc = config.model
+    return local_tokenizer_path(mc.model, mc.tokenizer_revision, mc.download_dir)
+
+
 def load_weights(config: EngineConfig, shardings=None) -> Model:
     """The weights `config.model` names, in its dtype, backend and quantization (placed by
     `shardings` when given); every engine kind loads through here."""
@@ -208,7 +217,10 @@ class Worker:
                  kv_layout: KVGroupLayout | bool | None = None):
         from models.loaders import load_tokenizer
 
-        config = local_model_config(config) if model is None else config
+        tokenizer_dir = None
+        if model is None:
+            tokenizer_dir = tokenizer_path(config) if tokenizer is None else None
+            config = local_model_config(config)
         self.config = config
         # NOTE: a cache directory the process already configured (tests, a host program)
         # is kept unless the config names one.
@@ -229,7 +241,7 @@ class Worker:
         if cfg != self.model.cfg:
             self.model = dataclasses.replace(self.model, cfg=cfg)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
-            self.model.source)
+            tokenizer_dir or self.model.source)
         self.limits: Limits = resolve_limits(config, self.model, max_model_len)
         if config.lora.enable_lora and jax.process_count() > 1:
             raise ValueError("enable_lora: LoRA adapters are served on one host only (the "

@@ -25,6 +25,8 @@ logger = logging.getLogger("jaxserve")
 # chat template, generation config, sentence-transformers pooling).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken",
                 "1_Pooling/*"]
+# What a tokenizer alone is loaded from (`tokenizer_revision`).
+TOKENIZER_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 # Where fsspec URLs are copied to when no `download_dir` is given.
 MODEL_CACHE_ENV = "JAXSERVE_MODEL_CACHE"
 _DEFAULT_MODEL_CACHE = os.path.join("~", ".cache", "jaxserve", "models")
@@ -88,10 +90,27 @@ def local_model_path(model: str | None, revision: str | None = None,
     return fetch_hub(model, revision, download_dir)
 
 
-def fetch_hub(repo_id: str, revision: str | None = None,
-              download_dir: str | None = None) -> str:
-    """The local snapshot directory of a hub repository (`snapshot_download`: files already
-    in the cache are not downloaded again; offline, only the cache is read).
+def local_tokenizer_path(model: str | None, tokenizer_revision: str | None,
+                         download_dir: str | None = None) -> str | None:
+    """The tokenizer files of hub id `model` at `tokenizer_revision` (vLLM's argument:
+    the tokenizer from another revision than the weights), fetched alone; None when no
+    such revision is given or `model` is not a hub id (a local path or URL has one
+    tokenizer, beside its weights).
+
+    Raises:
+        ValueError: As `fetch_hub`.
+    """
+    if (tokenizer_revision is None or model is None or os.path.exists(model)
+            or is_url(model) or not is_hub_id(model)):
+        return None
+    return fetch_hub(model, tokenizer_revision, download_dir, TOKENIZER_PATTERNS)
+
+
+def fetch_hub(repo_id: str, revision: str | None = None, download_dir: str | None = None,
+              patterns: list[str] | None = None) -> str:
+    """The local snapshot directory of a hub repository (`snapshot_download` of `patterns`,
+    default `HUB_PATTERNS`: files already in the cache are not downloaded again; offline,
+    only the cache is read).
 
     Raises:
         ValueError: The hub (or, offline, the cache) has no such repository or revision, or
@@ -104,7 +123,7 @@ def fetch_hub(repo_id: str, revision: str | None = None,
     cache_dir = download_dir or os.environ.get("HF_HUB_CACHE") or None
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
-                                 local_files_only=offline, allow_patterns=HUB_PATTERNS,
+                                 local_files_only=offline, allow_patterns=patterns or HUB_PATTERNS,
                                  token=os.environ.get("HF_TOKEN") or None)
     except Exception as e:  # noqa: BLE001 - every failure becomes the one clear error
         where = (f"the Hugging Face hub cache ({cache_dir or constants.HF_HUB_CACHE}; "

@@ -84,11 +84,24 @@ def test_download_dir_is_the_hub_cache(hub, monkeypatch):
     assert local_model_path("org/tiny", download_dir=hub.cache) == hub.main
 
 
-def test_the_engine_loads_a_hub_id_at_its_revision(offline):
-    w = Worker(EngineConfig.from_kwargs(model="org/tiny", revision="v2", **SIZES))
+def test_the_engine_loads_a_hub_id_at_its_revisions(offline):
+    w = Worker(EngineConfig.from_kwargs(model="org/tiny", revision="v2",
+                                        tokenizer_revision=MAIN, **SIZES))
     assert w.config.model.model == offline.v2 and w.model.source == offline.v2
     assert w.model.cfg.hidden_size == 72
-    assert w.tokenizer.encode("Hello") == w.tokenizer.encode("Hello") != []
+    assert w.tokenizer.name_or_path == offline.main  # tokenizer_revision
+    assert w.tokenizer.decode(w.tokenizer.encode("Hello there")) == "Hello there"
+
+
+def test_the_data_parallel_engine_fetches_once_for_its_replicas(offline):
+    from jaxserve.engine.data_parallel import DataParallelEngine
+
+    dp = DataParallelEngine(EngineConfig.from_kwargs(
+        model="org/tiny", revision="v2", tokenizer_revision=MAIN, data_parallel_size=2,
+        **SIZES))
+    assert dp.config.model.model == offline.v2
+    assert all(r.model.source == offline.v2 for r in dp.replicas)
+    assert dp.tokenizer.name_or_path == offline.main
 
 
 @pytest.mark.parametrize("name, revision, message", [
@@ -174,9 +187,11 @@ def test_a_bucket_without_its_filesystem_names_the_package(tmp_path):
 
 def test_the_cli_takes_a_hub_id_revision_and_download_dir(tmp_path):
     args = build_parser().parse_args(["serve", "Qwen/Qwen3-0.6B", "--revision", "v2",
+                                      "--tokenizer-revision", "v1",
                                       "--download-dir", str(tmp_path)])
     kwargs = engine_kwargs(args)
     assert kwargs["model"] == "Qwen/Qwen3-0.6B" and kwargs["revision"] == "v2"
+    assert kwargs["tokenizer_revision"] == "v1"
     assert kwargs["download_dir"] == str(tmp_path)
     check_engine_args(kwargs)  # its form is checked, nothing is fetched
     check_model_name("gs://bucket/model")

@@ -28,6 +28,8 @@ ENGINE_ARGS = [
      "bfloat16 for most)"),
     ("--revision", str, None, "main",
      "the Hugging Face hub revision (branch, tag or commit) of a hub id MODEL"),
+    ("--tokenizer-revision", str, None, "--revision",
+     "the hub revision of a hub id MODEL's tokenizer"),
     ("--download-dir", str, None, "the hub's cache (HF_HUB_CACHE); for URLs "
      "~/.cache/jaxserve/models", "where hub models are cached and bucket URLs copied"),
     ("--quantization", str, QUANTIZATIONS,
