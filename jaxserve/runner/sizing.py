@@ -132,10 +132,12 @@ def fit_max_model_len(config: EngineConfig, model, max_model_len: int) -> int:
     fits = lambda n: pages_per_sequence(layout, n, block_size) + 1 <= num_pages
     if num_pages < 2 or fits(max_model_len):
         return max_model_len
-    lo, hi = 1, max_model_len  # fits(lo) as the pool has a page besides the null page
+    lo, hi = 0, max_model_len  # the longest that fits is in [lo, hi]; fits(0)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    # NOTE: a pool that holds no token of every group is `resolve_limits`' warning.
+    lo = max(lo, 1)
     budget = (f"num_kv_blocks={config.cache.num_kv_blocks}" if config.cache.num_kv_blocks
               else "the KV memory budget (gpu_memory_utilization, or kv_cache_memory_gib "
               "where the device reports no memory)")

@@ -229,10 +229,12 @@ class Worker:
         self.model, self.layout = serving_model(config, model)
         max_model_len = resolve_max_model_len(config, self.model)
         self._set_kv_layout(max_model_len, kv_layout)
-        # NOTE: the default (the model's context length) is lowered to what the pool holds,
-        # with the layout of the longer length (a page then holds as many layers or more).
-        fitted = fit_max_model_len(config, self.model, max_model_len)
-        if fitted != max_model_len:
+        # NOTE: the default (the model's context length) is lowered to what the pool holds.
+        # A shorter length may group the layers otherwise (a window as long as it counts
+        # as full attention), which changes the page size and count: fit again until it
+        # holds (the length only goes down).
+        while (fitted := fit_max_model_len(config, self.model, max_model_len)) \
+                != max_model_len:
             max_model_len = fitted
             self._set_kv_layout(max_model_len, kv_layout)
         # NOTE: LongRoPE's factor set is fixed per engine by the longest context served

@@ -158,11 +158,14 @@ def test_over_the_models_context_length_is_an_error(dirs):
     (13, True, 64),  # the whole context: 8 + 2 + 2 + 1
     (10, False, 64),  # one group: 8 pages + the null page
     (5, False, 32),
+    # 8 tokens fit the three groups (4 pages); at that length the windows of 8 count as
+    # full attention: one group of every layer.
+    (4, True, 8),
 ])
 def test_the_fit_counts_sliding_groups_by_their_window(num_pages, hybrid, expected):
     model = Model(HYBRID_CFG, random_params(HYBRID_CFG), backend="xla")
     config = EngineConfig.from_kwargs(block_size=8, num_kv_blocks=num_pages,
                                       attention_backend="xla")
     w = Worker(config, model, SimpleNamespace(eos_token_id=None), kv_layout=hybrid)
-    assert w.model.is_hybrid == hybrid
+    assert w.model.is_hybrid == (hybrid and expected > 8)
     assert w.limits.max_model_len == expected
