@@ -25,6 +25,9 @@ logger = logging.getLogger("jaxserve")
 # chat template, generation config, sentence-transformers pooling).
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken",
                 "1_Pooling/*"]
+# Files of those patterns the loaders never read: Mistral's single-file copy of the
+# weights beside the sharded ones, Meta's original checkpoint.
+HUB_IGNORED = ["consolidated*.safetensors", "original/*"]
 # What a tokenizer alone is loaded from (`tokenizer_revision`).
 TOKENIZER_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 # Where fsspec URLs are copied to when no `download_dir` is given.
@@ -124,6 +127,7 @@ def fetch_hub(repo_id: str, revision: str | None = None, download_dir: str | Non
     try:
         path = snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
                                  local_files_only=offline, allow_patterns=patterns or HUB_PATTERNS,
+                                 ignore_patterns=HUB_IGNORED,
                                  token=os.environ.get("HF_TOKEN") or None)
     except Exception as e:  # noqa: BLE001 - every failure becomes the one clear error
         where = (f"the Hugging Face hub cache ({cache_dir or constants.HF_HUB_CACHE}; "

@@ -78,6 +78,24 @@ def test_a_hub_id_resolves_from_the_cache_offline(offline):
     assert resolve_model("org/tiny") == ("hf", offline.main)
 
 
+def test_online_the_hub_is_asked_for_the_model_files_with_the_token(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo_id, **kw: calls.append((repo_id, kw)) or str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert local_model_path("Qwen/Qwen3-0.6B", "v1", "/d") == str(tmp_path)
+    (repo_id, kw), = calls
+    assert repo_id == "Qwen/Qwen3-0.6B" and kw["revision"] == "v1" and kw["cache_dir"] == "/d"
+    assert kw["token"] == "hf_secret" and kw["local_files_only"] is False
+    assert {"*.json", "*.safetensors"} <= set(kw["allow_patterns"])
+    assert "consolidated*.safetensors" in kw["ignore_patterns"]
+
+
 def test_download_dir_is_the_hub_cache(hub, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
