@@ -163,6 +163,8 @@ def fetch_url(url: str, download_dir: str | None = None) -> str:
         files = _listing(fs, root)
     except FileNotFoundError:
         raise ValueError(f"model {url!r}: nothing at this URL") from None
+    except Exception as e:  # noqa: BLE001 - credentials, network: one clear error
+        raise ValueError(f"model {url!r}: cannot list it ({type(e).__name__}: {e})") from None
     cache = os.path.expanduser(download_dir or os.environ.get(MODEL_CACHE_ENV)
                                or _DEFAULT_MODEL_CACHE)
     name = os.path.basename(root) or "model"
@@ -183,10 +185,13 @@ def fetch_url(url: str, download_dir: str | None = None) -> str:
             f.write(manifest)
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if _read(os.path.join(dest, _MARKER)) != manifest:  # not a concurrent copy's win
-            raise
+    except Exception as e:  # noqa: BLE001
+        # NOTE: another process that copied the same listing first is a success.
+        if _read(os.path.join(dest, _MARKER)) != manifest:
+            raise ValueError(f"model {url!r}: copying it to {dest} failed "
+                             f"({type(e).__name__}: {e})") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the copy landed
     logger.info("jaxserve: model %s copied to %s", url, dest)
     return local
 

@@ -195,6 +195,25 @@ def test_bad_urls_are_named(url, message, tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None,
                     reason="gcsfs is installed: gs:// opens")
+def test_a_failed_copy_is_named_and_leaves_nothing_behind(bucket, tmp_path, monkeypatch):
+    def broken(self, rpath, lpath, **kw):
+        raise PermissionError(f"403 on {rpath}")
+
+    monkeypatch.setattr(type(bucket.fs), "get_file", broken)
+    with pytest.raises(ValueError, match=r"model 'memory://bucket-\w+/tiny': copying it to "
+                                         r".*/tiny-\w+ failed \(PermissionError: 403 on"):
+        local_model_path(bucket.url, download_dir=str(tmp_path))
+    assert os.listdir(tmp_path) == []  # no partial copy, no marker
+
+    def denied(self, path, **kw):
+        raise PermissionError("401: no credentials")
+
+    monkeypatch.setattr(type(bucket.fs), "info", denied)
+    with pytest.raises(ValueError, match=r"tiny': cannot list it \(PermissionError: 401: no "
+                                         r"credentials\)"):
+        local_model_path(bucket.url, download_dir=str(tmp_path))
+
+
 def test_a_bucket_without_its_filesystem_names_the_package(tmp_path):
     with pytest.raises(ValueError, match="fsspec cannot open this URL .*gcsfs"):
         local_model_path("gs://bucket/model", download_dir=str(tmp_path))
@@ -218,6 +237,10 @@ def test_the_cli_takes_a_hub_id_revision_and_download_dir(tmp_path):
 
 
 def test_served_names_of_hub_ids_and_urls_are_the_names_given(tiny_model_dir):
+    from jaxserve.entrypoints.cli.engine import served_names
+
+    args = build_parser().parse_args(["serve", "Qwen/Qwen3-0.6B"])
+    assert served_names(args, engine_kwargs(args)) == ["Qwen/Qwen3-0.6B"]  # as vLLM
     assert default_model_name("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
     assert default_model_name("gs://bucket/models/m") == "gs://bucket/models/m"
     assert default_model_name(tiny_model_dir) == "tiny-llama"  # a local path: its name
