@@ -61,11 +61,22 @@ def worker(model, **kwargs) -> Worker:
 # ------------------------------------------------------------------------------ dtype
 
 
-def test_checkpoint_dtype_reads_config_json_and_gguf(dirs, smollm2_path):
+def test_checkpoint_dtype_reads_config_json_and_gguf(dirs, smollm2_path, tmp_path):
+    import gguf
+
     assert checkpoint_dtype("hf", dirs.bf16) == "bfloat16"  # torch_dtype (transformers 4)
     assert checkpoint_dtype("hf", dirs.f16) == "float16"  # dtype (transformers 5)
     assert checkpoint_dtype("hf", dirs.none) is None
     assert checkpoint_dtype("gguf", smollm2_path) is None  # Q4_1: a quantized file
+    for file_type, name in [(0, "float32"), (1, "float16"), (32, "bfloat16")]:
+        path = str(tmp_path / f"{name}.gguf")  # llama.cpp's general.file_type, no tensors
+        writer = gguf.GGUFWriter(path, "llama")
+        writer.add_file_type(file_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert checkpoint_dtype("gguf", path) == name
 
 
 @pytest.mark.parametrize("stored, backend, chosen", [
