@@ -16,7 +16,9 @@ PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # The scheduling modes the benchmarks compare; the last is the default engine.
 SCHEDULING_MODES = ("naive", "static", "continuous", "continuous+chunked")
-DTYPES = ("float32", "bfloat16")
+# "auto" (vLLM's default): float32 on the CPU, else the checkpoint's dtype (bfloat16 for
+# most; `models.loaders.serving_dtype`).
+DTYPES = ("auto", "float32", "bfloat16")
 # "auto": the model dtype; "fp8" is vLLM's alias of "fp8_e4m3".
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -55,9 +57,19 @@ class ModelConfig:
     """Which weights, in which dtype, and how long a sequence may grow.
 
     Attributes:
-        model: GGUF file, HF directory, jaxserve checkpoint, or None for the default model.
-        dtype: "float32" or "bfloat16".
-        max_model_len: Longest prompt + output; None means min(model limit, 2048).
+        model: GGUF file, HF directory, jaxserve checkpoint, a Hugging Face hub id
+            (`Qwen/Qwen3-0.6B`), an fsspec URL (`gs://bucket/model`), or None for the
+            default model (`models.loaders.model_source`).
+        revision: The hub revision (branch, tag or commit) of a hub id (default: main).
+        download_dir: The hub cache directory, or where URLs are copied (default: the
+            hub's own cache, ~/.cache/jaxserve/models for URLs).
+        tokenizer_revision: The hub revision of a hub id's tokenizer (default: `revision`).
+        dtype: "auto" (the default, as vLLM's: float32 on the CPU backend, where XLA
+            emulates bfloat16; on GPU/TPU the checkpoint's dtype, bfloat16 for float32 and
+            float16 checkpoints), "float32" or "bfloat16".
+        max_model_len: Longest prompt + output; None: the model's own context length
+            (`max_position_embeddings`, a GGUF file's `context_length`), as vLLM's, or the
+            longest request the KV pool holds when that is less (logged).
         attention_backend: "auto", "xla", "cpu" (XLA with a C++ decode kernel; the CPU's
             default where it builds) or "pallas" (see `pallas_kernels.ops`).
         seed: Seed of the engine's random stream (unseeded requests draw from it).
@@ -79,7 +91,10 @@ class ModelConfig:
     """
 
     model: str | None = None
-    dtype: str = "float32"
+    revision: str | None = None
+    download_dir: str | None = None
+    tokenizer_revision: str | None = None
+    dtype: str = "auto"
     max_model_len: int | None = None
     attention_backend: str = "auto"
     seed: int = 0

@@ -176,10 +176,10 @@ def params_of(blocks: list[Block]) -> list:
 def tiny_default(tiny_model_dir, monkeypatch, tmp_path):
     """The embedded default model is the tiny one; the working directory is a fresh one."""
     import models.default_model
-    import models.loaders
 
+    # NOTE: every loader finds the default through this module attribute
+    # (`models.loaders.model_source.local_model_path`).
     monkeypatch.setattr(models.default_model, "default_model_path", lambda *a: tiny_model_dir)
-    monkeypatch.setattr(models.loaders, "default_model_path", lambda *a: tiny_model_dir)
     monkeypatch.chdir(tmp_path)
     return tiny_model_dir
 

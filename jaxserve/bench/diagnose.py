@@ -25,6 +25,9 @@ MECHANISMS = {"kv": "KV cache pages (capacity, preemptions)",
               "chunk": "chunk size and TTFT/ITL tails (chunked prefill)"}
 # SmolLM2-135M in float32: 30 layers x 2 x 3 KV heads x 64 x 4 bytes.
 DEFAULT_KV_BYTES_PER_TOKEN = 46080
+# The engine's default max_model_len for SmolLM2-135M: its context length (the GGUF
+# file's `context_length`), which its 1 GiB CPU pool holds.
+DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass
@@ -140,7 +143,7 @@ def _assumptions(config: dict, obs: dict, mean_prompt_len: float | None,
         out.append(f"KV pool sized from kv_cache_memory_gib={gib} at {kv_bytes_per_token} "
                    "bytes per token (SmolLM2-135M in float32; give --num-kv-blocks for "
                    "another model)")
-    defaults = {"max_num_seqs": 64, "block_size": 16, "max_model_len": 2048,
+    defaults = {"max_num_seqs": 64, "block_size": 16, "max_model_len": DEFAULT_MAX_MODEL_LEN,
                 "scheduling_mode": "continuous+chunked"}
     unset = [f"{k}={v}" for k, v in defaults.items() if config.get(k) is None]
     if unset:
@@ -162,7 +165,7 @@ def _resolve(config: dict, obs: dict, mean_prompt_len: float | None,
                            if completed and obs.get("total_output_tokens") else 128)
     seqs = _config_value(config, "max_num_seqs", 64)
     page_size = _config_value(config, "block_size", 16)
-    mml = _config_value(config, "max_model_len", 2048)
+    mml = _config_value(config, "max_model_len", DEFAULT_MAX_MODEL_LEN)
     mode = _config_value(config, "scheduling_mode", "continuous+chunked")
     chunked = _config_value(config, "enable_chunked_prefill", True) \
         and mode == "continuous+chunked"

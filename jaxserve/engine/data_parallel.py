@@ -15,7 +15,7 @@ import jax
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
-from jaxserve.runner.worker import load_weights
+from jaxserve.runner.worker import load_weights, local_model_config, tokenizer_path
 
 
 class DataParallelEngine:
@@ -43,8 +43,12 @@ class DataParallelEngine:
                              f"{par.tensor_parallel_size}, expert_parallel_size="
                              f"{par.expert_parallel_size or 1}) needs {need} devices; "
                              f"{len(devices)} available")
+        # NOTE: a hub id or URL is fetched once, here (the replicas get the local path).
+        source = config
+        config = local_model_config(config)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(tokenizer_path(source) or config.model.model)
         model = model or load_weights(config)
-        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model.model)
         self.replicas = []
         for i in range(par.data_parallel_size):
             group = devices[i * per:(i + 1) * per]

@@ -79,7 +79,8 @@ class LLM:
         # e.g. to build several engines over one set of weights.
         loaded = model if isinstance(model, Model) else None
         config = EngineConfig.from_kwargs(model=None if loaded else model, **engine_args)
-        if loaded is not None and np.dtype(loaded.dtype).name != config.model.dtype:
+        if loaded is not None and config.model.dtype not in ("auto",
+                                                             np.dtype(loaded.dtype).name):
             raise ValueError(f"dtype={config.model.dtype!r} differs from the loaded model's "
                              f"{loaded.dtype}")
         if loaded is not None and config.model.quantization not in (None, loaded.quant.name):

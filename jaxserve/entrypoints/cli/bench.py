@@ -9,6 +9,8 @@ import argparse
 import asyncio
 import sys
 
+import numpy as np
+
 from jaxserve.bench.report import dump_json, serve_block
 from jaxserve.config import SCHEDULING_MODES
 from jaxserve.entrypoints.cli.bench_common import (
@@ -88,7 +90,7 @@ def cmd_throughput(args) -> int:
         if missing:
             print(f"[jaxserve] transformers baseline skipped: {missing}", file=sys.stderr)
         else:
-            hf = load_hf_model(path, args.dtype or "float32")
+            hf = load_hf_model(path, np.dtype(model.dtype).name)  # "auto" resolved
     modes = args.modes.split(",")
     eargs = bench_engine_args(args)
     print(f"trace {args.trace}: {len(trace)} requests, {sum(r.prompt_len for r in trace)} "

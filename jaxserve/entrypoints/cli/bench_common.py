@@ -34,7 +34,7 @@ def load_model_and_tokenizer(args):
     from models.loaders import load_model, load_tokenizer
 
     path = args.model or default_model_path()
-    return load_model(path, args.dtype or "float32"), load_tokenizer(path), path
+    return load_model(path, args.dtype or "auto"), load_tokenizer(path), path
 
 
 def plot(args, fn, *a) -> None:

@@ -3,6 +3,8 @@ running requests, printed as tables."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from jaxserve.bench.report import dump_json, table
 from jaxserve.entrypoints.cli.bench_common import (
     add_engine_group,
@@ -25,10 +27,10 @@ def cmd_roofline(args) -> int:
     eargs = bench_engine_args(args)
     eargs["max_num_seqs"] = max(eargs["max_num_seqs"], max(batches))
     eargs["max_num_batched_tokens"] = max(eargs["max_num_batched_tokens"], max(batches))
-    peaks = measure_peaks(args.dtype or "float32")
+    peaks = measure_peaks(np.dtype(model.dtype).name)  # the loaded weights' ("auto" resolved)
     print(f"device {peaks['device']}, jax {peaks['jax']}: peak matmul "
           f"{peaks['flops'] / 1e9:.1f} GFLOP/s, memory {peaks['bytes_per_s'] / 1e9:.1f} GB/s "
-          f"(measured now, {args.dtype or 'float32'})")
+          f"(measured now, {np.dtype(model.dtype).name})")
     llm = make_llm(model, tok, **eargs)
     rows = roofline_rows(llm.engine, batches, args.context_len, peaks, args.num_steps)
     print(table(rows, [

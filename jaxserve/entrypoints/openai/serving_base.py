@@ -24,8 +24,14 @@ _QUANT_SUFFIX = re.compile(r"[.-](q\d\w*|iq\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 
 def default_model_name(source) -> str:
     """A served name from a model path: `.../SmolLM2-135M-Instruct.Q4_1.gguf` gives
-    `SmolLM2-135M-Instruct`; a directory gives its own name."""
-    name = os.path.basename(os.path.normpath(str(source)))
+    `SmolLM2-135M-Instruct`; a directory gives its own name; a hub id or URL that is no
+    local path is served under itself (`Qwen/Qwen3-0.6B`, as vLLM)."""
+    from models.loaders.model_source import is_hub_id, is_url
+
+    source = str(source)
+    if not os.path.exists(source) and (is_url(source) or is_hub_id(source)):
+        return source
+    name = os.path.basename(os.path.normpath(source))
     if name.lower().endswith(".gguf"):
         name = _QUANT_SUFFIX.sub("", name[:-5])
     return name or "jaxserve-model"
