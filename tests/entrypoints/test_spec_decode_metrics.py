@@ -59,7 +59,7 @@ def test_speculating_server_exports_the_engines_spec_counters(tiny_model_dir):
         family = families[f"jaxserve:{name}"]
         assert family.type == "counter", name
         (sample,) = [s for s in family.samples if s.name == f"jaxserve:{name}_total"]
-        assert sample.labels == {"model_name": MODEL_NAME}
+        assert sample.labels == {"model_name": MODEL_NAME, "engine": "0"}
         assert sample.value == engine[f"jaxserve:{name}"], name
     family = families["jaxserve:spec_decode_num_accepted_tokens_per_pos"]
     assert family.type == "counter"
@@ -68,7 +68,7 @@ def test_speculating_server_exports_the_engines_spec_counters(tiny_model_dir):
     assert per_pos == {str(i): engine[
         f"jaxserve:spec_decode_num_accepted_tokens_per_pos{{position={i}}}"]
         for i in range(SPEC["num_speculative_tokens"])}
-    assert ('jaxserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="'
+    assert ('jaxserve:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="'
             f'{MODEL_NAME}",position="0"}} {float(per_pos["0"])}') in text
 
 
@@ -90,9 +90,10 @@ def test_spec_counters_follow_the_metric_name_prefix(prefix):
                        "jaxserve:spec_decode_num_accepted_tokens_per_pos{position=1}": 2})
     text = generate_latest(m.registry).decode()
     assert f"# TYPE {prefix}:spec_decode_num_drafts_total counter" in text
-    assert f'{prefix}:spec_decode_num_drafts_total{{model_name="tiny"}} 5.0' in text
-    assert f'{prefix}:spec_decode_num_draft_tokens_total{{model_name="tiny"}} 9.0' in text
-    assert f'{prefix}:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} 6.0' in text
+    labels = '{engine="0",model_name="tiny"}'
+    assert f"{prefix}:spec_decode_num_drafts_total{labels} 5.0" in text
+    assert f"{prefix}:spec_decode_num_draft_tokens_total{labels} 9.0" in text
+    assert f"{prefix}:spec_decode_num_accepted_tokens_total{labels} 6.0" in text
     for pos, n in ((0, 4.0), (1, 2.0)):
-        assert (f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",'
-                f'position="{pos}"}} {n}') in text
+        assert (f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",'
+                f'model_name="tiny",position="{pos}"}} {n}') in text
