@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ArchConfig
-from pallas_kernels.cpu_ffi import gemm
+from models.quant import QuantFormat, QuantPlan
+from pallas_kernels.cpu_ffi import gemm, qgemm
 
 COLLECTION = "packed"  # the Flax variable collection of the packed weights
 # (parent module, module) of every layer matmul that is packed.
@@ -39,16 +40,23 @@ LAYER_MATMULS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn",
 
 class PackedDense(nn.Module):
     """A Dense layer whose kernel is layer `layer` of the packed stack at its path in
-    `COLLECTION` (only its bias, if any, is a parameter of its own)."""
+    `COLLECTION` (only its bias, if any, is a parameter of its own): float32 panels
+    ("kernel", the CPU matmul kernel) or, with `fmt`, the quantized leaves' panels
+    ("qweight", "scales"[, "zeros"], the CPU quantized matmul kernel)."""
 
     features: int
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
     layer: int | jax.Array = 0  # i32[] (traced inside the layer scan)
+    fmt: QuantFormat | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = gemm.stacked_gemm(x, _packed(self, "kernel"), self.layer, self.features)
+        if self.fmt is None:
+            y = gemm.stacked_gemm(x, _packed(self, "kernel"), self.layer, self.features)
+        else:
+            leaves = {name: _packed(self, name) for name in qgemm.LEAVES[self.fmt.kind]}
+            y = qgemm.stacked_qgemm(x, leaves, self.fmt.kind, self.layer, self.features)
         y = y.astype(self.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
@@ -84,17 +92,31 @@ def _packed(module: nn.Module, name: str) -> jax.Array:
 
 
 def can_pack(model) -> bool:
-    """Whether `model` can serve packed: the `cpu` backend, float32 unquantized weights on
-    one device, a dense model (not a mixture of experts), and the CPU matmul kernel
-    builds here."""
-    if model.backend != "cpu" or jnp.dtype(model.dtype) != jnp.float32 or model.quant:
+    """Whether `model` can serve packed: the `cpu` backend, float32 compute on one device,
+    a dense model (not a mixture of experts), and the CPU matmul kernel builds here; a
+    quantized model also needs every layer matmul in a format the quantized kernel
+    multiplies (`quant_packable`) and that kernel built."""
+    if model.backend != "cpu" or jnp.dtype(model.dtype) != jnp.float32:
         return False
     if model.cfg.is_moe:  # NOTE: the experts are grouped matmuls, not packed panels
+        return False
+    if model.quant and not quant_packable(model.quant, model.cfg):
         return False
     leaves = jax.tree_util.tree_leaves(model.params)
     if any(len(x.sharding.device_set) > 1 for x in leaves if isinstance(x, jax.Array)):
         return False  # a tensor-parallel layout: the engine serves it on "xla"
-    return gemm.available()
+    return gemm.available() and (not model.quant or qgemm.available())
+
+
+def quant_packable(plan: QuantPlan, cfg: ArchConfig) -> bool:
+    """Whether every layer matmul `plan` quantizes has a format the CPU quantized matmul
+    kernel multiplies (q8 with any block dividing its input size, q4 in blocks of 32)."""
+    for _, name in LAYER_MATMULS:
+        fmt = plan.get(name)
+        k = _in_features(cfg, name)
+        if fmt is not None and not qgemm.supports(fmt.kind, k, fmt.block_for(k)):
+            return False
+    return True
 
 
 def is_packed(model) -> bool:
@@ -112,12 +134,16 @@ def pack_model(model):
         return model
     if not can_pack(model):
         raise ValueError("packing the weights needs the 'cpu' backend with float32, "
-                         "unquantized weights on one device and the CPU matmul kernel (got "
+                         "unquantized or q8/q4 weights on one device and the CPU matmul "
+                         "kernels (got "
                          f"backend {model.backend!r}, dtype {jnp.dtype(model.dtype).name}, "
                          f"quantization {model.quant.to_dict() or None})")
     tied = model.cfg.tie_word_embeddings
-    modules = (*(name for _, name in LAYER_MATMULS), "embed_tokens" if tied else "lm_head")
-    return dataclasses.replace(model, params=pack_params(model.params),
+    head = "embed_tokens" if tied else "lm_head"
+    modules = tuple(name for _, name in LAYER_MATMULS)
+    if model.quant.get(head) is None:  # a quantized head stays `QEmbed`/`QDense`
+        modules = (*modules, head)
+    return dataclasses.replace(model, params=pack_params(model.params, model.quant),
                                quant=dataclasses.replace(model.quant, packed=modules))
 
 
@@ -129,21 +155,30 @@ def unpack_model(model):
                                quant=dataclasses.replace(model.quant, packed=()))
 
 
-def pack_params(params: dict) -> dict:
+def pack_params(params: dict, plan: QuantPlan | None = None) -> dict:
     """The variables {"params": ..., COLLECTION: ...} of a standard params tree (new
-    dicts; the input is left as it was)."""
+    dicts; the input is left as it was). A layer matmul `plan` quantizes is packed as its
+    quantized leaves' panels (`qgemm.pack`), a quantized LM head or embedding stays in
+    "params"."""
+    plan = plan or QuantPlan()
     rest = jax.tree_util.tree_map(lambda x: x, params)  # a copy of the dicts
     packed = {"layers": {}}
     for parent, name in LAYER_MATMULS:
         leaf = rest["layers"][parent][name]
-        packed["layers"].setdefault(parent, {})[name] = {"kernel": gemm.pack(leaf.pop("kernel"))}
+        fmt = plan.get(name)
+        if fmt is None:
+            panels = {"kernel": gemm.pack(leaf.pop("kernel"))}
+        else:
+            panels = qgemm.pack({n: leaf.pop(n) for n in qgemm.LEAVES[fmt.kind]}, fmt.kind)
+        packed["layers"].setdefault(parent, {})[name] = panels
         if not leaf:  # no bias left either
             del rest["layers"][parent][name]
             if not rest["layers"][parent]:
                 del rest["layers"][parent]
-    if "lm_head" in rest:
+    if "lm_head" in rest and plan.get("lm_head") is None:
         packed["lm_head"] = {"kernel": gemm.pack(np.asarray(rest.pop("lm_head")["kernel"])[None])}
-    else:  # tied: the embedding [vocab, hidden] is the head's transpose
+    elif "lm_head" not in rest and plan.get("embed_tokens") is None:
+        # tied: the embedding [vocab, hidden] is the head's transpose
         table = np.asarray(rest.pop("embed_tokens")["embedding"])
         packed["embed_tokens"] = {"embedding": gemm.pack(table.T[None])}
     return {"params": rest, COLLECTION: packed}
@@ -154,16 +189,23 @@ def unpack_params(variables: dict, cfg: ArchConfig) -> dict:
     params = jax.tree_util.tree_map(lambda x: x, variables["params"])
     packed = variables[COLLECTION]
     for parent, name in LAYER_MATMULS:
-        kernel = gemm.unpack(packed["layers"][parent][name]["kernel"],
-                             _out_features(cfg, name))
-        params["layers"].setdefault(parent, {}).setdefault(name, {})["kernel"] = kernel
+        panels, n = packed["layers"][parent][name], _out_features(cfg, name)
+        leaves = ({"kernel": gemm.unpack(panels["kernel"], n)} if "kernel" in panels
+                  else qgemm.unpack(panels, n))
+        params["layers"].setdefault(parent, {}).setdefault(name, {}).update(leaves)
     if "lm_head" in packed:
         params["lm_head"] = {"kernel": gemm.unpack(packed["lm_head"]["kernel"],
                                                    cfg.vocab_size)[0]}
-    else:
+    elif "embed_tokens" in packed:
         params["embed_tokens"] = {"embedding": gemm.unpack(packed["embed_tokens"]["embedding"],
                                                            cfg.vocab_size)[0].T}
     return params
+
+
+def _in_features(cfg: ArchConfig, name: str) -> int:
+    """Input size (K) of layer matmul `name`."""
+    return {"o_proj": cfg.num_heads * cfg.head_dim,
+            "down_proj": cfg.intermediate_size}.get(name, cfg.hidden_size)
 
 
 def _out_features(cfg: ArchConfig, name: str) -> int:

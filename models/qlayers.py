@@ -101,7 +101,8 @@ def dense(plan: QuantPlan, name: str, features: int, bias: bool, dtype, backend:
     `name` unless built in a `setup`, where Flax names it after the attribute."""
     kw = {} if in_setup else {"name": name}
     if plan.packs(name):
-        return PackedDense(features, bias, dtype, 0 if layer is None else layer, **kw)
+        return PackedDense(features, bias, dtype, 0 if layer is None else layer,
+                           plan.get(name), **kw)
     fmt = plan.get(name)
     if fmt is None and plan.row_tile:
         return TiledDense(features, bias, dtype, plan.row_tile, **kw)

@@ -41,6 +41,8 @@ namespace {
 constexpr int64_t kPanel = 16;   // columns per panel
 constexpr int64_t kUnit = 3;     // panels per unit of work (48 columns)
 constexpr int64_t kQ4Block = 32;  // values per q4 block (16 packed rows)
+constexpr int64_t kStageCols = kUnit * kPanel;  // columns of a unit
+constexpr int64_t kStageRows = 12;  // rows from which a unit's chunks are dequantized once
 
 using jaxserve_cpu::kLanes;  // floats per vector register (simd.h)
 using jaxserve_cpu::vec;
@@ -180,17 +182,98 @@ void RunUnitTiled(const Job& j, int64_t u) {
   }
 }
 
+// Many rows: each chunk of 32 k rows of unit u is dequantized once into `w` (32 x 48
+// floats, a 6 KB scratch that stays in L1) and multiplied into every row of y from there,
+// in tiles of RM rows x NV vectors whose sums go back to y after each chunk; the codes are
+// converted once per chunk instead of once per row tile.
+template <int RM, int NV>
+void StagedTile(const Job& j, const float* w, int64_t kc, int64_t k0, int64_t col,
+                int64_t c0, int64_t r0) {
+  vec acc[RM][NV];
+  for (int i = 0; i < RM; ++i)
+    for (int v = 0; v < NV; ++v) {
+      std::memcpy(&acc[i][v], j.y + (r0 + i) * j.N + c0 + kLanes * v, sizeof(vec));
+    }
+  const float* xr = j.x + r0 * j.K + k0;
+  for (int64_t k = 0; k < kc; ++k) {
+    vec wv[NV];
+    for (int v = 0; v < NV; ++v) std::memcpy(&wv[v], w + k * kStageCols + col + kLanes * v,
+                                             sizeof(vec));
+    for (int i = 0; i < RM; ++i) {
+      const float xv = xr[i * j.K + k];
+      for (int v = 0; v < NV; ++v) acc[i][v] += xv * wv[v];
+    }
+  }
+  for (int i = 0; i < RM; ++i)
+    for (int v = 0; v < NV; ++v) {
+      std::memcpy(j.y + (r0 + i) * j.N + c0 + kLanes * v, &acc[i][v], sizeof(vec));
+    }
+}
+
+template <int RM, int NV, bool Q4>
+void RunUnitStaged(const Job& j, int64_t u) {
+  static_assert(kStageCols % (NV * kLanes) == 0, "a tile's columns divide the unit");
+  alignas(64) float w[kQ4Block * kStageCols];  // f32[32, 48]: a chunk of the unit's weights
+  const int64_t K = j.K, nb = Q4 ? K / kQ4Block : K / j.B;
+  const int64_t rows_per_panel = Q4 ? K / 2 : K;
+  const int64_t u0 = u * kStageCols;  // the unit's first column
+  for (int64_t r = 0; r < j.M; ++r) std::memset(j.y + r * j.N + u0, 0, kStageCols * 4);
+  for (int64_t k0 = 0; k0 < K; k0 += kQ4Block) {
+    const int64_t kc = std::min(kQ4Block, K - k0);  // (q8 per channel: K % 32 rows last)
+    for (int64_t c = 0; c < kStageCols; c += kLanes) {
+      const int64_t panel = u * kUnit + c / kPanel, off = c % kPanel;
+      const uint8_t* q = j.q + panel * rows_per_panel * kPanel + off;
+      const uint16_t* s = j.s + panel * nb * kPanel + off;
+      if constexpr (Q4) {
+        const int64_t b = k0 / kQ4Block;
+        const vec sv = Halfs(s + b * kPanel), zv = Halfs(j.z + panel * nb * kPanel + off +
+                                                         b * kPanel);
+        for (int64_t t = 0; t < kQ4Block / 2; ++t) {
+          vec lo, hi;
+          Nibbles(q + (b * kQ4Block / 2 + t) * kPanel, lo, hi);
+          lo = lo * sv + zv, hi = hi * sv + zv;
+          std::memcpy(w + t * kStageCols + c, &lo, sizeof(vec));
+          std::memcpy(w + (t + kQ4Block / 2) * kStageCols + c, &hi, sizeof(vec));
+        }
+      } else {
+        for (int64_t t = 0; t < kc; ++t) {
+          const vec wv = Int8s(q + (k0 + t) * kPanel) * Halfs(s + (k0 + t) / j.B * kPanel);
+          std::memcpy(w + t * kStageCols + c, &wv, sizeof(vec));
+        }
+      }
+    }
+    for (int64_t col = 0; col < kStageCols; col += NV * kLanes) {
+      int64_t r = 0;
+      for (; r + RM <= j.M; r += RM) StagedTile<RM, NV>(j, w, kc, k0, col, u0 + col, r);
+      switch (j.M - r) {
+#define JAXSERVE_TILE(n)                                                          \
+        case n:                                                                   \
+          if constexpr (n < RM) StagedTile<n, NV>(j, w, kc, k0, col, u0 + col, r);  \
+          break;
+        JAXSERVE_TILE(7) JAXSERVE_TILE(6) JAXSERVE_TILE(5) JAXSERVE_TILE(4)
+        JAXSERVE_TILE(3) JAXSERVE_TILE(2) JAXSERVE_TILE(1)
+#undef JAXSERVE_TILE
+        default: break;
+      }
+    }
+  }
+}
+
 template <bool Q4>
 void RunUnit(const Job& j, int64_t u) {
 #if defined(__AVX512F__)
-  if (j.M >= 4) {
+  if (j.M >= kStageRows) {
+    RunUnitStaged<8, 3, Q4>(j, u);
+  } else if (j.M >= 4) {
     RunUnitTiled<4, 3, Q4>(j, u);  // 12 block sums + 12 totals of the 32 registers
   } else {
     RunUnitTiled<1, 3, Q4>(j, u);
   }
 #else
   // 16 registers: block sums and totals of the tile, the converted codes.
-  if (j.M >= 4) {
+  if (j.M >= kStageRows) {
+    RunUnitStaged<6, 2, Q4>(j, u);
+  } else if (j.M >= 4) {
     RunUnitTiled<4, 2, Q4>(j, u);
   } else {
     RunUnitTiled<1, 6, Q4>(j, u);

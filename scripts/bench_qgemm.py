@@ -1,0 +1,146 @@
+"""Benchmark: the CPU quantized matmul kernel (`pallas_kernels/cpu_ffi/stacked_qgemm.cc`),
+which reads q8/q4 codes in place, against the float32 panels (`stacked_gemm.cc`).
+
+`layers`: the default model's layer loop (30 layers x 7 matmuls, the matmuls alone) over
+its float32 weights (panels), the same weights quantized Q4_1-style (q4) and as Q8_0 (q8),
+in place; and the XLA quantized path (`quant_matmul_xla` inside a scan) for reference:
+
+    python scripts/bench_qgemm.py layers --batch-sizes 1,8,32
+
+`decode`: decode tok/s of the embedded SmolLM2 GGUF served with its Q4_1 blocks in place
+(`--quantization gguf`, the `cpu` backend) against float32 (the CPU default), at batch
+sizes 1 and 32, interleaved A, B, A, B, the load average beside each figure:
+
+    python scripts/bench_qgemm.py decode --batch-sizes 1,32 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_layer_loop import layer_weights, time_forms  # noqa: E402
+
+from models.quant import QuantFormat, quantize_stack  # noqa: E402
+from pallas_kernels.cpu_ffi import gemm, qgemm  # noqa: E402
+from pallas_kernels.quant_matmul.xla import quant_matmul_xla  # noqa: E402
+
+
+def _loop(mm):
+    """The layer loop of `bench_stacked_gemm.ffi_loop_of` with matmul `mm(x, name, i)`."""
+    def run(w, x):
+        def body(i, x):
+            q, k, v = mm(w, x, "q", i), mm(w, x, "k", i), mm(w, x, "v", i)
+            x = x + mm(w, q + jnp.pad(k + v, ((0, 0), (0, q.shape[1] - k.shape[1]))), "o", i)
+            return x + mm(w, jax.nn.silu(mm(w, x, "g", i)) * mm(w, x, "u", i), "d", i)
+        return jax.lax.fori_loop(0, w["_layers"].shape[0], body, x)
+    return jax.jit(run)
+
+
+def _cols(w, name):
+    return w["_cols"][name].shape[0]
+
+
+float_loop = _loop(lambda w, x, n, i: gemm.stacked_gemm(x, w[n], i, _cols(w, n)))
+q4_loop = _loop(lambda w, x, n, i: qgemm.stacked_qgemm(x, w[n], "q4", i, _cols(w, n)))
+q8_loop = _loop(lambda w, x, n, i: qgemm.stacked_qgemm(x, w[n], "q8", i, _cols(w, n)))
+xla_q4_loop = _loop(lambda w, x, n, i: quant_matmul_xla(
+    x, jax.tree_util.tree_map(lambda a: a[i], w[n]), "q4"))
+
+
+def layers(args) -> None:
+    """The matmul micro-benchmark (module docstring)."""
+    if not (gemm.available() and qgemm.available()):
+        raise SystemExit("the CPU matmul kernels are unavailable here")
+    stacked, _ = layer_weights()
+    stacked = {k: np.asarray(w) for k, w in stacked.items()}
+    meta = {"_layers": jnp.zeros((stacked["q"].shape[0],)),
+            "_cols": {k: jnp.zeros((w.shape[2],)) for k, w in stacked.items()}}
+    q4 = {k: quantize_stack(QuantFormat("q4", 32), w) for k, w in stacked.items()}
+    q8 = {k: quantize_stack(QuantFormat("q8", 32), w) for k, w in stacked.items()}
+    forms = {
+        "f32": (float_loop, {**meta, **{k: gemm.pack(w) for k, w in stacked.items()}}),
+        "q4": (q4_loop, {**meta, **{k: qgemm.pack(w, "q4") for k, w in q4.items()}}),
+        "q8": (q8_loop, {**meta, **{k: qgemm.pack(w, "q8") for k, w in q8.items()}}),
+        "xla_q4": (xla_q4_loop, {**meta, **jax.tree_util.tree_map(jnp.asarray, q4)}),
+    }
+    forms = {n: forms[n] for n in args.forms.split(",")}
+    hidden = stacked["q"].shape[1]
+    x = jnp.linspace(-0.05, 0.05, 3 * hidden, dtype=jnp.float32).reshape(3, hidden)
+    if "q4" in forms and "xla_q4" in forms:  # the same blocks two ways
+        np.testing.assert_allclose(np.asarray(q4_loop(forms["q4"][1], x)),
+                                   np.asarray(xla_q4_loop(forms["xla_q4"][1], x)),
+                                   rtol=1e-3, atol=1e-3)
+    time_forms(forms, hidden, [int(s) for s in args.batch_sizes.split(",")], args.rounds,
+               args.iters)
+
+
+def _decode_tok_s(llm, batch: int, tokens: int) -> float:
+    """Generated tokens per second of `batch` greedy requests of `tokens` tokens each,
+    timed from the first token on (the prompt's step excluded)."""
+    from jaxserve import SamplingParams
+
+    prompts = [f"Write a story about the number {i}." for i in range(batch)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2))  # warm
+    short = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True)
+    t = time.perf_counter()
+    llm.generate(prompts, short)
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate(prompts, full)
+    return batch * tokens / max(time.perf_counter() - t - prefill, 1e-9)
+
+
+def decode(args) -> None:
+    """The engine decode benchmark (module docstring)."""
+    from jaxserve import LLM
+    from models.default_model import default_model_path
+
+    path = default_model_path()
+    sizes = [int(s) for s in args.batch_sizes.split(",")]
+    common = dict(max_num_seqs=max(sizes), max_model_len=512, max_num_batched_tokens=256,
+                  attention_backend="cpu", num_kv_blocks=max(sizes) * 512 // 16 + 8)
+    engines = {"f32": LLM(path, quantization="none", **common),
+               "q4_in_place": LLM(path, quantization="gguf", **common)}
+    for name, llm in engines.items():
+        form = llm.llm_engine.model_executor.model if hasattr(llm, "llm_engine") else None
+        print(f"# {name}: {getattr(getattr(form, 'quant', None), 'packed', '?')}")
+    print("| round | batch | load avg | " + " | ".join(f"{n} tok/s" for n in engines)
+          + " | ratio |\n|---:|---:|---:|" + "---:|" * (len(engines) + 1))
+    for r in range(args.rounds):
+        for b in sizes:
+            res = []
+            for llm in engines.values():
+                res.append(_decode_tok_s(llm, b, args.tokens))
+            print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | "
+                  + " | ".join(f"{v:.1f}" for v in res) + f" | {res[1] / res[0]:.2f} |",
+                  flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    lp = sub.add_parser("layers", help="the layer matmuls alone")
+    lp.add_argument("--batch-sizes", default="1,8,32")
+    lp.add_argument("--iters", type=int, default=9)
+    lp.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    lp.add_argument("--forms", default="f32,q4,q8,xla_q4",
+                    help="forms to time (the first is the ratios' baseline)")
+    dp = sub.add_parser("decode", help="engine decode tok/s, Q4_1 in place vs float32")
+    dp.add_argument("--batch-sizes", default="1,32")
+    dp.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
+    dp.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    args = p.parse_args()
+    layers(args) if args.what == "layers" else decode(args)
+
+
+if __name__ == "__main__":
+    main()
