@@ -30,6 +30,7 @@ import numpy as np
 from models.config import ArchConfig
 from models.quant import QuantFormat, QuantPlan
 from pallas_kernels.cpu_ffi import gemm, qgemm
+from pallas_kernels.quant_matmul.reference import dequantize
 
 COLLECTION = "packed"  # the Flax variable collection of the packed weights
 # (parent module, module) of every layer matmul that is packed.
@@ -64,21 +65,31 @@ class PackedDense(nn.Module):
 
 
 class PackedEmbed(nn.Module):
-    """A tied embedding stored as the LM head's panels f32[1, P, hidden, 16] (at its path
-    in `COLLECTION`, leaf "embedding"): `attend` is the LM head matmul (the CPU matmul
-    kernel), `__call__` looks tokens up in the same panels."""
+    """A tied embedding stored as the LM head's panels (at its path in `COLLECTION`): leaf
+    "embedding" f32[1, P, hidden, 16], or with `fmt` the quantized leaves' panels
+    ("qweight", "scales"[, "zeros"], [1, P, rows, 16]). `attend` is the LM head matmul
+    (the CPU matmul kernels), `__call__` looks tokens up in the same panels (one copy of
+    the table)."""
 
     num_embeddings: int
     features: int
+    fmt: QuantFormat | None = None
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """f32[T, hidden] rows of `ids` i32[T]: column id % 16 of panel id // 16."""
-        return _packed(self, "embedding")[0, ids // gemm.PANEL, :, ids % gemm.PANEL]
+        if self.fmt is None:
+            return _packed(self, "embedding")[0, ids // gemm.PANEL, :, ids % gemm.PANEL]
+        cols = {name: _packed(self, name)[0, ids // gemm.PANEL, :, ids % gemm.PANEL].T
+                for name in qgemm.LEAVES[self.fmt.kind]}  # [rows, T] each
+        return dequantize(cols, self.fmt.kind).T
 
     def attend(self, h: jax.Array) -> jax.Array:
         """f32[T, vocab] logits of hidden states h [T, hidden]."""
-        return gemm.stacked_gemm(h.astype(jnp.float32), _packed(self, "embedding"), 0,
-                                 self.num_embeddings)
+        h = h.astype(jnp.float32)
+        if self.fmt is None:
+            return gemm.stacked_gemm(h, _packed(self, "embedding"), 0, self.num_embeddings)
+        leaves = {name: _packed(self, name) for name in qgemm.LEAVES[self.fmt.kind]}
+        return qgemm.stacked_qgemm(h, leaves, self.fmt.kind, 0, self.num_embeddings)
 
 
 def _packed(module: nn.Module, name: str) -> jax.Array:
@@ -109,11 +120,13 @@ def can_pack(model) -> bool:
 
 
 def quant_packable(plan: QuantPlan, cfg: ArchConfig) -> bool:
-    """Whether every layer matmul `plan` quantizes has a format the CPU quantized matmul
-    kernel multiplies (q8 with any block dividing its input size, q4 in blocks of 32)."""
-    for _, name in LAYER_MATMULS:
+    """Whether every layer matmul and the LM head (the tied embedding) that `plan`
+    quantizes has a format the CPU quantized matmul kernel multiplies (q8 with any block
+    dividing its input size, q4 in blocks of 32)."""
+    head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+    for name in (*(name for _, name in LAYER_MATMULS), head):
         fmt = plan.get(name)
-        k = _in_features(cfg, name)
+        k = cfg.hidden_size if name == head else _in_features(cfg, name)
         if fmt is not None and not qgemm.supports(fmt.kind, k, fmt.block_for(k)):
             return False
     return True
@@ -139,10 +152,7 @@ def pack_model(model):
                          f"backend {model.backend!r}, dtype {jnp.dtype(model.dtype).name}, "
                          f"quantization {model.quant.to_dict() or None})")
     tied = model.cfg.tie_word_embeddings
-    head = "embed_tokens" if tied else "lm_head"
-    modules = tuple(name for _, name in LAYER_MATMULS)
-    if model.quant.get(head) is None:  # a quantized head stays `QEmbed`/`QDense`
-        modules = (*modules, head)
+    modules = (*(name for _, name in LAYER_MATMULS), "embed_tokens" if tied else "lm_head")
     return dataclasses.replace(model, params=pack_params(model.params, model.quant),
                                quant=dataclasses.replace(model.quant, packed=modules))
 
@@ -157,9 +167,9 @@ def unpack_model(model):
 
 def pack_params(params: dict, plan: QuantPlan | None = None) -> dict:
     """The variables {"params": ..., COLLECTION: ...} of a standard params tree (new
-    dicts; the input is left as it was). A layer matmul `plan` quantizes is packed as its
-    quantized leaves' panels (`qgemm.pack`), a quantized LM head or embedding stays in
-    "params"."""
+    dicts; the input is left as it was). A layer matmul or LM head `plan` quantizes is
+    packed as its quantized leaves' panels (`qgemm.pack`; an untied quantized embedding
+    stays in "params")."""
     plan = plan or QuantPlan()
     rest = jax.tree_util.tree_map(lambda x: x, params)  # a copy of the dicts
     packed = {"layers": {}}
@@ -175,12 +185,15 @@ def pack_params(params: dict, plan: QuantPlan | None = None) -> dict:
             del rest["layers"][parent][name]
             if not rest["layers"][parent]:
                 del rest["layers"][parent]
-    if "lm_head" in rest and plan.get("lm_head") is None:
-        packed["lm_head"] = {"kernel": gemm.pack(np.asarray(rest.pop("lm_head")["kernel"])[None])}
-    elif "lm_head" not in rest and plan.get("embed_tokens") is None:
-        # tied: the embedding [vocab, hidden] is the head's transpose
-        table = np.asarray(rest.pop("embed_tokens")["embedding"])
-        packed["embed_tokens"] = {"embedding": gemm.pack(table.T[None])}
+    head = "lm_head" if "lm_head" in rest else "embed_tokens"  # tied: the embedding
+    fmt, leaf = plan.get(head), rest.pop(head)
+    if fmt is not None:  # quantized: the [hidden, vocab] layout either way
+        packed[head] = qgemm.pack({n: np.asarray(leaf[n])[None]
+                                   for n in qgemm.LEAVES[fmt.kind]}, fmt.kind)
+    elif head == "lm_head":
+        packed["lm_head"] = {"kernel": gemm.pack(np.asarray(leaf["kernel"])[None])}
+    else:  # the embedding [vocab, hidden] is the head's transpose
+        packed["embed_tokens"] = {"embedding": gemm.pack(np.asarray(leaf["embedding"]).T[None])}
     return {"params": rest, COLLECTION: packed}
 
 
@@ -193,11 +206,14 @@ def unpack_params(variables: dict, cfg: ArchConfig) -> dict:
         leaves = ({"kernel": gemm.unpack(panels["kernel"], n)} if "kernel" in panels
                   else qgemm.unpack(panels, n))
         params["layers"].setdefault(parent, {}).setdefault(name, {}).update(leaves)
-    if "lm_head" in packed:
-        params["lm_head"] = {"kernel": gemm.unpack(packed["lm_head"]["kernel"],
-                                                   cfg.vocab_size)[0]}
-    elif "embed_tokens" in packed:
-        params["embed_tokens"] = {"embedding": gemm.unpack(packed["embed_tokens"]["embedding"],
+    head = "lm_head" if "lm_head" in packed else "embed_tokens"
+    panels = packed[head]
+    if "qweight" in panels:
+        params[head] = {n: a[0] for n, a in qgemm.unpack(panels, cfg.vocab_size).items()}
+    elif head == "lm_head":
+        params["lm_head"] = {"kernel": gemm.unpack(panels["kernel"], cfg.vocab_size)[0]}
+    else:
+        params["embed_tokens"] = {"embedding": gemm.unpack(panels["embedding"],
                                                            cfg.vocab_size)[0].T}
     return params
 

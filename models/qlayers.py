@@ -115,7 +115,7 @@ def embed(plan: QuantPlan, num_embeddings: int, features: int, dtype, backend: s
     """The token embedding as `plan` stores it (`nn.Embed`, `QEmbed` or `PackedEmbed`), for
     a `setup`."""
     if plan.packs("embed_tokens"):
-        return PackedEmbed(num_embeddings, features)
+        return PackedEmbed(num_embeddings, features, plan.get("embed_tokens"))
     fmt = plan.get("embed_tokens")
     if fmt is None:
         return nn.Embed(num_embeddings, features, dtype=dtype, param_dtype=dtype)

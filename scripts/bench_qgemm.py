@@ -111,8 +111,8 @@ def decode(args) -> None:
     engines = {"f32": LLM(path, quantization="none", **common),
                "q4_in_place": LLM(path, quantization="gguf", **common)}
     for name, llm in engines.items():
-        form = llm.llm_engine.model_executor.model if hasattr(llm, "llm_engine") else None
-        print(f"# {name}: {getattr(getattr(form, 'quant', None), 'packed', '?')}")
+        quant = llm.engine.model.quant
+        print(f"# {name}: quantization {quant.name!r}, packed {quant.packed}")
     print("| round | batch | load avg | " + " | ".join(f"{n} tok/s" for n in engines)
           + " | ratio |\n|---:|---:|---:|" + "---:|" * (len(engines) + 1))
     for r in range(args.rounds):

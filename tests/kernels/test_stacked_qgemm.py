@@ -2,6 +2,7 @@
 packed quantized weights of `models/packed.py`) against `jnp` dequantize-then-matmul and
 the XLA quantized path on the same blocks."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import jax
@@ -135,18 +136,22 @@ def test_the_kernel_rejects_inconsistent_shapes():
                                    panels["scales"][:1], jnp.asarray(0, jnp.int32)))
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_packed_quantized_model_gives_the_xla_quantized_logits(kind):
+@pytest.mark.parametrize("kind,tied", [("q4", True), ("q8", False)])
+def test_packed_quantized_model_gives_the_xla_quantized_logits(kind, tied):
     # SERVED's sizes (hidden 64, intermediate 96) divide into q4's 32-value blocks.
+    cfg = dataclasses.replace(SERVED, tie_word_embeddings=tied)
     fmt = QuantFormat(kind, 32)
     plan = uniform_plan("gguf" if kind == "q4" else "q8_0", fmt)
-    params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(SERVED, seed=7))
-    standard = Model(SERVED, quantize_params(params, plan), backend="cpu", quant=plan)
+    params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(cfg, seed=7))
+    standard = Model(cfg, quantize_params(params, plan), backend="cpu", quant=plan)
     paneled = packed.pack_model(standard)
     assert packed.is_packed(paneled) and paneled.quant.formats == plan.formats
-    stacks = paneled.params[packed.COLLECTION]
+    stacks, rest = paneled.params[packed.COLLECTION], paneled.params["params"]
     assert sorted(stacks["layers"]["mlp"]["up_proj"]) == sorted(qgemm.LEAVES[kind])
-    assert "lm_head" not in stacks and "embed_tokens" not in stacks  # quantized head stays
+    head = "embed_tokens" if tied else "lm_head"
+    assert sorted(stacks[head]) == sorted(qgemm.LEAVES[kind])  # the head's codes, packed
+    assert stacks[head]["qweight"].shape[:2] == (1, 9)  # 97 columns: 3 units
+    assert head not in rest and ("embed_tokens" in rest) != tied  # not kept twice
     ids = [int(t) for t in np.random.default_rng(4).integers(0, SERVED.vocab_size, 21)]
     # NOTE: q4 sums s * sum(x q) + z * sum(x) per block (two terms that partly cancel), XLA
     # sum(x (q s + z)): logits of magnitude ~8 differ in the fifth digit.
