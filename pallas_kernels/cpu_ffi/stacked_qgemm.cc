@@ -14,7 +14,10 @@
 // registers, then adds block_sum * s (+ z * the block's sum of x, precomputed once per call)
 // to its totals; the caller and the pool's helpers claim units of three panels (48 columns)
 // from an atomic counter, as in `stacked_gemm.cc`. Decode (a few rows) is bound by reading
-// the codes: the tile shapes keep enough independent sums to hide the FMA latency.
+// the codes: the tile shapes keep enough independent sums to hide the FMA latency. From
+// `kStageRows` rows on (prefill, large batches) converting the codes once per row tile
+// would dominate: each chunk of `kChunk` k rows of a unit is dequantized once into an L1
+// scratch (a few KB, never a copy of the weight in memory) that all row tiles then read.
 
 #include <algorithm>
 #include <atomic>
@@ -42,7 +45,8 @@ constexpr int64_t kPanel = 16;   // columns per panel
 constexpr int64_t kUnit = 3;     // panels per unit of work (48 columns)
 constexpr int64_t kQ4Block = 32;  // values per q4 block (16 packed rows)
 constexpr int64_t kStageCols = kUnit * kPanel;  // columns of a unit
-constexpr int64_t kStageRows = 12;  // rows from which a unit's chunks are dequantized once
+constexpr int64_t kStageRows = 12;
+constexpr int64_t kChunk = 64;  // k rows dequantized at a time (a multiple of 32)  // rows from which a unit's chunks are dequantized once
 
 using jaxserve_cpu::kLanes;  // floats per vector register (simd.h)
 using jaxserve_cpu::vec;
@@ -213,27 +217,29 @@ void StagedTile(const Job& j, const float* w, int64_t kc, int64_t k0, int64_t co
 template <int RM, int NV, bool Q4>
 void RunUnitStaged(const Job& j, int64_t u) {
   static_assert(kStageCols % (NV * kLanes) == 0, "a tile's columns divide the unit");
-  alignas(64) float w[kQ4Block * kStageCols];  // f32[32, 48]: a chunk of the unit's weights
+  alignas(64) float w[kChunk * kStageCols];  // f32[kChunk, 48]: a chunk of the unit's weights
   const int64_t K = j.K, nb = Q4 ? K / kQ4Block : K / j.B;
   const int64_t rows_per_panel = Q4 ? K / 2 : K;
   const int64_t u0 = u * kStageCols;  // the unit's first column
   for (int64_t r = 0; r < j.M; ++r) std::memset(j.y + r * j.N + u0, 0, kStageCols * 4);
-  for (int64_t k0 = 0; k0 < K; k0 += kQ4Block) {
-    const int64_t kc = std::min(kQ4Block, K - k0);  // (q8 per channel: K % 32 rows last)
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t kc = std::min(kChunk, K - k0);  // (a multiple of 32 but for q8 per channel)
     for (int64_t c = 0; c < kStageCols; c += kLanes) {
       const int64_t panel = u * kUnit + c / kPanel, off = c % kPanel;
       const uint8_t* q = j.q + panel * rows_per_panel * kPanel + off;
       const uint16_t* s = j.s + panel * nb * kPanel + off;
       if constexpr (Q4) {
-        const int64_t b = k0 / kQ4Block;
-        const vec sv = Halfs(s + b * kPanel), zv = Halfs(j.z + panel * nb * kPanel + off +
-                                                         b * kPanel);
-        for (int64_t t = 0; t < kQ4Block / 2; ++t) {
-          vec lo, hi;
-          Nibbles(q + (b * kQ4Block / 2 + t) * kPanel, lo, hi);
-          lo = lo * sv + zv, hi = hi * sv + zv;
-          std::memcpy(w + t * kStageCols + c, &lo, sizeof(vec));
-          std::memcpy(w + (t + kQ4Block / 2) * kStageCols + c, &hi, sizeof(vec));
+        for (int64_t b = k0 / kQ4Block; b < (k0 + kc) / kQ4Block; ++b) {
+          const vec sv = Halfs(s + b * kPanel);
+          const vec zv = Halfs(j.z + panel * nb * kPanel + off + b * kPanel);
+          float* wb = w + (b * kQ4Block - k0) * kStageCols + c;
+          for (int64_t t = 0; t < kQ4Block / 2; ++t) {
+            vec lo, hi;
+            Nibbles(q + (b * kQ4Block / 2 + t) * kPanel, lo, hi);
+            lo = lo * sv + zv, hi = hi * sv + zv;
+            std::memcpy(wb + t * kStageCols, &lo, sizeof(vec));
+            std::memcpy(wb + (t + kQ4Block / 2) * kStageCols, &hi, sizeof(vec));
+          }
         }
       } else {
         for (int64_t t = 0; t < kc; ++t) {
