@@ -16,8 +16,8 @@
 // from an atomic counter, as in `stacked_gemm.cc`. Decode (a few rows) is bound by reading
 // the codes: the tile shapes keep enough independent sums to hide the FMA latency. From
 // `kStageRows` rows on (prefill, large batches) converting the codes once per row tile
-// would dominate: each chunk of `kChunk` k rows of a unit is dequantized once into an L1
-// scratch (a few KB, never a copy of the weight in memory) that all row tiles then read.
+// would dominate: a unit (48 columns) is dequantized once into a per-thread scratch that
+// stays in cache (never a copy of the whole weight in memory) and all row tiles read it.
 
 #include <algorithm>
 #include <atomic>
@@ -45,8 +45,7 @@ constexpr int64_t kPanel = 16;   // columns per panel
 constexpr int64_t kUnit = 3;     // panels per unit of work (48 columns)
 constexpr int64_t kQ4Block = 32;  // values per q4 block (16 packed rows)
 constexpr int64_t kStageCols = kUnit * kPanel;  // columns of a unit
-constexpr int64_t kStageRows = 12;
-constexpr int64_t kChunk = 64;  // k rows dequantized at a time (a multiple of 32)  // rows from which a unit's chunks are dequantized once
+constexpr int64_t kStageRows = 12;  // rows from which a unit is dequantized once (staged)
 
 using jaxserve_cpu::kLanes;  // floats per vector register (simd.h)
 using jaxserve_cpu::vec;
@@ -186,20 +185,18 @@ void RunUnitTiled(const Job& j, int64_t u) {
   }
 }
 
-// Many rows: each chunk of 32 k rows of unit u is dequantized once into `w` (32 x 48
-// floats, a 6 KB scratch that stays in L1) and multiplied into every row of y from there,
-// in tiles of RM rows x NV vectors whose sums go back to y after each chunk; the codes are
-// converted once per chunk instead of once per row tile.
+// Many rows: unit u is dequantized once into `w` (K x 48 floats, a per-thread scratch that
+// stays in L2: a few hundred KB, never a copy of the whole weight) and multiplied into every
+// row from there in tiles of RM rows x NV vectors, each summed over all of K in registers
+// and stored once (no partial sums go back to y: the rows of y lie N floats apart, which
+// aliases in L1 when N is a multiple of 1024, as the LM head's vocabulary is).
 template <int RM, int NV>
-void StagedTile(const Job& j, const float* w, int64_t kc, int64_t k0, int64_t col,
-                int64_t c0, int64_t r0) {
+void StagedTile(const Job& j, const float* w, int64_t col, int64_t c0, int64_t r0) {
   vec acc[RM][NV];
   for (int i = 0; i < RM; ++i)
-    for (int v = 0; v < NV; ++v) {
-      std::memcpy(&acc[i][v], j.y + (r0 + i) * j.N + c0 + kLanes * v, sizeof(vec));
-    }
-  const float* xr = j.x + r0 * j.K + k0;
-  for (int64_t k = 0; k < kc; ++k) {
+    for (int v = 0; v < NV; ++v) acc[i][v] = vec{};
+  const float* xr = j.x + r0 * j.K;
+  for (int64_t k = 0; k < j.K; ++k) {
     vec wv[NV];
     for (int v = 0; v < NV; ++v) std::memcpy(&wv[v], w + k * kStageCols + col + kLanes * v,
                                              sizeof(vec));
@@ -214,53 +211,57 @@ void StagedTile(const Job& j, const float* w, int64_t kc, int64_t k0, int64_t co
     }
 }
 
-template <int RM, int NV, bool Q4>
-void RunUnitStaged(const Job& j, int64_t u) {
-  static_assert(kStageCols % (NV * kLanes) == 0, "a tile's columns divide the unit");
-  alignas(64) float w[kChunk * kStageCols];  // f32[kChunk, 48]: a chunk of the unit's weights
+// Unit u's weights f32[K, 48] into `w`: codes converted, times the scales (+ the zeros).
+template <bool Q4>
+void Dequantize(const Job& j, int64_t u, float* w) {
   const int64_t K = j.K, nb = Q4 ? K / kQ4Block : K / j.B;
   const int64_t rows_per_panel = Q4 ? K / 2 : K;
-  const int64_t u0 = u * kStageCols;  // the unit's first column
-  for (int64_t r = 0; r < j.M; ++r) std::memset(j.y + r * j.N + u0, 0, kStageCols * 4);
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t kc = std::min(kChunk, K - k0);  // (a multiple of 32 but for q8 per channel)
-    for (int64_t c = 0; c < kStageCols; c += kLanes) {
-      const int64_t panel = u * kUnit + c / kPanel, off = c % kPanel;
-      const uint8_t* q = j.q + panel * rows_per_panel * kPanel + off;
-      const uint16_t* s = j.s + panel * nb * kPanel + off;
+  for (int64_t c = 0; c < kStageCols; c += kLanes) {
+    const int64_t panel = u * kUnit + c / kPanel, off = c % kPanel;
+    const uint8_t* q = j.q + panel * rows_per_panel * kPanel + off;
+    const uint16_t* s = j.s + panel * nb * kPanel + off;
+    for (int64_t b = 0; b < nb; ++b) {
+      const vec sv = Halfs(s + b * kPanel);
       if constexpr (Q4) {
-        for (int64_t b = k0 / kQ4Block; b < (k0 + kc) / kQ4Block; ++b) {
-          const vec sv = Halfs(s + b * kPanel);
-          const vec zv = Halfs(j.z + panel * nb * kPanel + off + b * kPanel);
-          float* wb = w + (b * kQ4Block - k0) * kStageCols + c;
-          for (int64_t t = 0; t < kQ4Block / 2; ++t) {
-            vec lo, hi;
-            Nibbles(q + (b * kQ4Block / 2 + t) * kPanel, lo, hi);
-            lo = lo * sv + zv, hi = hi * sv + zv;
-            std::memcpy(wb + t * kStageCols, &lo, sizeof(vec));
-            std::memcpy(wb + (t + kQ4Block / 2) * kStageCols, &hi, sizeof(vec));
-          }
+        const vec zv = Halfs(j.z + panel * nb * kPanel + off + b * kPanel);
+        float* wb = w + b * kQ4Block * kStageCols + c;
+        for (int64_t t = 0; t < kQ4Block / 2; ++t) {
+          vec lo, hi;
+          Nibbles(q + (b * kQ4Block / 2 + t) * kPanel, lo, hi);
+          lo = lo * sv + zv, hi = hi * sv + zv;
+          std::memcpy(wb + t * kStageCols, &lo, sizeof(vec));
+          std::memcpy(wb + (t + kQ4Block / 2) * kStageCols, &hi, sizeof(vec));
         }
       } else {
-        for (int64_t t = 0; t < kc; ++t) {
-          const vec wv = Int8s(q + (k0 + t) * kPanel) * Halfs(s + (k0 + t) / j.B * kPanel);
-          std::memcpy(w + t * kStageCols + c, &wv, sizeof(vec));
+        for (int64_t k = b * j.B; k < (b + 1) * j.B; ++k) {
+          const vec wv = Int8s(q + k * kPanel) * sv;
+          std::memcpy(w + k * kStageCols + c, &wv, sizeof(vec));
         }
       }
     }
-    for (int64_t col = 0; col < kStageCols; col += NV * kLanes) {
-      int64_t r = 0;
-      for (; r + RM <= j.M; r += RM) StagedTile<RM, NV>(j, w, kc, k0, col, u0 + col, r);
-      switch (j.M - r) {
-#define JAXSERVE_TILE(n)                                                          \
-        case n:                                                                   \
-          if constexpr (n < RM) StagedTile<n, NV>(j, w, kc, k0, col, u0 + col, r);  \
-          break;
-        JAXSERVE_TILE(7) JAXSERVE_TILE(6) JAXSERVE_TILE(5) JAXSERVE_TILE(4)
-        JAXSERVE_TILE(3) JAXSERVE_TILE(2) JAXSERVE_TILE(1)
+  }
+}
+
+template <int RM, int NV, bool Q4>
+void RunUnitStaged(const Job& j, int64_t u) {
+  static_assert(kStageCols % (NV * kLanes) == 0, "a tile's columns divide the unit");
+  thread_local std::vector<float> scratch;  // f32[K, 48]
+  if (scratch.size() < static_cast<size_t>(j.K * kStageCols)) scratch.resize(j.K * kStageCols);
+  float* w = scratch.data();
+  Dequantize<Q4>(j, u, w);
+  const int64_t u0 = u * kStageCols;  // the unit's first column
+  for (int64_t col = 0; col < kStageCols; col += NV * kLanes) {
+    int64_t r = 0;
+    for (; r + RM <= j.M; r += RM) StagedTile<RM, NV>(j, w, col, u0 + col, r);
+    switch (j.M - r) {
+#define JAXSERVE_TILE(n)                                                  \
+      case n:                                                             \
+        if constexpr (n < RM) StagedTile<n, NV>(j, w, col, u0 + col, r);  \
+        break;
+      JAXSERVE_TILE(7) JAXSERVE_TILE(6) JAXSERVE_TILE(5) JAXSERVE_TILE(4)
+      JAXSERVE_TILE(3) JAXSERVE_TILE(2) JAXSERVE_TILE(1)
 #undef JAXSERVE_TILE
-        default: break;
-      }
+      default: break;
     }
   }
 }
