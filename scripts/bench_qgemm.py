@@ -7,6 +7,11 @@ in place; and the XLA quantized path (`quant_matmul_xla` inside a scan) for refe
 
     python scripts/bench_qgemm.py layers --batch-sizes 1,8,32
 
+`head`: the default model's tied LM head [576, 49152] (its Q8_0 blocks) as float32 panels,
+through the kernel, and through XLA's quantized matmul:
+
+    python scripts/bench_qgemm.py head --batch-sizes 1,32
+
 `decode`: decode tok/s of the embedded SmolLM2 GGUF served with its Q4_1 blocks in place
 (`--quantization gguf`, the `cpu` backend) against float32 (the CPU default), at batch
 sizes 1 and 32, interleaved A, B, A, B, the load average beside each figure:
@@ -30,6 +35,7 @@ from bench_layer_loop import layer_weights, time_forms  # noqa: E402
 
 from models.quant import QuantFormat, quantize_stack  # noqa: E402
 from pallas_kernels.cpu_ffi import gemm, qgemm  # noqa: E402
+from pallas_kernels.quant_matmul.reference import dequantize  # noqa: E402
 from pallas_kernels.quant_matmul.xla import quant_matmul_xla  # noqa: E402
 
 
@@ -80,6 +86,34 @@ def layers(args) -> None:
                                    rtol=1e-3, atol=1e-3)
     time_forms(forms, hidden, [int(s) for s in args.batch_sizes.split(",")], args.rounds,
                args.iters)
+
+
+def head(args) -> None:
+    """The LM head micro-benchmark (module docstring)."""
+    from jaxserve.bench.roofline import median_seconds
+    from models.default_model import default_model_path
+    from models.loaders import load_model
+
+    model = load_model(default_model_path(), quantization="gguf")
+    leaves = {k: np.asarray(v) for k, v in model.params["embed_tokens"].items()}
+    kind = dict(model.quant.formats)["embed_tokens"].kind
+    dense = np.asarray(dequantize(leaves, kind))  # f32[hidden, vocab]: the same values
+    k, n = dense.shape
+    panels = qgemm.pack({m: a[None] for m, a in leaves.items()}, kind)
+    forms = {
+        "f32": (jax.jit(lambda w, x: gemm.stacked_gemm(x, w, 0, n)), gemm.pack(dense[None])),
+        kind: (jax.jit(lambda w, x: qgemm.stacked_qgemm(x, w, kind, 0, n)), panels),
+        f"xla_{kind}": (jax.jit(lambda w, x: quant_matmul_xla(x, w, kind)),
+                        jax.tree_util.tree_map(jnp.asarray, leaves)),
+    }
+    print("| round | batch | load avg | " + " | ".join(f"{f} ms" for f in forms)
+          + " |\n|---:|---:|---:|" + "---:|" * len(forms))
+    for r in range(args.rounds):
+        for b in [int(s) for s in args.batch_sizes.split(",")]:
+            x = jnp.linspace(-1, 1, b * k, dtype=jnp.float32).reshape(b, k)
+            ms = [1000 * median_seconds(fn, w, x, iters=args.iters) for fn, w in forms.values()]
+            print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | "
+                  + " | ".join(f"{m:.2f}" for m in ms) + " |", flush=True)
 
 
 def _decode_tok_s(llm, batch: int, tokens: int) -> float:
@@ -134,12 +168,16 @@ def main() -> None:
     lp.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     lp.add_argument("--forms", default="f32,q4,q8,xla_q4",
                     help="forms to time (the first is the ratios' baseline)")
+    hp = sub.add_parser("head", help="the LM head, Q8_0 in place vs float32 vs XLA")
+    hp.add_argument("--batch-sizes", default="1,32")
+    hp.add_argument("--iters", type=int, default=9)
+    hp.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     dp = sub.add_parser("decode", help="engine decode tok/s, Q4_1 in place vs float32")
     dp.add_argument("--batch-sizes", default="1,32")
     dp.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
     dp.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     args = p.parse_args()
-    layers(args) if args.what == "layers" else decode(args)
+    {"layers": layers, "head": head, "decode": decode}[args.what](args)
 
 
 if __name__ == "__main__":
