@@ -63,11 +63,8 @@ struct Job {
 };
 
 // Rows [r0, r0 + RM) of x times NV vectors of columns of unit u from column `col` of it
-// (Q4: the job's format is q4, else q8). Fused: each converted code vector is scaled (and
-// shifted by the zero) at once and multiplied into the totals, which a tile of several
-// rows shares; else the block's sums of x * code are kept apart and scaled once per block
-// (fewer operations per code, twice the registers: for a single row).
-template <int RM, int NV, bool Q4, bool Fused>
+// (Q4: the job's format is q4, else q8).
+template <int RM, int NV, bool Q4>
 void Tile(const Job& j, int64_t u, int64_t col, int64_t r0) {
   const int64_t K = j.K, nb = Q4 ? K / kQ4Block : K / j.B;
   const int64_t rows_per_panel = Q4 ? K / 2 : K;  // code rows of 16 bytes
@@ -86,13 +83,8 @@ void Tile(const Job& j, int64_t u, int64_t col, int64_t r0) {
   for (int i = 0; i < RM; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vec{};
   for (int64_t b = 0; b < nb; ++b) {
-    vec s[NV], z[NV];
-    for (int v = 0; v < NV; ++v) {
-      s[v] = Halfs(sp[v] + b * kPanel);
-      z[v] = Q4 ? Halfs(zp[v] + b * kPanel) : vec{};
-    }
-    vec part[Fused ? 1 : RM][NV];  // (unfused) this block's sums of x * code
-    for (int i = 0; i < (Fused ? 1 : RM); ++i)
+    vec part[RM][NV];  // this block's sums of x * q
+    for (int i = 0; i < RM; ++i)
       for (int v = 0; v < NV; ++v) part[i][v] = vec{};
     if constexpr (Q4) {
       for (int64_t t = 0; t < kQ4Block / 2; ++t) {
@@ -100,17 +92,10 @@ void Tile(const Job& j, int64_t u, int64_t col, int64_t r0) {
         vec lo[NV], hi[NV];
         for (int v = 0; v < NV; ++v) {
           Nibbles(qp[v] + row * kPanel, lo[v], hi[v]);
-          if constexpr (Fused) lo[v] = lo[v] * s[v] + z[v], hi[v] = hi[v] * s[v] + z[v];
         }
         for (int i = 0; i < RM; ++i) {
           const float xl = xr[i * K + k], xh = xr[i * K + k + kQ4Block / 2];
-          for (int v = 0; v < NV; ++v) {
-            if constexpr (Fused) {
-              acc[i][v] += xl * lo[v] + xh * hi[v];
-            } else {
-              part[i][v] += xl * lo[v] + xh * hi[v];
-            }
-          }
+          for (int v = 0; v < NV; ++v) part[i][v] += xl * lo[v] + xh * hi[v];
         }
       }
     } else {
@@ -118,26 +103,22 @@ void Tile(const Job& j, int64_t u, int64_t col, int64_t r0) {
         vec w[NV];
         for (int v = 0; v < NV; ++v) {
           w[v] = Int8s(qp[v] + k * kPanel);
-          if constexpr (Fused) w[v] *= s[v];
         }
         for (int i = 0; i < RM; ++i) {
           const float xv = xr[i * K + k];
-          for (int v = 0; v < NV; ++v) {
-            if constexpr (Fused) {
-              acc[i][v] += xv * w[v];
-            } else {
-              part[i][v] += xv * w[v];
-            }
-          }
+          for (int v = 0; v < NV; ++v) part[i][v] += xv * w[v];
         }
       }
     }
-    if constexpr (!Fused) {
-      for (int v = 0; v < NV; ++v) {
+    for (int v = 0; v < NV; ++v) {
+      const vec s = Halfs(sp[v] + b * kPanel);
+      if constexpr (Q4) {
+        const vec z = Halfs(zp[v] + b * kPanel);
         for (int i = 0; i < RM; ++i) {
-          acc[i][v] += part[i][v] * s[v];
-          if constexpr (Q4) acc[i][v] += j.xsum[(r0 + i) * nb + b] * z[v];
+          acc[i][v] += part[i][v] * s + j.xsum[(r0 + i) * nb + b] * z;
         }
+      } else {
+        for (int i = 0; i < RM; ++i) acc[i][v] += part[i][v] * s;
       }
     }
   }
@@ -151,18 +132,18 @@ void Tile(const Job& j, int64_t u, int64_t col, int64_t r0) {
 
 // Unit u into its columns of y, in tiles of RM rows x NV vectors (remainder rows through
 // smaller tiles).
-template <int RM, int NV, bool Q4, bool Fused>
+template <int RM, int NV, bool Q4>
 void RunUnitTiled(const Job& j, int64_t u) {
   constexpr int64_t kCols = kUnit * kPanel;
   static_assert(kCols % (NV * kLanes) == 0, "a tile's columns divide the unit");
   static_assert(RM <= 8, "remainder tiles go up to 7 rows");
   for (int64_t col = 0; col < kCols; col += NV * kLanes) {
     int64_t r = 0;
-    for (; r + RM <= j.M; r += RM) Tile<RM, NV, Q4, Fused>(j, u, col, r);
+    for (; r + RM <= j.M; r += RM) Tile<RM, NV, Q4>(j, u, col, r);
     switch (j.M - r) {
 #define JAXSERVE_TILE(n)                                    \
       case n:                                               \
-        if constexpr (n < RM) Tile<n, NV, Q4, Fused>(j, u, col, r);  \
+        if constexpr (n < RM) Tile<n, NV, Q4>(j, u, col, r);   \
         break;
       JAXSERVE_TILE(7) JAXSERVE_TILE(6) JAXSERVE_TILE(5) JAXSERVE_TILE(4)
       JAXSERVE_TILE(3) JAXSERVE_TILE(2) JAXSERVE_TILE(1)
@@ -259,21 +240,20 @@ void RunUnit(const Job& j, int64_t u) {
   if (j.M >= kStageRows) {
     RunUnitStaged<8, 3, Q4>(j, u);
   } else if (j.M >= 4) {
-    RunUnitTiled<4, 3, Q4, false>(j, u);  // 12 block sums + 12 totals of the 32 registers
+    RunUnitTiled<4, 3, Q4>(j, u);  // 12 block sums + 12 totals of the 32 registers
   } else {
-    RunUnitTiled<1, 3, Q4, false>(j, u);
+    RunUnitTiled<1, 3, Q4>(j, u);
   }
 #else
-  // 16 registers. One row: 6 block sums, 6 totals (12 independent chains of FMAs over the
-  // whole unit) and the converted codes. Two to 11 rows: 6 x 2 totals fed by codes scaled
-  // as converted, each conversion shared by up to 6 rows (`scripts/bench_qgemm.py` times
-  // the shapes of the default model).
+  // 16 registers. One row: 6 block sums over the whole unit (6 independent chains of FMAs),
+  // their totals and the converted codes. Two to 11 rows: 6 x 2 block sums and the codes,
+  // each conversion shared by up to 6 rows, the totals spilled (touched once a block).
   if (j.M >= kStageRows) {
     RunUnitStaged<6, 2, Q4>(j, u);
   } else if (j.M >= 2) {
-    RunUnitTiled<6, 2, Q4, true>(j, u);
+    RunUnitTiled<6, 2, Q4>(j, u);
   } else {
-    RunUnitTiled<1, 6, Q4, false>(j, u);
+    RunUnitTiled<1, 6, Q4>(j, u);
   }
 #endif
 }
