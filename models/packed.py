@@ -1,4 +1,4 @@
-"""Packed weights: the `cpu` backend's serving form of a float32 model (panel mode).
+"""Packed weights: the `cpu` backend's serving form of a float32 or q8/q4 model (panel mode).
 
 The CPU matmul kernel (`pallas_kernels/cpu_ffi/gemm.py`) multiplies by layer `i` of a whole
 weight stack f32[L, K, N] packed into 16-column panels f32[L, P, K, 16] (P = 3 ceil(N / 48),
@@ -16,6 +16,12 @@ is then the Flax variables dict {"params": ..., COLLECTION: ...}, and the layer 
 broadcasts COLLECTION whole to every layer (`models/decoder.py`). `unpack_model` undoes it.
 The worker packs a model it serves on the `cpu` backend (`serving_model`); loaders never
 do, and checkpoints are written unpacked.
+
+A quantized model (`models.quant`: q8 or q4 leaves) is packed the same way, leaf by leaf:
+each quantized layer matmul's and LM head's "qweight", "scales" (and "zeros") become
+[L, P, rows, 16] panels (`pallas_kernels/cpu_ffi/qgemm.py`) under the module's path in
+`COLLECTION`, read in place by the CPU quantized matmul kernel, which dequantizes them in
+registers; `PackedDense` and `PackedEmbed` take the plan's format (`fmt`).
 """
 
 from __future__ import annotations
