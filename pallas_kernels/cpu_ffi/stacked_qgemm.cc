@@ -239,7 +239,7 @@ void RunUnit(const Job& j, int64_t u) {
 #if defined(__AVX512F__)
   if (j.M >= kStageRows) {
     RunUnitStaged<8, 3, Q4>(j, u);
-  } else if (j.M >= 4) {
+  } else if (j.M >= 2) {
     RunUnitTiled<4, 3, Q4>(j, u);  // 12 block sums + 12 totals of the 32 registers
   } else {
     RunUnitTiled<1, 3, Q4>(j, u);
