@@ -57,7 +57,8 @@ def _check_every_layer(leaves: dict, kind: str, n: int, rows: int, seed: int) ->
                                    rtol=2e-5, atol=2e-4, err_msg=f"layer {layer}")
 
 
-# NOTE: tiles are 4 (or 1, below 4 rows) rows on either AVX2 or AVX-512: every remainder.
+# NOTE: rows 1-13 take every path: one row, the register tiles of 2-11 rows (6 rows on AVX2,
+# 4 on AVX-512: every remainder) and the dequantized units from 12 rows (6- or 8-row tiles).
 ROWS = list(range(1, 14))
 
 
