@@ -12,6 +12,12 @@ through the kernel, and through XLA's quantized matmul:
 
     python scripts/bench_qgemm.py head --batch-sizes 1,32
 
+`memory`: the resident set of a process that loads the default model (float32, or with
+its blocks kept) and builds an `LLM` over it with a fixed small page pool, after each
+step, one fresh process per form:
+
+    python scripts/bench_qgemm.py memory
+
 `decode`: decode tok/s of the embedded SmolLM2 GGUF served with its Q4_1 blocks in place
 (`--quantization gguf`, the `cpu` backend) against float32 (the CPU default), at batch
 sizes 1 and 32, interleaved A, B, A, B, the load average beside each figure:
@@ -116,6 +122,55 @@ def head(args) -> None:
                   + " | ".join(f"{m:.2f}" for m in ms) + " |", flush=True)
 
 
+MEMORY_CHILD = """
+import gc, json, sys
+def rss():
+    with open("/proc/self/status") as f:
+        d = dict(line.split(":", 1) for line in f)
+    return {k: int(d[k].split()[0]) / 2**20 for k in ("VmRSS", "VmHWM")}  # GiB
+out = {"start": rss()}
+import jax
+from models.default_model import default_model_path
+from models.loaders import load_model
+jax.numpy.zeros(1).block_until_ready()
+out["jax"] = rss()
+model = load_model(default_model_path(), quantization=sys.argv[1])
+out["loaded"] = rss()
+out["weight_bytes"] = model.weight_bytes / 2**30
+from jaxserve import LLM, SamplingParams
+llm = LLM(model, attention_backend="cpu", max_model_len=512, max_num_seqs=8,
+          max_num_batched_tokens=256, num_kv_blocks=64)
+del model
+gc.collect()
+out["engine"] = rss()
+llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+gc.collect()
+out["generated"] = rss()
+out["packed"] = list(llm.engine.model.quant.packed)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def memory(args) -> None:
+    """The resident-set benchmark (module docstring)."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    print("| weights | load avg | weight GiB | after import | after load | engine built "
+          "| after a generate | peak |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    for quantization in ("none", "gguf"):
+        proc = subprocess.run([sys.executable, "-c", MEMORY_CHILD, quantization], env=env,
+                              capture_output=True, text=True, check=True)
+        line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+        r = json.loads(line[len("RESULT "):])
+        print(f"| {quantization} (packed: {len(r['packed'])} modules) | "
+              f"{os.getloadavg()[0]:.2f} | {r['weight_bytes']:.3f} | {r['jax']['VmRSS']:.2f} | "
+              f"{r['loaded']['VmRSS']:.2f} | {r['engine']['VmRSS']:.2f} | "
+              f"{r['generated']['VmRSS']:.2f} | {r['generated']['VmHWM']:.2f} |", flush=True)
+
+
 def _decode_tok_s(llm, batch: int, tokens: int) -> float:
     """Generated tokens per second of `batch` greedy requests of `tokens` tokens each,
     timed from the first token on (the prompt's step excluded)."""
@@ -172,12 +227,13 @@ def main() -> None:
     hp.add_argument("--batch-sizes", default="1,32")
     hp.add_argument("--iters", type=int, default=9)
     hp.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    sub.add_parser("memory", help="resident set, float32 vs the blocks kept")
     dp = sub.add_parser("decode", help="engine decode tok/s, Q4_1 in place vs float32")
     dp.add_argument("--batch-sizes", default="1,32")
     dp.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
     dp.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     args = p.parse_args()
-    {"layers": layers, "head": head, "decode": decode}[args.what](args)
+    {"layers": layers, "head": head, "memory": memory, "decode": decode}[args.what](args)
 
 
 if __name__ == "__main__":
