@@ -153,8 +153,9 @@ void RunUnitTiled(const Job& j, int64_t u) {
   }
 }
 
-// Many rows: unit u is dequantized once into `w` (K x 48 floats, a per-thread scratch that
-// stays in L2: a few hundred KB, never a copy of the whole weight) and multiplied into every
+// Many rows: unit u is dequantized once into `w` (its three panels of K x 16 floats, as the
+// float32 kernel's panels: a tile's 16 columns are one contiguous stream; a per-thread
+// scratch that stays in L2, a few hundred KB, never a copy of the whole weight) and multiplied into every
 // row from there in tiles of RM rows x NV vectors, each summed over all of K in registers
 // and stored once (no partial sums go back to y: the rows of y lie N floats apart, which
 // aliases in L1 when N is a multiple of 1024, as the LM head's vocabulary is).
@@ -164,10 +165,14 @@ void StagedTile(const Job& j, const float* w, int64_t col, int64_t c0, int64_t r
   for (int i = 0; i < RM; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vec{};
   const float* xr = j.x + r0 * j.K;
+  const float* wp[NV];  // vector v's column block at k = 0: its panel, its offset in it
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c = col + kLanes * v;
+    wp[v] = w + c / kPanel * j.K * kPanel + c % kPanel;
+  }
   for (int64_t k = 0; k < j.K; ++k) {
     vec wv[NV];
-    for (int v = 0; v < NV; ++v) std::memcpy(&wv[v], w + k * kStageCols + col + kLanes * v,
-                                             sizeof(vec));
+    for (int v = 0; v < NV; ++v) std::memcpy(&wv[v], wp[v] + k * kPanel, sizeof(vec));
     for (int i = 0; i < RM; ++i) {
       const float xv = xr[i * j.K + k];
       for (int v = 0; v < NV; ++v) acc[i][v] += xv * wv[v];
@@ -179,7 +184,7 @@ void StagedTile(const Job& j, const float* w, int64_t col, int64_t c0, int64_t r
     }
 }
 
-// Unit u's weights f32[K, 48] into `w`: codes converted, times the scales (+ the zeros).
+// Unit u's weights f32[3, K, 16] into `w`: codes converted, times the scales (+ zeros).
 template <bool Q4>
 void Dequantize(const Job& j, int64_t u, float* w) {
   const int64_t K = j.K, nb = Q4 ? K / kQ4Block : K / j.B;
@@ -192,18 +197,18 @@ void Dequantize(const Job& j, int64_t u, float* w) {
       const vec sv = Halfs(s + b * kPanel);
       if constexpr (Q4) {
         const vec zv = Halfs(j.z + panel * nb * kPanel + off + b * kPanel);
-        float* wb = w + b * kQ4Block * kStageCols + c;
+        float* wb = w + c / kPanel * K * kPanel + b * kQ4Block * kPanel + off;
         for (int64_t t = 0; t < kQ4Block / 2; ++t) {
           vec lo, hi;
           Nibbles(q + (b * kQ4Block / 2 + t) * kPanel, lo, hi);
           lo = lo * sv + zv, hi = hi * sv + zv;
-          std::memcpy(wb + t * kStageCols, &lo, sizeof(vec));
-          std::memcpy(wb + (t + kQ4Block / 2) * kStageCols, &hi, sizeof(vec));
+          std::memcpy(wb + t * kPanel, &lo, sizeof(vec));
+          std::memcpy(wb + (t + kQ4Block / 2) * kPanel, &hi, sizeof(vec));
         }
       } else {
         for (int64_t k = b * j.B; k < (b + 1) * j.B; ++k) {
           const vec wv = Int8s(q + k * kPanel) * sv;
-          std::memcpy(w + k * kStageCols + c, &wv, sizeof(vec));
+          std::memcpy(w + c / kPanel * K * kPanel + k * kPanel + off, &wv, sizeof(vec));
         }
       }
     }
@@ -213,7 +218,7 @@ void Dequantize(const Job& j, int64_t u, float* w) {
 template <int RM, int NV, bool Q4>
 void RunUnitStaged(const Job& j, int64_t u) {
   static_assert(kStageCols % (NV * kLanes) == 0, "a tile's columns divide the unit");
-  thread_local std::vector<float> scratch;  // f32[K, 48]
+  thread_local std::vector<float> scratch;  // f32[3, K, 16]
   if (scratch.size() < static_cast<size_t>(j.K * kStageCols)) scratch.resize(j.K * kStageCols);
   float* w = scratch.data();
   Dequantize<Q4>(j, u, w);
