@@ -7,6 +7,12 @@ in place; and the XLA quantized path (`quant_matmul_xla` inside a scan) for refe
 
     python scripts/bench_qgemm.py layers --batch-sizes 1,8,32
 
+`--compare-source` times another version of the kernel's source beside this one on the
+same q4 panels, as form `other` (e.g. the version of a commit before a change):
+
+    git show 8b34823:pallas_kernels/cpu_ffi/stacked_qgemm.cc > /tmp/before.cc
+    python scripts/bench_qgemm.py layers --compare-source /tmp/before.cc --forms q4,other
+
 `head`: the default model's tied LM head [576, 49152] (its Q8_0 blocks) as float32 panels,
 through the kernel, and through XLA's quantized matmul:
 
@@ -63,6 +69,18 @@ def _cols(w, name):
 float_loop = _loop(lambda w, x, n, i: gemm.stacked_gemm(x, w[n], i, _cols(w, n)))
 q4_loop = _loop(lambda w, x, n, i: qgemm.stacked_qgemm(x, w[n], "q4", i, _cols(w, n)))
 q8_loop = _loop(lambda w, x, n, i: qgemm.stacked_qgemm(x, w[n], "q8", i, _cols(w, n)))
+OTHER_TARGET = "jaxserve_bench_qgemm_other_q4"
+
+
+def _other_q4(x, panels, layer, n):
+    """`qgemm.stacked_qgemm` (q4) through the FFI target of `--compare-source`."""
+    out = jax.ShapeDtypeStruct((x.shape[0], panels["qweight"].shape[1] * 16), jnp.float32)
+    y = jax.ffi.ffi_call(OTHER_TARGET, out)(
+        x, *(panels[m] for m in qgemm.LEAVES["q4"]), jnp.asarray(layer, jnp.int32))
+    return y[:, :n]
+
+
+other_q4_loop = _loop(lambda w, x, n, i: _other_q4(x, w[n], i, _cols(w, n)))
 xla_q4_loop = _loop(lambda w, x, n, i: quant_matmul_xla(
     x, jax.tree_util.tree_map(lambda a: a[i], w[n]), "q4"))
 
@@ -83,6 +101,14 @@ def layers(args) -> None:
         "q8": (q8_loop, {**meta, **{k: qgemm.pack(w, "q8") for k, w in q8.items()}}),
         "xla_q4": (xla_q4_loop, {**meta, **jax.tree_util.tree_map(jnp.asarray, q4)}),
     }
+    if args.compare_source:
+        from pallas_kernels.cpu_ffi.build import register
+
+        error = register(os.path.abspath(args.compare_source), "StackedQ4Gemm", OTHER_TARGET,
+                         f"the kernel of {args.compare_source}", "no 'other' form")
+        if error:
+            raise SystemExit(error)
+        forms["other"] = (other_q4_loop, forms["q4"][1])
     forms = {n: forms[n] for n in args.forms.split(",")}
     hidden = stacked["q"].shape[1]
     x = jnp.linspace(-0.05, 0.05, 3 * hidden, dtype=jnp.float32).reshape(3, hidden)
@@ -223,6 +249,8 @@ def main() -> None:
     lp.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     lp.add_argument("--forms", default="f32,q4,q8,xla_q4",
                     help="forms to time (the first is the ratios' baseline)")
+    lp.add_argument("--compare-source", default=None,
+                    help="another version of stacked_qgemm.cc, timed as form 'other' (q4)")
     hp = sub.add_parser("head", help="the LM head, Q8_0 in place vs float32 vs XLA")
     hp.add_argument("--batch-sizes", default="1,32")
     hp.add_argument("--iters", type=int, default=9)
