@@ -1,4 +1,4 @@
-"""Packed weights: the `cpu` backend's serving form of a float32 model (panel mode).
+"""Packed weights: the `cpu` backend's serving form of a float32 or q8/q4 model (panel mode).
 
 The CPU matmul kernel (`pallas_kernels/cpu_ffi/gemm.py`) multiplies by layer `i` of a whole
 weight stack f32[L, K, N] packed into 16-column panels f32[L, P, K, 16] (P = 3 ceil(N / 48),
@@ -16,6 +16,12 @@ is then the Flax variables dict {"params": ..., COLLECTION: ...}, and the layer 
 broadcasts COLLECTION whole to every layer (`models/decoder.py`). `unpack_model` undoes it.
 The worker packs a model it serves on the `cpu` backend (`serving_model`); loaders never
 do, and checkpoints are written unpacked.
+
+A quantized model (`models.quant`: q8 or q4 leaves) is packed the same way, leaf by leaf:
+each quantized layer matmul's and LM head's "qweight", "scales" (and "zeros") become
+[L, P, rows, 16] panels (`pallas_kernels/cpu_ffi/qgemm.py`) under the module's path in
+`COLLECTION`, read in place by the CPU quantized matmul kernel, which dequantizes them in
+registers; `PackedDense` and `PackedEmbed` take the plan's format (`fmt`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ArchConfig
-from pallas_kernels.cpu_ffi import gemm
+from models.quant import QuantFormat, QuantPlan
+from pallas_kernels.cpu_ffi import gemm, qgemm
+from pallas_kernels.quant_matmul.reference import dequantize
 
 COLLECTION = "packed"  # the Flax variable collection of the packed weights
 # (parent module, module) of every layer matmul that is packed.
@@ -39,16 +47,23 @@ LAYER_MATMULS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn",
 
 class PackedDense(nn.Module):
     """A Dense layer whose kernel is layer `layer` of the packed stack at its path in
-    `COLLECTION` (only its bias, if any, is a parameter of its own)."""
+    `COLLECTION` (only its bias, if any, is a parameter of its own): float32 panels
+    ("kernel", the CPU matmul kernel) or, with `fmt`, the quantized leaves' panels
+    ("qweight", "scales"[, "zeros"], the CPU quantized matmul kernel)."""
 
     features: int
     use_bias: bool = False
     dtype: jnp.dtype = jnp.float32
     layer: int | jax.Array = 0  # i32[] (traced inside the layer scan)
+    fmt: QuantFormat | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = gemm.stacked_gemm(x, _packed(self, "kernel"), self.layer, self.features)
+        if self.fmt is None:
+            y = gemm.stacked_gemm(x, _packed(self, "kernel"), self.layer, self.features)
+        else:
+            leaves = {name: _packed(self, name) for name in qgemm.LEAVES[self.fmt.kind]}
+            y = qgemm.stacked_qgemm(x, leaves, self.fmt.kind, self.layer, self.features)
         y = y.astype(self.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
@@ -56,21 +71,31 @@ class PackedDense(nn.Module):
 
 
 class PackedEmbed(nn.Module):
-    """A tied embedding stored as the LM head's panels f32[1, P, hidden, 16] (at its path
-    in `COLLECTION`, leaf "embedding"): `attend` is the LM head matmul (the CPU matmul
-    kernel), `__call__` looks tokens up in the same panels."""
+    """A tied embedding stored as the LM head's panels (at its path in `COLLECTION`): leaf
+    "embedding" f32[1, P, hidden, 16], or with `fmt` the quantized leaves' panels
+    ("qweight", "scales"[, "zeros"], [1, P, rows, 16]). `attend` is the LM head matmul
+    (the CPU matmul kernels), `__call__` looks tokens up in the same panels (one copy of
+    the table)."""
 
     num_embeddings: int
     features: int
+    fmt: QuantFormat | None = None
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         """f32[T, hidden] rows of `ids` i32[T]: column id % 16 of panel id // 16."""
-        return _packed(self, "embedding")[0, ids // gemm.PANEL, :, ids % gemm.PANEL]
+        if self.fmt is None:
+            return _packed(self, "embedding")[0, ids // gemm.PANEL, :, ids % gemm.PANEL]
+        cols = {name: _packed(self, name)[0, ids // gemm.PANEL, :, ids % gemm.PANEL].T
+                for name in qgemm.LEAVES[self.fmt.kind]}  # [rows, T] each
+        return dequantize(cols, self.fmt.kind).T
 
     def attend(self, h: jax.Array) -> jax.Array:
         """f32[T, vocab] logits of hidden states h [T, hidden]."""
-        return gemm.stacked_gemm(h.astype(jnp.float32), _packed(self, "embedding"), 0,
-                                 self.num_embeddings)
+        h = h.astype(jnp.float32)
+        if self.fmt is None:
+            return gemm.stacked_gemm(h, _packed(self, "embedding"), 0, self.num_embeddings)
+        leaves = {name: _packed(self, name) for name in qgemm.LEAVES[self.fmt.kind]}
+        return qgemm.stacked_qgemm(h, leaves, self.fmt.kind, 0, self.num_embeddings)
 
 
 def _packed(module: nn.Module, name: str) -> jax.Array:
@@ -84,17 +109,33 @@ def _packed(module: nn.Module, name: str) -> jax.Array:
 
 
 def can_pack(model) -> bool:
-    """Whether `model` can serve packed: the `cpu` backend, float32 unquantized weights on
-    one device, a dense model (not a mixture of experts), and the CPU matmul kernel
-    builds here."""
-    if model.backend != "cpu" or jnp.dtype(model.dtype) != jnp.float32 or model.quant:
+    """Whether `model` can serve packed: the `cpu` backend, float32 compute on one device,
+    a dense model (not a mixture of experts), and the CPU matmul kernel builds here; a
+    quantized model also needs every layer matmul in a format the quantized kernel
+    multiplies (`quant_packable`) and that kernel built."""
+    if model.backend != "cpu" or jnp.dtype(model.dtype) != jnp.float32:
         return False
     if model.cfg.is_moe:  # NOTE: the experts are grouped matmuls, not packed panels
+        return False
+    if model.quant and not quant_packable(model.quant, model.cfg):
         return False
     leaves = jax.tree_util.tree_leaves(model.params)
     if any(len(x.sharding.device_set) > 1 for x in leaves if isinstance(x, jax.Array)):
         return False  # a tensor-parallel layout: the engine serves it on "xla"
-    return gemm.available()
+    return gemm.available() and (not model.quant or qgemm.available())
+
+
+def quant_packable(plan: QuantPlan, cfg: ArchConfig) -> bool:
+    """Whether every layer matmul and the LM head (the tied embedding) that `plan`
+    quantizes has a format the CPU quantized matmul kernel multiplies (q8 with any block
+    dividing its input size, q4 in blocks of 32)."""
+    head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+    for name in (*(name for _, name in LAYER_MATMULS), head):
+        fmt = plan.get(name)
+        k = cfg.hidden_size if name == head else _in_features(cfg, name)
+        if fmt is not None and not qgemm.supports(fmt.kind, k, fmt.block_for(k)):
+            return False
+    return True
 
 
 def is_packed(model) -> bool:
@@ -112,12 +153,13 @@ def pack_model(model):
         return model
     if not can_pack(model):
         raise ValueError("packing the weights needs the 'cpu' backend with float32, "
-                         "unquantized weights on one device and the CPU matmul kernel (got "
+                         "unquantized or q8/q4 weights on one device and the CPU matmul "
+                         "kernels (got "
                          f"backend {model.backend!r}, dtype {jnp.dtype(model.dtype).name}, "
                          f"quantization {model.quant.to_dict() or None})")
     tied = model.cfg.tie_word_embeddings
     modules = (*(name for _, name in LAYER_MATMULS), "embed_tokens" if tied else "lm_head")
-    return dataclasses.replace(model, params=pack_params(model.params),
+    return dataclasses.replace(model, params=pack_params(model.params, model.quant),
                                quant=dataclasses.replace(model.quant, packed=modules))
 
 
@@ -129,23 +171,35 @@ def unpack_model(model):
                                quant=dataclasses.replace(model.quant, packed=()))
 
 
-def pack_params(params: dict) -> dict:
+def pack_params(params: dict, plan: QuantPlan | None = None) -> dict:
     """The variables {"params": ..., COLLECTION: ...} of a standard params tree (new
-    dicts; the input is left as it was)."""
+    dicts; the input is left as it was). A layer matmul or LM head `plan` quantizes is
+    packed as its quantized leaves' panels (`qgemm.pack`; an untied quantized embedding
+    stays in "params")."""
+    plan = plan or QuantPlan()
     rest = jax.tree_util.tree_map(lambda x: x, params)  # a copy of the dicts
     packed = {"layers": {}}
     for parent, name in LAYER_MATMULS:
         leaf = rest["layers"][parent][name]
-        packed["layers"].setdefault(parent, {})[name] = {"kernel": gemm.pack(leaf.pop("kernel"))}
+        fmt = plan.get(name)
+        if fmt is None:
+            panels = {"kernel": gemm.pack(leaf.pop("kernel"))}
+        else:
+            panels = qgemm.pack({n: leaf.pop(n) for n in qgemm.LEAVES[fmt.kind]}, fmt.kind)
+        packed["layers"].setdefault(parent, {})[name] = panels
         if not leaf:  # no bias left either
             del rest["layers"][parent][name]
             if not rest["layers"][parent]:
                 del rest["layers"][parent]
-    if "lm_head" in rest:
-        packed["lm_head"] = {"kernel": gemm.pack(np.asarray(rest.pop("lm_head")["kernel"])[None])}
-    else:  # tied: the embedding [vocab, hidden] is the head's transpose
-        table = np.asarray(rest.pop("embed_tokens")["embedding"])
-        packed["embed_tokens"] = {"embedding": gemm.pack(table.T[None])}
+    head = "lm_head" if "lm_head" in rest else "embed_tokens"  # tied: the embedding
+    fmt, leaf = plan.get(head), rest.pop(head)
+    if fmt is not None:  # quantized: the [hidden, vocab] layout either way
+        packed[head] = qgemm.pack({n: np.asarray(leaf[n])[None]
+                                   for n in qgemm.LEAVES[fmt.kind]}, fmt.kind)
+    elif head == "lm_head":
+        packed["lm_head"] = {"kernel": gemm.pack(np.asarray(leaf["kernel"])[None])}
+    else:  # the embedding [vocab, hidden] is the head's transpose
+        packed["embed_tokens"] = {"embedding": gemm.pack(np.asarray(leaf["embedding"]).T[None])}
     return {"params": rest, COLLECTION: packed}
 
 
@@ -154,16 +208,26 @@ def unpack_params(variables: dict, cfg: ArchConfig) -> dict:
     params = jax.tree_util.tree_map(lambda x: x, variables["params"])
     packed = variables[COLLECTION]
     for parent, name in LAYER_MATMULS:
-        kernel = gemm.unpack(packed["layers"][parent][name]["kernel"],
-                             _out_features(cfg, name))
-        params["layers"].setdefault(parent, {}).setdefault(name, {})["kernel"] = kernel
-    if "lm_head" in packed:
-        params["lm_head"] = {"kernel": gemm.unpack(packed["lm_head"]["kernel"],
-                                                   cfg.vocab_size)[0]}
+        panels, n = packed["layers"][parent][name], _out_features(cfg, name)
+        leaves = ({"kernel": gemm.unpack(panels["kernel"], n)} if "kernel" in panels
+                  else qgemm.unpack(panels, n))
+        params["layers"].setdefault(parent, {}).setdefault(name, {}).update(leaves)
+    head = "lm_head" if "lm_head" in packed else "embed_tokens"
+    panels = packed[head]
+    if "qweight" in panels:
+        params[head] = {n: a[0] for n, a in qgemm.unpack(panels, cfg.vocab_size).items()}
+    elif head == "lm_head":
+        params["lm_head"] = {"kernel": gemm.unpack(panels["kernel"], cfg.vocab_size)[0]}
     else:
-        params["embed_tokens"] = {"embedding": gemm.unpack(packed["embed_tokens"]["embedding"],
+        params["embed_tokens"] = {"embedding": gemm.unpack(panels["embedding"],
                                                            cfg.vocab_size)[0].T}
     return params
+
+
+def _in_features(cfg: ArchConfig, name: str) -> int:
+    """Input size (K) of layer matmul `name`."""
+    return {"o_proj": cfg.num_heads * cfg.head_dim,
+            "down_proj": cfg.intermediate_size}.get(name, cfg.hidden_size)
 
 
 def _out_features(cfg: ArchConfig, name: str) -> int:

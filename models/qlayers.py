@@ -101,7 +101,8 @@ def dense(plan: QuantPlan, name: str, features: int, bias: bool, dtype, backend:
     `name` unless built in a `setup`, where Flax names it after the attribute."""
     kw = {} if in_setup else {"name": name}
     if plan.packs(name):
-        return PackedDense(features, bias, dtype, 0 if layer is None else layer, **kw)
+        return PackedDense(features, bias, dtype, 0 if layer is None else layer,
+                           plan.get(name), **kw)
     fmt = plan.get(name)
     if fmt is None and plan.row_tile:
         return TiledDense(features, bias, dtype, plan.row_tile, **kw)
@@ -114,7 +115,7 @@ def embed(plan: QuantPlan, num_embeddings: int, features: int, dtype, backend: s
     """The token embedding as `plan` stores it (`nn.Embed`, `QEmbed` or `PackedEmbed`), for
     a `setup`."""
     if plan.packs("embed_tokens"):
-        return PackedEmbed(num_embeddings, features)
+        return PackedEmbed(num_embeddings, features, plan.get("embed_tokens"))
     fmt = plan.get("embed_tokens")
     if fmt is None:
         return nn.Embed(num_embeddings, features, dtype=dtype, param_dtype=dtype)

@@ -44,8 +44,11 @@ def quant_plan_for(kind: str, path: str, quantization: str | None) -> QuantPlan:
     `None` is the source's own form, except that on the CPU a GGUF file is dequantized:
     XLA's CPU backend converts int8/4-bit codes far slower than it reads float32 (a
     decode step with the Q4_1/Q8_0 blocks kept took 1.1-2.4x longer, BENCHMARKS.md
-    "Quantization"), while on a GPU or TPU the Pallas kernel dequantizes in registers
-    and decode is bound by weight bytes, so the blocks stay quantized there. A checkpoint
+    "Quantization"), and the `cpu` backend's kernel that reads the blocks in place
+    (`pallas_kernels/cpu_ffi/stacked_qgemm.cc`) is faster at batch 1 but still slower
+    than the float32 panels at batch 32 (BENCHMARKS.md, issue 49); on a GPU or TPU the
+    Pallas kernel dequantizes in registers and decode is bound by weight bytes, so the
+    blocks stay quantized there. A checkpoint
     keeps what it stores, a Hugging Face directory is dense.
 
     Raises:

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from models import packed
 from models.loaders import convert, load_model
+from pallas_kernels.cpu_ffi import qgemm
 from pallas_kernels.kv_quant import check_kv_cache_dtype
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -40,7 +42,30 @@ def test_gguf_blocks_match_dequantized_weights(smollm2, gguf_model, smollm2_toke
     assert gguf_model.weight_bytes < smollm2.weight_bytes / 5
     dense = LLM(smollm2, tokenizer=smollm2_tokenizer, **SMALL, **POOL)
     quant = LLM(gguf_model, tokenizer=smollm2_tokenizer, **SMALL, **POOL)
+    # On the `cpu` backend the blocks are read in place by the quantized matmul kernel.
+    assert packed.is_packed(quant.engine.model) == packed.can_pack(quant.engine.model)
     assert _tokens(quant.generate(PROMPTS, GREEDY)) == _tokens(dense.generate(PROMPTS, GREEDY))
+
+
+@pytest.mark.slow
+def test_gguf_blocks_in_place_match_transformers(gguf_model, hf_smollm2, smollm2_tokenizer):
+    # The issue 49 oracle: the Q4_1 blocks read in place by the `cpu` backend's kernel give
+    # transformers' greedy tokens on the same file (which it dequantizes to float32).
+    # Slow: a 32-token transformers generate per prompt.
+    from tests.e2e.test_greedy import MAX_TOKENS, _hf_greedy
+
+    if not qgemm.available():
+        pytest.skip("the CPU quantized matmul kernel is unavailable here")
+    llm = LLM(gguf_model, tokenizer=smollm2_tokenizer, attention_backend="cpu", **SMALL, **POOL)
+    assert packed.is_packed(llm.engine.model)
+    assert dict(llm.engine.model.quant.formats)["q_proj"].kind == "q4"
+    tok = smollm2_tokenizer
+    for prompt in PROMPTS:
+        ids = tok(prompt).input_ids
+        out = llm.generate([{"prompt_token_ids": ids}],
+                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        ours = out[0].outputs[0].token_ids
+        assert ours == _hf_greedy(hf_smollm2, ids, tok.eos_token_id), tok.decode(ours)
 
 
 def test_int8_kv_prefix_sharing_keeps_tokens(gguf_model, smollm2_tokenizer):

@@ -1,0 +1,53 @@
+"""`scripts/bench_qgemm.py`: its layer loops over the kernel's q4 and q8 panels compute what
+XLA's quantized matmuls (the same blocks) and the float32 panels (the dequantized values)
+do."""
+
+import importlib.util
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.quant import QuantFormat, quantize_stack
+from pallas_kernels.cpu_ffi import gemm, qgemm
+from pallas_kernels.quant_matmul.reference import dequantize
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+
+pytestmark = pytest.mark.skipif(not qgemm.available(),
+                                reason="needs a C++ compiler, x86-64 AVX2/F16C and the CPU")
+
+
+@pytest.fixture(scope="module")
+def script():
+    sys.path.insert(0, SCRIPTS)
+    spec = importlib.util.spec_from_file_location(
+        "bench_qgemm", os.path.join(SCRIPTS, "bench_qgemm.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_layer_loops_agree(script):
+    rng = np.random.default_rng(0)
+    shapes = {"q": (96, 96), "k": (96, 48), "v": (96, 48), "o": (96, 96), "g": (96, 160),
+              "u": (96, 160), "d": (160, 96)}
+    stacked = {n: rng.standard_normal((2, *s)).astype(np.float32) * 0.1
+               for n, s in shapes.items()}
+    meta = {"_layers": jnp.zeros((2,)),
+            "_cols": {n: jnp.zeros((s[1],)) for n, s in shapes.items()}}
+    q4 = {n: quantize_stack(QuantFormat("q4", 32), w) for n, w in stacked.items()}
+    dense = {n: np.stack([np.asarray(dequantize({m: a[i] for m, a in leaves.items()}, "q4"))
+                          for i in range(2)]) for n, leaves in q4.items()}
+    x = jnp.asarray(rng.standard_normal((5, 96)).astype(np.float32))
+    ours = np.asarray(script.q4_loop({**meta, **{n: qgemm.pack(w, "q4") for n, w in q4.items()}},
+                                     x))
+    xla = np.asarray(script.xla_q4_loop({**meta, **jax.tree_util.tree_map(jnp.asarray, q4)}, x))
+    f32 = np.asarray(script.float_loop({**meta, **{n: gemm.pack(w) for n, w in dense.items()}},
+                                       x))
+    np.testing.assert_allclose(ours, xla, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(ours, f32, rtol=1e-4, atol=1e-4)
+    assert np.isfinite(ours).all() and np.abs(ours - np.asarray(x)).max() > 0

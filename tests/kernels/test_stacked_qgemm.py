@@ -1,0 +1,201 @@
+"""The `cpu` backend's quantized layer matmuls (`pallas_kernels/cpu_ffi/qgemm.py`, the
+packed quantized weights of `models/packed.py`) against `jnp` dequantize-then-matmul and
+the XLA quantized path on the same blocks."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import packed
+from models.loaders.gguf_quant import GGUF_KEPT, decode_gguf_rows
+from models.model import Model, abstract_params, random_params
+from models.quant import QuantFormat, quantize_params, quantize_stack, to_leaves, uniform_plan
+from pallas_kernels.cpu_ffi import qgemm
+from pallas_kernels.quant_matmul.reference import quant_matmul_reference
+from tests.kernels.test_model_backends import ENGINE
+from tests.kernels.test_model_backends import TINY as SERVED
+from tests.models.helpers import forward_logits
+from tests.models.test_gguf_quant import _random_q4_k
+
+pytestmark = pytest.mark.skipif(not qgemm.available(),
+                                reason="needs a C++ compiler, x86-64 AVX2/F16C and the CPU")
+
+LAYERS = 3
+
+
+def _gguf_stack(type_name: str, k: int, n: int, seed: int) -> tuple[QuantFormat, dict]:
+    """The format and stacked on-device leaves [L, ., n] of random GGUF blocks of
+    `type_name` (Q4_0, Q4_1, Q8_0 by gguf's quantizer; Q4_K random raw blocks), decoded by
+    the loader (`decode_gguf_rows`) as a GGUF file's are."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    layers = []
+    for _ in range(LAYERS):
+        if type_name == "Q4_K":
+            raw = _random_q4_k(n, k // 256, rng)
+        else:
+            w = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+            raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+        layers.append(to_leaves(decode_gguf_rows(type_name, raw, k)))
+    return GGUF_KEPT[type_name], {m: np.stack([x[m] for x in layers]) for m in layers[0]}
+
+
+def _check_every_layer(leaves: dict, kind: str, n: int, rows: int, seed: int) -> None:
+    k = leaves["qweight"].shape[1] * (2 if kind == "q4" else 1)
+    panels = qgemm.pack(leaves, kind)
+    x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
+    fn = jax.jit(lambda x, i: qgemm.stacked_qgemm(x, panels, kind, i, n))  # layer traced
+    for layer in range(LAYERS):
+        want = quant_matmul_reference(jnp.asarray(x), {m: a[layer] for m, a in leaves.items()},
+                                      kind)
+        np.testing.assert_allclose(np.asarray(fn(x, layer)), np.asarray(want),
+                                   rtol=2e-5, atol=2e-4, err_msg=f"layer {layer}")
+
+
+# NOTE: rows 1-13 take every path: one row, the register tiles of 2-11 rows (6 rows on AVX2,
+# 4 on AVX-512: every remainder) and the dequantized units from 12 rows (6- or 8-row tiles).
+ROWS = list(range(1, 14))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_gguf_blocks_match_jnp(fmt):
+    k = 256 if fmt == "Q4_K" else 96  # Q4_K super-blocks are 256 values
+    kind_fmt, leaves = _gguf_stack(fmt, k, 100, seed=len(fmt))  # 100: 3 units, one padded
+    for rows in ROWS:
+        _check_every_layer(leaves, kind_fmt.kind, 100, rows, seed=rows)
+
+
+@pytest.mark.parametrize("fmt,n", [(QuantFormat("q8", 0), 50), (QuantFormat("q8", 32), 131),
+                                   (QuantFormat("q4", 32), 77)])
+def test_quantized_odd_widths_match_jnp(fmt, n):
+    # int8 per channel (block = K: 72 rows, no 32-row blocks), Q8_0 and Q4_1 quantizers
+    k = 72 if fmt.block == 0 else 64
+    w = np.random.default_rng(n).standard_normal((LAYERS, k, n)).astype(np.float32)
+    leaves = quantize_stack(fmt, w)
+    for rows in ROWS:
+        _check_every_layer(leaves, fmt.kind, n, rows, seed=rows + n)
+
+
+def test_many_units_over_threads_match_jnp():
+    w = np.random.default_rng(9).standard_normal((2, 128, 500)).astype(np.float32)
+    leaves = quantize_stack(QuantFormat("q4", 32), w)
+    k_leaves = {m: a[:2] for m, a in leaves.items()}
+    panels = qgemm.pack(k_leaves, "q4")
+    x = np.random.default_rng(1).standard_normal((37, 128)).astype(np.float32)
+    for layer in range(2):
+        want = quant_matmul_reference(jnp.asarray(x), {m: a[layer] for m, a in leaves.items()},
+                                      "q4")
+        np.testing.assert_allclose(np.asarray(qgemm.stacked_qgemm(x, panels, "q4", layer, 500)),
+                                   np.asarray(want), rtol=2e-5, atol=5e-4)
+
+
+def test_unpack_inverts_pack_and_the_layer_is_clamped():
+    w = np.random.default_rng(2).standard_normal((LAYERS, 64, 70)).astype(np.float32)
+    leaves = quantize_stack(QuantFormat("q4", 32), w)
+    panels = qgemm.pack(leaves, "q4")
+    assert panels["qweight"].shape == (LAYERS, 6, 32, 16) and panels["zeros"].dtype == jnp.float16
+    jax.tree_util.tree_map(np.testing.assert_array_equal, qgemm.unpack(panels, 70), leaves)
+    x = np.ones((2, 64), np.float32)
+    for layer, want in ((7, LAYERS - 1), (-1, 0)):
+        ref = quant_matmul_reference(jnp.asarray(x), {m: a[want] for m, a in leaves.items()},
+                                     "q4")
+        np.testing.assert_allclose(np.asarray(qgemm.stacked_qgemm(x, panels, "q4", layer, 70)),
+                                   np.asarray(ref), rtol=2e-5, atol=2e-4)
+
+
+def test_bad_inputs_are_value_errors():
+    w = np.random.default_rng(3).standard_normal((2, 64, 48)).astype(np.float32)
+    leaves = quantize_stack(QuantFormat("q4", 32), w)
+    panels = qgemm.pack(leaves, "q4")
+    with pytest.raises(ValueError, match="do not fit q4 panels"):
+        qgemm.stacked_qgemm(np.ones((1, 32), np.float32), panels, "q4", 0, 48)
+    with pytest.raises(ValueError, match="do not fit q4 panels"):
+        qgemm.stacked_qgemm(np.ones((1, 64), np.float32), panels, "q4", 0, 96)
+    with pytest.raises(ValueError, match="unknown quantized format 'q2'"):
+        qgemm.stacked_qgemm(np.ones((1, 64), np.float32), panels, "q2", 0, 48)
+    with pytest.raises(ValueError, match=r"lacks leaves \['zeros'\]"):
+        qgemm.pack({"qweight": leaves["qweight"], "scales": leaves["scales"]}, "q4")
+    with pytest.raises(ValueError, match="stacked q4 leaves"):
+        qgemm.pack({m: a[0] for m, a in leaves.items()}, "q4")
+    assert not qgemm.supports("q4", 64, 0) and not qgemm.supports("q8", 72, 32)
+    assert qgemm.supports("q8", 72, 72) and qgemm.supports("q4", 64, 32)
+
+
+def test_the_kernel_rejects_inconsistent_shapes():
+    # The kernel's own check, under the wrapper's: scales of another layer count.
+    w = np.random.default_rng(4).standard_normal((2, 64, 48)).astype(np.float32)
+    panels = qgemm.pack(quantize_stack(QuantFormat("q8", 32), w), "q8")
+    out = jax.ShapeDtypeStruct((1, 48), jnp.float32)
+    call = jax.ffi.ffi_call(qgemm.TARGETS["q8"], out)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="stacked_qgemm q8: inconsistent"):
+        jax.block_until_ready(call(np.ones((1, 64), np.float32), panels["qweight"],
+                                   panels["scales"][:1], jnp.asarray(0, jnp.int32)))
+
+
+@pytest.mark.parametrize("kind,tied", [("q4", True), ("q8", False)])
+def test_packed_quantized_model_gives_the_xla_quantized_logits(kind, tied):
+    # SERVED's sizes (hidden 64, intermediate 96) divide into q4's 32-value blocks.
+    cfg = dataclasses.replace(SERVED, tie_word_embeddings=tied)
+    fmt = QuantFormat(kind, 32)
+    plan = uniform_plan("gguf" if kind == "q4" else "q8_0", fmt)
+    params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(cfg, seed=7))
+    standard = Model(cfg, quantize_params(params, plan), backend="cpu", quant=plan)
+    paneled = packed.pack_model(standard)
+    assert packed.is_packed(paneled) and paneled.quant.formats == plan.formats
+    stacks, rest = paneled.params[packed.COLLECTION], paneled.params["params"]
+    assert sorted(stacks["layers"]["mlp"]["up_proj"]) == sorted(qgemm.LEAVES[kind])
+    head = "embed_tokens" if tied else "lm_head"
+    assert sorted(stacks[head]) == sorted(qgemm.LEAVES[kind])  # the head's codes, packed
+    assert stacks[head]["qweight"].shape[:2] == (1, 9)  # 97 columns: 3 units
+    assert head not in rest and ("embed_tokens" in rest) != tied  # not kept twice
+    ids = [int(t) for t in np.random.default_rng(4).integers(0, SERVED.vocab_size, 21)]
+    # NOTE: q4 sums s * sum(x q) + z * sum(x) per block (two terms that partly cancel), XLA
+    # sum(x (q s + z)): logits of magnitude ~8 differ in the fifth digit.
+    np.testing.assert_allclose(forward_logits(paneled, ids), forward_logits(standard, ids),
+                               rtol=1e-4, atol=1e-3)
+    back = packed.unpack_model(paneled)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, back.params, standard.params)
+
+
+def test_a_format_the_kernel_lacks_is_not_packed():
+    # (No loader writes such a plan: the leaves' shapes refuse a q4 block of 64.)
+    assert not packed.quant_packable(uniform_plan("custom", QuantFormat("q4", 64)), SERVED)
+    assert packed.quant_packable(uniform_plan("int8", QuantFormat("q8", 0)), SERVED)
+
+
+def test_the_engine_serves_quantized_weights_on_the_kernel(monkeypatch):
+    from jaxserve import LLM, SamplingParams
+
+    # NOTE: the sizes of test_model_backends.py's engines; int8 per channel (q8).
+    plan = uniform_plan("int8", QuantFormat("q8", 0))
+    params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(SERVED, seed=7))
+    model = Model(SERVED, quantize_params(params, plan), backend="cpu", quant=plan)
+    prompts = [{"prompt_token_ids": [3, 5, 7, 11 + i]} for i in range(3)]
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                              detokenize=False)
+    outs = {}
+    for panels in ("1", "0"):  # the kernel, then XLA's quantized matmuls
+        monkeypatch.setenv("JAXSERVE_CPU_PANELS", panels)
+        llm = LLM(model, warmup=False, tokenizer=SimpleNamespace(eos_token_id=None), **ENGINE)
+        assert packed.is_packed(llm.engine.model) == (panels == "1")
+        res = llm.generate(prompts, sampling, use_tqdm=False)
+        outs[panels] = [r.outputs[0].token_ids for r in res]
+    assert outs["1"] == outs["0"]
+    assert len({t for o in outs["1"] for t in o}) > 3  # not a degenerate repetition
+
+
+def test_an_unavailable_quantized_kernel_keeps_xla(monkeypatch):
+    monkeypatch.setattr(qgemm, "_registered", lambda: "building the FFI library failed")
+    plan = uniform_plan("int8", QuantFormat("q8", 0))
+    model = Model(SERVED, abstract_params(SERVED, jnp.float32, plan), backend="cpu",
+                  quant=plan)
+    assert not packed.can_pack(model)
+    with pytest.raises(RuntimeError, match="quantized matmul kernel is unavailable"):
+        qgemm.stacked_qgemm(np.ones((1, 64), np.float32),
+                            {"qweight": np.zeros((1, 3, 64, 16), np.int8),
+                             "scales": np.zeros((1, 3, 1, 16), np.float16)}, "q8", 0, 48)
