@@ -42,29 +42,39 @@ def num_panels(n: int, width: int = PANEL, unit: int = UNIT) -> int:
     return -(-n // (width * unit)) * unit
 
 
-def pack(w, width: int = PANEL, unit: int = UNIT) -> jax.Array:
+def pack(w, width: int = PANEL, unit: int = UNIT, dtype=np.float32) -> jax.Array:
     """f32[L, K, N] stacked weights -> f32[L, 3 ceil(N / 48), K, 16] panels, zero-padded.
 
     `width` and `unit` lay out other panel widths (for benchmarks of other kernel
     versions): f32[L, unit ceil(N / (width unit)), K, width]; the kernel reads the defaults.
+    `dtype` is the panels' (the quantized kernel's codes and scales, `qgemm.pack`).
     """
-    w = np.asarray(w, np.float32)
+    w = np.asarray(w, dtype)
     if w.ndim != 3:
         raise ValueError(f"pack takes stacked weights [layers, in, out], got shape {w.shape}")
     num_layers, k, n = w.shape
     p = num_panels(n, width, unit)
-    padded = np.zeros((num_layers, k, p * width), np.float32)
+    padded = np.zeros((num_layers, k, p * width), dtype)
     padded[:, :, :n] = w
     return jnp.asarray(np.ascontiguousarray(
         padded.reshape(num_layers, k, p, width).transpose(0, 2, 1, 3)))
 
 
 def unpack(panels, n: int) -> jax.Array:
-    """The inverse of `pack`: f32[L, K, n] from f32[L, P, K, 16]."""
-    p = np.asarray(panels, np.float32)
+    """The inverse of `pack`: [L, K, n] from [L, P, K, 16], in the panels' dtype."""
+    p = np.asarray(panels)
     num_layers, num_p, k, _ = p.shape
     return jnp.asarray(np.ascontiguousarray(
         p.transpose(0, 2, 1, 3).reshape(num_layers, k, num_p * PANEL)[:, :, :n]))
+
+
+def call_panels(target: str, x: jax.Array, operands, layer, num_p: int, n: int) -> jax.Array:
+    """f32[M, n] from the FFI `target` over `operands` (packed panels, `num_p` of them) at
+    layer `layer`: the kernel writes whole panels, the columns past `n` are cut off."""
+    out = jax.ShapeDtypeStruct((x.shape[0], num_p * PANEL), jnp.float32)
+    y = jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), *operands,
+                                      jnp.asarray(layer, jnp.int32))
+    return y if num_p * PANEL == n else y[:, :n]
 
 
 def stacked_gemm(x: jax.Array, panels: jax.Array, layer, n: int) -> jax.Array:
@@ -80,7 +90,4 @@ def stacked_gemm(x: jax.Array, panels: jax.Array, layer, n: int) -> jax.Array:
                          f"{panels.shape}")
     if not available():
         raise RuntimeError("the CPU matmul kernel is unavailable here")
-    out = jax.ShapeDtypeStruct((x.shape[0], p * PANEL), jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), panels,
-                                      jnp.asarray(layer, jnp.int32))
-    return y if p * PANEL == n else y[:, :n]
+    return call_panels(TARGET, x, (panels,), layer, p, n)

@@ -16,10 +16,10 @@ import functools
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_ffi.gemm import PANEL, num_panels
+from pallas_kernels.cpu_ffi import gemm
+from pallas_kernels.cpu_ffi.gemm import num_panels
 
 TARGETS = {"q8": "jaxserve_stacked_q8_gemm_cpu", "q4": "jaxserve_stacked_q4_gemm_cpu"}
 SYMBOLS = {"q8": "StackedQ8Gemm", "q4": "StackedQ4Gemm"}
@@ -70,28 +70,13 @@ def pack(leaves: dict, kind: str) -> dict[str, jax.Array]:
     if any(a.ndim != 3 for a in arrays.values()) or len(lead) != 1 or len(cols) != 1:
         raise ValueError(f"pack takes stacked {kind} leaves [layers, rows, out], got "
                          f"{ {k: a.shape for k, a in arrays.items()} }")
-    n = cols.pop()
-    p = num_panels(n)
-    out = {}
-    for name, a in arrays.items():
-        dtype = DTYPES[name][kind] if name == "qweight" else DTYPES[name]
-        num_layers, rows, _ = a.shape
-        padded = np.zeros((num_layers, rows, p * PANEL), dtype)
-        padded[:, :, :n] = a
-        out[name] = jnp.asarray(np.ascontiguousarray(
-            padded.reshape(num_layers, rows, p, PANEL).transpose(0, 2, 1, 3)))
-    return out
+    return {name: gemm.pack(a, dtype=DTYPES[name][kind] if name == "qweight" else DTYPES[name])
+            for name, a in arrays.items()}
 
 
 def unpack(panels: dict, n: int) -> dict[str, jax.Array]:
     """The inverse of `pack`: each leaf [L, rows, n] from [L, P, rows, 16]."""
-    out = {}
-    for name, a in panels.items():
-        a = np.asarray(a)
-        num_layers, p, rows, _ = a.shape
-        out[name] = jnp.asarray(np.ascontiguousarray(
-            a.transpose(0, 2, 1, 3).reshape(num_layers, rows, p * PANEL)[:, :, :n]))
-    return out
+    return {name: gemm.unpack(a, n) for name, a in panels.items()}
 
 
 def supports(kind: str, k: int, block: int) -> bool:
@@ -122,8 +107,5 @@ def stacked_qgemm(x: jax.Array, panels: dict, kind: str, layer, n: int) -> jax.A
                          f"panels {panels['qweight'].shape}")
     if not available():
         raise RuntimeError("the CPU quantized matmul kernel is unavailable here")
-    out = jax.ShapeDtypeStruct((x.shape[0], p * PANEL), jnp.float32)
-    y = jax.ffi.ffi_call(TARGETS[kind], out)(
-        x.astype(jnp.float32), *(panels[name] for name in LEAVES[kind]),
-        jnp.asarray(layer, jnp.int32))
-    return y if p * PANEL == n else y[:, :n]
+    return gemm.call_panels(TARGETS[kind], x, [panels[name] for name in LEAVES[kind]], layer,
+                            p, n)
