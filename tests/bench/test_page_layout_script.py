@@ -1,20 +1,14 @@
 """`scripts/bench_page_layout.py`'s layouts: the same pages, only placed differently."""
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_page_layout.py")
+from tests.bench import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("bench_page_layout", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_page_layout")
 
 
 @pytest.mark.parametrize("layout", ["contig", "interleaved", "runs4", "shuffled"])

@@ -2,10 +2,6 @@
 XLA's quantized matmuls (the same blocks) and the float32 panels (the dequantized values)
 do."""
 
-import importlib.util
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +10,7 @@ import pytest
 from models.quant import QuantFormat, quantize_stack
 from pallas_kernels.cpu_ffi import gemm, qgemm
 from pallas_kernels.quant_matmul.reference import dequantize
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+from tests.bench import load_script
 
 pytestmark = pytest.mark.skipif(not qgemm.available(),
                                 reason="needs a C++ compiler, x86-64 AVX2/F16C and the CPU")
@@ -23,12 +18,7 @@ pytestmark = pytest.mark.skipif(not qgemm.available(),
 
 @pytest.fixture(scope="module")
 def script():
-    sys.path.insert(0, SCRIPTS)
-    spec = importlib.util.spec_from_file_location(
-        "bench_qgemm", os.path.join(SCRIPTS, "bench_qgemm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_qgemm")
 
 
 def test_the_layer_loops_agree(script):

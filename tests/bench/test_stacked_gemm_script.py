@@ -1,18 +1,13 @@
 """`scripts/bench_stacked_gemm.py`: its layer loop through another build of the kernel
 (`--compare-source`) computes what the engine's build does."""
 
-import importlib.util
-import os
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.cpu_ffi import gemm
 from pallas_kernels.cpu_ffi.build import register
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+from tests.bench import load_script
 
 pytestmark = pytest.mark.skipif(not gemm.available(),
                                 reason="needs a C++ compiler and the CPU platform")
@@ -20,12 +15,7 @@ pytestmark = pytest.mark.skipif(not gemm.available(),
 
 @pytest.fixture(scope="module")
 def script():
-    sys.path.insert(0, SCRIPTS)
-    spec = importlib.util.spec_from_file_location(
-        "bench_stacked_gemm", os.path.join(SCRIPTS, "bench_stacked_gemm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_stacked_gemm")
 
 
 def test_the_other_build_runs_the_same_layer_loop(script):

@@ -14,6 +14,13 @@ PROMPTS = [
 TINY = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
             pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+# Two layers, 4/2 heads of 16, SmolLM2's vocabulary: the families built by the pooling
+# oracle and LoRA family tests (each adds its family's own settings; ties left to the
+# family's default).
+SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             initializer_range=0.1)
 
 
 def build_hf_model(config_cls: str, model_cls: str, config: dict, tokenizer, directory: str,

@@ -9,6 +9,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from models.lora import resolve_impl
 from tests.conftest import TINY_ENGINE
+from tests.e2e.hf_family import SMALL
 from tests.lora.adapters import hf_greedy, make_adapters
 
 torch = pytest.importorskip("torch")
@@ -17,10 +18,6 @@ pytest.importorskip("peft")
 
 PROMPTS = ["Once upon a time, in a village by the sea, there lived",
            "The three primary colors are red, yellow and"]
-SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-             initializer_range=0.1)
 FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

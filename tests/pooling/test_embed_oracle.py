@@ -9,6 +9,7 @@ import pytest
 
 from jaxserve import LLM
 from tests.conftest import TINY_ENGINE
+from tests.e2e.hf_family import SMALL
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -19,10 +20,6 @@ PROMPTS = ["The capital of France is",
            "a boat full of silver fish, which he sold at the market in the square. " * 2,
            "def add(a, b):\n    return a + b",
            "Hi"]
-SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-             initializer_range=0.1)
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
