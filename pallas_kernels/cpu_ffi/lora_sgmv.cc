@@ -209,9 +209,9 @@ ffi::Error LoraSgmvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y_in,
   if (j.units == 0) return ffi::Error::Success();
   j.zeros.assign(j.K, 0.0f);
   const int64_t helpers = jaxserve_cpu::Helpers(pool.num_threads(), j.units);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Drain(*job); });
-  Drain(j);
-  jaxserve_cpu::AwaitDone(j.done, j.units, j.mu, j.cv);
+  jaxserve_cpu::RunParallel(helpers, [job] { Drain(*job); },
+                            [&pool](auto task) { pool.Schedule(std::move(task)); }, j.done, j.units, j.mu,
+                            j.cv);
   return ffi::Error::Success();
 }
 

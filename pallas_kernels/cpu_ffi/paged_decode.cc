@@ -264,11 +264,11 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   for (int64_t r = 0; r < job->n; ++r) keys += std::max<int32_t>(job->lens[r], 0);
   const int64_t helpers =
       keys * job->H < kMinParallelKeys ? 0 : jaxserve_cpu::Helpers(pool.num_threads(), job->items);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Drain(*job); });
-  Drain(*job);
   // NOTE: waits only for items another thread has claimed (and so is running): no wait
   // on a task the pool has not started, so a busy pool cannot deadlock this call.
-  jaxserve_cpu::AwaitDone(job->done, job->items, job->mu, job->cv);
+  jaxserve_cpu::RunParallel(helpers, [job] { Drain(*job); },
+                            [&pool](auto task) { pool.Schedule(std::move(task)); }, job->done,
+                            job->items, job->mu, job->cv);
   return ffi::Error::Success();
 }
 

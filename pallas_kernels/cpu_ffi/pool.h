@@ -1,9 +1,11 @@
-// Shared by the CPU kernels (paged_decode.cc, stacked_gemm.cc): how many threads a custom
-// call runs on, and how its caller and helpers hand finished work back.
+// Shared by the CPU kernels (paged_decode.cc, stacked_gemm.cc, stacked_qgemm.cc,
+// lora_sgmv.cc): how many threads a custom call runs on, and how its caller and helpers
+// hand finished work back.
 //
-// A call's caller works too and claims items from an atomic counter like its helpers
-// (tasks on XLA's intra-op pool); it then waits only for items another thread claimed,
-// so a pool that never starts a helper cannot deadlock the call.
+// A call's caller works too and claims items from an atomic counter like its helpers; it
+// then waits only for items another thread claimed, so a helper that never starts cannot
+// deadlock the call. Helpers are this process's spinning helper threads (`SpinPool`), else
+// (JAXSERVE_CPU_SPIN_US=0) tasks on XLA's intra-op pool.
 
 #ifndef JAXSERVE_CPU_DECODE_POOL_H_
 #define JAXSERVE_CPU_DECODE_POOL_H_
@@ -12,9 +14,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <memory>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 namespace jaxserve_cpu {
 
@@ -63,6 +71,102 @@ inline void AwaitDone(const std::atomic<int64_t>& done, int64_t total, std::mute
   }
   std::unique_lock<std::mutex> lock(mu);
   cv.wait(lock, [&] { return done.load() == total; });
+}
+
+// Helper threads that wait for the next call by spinning for a short window after each
+// one (`JAXSERVE_CPU_SPIN_US`, default 200 us), then sleep. A decode step makes ~250
+// calls tens of microseconds apart: waking a sleeping thread of XLA's pool for each one
+// cost more than some calls' work (BENCHMARKS.md, "spinning helpers"). One pool per
+// process: `Get` is an inline function's static, which GCC makes a unique symbol, so
+// every kernel library shares it and helpers never outnumber the cores.
+class SpinPool {
+ public:
+  static SpinPool& Get() {
+    // Leaked: helpers run until the process ends.
+    static SpinPool* pool = new SpinPool(UsableCores() - 1, SpinMicros());
+    return *pool;
+  }
+
+  // Offers `task` to up to `helpers` helpers (each runs a copy of it once) and returns at
+  // once; false when the pool is off (JAXSERVE_CPU_SPIN_US=0). The task must own what it
+  // touches (a shared_ptr to its job): a helper may start it after its caller returned.
+  bool Offer(int64_t helpers, std::function<void()> task) {
+    if (threads_.empty()) return false;
+    auto shared = std::make_shared<std::function<void()>>(std::move(task));
+    {
+      std::lock_guard<std::mutex> lock(task_mu_);
+      task_ = std::move(shared);
+      open_ = std::min<int64_t>(helpers, static_cast<int64_t>(threads_.size()));
+    }
+    gen_.fetch_add(1);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_all();
+    }
+    return true;
+  }
+
+ private:
+  SpinPool(int64_t threads, int64_t spin_us) : spin_us_(spin_us) {
+    if (spin_us <= 0) return;
+    for (int64_t i = 0; i < threads; ++i) {
+      threads_.emplace_back([this] { Loop(); });
+      threads_.back().detach();
+    }
+  }
+
+  static int64_t SpinMicros() {
+    const char* v = std::getenv("JAXSERVE_CPU_SPIN_US");
+    return v && *v ? std::atoll(v) : 200;
+  }
+
+  void Loop() {
+    uint64_t seen = gen_.load();
+    for (;;) {
+      const auto start = std::chrono::steady_clock::now();
+      for (int spin = 1; gen_.load(std::memory_order_acquire) == seen; ++spin) {
+        Pause();
+        if (spin % 64 != 0) continue;
+        if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
+          sleepers_.fetch_add(1);
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait(lock, [&] { return gen_.load() != seen; });
+          sleepers_.fetch_sub(1);
+        } else {
+          std::this_thread::yield();  // a loaded machine's other threads go first
+        }
+      }
+      seen = gen_.load();
+      std::shared_ptr<std::function<void()>> task;
+      {
+        std::lock_guard<std::mutex> lock(task_mu_);
+        if (open_ > 0) --open_, task = task_;
+      }
+      if (task) (*task)();
+    }
+  }
+
+  const int64_t spin_us_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_, task_mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int64_t> sleepers_{0};
+  std::shared_ptr<std::function<void()>> task_;  // guarded by task_mu_
+  int64_t open_ = 0;                              // guarded by task_mu_
+};
+
+// Runs `drain()` (claims items until none are left) on this thread and `helpers` others:
+// the spinning helpers, else tasks that `schedule(drain)` puts on XLA's pool; then waits
+// for the items other threads claimed (`done` reaching `total`). `drain` owns its job.
+template <class Drain, class Schedule>
+void RunParallel(int64_t helpers, Drain drain, Schedule schedule, std::atomic<int64_t>& done,
+                 int64_t total, std::mutex& mu, std::condition_variable& cv) {
+  if (helpers > 0 && !SpinPool::Get().Offer(helpers, drain)) {
+    for (int64_t i = 0; i < helpers; ++i) schedule(drain);
+  }
+  drain();
+  AwaitDone(done, total, mu, cv);
 }
 
 }  // namespace jaxserve_cpu

@@ -182,9 +182,9 @@ ffi::Error StackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->y = y->typed_data();
   if (job->U == 0 || job->M == 0) return ffi::Error::Success();
   const int64_t helpers = jaxserve_cpu::Helpers(pool.num_threads(), job->U);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Drain(*job); });
-  Drain(*job);
-  jaxserve_cpu::AwaitDone(job->done, job->U, job->mu, job->cv);
+  jaxserve_cpu::RunParallel(helpers, [job] { Drain(*job); },
+                            [&pool](auto task) { pool.Schedule(std::move(task)); }, job->done, job->U,
+                            job->mu, job->cv);
   return ffi::Error::Success();
 }
 
