@@ -85,8 +85,8 @@ class PackedEmbed(nn.Module):
         """f32[T, hidden] rows of `ids` i32[T]: column id % 16 of panel id // 16."""
         if self.fmt is None:
             return _packed(self, "embedding")[0, ids // gemm.PANEL, :, ids % gemm.PANEL]
-        cols = {name: _packed(self, name)[0, ids // gemm.PANEL, :, ids % gemm.PANEL].T
-                for name in qgemm.LEAVES[self.fmt.kind]}  # [rows, T] each
+        cols = qgemm.columns({name: _packed(self, name) for name in qgemm.LEAVES[self.fmt.kind]},
+                             ids)  # [rows, T] each
         return dequantize(cols, self.fmt.kind).T
 
     def attend(self, h: jax.Array) -> jax.Array:

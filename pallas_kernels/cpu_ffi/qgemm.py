@@ -16,6 +16,7 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cpu_ffi import gemm
@@ -27,6 +28,10 @@ LEAVES = {"q8": ("qweight", "scales"), "q4": ("qweight", "scales", "zeros")}
 DTYPES = {"qweight": {"q8": np.int8, "q4": np.uint8}, "scales": np.float16,
           "zeros": np.float16}
 SOURCE = os.path.join(os.path.dirname(__file__), "stacked_qgemm.cc")
+# Rows from which a call dequantizes each unit to float32 once (exact float products); below
+# it q4 activations are split into two int8 parts for `maddubs` (~15 bits: `DotTile`).
+# The kernel's kStageRows.
+STAGE_ROWS = 12
 
 
 @functools.cache
@@ -70,12 +75,18 @@ def pack(leaves: dict, kind: str) -> dict[str, jax.Array]:
     if any(a.ndim != 3 for a in arrays.values()) or len(lead) != 1 or len(cols) != 1:
         raise ValueError(f"pack takes stacked {kind} leaves [layers, rows, out], got "
                          f"{ {k: a.shape for k, a in arrays.items()} }")
-    return {name: gemm.pack(a, dtype=DTYPES[name][kind] if name == "qweight" else DTYPES[name])
-            for name, a in arrays.items()}
+    out = {name: gemm.pack(a, dtype=DTYPES[name][kind] if name == "qweight" else DTYPES[name])
+           for name, a in arrays.items()}
+    if kind == "q4":
+        out["qweight"] = jnp.asarray(_dot_order(np.asarray(out["qweight"])))
+    return out
 
 
 def unpack(panels: dict, n: int) -> dict[str, jax.Array]:
     """The inverse of `pack`: each leaf [L, rows, n] from [L, P, rows, 16]."""
+    panels = dict(panels)
+    if "zeros" in panels:  # q4
+        panels["qweight"] = _dot_order(np.asarray(panels["qweight"]), inverse=True)
     return {name: gemm.unpack(a, n) for name, a in panels.items()}
 
 
@@ -109,3 +120,50 @@ def stacked_qgemm(x: jax.Array, panels: dict, kind: str, layer, n: int) -> jax.A
         raise RuntimeError("the CPU quantized matmul kernel is unavailable here")
     return gemm.call_panels(TARGETS[kind], x, [panels[name] for name in LEAVES[kind]], layer,
                             p, n)
+
+
+def columns(panels: dict, ids: jax.Array) -> dict[str, jax.Array]:
+    """The leaves of columns `ids` i32[T] of layer 0 of `pack`ed panels, in
+    `models.quant`'s layout ([rows, T] each): an embedding lookup in a tied LM head's
+    panels."""
+    out = {name: leaf[0, ids // gemm.PANEL, :, ids % gemm.PANEL].T
+           for name, leaf in panels.items()}
+    if "zeros" in panels:  # q4: each block's 16 rows of a column, from the kernel's order
+        codes = panels["qweight"][0]  # u8[P, K / 2, 16]
+        nb = codes.shape[1] // 16
+        col = ids % gemm.PANEL
+        rows = (16 * jnp.arange(nb)[None, :, None]
+                + jnp.asarray(_DOT_ROW)[col][:, None, :])  # i32[T, nb, 16]
+        picked = codes[(ids // gemm.PANEL)[:, None, None], rows,
+                       jnp.asarray(_DOT_COL)[col][:, None, :]]  # u8[T, nb, 16]
+        out["qweight"] = picked.reshape(ids.shape[0], nb * 16).T
+    return out
+
+
+# A q4 panel's block (16 packed rows x 16 columns: row t holds values t and 16 + t of the
+# block, `models.quant`) reordered for the kernel's int8 dot products: axes (4 groups, 4
+# values, 2 column groups, 8 columns) -> (column groups, groups, columns, values), so 32
+# bytes hold 8 columns x 4 consecutive values (`stacked_qgemm.cc`, `DotTile`).
+_Q4_BLOCK = (4, 4, 2, 8)
+_DOT_BLOCK = (2, 4, 8, 4)
+Q4_TO_DOT = (0, 1, 2, 5, 3, 6, 4)
+DOT_TO_Q4 = (0, 1, 2, 4, 6, 3, 5)
+
+
+def _dot_order(codes: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """u8[L, P, K / 2, 16] q4 panels in the kernel's order (or back, `inverse`)."""
+    num_layers, num_p, rows, _ = codes.shape
+    blocks = codes.reshape(num_layers, num_p, rows // 16, *(_DOT_BLOCK if inverse else _Q4_BLOCK))
+    order = DOT_TO_Q4 if inverse else Q4_TO_DOT
+    return np.ascontiguousarray(blocks.transpose(order)).reshape(codes.shape)
+
+
+def _dot_offsets() -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) in the kernel's order of packed row t (16) of panel column c (16)
+    of a q4 block: i32[16, 16] each."""
+    c, t = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+    offset = (c // 8) * 128 + (t // 4) * 32 + (c % 8) * 4 + t % 4
+    return offset // 16, offset % 16
+
+
+_DOT_ROW, _DOT_COL = _dot_offsets()

@@ -1,5 +1,5 @@
-// Used by the CPU quantized matmul kernel (stacked_qgemm.cc): int8 codes, 4-bit codes and
-// float16 scales converted to float vectors (`vec`, simd.h) in registers.
+// Used by the CPU quantized matmul kernel (stacked_qgemm.cc): int8 codes and float16 scales
+// converted to float vectors (`vec`, simd.h) in registers.
 //
 // With intrinsics: GCC 12 turns `__builtin_convertvector` of byte and half vectors into
 // one scalar conversion per lane. x86-64 with AVX2 and F16C only; elsewhere the build
@@ -24,12 +24,6 @@ namespace jaxserve_cpu {
 inline vec Int8s(const uint8_t* p) {
   return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
-// kLanes bytes -> their low and their high nibbles as floats.
-inline void Nibbles(const uint8_t* p, vec& lo, vec& hi) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  lo = (vec)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-  hi = (vec)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-}
 // kLanes halfs -> floats.
 inline vec Halfs(const uint16_t* p) {
   return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
@@ -37,11 +31,6 @@ inline vec Halfs(const uint16_t* p) {
 #else
 inline vec Int8s(const uint8_t* p) {
   return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-inline void Nibbles(const uint8_t* p, vec& lo, vec& hi) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  lo = (vec)_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-  hi = (vec)_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 }
 inline vec Halfs(const uint16_t* p) {
   return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -46,12 +47,14 @@ constexpr int64_t kStageRows = 12;  // rows from which a unit is dequantized onc
 using jaxserve_cpu::Halfs;  // conversions in registers (quant_simd.h)
 using jaxserve_cpu::Int8s;
 using jaxserve_cpu::kLanes;  // floats per vector register (simd.h)
-using jaxserve_cpu::Nibbles;
 using jaxserve_cpu::vec;
 struct Job {
   bool q4;
   const float* x;        // f32[M, K]
   const float* xsum;     // f32[M, K / 32]: each q4 block's sum of x (q8: unused)
+  const int8_t* xq;      // i8[M, K]: q4, x quantized per block of 32 (`QuantizeRows`)
+  const int8_t* xr;      // i8[M, K]: q4, what that rounding left, quantized again
+  const float* xd;       // f32[M, K / 32]: q4, each block's scale (max |x| / 127)
   const uint8_t* q;      // this layer's codes: q8 i8[P, K, 16], q4 u8[P, K / 2, 16]
   const uint16_t* s;     // f16[P, K / B, 16]
   const uint16_t* z;     // f16[P, K / 32, 16] (q4)
@@ -62,21 +65,17 @@ struct Job {
   std::condition_variable cv;
 };
 
-// Rows [r0, r0 + RM) of x times NV vectors of columns of unit u from column `col` of it
-// (Q4: the job's format is q4, else q8).
-template <int RM, int NV, bool Q4>
+// q8: rows [r0, r0 + RM) of x times NV vectors of columns of unit u from column `col` of it.
+template <int RM, int NV>
 void Tile(const Job& j, int64_t u, int64_t col, int64_t r0) {
-  const int64_t K = j.K, nb = Q4 ? K / kQ4Block : K / j.B;
-  const int64_t rows_per_panel = Q4 ? K / 2 : K;  // code rows of 16 bytes
+  const int64_t K = j.K, nb = K / j.B;
   const uint8_t* qp[NV];
   const uint16_t* sp[NV];
-  const uint16_t* zp[NV];
   for (int v = 0; v < NV; ++v) {
     const int64_t c = col + kLanes * v;
     const int64_t panel = u * kUnit + c / kPanel;
-    qp[v] = j.q + panel * rows_per_panel * kPanel + c % kPanel;
+    qp[v] = j.q + panel * K * kPanel + c % kPanel;
     sp[v] = j.s + panel * nb * kPanel + c % kPanel;
-    zp[v] = Q4 ? j.z + panel * nb * kPanel + c % kPanel : nullptr;
   }
   const float* xr = j.x + r0 * K;
   vec acc[RM][NV];
@@ -86,40 +85,19 @@ void Tile(const Job& j, int64_t u, int64_t col, int64_t r0) {
     vec part[RM][NV];  // this block's sums of x * q
     for (int i = 0; i < RM; ++i)
       for (int v = 0; v < NV; ++v) part[i][v] = vec{};
-    if constexpr (Q4) {
-      for (int64_t t = 0; t < kQ4Block / 2; ++t) {
-        const int64_t row = b * (kQ4Block / 2) + t, k = b * kQ4Block + t;
-        vec lo[NV], hi[NV];
-        for (int v = 0; v < NV; ++v) {
-          Nibbles(qp[v] + row * kPanel, lo[v], hi[v]);
-        }
-        for (int i = 0; i < RM; ++i) {
-          const float xl = xr[i * K + k], xh = xr[i * K + k + kQ4Block / 2];
-          for (int v = 0; v < NV; ++v) part[i][v] += xl * lo[v] + xh * hi[v];
-        }
+    for (int64_t k = b * j.B; k < (b + 1) * j.B; ++k) {
+      vec w[NV];
+      for (int v = 0; v < NV; ++v) {
+        w[v] = Int8s(qp[v] + k * kPanel);
       }
-    } else {
-      for (int64_t k = b * j.B; k < (b + 1) * j.B; ++k) {
-        vec w[NV];
-        for (int v = 0; v < NV; ++v) {
-          w[v] = Int8s(qp[v] + k * kPanel);
-        }
-        for (int i = 0; i < RM; ++i) {
-          const float xv = xr[i * K + k];
-          for (int v = 0; v < NV; ++v) part[i][v] += xv * w[v];
-        }
+      for (int i = 0; i < RM; ++i) {
+        const float xv = xr[i * K + k];
+        for (int v = 0; v < NV; ++v) part[i][v] += xv * w[v];
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const vec s = Halfs(sp[v] + b * kPanel);
-      if constexpr (Q4) {
-        const vec z = Halfs(zp[v] + b * kPanel);
-        for (int i = 0; i < RM; ++i) {
-          acc[i][v] += part[i][v] * s + j.xsum[(r0 + i) * nb + b] * z;
-        }
-      } else {
-        for (int i = 0; i < RM; ++i) acc[i][v] += part[i][v] * s;
-      }
+      const vec sv = Halfs(sp[v] + b * kPanel);
+      for (int i = 0; i < RM; ++i) acc[i][v] += part[i][v] * sv;
     }
   }
   const int64_t c0 = u * kUnit * kPanel + col;
@@ -130,20 +108,126 @@ void Tile(const Job& j, int64_t u, int64_t col, int64_t r0) {
   }
 }
 
+// q4 times activations split into two int8 parts, x = d (xq + xr / 254) + O(d / 508), d =
+// max |x| / 127 over a block of 32 (`QuantizeRows`): rows [r0, r0 + RM) x panel `panel` of
+// y. The codes of a panel's block (32 values x 16 columns, 256 bytes, `qgemm.pack`) lie as
+// [2 column groups][4 groups of 4 values][8 columns][4 values], so one 32-byte load gives
+// 8 columns x 4 consecutive values (low nibbles) and the 4 values 16 further on (high
+// nibbles); `maddubs` multiplies them with 4 broadcast int8 activations and adds pairs, 32
+// products an instruction. The block's 16-bit sums (at most 8 x 2 x 15 x 127 < 2^15) become
+// int32 and float once per block: y += s d (sum(q xq) + sum(q xr) / 254) + z sum(x). The
+// second part keeps x to ~15 bits (one part alone, as llama.cpp's Q8 activations, moved
+// greedy choices of the default model against its float32 weights).
+template <int RM>
+void DotTile(const Job& j, int64_t panel, int64_t r0) {
+  const int64_t K = j.K, nb = K / kQ4Block;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 fine = _mm256_set1_ps(1.0f / 254.0f);
+  const uint8_t* qp = j.q + panel * (K / 2) * kPanel;
+  const uint16_t* sp = j.s + panel * nb * kPanel;
+  const uint16_t* zp = j.z + panel * nb * kPanel;
+  __m256 acc[RM][2];
+  for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* qb = qp + b * kQ4Block * kPanel / 2;
+    __m256i coarse[RM][2], rest[RM][2];
+    for (int i = 0; i < RM; ++i) {
+      coarse[i][0] = coarse[i][1] = rest[i][0] = rest[i][1] = _mm256_setzero_si256();
+    }
+    for (int g = 0; g < 4; ++g) {
+      __m256i lo[2], hi[2];
+      for (int c = 0; c < 2; ++c) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(qb + c * 128 + g * 32));
+        lo[c] = _mm256_and_si256(w, low);
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+      }
+      for (int i = 0; i < RM; ++i) {
+        const int64_t off = (r0 + i) * K + b * kQ4Block + 4 * g;
+        int32_t v[4];
+        std::memcpy(&v[0], j.xq + off, 4);
+        std::memcpy(&v[1], j.xq + off + kQ4Block / 2, 4);
+        std::memcpy(&v[2], j.xr + off, 4);
+        std::memcpy(&v[3], j.xr + off + kQ4Block / 2, 4);
+        const __m256i xl = _mm256_set1_epi32(v[0]), xh = _mm256_set1_epi32(v[1]);
+        const __m256i rl = _mm256_set1_epi32(v[2]), rh = _mm256_set1_epi32(v[3]);
+        for (int c = 0; c < 2; ++c) {
+          coarse[i][c] = _mm256_add_epi16(
+              coarse[i][c], _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], xl),
+                                             _mm256_maddubs_epi16(hi[c], xh)));
+          rest[i][c] = _mm256_add_epi16(
+              rest[i][c], _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], rl),
+                                           _mm256_maddubs_epi16(hi[c], rh)));
+        }
+      }
+    }
+    for (int c = 0; c < 2; ++c) {
+      const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(sp + b * kPanel + c * 8)));
+      const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(zp + b * kPanel + c * 8)));
+      for (int i = 0; i < RM; ++i) {
+        const __m256 f = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(_mm256_madd_epi16(rest[i][c], ones)), fine,
+            _mm256_cvtepi32_ps(_mm256_madd_epi16(coarse[i][c], ones)));
+        const __m256 sd = _mm256_mul_ps(sv, _mm256_set1_ps(j.xd[(r0 + i) * nb + b]));
+        acc[i][c] = _mm256_fmadd_ps(f, sd, acc[i][c]);
+        acc[i][c] = _mm256_fmadd_ps(zv, _mm256_set1_ps(j.xsum[(r0 + i) * nb + b]), acc[i][c]);
+      }
+    }
+  }
+  for (int i = 0; i < RM; ++i) {
+    for (int c = 0; c < 2; ++c) {
+      _mm256_storeu_ps(j.y + (r0 + i) * j.N + panel * kPanel + c * 8, acc[i][c]);
+    }
+  }
+}
+
+// Unit u of a q4 weight into its columns of y, two rows at a time.
+void RunUnitDot(const Job& j, int64_t u) {
+  for (int64_t panel = u * kUnit; panel < (u + 1) * kUnit; ++panel) {
+    int64_t r = 0;
+    for (; r + 2 <= j.M; r += 2) DotTile<2>(j, panel, r);
+    if (r < j.M) DotTile<1>(j, panel, r);
+  }
+}
+
+// x f32[M, K] -> xq, xr i8[M, K], xd and xsum f32[M, K / 32]: each block of 32 values
+// scaled to [-127, 127] by 127 / max |x| and rounded to nearest (even), xq; what rounding
+// left, scaled by 254 more and rounded, xr; the block's scale max |x| / 127 and its sum.
+void QuantizeRows(const float* x, int64_t M, int64_t K, int8_t* xq, int8_t* xr, float* xd,
+                  float* xsum) {
+  const int64_t nb = K / kQ4Block;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * kQ4Block;
+    float amax = 0.0f, sum = 0.0f;
+    for (int64_t k = 0; k < kQ4Block; ++k) {
+      amax = std::max(amax, std::fabs(xb[k]));
+      sum += xb[k];
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t k = 0; k < kQ4Block; ++k) {
+      const float scaled = xb[k] * inv, whole = std::nearbyint(scaled);
+      xq[i * kQ4Block + k] = static_cast<int8_t>(whole);
+      xr[i * kQ4Block + k] = static_cast<int8_t>(std::nearbyint((scaled - whole) * 254.0f));
+    }
+    xd[i] = amax / 127.0f;
+    xsum[i] = sum;
+  }
+}
+
 // Unit u into its columns of y, in tiles of RM rows x NV vectors (remainder rows through
 // smaller tiles).
-template <int RM, int NV, bool Q4>
+template <int RM, int NV>
 void RunUnitTiled(const Job& j, int64_t u) {
   constexpr int64_t kCols = kUnit * kPanel;
   static_assert(kCols % (NV * kLanes) == 0, "a tile's columns divide the unit");
   static_assert(RM <= 8, "remainder tiles go up to 7 rows");
   for (int64_t col = 0; col < kCols; col += NV * kLanes) {
     int64_t r = 0;
-    for (; r + RM <= j.M; r += RM) Tile<RM, NV, Q4>(j, u, col, r);
+    for (; r + RM <= j.M; r += RM) Tile<RM, NV>(j, u, col, r);
     switch (j.M - r) {
 #define JAXSERVE_TILE(n)                                    \
       case n:                                               \
-        if constexpr (n < RM) Tile<n, NV, Q4>(j, u, col, r);   \
+        if constexpr (n < RM) Tile<n, NV>(j, u, col, r);       \
         break;
       JAXSERVE_TILE(7) JAXSERVE_TILE(6) JAXSERVE_TILE(5) JAXSERVE_TILE(4)
       JAXSERVE_TILE(3) JAXSERVE_TILE(2) JAXSERVE_TILE(1)
@@ -184,28 +268,49 @@ void StagedTile(const Job& j, const float* w, int64_t col, int64_t c0, int64_t r
     }
 }
 
+// q4: block b of panel `panel` (its codes in `DotTile`'s order) into `w` f32[K, 16] (the
+// panel's part of the scratch): codes converted, times the scales, plus the zeros.
+inline void DequantizeDotBlock(const Job& j, int64_t panel, int64_t b, float* w) {
+  const int64_t nb = j.K / kQ4Block;
+  const uint8_t* qb = j.q + panel * (j.K / 2) * kPanel + b * kQ4Block * kPanel / 2;
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int c = 0; c < 2; ++c) {
+    const int64_t at = (panel * nb + b) * kPanel + c * 8;
+    const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(j.s + at)));
+    const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(j.z + at)));
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(qb + c * 128 + g * 32));
+      float* wl = w + (b * kQ4Block + 4 * g) * kPanel + c * 8;  // value 4 g of the block
+      float* wh = wl + kQ4Block / 2 * kPanel;                   // value 16 + 4 g
+#define JAXSERVE_VALUE(t)                                                                 \
+  _mm256_storeu_ps(wl + t * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(     \
+                                        _mm256_srli_epi32(v, 8 * t), low)), sv, zv));       \
+  _mm256_storeu_ps(wh + t * kPanel, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(     \
+                                        _mm256_srli_epi32(v, 8 * t + 4), low)), sv, zv));
+      JAXSERVE_VALUE(0) JAXSERVE_VALUE(1) JAXSERVE_VALUE(2) JAXSERVE_VALUE(3)
+#undef JAXSERVE_VALUE
+    }
+  }
+}
+
 // Unit u's weights f32[3, K, 16] into `w`: codes converted, times the scales (+ zeros).
 template <bool Q4>
 void Dequantize(const Job& j, int64_t u, float* w) {
-  const int64_t K = j.K, nb = Q4 ? K / kQ4Block : K / j.B;
-  const int64_t rows_per_panel = Q4 ? K / 2 : K;
-  for (int64_t c = 0; c < kStageCols; c += kLanes) {
-    const int64_t panel = u * kUnit + c / kPanel, off = c % kPanel;
-    const uint8_t* q = j.q + panel * rows_per_panel * kPanel + off;
-    const uint16_t* s = j.s + panel * nb * kPanel + off;
-    for (int64_t b = 0; b < nb; ++b) {
-      const vec sv = Halfs(s + b * kPanel);
-      if constexpr (Q4) {
-        const vec zv = Halfs(j.z + panel * nb * kPanel + off + b * kPanel);
-        float* wb = w + c / kPanel * K * kPanel + b * kQ4Block * kPanel + off;
-        for (int64_t t = 0; t < kQ4Block / 2; ++t) {
-          vec lo, hi;
-          Nibbles(q + (b * kQ4Block / 2 + t) * kPanel, lo, hi);
-          lo = lo * sv + zv, hi = hi * sv + zv;
-          std::memcpy(wb + t * kPanel, &lo, sizeof(vec));
-          std::memcpy(wb + (t + kQ4Block / 2) * kPanel, &hi, sizeof(vec));
-        }
-      } else {
+  const int64_t K = j.K;
+  if constexpr (Q4) {
+    for (int64_t p = 0; p < kUnit; ++p) {
+      for (int64_t b = 0; b < K / kQ4Block; ++b) {
+        DequantizeDotBlock(j, u * kUnit + p, b, w + p * K * kPanel);
+      }
+    }
+  } else {
+    const int64_t nb = K / j.B;
+    for (int64_t c = 0; c < kStageCols; c += kLanes) {
+      const int64_t panel = u * kUnit + c / kPanel, off = c % kPanel;
+      const uint8_t* q = j.q + panel * K * kPanel + off;
+      const uint16_t* s = j.s + panel * nb * kPanel + off;
+      for (int64_t b = 0; b < nb; ++b) {
+        const vec sv = Halfs(s + b * kPanel);
         for (int64_t k = b * j.B; k < (b + 1) * j.B; ++k) {
           const vec wv = Int8s(q + k * kPanel) * sv;
           std::memcpy(w + c / kPanel * K * kPanel + k * kPanel + off, &wv, sizeof(vec));
@@ -244,10 +349,12 @@ void RunUnit(const Job& j, int64_t u) {
 #if defined(__AVX512F__)
   if (j.M >= kStageRows) {
     RunUnitStaged<8, 3, Q4>(j, u);
+  } else if (Q4) {
+    RunUnitDot(j, u);
   } else if (j.M >= 2) {
-    RunUnitTiled<4, 3, Q4>(j, u);  // 12 block sums + 12 totals of the 32 registers
+    RunUnitTiled<4, 3>(j, u);  // 12 block sums + 12 totals of the 32 registers
   } else {
-    RunUnitTiled<1, 3, Q4>(j, u);
+    RunUnitTiled<1, 3>(j, u);
   }
 #else
   // 16 registers. One row: 6 block sums over the whole unit (6 independent chains of FMAs),
@@ -255,10 +362,12 @@ void RunUnit(const Job& j, int64_t u) {
   // each conversion shared by up to 6 rows, the totals spilled (touched once a block).
   if (j.M >= kStageRows) {
     RunUnitStaged<6, 2, Q4>(j, u);
+  } else if (Q4) {
+    RunUnitDot(j, u);
   } else if (j.M >= 2) {
-    RunUnitTiled<6, 2, Q4>(j, u);
+    RunUnitTiled<6, 2>(j, u);
   } else {
-    RunUnitTiled<1, 6, Q4>(j, u);
+    RunUnitTiled<1, 6>(j, u);
   }
 #endif
 }
@@ -277,9 +386,9 @@ void Drain(Job& j) {
 
 void Run(ffi::ThreadPool& pool, std::shared_ptr<Job> job) {
   const int64_t helpers = jaxserve_cpu::Helpers(pool.num_threads(), job->U);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { Drain(*job); });
-  Drain(*job);
-  jaxserve_cpu::AwaitDone(job->done, job->U, job->mu, job->cv);
+  jaxserve_cpu::RunParallel(helpers, [job] { Drain(*job); },
+                            [&pool](auto task) { pool.Schedule(std::move(task)); }, job->done, job->U,
+                            job->mu, job->cv);
 }
 
 // The layer index clamped into [0, layers).
@@ -333,15 +442,13 @@ ffi::Error StackedQ4GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->M = M, job->K = K, job->U = qd[1] / kUnit, job->N = qd[1] * kPanel;
   job->B = kQ4Block;
   job->x = x.typed_data();
-  std::vector<float> xsum(M * nb);  // f32[M, K / 32]; the job ends before this returns
-  for (int64_t i = 0; i < M; ++i) {
-    for (int64_t b = 0; b < nb; ++b) {
-      float t = 0;
-      for (int64_t k = 0; k < kQ4Block; ++k) t += job->x[i * K + b * kQ4Block + k];
-      xsum[i * nb + b] = t;
-    }
-  }
-  job->xsum = xsum.data();
+  // The activations, quantized once per call (the job ends before this returns).
+  thread_local std::vector<int8_t> codes, rests;  // i8[M, K]
+  thread_local std::vector<float> scales, sums;  // f32[M, K / 32]
+  codes.resize(M * K), rests.resize(M * K), scales.resize(M * nb), sums.resize(M * nb);
+  QuantizeRows(job->x, M, K, codes.data(), rests.data(), scales.data(), sums.data());
+  job->xq = codes.data(), job->xr = rests.data(), job->xd = scales.data();
+  job->xsum = sums.data();
   const int64_t per_layer = qd[1] * sd[2] * kPanel;  // scales (or zeros) per layer
   job->q = static_cast<const uint8_t*>(q.untyped_data()) + l * qd[1] * qd[2] * kPanel;
   job->s = static_cast<const uint16_t*>(s.untyped_data()) + l * per_layer;

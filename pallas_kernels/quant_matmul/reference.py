@@ -50,6 +50,40 @@ def quant_matmul_reference(x: jax.Array, w: dict, kind: str) -> jax.Array:
     return (x.astype(jnp.float32) @ dequantize(w, kind)).astype(x.dtype)
 
 
+def int8_activations(x: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x f32[M, K] split per block of `block` values as the CPU q4 kernel does
+    (`pallas_kernels/cpu_ffi/stacked_qgemm.cc`): x ~ d (xq + xr / 254) with codes xq and
+    xr f32[M, K] holding integers in [-127, 127] (round half to even): xq of x scaled by
+    127 / max |x|, xr of what that rounding left, scaled by 254; and d f32[M, K / block],
+    max |x| / 127."""
+    m, k = x.shape
+    xb = x.astype(jnp.float32).reshape(m, k // block, block)
+    amax = jnp.max(jnp.abs(xb), axis=-1)  # f32[M, K / block]
+    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    scaled = xb * inv[..., None]
+    whole = jnp.round(scaled)
+    rest = jnp.round((scaled - whole) * 254.0)
+    return whole.reshape(m, k), rest.reshape(m, k), amax / 127.0
+
+
+def q4_int8_matmul_reference(x: jax.Array, w: dict) -> jax.Array:
+    """x f32[M, K] @ a q4 weight as the CPU q4 kernel computes it, x split into int8 parts
+    (`int8_activations`): per block, scale x d x (the integer dots of the codes with xq,
+    plus with xr over 254), plus zero x the block's (unsplit) sum of x."""
+    k, n = check_quant_weight(w, "q4")
+    m, nb = x.shape[0], k // 32
+    xq, xr, xd = int8_activations(x)
+    p = w["qweight"].reshape(nb, 1, Q4_HALF, n)
+    q = jnp.concatenate([p & 15, p >> 4], axis=1).astype(jnp.float32).reshape(nb, 32, n)
+    dot = lambda a: jnp.einsum("mbk,bkn->mbn", a.reshape(m, nb, 32), q,
+                               precision="highest")  # integers: exact in float32
+    dots = dot(xq) + dot(xr) / 254.0  # f32[M, nb, n]
+    xsum = x.astype(jnp.float32).reshape(m, nb, 32).sum(-1)  # f32[M, nb]
+    scales, zeros = (w[name].astype(jnp.float32) for name in ("scales", "zeros"))
+    return (jnp.einsum("mbn,bn->mn", dots * xd[..., None], scales, precision="highest")
+            + jnp.einsum("mb,bn->mn", xsum, zeros, precision="highest"))
+
+
 def quant_embed(w: dict, kind: str, ids: jax.Array, dtype) -> jax.Array:
     """Embedding rows dtype[T, K] of token `ids` from a quantized [K, vocab] table.
 
