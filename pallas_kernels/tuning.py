@@ -18,7 +18,7 @@ TUNED: dict[str, dict[str, dict[str, int]]] = {
     # that reads the pool in place", "short prompts' tokens on the decode kernel".
     "ragged_xla": {
         "*": dict(block_kv=128, block_q=64, block_q_short=8, decode_block_kv=64,
-                  decode_rows=32, cpu_decode_min_rows=8, cpu_context_max_len=768),
+                  decode_rows=32, cpu_decode_min_rows=1, cpu_context_max_len=768),
     },
     # Batch-invariant mode (`pallas_kernels.invariant`): rows per matmul tile, and the
     # per-token attention's key block and token tile (BENCHMARKS.md, "batch-invariant mode").

@@ -115,11 +115,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=12, help="kernels listed by self time")
     p.add_argument("--attention-backend", default="auto", help="auto, xla, cpu or pallas")
+    p.add_argument("--quantization", default="none",
+                   help="weights: none (float32) or gguf (the GGUF's blocks in place)")
     args = p.parse_args()
     if args.chunk and (not 0 < args.chunk <= 256 or args.context_len + args.chunk > 1024):
         p.error("--chunk takes 1-256 tokens, with --context-len, at most 1024 in all")
     path = default_model_path()
-    llm = make_llm(load_model(path, "float32", backend=args.attention_backend),
+    llm = make_llm(load_model(path, "float32", backend=args.attention_backend,
+                              quantization=args.quantization),
                    load_tokenizer(path), max_model_len=1024,
                    max_num_seqs=max(32, args.batch), max_num_batched_tokens=256,
                    num_kv_blocks=2048)

@@ -357,15 +357,23 @@ def ragged_paged_attention_xla(
 
     # Context part: every other row's whole context, this step's tokens included.
     ctx_lens = jnp.where(taken | (q_lens == 0), 0, md.kv_lens)  # i32[rows]; padding: 0
-    state = None
-    if md.short_tiles:  # a second loop (more compile time per program)
-        short = q_lens <= block_q_short  # bool[rows]
-        state = _context_part(qg, kv_pages, layer, md, jnp.where(short, ctx_lens, 0),
-                              q_pos, window, block_kv=block_kv, block_q=block_q_short,
-                              **common)
-        ctx_lens = jnp.where(short, 0, ctx_lens)
-    state = _context_part(qg, kv_pages, layer, md, ctx_lens, q_pos, window,
-                          block_kv=block_kv, block_q=block_q, state=state, **common)
+
+    def context(ctx_lens):
+        state = None
+        if md.short_tiles:  # a second loop (more compile time per program)
+            short = q_lens <= block_q_short  # bool[rows]
+            state = _context_part(qg, kv_pages, layer, md, jnp.where(short, ctx_lens, 0),
+                                  q_pos, window, block_kv=block_kv, block_q=block_q_short,
+                                  **common)
+            ctx_lens = jnp.where(short, 0, ctx_lens)
+        return _context_part(qg, kv_pages, layer, md, ctx_lens, q_pos, window,
+                             block_kv=block_kv, block_q=block_q, state=state, **common)
+
+    # NOTE: skipped at run time when no row needs it (decode steps): its padded query
+    # copies and empty loops cost ~20 us a layer on a batch-1 step (BENCHMARKS.md,
+    # "the batch-1 step's attention").
+    state = jax.lax.cond(jnp.any(ctx_lens > 0), context,
+                         lambda _: _init((num_tokens, num_kv_heads, group), head_dim), ctx_lens)
     acc, _, denom = _merge(state, decode)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
