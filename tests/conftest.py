@@ -79,10 +79,11 @@ def smollm2_path() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    """jaxserve's SmolLM2 (float32), loaded once per test session."""
+    """jaxserve's SmolLM2 with float32 weights (the values transformers dequantizes the
+    GGUF to, the oracles' own), loaded once per test session."""
     from models.loaders import load_model
 
-    return load_model(smollm2_path, "float32")
+    return load_model(smollm2_path, "float32", quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -41,15 +41,11 @@ def check_quantization(quantization: str | None) -> None:
 def quant_plan_for(kind: str, path: str, quantization: str | None) -> QuantPlan:
     """The weight plan a source loads with.
 
-    `None` is the source's own form, except that on the CPU a GGUF file is dequantized:
-    XLA's CPU backend converts int8/4-bit codes far slower than it reads float32 (a
-    decode step with the Q4_1/Q8_0 blocks kept took 1.1-2.4x longer, BENCHMARKS.md
-    "Quantization"), and the `cpu` backend's kernel that reads the blocks in place
-    (`pallas_kernels/cpu_ffi/stacked_qgemm.cc`) is faster at batch 1 but still slower
-    than the float32 panels at batch 32 (BENCHMARKS.md, issue 49); on a GPU or TPU the
-    Pallas kernel dequantizes in registers and decode is bound by weight bytes, so the
-    blocks stay quantized there. A checkpoint
-    keeps what it stores, a Hugging Face directory is dense.
+    `None` is the source's own form, except that on the CPU a GGUF file is dequantized
+    (`load_model` keeps its blocks where the `cpu` backend's kernel reads them in place:
+    `_cpu_reads_blocks`): XLA's CPU backend converts int8/4-bit codes far slower than it
+    reads float32 (a decode step with the blocks kept took 1.1-2.4x longer, BENCHMARKS.md
+    "Quantization"). A checkpoint keeps what it stores, a Hugging Face directory is dense.
 
     Raises:
         ValueError: Unknown setting, "gguf" for a source that is not a GGUF file, or a
@@ -73,6 +69,21 @@ def quant_plan_for(kind: str, path: str, quantization: str | None) -> QuantPlan:
     if quantization in _UNIFORM:
         return uniform_plan(quantization, _UNIFORM[quantization])
     return QuantPlan()
+
+
+def _cpu_reads_blocks(path: str, cfg: ArchConfig, dtype, backend: str, sharded: bool) -> bool:
+    """Whether a GGUF file's blocks, kept, would be multiplied in place by the `cpu`
+    backend's quantized matmul kernel (`models.packed.can_pack` before loading): the
+    attention backend resolves to "cpu", float32 activations on one device, no mixture of
+    experts, every kept format one the kernel reads, and the kernels built here."""
+    from models.packed import quant_packable
+    from pallas_kernels.cpu_ffi import qgemm
+    from pallas_kernels.ops import resolve_backend
+
+    if (sharded or cfg.is_moe or jnp.dtype(dtype) != jnp.float32
+            or resolve_backend(backend) != "cpu" or not qgemm.available()):
+        return False
+    return quant_packable(open_gguf(path).quant_plan(), cfg)
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
@@ -130,8 +141,10 @@ def load_model(model: str | None = None, dtype: str = "auto", backend: str = "au
             bfloat16 for most; `serving_dtype.resolve_dtype`), "float32" or "bfloat16".
         backend: Attention backend.
         quantization: Weight format on the device (`quant_plan_for`): None (the source's
-            own), "none" (dense `dtype`), "gguf" (GGUF blocks kept), "int8" (weight-only,
-            per output channel) or "q8_0" (int8 in blocks of 32).
+            own; on the CPU a GGUF file keeps its blocks where the `cpu` backend's kernel
+            reads them in place, else it is dequantized), "none" (dense `dtype`), "gguf"
+            (GGUF blocks kept), "int8" (weight-only, per output channel) or "q8_0" (int8 in
+            blocks of 32).
         shardings: Optional `abstract params -> sharding tree` (a tensor-parallel layout's
             `param_shardings`): weights then go to their devices shard by shard (orbax
             restores each shard directly) and are never whole on one device.
@@ -142,9 +155,12 @@ def load_model(model: str | None = None, dtype: str = "auto", backend: str = "au
     """
     kind, path = resolve_model(model)
     jdtype = parse_dtype(resolve_dtype(dtype, kind, path))
-    plan = quant_plan_for(kind, path, quantization)
     start = time.perf_counter()
     cfg = read_arch_config(path)
+    if (quantization is None and kind == "gguf" and jax.default_backend() == "cpu"
+            and _cpu_reads_blocks(path, cfg, jdtype, backend, shardings is not None)):
+        quantization = "gguf"  # the CPU kernel reads the blocks in place
+    plan = quant_plan_for(kind, path, quantization)
     if kind == "jaxserve":
         saved = parse_dtype(orbax_ckpt.read_checkpoint_meta(path)[1])
         stored = orbax_ckpt.read_checkpoint_quant(path)
