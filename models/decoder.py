@@ -25,6 +25,7 @@ from models.mixed import MixedMLP
 from models.moe import MoEMLP
 from models.moe_parallel import ExpertSharding
 from models.packed import COLLECTION as PACKED
+from models.packed import PackedDense, PackedEmbed
 from models.qlayers import dense, embed, tiled_attend
 from models.quant import QuantPlan
 from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
@@ -51,9 +52,11 @@ class Attention(nn.Module):
         slot = layer if slot is None else slot
         num_tokens = x.shape[0]
         inv = self.batch_invariant
+        rows = md.cu_q_lens[-1]  # i32[]: the step's real tokens (packed weights skip the rest)
 
         def proj(n, bias, name, h):
-            y = dense(self.quant, name, n, bias, self.dtype, self.backend, layer=layer)(h)
+            y = dense(self.quant, name, n, bias, self.dtype, self.backend, layer=layer,
+                      rows=rows)(h)
             return add_lora(self, name, h, y, lora_slots, self.lora_impl, layer)
 
         q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj", x)
@@ -125,10 +128,9 @@ class DecoderLayer(nn.Module):
             mlp = MoEMLP(cfg, self.dtype, self.quant, self.backend,
                          sharding=self.expert_sharding, name="mlp")
         else:
-            mlp = GatedMLP(cfg, self.dtype, self.quant, self.backend,
-                           lora_impl=self.lora_impl, name="mlp")
-            if lora_slots is not None:
-                mlp = functools.partial(mlp, lora_slots=lora_slots)
+            mlp = functools.partial(GatedMLP(cfg, self.dtype, self.quant, self.backend,
+                                             lora_impl=self.lora_impl, name="mlp"),
+                                    lora_slots=lora_slots, rows=md.cu_q_lens[-1])
         if cfg.sandwich_norms:
             hidden = hidden + norm("post_attention_layernorm")(attn_out)
             h = norm("pre_feedforward_layernorm")(hidden)
@@ -229,13 +231,18 @@ class Decoder(nn.Module):
         (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md, lora_slots)
         return kv_pages, self.norm(hidden)
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """LM head: f32[num_rows, vocab_size] logits from final hidden states."""
+    def compute_logits(self, hidden: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+        """LM head: f32[num_rows, vocab_size] logits from final hidden states; a packed head
+        computes only the first `rows` (i32[] or None: all; the rest 0, padding)."""
         if self.cfg.tie_word_embeddings and self.quant.row_tile and isinstance(
                 self.embed_tokens, nn.Embed):  # batch-invariant: the product in row tiles
             logits = tiled_attend(self.embed_tokens.embedding, hidden, self.quant.row_tile)
+        elif isinstance(self.embed_tokens, PackedEmbed) and self.cfg.tie_word_embeddings:
+            logits = self.embed_tokens.attend(hidden, rows)
         elif self.cfg.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden)
+        elif isinstance(self.lm_head, PackedDense):
+            logits = self.lm_head(hidden, rows)
         else:
             logits = self.lm_head(hidden)
         logits = logits.astype(jnp.float32)

@@ -110,14 +110,15 @@ class GatedMLP(nn.Module):
     lora_impl: str = "masked"
 
     @nn.compact
-    def __call__(self, x: jax.Array, layer=None, lora_slots=None) -> jax.Array:
+    def __call__(self, x: jax.Array, layer=None, lora_slots=None, rows=None) -> jax.Array:
         """x [T, hidden] -> [T, hidden]; `layer` (i32[], inside the layer scan) is the index
-        packed weights are read at (`models.qlayers.dense`); `lora_slots` (i32[T] or None)
-        each token's adapter slot (`models.lora.add_lora`)."""
+        packed weights are read at and `rows` (i32[] or None) the step's real tokens they
+        multiply (`models.qlayers.dense`); `lora_slots` (i32[T] or None) each token's
+        adapter slot (`models.lora.add_lora`)."""
 
         def dense(n, name, h):
             y = make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype, self.backend,
-                           layer=layer)(h)
+                           layer=layer, rows=rows)(h)
             return add_lora(self, name, h, y, lora_slots, self.lora_impl, layer)
 
         width = self.intermediate_size or self.cfg.intermediate_size

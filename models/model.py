@@ -154,9 +154,10 @@ class Model:
         return self.module.apply(var, input_ids, positions, kv_pages, md,
                                  None if lora is None else lora_slots)
 
-    def compute_logits(self, params, hidden):
-        """Pure LM head (jit-able): f32[num_rows, vocab_size]."""
-        return self.module.apply(variables(params), hidden, method=Decoder.compute_logits)
+    def compute_logits(self, params, hidden, rows=None):
+        """Pure LM head (jit-able): f32[num_rows, vocab_size]; with `rows` (i32[], traced)
+        a packed head multiplies only the first `rows` rows (the rest 0: padding)."""
+        return self.module.apply(variables(params), hidden, rows, method=Decoder.compute_logits)
 
     @property
     def weight_bytes(self) -> int:

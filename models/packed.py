@@ -56,14 +56,17 @@ class PackedDense(nn.Module):
     dtype: jnp.dtype = jnp.float32
     layer: int | jax.Array = 0  # i32[] (traced inside the layer scan)
     fmt: QuantFormat | None = None
+    rows: jax.Array | None = None  # i32[]: x's real rows (the rest is padding, y's rows 0)
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+        """y [T, features] of x [T, in]; `rows` (default `self.rows`) as that attribute."""
+        rows = self.rows if rows is None else rows
         if self.fmt is None:
-            y = gemm.stacked_gemm(x, _packed(self, "kernel"), self.layer, self.features)
+            y = gemm.stacked_gemm(x, _packed(self, "kernel"), self.layer, self.features, rows)
         else:
             leaves = {name: _packed(self, name) for name in qgemm.LEAVES[self.fmt.kind]}
-            y = qgemm.stacked_qgemm(x, leaves, self.fmt.kind, self.layer, self.features)
+            y = qgemm.stacked_qgemm(x, leaves, self.fmt.kind, self.layer, self.features, rows)
         y = y.astype(self.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
@@ -89,13 +92,14 @@ class PackedEmbed(nn.Module):
                              ids)  # [rows, T] each
         return dequantize(cols, self.fmt.kind).T
 
-    def attend(self, h: jax.Array) -> jax.Array:
-        """f32[T, vocab] logits of hidden states h [T, hidden]."""
+    def attend(self, h: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+        """f32[T, vocab] logits of hidden states h [T, hidden]: of the first `rows` (i32[]
+        or None: all) only, the rest 0."""
         h = h.astype(jnp.float32)
         if self.fmt is None:
-            return gemm.stacked_gemm(h, _packed(self, "embedding"), 0, self.num_embeddings)
+            return gemm.stacked_gemm(h, _packed(self, "embedding"), 0, self.num_embeddings, rows)
         leaves = {name: _packed(self, name) for name in qgemm.LEAVES[self.fmt.kind]}
-        return qgemm.stacked_qgemm(h, leaves, self.fmt.kind, 0, self.num_embeddings)
+        return qgemm.stacked_qgemm(h, leaves, self.fmt.kind, 0, self.num_embeddings, rows)
 
 
 def _packed(module: nn.Module, name: str) -> jax.Array:

@@ -93,16 +93,17 @@ def tiled_attend(embedding: jax.Array, h: jax.Array, row_tile: int) -> jax.Array
 
 
 def dense(plan: QuantPlan, name: str, features: int, bias: bool, dtype, backend: str,
-          in_setup: bool = False, layer=None):
+          in_setup: bool = False, layer=None, rows=None):
     """The layer of module `name` as `plan` stores it: `nn.Dense`, a `QDense` when the plan
     quantizes it, a `PackedDense` (reading layer `layer` of the packed stack, i32[] or None
-    outside the layer scan) when it packs it; with `plan.row_tile` (batch-invariant mode) a
+    outside the layer scan, and multiplying only the step's `rows` real tokens, i32[] or
+    None for all) when it packs it; with `plan.row_tile` (batch-invariant mode) a
     float one is a `TiledDense` and a quantized one multiplies in row tiles too. Named
     `name` unless built in a `setup`, where Flax names it after the attribute."""
     kw = {} if in_setup else {"name": name}
     if plan.packs(name):
         return PackedDense(features, bias, dtype, 0 if layer is None else layer,
-                           plan.get(name), **kw)
+                           plan.get(name), rows, **kw)
     fmt = plan.get(name)
     if fmt is None and plan.row_tile:
         return TiledDense(features, bias, dtype, plan.row_tile, **kw)

@@ -28,6 +28,8 @@ class StepArrays:
         kv_lens: i32[num_rows] context length after the step; padded rows 0.
         cu_q_lens: i32[num_rows + 1] cumulative new-token counts.
         logits_indices: i32[num_sample_rows] token whose logits each sampling row uses.
+            Sent with i32[1] "sample_rows", how many of them are real (the rest padding,
+            whose logits a packed LM head leaves at 0).
         row_request_ids: Request id of each real sampling row (host only, not sent).
         lora_slots: i32[num_tokens] each token's LoRA adapter slot (-1: none; padding -1),
             set by the runner when it serves adapters; None: not sent.
@@ -51,6 +53,7 @@ class StepArrays:
                 "slot_mapping": self.slot_mapping, "block_tables": self.block_tables,
                 "kv_lens": self.kv_lens, "cu_q_lens": self.cu_q_lens,
                 "logits_indices": self.logits_indices,
+                "sample_rows": np.array([len(self.row_request_ids)], np.int32),
                 **({} if self.lora_slots is None else {"lora_slots": self.lora_slots})}
 
 

@@ -31,7 +31,8 @@ def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: boo
     input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
     kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md, lora,
                                      x.get("lora_slots"))
-    logits = model.compute_logits(params, hidden[x["logits_indices"]])  # f32[rows, vocab]
+    # f32[rows, vocab]; the padding rows' logits 0 on a packed head
+    logits = model.compute_logits(params, hidden[x["logits_indices"]], x["sample_rows"][0])
     return kv_pages, logits, hidden
 
 

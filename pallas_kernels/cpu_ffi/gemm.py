@@ -68,17 +68,23 @@ def unpack(panels, n: int) -> jax.Array:
         p.transpose(0, 2, 1, 3).reshape(num_layers, k, num_p * PANEL)[:, :, :n]))
 
 
-def call_panels(target: str, x: jax.Array, operands, layer, num_p: int, n: int) -> jax.Array:
+def call_panels(target: str, x: jax.Array, operands, layer, num_p: int, n: int,
+                rows=None) -> jax.Array:
     """f32[M, n] from the FFI `target` over `operands` (packed panels, `num_p` of them) at
-    layer `layer`: the kernel writes whole panels, the columns past `n` are cut off."""
+    layer `layer`: the kernel writes whole panels, the columns past `n` are cut off. With
+    `rows` (i32[], traced) only x's first `rows` rows are multiplied, the rest of y is 0
+    (a step's padding tokens)."""
     out = jax.ShapeDtypeStruct((x.shape[0], num_p * PANEL), jnp.float32)
-    y = jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), *operands,
-                                      jnp.asarray(layer, jnp.int32))
+    index = jnp.asarray(layer, jnp.int32)
+    if rows is not None:  # i32[2]: the layer, then the rows (`RowsToCompute`, pool.h)
+        index = jnp.stack([index.reshape(()), jnp.asarray(rows, jnp.int32).reshape(())])
+    y = jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), *operands, index)
     return y if num_p * PANEL == n else y[:, :n]
 
 
-def stacked_gemm(x: jax.Array, panels: jax.Array, layer, n: int) -> jax.Array:
-    """f32[M, n] = x f32[M, K] @ layer `layer` of `pack`ed weights (index clamped).
+def stacked_gemm(x: jax.Array, panels: jax.Array, layer, n: int, rows=None) -> jax.Array:
+    """f32[M, n] = x f32[M, K] @ layer `layer` of `pack`ed weights (index clamped); with
+    `rows`, only the first `rows` rows (the rest zero: `call_panels`).
 
     Raises:
         ValueError: `n` does not match the panels' width, or x's width is not K.
@@ -90,4 +96,4 @@ def stacked_gemm(x: jax.Array, panels: jax.Array, layer, n: int) -> jax.Array:
                          f"{panels.shape}")
     if not available():
         raise RuntimeError("the CPU matmul kernel is unavailable here")
-    return call_panels(TARGET, x, (panels,), layer, p, n)
+    return call_panels(TARGET, x, (panels,), layer, p, n, rows)

@@ -37,6 +37,13 @@ inline int64_t UsableCores() {
   return cores;
 }
 
+// The rows of x a layer matmul computes: its `index` operand is i32[1] (the layer: every
+// row) or i32[2] (the layer and the step's real rows; the padding rows after them are
+// written as zeros, not computed), clamped into [0, rows].
+inline int64_t RowsToCompute(const int32_t* index, int64_t count, int64_t rows) {
+  return count >= 2 ? std::clamp<int64_t>(index[1], 0, rows) : rows;
+}
+
 // Helpers worth scheduling for `items` units of work on a pool of `pool_threads`.
 inline int64_t Helpers(int64_t pool_threads, int64_t items) {
   return std::max<int64_t>(0, std::min({pool_threads, items - 1, UsableCores() - 1}));

@@ -98,9 +98,11 @@ def supports(kind: str, k: int, block: int) -> bool:
     return kind == "q8" and block > 0 and k % block == 0
 
 
-def stacked_qgemm(x: jax.Array, panels: dict, kind: str, layer, n: int) -> jax.Array:
+def stacked_qgemm(x: jax.Array, panels: dict, kind: str, layer, n: int,
+                  rows=None) -> jax.Array:
     """f32[M, n] = x f32[M, K] @ dequantized layer `layer` (index clamped) of `pack`ed
-    `kind` leaves.
+    `kind` leaves; with `rows`, only the first `rows` rows (the rest zero:
+    `gemm.call_panels`).
 
     Raises:
         ValueError: Unknown `kind`, leaves missing, `n` not the panels' width, or x's width
@@ -111,15 +113,15 @@ def stacked_qgemm(x: jax.Array, panels: dict, kind: str, layer, n: int) -> jax.A
     missing = [name for name in LEAVES[kind] if name not in panels]
     if missing:
         raise ValueError(f"stacked_qgemm: {kind} panels lack {missing}")
-    _, p, rows, _ = panels["qweight"].shape
-    k = rows * (2 if kind == "q4" else 1)
+    _, p, code_rows, _ = panels["qweight"].shape
+    k = code_rows * (2 if kind == "q4" else 1)
     if num_panels(n) != p or x.shape[-1] != k:
         raise ValueError(f"stacked_qgemm: x {x.shape} and {n} columns do not fit {kind} "
                          f"panels {panels['qweight'].shape}")
     if not available():
         raise RuntimeError("the CPU quantized matmul kernel is unavailable here")
     return gemm.call_panels(TARGETS[kind], x, [panels[name] for name in LEAVES[kind]], layer,
-                            p, n)
+                            p, n, rows)
 
 
 def columns(panels: dict, ids: jax.Array) -> dict[str, jax.Array]:

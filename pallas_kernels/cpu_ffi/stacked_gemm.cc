@@ -176,10 +176,12 @@ ffi::Error StackedGemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   auto job = std::make_shared<Job>();
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
-  job->M = xd[0], job->K = xd[1], job->U = wd[1] / kUnit, job->N = wd[1] * kPanel;
+  job->M = jaxserve_cpu::RowsToCompute(layer.typed_data(), layer.element_count(), xd[0]);
+  job->K = xd[1], job->U = wd[1] / kUnit, job->N = wd[1] * kPanel;
   job->x = x.typed_data();
   job->w = w.typed_data() + l * wd[1] * wd[2] * kPanel;
   job->y = y->typed_data();
+  std::fill(job->y + job->M * job->N, job->y + xd[0] * job->N, 0.0f);  // padding rows
   if (job->U == 0 || job->M == 0) return ffi::Error::Success();
   const int64_t helpers = jaxserve_cpu::Helpers(pool.num_threads(), job->U);
   jaxserve_cpu::RunParallel(helpers, [job] { Drain(*job); },

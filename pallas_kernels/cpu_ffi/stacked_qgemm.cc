@@ -409,7 +409,8 @@ ffi::Error StackedQ8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   auto job = std::make_shared<Job>();
   const int64_t l = Layer(layer, qd[0]);
   job->q4 = false;
-  job->M = xd[0], job->K = xd[1], job->U = qd[1] / kUnit, job->N = qd[1] * kPanel;
+  job->M = jaxserve_cpu::RowsToCompute(layer.typed_data(), layer.element_count(), xd[0]);
+  job->K = xd[1], job->U = qd[1] / kUnit, job->N = qd[1] * kPanel;
   job->B = qd[2] / sd[2];
   job->x = x.typed_data();
   job->xsum = nullptr;
@@ -417,6 +418,7 @@ ffi::Error StackedQ8GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->s = static_cast<const uint16_t*>(s.untyped_data()) + l * sd[1] * sd[2] * kPanel;
   job->z = nullptr;
   job->y = y->typed_data();
+  std::fill(job->y + job->M * job->N, job->y + xd[0] * job->N, 0.0f);  // padding rows
   if (job->U == 0 || job->M == 0) return ffi::Error::Success();
   Run(pool, job);
   return ffi::Error::Success();
@@ -437,7 +439,9 @@ ffi::Error StackedQ4GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   auto job = std::make_shared<Job>();
   const int64_t l = Layer(layer, qd[0]);
-  const int64_t M = xd[0], K = xd[1], nb = K / kQ4Block;
+  const int64_t M = jaxserve_cpu::RowsToCompute(layer.typed_data(), layer.element_count(),
+                                                xd[0]);
+  const int64_t K = xd[1], nb = K / kQ4Block;
   job->q4 = true;
   job->M = M, job->K = K, job->U = qd[1] / kUnit, job->N = qd[1] * kPanel;
   job->B = kQ4Block;
@@ -454,6 +458,7 @@ ffi::Error StackedQ4GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->s = static_cast<const uint16_t*>(s.untyped_data()) + l * per_layer;
   job->z = static_cast<const uint16_t*>(z.untyped_data()) + l * per_layer;
   job->y = y->typed_data();
+  std::fill(job->y + job->M * job->N, job->y + xd[0] * job->N, 0.0f);  // padding rows
   if (job->U == 0 || job->M == 0) return ffi::Error::Success();
   Run(pool, job);
   return ffi::Error::Success();

@@ -271,3 +271,17 @@ def test_a_failing_build_names_the_library(monkeypatch, tmp_path):
     assert "building the CPU matmul kernel failed" in build.register(
         gemm.SOURCE, "StackedGemm", "jaxserve_never_registered", "the CPU matmul kernel", "y")
     assert not list(tmp_path.iterdir())
+
+
+def test_only_the_real_rows_are_multiplied():
+    # A step's padding tokens: `rows` (traced) of 9 rows are computed, the rest written 0.
+    panels = gemm.pack(np.random.default_rng(3).standard_normal((2, 40, 50)).astype(np.float32))
+    x = np.random.default_rng(4).standard_normal((9, 40)).astype(np.float32)
+    fn = jax.jit(lambda x, r: gemm.stacked_gemm(x, panels, 1, 50, r))
+    for rows in (0, 2, 9, 30):
+        got = np.asarray(fn(x, rows))
+        real = min(rows, 9)
+        assert not got[real:].any()
+        if real:
+            np.testing.assert_array_equal(got[:real],
+                                          np.asarray(gemm.stacked_gemm(x[:real], panels, 1, 50)))

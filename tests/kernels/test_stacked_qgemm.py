@@ -206,3 +206,20 @@ def test_an_unavailable_quantized_kernel_keeps_xla(monkeypatch):
         qgemm.stacked_qgemm(np.ones((1, 64), np.float32),
                             {"qweight": np.zeros((1, 3, 64, 16), np.int8),
                              "scales": np.zeros((1, 3, 1, 16), np.float16)}, "q8", 0, 48)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_only_the_real_rows_are_multiplied(kind):
+    # A step's padding tokens: `rows` (traced) of 13 rows are computed, the rest written 0.
+    w = np.random.default_rng(5).standard_normal((2, 64, 70)).astype(np.float32)
+    leaves = quantize_stack(QuantFormat(kind, 32), w)
+    panels = qgemm.pack(leaves, kind)
+    x = np.random.default_rng(6).standard_normal((13, 64)).astype(np.float32)
+    fn = jax.jit(lambda x, r: qgemm.stacked_qgemm(x, panels, kind, 1, 70, r))
+    for rows in (0, 1, 5, 13, 20):
+        got = np.asarray(fn(x, rows))
+        real = min(rows, 13)
+        assert not got[real:].any()
+        if real:  # the first rows as a call of just those rows computes them
+            np.testing.assert_array_equal(got[:real], np.asarray(
+                qgemm.stacked_qgemm(x[:real], panels, kind, 1, 70)))

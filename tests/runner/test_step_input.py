@@ -9,7 +9,7 @@ from jaxserve.core.scheduler_output import PLACEHOLDER, ScheduledRequest, Schedu
 from jaxserve.runner.step_input import build_step_arrays
 
 KEYS = ("input_ids", "prev_rows", "positions", "slot_mapping", "block_tables", "kv_lens",
-        "cu_q_lens", "logits_indices")
+        "cu_q_lens", "logits_indices", "sample_rows")
 
 
 def req(rid: str, token_ids: list[int], start_pos: int, pages: list[int],
@@ -21,7 +21,8 @@ def req(rid: str, token_ids: list[int], start_pos: int, pages: list[int],
 def check(arrays, expected: dict) -> None:
     tree = arrays.device_tree()
     assert set(tree) == set(KEYS)
-    expected = {"prev_rows": [-1] * len(expected["input_ids"]), **expected}
+    expected = {"prev_rows": [-1] * len(expected["input_ids"]),
+                "sample_rows": [len(expected["row_request_ids"])], **expected}
     for key in KEYS:
         assert tree[key].dtype == np.int32, key
         np.testing.assert_array_equal(tree[key], np.asarray(expected[key]), err_msg=key)
