@@ -74,9 +74,9 @@ class ModelConfig:
             default where it builds) or "pallas" (see `pallas_kernels.ops`).
         seed: Seed of the engine's random stream (unseeded requests draw from it).
         quantization: Weight format on the device: None (the source's own; a GGUF file
-            keeps its quantized types on GPU/TPU and is dequantized on the CPU, where that
-            is faster), "none" (dense `dtype`), "gguf", "int8" (weight-only, per output
-            channel) or "q8_0" (int8 in blocks of 32).
+            keeps its quantized types, on the CPU where the `cpu` backend's kernel reads
+            them in place, else it is dequantized there), "none" (dense `dtype`), "gguf",
+            "int8" (weight-only, per output channel) or "q8_0" (int8 in blocks of 32).
         runner: "generate" (the default) or "pooling" (embeddings: `LLM.embed`,
             `/v1/embeddings`; such an engine refuses generation and the other way round).
         task: vLLM's older spelling: "embed" (the pooling runner) or "generate".

@@ -38,7 +38,7 @@ def hf_text_logits(hf_smollm2, text_ids):
 @pytest.fixture(scope="module")
 def dense(smollm2, smollm2_path):
     """The model with dense float32 weights: the session's (loading it again costs ~8 s),
-    unless that one keeps the GGUF blocks (not on the CPU: `quant_plan_for`)."""
+    unless that one keeps the GGUF blocks (it asks for float32 weights)."""
     return load_model(smollm2_path, quantization="none") if smollm2.quant else smollm2
 
 

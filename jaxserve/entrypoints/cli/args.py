@@ -33,7 +33,8 @@ ENGINE_ARGS = [
     ("--download-dir", str, None, "the hub's cache (HF_HUB_CACHE); for URLs "
      "~/.cache/jaxserve/models", "where hub models are cached and bucket URLs copied"),
     ("--quantization", str, QUANTIZATIONS,
-     "the model's own (GGUF: kept quantized on GPU/TPU, dequantized on the CPU)",
+     "the model's own (GGUF: kept quantized; on the CPU where its kernel reads it, "
+     "else dequantized)",
      "weight format on the device"),
     ("--kv-cache-dtype", str, KV_CACHE_DTYPES, "auto",
      "KV page dtype (8-bit: a float32 scale per token and head)"),
