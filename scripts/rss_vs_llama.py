@@ -40,7 +40,12 @@ FORMS = {"jaxserve": [], "jaxserve-gguf": ["--quantization", "gguf"],
          # the same 1457 pages as the default pool, as int8 codes (XLA attention)
          "jaxserve-gguf-kv-int8": ["--quantization", "gguf", "--kv-cache-dtype", "int8",
                                    "--num-kv-blocks", "1457"],
+         "jaxserve-gguf-kv-int8-no-warmup": ["--quantization", "gguf", "--kv-cache-dtype",
+                                            "int8", "--num-kv-blocks", "1457", "--no-warmup"],
+         "jaxserve-gguf-arena2": ["--quantization", "gguf"],
          "llama": None}
+# form -> environment variables of its server (glibc's arenas: one per thread by default).
+FORM_ENV = {"jaxserve-gguf-arena2": {"MALLOC_ARENA_MAX": "2"}}
 
 
 def memory_mb(pid: int, model_path: str) -> dict[str, float]:
@@ -147,7 +152,7 @@ def measure(form: str, args, model: str, ctx: int | None, log_dir: str):
     else:
         flags = [*([] if args.default_model else ["--model", model]), *FORMS[form],
                  *shlex.split(args.jaxserve_args)]
-        server = ServerProcess(flags, log, repo=tree or REPO)
+        server = ServerProcess(flags, log, repo=tree or REPO, extra_env=FORM_ENV.get(form))
         tokens, pid = kv_tokens(server), server.proc.pid
     ready_s = time.perf_counter() - t0
     rows = []
