@@ -7,12 +7,14 @@ engine and its KV pool; warm-up; one batch), and prints after each phase the res
 memory (VmRSS) split into anonymous and file-backed pages, the GGUF file's own mapped
 pages, the bytes of live JAX arrays (the device buffers: weights, KV pool), and the peak
 (VmHWM). With --per-bucket, warm-up runs bucket by bucket (one compile thread) so each
-bucket's programs show as their own growth; the compiled programs' sizes (code and
-temporaries, `memory_analysis`) of the smallest and largest bucket follow the table.
+bucket's programs show as their own growth; the compiled programs' temporaries
+(`memory_analysis`) of the smallest and largest bucket follow the table. With
+--per-program, warm-up runs one kind of program at a time over every bucket (the model
+steps, prompt logprobs, each sampler variant), the C heap trimmed before each reading.
 
 Usage:
     python scripts/rss_accounting.py [--model PATH] [--quantization gguf] [--no-warmup]
-        [--per-bucket] [--prompts N]
+        [--per-bucket | --per-program] [--prompts N]
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def _live_mb() -> float:
 
 
 def program_sizes(runner, dummy, num_tokens: int) -> list[str]:
-    """Table rows of the compiled programs of one bucket: code and temporaries (MB)."""
+    """Table rows of the compiled programs of one bucket: temporaries and arguments (MB;
+    XLA:CPU reports no code size)."""
     from jaxserve.runner.warmup import _lower_bucket
 
     lowered = _lower_bucket(runner, num_tokens, dummy)
@@ -79,8 +82,8 @@ def program_sizes(runner, dummy, num_tokens: int) -> list[str]:
     rows = []
     for label, program in zip(labels, lowered, strict=True):
         a = program.compile().memory_analysis()
-        rows.append(f"| {num_tokens} | {label} | {a.generated_code_size_in_bytes / 1e6:.2f} | "
-                    f"{a.temp_size_in_bytes / 1e6:.1f} | {a.argument_size_in_bytes / 1e6:.1f} |")
+        rows.append(f"| {num_tokens} | {label} | {a.temp_size_in_bytes / 1e6:.1f} | "
+                    f"{a.argument_size_in_bytes / 1e6:.1f} |")
     return rows
 
 
@@ -89,6 +92,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default=None, help="weights (default: embedded SmolLM2)")
     parser.add_argument("--quantization", default=None, help="as `jaxserve serve`'s flag")
     parser.add_argument("--no-warmup", action="store_true", help="skip the warm-up phase")
+    parser.add_argument("--per-program", action="store_true",
+                        help="warm up one kind of program at a time, a row each")
     parser.add_argument("--per-bucket", action="store_true",
                         help="warm up bucket by bucket, one compile thread, a row each")
     parser.add_argument("--prompts", type=int, default=16, help="requests in the batch")
@@ -101,7 +106,9 @@ def main(argv=None) -> None:
     import jaxserve.entrypoints.openai.api_server  # noqa: F401 - what `serve` imports
     from jaxserve import LLM, SamplingParams
     from jaxserve.config import EngineConfig
+    from jaxserve.runner.sampler_variants import VARIANTS
     from jaxserve.runner.worker import release_loader_memory, serving_model
+    from jaxserve.utils import trim_memory
     from models.default_model import default_model_path
     from models.loaders import load_tokenizer
 
@@ -134,6 +141,12 @@ def main(argv=None) -> None:
             ledger.mark(f"warm-up: bucket {num_tokens}")
         runner.kv_pages = w.copy_page_pairs(runner.kv_pages, w.NULL_PAIRS)
         ledger.mark("warm-up: KV plan programs")
+    elif args.per_program:
+        outputs = {}  # bucket -> (logits, hidden) of its model step
+        for kind in ("model", "prompt logprobs", *VARIANTS):
+            warm_up_kind(runner, dummy, kind, outputs)
+            trim_memory()
+            ledger.mark(f"warm-up: {kind} programs, every bucket")
     elif not args.no_warmup:
         engine.warmup()
         ledger.mark(f"warm-up ({len(runner.buckets)} buckets {list(runner.buckets)})")
@@ -143,10 +156,38 @@ def main(argv=None) -> None:
     ledger.mark(f"serving {args.prompts} requests")
     print(ledger.table())
     if args.per_bucket:
-        print("\n| bucket | program | code MB | temporaries MB | arguments MB |")
-        print("|---:|---|---:|---:|---:|")
+        print("\n| bucket | program | temporaries MB | arguments MB |")
+        print("|---:|---|---:|---:|")
         for num_tokens in (runner.buckets[0], runner.buckets[-1]):
             print("\n".join(program_sizes(runner, dummy, num_tokens)), flush=True)
+
+
+def warm_up_kind(runner, dummy, kind: str, outputs: dict) -> None:
+    """Compiles and runs one kind of warm-up program for every bucket: "model" (the model
+    step and the decode step), "prompt logprobs", or a sampler variant (the model's
+    outputs of the "model" pass are kept in `outputs` for the later kinds)."""
+    import jax
+    import numpy as np
+
+    from jaxserve.runner.warmup import dummy_steps
+
+    for n in runner.buckets:
+        (out, decode_only), *decodes = dummy_steps(runner, n)
+        if kind == "model":
+            _, buf, layout, _, _ = runner._model_inputs(out, None)
+            runner.kv_pages, logits, hidden = runner._step_fn(layout, decode_only)(
+                runner.params, runner.kv_pages, runner._to_device(buf), runner._no_prev_ids,
+                runner.lora_stacks)
+            outputs[n] = (logits, hidden)
+            for step, _ in decodes:
+                runner.execute(step, dummy(runner.sample_rows(n)), "greedy")
+        elif kind == "prompt logprobs":
+            jax.block_until_ready(runner._prompt_fn()(
+                runner.params, outputs[n][1], runner._to_device(np.zeros(n, np.int32))))
+        else:
+            buf, layout = runner._sample_inputs(dummy(runner.sample_rows(n)), kind)
+            jax.block_until_ready(runner._sampler_fn(layout)(outputs[n][0],
+                                                             runner._to_device(buf)))
 
 
 def _dummy_sampling(engine):
