@@ -29,34 +29,6 @@ def _load_malloc_trim():
 _MALLOC_TRIM = _load_malloc_trim()
 
 
-# glibc's `mallopt` parameter for the most malloc arenas (malloc.h's M_ARENA_MAX).
-_M_ARENA_MAX = -8
-# Arenas a jaxserve process keeps: glibc's default (8 per core) gives each new thread
-# (XLA's pools, the compilers, the server's workers) an arena of its own, whose freed
-# blocks stay resident apart from the others'.
-MALLOC_ARENAS = 2
-
-
-def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
-    """Caps glibc's malloc arenas at `arenas` for the threads started from now on, unless
-    the environment sets `MALLOC_ARENA_MAX` (the user's choice stands). Call it before
-    JAX starts its threads (the CLI does, first thing).
-
-    Returns:
-        Whether the cap was set (False: not glibc, or MALLOC_ARENA_MAX given).
-    """
-    import ctypes
-    import ctypes.util
-    import os
-
-    if arenas < 1:
-        raise ValueError(f"arenas must be at least 1, got {arenas}")
-    if "MALLOC_ARENA_MAX" in os.environ or _MALLOC_TRIM is None:
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    return bool(libc.mallopt(_M_ARENA_MAX, arenas))
-
-
 def trim_memory() -> None:
     """Gives the C heap's free memory back to the system (glibc's `malloc_trim`; a no-op
     elsewhere). Freed blocks below glibc's mmap threshold stay resident in the

@@ -22,7 +22,6 @@ from jaxserve.entrypoints.cli.args import (  # noqa: F401 - engine_kwargs re-exp
     engine_kwargs,
     quiet_start,
 )
-from jaxserve.utils import limit_malloc_arenas
 
 COMMANDS = (generate, serve, chat, run_batch, convert, bench, diagnose, verify)
 
@@ -58,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # NOTE: the command's own usage, not the top-level one
         _chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     quiet_start()  # before transformers or JAX is imported
-    limit_malloc_arenas()  # before JAX starts its threads
     try:
         return args.handler(args)
     except ValueError as e:
