@@ -355,6 +355,7 @@ class Worker:
                                  f"{loaded.cfg.architecture} of another shape than the "
                                  f"served {std.cfg.architecture}")
             weights = loaded.params
+            release_loader_memory(loaded.source)
         params = serving_params(self.model, checked_params(self.model, weights))
         self.runner.set_params(params)
         self.model = dataclasses.replace(self.model, params=self.runner.params)
