@@ -29,18 +29,22 @@ class ServerProcess:
         args: Flags after `serve` (the port is added).
         log_path: Where its stdout and stderr go.
         ready_timeout: Seconds to wait for `/health` to answer 200.
+        repo: The jaxserve tree it runs, also its working directory (which `python -m`
+            puts first on the import path; default: this tree).
+        extra_env: Environment variables set for it on top of this process's.
     """
 
-    def __init__(self, args: list[str], log_path: str, ready_timeout: float = 600.0):
+    def __init__(self, args: list[str], log_path: str, ready_timeout: float = 600.0,
+                 repo: str = REPO, extra_env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
+        env = {**os.environ, **(extra_env or {}), "PYTHONPATH": os.pathsep.join(
+            p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
         self.log = open(log_path, "w")  # noqa: SIM115 - closed by stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port",
              str(self.port), "--uvicorn-log-level", "warning", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=repo)
         deadline = time.time() + ready_timeout
         while True:
             if self.proc.poll() is not None:

@@ -15,7 +15,12 @@ import jax
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
-from jaxserve.runner.worker import load_weights, local_model_config, tokenizer_path
+from jaxserve.runner.worker import (
+    load_weights,
+    local_model_config,
+    release_loader_memory,
+    tokenizer_path,
+)
 
 
 class DataParallelEngine:
@@ -48,7 +53,9 @@ class DataParallelEngine:
         config = local_model_config(config)
         if tokenizer is None:
             tokenizer = load_tokenizer(tokenizer_path(source) or config.model.model)
-        model = model or load_weights(config)
+        if model is None:
+            model = load_weights(config)
+            release_loader_memory(model.source)
         self.replicas = []
         for i in range(par.data_parallel_size):
             group = devices[i * per:(i + 1) * per]

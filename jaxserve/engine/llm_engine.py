@@ -25,6 +25,7 @@ from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.factory import make_speculator
 from jaxserve.structured import mask_rows, row_bitmasks
+from jaxserve.utils import trim_memory
 
 logger = logging.getLogger("jaxserve")
 # The row that stands in for a request whose own row could not be built (it computes
@@ -395,6 +396,7 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
         seconds = self.runner.warmup(dummy)
         if self.speculator is not None:
             seconds += self.speculator.warmup(dummy)
+        trim_memory()  # the compilers' temporaries, freed but left in the C heap
         logger.info("jaxserve: warm-up compiled %d buckets in %.1fs", len(self.runner.buckets),
                     seconds)
         return seconds

@@ -12,6 +12,7 @@ which serving form the weights are transformed into (the `cpu` backend's packed 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 
@@ -28,6 +29,7 @@ from jaxserve.runner.sizing import (
     resolve_limits,
     resolve_max_model_len,
 )
+from jaxserve.utils import trim_memory
 from models.kv_groups import KVGroupLayout, kv_group_layout
 from models.model import Model
 
@@ -68,6 +70,17 @@ def load_weights(config: EngineConfig, shardings=None) -> Model:
     mc = config.model
     return load_model(mc.model, mc.dtype, mc.attention_backend, shardings=shardings,
                       quantization=mc.quantization)
+
+
+def release_loader_memory(source: str) -> None:
+    """Frees what loading `source` left on the host once its weights are on their devices
+    and the tokenizer is built: a GGUF file's reader and mapping (`close_gguf`) and the
+    C heap's free blocks, where the host copies of the weights were (`trim_memory`)."""
+    from models.loaders.gguf_file import close_gguf
+
+    close_gguf(source)
+    gc.collect()
+    trim_memory()
 
 
 def serving_model(config: EngineConfig, model: Model | None
@@ -244,6 +257,8 @@ class Worker:
             self.model = dataclasses.replace(self.model, cfg=cfg)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(
             tokenizer_dir or self.model.source)
+        if model is None:
+            release_loader_memory(self.model.source)
         self.limits: Limits = resolve_limits(config, self.model, max_model_len)
         if config.lora.enable_lora and jax.process_count() > 1:
             raise ValueError("enable_lora: LoRA adapters are served on one host only (the "
@@ -340,6 +355,7 @@ class Worker:
                                  f"{loaded.cfg.architecture} of another shape than the "
                                  f"served {std.cfg.architecture}")
             weights = loaded.params
+            release_loader_memory(loaded.source)
         params = serving_params(self.model, checked_params(self.model, weights))
         self.runner.set_params(params)
         self.model = dataclasses.replace(self.model, params=self.runner.params)

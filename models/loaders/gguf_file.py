@@ -9,7 +9,6 @@ expert at a time) in `gguf_moe`.
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 
@@ -249,23 +248,44 @@ class GGUFFile:
         return None if t is None else int(t.shape[1])
 
 
+# abspath -> ((mtime_ns, size), GGUFFile): the files `open_gguf` keeps, oldest first.
+_OPEN: dict[str, tuple[tuple[int, int], GGUFFile]] = {}
+_MAX_OPEN = 2
+
+
 def open_gguf(path: str) -> GGUFFile:
     """A `GGUFFile` for `path`, shared by the weight and tokenizer loaders of one process.
 
-    NOTE: parsing the metadata of a 49k-token vocabulary takes seconds; the cache is keyed
-    by modification time and size so a rewritten file is parsed again.
+    NOTE: parsing the metadata of a 49k-token vocabulary takes seconds; the last two
+    files are kept, keyed by modification time and size so a rewritten file is parsed
+    again, until `close_gguf` forgets one.
     """
     path = os.path.abspath(path)
     if not os.path.exists(path):
         raise ValueError(f"GGUF file {path} does not exist")
     stat = os.stat(path)
-    return _open_gguf(path, stat.st_mtime_ns, stat.st_size)
+    key = (stat.st_mtime_ns, stat.st_size)
+    kept = _OPEN.get(path)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    opened = GGUFFile(path)
+    _OPEN.pop(path, None)
+    while len(_OPEN) >= _MAX_OPEN:
+        _OPEN.pop(next(iter(_OPEN)))
+    _OPEN[path] = (key, opened)
+    return opened
 
 
-@functools.lru_cache(maxsize=2)
-def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
-    del mtime_ns, size  # cache key only
-    return GGUFFile(path)
+def close_gguf(path: str) -> None:
+    """Forgets the `GGUFFile` `open_gguf` keeps for `path` (if any), so its reader and
+    file mapping go once nothing else holds them.
+
+    A reader holds the file mapped (its pages resident once the weights were read) and
+    its metadata as many small NumPy arrays: together about twice the file's size for
+    the default model. Nothing needs them once the weights and the tokenizer are
+    loaded; a later `open_gguf` parses the file again.
+    """
+    _OPEN.pop(os.path.abspath(path), None)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -13,7 +13,6 @@ import json
 import os
 
 import jax
-import orbax.checkpoint as ocp
 
 from models.config import ArchConfig
 from models.packed import gather_experts, unpack_params
@@ -21,6 +20,14 @@ from models.quant import NO_QUANT, QuantPlan
 
 MARKER = "jaxserve_model.json"
 FORMAT_VERSION = 1
+
+
+def _checkpointer():
+    """orbax's `StandardCheckpointer`, imported on first use: orbax adds ~25 MB to every
+    process's resident set, and only converting and loading checkpoints need it."""
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
 
 
 def is_jaxserve_checkpoint(path: str) -> bool:
@@ -46,7 +53,7 @@ def save_checkpoint(dst: str, cfg: ArchConfig, params, dtype: str, tokenizer,
     if os.path.exists(dst):
         raise ValueError(f"destination {dst} already exists; choose a new directory")
     os.makedirs(dst)
-    ckptr = ocp.StandardCheckpointer()
+    ckptr = _checkpointer()
     ckptr.save(os.path.join(dst, "params"), params)
     ckptr.wait_until_finished()
     if tokenizer is not None:
@@ -95,7 +102,7 @@ def restore_params(path: str, abstract, shardings=None) -> dict:
     params_dir = os.path.join(os.path.abspath(path), "params")
     if not os.path.isdir(params_dir):
         raise ValueError(f"{path}: missing params/ directory of the checkpoint")
-    ckptr = ocp.StandardCheckpointer()
+    ckptr = _checkpointer()
     try:
         stored = ckptr.metadata(params_dir).item_metadata.tree
     except Exception as e:  # orbax raises many types for corrupt checkpoints

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
 
-from models.loaders import load_model, read_arch_config
+from models.loaders import gguf_file, load_model, read_arch_config
 from models.loaders.gguf_file import GGUFFile, open_gguf
 from models.model import Model
 from models.registry import arch_config_from_hf
@@ -168,6 +169,7 @@ def test_gguf_engine_greedy_matches_transformers(gemma_gguf):
 
     family, hf, path, _ = gemma_gguf
     llm = LLM(path, **{**TINY_ENGINE, "warmup": False})
+    assert os.path.abspath(path) not in gguf_file._OPEN  # loaded: its reader let go
     text = ("Paged attention stores the key and value cache in fixed-size blocks, and the "
             "scheduler decides")
     ids = llm.get_tokenizer()(text).input_ids

@@ -396,6 +396,32 @@ def test_empty_gguf(tmp_path):
         load_model(str(path))
 
 
+def test_open_gguf_keeps_a_file_until_closed(tmp_path):
+    """`open_gguf` parses a file once and shares it until `close_gguf` (what a server
+    calls once loaded, to give back the reader's memory and mapping); a rewritten file,
+    or a third file past the two kept, is parsed again."""
+    from models.loaders.gguf_file import close_gguf, open_gguf
+    from tests.models.helpers import write_gguf_header
+
+    paths = [write_gguf_header(str(tmp_path / f"{i}.gguf"), "llama", {"block_count": i + 1})
+             for i in range(3)]
+    first = open_gguf(paths[0])
+    assert open_gguf(paths[0]) is first and first.field("llama.block_count") == 1
+    close_gguf(paths[0])
+    close_gguf(paths[0])  # closing what is not open does nothing
+    again = open_gguf(paths[0])
+    assert again is not first and again.field("llama.block_count") == 1
+    write_gguf_header(paths[0], "llama", {"block_count": 7, "context_length": 64})
+    rewritten = open_gguf(paths[0])
+    assert rewritten.field("llama.block_count") == 7  # rewritten: parsed again
+    second = open_gguf(paths[1])
+    open_gguf(paths[2])  # a third file: the oldest kept one (paths[0]) is forgotten
+    assert open_gguf(paths[1]) is second
+    assert open_gguf(paths[0]) is not rewritten
+    for p in paths:
+        close_gguf(p)
+
+
 # --------------------------------------------------------------------------- orbax (tiny)
 
 

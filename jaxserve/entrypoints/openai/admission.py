@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
-import ctypes.util
 import dataclasses
 import functools
 import threading
@@ -16,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxserve.entrypoints.openai.errors import OpenAIError
+from jaxserve.utils import trim_memory
 
 DEFAULT_HEAVY_BODY_BYTES = 256 * 1024
 
@@ -52,25 +51,6 @@ class PrepareLimits:
             raise ValueError(f"heavy_queue must be at least 0, got {self.heavy_queue}")
         if not 0 < self.heavy_share <= 1:
             raise ValueError(f"heavy_share must be in (0, 1], got {self.heavy_share}")
-
-
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def trim_memory() -> None:
-    """Gives the C heap's free memory back to the system (glibc's `malloc_trim`; a no-op
-    elsewhere). A multi-megabyte body leaves tens to hundreds of MB free but resident in
-    the allocator's arenas; without this the process's RSS only ever grows."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 class PrepareLanes:

@@ -9,8 +9,8 @@ import contextlib
 import hmac
 import json
 
-from jaxserve.entrypoints.openai.admission import trim_memory
 from jaxserve.entrypoints.openai.errors import error_body
+from jaxserve.utils import trim_memory
 
 # Paths answered whatever the server's state, and without a key.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/load"})
