@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_process import ServerProcess, free_port  # noqa: E402
+from server_process import LlamaServer, ServerProcess  # noqa: E402
 
 PROMPT = "Write a long story about a cat who learns to sail."
 
@@ -59,27 +58,6 @@ def stream_once(url: str, model: str, max_tokens: int) -> dict:
             "decode_tok_s": (tokens - 1) / max(last - first, 1e-9)}
 
 
-def start_llama(binary: str, gguf: str, ctx: int, log_path: str) -> tuple[subprocess.Popen, str]:
-    """`llama-server` on a free port (2 threads), waiting until /health answers."""
-    port = free_port()
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    proc = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
-                             "-t", "2", "-tb", "2", "-np", "1", "-c", str(ctx)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited (see {log_path})")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("llama-server was not ready in 300 s")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama-server", help="llama-server binary to start on the same file")
@@ -102,11 +80,12 @@ def main() -> None:
     try:
         jax_url = args.jaxserve_url or ours.url
         peer_url = args.peer_url
-        if not peer_url:
-            llama, peer_url = start_llama(args.llama_server, gguf, args.ctx,
-                                          os.path.join(logs, "llama.log"))
-        servers = {"jaxserve": (jax_url, httpx.get(f"{jax_url}/v1/models").json()["data"][0]["id"]),
-                   "llama.cpp": (peer_url, "default")}
+        if not peer_url:  # 2 threads like jaxserve's 2 cores, one slot: one user
+            llama = LlamaServer(args.llama_server, gguf, args.ctx, os.path.join(logs, "llama.log"),
+                                ("-t", "2", "-tb", "2", "-np", "1"))
+            peer_url = llama.url
+        served = httpx.get(f"{jax_url}/v1/models").json()["data"][0]["id"]
+        servers = {"jaxserve": (jax_url, served), "llama.cpp": (peer_url, "default")}
         for url, model in servers.values():  # warm both (programs, caches)
             stream_once(url, model, 8)
         print(f"# {args.max_tokens} tokens a request, greedy, ignore_eos; logs in {logs}")
@@ -128,8 +107,7 @@ def main() -> None:
         if ours is not None:
             ours.stop()
         if llama is not None:
-            llama.terminate()
-            llama.wait(30)
+            llama.stop()
 
 
 if __name__ == "__main__":

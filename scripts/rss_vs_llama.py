@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_process import REPO, ServerProcess, free_port  # noqa: E402
+from server_process import REPO, LlamaServer, ServerProcess  # noqa: E402
 
 LLAMA_SERVER = ("/tmp/s30/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
 # form -> extra `jaxserve serve` flags (None: llama-server).
@@ -90,41 +89,6 @@ def run_batch(url: str, n: int, max_tokens: int) -> int:
 
     with ThreadPoolExecutor(n) as pool:
         return sum(pool.map(one, prompts(n)))
-
-
-class LlamaServer:
-    """`llama-server -m MODEL -c CTX` on a free port (its defaults otherwise)."""
-
-    def __init__(self, binary: str, model: str, ctx: int, log_path: str,
-                 ready_timeout: float = 300.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")  # noqa: SIM115 - closed by stop()
-        self.proc = subprocess.Popen(
-            [binary, "-m", model, "-c", str(ctx), "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + ready_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited during start-up (see {log_path})")
-            if time.time() > deadline:
-                self.stop()
-                raise RuntimeError(f"llama-server was not ready in {ready_timeout:.0f} s")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
 
 
 def kv_tokens(server: ServerProcess) -> int:

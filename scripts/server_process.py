@@ -1,5 +1,6 @@
 """A `jaxserve serve` child process for the scripts that load a real server (the starvation
-benchmark, the soak): start it, wait until it is ready, read its memory and metrics, stop it."""
+benchmark, the soak, the memory and one-user comparisons): start it, wait until it is
+ready, read its memory and metrics, stop it; and llama.cpp's `llama-server` as their peer."""
 
 from __future__ import annotations
 
@@ -20,6 +21,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def await_health(server, what: str, log_path: str, ready_timeout: float) -> None:
+    """Returns once `server.url`'s `/health` answers 200; RuntimeError (the server stopped)
+    if `server.proc` exits first or `ready_timeout` seconds pass."""
+    deadline = time.time() + ready_timeout
+    while True:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited during start-up (see {log_path})")
+        if time.time() > deadline:
+            server.stop()
+            raise RuntimeError(f"{what} was not ready in {ready_timeout:.0f} s")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
 
 
 class ServerProcess:
@@ -45,19 +64,7 @@ class ServerProcess:
             [sys.executable, "-m", "jaxserve.entrypoints.cli", "serve", "--port",
              str(self.port), "--uvicorn-log-level", "warning", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=repo)
-        deadline = time.time() + ready_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited during start-up (see {log_path})")
-            if time.time() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server was not ready in {ready_timeout:.0f} s")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        await_health(self, "the server", log_path, ready_timeout)
 
     def rss_mb(self) -> float:
         """The server's resident memory in MB."""
@@ -88,3 +95,27 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+class LlamaServer:
+    """`llama-server -m MODEL -c CTX [EXTRA_ARGS]` on a free port (its defaults otherwise):
+    llama.cpp's server as a benchmark's peer, never a dependency."""
+
+    def __init__(self, binary: str, model: str, ctx: int, log_path: str,
+                 extra_args: tuple[str, ...] = (), ready_timeout: float = 300.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed by stop()
+        self.proc = subprocess.Popen(
+            [binary, "-m", model, "-c", str(ctx), "--port", str(self.port), *extra_args],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        await_health(self, "llama-server", log_path, ready_timeout)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
