@@ -59,7 +59,21 @@ def hf_name_of_gguf(name: str, arch: str = "llama") -> str | None:
 
 
 class _CheckedReader(gguf.GGUFReader):
-    """GGUFReader that names the first tensor a truncated file cannot hold."""
+    """GGUFReader that names the first tensor a truncated file cannot hold, and parses the
+    metadata from a plain view of the mapping."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        # NOTE: `np.memmap`'s slicing runs Python code for every slice, and the default
+        # model's vocabulary and merges are ~250k of them: slices of a plain ndarray view
+        # of the same mapping read the same bytes (BENCHMARKS.md, "reading the GGUF").
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        end = offset + np.dtype(dtype).itemsize * count
+        arr = plain[offset:end].view(dtype=dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
 
     def _build_tensors(self, start_offs, fields):
         size = len(self.data)
