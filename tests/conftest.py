@@ -9,6 +9,11 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
+# NOTE: the CPU kernels' helpers spin 200 us after each call by default (`SpinPool`,
+# pallas_kernels/cpu_ffi/pool.h), which with two test workers on two cores takes the core
+# from the other worker; 20 us keeps the pool's offer, spin and sleep paths in every run.
+os.environ.setdefault("JAXSERVE_CPU_SPIN_US", "20")
+
 from jaxserve.compilation_cache import enable_compilation_cache  # noqa: E402
 
 enable_compilation_cache(os.environ.get(

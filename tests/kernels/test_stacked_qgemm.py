@@ -45,27 +45,35 @@ def _gguf_stack(type_name: str, k: int, n: int, seed: int) -> tuple[QuantFormat,
     return GGUF_KEPT[type_name], {m: np.stack([x[m] for x in layers]) for m in layers[0]}
 
 
-def _check(got, x, w: dict, kind: str, atol: float = 2e-4, msg: str = "") -> None:
-    """`got` against jnp dequantize-then-matmul; q4 below `qgemm.STAGE_ROWS` rows against
-    the same with x split into int8 parts per block as the kernel does
-    (`q4_int8_matmul_reference`), and within 5e-4 of the float product (what splitting x
-    costs, more where the zero term cancels most)."""
+def _references(x, w: dict, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """(jnp dequantize-then-matmul of x's rows, what the kernel computes below
+    `qgemm.STAGE_ROWS` rows: q4 with x split into int8 parts per block as the kernel does,
+    `q4_int8_matmul_reference`; q8 the same product). Rows are independent in both, so
+    one call serves every row count of a test."""
     x = jnp.asarray(x)
     exact = np.asarray(quant_matmul_reference(x, w, kind))
-    split = kind == "q4" and x.shape[0] < qgemm.STAGE_ROWS
-    want = np.asarray(q4_int8_matmul_reference(x, w)) if split else exact
+    return exact, exact if kind == "q8" else np.asarray(q4_int8_matmul_reference(x, w))
+
+
+def _check(got, refs, rows: int, atol: float = 2e-4, msg: str = "") -> None:
+    """`got` [rows, N] against the first `rows` rows of `_references`, and within 5e-4 of
+    the float product (what splitting x costs, more where the zero term cancels most)."""
+    exact, split = (r[:rows] for r in refs)
+    want = split if rows < qgemm.STAGE_ROWS else exact
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=atol, err_msg=msg)
     assert np.linalg.norm(np.asarray(got) - exact) <= 5e-4 * np.linalg.norm(exact), msg
 
 
-def _check_every_layer(leaves: dict, kind: str, n: int, rows: int, seed: int) -> None:
+def _check_every_layer(leaves: dict, kind: str, n: int, seed: int) -> None:
+    """Rows 1-13 (`ROWS`) of one x against every layer."""
     k = leaves["qweight"].shape[1] * (2 if kind == "q4" else 1)
     panels = qgemm.pack(leaves, kind)
-    x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32)
+    x = np.random.default_rng(seed).standard_normal((max(ROWS), k)).astype(np.float32)
     fn = jax.jit(lambda x, i: qgemm.stacked_qgemm(x, panels, kind, i, n))  # layer traced
     for layer in range(LAYERS):
-        _check(fn(x, layer), x, {m: a[layer] for m, a in leaves.items()}, kind,
-               msg=f"layer {layer}")
+        refs = _references(x, {m: a[layer] for m, a in leaves.items()}, kind)
+        for rows in ROWS:
+            _check(fn(x[:rows], layer), refs, rows, msg=f"layer {layer}, {rows} rows")
 
 
 # NOTE: rows 1-13 take every path: one row, the register tiles of 2-11 rows (6 rows on AVX2,
@@ -77,8 +85,7 @@ ROWS = list(range(1, 14))
 def test_gguf_blocks_match_jnp(fmt):
     k = 256 if fmt == "Q4_K" else 96  # Q4_K super-blocks are 256 values
     kind_fmt, leaves = _gguf_stack(fmt, k, 100, seed=len(fmt))  # 100: 3 units, one padded
-    for rows in ROWS:
-        _check_every_layer(leaves, kind_fmt.kind, 100, rows, seed=rows)
+    _check_every_layer(leaves, kind_fmt.kind, 100, seed=len(fmt))
 
 
 @pytest.mark.parametrize("fmt,n", [(QuantFormat("q8", 0), 50), (QuantFormat("q8", 32), 131),
@@ -88,8 +95,7 @@ def test_quantized_odd_widths_match_jnp(fmt, n):
     k = 72 if fmt.block == 0 else 64
     w = np.random.default_rng(n).standard_normal((LAYERS, k, n)).astype(np.float32)
     leaves = quantize_stack(fmt, w)
-    for rows in ROWS:
-        _check_every_layer(leaves, fmt.kind, n, rows, seed=rows + n)
+    _check_every_layer(leaves, fmt.kind, n, seed=n)
 
 
 def test_many_units_over_threads_match_jnp():
@@ -99,8 +105,8 @@ def test_many_units_over_threads_match_jnp():
     panels = qgemm.pack(k_leaves, "q4")
     x = np.random.default_rng(1).standard_normal((37, 128)).astype(np.float32)
     for layer in range(2):
-        _check(qgemm.stacked_qgemm(x, panels, "q4", layer, 500), x,
-               {m: a[layer] for m, a in leaves.items()}, "q4", atol=5e-4)
+        refs = _references(x, {m: a[layer] for m, a in leaves.items()}, "q4")
+        _check(qgemm.stacked_qgemm(x, panels, "q4", layer, 500), refs, 37, atol=5e-4)
 
 
 def test_unpack_inverts_pack_and_the_layer_is_clamped():
@@ -111,8 +117,8 @@ def test_unpack_inverts_pack_and_the_layer_is_clamped():
     jax.tree_util.tree_map(np.testing.assert_array_equal, qgemm.unpack(panels, 70), leaves)
     x = np.ones((2, 64), np.float32)
     for layer, want in ((7, LAYERS - 1), (-1, 0)):
-        _check(qgemm.stacked_qgemm(x, panels, "q4", layer, 70), x,
-               {m: a[want] for m, a in leaves.items()}, "q4")
+        refs = _references(x, {m: a[want] for m, a in leaves.items()}, "q4")
+        _check(qgemm.stacked_qgemm(x, panels, "q4", layer, 70), refs, 2)
 
 
 def test_bad_inputs_are_value_errors():
