@@ -99,6 +99,7 @@ def test_throughput_transformers_baseline(model_flags, tmp_path):
     assert read_json(path)["results"]["transformers-static"]["summary"]["output_throughput"] > 0
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_throughput_without_torch_skips_the_baseline(model_flags, monkeypatch, tmp_path):
     import jaxserve.bench.hf_baseline as hf_baseline
 
@@ -128,6 +129,7 @@ def test_prefix(tiny_model_dir, tmp_path):
     assert "prefix caching off" in res and len(res) == 2
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_latency(model_flags, tmp_path):
     path = str(tmp_path / "l.json")
     out, _ = ok(["bench", "latency", *model_flags, "--batch-size", "2", "--input-len", "8",
@@ -137,6 +139,7 @@ def test_latency(model_flags, tmp_path):
     assert read_json(path)["engine_args"]["max_num_seqs"] == 8
 
 
+@pytest.mark.slow  # a benchmark smoke run
 def test_roofline(model_flags, tmp_path):
     path = str(tmp_path / "r.json")
     out, _ = ok(["bench", "roofline", *model_flags, "--batch-sizes", "1,2", "--context-len",

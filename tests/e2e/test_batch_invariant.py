@@ -131,6 +131,7 @@ def test_without_async_scheduling(engines, alone, prompts, others):
                    "xla, async scheduling off")
 
 
+@pytest.mark.slow  # what the default mode lacks; the mode's own tests stay in the default tier
 def test_default_mode_is_not_invariant(tiny_model_dir, alone, prompts, others):
     """Without the mode, some raw logprob of some prompt differs between its run alone and
     its run in the crowd (XLA's dot blocking follows the number of rows): what the tests

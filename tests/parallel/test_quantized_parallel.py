@@ -36,7 +36,10 @@ def quantized(request, smollm2_tokenizer):
     return model, _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False))
 
 
-@pytest.mark.parametrize("size", [2, pytest.param(4, marks=pytest.mark.slow)])
+# NOTE: slow tier (the default tier's 15 minutes, session 30): the float model's tensor
+# parallelism stays in the default tier (tests/parallel/test_parallel_engine.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 4])
 def test_quantized_tensor_parallel_matches_one_device(quantized, smollm2_tokenizer, size):
     model, want = quantized
     llm = LLM(model, tokenizer=smollm2_tokenizer, tensor_parallel_size=size,
