@@ -53,3 +53,14 @@ def test_overhead_refuses_an_unknown_preset_before_any_work(capsys):
     with pytest.raises(SystemExit, match="--sim-preset: unknown 'tpu-9'; choose from"):
         main(["bench", "overhead", "--sim-preset", "tpu-9", "--num-running", "2"])
     assert capsys.readouterr().out == ""  # refused before the component timings ran
+
+
+def test_the_bench_loader_honours_quantization(tiny_model_dir):
+    # `jaxserve bench latency --quantization ...` loaded the weights in the source's form
+    # and then refused them ("differs from the loaded model's").
+    from jaxserve.entrypoints.cli.bench_common import load_model_and_tokenizer
+
+    args = build_parser().parse_args(["bench", "latency", "--model", tiny_model_dir,
+                                      "--quantization", "int8"])
+    model, _, path = load_model_and_tokenizer(args)
+    assert path == tiny_model_dir and model.quant.name == "int8"

@@ -29,12 +29,17 @@ def bench_engine_args(args, **overrides) -> dict:
 
 
 def load_model_and_tokenizer(args):
-    """(model, tokenizer, path of the weights) from `--model` / `--dtype`."""
+    """(model, tokenizer, path of the weights) from `--model` / `--dtype` /
+    `--quantization` / `--attention-backend` (the engine built over it checks that its
+    own settings agree)."""
     from models.default_model import default_model_path
     from models.loaders import load_model, load_tokenizer
 
     path = args.model or default_model_path()
-    return load_model(path, args.dtype or "auto"), load_tokenizer(path), path
+    model = load_model(path, args.dtype or "auto",
+                       getattr(args, "attention_backend", None) or "auto",
+                       quantization=getattr(args, "quantization", None))
+    return model, load_tokenizer(path), path
 
 
 def plot(args, fn, *a) -> None:
