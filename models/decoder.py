@@ -52,7 +52,7 @@ class Attention(nn.Module):
         slot = layer if slot is None else slot
         num_tokens = x.shape[0]
         inv = self.batch_invariant
-        rows = md.cu_q_lens[-1]  # i32[]: the step's real tokens (packed weights skip the rest)
+        rows = md.num_real_tokens  # packed weights skip the padding tokens
 
         def proj(n, bias, name, h):
             y = dense(self.quant, name, n, bias, self.dtype, self.backend, layer=layer,
@@ -130,7 +130,7 @@ class DecoderLayer(nn.Module):
         else:
             mlp = functools.partial(GatedMLP(cfg, self.dtype, self.quant, self.backend,
                                              lora_impl=self.lora_impl, name="mlp"),
-                                    lora_slots=lora_slots, rows=md.cu_q_lens[-1])
+                                    lora_slots=lora_slots, rows=md.num_real_tokens)
         if cfg.sandwich_norms:
             hidden = hidden + norm("post_attention_layernorm")(attn_out)
             h = norm("pre_feedforward_layernorm")(hidden)

@@ -55,6 +55,11 @@ class AttentionMetadata:
     short_tiles: bool = False
 
     @property
+    def num_real_tokens(self) -> jax.Array:
+        """i32[]: the step's real tokens (they come first; the rest is padding)."""
+        return self.cu_q_lens[-1]
+
+    @property
     def num_groups(self) -> int:
         """KV cache groups whose tables this step carries (1: the plain 2-D arrays)."""
         return 1 if self.block_tables.ndim == 2 else self.block_tables.shape[0]

@@ -162,10 +162,12 @@ def _dot_order(codes: np.ndarray, inverse: bool = False) -> np.ndarray:
 
 def _dot_offsets() -> tuple[np.ndarray, np.ndarray]:
     """(row, column) in the kernel's order of packed row t (16) of panel column c (16)
-    of a q4 block: i32[16, 16] each."""
-    c, t = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
-    offset = (c // 8) * 128 + (t // 4) * 32 + (c % 8) * 4 + t % 4
-    return offset // 16, offset % 16
+    of a q4 block: i32[16, 16] each, read off `_dot_order` of the block's own indices."""
+    moved = _dot_order(np.arange(256, dtype=np.int32).reshape(1, 1, 16, 16)).reshape(256)
+    where = np.empty(256, np.int32)
+    where[moved] = np.arange(256, dtype=np.int32)  # model-order index -> kernel position
+    where = where.reshape(16, 16).T  # [c, t]
+    return where // 16, where % 16
 
 
 _DOT_ROW, _DOT_COL = _dot_offsets()

@@ -446,13 +446,16 @@ ffi::Error StackedQ4GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->M = M, job->K = K, job->U = qd[1] / kUnit, job->N = qd[1] * kPanel;
   job->B = kQ4Block;
   job->x = x.typed_data();
-  // The activations, quantized once per call (the job ends before this returns).
+  // The activations, quantized once per call for the dot path (the job ends before this
+  // returns); from kStageRows rows the dequantized weights take x as it is.
   thread_local std::vector<int8_t> codes, rests;  // i8[M, K]
   thread_local std::vector<float> scales, sums;  // f32[M, K / 32]
-  codes.resize(M * K), rests.resize(M * K), scales.resize(M * nb), sums.resize(M * nb);
-  QuantizeRows(job->x, M, K, codes.data(), rests.data(), scales.data(), sums.data());
-  job->xq = codes.data(), job->xr = rests.data(), job->xd = scales.data();
-  job->xsum = sums.data();
+  if (M < kStageRows) {
+    codes.resize(M * K), rests.resize(M * K), scales.resize(M * nb), sums.resize(M * nb);
+    QuantizeRows(job->x, M, K, codes.data(), rests.data(), scales.data(), sums.data());
+    job->xq = codes.data(), job->xr = rests.data(), job->xd = scales.data();
+    job->xsum = sums.data();
+  }
   const int64_t per_layer = qd[1] * sd[2] * kPanel;  // scales (or zeros) per layer
   job->q = static_cast<const uint8_t*>(q.untyped_data()) + l * qd[1] * qd[2] * kPanel;
   job->s = static_cast<const uint16_t*>(s.untyped_data()) + l * per_layer;
