@@ -20,7 +20,8 @@ SCHEDULING_MODES = ("naive", "static", "continuous", "continuous+chunked")
 # most; `models.loaders.serving_dtype`).
 DTYPES = ("auto", "float32", "bfloat16")
 # "auto": the model dtype; "fp8" is vLLM's alias of "fp8_e4m3".
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3",
+                   "fp8_e5m2")
 
 
 def _check(cond: bool, name: str, value, must: str) -> None:
@@ -146,8 +147,12 @@ class CacheConfig:
         swap_space: Host swap pool per engine in GiB (preemption_mode="swap").
         enable_prefix_caching: Reuse full pages across requests by content hash.
         watermark: Fraction of pages kept free when admitting new requests.
-        kv_cache_dtype: "auto" (the model dtype), "int8", "fp8" / "fp8_e4m3" or "fp8_e5m2":
-            8-bit K/V with one float32 scale per token and head, stored in the page.
+        kv_cache_dtype: "auto" (the model dtype; float16 for a GGUF file's blocks served
+            in place on the CPU, `Model.kv_dtype`), "float32", "float16" or "bfloat16"
+            (pages of that dtype, widened to float32 by the XLA and `cpu` attention
+            paths; the Pallas kernels read the model dtype only), or "int8", "fp8" /
+            "fp8_e4m3" or "fp8_e5m2": 8-bit K/V with one float32 scale per token and head,
+            stored in the page.
         disable_hybrid_kv_cache_manager: Keep one block table for every layer of a model
             mixing sliding-window and full-attention layers (Gemma 2/3), so sliding layers
             hold their whole context too (vLLM's flag). Off by default: each kind of layer

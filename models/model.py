@@ -137,6 +137,16 @@ class Model:
         return self.kv_layout or single_group(self.cfg.num_layers)
 
     @property
+    def kv_dtype(self) -> jnp.dtype:
+        """The dtype of KV pages under `kv_cache_dtype="auto"`: the model dtype, except
+        float16 for a GGUF file's blocks multiplied in place on the CPU (its packed form),
+        llama.cpp's own cache type for the same file: half the pool of float32 at the same
+        tokens, read by the `cpu` backend's kernels, which widen each element to float32."""
+        if self.quant.name == "gguf" and self.quant.packed and self.backend == "cpu":
+            return jnp.dtype(jnp.float16)
+        return jnp.dtype(self.dtype)
+
+    @property
     def is_hybrid(self) -> bool:
         """Whether steps carry a block table per KV cache group (several groups)."""
         return self.kv_layout is not None and self.kv_layout.is_hybrid

@@ -111,26 +111,41 @@ def pack_for_pool(kv_pages: jax.Array, k: jax.Array, v: jax.Array):
     return k, v
 
 
+# kv_cache_dtype -> float pages of that dtype (no scales).
+KV_CACHE_FLOATS = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
+
 def kv_pool_layout(shape: tuple[int, ...], model_dtype, kv_cache_dtype: str):
     """(shape, dtype) of a page pool whose unquantized shape is `shape`.
 
     Args:
         shape: [num_layers, 2, num_kv_heads, num_pages, page_size, head_dim].
-        model_dtype: The dtype "auto" stores.
-        kv_cache_dtype: "auto", "int8", "fp8", "fp8_e4m3" or "fp8_e5m2".
+        model_dtype: The dtype "auto" stores (`Model.kv_dtype`).
+        kv_cache_dtype: "auto", "float32", "float16", "bfloat16", "int8", "fp8",
+            "fp8_e4m3" or "fp8_e5m2".
     """
     if kv_cache_dtype == "auto":
         return tuple(shape), np.dtype(model_dtype)
+    if kv_cache_dtype in KV_CACHE_FLOATS:
+        return tuple(shape), np.dtype(KV_CACHE_FLOATS[kv_cache_dtype])
     return (*shape[:-1], shape[-1] + SCALE_BYTES), np.dtype(KV_CACHE_STORAGE[kv_cache_dtype])
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, backend: str) -> None:
-    """Refuses 8-bit KV where the attention kernels cannot read it.
+def check_kv_cache_dtype(kv_cache_dtype: str, backend: str, model_dtype=None) -> None:
+    """Refuses KV pages the attention kernels cannot read.
 
     Raises:
         ValueError: fp8 with the Pallas kernels on a GPU without fp8 conversions (compute
-            capability below 8.9) or on a TPU (its kernel is not built for fp8 pages).
+            capability below 8.9) or on a TPU (its kernel is not built for fp8 pages); float
+            pages of another dtype than `model_dtype` with the Pallas kernels (they read
+            the queries' dtype; the XLA and `cpu` paths widen any float page).
     """
+    if (kv_cache_dtype in KV_CACHE_FLOATS and backend == "pallas" and model_dtype is not None
+            and np.dtype(KV_CACHE_FLOATS[kv_cache_dtype]) != np.dtype(model_dtype)):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} with the Pallas attention "
+                         f"kernels, which read pages of the model dtype "
+                         f"({np.dtype(model_dtype).name}); use kv_cache_dtype='auto' or "
+                         "attention_backend='xla'")
     if not kv_cache_dtype.startswith("fp8") or backend != "pallas":
         return
     platform = jax.default_backend()

@@ -29,6 +29,11 @@ step, one fresh process per form:
 sizes 1 and 32, interleaved A, B, A, B, the load average beside each figure:
 
     python scripts/bench_qgemm.py decode --batch-sizes 1,32 --rounds 2
+
+`--forms` picks the engines: `q4_kv_f32` and `q4_kv_bf16` serve the blocks with float32 or
+bfloat16 KV pages instead of their default float16:
+
+    python scripts/bench_qgemm.py decode --forms q4_kv_f32,q4_in_place,q4_kv_bf16
 """
 
 from __future__ import annotations
@@ -214,6 +219,12 @@ def _decode_tok_s(llm, batch: int, tokens: int) -> float:
     return batch * tokens / max(time.perf_counter() - t - prefill, 1e-9)
 
 
+# `decode`'s forms: load settings. "q4_in_place" serves float16 KV pages (its "auto").
+DECODE_FORMS = {"f32": dict(quantization="none"), "q4_in_place": dict(quantization="gguf"),
+                "q4_kv_f32": dict(quantization="gguf", kv_cache_dtype="float32"),
+                "q4_kv_bf16": dict(quantization="gguf", kv_cache_dtype="bfloat16")}
+
+
 def decode(args) -> None:
     """The engine decode benchmark (module docstring)."""
     from jaxserve import LLM
@@ -223,21 +234,24 @@ def decode(args) -> None:
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     common = dict(max_num_seqs=max(sizes), max_model_len=512, max_num_batched_tokens=256,
                   attention_backend="cpu", num_kv_blocks=max(sizes) * 512 // 16 + 8)
-    engines = {"f32": LLM(path, quantization="none", **common),
-               "q4_in_place": LLM(path, quantization="gguf", **common)}
+    engines = {form: LLM(path, **DECODE_FORMS[form], **common)
+               for form in args.forms.split(",")}
     for name, llm in engines.items():
         quant = llm.engine.model.quant
-        print(f"# {name}: quantization {quant.name!r}, packed {quant.packed}")
+        print(f"# {name}: quantization {quant.name!r}, packed {quant.packed}, KV pages "
+              f"{llm.engine.runner.kv_pages.dtype}")
+    later = list(engines)[1:]
     print("| round | batch | load avg | " + " | ".join(f"{n} tok/s" for n in engines)
-          + " | ratio |\n|---:|---:|---:|" + "---:|" * (len(engines) + 1))
+          + "".join(f" | {n} / {list(engines)[0]}" for n in later)
+          + " |\n|---:|---:|---:|" + "---:|" * (len(engines) + len(later)))
     for r in range(args.rounds):
         for b in sizes:
             res = []
             for llm in engines.values():
                 res.append(_decode_tok_s(llm, b, args.tokens))
             print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | "
-                  + " | ".join(f"{v:.1f}" for v in res) + f" | {res[1] / res[0]:.2f} |",
-                  flush=True)
+                  + " | ".join(f"{v:.1f}" for v in res)
+                  + "".join(f" | {v / res[0]:.2f}" for v in res[1:]) + " |", flush=True)
 
 
 def main() -> None:
@@ -260,6 +274,8 @@ def main() -> None:
     dp.add_argument("--batch-sizes", default="1,32")
     dp.add_argument("--tokens", type=int, default=64, help="tokens decoded per request")
     dp.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    dp.add_argument("--forms", default="f32,q4_in_place",
+                    help=f"forms to time, the first the ratios' baseline: {list(DECODE_FORMS)}")
     args = p.parse_args()
     {"layers": layers, "head": head, "memory": memory, "decode": decode}[args.what](args)
 

@@ -58,7 +58,7 @@ def _teacher_forced(model, token_ids: list[int], kv_cache_dtype: str, page_size:
     pool of the format (one compiled program for every `params` of the same shapes)."""
     t = len(token_ids)
     num_pages = -(-t // page_size) + 1
-    shape, dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size), model.dtype,
+    shape, dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size), model.kv_dtype,
                                   kv_cache_dtype)
     pages = np.arange(1, num_pages, dtype=np.int32)
     pos = np.arange(t, dtype=np.int32)

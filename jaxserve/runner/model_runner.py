@@ -58,7 +58,7 @@ class ModelRunner(StepPrograms):
         num_spec_tokens: Most proposals a request verifies per step (speculative
             decoding): each such request needs 1 + that many sampling rows, so a bucket
             has up to `max_num_seqs * (1 + num_spec_tokens)` of them.
-        kv_cache_dtype: "auto" (the model dtype) or an 8-bit KV format
+        kv_cache_dtype: "auto" (`Model.kv_dtype`), a float dtype or an 8-bit KV format
             (`pallas_kernels.kv_quant`).
         short_tiles: Whether steps hold many requests of a few new tokens after a context
             (`AttentionMetadata.short_tiles`); None: when verifying proposals.
@@ -120,9 +120,9 @@ class ModelRunner(StepPrograms):
         self.buckets = token_buckets(max_num_batched_tokens,
                                      min_bucket=tuned("min_bucket")[model.backend])
         self.max_rows = self.sample_rows(self.buckets[-1])
-        check_kv_cache_dtype(kv_cache_dtype, model.backend)
+        check_kv_cache_dtype(kv_cache_dtype, model.backend, model.dtype)
         pool_shape, pool_dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size),
-                                                model.dtype, kv_cache_dtype)
+                                                model.kv_dtype, kv_cache_dtype)
         self._pool_layout = (pool_shape, pool_dtype)
         self._inputs_on = None if layout is None else layout.replicated()  # None: default
         self.set_params(model.params)

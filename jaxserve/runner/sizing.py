@@ -37,7 +37,7 @@ class Limits:
 def page_bytes(model, block_size: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one KV page of `model` across the layers a page holds (`Model.kv_pages_shape`:
     all of them, or a hybrid layout's `num_slots`), K and V (8-bit: codes + scales)."""
-    shape, dtype = kv_pool_layout(model.kv_pages_shape(1, block_size), model.dtype,
+    shape, dtype = kv_pool_layout(model.kv_pages_shape(1, block_size), model.kv_dtype,
                                   kv_cache_dtype)
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 

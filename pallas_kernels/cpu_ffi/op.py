@@ -32,9 +32,13 @@ def unavailable_reason() -> str:
     return _registered() or ""
 
 
+# Page dtypes the kernel reads (8-bit pools with in-row scales go to the XLA path).
+PAGE_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
 def supports(kv_pages: jax.Array) -> bool:
-    """Whether the kernel reads this pool: float32 pages (8-bit and bf16 pools: XLA)."""
-    return kv_pages.dtype == jnp.float32 and kv_pages.ndim == 6
+    """Whether the kernel reads this pool: float32, float16 or bfloat16 pages."""
+    return np.dtype(kv_pages.dtype) in PAGE_DTYPES and kv_pages.ndim == 6
 
 
 def paged_decode_cpu(q, kv_pages, layer, block_tables, lens, window, *, sm_scale: float,
@@ -44,7 +48,8 @@ def paged_decode_cpu(q, kv_pages, layer, block_tables, lens, window, *, sm_scale
 
     Args:
         q: f32[n, kv_heads, group, head_dim]; row i's query sits at position lens[i] - 1.
-        kv_pages: f32[num_layers, 2, kv_heads, num_pages, page_size, head_dim].
+        kv_pages: f32, f16 or bf16[num_layers, 2, kv_heads, num_pages, page_size,
+            head_dim] (16-bit pages: head_dim at most 256).
         layer: Layer index (may be traced).
         block_tables: i32[n, width] pages of each row.
         lens: i32[n] keys each row reads (0: none; the row's state stays empty).

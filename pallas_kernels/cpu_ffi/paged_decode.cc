@@ -1,6 +1,7 @@
 // Decode attention on the CPU that reads K/V pages where they lie in the pool (an XLA FFI
 // custom call): no gathered copy of the context, each (row, KV head) reads its own live
-// pages once for K and once for V, spread over XLA's intra-op thread pool.
+// pages once for K and once for V, spread over XLA's intra-op thread pool. Pages are
+// float32, float16 or bfloat16 (converted to float32 in registers; the sums are float32).
 //
 // Result: the online-softmax state of each query (acc = sum_j exp(s_j - m) v_j unscaled,
 // m = max_j s_j, denom = sum_j exp(s_j - m)), merged with the XLA path's context part by
@@ -11,13 +12,18 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "pool.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -28,7 +34,7 @@ constexpr int64_t kMinParallelKeys = 2048;  // keys x KV heads below which one t
 
 struct Job {
   const float* q;       // f32[n, H, G, D]
-  const float* pool;    // f32[L, 2, H, P, S, D]
+  const void* pool;     // T[L, 2, H, P, S, D] (T: the page element, below)
   const int32_t* tables;  // i32[n, W]
   const int32_t* lens;  // i32[n]
   float* acc;           // f32[n, H, G, D]
@@ -51,6 +57,70 @@ typedef float vecu __attribute__((vector_size(kLanes * 4), aligned(4)));  // una
 typedef int ivec __attribute__((vector_size(kLanes * 4)));
 
 inline vec Load(const float* p) { return *reinterpret_cast<const vecu*>(p); }
+
+// The 16-bit page elements (their bits), as template tags.
+struct Half {
+  uint16_t bits;
+};
+struct Bf16 {
+  uint16_t bits;
+};
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(Bf16 x) {
+  const uint32_t w = uint32_t(x.bits) << 16;  // bfloat16: float32's upper half
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+inline float ToFloat(Half x) {
+#if defined(__F16C__)
+  return _cvtsh_ss(x.bits);
+#else
+  const uint32_t h = x.bits, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(float(man), -24);  // zero and subnormals
+  } else {
+    const uint32_t w = exp == 31 ? 0x7f800000u | (man << 13) : ((exp + 112) << 23) | (man << 13);
+    std::memcpy(&f, &w, 4);
+  }
+  return (h & 0x8000) ? -f : f;
+#endif
+}
+
+// kLanes page elements from p on as floats.
+inline vec LoadKV(const float* p) { return Load(p); }
+inline vec LoadKV(const Bf16* p) {
+  typedef uint16_t hvec __attribute__((vector_size(kLanes * 2), aligned(2)));
+  typedef uint32_t uvec __attribute__((vector_size(kLanes * 4)));
+  const uvec w = __builtin_convertvector(*reinterpret_cast<const hvec*>(p), uvec) << 16;
+  return (vec)w;  // the same bits
+}
+inline vec LoadKV(const Half* p) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && defined(__AVX__)
+  return (vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vec r;
+  for (int t = 0; t < kLanes; ++t) r[t] = ToFloat(p[t]);
+  return r;
+#endif
+}
+
+// Row `p` of d elements as floats: float32 rows as they are, others converted into `buf`.
+template <typename T>
+inline const float* RowAsFloat(const T* p, int64_t d, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p;
+  } else {
+    int64_t i = 0;
+    for (; i + kLanes <= d; i += kLanes) *reinterpret_cast<vecu*>(buf + i) = LoadKV(p + i);
+    for (; i < d; ++i) buf[i] = ToFloat(p[i]);
+    return buf;
+  }
+}
 
 // One round of `ReduceLanes`: vectors 2i and 2i+1 of `cur` (each k keys of w lanes, keys
 // in order) into vector i (2k keys of w / 2 lanes): the first halves of every key's lanes
@@ -79,19 +149,21 @@ inline vec ReduceLanes(vec p[kLanes]) {
   return p[0];
 }
 
-// Asks for `n` floats from `p` on (the next page of a row: pages lie anywhere in the pool,
-// where the hardware prefetcher does not follow).
-inline void Prefetch(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+// Asks for `n` elements from `p` on (the next page of a row: pages lie anywhere in the
+// pool, where the hardware prefetcher does not follow).
+template <typename T>
+inline void Prefetch(const T* p, int64_t n) {
+  const char* b = reinterpret_cast<const char*>(p);
+  for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) __builtin_prefetch(b + i);
 }
 
-// q . k of one query against kLanes consecutive keys (k: kLanes rows of kD floats).
-template <int kD>
-inline vec ScoresLanes(const vec* q, const float* k) {
+// q . k of one query against kLanes consecutive keys (k: kLanes rows of kD elements).
+template <int kD, typename T>
+inline vec ScoresLanes(const vec* q, const T* k) {
   vec p[kLanes];
   for (int t = 0; t < kLanes; ++t) {
-    vec s = q[0] * Load(k + t * kD);
-    for (int c = 1; c < kD / kLanes; ++c) s += q[c] * Load(k + t * kD + c * kLanes);
+    vec s = q[0] * LoadKV(k + t * kD);
+    for (int c = 1; c < kD / kLanes; ++c) s += q[c] * LoadKV(k + t * kD + c * kLanes);
     p[t] = s;
   }
   return ReduceLanes(p);
@@ -99,8 +171,8 @@ inline vec ScoresLanes(const vec* q, const float* k) {
 
 // One (row, KV head): logits of its G queries over the row's live keys, softmax, P.V.
 // kD, kG > 0: compile-time head size and group (the loops unroll and the G x D
-// accumulators stay in registers); 0: read from the job.
-template <int kD, int kG>
+// accumulators stay in registers); 0: read from the job. T: the page element.
+template <typename T, int kD, int kG>
 void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
   const int64_t D = kD > 0 ? kD : j.D, G = kG > 0 ? kG : j.G, S = j.S;
   const int64_t row = item / j.H, h = item % j.H;
@@ -120,8 +192,10 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
   float* __restrict__ sc = scores.data();
   const float* __restrict__ q = j.q + base * D;
   const int64_t plane = j.P * S * D;  // one (layer, K or V, head) of the pool
-  const float* kbase = j.pool + ((j.layer * 2 + 0) * j.H + h) * plane;
-  const float* vbase = j.pool + ((j.layer * 2 + 1) * j.H + h) * plane;
+  const T* pool = static_cast<const T*>(j.pool);
+  const T* kbase = pool + ((j.layer * 2 + 0) * j.H + h) * plane;
+  const T* vbase = pool + ((j.layer * 2 + 1) * j.H + h) * plane;
+  float widened[kD > 0 ? kD : 256];  // one K or V row as floats (16-bit pages; D <= 256)
   const int32_t* table = j.tables + row * j.W;
   auto slot_of = [&](int64_t key) -> int64_t {  // element offset of key `key` in a plane
     int64_t page = std::clamp<int64_t>(table[key / S], 0, j.P - 1);
@@ -137,7 +211,7 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
       for (int64_t g = 0; g < kG; ++g)
         for (int c = 0; c < kD / kLanes; ++c) qv[g][c] = Load(q + g * kD + c * kLanes);
       for (int64_t first = lo / 16 * 16; first < len; first += 16) {
-        const float* k = kbase + slot_of(first);
+        const T* k = kbase + slot_of(first);
         if (first + 32 < len) Prefetch(kbase + slot_of(first + 32), 16 * kD);
         const int64_t from = std::max(first, lo), to = std::min(first + 16, len);
         for (int64_t g = 0; g < kG; ++g) {
@@ -155,11 +229,12 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
   }
   for (int64_t key = lo; !scored && key < len;) {  // any other geometry: key by key
     const int64_t end = std::min(len, (key / S + 1) * S);
-    const float* __restrict__ k = kbase + slot_of(key);
+    const T* k = kbase + slot_of(key);
     for (int64_t t = key; t < end; ++t, k += D) {
+      const float* __restrict__ kf = RowAsFloat(k, D, widened);
       for (int64_t g = 0; g < G; ++g) {
         float s = 0.0f;
-        for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * k[d];
+        for (int64_t d = 0; d < D; ++d) s += q[g * D + d] * kf[d];
         sc[g * count + (t - lo)] = s;
       }
     }
@@ -190,12 +265,13 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
   if (kG > 0 && kD > 0) std::fill(local, local + G * D, 0.0f);
   for (int64_t key = lo; key < len;) {
     const int64_t end = std::min(len, (key / S + 1) * S);
-    const float* __restrict__ v = vbase + slot_of(key);
+    const T* v = vbase + slot_of(key);
     if (end < len) Prefetch(vbase + slot_of(end), std::min(S, len - end) * D);
     for (int64_t t = key; t < end; ++t, v += D) {
+      const float* __restrict__ vf = RowAsFloat(v, D, widened);
       for (int64_t g = 0; g < G; ++g) {
         const float p = sc[g * count + (t - lo)];
-        for (int64_t d = 0; d < D; ++d) a[g * D + d] += p * v[d];
+        for (int64_t d = 0; d < D; ++d) a[g * D + d] += p * vf[d];
       }
     }
     key = end;
@@ -204,6 +280,7 @@ void RunItem(const Job& j, int64_t item, std::vector<float>& scores) {
 }
 
 // Claims items until none are left; returns when this thread has finished its own.
+template <typename T>
 void Drain(Job& j) {
   thread_local std::vector<float> scores;
   int64_t finished = 0;
@@ -212,20 +289,20 @@ void Drain(Job& j) {
   for (int64_t i; (i = j.next.fetch_add(1)) < j.items; ++finished) {
     switch (shape) {
 #define JAXSERVE_CASE(d, g) \
-  case d * 16 + g: RunItem<d, g>(j, i, scores); break;
+  case d * 16 + g: RunItem<T, d, g>(j, i, scores); break;
       JAXSERVE_CASE(64, 1) JAXSERVE_CASE(64, 2) JAXSERVE_CASE(64, 3) JAXSERVE_CASE(64, 4)
       JAXSERVE_CASE(64, 5) JAXSERVE_CASE(64, 6) JAXSERVE_CASE(64, 7) JAXSERVE_CASE(64, 8)
       JAXSERVE_CASE(128, 1) JAXSERVE_CASE(128, 2) JAXSERVE_CASE(128, 3) JAXSERVE_CASE(128, 4)
       JAXSERVE_CASE(128, 5) JAXSERVE_CASE(128, 6) JAXSERVE_CASE(128, 7) JAXSERVE_CASE(128, 8)
 #undef JAXSERVE_CASE
-      default: RunItem<0, 0>(j, i, scores); break;
+      default: RunItem<T, 0, 0>(j, i, scores); break;
     }
   }
   jaxserve_cpu::MarkDone(j.done, finished, j.items, j.mu, j.cv);
 }
 
 ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                           ffi::Buffer<ffi::F32> kv_pages, ffi::Buffer<ffi::S32> layer,
+                           ffi::AnyBuffer kv_pages, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> lens,
                            ffi::Buffer<ffi::S32> window, float sm_scale, float soft_cap,
                            ffi::ResultBuffer<ffi::F32> acc, ffi::ResultBuffer<ffi::F32> m,
@@ -240,11 +317,18 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       m->element_count() != qd[0] * qd[1] * qd[2] || denom->element_count() != m->element_count()) {
     return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes");
   }
+  const ffi::DataType kind = kv_pages.element_type();
+  if (kind != ffi::DataType::F32 && kind != ffi::DataType::F16 && kind != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument("paged_decode: pages must be float32, float16 or bfloat16");
+  }
+  if (kind != ffi::DataType::F32 && qd[3] > 256) {
+    return ffi::Error::InvalidArgument("paged_decode: 16-bit pages with head_dim above 256");
+  }
   // Shared by every task; a task that starts after all items are claimed touches only
   // the counters, so the buffers need not outlive this call.
   auto job = std::make_shared<Job>();
   job->q = q.typed_data();
-  job->pool = kv_pages.typed_data();
+  job->pool = kv_pages.untyped_data();
   job->tables = tables.typed_data();
   job->lens = lens.typed_data();
   job->acc = acc->typed_data();
@@ -266,7 +350,10 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       keys * job->H < kMinParallelKeys ? 0 : jaxserve_cpu::Helpers(pool.num_threads(), job->items);
   // NOTE: waits only for items another thread has claimed (and so is running): no wait
   // on a task the pool has not started, so a busy pool cannot deadlock this call.
-  jaxserve_cpu::RunParallel(helpers, [job] { Drain(*job); },
+  void (*drain)(Job&) = kind == ffi::DataType::F16    ? Drain<Half>
+                        : kind == ffi::DataType::BF16 ? Drain<Bf16>
+                                                      : Drain<float>;
+  jaxserve_cpu::RunParallel(helpers, [job, drain] { drain(*job); },
                             [&pool](auto task) { pool.Schedule(std::move(task)); }, job->done,
                             job->items, job->mu, job->cv);
   return ffi::Error::Success();
@@ -278,7 +365,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecode, PagedDecodeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // kv_pages
+                                  .Arg<ffi::AnyBuffer>()  // kv_pages (f32, f16, bf16)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lens

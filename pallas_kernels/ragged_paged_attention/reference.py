@@ -12,9 +12,18 @@ import jax.numpy as jnp
 from pallas_kernels.kv_quant import dequantize_kv, is_quantized, kv_head_dim
 from pallas_kernels.metadata import AttentionMetadata
 
+# Float pools any query may read where every gathered page is widened to float32 (this
+# reference and the XLA path); the Pallas kernels read pools of q's own dtype.
+WIDENED_POOLS = (jnp.float32, jnp.float16, jnp.bfloat16)
 
-def check_shapes(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata) -> None:
-    """Raises ValueError naming the offending shapes when inputs do not fit together."""
+
+def check_shapes(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata,
+                 widens: bool = False) -> None:
+    """Raises ValueError naming the offending shapes when inputs do not fit together.
+
+    `widens`: the caller widens pages to float32, so a float pool (`WIDENED_POOLS`) of
+    another dtype than q's is fine (the CPU's float16/bfloat16 pools under float32 queries).
+    """
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got shape {q.shape}")
     if kv_pages.ndim != 6 or kv_pages.shape[1] != 2:
@@ -41,7 +50,8 @@ def check_shapes(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata) -> No
         dtype = getattr(md, name).dtype
         if dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {dtype}")
-    if q.dtype != kv_pages.dtype and not is_quantized(kv_pages.dtype):
+    widened = widens and kv_pages.dtype in WIDENED_POOLS
+    if q.dtype != kv_pages.dtype and not is_quantized(kv_pages.dtype) and not widened:
         raise ValueError(f"q dtype {q.dtype} differs from kv_pages dtype {kv_pages.dtype}")
 
 
@@ -88,7 +98,7 @@ def ragged_paged_attention_reference(
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
     """
-    check_shapes(q, kv_pages, md)
+    check_shapes(q, kv_pages, md, widens=True)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_pages.shape[2], kv_pages.shape[4]
     group = num_q_heads // num_kv_heads

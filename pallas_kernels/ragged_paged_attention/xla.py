@@ -309,7 +309,7 @@ def ragged_paged_attention_xla(
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
     """
-    check_shapes(q, kv_pages, md)
+    check_shapes(q, kv_pages, md, widens=True)
     t = tuned("ragged_xla")
     block_kv = t["block_kv"] if block_kv is None else block_kv
     block_q = t["block_q"] if block_q is None else block_q

@@ -81,13 +81,15 @@ def test_int8_kv_prefix_sharing_keeps_tokens(gguf_model, smollm2_tokenizer):
 
 
 @pytest.mark.slow
-def test_int8_kv_swap_keeps_tokens(gguf_model, smollm2_tokenizer):
+@pytest.mark.parametrize("kv", ["int8", "float16"])
+def test_small_kv_swap_keeps_tokens(gguf_model, smollm2_tokenizer, kv):
     # With 10 pages a scheduling pass swaps a request out and then schedules nothing; its
-    # swap-out must still run (it once did not: KeyError in HostSwapSpace.swap_in).
+    # swap-out must still run (it once did not: KeyError in HostSwapSpace.swap_in). 8-bit
+    # pages move with their scales, float16 ones as they are.
     prompts = [SHARED + p for p in PROMPTS]
-    roomy = LLM(gguf_model, tokenizer=smollm2_tokenizer, kv_cache_dtype="int8", **SMALL)
+    roomy = LLM(gguf_model, tokenizer=smollm2_tokenizer, kv_cache_dtype=kv, **SMALL)
     want = _tokens(roomy.generate(prompts, GREEDY))
-    tight = LLM(gguf_model, tokenizer=smollm2_tokenizer, kv_cache_dtype="int8",
+    tight = LLM(gguf_model, tokenizer=smollm2_tokenizer, kv_cache_dtype=kv,
                 num_kv_blocks=10, preemption_mode="swap", enable_prefix_caching=False, **SMALL)
     got = _tokens(tight.generate(prompts, GREEDY))
     m = tight.get_metrics()
@@ -96,19 +98,29 @@ def test_int8_kv_swap_keeps_tokens(gguf_model, smollm2_tokenizer):
 
 
 def test_kv_capacity_follows_bytes_per_token(gguf_model, smollm2_tokenizer):
-    caps = {}
-    for kv in ("auto", "int8", "fp8_e5m2"):
+    caps, dtypes = {}, {}
+    for kv in ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e5m2"):
         llm = LLM(gguf_model, tokenizer=smollm2_tokenizer, kv_cache_dtype=kv,
                   kv_cache_memory_gib=0.25, **SMALL)
         m = llm.get_metrics()
         pool = llm.engine.runner.kv_pages
         assert m["jaxserve:kv_cache_bytes_per_token"] * 16 * llm.engine.limits.num_pages \
             == pool.nbytes  # the metric is the pool's measured size
-        caps[kv] = m["jaxserve:kv_cache_capacity_tokens"]
-        if kv != "auto":
+        caps[kv], dtypes[kv] = m["jaxserve:kv_cache_capacity_tokens"], pool.dtype.name
+        if kv in ("int8", "fp8_e5m2"):
             assert pool.dtype.itemsize == 1 and pool.shape[-1] == 64 + 4
+        else:
+            assert pool.shape[-1] == 64
+    assert dtypes["float16"] == "float16" and dtypes["bfloat16"] == "bfloat16"
+    # "auto": float16 pages under the blocks served in place (packed), else the float32
+    # model's own dtype.
+    served = LLM(gguf_model, tokenizer=smollm2_tokenizer, **SMALL, **POOL).engine.model
+    assert dtypes["auto"] == ("float16" if packed.is_packed(served) else "float32")
+    assert caps["auto"] == caps[dtypes["auto"]]
+    assert caps["float16"] == caps["bfloat16"]
+    assert 1.99 < caps["float16"] / caps["float32"] < 2.01
     assert caps["int8"] == caps["fp8_e5m2"]
-    assert 3.6 < caps["int8"] / caps["auto"] < 3.9  # 256 bytes -> 68 per token and head
+    assert 3.6 < caps["int8"] / caps["float32"] < 3.9  # 256 bytes -> 68 per token and head
 
 
 def test_quantized_checkpoint_loads_without_requantizing(smollm2_path, gguf_model, tmp_path):
@@ -168,3 +180,15 @@ def test_fp8_kv_refused_where_the_kernels_cannot_read_it(monkeypatch):
     monkeypatch.setattr(jax, "devices", lambda *a: [OldGpu()])
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2'.*8.9"):
         check_kv_cache_dtype("fp8_e5m2", "pallas")
+
+
+def test_float_kv_of_another_dtype_refused_by_the_pallas_kernels(tiny_model_dir):
+    # The XLA and `cpu` paths widen any float page; the Pallas kernels read the model dtype.
+    check_kv_cache_dtype("bfloat16", "xla", np.float32)
+    check_kv_cache_dtype("float16", "cpu", np.float32)
+    check_kv_cache_dtype("bfloat16", "pallas", jax.numpy.bfloat16)
+    with pytest.raises(ValueError, match="kv_cache_dtype='float16' with the Pallas .*float32"):
+        check_kv_cache_dtype("float16", "pallas", np.float32)
+    with pytest.raises(ValueError, match="kv_cache_dtype='bfloat16' with the Pallas"):
+        LLM(tiny_model_dir, attention_backend="pallas", kv_cache_dtype="bfloat16", **SMALL,
+            **POOL)

@@ -81,9 +81,9 @@ KV_LENS = [1, 19, 64, 0]
 # NOTE: one compile per geometry (the window is data). The default tier runs the kernel's
 # unrolled code with key-by-key scoring (page size 8, GQA 1) and with 16-key blocks (page
 # size 16, head size 64, GQA 3); head size 128 runs in test_soft_cap_matches_reference and
-# test_prefill_tokens_on_the_kernel_with_a_soft_cap, and bfloat16 pools (not the kernel's:
-# the XLA decode part, as test_int8_pool_keeps_the_xla_decode_part checks for 8-bit ones)
-# in the slow tier.
+# test_prefill_tokens_on_the_kernel_with_a_soft_cap, and bfloat16 queries and pools in the
+# slow tier (16-bit pools under float32 queries, the CPU serving case:
+# test_16_bit_pools_match_reference_on_their_float32_values).
 @needs_kernel
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("g", slow_except(GEOMETRIES, 0, 3), ids=str)
@@ -277,6 +277,33 @@ def test_int8_pool_keeps_the_xla_decode_part():
     np.testing.assert_array_equal(
         np.asarray(attention("cpu")(q, pool, 1, md, sm_scale=SM_SCALE)),
         np.asarray(attention("xla")(q, pool, 1, md, sm_scale=SM_SCALE)))
+
+
+# (dtype, geometry): float16 on 16-key blocks, bfloat16 in the generic loop (row by row
+# conversion); the other two pairs in the slow tier.
+POOLS_16 = [("float16", GEOMETRIES[3]), ("bfloat16", Geometry(8, 2, 12, 32)),
+            ("bfloat16", GEOMETRIES[3]), ("float16", Geometry(8, 2, 12, 32))]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,g", slow_except(POOLS_16, 0, 1),
+                         ids=[f"{d}-{g}" for d, g in POOLS_16])
+def test_16_bit_pools_match_reference_on_their_float32_values(dtype, g):
+    # The pool float32 queries read on the CPU with kv_cache_dtype float16/bfloat16. The
+    # oracle is the reference on the same pages widened to float32: the kernel widens each
+    # element exactly and sums in float32, the XLA tiles widen what they gather. Decode
+    # rows and a short chunk on the kernel, a longer chunk on the tiles (20 keys at most).
+    q, kv_pages, md = inputs(g, [1, 9, 1, 12], [20, 14, 40, 31], seed=7)
+    pool = kv_pages.astype(dtype)
+    assert op.supports(pool) and not op.supports(kv_pages.astype(jnp.int8))
+    common = dict(sm_scale=SM_SCALE, sliding_window=5)
+    want = np.asarray(reference(q, pool.astype(jnp.float32), 1, md, **common))
+    got = np.asarray(attention("cpu", context_max_len=20)(q, pool, 1, md, **common))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    # The pages are rounded: the float32 pool they came from gives other outputs.
+    exact = np.asarray(reference(q, kv_pages, 1, md, **common))
+    assert np.abs(exact - want).max() > 1e-4
 
 
 @needs_kernel

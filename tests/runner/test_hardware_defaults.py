@@ -115,6 +115,14 @@ def test_bfloat16_and_fp8_on_the_cpu_warn_and_are_honoured(dirs, caplog):
     assert w.model.dtype == jax.numpy.bfloat16
     assert "dtype='bfloat16' on the CPU backend: XLA emulates bfloat16" in caplog.text
     assert "kv_cache_dtype='fp8' on the CPU backend: XLA emulates fp8" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        w = worker(dirs.f32, kv_cache_dtype="bfloat16", num_kv_blocks=300)
+    assert "kv_cache_dtype='bfloat16' on the CPU backend: XLA converts the whole" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        worker(dirs.f32, kv_cache_dtype="float16", num_kv_blocks=300)
+    assert "kv_cache_dtype" not in caplog.text  # float16 pages: no warning
 
 
 def test_bad_dtype_is_named():
