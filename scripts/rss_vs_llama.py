@@ -6,7 +6,9 @@ and again after a batch of concurrent completions ("after batch"), then stopped;
 forms run one after the other (A, B, C, A, B, C, ...) with the load average beside each
 figure. llama-server gets the KV capacity in tokens of the jaxserve server measured just
 before it (`-c`, read from jaxserve's `cache_config_info` metric), so both hold the same
-number of tokens (jaxserve's CPU pool in float32, llama.cpp's in its default f16).
+number of tokens (jaxserve's default pool for a GGUF's blocks on the CPU in float16, as
+llama.cpp's default; `jaxserve-kv-f32` keeps float32 pages, half the tokens in the same
+`--kv-cache-memory-gib`; `jaxserve-23k` a float16 pool of the float32 pool's tokens).
 
 Per figure: VmRSS, its anonymous and file-backed parts (RssAnon, RssFile; the GGUF file's
 mapped pages are in RssFile, and llama.cpp serves its weights from that mapping), the
@@ -35,6 +37,9 @@ from server_process import REPO, LlamaServer, ServerProcess  # noqa: E402
 LLAMA_SERVER = ("/tmp/s30/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
 # form -> extra `jaxserve serve` flags (None: llama-server).
 FORMS = {"jaxserve": [], "jaxserve-gguf": ["--quantization", "gguf"],
+         "jaxserve-kv-f32": ["--kv-cache-dtype", "float32"],
+         # the 1457 pages of the float32 pool above, in float16 (0.5 GiB)
+         "jaxserve-23k": ["--num-kv-blocks", "1457"],
          "jaxserve-gguf-no-warmup": ["--quantization", "gguf", "--no-warmup"],
          # the same 1457 pages as the default pool, as int8 codes (XLA attention)
          "jaxserve-gguf-kv-int8": ["--quantization", "gguf", "--kv-cache-dtype", "int8",

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 
+from jaxserve.compilation_cache import drop_staging_caches
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
@@ -396,6 +397,7 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
         seconds = self.runner.warmup(dummy)
         if self.speculator is not None:
             seconds += self.speculator.warmup(dummy)
+        drop_staging_caches()  # jaxprs and MLIR modules (the executables stay)
         trim_memory()  # the compilers' temporaries, freed but left in the C heap
         logger.info("jaxserve: warm-up compiled %d buckets in %.1fs", len(self.runner.buckets),
                     seconds)

@@ -69,3 +69,24 @@ def test_compile_threads_default_and_override(monkeypatch):
     assert 1 <= warmup.compile_threads() <= warmup.MAX_COMPILE_THREADS
     monkeypatch.setenv("JAXSERVE_COMPILE_THREADS", "3")
     assert warmup.compile_threads() == 3
+
+
+def test_dropping_staging_caches_keeps_compiled_programs():
+    # What `LLMEngine.warmup` does last: the jaxprs and MLIR modules go, each jitted
+    # function's own dispatch cache stays, so a warmed program runs without tracing again.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxserve.compilation_cache import drop_staging_caches
+
+    compile_counter.install()
+    f = jax.jit(lambda x: x * 2.0 + 1.0)
+    x, y = jnp.arange(4.0), jnp.arange(5.0)
+    f(x)
+    start = compile_counter.num_compilations()
+    assert drop_staging_caches()  # the JAX internal it calls exists in this version
+    np.testing.assert_array_equal(f(x), np.arange(4.0) * 2 + 1)
+    assert compile_counter.num_compilations() == start
+    f(y)  # a shape never compiled traces, as it always would
+    assert compile_counter.num_compilations() == start + 1
