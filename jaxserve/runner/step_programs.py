@@ -69,6 +69,15 @@ def sample_step(layout: Layout, max_rows: int, logits, buf):
     return res, jnp.zeros(max_rows, jnp.int32).at[:ids.shape[0]].set(ids)  # i32[max_rows]
 
 
+def small_program_options() -> dict:
+    """XLA compiler options of the sampler and prompt-logprobs programs: on the CPU the
+    legacy fusion emitters, whose executables hold about half the memory of the new
+    ones' (10 vs 22 MB for a sampling program after compiling; 15 programs at the
+    default buckets) at the same speed (BENCHMARKS.md, issue 49's memory). The model
+    steps keep the new emitters (7% faster at batch 32)."""
+    return {"xla_cpu_use_fusion_emitters": False} if jax.default_backend() == "cpu" else {}
+
+
 def to_host(tree):
     """NumPy copies of replicated device arrays (one local replica when a mesh spans
     processes, where the whole array is not addressable here)."""
@@ -91,7 +100,8 @@ class StepPrograms:
     def _prompt_fn(self):
         if self._prompt_logprobs is None:
             self._prompt_logprobs = jax.jit(functools.partial(
-                prompt_logprobs, self.model, min(MAX_LOGPROBS, self.model.cfg.vocab_size)))
+                prompt_logprobs, self.model, min(MAX_LOGPROBS, self.model.cfg.vocab_size)),
+                compiler_options=small_program_options())
         return self._prompt_logprobs
 
     def _step_fn(self, layout: Layout, decode_only: bool = False):
@@ -109,6 +119,7 @@ class StepPrograms:
     def _sampler_fn(self, layout: Layout):
         fn = self._samplers.get(layout)
         if fn is None:
-            fn = jax.jit(functools.partial(sample_step, layout, self.max_rows))
+            fn = jax.jit(functools.partial(sample_step, layout, self.max_rows),
+                         compiler_options=small_program_options())
             self._samplers[layout] = fn
         return fn
