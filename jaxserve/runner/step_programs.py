@@ -71,10 +71,11 @@ def sample_step(layout: Layout, max_rows: int, logits, buf):
 
 def small_program_options() -> dict:
     """XLA compiler options of the sampler and prompt-logprobs programs: on the CPU the
-    legacy fusion emitters, whose executables hold about half the memory of the new
-    ones' (10 vs 22 MB for a sampling program after compiling; 15 programs at the
-    default buckets) at the same speed (BENCHMARKS.md, issue 49's memory). The model
-    steps keep the new emitters (7% faster at batch 32)."""
+    legacy fusion emitters. Compiled in this process, a sampling program then holds
+    about half the memory (10 vs 22 MB; 15 sampler programs at the default buckets);
+    loaded from the persistent cache, either holds ~11 MB. Their speed is the same (4-64
+    rows); the model steps keep the new emitters (7% faster at batch 32). BENCHMARKS.md,
+    issue 49's memory."""
     return {"xla_cpu_use_fusion_emitters": False} if jax.default_backend() == "cpu" else {}
 
 
