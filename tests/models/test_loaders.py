@@ -375,9 +375,40 @@ def test_truncated_gguf_names_file_and_tensor(smollm2_path, tmp_path):
         load_model(path)
 
 
-def test_gguf_truncated_inside_metadata(smollm2_path, tmp_path):
-    path = _head_of(smollm2_path, tmp_path / "cut.gguf", 4096)
-    with pytest.raises(ValueError, match=_esc(path) + ": truncated or corrupt GGUF file"):
+def test_gguf_metadata_read_in_one_piece_equals_gguf_reader(smollm2_path):
+    # The loader reads each metadata array in one piece (`_CheckedReader`); gguf's own
+    # reader, element by element, is the oracle for every field.
+    import gguf
+
+    from models.loaders.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(smollm2_path).reader, gguf.GGUFReader(smollm2_path)
+    assert list(ours.fields) == list(theirs.fields)
+    arrays = 0
+    for key, want in theirs.fields.items():
+        got = ours.fields[key]
+        assert got.types == want.types and len(got.data) == len(want.data), key
+        assert got.contents() == want.contents(), key
+        if want.types[0] == gguf.GGUFValueType.ARRAY:
+            arrays += 1
+            n = len(want.data)
+            for i in (0, n // 2, n - 1):
+                assert got.contents(i) == want.contents(i), (key, i)
+            assert got.contents(slice(3, 9)) == want.contents(slice(3, 9)), key
+    assert arrays >= 3  # tokens, merges, token types
+    assert ours.data_offset == theirs.data_offset
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+
+
+# Cuts inside the vocabulary (49,152 strings, ~0.7 MB from byte ~1k): too few bytes left
+# for its count, then enough for the count but not for the strings.
+@pytest.mark.parametrize("cut,why", [
+    (4096, "array of 49152 strings .* does not fit"),
+    (450_000, r"string \d+ of the metadata array .* past the end"),
+])
+def test_gguf_truncated_inside_metadata(smollm2_path, tmp_path, cut, why):
+    path = _head_of(smollm2_path, tmp_path / "cut.gguf", cut)
+    with pytest.raises(ValueError, match=_esc(path) + ": truncated or corrupt GGUF file.*" + why):
         load_model(path)
 
 
