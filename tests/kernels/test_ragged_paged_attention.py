@@ -135,5 +135,9 @@ def test_bad_shapes_raise():
     bad = AttentionMetadata(md.slot_mapping, md.block_tables[:2], md.kv_lens, md.cu_q_lens)
     with pytest.raises(ValueError, match=r"block_tables \(2, 8\) must be \[num_seqs=4"):
         reference(q, kv_pages, 0, bad, sm_scale=1.0)
+    # The Pallas kernels read pages of q's dtype; the reference (and the XLA path) widens
+    # any float pool, but not an integer one without scales.
     with pytest.raises(ValueError, match="q dtype bfloat16 differs from kv_pages dtype float32"):
-        reference(q.astype("bfloat16"), kv_pages, 0, md, sm_scale=1.0)
+        _kernel(16, 2)(q.astype("bfloat16"), kv_pages, 0, md, sm_scale=1.0)
+    with pytest.raises(ValueError, match="q dtype float32 differs from kv_pages dtype int32"):
+        reference(q, kv_pages.astype("int32"), 0, md, sm_scale=1.0)
