@@ -19,7 +19,8 @@ SCHEDULING_MODES = ("naive", "static", "continuous", "continuous+chunked")
 # "auto" (vLLM's default): float32 on the CPU, else the checkpoint's dtype (bfloat16 for
 # most; `models.loaders.serving_dtype`).
 DTYPES = ("auto", "float32", "bfloat16")
-# "auto": the model dtype; "fp8" is vLLM's alias of "fp8_e4m3".
+# "auto": the model dtype (float16 for a GGUF's blocks on the CPU: `Model.kv_dtype`); "fp8"
+# is vLLM's alias of "fp8_e4m3".
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8", "fp8_e4m3",
                    "fp8_e5m2")
 

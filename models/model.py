@@ -139,10 +139,11 @@ class Model:
     @property
     def kv_dtype(self) -> jnp.dtype:
         """The dtype of KV pages under `kv_cache_dtype="auto"`: the model dtype, except
-        float16 for a GGUF file's blocks multiplied in place on the CPU (its packed form),
-        llama.cpp's own cache type for the same file: half the pool of float32 at the same
-        tokens, read by the `cpu` backend's kernels, which widen each element to float32."""
-        if self.quant.name == "gguf" and self.quant.packed and self.backend == "cpu":
+        float16 for a GGUF file's blocks served on the `cpu` backend (in place by its
+        kernels, or by XLA's quantized matmuls where they do not build), llama.cpp's own
+        cache type for the same file: half the pool of float32 at the same tokens; the
+        `cpu` decode kernel and the XLA path widen each element to float32."""
+        if self.quant.name == "gguf" and self.backend == "cpu":
             return jnp.dtype(jnp.float16)
         return jnp.dtype(self.dtype)
 

@@ -23,8 +23,12 @@ from dataclasses import dataclass, field
 MECHANISMS = {"kv": "KV cache pages (capacity, preemptions)",
               "batch": "token budget and batch size (max_num_batched_tokens, max_num_seqs)",
               "chunk": "chunk size and TTFT/ITL tails (chunked prefill)"}
-# SmolLM2-135M in float32: 30 layers x 2 x 3 KV heads x 64 x 4 bytes.
-DEFAULT_KV_BYTES_PER_TOKEN = 46080
+# SmolLM2-135M's KV bytes a token by kv_cache_dtype: 30 layers x 2 x 3 KV heads x 64
+# elements (8-bit pages: + 4 scale bytes a row); "auto" serves its GGUF's blocks on the CPU
+# with float16 pages (`Model.kv_dtype`).
+KV_BYTES_PER_TOKEN = {"float32": 46080, "auto": 23040, "float16": 23040, "bfloat16": 23040,
+                      "int8": 12240, "fp8": 12240, "fp8_e4m3": 12240, "fp8_e5m2": 12240}
+DEFAULT_KV_BYTES_PER_TOKEN = KV_BYTES_PER_TOKEN["auto"]
 # The engine's default max_model_len for SmolLM2-135M: its context length (the GGUF
 # file's `context_length`), which its 1 GiB CPU pool holds.
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -99,7 +103,7 @@ class _Setting:
 
 def diagnose(config: dict, obs: dict | None = None, *, mean_prompt_len: float | None = None,
              mean_output_len: float | None = None,
-             kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN) -> dict:
+             kv_bytes_per_token: int | None = None) -> dict:
     """Names the bottleneck mechanism with its figures and what to change.
 
     Args:
@@ -109,13 +113,17 @@ def diagnose(config: dict, obs: dict | None = None, *, mean_prompt_len: float | 
         obs: Observed figures (`load_observations`), or None for the config alone.
         mean_prompt_len, mean_output_len: The workload's mean lengths (default: from the
             observations, else 512 / 128).
-        kv_bytes_per_token: To size the pool from `kv_cache_memory_gib`.
+        kv_bytes_per_token: To size the pool from `kv_cache_memory_gib` (default:
+            SmolLM2-135M's at the config's `kv_cache_dtype`, `KV_BYTES_PER_TOKEN`).
 
     Returns:
         {"bottleneck": mechanism or "none", "findings": [Finding as dict, by score],
          "summary": one line}.
     """
     obs = obs or {}
+    if kv_bytes_per_token is None:
+        kv = _config_value(config, "kv_cache_dtype", "auto")
+        kv_bytes_per_token = KV_BYTES_PER_TOKEN.get(kv, DEFAULT_KV_BYTES_PER_TOKEN)
     setting = _resolve(config, obs, mean_prompt_len, mean_output_len, kv_bytes_per_token)
     assumptions = _assumptions(config, obs, mean_prompt_len, mean_output_len,
                                kv_bytes_per_token)
@@ -141,8 +149,8 @@ def _assumptions(config: dict, obs: dict, mean_prompt_len: float | None,
     if not config.get("num_kv_blocks"):
         gib = _config_value(config, "kv_cache_memory_gib", 1.0)
         out.append(f"KV pool sized from kv_cache_memory_gib={gib} at {kv_bytes_per_token} "
-                   "bytes per token (SmolLM2-135M in float32; give --num-kv-blocks for "
-                   "another model)")
+                   "bytes per token (SmolLM2-135M at its kv_cache_dtype; give "
+                   "--num-kv-blocks for another model)")
     defaults = {"max_num_seqs": 64, "block_size": 16, "max_model_len": DEFAULT_MAX_MODEL_LEN,
                 "scheduling_mode": "continuous+chunked"}
     unset = [f"{k}={v}" for k, v in defaults.items() if config.get(k) is None]

@@ -69,14 +69,16 @@ def measure_peaks(dtype: str = "float32", iters: int = 10) -> dict:
             "jax": jax.__version__, "flops": flops, "bytes_per_s": big.nbytes / sec}
 
 
-def model_costs(model) -> dict:
-    """Per-token matmul FLOPs and per-step byte terms of `model`'s decode."""
+def model_costs(model, kv_dtype=None) -> dict:
+    """Per-token matmul FLOPs and per-step byte terms of `model`'s decode, its KV pages of
+    `kv_dtype` (default: what "auto" gives it, `Model.kv_dtype`; 8-bit pages count their
+    codes alone)."""
     cfg = model.cfg
     h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_layers
     attn = h * cfg.num_heads * d * 2 + h * cfg.num_kv_heads * d * 2  # q, o, k, v
     mlp = 3 * h * cfg.intermediate_size
     matmul_params = layers * (attn + mlp) + h * cfg.vocab_size  # + LM head
-    itemsize = np.dtype(model.dtype).itemsize
+    itemsize = np.dtype(model.kv_dtype if kv_dtype is None else kv_dtype).itemsize
     weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
                        for x in jax.tree_util.tree_leaves(model.params))
     return {"matmul_flops_per_token": 2 * matmul_params,
@@ -144,7 +146,7 @@ def measure_decode(engine, batch: int, context: int, num_steps: int = 5) -> dict
 def roofline_rows(engine, batches: list[int], context: int, peaks: dict,
                   num_steps: int = 5) -> list[dict]:
     """One row per batch size: step ms, tok/s, MFU, bandwidth use, and the roofline bound."""
-    costs = model_costs(engine.model)
+    costs = model_costs(engine.model, engine.runner.kv_pages.dtype)
     rows = []
     for b in batches:
         m = measure_decode(engine, b, context, num_steps)

@@ -84,6 +84,8 @@ class _CheckedReader(gguf.GGUFReader):
     metadata from a plain view of the mapping, and reads each metadata array in one
     piece."""
 
+    _nested = False  # inside an array of arrays (`_get_field_parts`)
+
     def _get(self, offset, dtype, count=1, override_order=None):
         # NOTE: `np.memmap`'s slicing runs Python code for every slice, and the default
         # model's vocabulary and merges are ~250k of them: slices of a plain ndarray view
@@ -102,35 +104,42 @@ class _CheckedReader(gguf.GGUFReader):
         # per number: ~250k small arrays for the default model's vocabulary, merges, token
         # types and scores, most of the metadata's parse time, and once freed they left
         # the C heap fragmented (~30 MB resident after the file was closed).
-        if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY:
+        if gguf.GGUFValueType(raw_type) != gguf.GGUFValueType.ARRAY or self._nested:
             return super()._get_field_parts(orig_offs, raw_type)
         raw_itype = self._get(orig_offs, np.uint32)
         count = self._get(orig_offs + 4, np.uint64)
         itype, n, offs = gguf.GGUFValueType(raw_itype[0]), int(count[0]), orig_offs + 12
         types = [gguf.GGUFValueType.ARRAY, itype]
         nptype = self.gguf_scalar_to_np.get(itype)
+        if itype != gguf.GGUFValueType.STRING and nptype is None:
+            # Arrays of arrays: gguf's own reading, element by element all the way down
+            # (its loop calls this method for every inner array).
+            self._nested = True
+            try:
+                return super()._get_field_parts(orig_offs, raw_type)
+            finally:
+                self._nested = False
+        self._get(offs, np.uint8)  # sets self._plain
+        end = len(self._plain)
+        least = np.dtype(nptype).itemsize if nptype is not None else 8  # a string: its length
+        if n > (end - offs) // least:
+            raise ValueError(f"a metadata array of {n} {itype.name.lower()} values at byte "
+                             f"{orig_offs} does not fit the file ({end} bytes)")
         if nptype is not None:
             values = self._get(offs, nptype, n)
             return 12 + int(values.nbytes), [raw_itype, count, values], list(range(n)), types
-        if itype != gguf.GGUFValueType.STRING:  # arrays of arrays: gguf's own reading
-            return super()._get_field_parts(orig_offs, raw_type)
-        self._get(offs, np.uint8)  # sets self._plain
         view = memoryview(self._plain)
         order = sys.byteorder if self.byte_order == "I" else (
             "big" if sys.byteorder == "little" else "little")
-        end = len(view)
-        if n > (end - offs) // 8:  # each string takes 8 bytes at least
-            raise ValueError(f"a metadata array of {n} strings at byte {orig_offs} does not "
-                             f"fit the file ({end} bytes)")
         spans = np.empty((n, 2), np.int64)  # i64[n, 2]: (offset from offs, length)
         pos = offs
         for i in range(n):
             length = int.from_bytes(view[pos:pos + 8], order)
-            spans[i] = (pos + 8 - offs, length)
-            pos += 8 + length
-            if pos > end:
+            if pos + 8 + length > end:
                 raise ValueError(f"string {i} of the metadata array at byte {orig_offs} runs "
                                  f"past the end of the file ({end} bytes)")
+            spans[i] = (pos + 8 - offs, length)
+            pos += 8 + length
         raw = self._plain[offs:pos]
         return 12 + pos - offs, [raw_itype, count, spans, raw], list(range(n)), types
 

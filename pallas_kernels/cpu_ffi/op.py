@@ -37,8 +37,11 @@ PAGE_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat
 
 
 def supports(kv_pages: jax.Array) -> bool:
-    """Whether the kernel reads this pool: float32, float16 or bfloat16 pages."""
-    return np.dtype(kv_pages.dtype) in PAGE_DTYPES and kv_pages.ndim == 6
+    """Whether the kernel reads this pool: float32 pages, or float16 or bfloat16 ones of
+    head_dim at most 256 (the kernel widens a row into a buffer of that size)."""
+    dtype = np.dtype(kv_pages.dtype)
+    return kv_pages.ndim == 6 and dtype in PAGE_DTYPES and (
+        dtype == np.float32 or kv_pages.shape[-1] <= 256)
 
 
 def paged_decode_cpu(q, kv_pages, layer, block_tables, lens, window, *, sm_scale: float,

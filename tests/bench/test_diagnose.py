@@ -59,6 +59,16 @@ def test_config_alone_flags_an_undersized_pool():
     assert d["bottleneck"] == "kv" and "holds ~5 requests" in d["findings"][0]["figures"][0]
 
 
+@pytest.mark.parametrize("kv,pages", [(None, 2912), ("float32", 1456), ("int8", 5482)])
+def test_pool_from_memory_follows_the_kv_cache_dtype(kv, pages):
+    # 1 GiB of SmolLM2's pages: float16 under "auto" (its GGUF's blocks on the CPU),
+    # float32 half as many, int8 (+ scales) ~3.8x float32's.
+    config = {"max_num_seqs": 64, "max_model_len": 4096, **({"kv_cache_dtype": kv} if kv else {})}
+    d = diagnose(config, mean_prompt_len=1000, mean_output_len=500)
+    kv_figures = next(f for f in d["findings"] if f["mechanism"] == "kv")["figures"]
+    assert kv_figures[0].startswith(f"pool {pages} pages x 16")
+
+
 def test_prometheus_snapshot_is_read():
     text = ("# TYPE jaxserve:num_preemptions counter\n"
             'jaxserve:num_preemptions_total{model_name="m"} 40.0\n'

@@ -44,6 +44,9 @@ def test_gguf_blocks_match_dequantized_weights(smollm2, gguf_model, smollm2_toke
     quant = LLM(gguf_model, tokenizer=smollm2_tokenizer, **SMALL, **POOL)
     # On the `cpu` backend the blocks are read in place by the quantized matmul kernel.
     assert packed.is_packed(quant.engine.model) == packed.can_pack(quant.engine.model)
+    # "auto" KV pages: float16 under the GGUF's blocks, float32 under the float32 weights.
+    assert quant.engine.runner.kv_pages.dtype == np.float16
+    assert dense.engine.runner.kv_pages.dtype == np.float32
     assert _tokens(quant.generate(PROMPTS, GREEDY)) == _tokens(dense.generate(PROMPTS, GREEDY))
 
 
@@ -112,11 +115,9 @@ def test_kv_capacity_follows_bytes_per_token(gguf_model, smollm2_tokenizer):
         else:
             assert pool.shape[-1] == 64
     assert dtypes["float16"] == "float16" and dtypes["bfloat16"] == "bfloat16"
-    # "auto": float16 pages under the blocks served in place (packed), else the float32
-    # model's own dtype.
-    served = LLM(gguf_model, tokenizer=smollm2_tokenizer, **SMALL, **POOL).engine.model
-    assert dtypes["auto"] == ("float16" if packed.is_packed(served) else "float32")
-    assert caps["auto"] == caps[dtypes["auto"]]
+    # "auto": float16 pages under a GGUF's blocks on the CPU (llama.cpp's cache type), the
+    # float32 model's own dtype otherwise.
+    assert dtypes["auto"] == "float16" and caps["auto"] == caps["float16"]
     assert caps["float16"] == caps["bfloat16"]
     assert 1.99 < caps["float16"] / caps["float32"] < 2.01
     assert caps["int8"] == caps["fp8_e5m2"]

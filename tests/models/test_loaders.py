@@ -400,11 +400,36 @@ def test_gguf_metadata_read_in_one_piece_equals_gguf_reader(smollm2_path):
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
 
 
+def test_gguf_arrays_of_every_kind_read_as_gguf_reads_them(tmp_path):
+    # Numbers and strings in one piece; an array of arrays element by element, as gguf.
+    import gguf
+
+    from models.loaders.gguf_file import _CheckedReader
+
+    path = str(tmp_path / "arrays.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("test.nested", [[1, 2, 3], [4, 5]])
+    w.add_array("test.strings", ["a", "bcd", "", "é"])
+    w.add_array("test.floats", [1.5, -2.25])
+    w.add_uint32("test.after", 7)  # read from the offset the arrays end at
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
+        write()
+    w.close()
+    ours, theirs = _CheckedReader(path), gguf.GGUFReader(path)
+    for key in ("test.nested", "test.strings", "test.floats", "test.after"):
+        assert ours.fields[key].types == theirs.fields[key].types, key
+        assert ours.fields[key].contents() == theirs.fields[key].contents(), key
+    assert ours.fields["test.nested"].contents() == [1, 2, 3, 4, 5]
+    assert ours.fields["test.after"].contents() == 7
+
+
 # Cuts inside the vocabulary (49,152 strings, ~0.7 MB from byte ~1k): too few bytes left
-# for its count, then enough for the count but not for the strings.
+# for its count, then enough for the count but not for the strings; then inside the token
+# types (49,152 int32 from byte ~763.5k).
 @pytest.mark.parametrize("cut,why", [
-    (4096, "array of 49152 strings .* does not fit"),
+    (4096, "array of 49152 string values .* does not fit"),
     (450_000, r"string \d+ of the metadata array .* past the end"),
+    (763_600, "array of 49152 int32 values .* does not fit"),  # inside the token types
 ])
 def test_gguf_truncated_inside_metadata(smollm2_path, tmp_path, cut, why):
     path = _head_of(smollm2_path, tmp_path / "cut.gguf", cut)
