@@ -300,8 +300,10 @@ def _check_ablations(tiny, fields: slice):
         assert diff > 100 * F32_ATOL, field
 
 
-# NOTE: the `tiny` fixture's cases again (indirect: the same module-scoped models), with the
-# first ablations of SLOW_FIRST_ABLATIONS in the slow tier.
+# NOTE: the `tiny` fixture's cases again (indirect: the same module-scoped models). The
+# ablations check the tests themselves (that each family's case is sensitive to its
+# feature), not the model: the slow tier runs them all (they took ~17 s of the default tier).
+@pytest.mark.slow
 @pytest.mark.parametrize("tiny", _params(CASES, SLOW_CASES + SLOW_FIRST_ABLATIONS),
                          indirect=True)
 def test_tiny_features_are_exercised(tiny):
