@@ -160,10 +160,7 @@ def test_chunk_512_with_longer_prompt(chunk_512_llm, smollm2_tokenizer, prompts,
     assert_same_as_alone(llm, batch, token_ids(llm, batch), ref, "chunk 512, long prompt")
 
 
-# NOTE: recompute in the slow tier: the default tier preempts and recomputes SmolLM2's
-# requests in tests/e2e/test_async_scheduling.py (the same pool) and the tiny model's in
-# tests/e2e/test_batch_invariant.py and tests/spec_decode/test_draft_model.py.
-@pytest.mark.parametrize("mode", [pytest.param("recompute", marks=pytest.mark.slow), "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption(smollm2, smollm2_tokenizer, ref_llm, prompts, alone, mode):
     """A pool of 15 usable pages cannot hold the batch (~26 pages): requests are preempted.
     (tests/e2e/test_async_scheduling.py's pool size: the steps come from the compilation
