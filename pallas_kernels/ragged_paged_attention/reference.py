@@ -9,12 +9,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kv_quant import dequantize_kv, is_quantized, kv_head_dim
+from pallas_kernels.kv_quant import KV_CACHE_FLOATS, dequantize_kv, is_quantized, kv_head_dim
 from pallas_kernels.metadata import AttentionMetadata
 
 # Float pools any query may read where every gathered page is widened to float32 (this
-# reference and the XLA path); the Pallas kernels read pools of q's own dtype.
-WIDENED_POOLS = (jnp.float32, jnp.float16, jnp.bfloat16)
+# reference and the XLA path): the float `kv_cache_dtype`s' pools. The Pallas kernels read
+# pools of q's own dtype.
+WIDENED_POOLS = tuple(KV_CACHE_FLOATS.values())
 
 
 def check_shapes(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata,
