@@ -97,16 +97,22 @@ def test_llama_needs_a_jaxserve_form_first(script, tmp_path):
 def test_accounting_ledger_sees_a_phase_that_allocates():
     """`scripts/rss_accounting.py`'s ledger: a phase that touches 64 MiB shows ~67 MB added
     (anonymous), the table holds every phase."""
+    import mmap
+
     import numpy as np
 
     accounting = load_script("rss_accounting")
     ledger = accounting.Ledger()
     ledger.mark("start")
-    held = np.ones(64 << 18, np.float32)  # 64 MiB, every page touched
+    # NOTE: fresh private anonymous pages, not `np.ones`: in a test worker that has freed
+    # arrays before, malloc hands a 64 MiB request chunks that are resident already
+    # (CI saw +0 MB).
+    held = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    np.frombuffer(held, np.uint8)[:] = 1  # every page touched
     ledger.mark("64 MiB of ones")
     added = ledger.rows[1][2]["VmRSS"] - ledger.rows[0][2]["VmRSS"]
     anon = ledger.rows[1][2]["RssAnon"] - ledger.rows[0][2]["RssAnon"]
     assert 60 < added < 80 and 60 < anon < 80, (added, anon)
     table = ledger.table().splitlines()
     assert len(table) == 4 and table[3].startswith("| 64 MiB of ones |")
-    assert held.sum() == 64 << 18
+    assert np.frombuffer(held, np.uint8).sum() == 64 << 20
