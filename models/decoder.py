@@ -186,6 +186,11 @@ class Decoder(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
+            # NOTE: flax's invariant check traces the layer once more to find what the
+            # broadcast collections return; serving creates no variables, so only `init`
+            # (which creates them inside the body) needs it. Tracing a step once instead
+            # of twice: issue 49's startup, docs/development.md "trace time".
+            check_constancy_invariants=self.is_initializing(),
         )(cfg, self.dtype, self.backend, self.quant, self.expert_sharding, self.lora_impl,
           self.batch_invariant)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, self.batch_invariant)
