@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,16 @@ def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT):
 
 
 def abstract_params(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT) -> dict:
-    """The params tree as `jax.ShapeDtypeStruct`s, without allocating anything."""
+    """The params tree as `jax.ShapeDtypeStruct`s, without allocating anything (a tree of
+    the caller's own: the traced one is kept per (cfg, dtype, quant))."""
+    return jax.tree.map(lambda leaf: leaf, _abstract_params(cfg, parse_dtype(dtype), quant))
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_params(cfg: ArchConfig, dtype: jnp.dtype, quant: QuantPlan) -> dict:
+    # NOTE: a trace of the whole model's init (a large part of a second): each load and
+    # each `update_weights` asks for it, an engine built twice in a process (tests, a
+    # training loop's evaluations) once per model kind.
     return jax.eval_shape(lambda: _init_fn(cfg, dtype, quant)(jax.random.key(0)))
 
 

@@ -15,7 +15,6 @@ host.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import numpy as np
@@ -29,13 +28,6 @@ def standard_form(model: Model) -> Model:
     """`model` described in its standard layout (no packed panels), params left out."""
     return dataclasses.replace(model, params={},
                                quant=dataclasses.replace(model.quant, packed=()))
-
-
-@functools.lru_cache(maxsize=8)
-def _layout(cfg, dtype_name: str, quant):
-    """The abstract params tree of (cfg, dtype, quant): traced once per model kind (a
-    trace of the whole model's init costs a large part of a second)."""
-    return abstract_params(cfg, dtype_name, quant)
 
 
 def _mismatch(got, want) -> str | None:
@@ -68,10 +60,10 @@ def checked_params(model: Model, params: dict) -> dict:
                          f"{type(params).__name__}")
     base = standard_form(model)
     dtype = np.dtype(base.dtype).name
-    want = _layout(base.cfg, dtype, base.quant)
+    want = abstract_params(base.cfg, dtype, base.quant)
     why = _mismatch(params, want)
     if why is not None and base.quant:
-        float_tree = _layout(base.cfg, dtype, NO_QUANT)
+        float_tree = abstract_params(base.cfg, dtype, NO_QUANT)
         if _mismatch(params, float_tree) is None:  # float weights: quantize them
             return jax.device_put(quantize_params(params, base.quant))
     if why is not None:
