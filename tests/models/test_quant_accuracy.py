@@ -54,9 +54,14 @@ KV_DRAWS = 6
 # tests/models/test_gguf_quant.py that they decode exactly), q8_0 (q8 in blocks of 32, as
 # the GGUF embedding), and the KV formats alone on float32 weights (several noisy draws
 # each: ~50-75 s apiece).
+# fp8_e5m2 costs +1.8% in expectation with a draw's sd of 1.0% (`perplexity_draws`), so
+# the mean of 6 draws has an sd of ~0.4%: its limit is the expectation plus 3 sd (at 2% a
+# fresh install's draws, +2.4%, failed it).
 @pytest.mark.parametrize("quantization,kv,limit", [
-    # the file's own blocks: the same weights, so ~exact
-    pytest.param("gguf", "auto", 1e-4, marks=SLOW),
+    # the file's own blocks: the same weights, so ~exact with float32 pages
+    pytest.param("gguf", "float32", 1e-4, marks=SLOW),
+    # the CPU default for them: float16 pages (+1.06e-4 measured)
+    pytest.param("gguf", "auto", 1e-3, marks=SLOW),
     pytest.param("q8_0", "auto", 0.01, marks=SLOW),
     ("int8", "auto", 0.01),
     # NOTE: the KV formats are measured on float32 weights, which isolates them (the
@@ -64,7 +69,7 @@ KV_DRAWS = 6
     pytest.param("none", "int8", 0.02, marks=SLOW),
     ("gguf", "int8", 0.02),
     pytest.param("none", "fp8_e4m3", 0.02, marks=SLOW),
-    pytest.param("none", "fp8_e5m2", 0.02, marks=SLOW),
+    pytest.param("none", "fp8_e5m2", 0.03, marks=SLOW),
 ])
 def test_perplexity_within_limits(smollm2_path, dense, text_ids, hf_text_logits,
                                   quantization, kv, limit):
@@ -72,7 +77,7 @@ def test_perplexity_within_limits(smollm2_path, dense, text_ids, hf_text_logits,
                                                             quantization=quantization)
     logits = teacher_forced_logits(model, text_ids, kv)
     ref = perplexity(hf_text_logits, text_ids)
-    if kv == "auto":
+    if kv in ("auto", "float32"):  # no 8-bit rounding: one run is the measure
         ppl = perplexity(logits, text_ids)
     else:
         draws = perplexity_draws(model, text_ids, kv, KV_DRAWS)
@@ -81,7 +86,7 @@ def test_perplexity_within_limits(smollm2_path, dense, text_ids, hf_text_logits,
         ppl = float(np.mean(draws))
     assert abs(ppl / ref - 1) <= limit, (quantization, kv, ppl, ref)
     max_abs, kl = logit_errors(logits, hf_text_logits)
-    if quantization == "gguf" and kv == "auto":
+    if quantization == "gguf" and kv == "float32":
         assert max_abs < 1e-2 and kl < 1e-6
     else:
         assert 0 < kl < 0.05  # quantized: close, but not the same numbers
