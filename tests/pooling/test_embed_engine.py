@@ -20,9 +20,9 @@ PROMPTS = ["The capital of France is",
 
 # NOTE: a MEAN vector is a float32 sum whose order follows how the step cut the prompt into
 # chunks (each chunk summed on the device, the chunks added on the host), so a prompt cut
-# differently in a batch differs by float32 rounding: ~1e-6 on elements of size ~1 (a
-# fresh install of the same pins moved one element of one vector by 1.3e-6). A lost or
-# doubled chunk moves the vector by ~1e-2.
+# differently in a batch differs by float32 rounding: ~1e-6 on elements of size ~1 (on a
+# Zen 4 VM with AVX-512, XLA's code moved one element of one vector by 1.3e-6, where the
+# Zen 3 VMs had stayed within 1e-6). A lost or doubled chunk moves the vector by ~1e-2.
 SAME_SUM = dict(rtol=1e-5, atol=1e-5)
 
 
