@@ -108,11 +108,12 @@ def test_accounting_ledger_sees_a_phase_that_allocates():
     # arrays before, malloc hands a 64 MiB request chunks that are resident already
     # (CI saw +0 MB).
     held = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    np.frombuffer(held, np.uint8)[:] = 1  # every page touched
+    pages = np.frombuffer(held, np.uint8)
+    pages[:] = 1  # every page touched
     ledger.mark("64 MiB of ones")
     added = ledger.rows[1][2]["VmRSS"] - ledger.rows[0][2]["VmRSS"]
     anon = ledger.rows[1][2]["RssAnon"] - ledger.rows[0][2]["RssAnon"]
     assert 60 < added < 80 and 60 < anon < 80, (added, anon)
     table = ledger.table().splitlines()
     assert len(table) == 4 and table[3].startswith("| 64 MiB of ones |")
-    assert np.frombuffer(held, np.uint8).sum() == 64 << 20
+    assert pages.sum() == 64 << 20
