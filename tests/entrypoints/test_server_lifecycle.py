@@ -76,21 +76,23 @@ def draining_server(smollm2, smollm2_tokenizer):
 def test_sigterm_drains_then_ends_what_is_left_with_an_error_event(draining_server):
     srv = draining_server
     events = {"long": [], "short": []}
-    started = threading.Event()
+    # Both streams must be in flight before SIGTERM: a request that reaches the server after
+    # it gets the drain's plain 503, not a stream.
+    started = {"long": threading.Event(), "short": threading.Event()}
 
     def stream(name, max_tokens):
         body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
-                started.set()
+                started[name].set()
                 events[name].append(line)
 
     workers = [threading.Thread(target=stream, args=("long", 230)),
                threading.Thread(target=stream, args=("short", 3))]
     for w in workers:
         w.start()
-    assert started.wait(60)
+    assert all(e.wait(60) for e in started.values())
     t0 = time.monotonic()
     srv.server.handle_exit(signal.SIGTERM, None)
     time.sleep(0.2)
