@@ -90,3 +90,15 @@ def settings_dict(value: Any, name: str, known: Iterable[str], example: str = ""
     if unknown:
         raise ValueError(f"{name}: unknown field(s) {unknown}; known: {sorted(known)}")
     return value
+
+
+def named_choice(registry: dict[str, Any], name: str, what: str) -> Any:
+    """`registry[name]`, the one lookup behind the named parsers (`--tool-call-parser`,
+    `--reasoning-parser`).
+
+    Raises:
+        ValueError: An unknown name; the message names `what` and the choices.
+    """
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}: choose from {', '.join(sorted(registry))}")
+    return registry[name]

@@ -3,6 +3,8 @@ block split off as `reasoning`, whole and streamed."""
 
 from __future__ import annotations
 
+from jaxserve.utils import named_choice
+
 START, END = "<think>", "</think>"
 
 
@@ -121,10 +123,7 @@ def get_reasoning_parser(name: str) -> ReasoningParser:
     Raises:
         ValueError: An unknown name, naming the choices.
     """
-    if name not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}: choose from "
-                         f"{', '.join(sorted(REASONING_PARSERS))}")
-    return REASONING_PARSERS[name]()
+    return named_choice(REASONING_PARSERS, name, "reasoning parser")()
 
 
 def thinking_disabled(template_kwargs: dict | None) -> bool:

@@ -15,6 +15,8 @@ import re
 import string
 import uuid
 
+from jaxserve.utils import named_choice
+
 
 def call_json(name: str, arguments: str, call_id: str | None = None) -> dict:
     """One OpenAI tool call object (a new `call_...` id unless `call_id`)."""
@@ -311,10 +313,7 @@ def get_tool_parser(name: str) -> ToolParser:
     Raises:
         ValueError: An unknown name, naming the choices.
     """
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool call parser {name!r}: choose from "
-                         f"{', '.join(sorted(TOOL_PARSERS))}")
-    return TOOL_PARSERS[name]()
+    return named_choice(TOOL_PARSERS, name, "tool call parser")()
 
 
 def parse_tool_calls(parser_name: str, text: str, tools: list[dict] | None = None
