@@ -194,7 +194,9 @@ def test_measured_device_stamps_when_each_step_really_ends():
     runner.dispatch(None)
     runner.dispatch(None)  # queued behind the first: starts when it ends
     jax.block_until_ready(state["x"])
+    before = time.perf_counter()
     time.sleep(0.15)
+    pause = time.perf_counter() - before  # NOTE: a loaded machine may oversleep
     runner.dispatch(None)
     idle, span = device.idle()
     spans = device.spans
@@ -205,8 +207,9 @@ def test_measured_device_stamps_when_each_step_really_ends():
         if nxt is not None:
             assert nxt[1] >= end
     assert spans[0][2] - spans[0][1] > 0.005  # stamped when the work ended, not at once
-    assert spans[1][1] == spans[0][2]  # dispatched early: no gap
-    assert 0.14 <= idle <= 0.15 + 0.05  # the pause (the stamp is late by ~0.1 ms at most)
+    if spans[1][0] <= spans[0][2]:  # NOTE: a stalled test thread may dispatch it late
+        assert spans[1][1] == spans[0][2]  # dispatched early: no gap
+    assert pause - 0.01 <= idle <= pause + 0.05  # the pause (the stamps late by ~0.1 ms)
     assert span == pytest.approx(spans[-1][2] - spans[0][1])
     assert sys.getswitchinterval() == switch and "dispatch" not in vars(runner)
 

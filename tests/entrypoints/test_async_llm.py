@@ -62,7 +62,10 @@ def test_consumer_leaving_aborts_the_request(llm):
 def test_cancelled_consumer_aborts_the_request(llm):
     async def main():
         task = asyncio.ensure_future(collect(llm, "slow", 1000))
-        await asyncio.sleep(0.1)
+        deadline = time.time() + 30
+        while "slow" not in llm.engine.running:  # NOTE: in the engine before it is cancelled
+            assert time.time() < deadline
+            await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -108,8 +111,13 @@ def test_shutdown_ends_pending_streams_and_refuses_new_requests():
 
 def test_metrics_snapshot_follows_the_engine(llm):
     run(collect(llm, "m", 3))
-    time.sleep(0.05)
-    snap = llm.get_metrics()
+    # NOTE: the last output reaches the stream before the engine thread takes its snapshot.
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        snap = llm.get_metrics()
+        if not snap["jaxserve:num_requests_running"] and snap["jaxserve:generation_tokens"] >= 3:
+            break
+        time.sleep(0.01)
     assert snap["jaxserve:num_requests_running"] == 0 and snap["jaxserve:generation_tokens"] >= 3
     reg, labels = llm.metrics.registry, {"model_name": "jaxserve", "engine": "0"}
     assert reg.get_sample_value("jaxserve:e2e_request_latency_seconds_count", labels) == 1

@@ -180,11 +180,13 @@ def test_health_stays_fast_while_a_huge_prompt_is_rejected(server):
                                       "%}{% endfor %}{% endfor %}"}
 
     def huge():
-        for path, payload in (("/v1/completions", body), ("/tokenize", body),
-                              ("/v1/chat/completions", loops)):
-            r = httpx.post(f"{server.url}{path}", json=payload, headers=AUTH, timeout=300)
-            statuses.append(r.status_code)
-        done.set()
+        try:
+            for path, payload in (("/v1/completions", body), ("/tokenize", body),
+                                  ("/v1/chat/completions", loops)):
+                r = httpx.post(f"{server.url}{path}", json=payload, headers=AUTH, timeout=300)
+                statuses.append(r.status_code)
+        finally:
+            done.set()  # NOTE: a failed post must end the probe loop too
 
     worker = threading.Thread(target=huge)
     worker.start()

@@ -122,8 +122,10 @@ def test_clients_leaving_while_their_requests_wait_abort_them_at_once():
     engine = FakeEngine(step_seconds=0.01, stall_on=[7, 7, 7])
 
     def impatient(url):
+        # NOTE: 2 s for the server to take all ten in, even on a loaded machine: a request
+        # that never reached the engine would never show up as aborted.
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{url}/v1/completions", timeout=0.5,
+            httpx.post(f"{url}/v1/completions", timeout=2.0,
                        json={"model": "fake", "prompt": [7, 7, 7], "max_tokens": 5})
 
     with fake_server(engine=engine) as url:
@@ -133,7 +135,7 @@ def test_clients_leaving_while_their_requests_wait_abort_them_at_once():
         while (engine.running or len(engine.aborted) < 10) and time.time() < left + 5:
             time.sleep(0.02)
         assert len(engine.aborted) == 10 and not engine.running
-        assert time.time() - left < 2  # a poll interval or so, not "when scheduled"
+        assert time.time() - left < 3  # a poll interval or so, not "when scheduled" (never)
         r = httpx.post(f"{url}/v1/completions", timeout=10,
                        json={"model": "fake", "prompt": [8, 9], "max_tokens": 3})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "t0 t1 t2 "
