@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -92,9 +94,17 @@ def settings_dict(value: Any, name: str, known: Iterable[str], example: str = ""
     return value
 
 
-def named_choice(registry: dict[str, Any], name: str, what: str) -> Any:
-    """`registry[name]`, the one lookup behind the named parsers (`--tool-call-parser`,
+def named_choice(registry: Mapping[str, T], name: str, what: str) -> T:
+    """`registry[name]`: the one lookup behind the named parsers (`--tool-call-parser`,
     `--reasoning-parser`).
+
+    Args:
+        registry: The choices by name.
+        name: The name asked for.
+        what: What the names name, for the error ("tool call parser").
+
+    Returns:
+        The entry named `name`.
 
     Raises:
         ValueError: An unknown name; the message names `what` and the choices.

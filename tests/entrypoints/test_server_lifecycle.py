@@ -76,8 +76,9 @@ def draining_server(smollm2, smollm2_tokenizer):
 def test_sigterm_drains_then_ends_what_is_left_with_an_error_event(draining_server):
     srv = draining_server
     events = {"long": [], "short": []}
-    # Both streams must be in flight before SIGTERM: a request that reaches the server after
-    # it gets the drain's plain 503, not a stream.
+    # Both requests must reach the server before SIGTERM: one that arrives after it gets the
+    # drain's plain 503, not a stream. The short one (16 tokens, ~0.3 s) then usually
+    # finishes during the drain; the long one (250) outlasts the drain's 3 s.
     started = {"long": threading.Event(), "short": threading.Event()}
 
     def stream(name, max_tokens):
@@ -88,8 +89,8 @@ def test_sigterm_drains_then_ends_what_is_left_with_an_error_event(draining_serv
                 started[name].set()
                 events[name].append(line)
 
-    workers = [threading.Thread(target=stream, args=("long", 230)),
-               threading.Thread(target=stream, args=("short", 3))]
+    workers = [threading.Thread(target=stream, args=("long", 250)),
+               threading.Thread(target=stream, args=("short", 16))]
     for w in workers:
         w.start()
     assert all(e.wait(60) for e in started.values())
