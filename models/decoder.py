@@ -79,11 +79,17 @@ class Attention(nn.Module):
         if rot is not None:  # 8-bit pages that quantize better rotated (kv_quant.py)
             rot = jnp.asarray(rot, q.dtype)
             q, k, v = q @ rot, k @ rot, v @ rot
-        kv_pages = write_kv(kv_pages, slot, k, v, md.slot_mapping, backend=self.backend)
-        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        out = ragged_paged_attention(q, kv_pages, slot, md, sm_scale=scale,
-                                     sliding_window=window, soft_cap=cfg.attn_logit_softcap,
-                                     backend=self.backend, batch_invariant=self.batch_invariant)
+        if self.is_initializing():
+            # NOTE: `init` only makes the parameters (`abstract_params` traces it on every
+            # load) and attention has none: its trace was most of init's.
+            out = q  # [T, Hq, D]
+        else:
+            kv_pages = write_kv(kv_pages, slot, k, v, md.slot_mapping, backend=self.backend)
+            scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+            out = ragged_paged_attention(q, kv_pages, slot, md, sm_scale=scale,
+                                         sliding_window=window,
+                                         soft_cap=cfg.attn_logit_softcap, backend=self.backend,
+                                         batch_invariant=self.batch_invariant)
         if rot is not None:
             out = out @ rot.T
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
