@@ -75,7 +75,11 @@ class _ArrayField(gguf.ReaderField):
 
             if isinstance(index_or_slice, int):
                 return text(index_or_slice)
-            return [text(i) for i in range(len(spans))[index_or_slice]]
+            # NOTE: slices of one bytes object, 3-4x faster than a NumPy slice per string
+            # (the default model's vocabulary and merges are ~98k strings).
+            data = raw.tobytes()
+            return [data[start:start + length].decode("utf-8")
+                    for start, length in spans[index_or_slice].tolist()]
         return self.parts[-1].tolist()[index_or_slice]
 
 
