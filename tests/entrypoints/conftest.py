@@ -23,6 +23,15 @@ API_KEY = "sk-jaxserve-test"
 LIMITS = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8)
 
 
+def wait_for(condition, timeout=5.0) -> bool:
+    """Polls `condition()` every 10 ms until it holds or `timeout` seconds pass; returns its
+    last value (for an `assert`)."""
+    deadline = time.time() + timeout
+    while not condition() and time.time() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,6 +10,7 @@ import pytest
 
 from jaxserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError
 from jaxserve.sampling_params import SamplingParams
+from tests.entrypoints.conftest import wait_for
 from tests.entrypoints.fake_engine import FakeEngine
 
 
@@ -112,13 +113,8 @@ def test_shutdown_ends_pending_streams_and_refuses_new_requests():
 def test_metrics_snapshot_follows_the_engine(llm):
     run(collect(llm, "m", 3))
     # NOTE: the last output reaches the stream before the engine thread takes its snapshot.
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        snap = llm.get_metrics()
-        if not snap["jaxserve:num_requests_running"] and snap["jaxserve:generation_tokens"] >= 3:
-            break
-        time.sleep(0.01)
-    assert snap["jaxserve:num_requests_running"] == 0 and snap["jaxserve:generation_tokens"] >= 3
+    assert wait_for(lambda: (snap := llm.get_metrics())["jaxserve:num_requests_running"] == 0
+                    and snap["jaxserve:generation_tokens"] >= 3, 30)
     reg, labels = llm.metrics.registry, {"model_name": "jaxserve", "engine": "0"}
     assert reg.get_sample_value("jaxserve:e2e_request_latency_seconds_count", labels) == 1
     assert reg.get_sample_value("jaxserve:time_to_first_token_seconds_count", labels) == 1
@@ -128,13 +124,6 @@ def test_metrics_snapshot_follows_the_engine(llm):
                                 {**labels, "le": "50.0"}) == 1
     assert reg.get_sample_value("jaxserve:request_prompt_tokens_bucket",
                                 {**labels, "le": "100.0"}) is None
-
-
-def wait_for(condition, timeout=5.0):
-    deadline = time.time() + timeout
-    while not condition() and time.time() < deadline:
-        time.sleep(0.01)
-    return condition()
 
 
 def test_abort_by_id_ends_the_consumer_with_finish_reason_abort(llm):

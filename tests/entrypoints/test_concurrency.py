@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, LIMITS, MODEL_NAME, ServerThread
+from tests.entrypoints.conftest import API_KEY, LIMITS, MODEL_NAME, ServerThread, wait_for
 
 PROMPTS = [f"Fact number {i}: the" for i in range(8)]
 MAX_TOKENS = 10
@@ -98,10 +97,7 @@ def test_graceful_stop_finishes_in_flight_requests(small_server):
     assert started.wait(60)
     stopper = threading.Thread(target=small_server.stop)
     stopper.start()  # what SIGTERM does
-    deadline = time.time() + 30
-    while not small_server.app.state.draining:  # NOTE: not a fixed sleep (a loaded machine)
-        assert time.time() < deadline
-        time.sleep(0.01)
+    assert wait_for(lambda: small_server.app.state.draining, 30)  # NOTE: no fixed sleep
     try:
         late = httpx.post(f"{small_server.url}/v1/completions", json=body, timeout=10)
         assert late.status_code == 503  # admitted by the socket, refused by the app

@@ -193,10 +193,9 @@ def test_tokenize_renders_tools_and_template(server):
 
 def test_load_and_tokenizer_info_behind_their_flags(server, smollm2_tokenizer):
     import threading
-    import time
 
     from jaxserve.entrypoints.openai.api_server import build_app
-    from tests.entrypoints.conftest import running_server
+    from tests.entrypoints.conftest import running_server, wait_for
 
     assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
     assert httpx.get(f"{server.url}/tokenizer_info", headers=AUTH).status_code == 404
@@ -226,10 +225,7 @@ def test_load_and_tokenizer_info_behind_their_flags(server, smollm2_tokenizer):
         assert seen == [1]
         # NOTE: the count drops when the response ends on the server, which may come just
         # after the client has read its last line.
-        deadline = time.time() + 30
-        while (load := httpx.get(f"{url}/load").json()) != {"server_load": 0}:
-            assert time.time() < deadline, load
-            time.sleep(0.02)
+        assert wait_for(lambda: httpx.get(f"{url}/load").json() == {"server_load": 0}, 30)
 
 
 CONTEXT, CONTINUATION = "The capital of France is", " Paris"
