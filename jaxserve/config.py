@@ -288,9 +288,9 @@ class LoRAConfig:
         max_loras: Adapters one step may run (the device's slots per target module).
         max_lora_rank: Largest adapter rank served (every slot's rank axis).
         max_cpu_loras: Adapters kept loaded on the host (an LRU); None: `max_loras`.
-        lora_impl: How a step computes its rows' updates (`models.lora.LORA_IMPLS`), or
+        lora_impl: How a step computes its rows' updates (`models.linear.lora.LORA_IMPLS`), or
             "auto": the CPU LoRA kernel ("grouped") for float32 weights on one CPU device,
-            else "masked" (`models.lora.resolve_impl`).
+            else "masked" (`models.linear.lora.resolve_impl`).
     """
 
     enable_lora: bool = False
@@ -300,7 +300,7 @@ class LoRAConfig:
     lora_impl: str = "auto"
 
     def __post_init__(self):
-        from models.lora import LORA_IMPLS
+        from models.linear.lora import LORA_IMPLS
 
         _check_types(self)
         _check(self.max_loras >= 1, "max_loras", self.max_loras, "a positive integer")

@@ -1,16 +1,17 @@
 """The Flax decoder shared by every family: layers stacked and run with `nn.scan`.
 
-`Decoder.__call__(input_ids, positions, kv_pages, md)` runs one packed step (any mix of
-prefill chunks and decode tokens) and returns `(kv_pages, hidden)`; the page pool rides in
-the scan carry so each layer's KV write updates it in place. With a hybrid KV cache
-(`kv_layout`, `models.kv_groups`) each layer also carries its pool slot and KV cache group:
-weights stay indexed by the layer, KV by the slot, through the group's block tables.
+`Decoder.__call__(input_ids, positions, kv_pages, md)` runs one step (any mix of prefill
+chunks and decode tokens, on one token axis) and returns `(kv_pages, hidden)`; the page
+pool rides in the scan carry so each layer's KV write updates it in place. Every weight
+is a `models.linear` layer of the method its `Methods` gives it, and attention is
+`Methods.attention`'s: the decoder says what is computed, never with which kernel. With a
+hybrid KV cache (`kv_layout`, `models.kv_groups`) each layer also carries its pool slot and
+KV cache group: weights stay indexed by the layer, KV by the slot, through the group's
+block tables.
 `compute_logits` applies the LM head to whichever rows the caller wants sampled.
 """
 
 from __future__ import annotations
-
-import functools
 
 import flax.linen as nn
 import jax
@@ -19,17 +20,12 @@ import jax.numpy as jnp
 from models.config import ArchConfig
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
+from models.linear import STACKS, Embedding, Linear, Methods
 from models.lora import COLLECTION as LORA
-from models.lora import add_lora, scan_slices_lora
 from models.mixed import MixedMLP
 from models.moe import MoEMLP
 from models.moe_parallel import ExpertSharding
-from models.packed import COLLECTION as PACKED
-from models.packed import PackedDense, PackedEmbed
-from models.qlayers import dense, embed, tiled_attend
-from models.quant import QuantPlan
-from pallas_kernels import AttentionMetadata, ragged_paged_attention, write_kv
-from pallas_kernels.kv_quant import kv_rotation
+from pallas_kernels import AttentionMetadata
 
 
 class Attention(nn.Module):
@@ -37,27 +33,19 @@ class Attention(nn.Module):
 
     cfg: ArchConfig
     dtype: jnp.dtype
-    backend: str
-    quant: QuantPlan = QuantPlan()
-    lora_impl: str = "masked"
-    batch_invariant: bool = False
+    methods: Methods
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata, slot=None,
-                 lora_slots=None):
+    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata, slot=None):
         """`layer` indexes the weights, `slot` (default: the layer) the pool's axis 0; `md`
-        is the layer's group's (2-D block tables); `lora_slots` (i32[T] or None) each
-        token's adapter slot (`models.lora`)."""
-        cfg = self.cfg
+        is the layer's group's (2-D block tables)."""
+        cfg, ops = self.cfg, self.methods.attention
         slot = layer if slot is None else slot
         num_tokens = x.shape[0]
-        inv = self.batch_invariant
-        rows = md.num_real_tokens  # packed weights skip the padding tokens
+        inv = self.methods.batch_invariant
 
         def proj(n, bias, name, h):
-            y = dense(self.quant, name, n, bias, self.dtype, self.backend, layer=layer,
-                      rows=rows)(h)
-            return add_lora(self, name, h, y, lora_slots, self.lora_impl, layer)
+            return Linear(n, self.methods.linear(name), bias, self.dtype, layer, name=name)(h)
 
         q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj", x)
         k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj", x)
@@ -74,24 +62,15 @@ class Attention(nn.Module):
         cos, sin = layer_cos_sin(cos, sin, window)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-
-        rot = kv_rotation(kv_pages.dtype, cfg.head_dim)  # f32[D, D] or None
-        if rot is not None:  # 8-bit pages that quantize better rotated (kv_quant.py)
-            rot = jnp.asarray(rot, q.dtype)
-            q, k, v = q @ rot, k @ rot, v @ rot
         if self.is_initializing():
             # NOTE: `init` only makes the parameters (`abstract_params` traces it on every
             # load) and attention has none: its trace was most of init's.
             out = q  # [T, Hq, D]
         else:
-            kv_pages = write_kv(kv_pages, slot, k, v, md.slot_mapping, backend=self.backend)
+            kv_pages = ops.write_kv(kv_pages, slot, k, v, md.slot_mapping)
             scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-            out = ragged_paged_attention(q, kv_pages, slot, md, sm_scale=scale,
-                                         sliding_window=window,
-                                         soft_cap=cfg.attn_logit_softcap, backend=self.backend,
-                                         batch_invariant=self.batch_invariant)
-        if rot is not None:
-            out = out @ rot.T
+            out = ops.attend(q, kv_pages, slot, md, sm_scale=scale, sliding_window=window,
+                             soft_cap=cfg.attn_logit_softcap)
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
         return proj(cfg.hidden_size, cfg.o_bias, "o_proj", out), kv_pages
 
@@ -105,14 +84,11 @@ class DecoderLayer(nn.Module):
 
     cfg: ArchConfig
     dtype: jnp.dtype
-    backend: str
-    quant: QuantPlan = QuantPlan()
+    methods: Methods
     expert_sharding: ExpertSharding | None = None
-    lora_impl: str = "masked"
-    batch_invariant: bool = False
 
     @nn.compact
-    def __call__(self, carry, xs, cos, sin, md: AttentionMetadata, lora_slots=None):
+    def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
         hidden, kv_pages = carry
         # (layer, window) with one KV cache group; (layer, window, slot, group) with several.
         layer, window, *grouped = xs
@@ -120,23 +96,18 @@ class DecoderLayer(nn.Module):
         if grouped:
             slot, group = grouped
             md = md.for_group(group)
-        cfg = self.cfg
+        cfg, methods = self.cfg, self.methods
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset,
-                                    self.batch_invariant, name=name)
+                                    methods.batch_invariant, name=name)
         h = norm("input_layernorm")(hidden)
-        attn_out, kv_pages = Attention(cfg, self.dtype, self.backend, self.quant,
-                                       self.lora_impl, self.batch_invariant, name="self_attn")(
-            h, cos, sin, kv_pages, layer, window, md, slot, lora_slots)
+        attn_out, kv_pages = Attention(cfg, self.dtype, methods, name="self_attn")(
+            h, cos, sin, kv_pages, layer, window, md, slot)
         if cfg.is_mixed:  # sparse and dense layers: one of two stacks per layer
-            mlp = MixedMLP(cfg, self.dtype, self.quant, self.backend,
-                           sharding=self.expert_sharding, name="mlp")
+            mlp = MixedMLP(cfg, self.dtype, methods, sharding=self.expert_sharding, name="mlp")
         elif cfg.is_moe:  # every layer sparse
-            mlp = MoEMLP(cfg, self.dtype, self.quant, self.backend,
-                         sharding=self.expert_sharding, name="mlp")
+            mlp = MoEMLP(cfg, self.dtype, methods, sharding=self.expert_sharding, name="mlp")
         else:
-            mlp = functools.partial(GatedMLP(cfg, self.dtype, self.quant, self.backend,
-                                             lora_impl=self.lora_impl, name="mlp"),
-                                    lora_slots=lora_slots, rows=md.num_real_tokens)
+            mlp = GatedMLP(cfg, self.dtype, methods, name="mlp")
         if cfg.sandwich_norms:
             hidden = hidden + norm("post_attention_layernorm")(attn_out)
             h = norm("pre_feedforward_layernorm")(hidden)
@@ -154,60 +125,47 @@ class Decoder(nn.Module):
     Attributes:
         cfg: Architecture config.
         dtype: Parameter and activation dtype (float32 or bfloat16).
-        backend: Attention backend name (see `pallas_kernels.ATTENTION_BACKENDS`).
-        quant: How each weight is stored (`QuantPlan`: quantized formats, the modules
-            packed for the CPU matmul kernel); empty means dense.
+        methods: Every weight's linear method and the attention kernels
+            (`models.linear.choose_methods`).
         kv_layout: The KV cache groups (`models.kv_groups`) when there are several; None
             (or a one-group layout): the plain pool, slot = layer, 2-D block tables.
         expert_sharding: How a device mesh splits a mixture of experts' routed experts
             (`models.moe_parallel`); None: one device, or the experts replicated.
-        lora_impl: How LoRA updates are computed (`models.lora.LORA_IMPLS`), when a step
-            carries adapter slots.
-        batch_invariant: Every token's result independent of what shares its step
-            (attention per token in fixed blocks; `quant.row_tile` tiles the matmuls):
-            `pallas_kernels.invariant`.
     """
 
     cfg: ArchConfig
-    dtype: jnp.dtype = jnp.float32
-    backend: str = "xla"
-    quant: QuantPlan = QuantPlan()
+    dtype: jnp.dtype
+    methods: Methods
     kv_layout: KVGroupLayout | None = None
     expert_sharding: ExpertSharding | None = None
-    lora_impl: str = "masked"
-    batch_invariant: bool = False
 
     def setup(self):
-        cfg = self.cfg
-        self.embed_tokens = embed(self.quant, cfg.vocab_size, cfg.hidden_size, self.dtype,
-                                  self.backend)
-        # NOTE: each layer's params are sliced out of their stack; packed weights
-        # (`models.packed`) are read whole, at the traced layer index, so the scan
-        # broadcasts their collection instead (and the LoRA stacks the CPU kernel reads).
-        sliced = scan_slices_lora(self.lora_impl)
+        cfg, methods = self.cfg, self.methods
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, methods.embedding)
+        # NOTE: each layer's params are sliced out of their stack; weights a method reads
+        # whole at the traced layer index live in `STACKS`, which the scan broadcasts (and
+        # so are the LoRA stacks a kernel reads whole).
+        whole = (STACKS, LORA) if methods.lora_whole else STACKS
         self.layers = nn.scan(
             DecoderLayer,
-            variable_axes={"params": 0, LORA: 0} if sliced else {"params": 0},
-            variable_broadcast=PACKED if sliced else (PACKED, LORA),
+            variable_axes={"params": 0} if methods.lora_whole else {"params": 0, LORA: 0},
+            variable_broadcast=whole,
             split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_layers,
             # NOTE: flax's invariant check traces the layer once more to find what the
             # broadcast collections return; serving creates no variables, so only `init`
             # (which creates them inside the body) needs it. Tracing a step once instead
             # of twice: issue 49's startup, docs/development.md "trace time".
             check_constancy_invariants=self.is_initializing(),
-        )(cfg, self.dtype, self.backend, self.quant, self.expert_sharding, self.lora_impl,
-          self.batch_invariant)
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, self.batch_invariant)
+        )(cfg, self.dtype, methods, self.expert_sharding)
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, methods.batch_invariant)
         if not cfg.tie_word_embeddings:
-            self.lm_head = dense(self.quant, "lm_head", cfg.vocab_size, False, self.dtype,
-                                 self.backend, in_setup=True)
+            self.lm_head = Linear(cfg.vocab_size, methods.linear("lm_head"), dtype=self.dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_pages: jax.Array,
-                 md: AttentionMetadata, lora_slots: jax.Array | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
-        """Runs one packed step.
+                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+        """Runs one step.
 
         Args:
             input_ids: i32[num_tokens] token ids (padding: any id).
@@ -239,21 +197,14 @@ class Decoder(nn.Module):
               jnp.asarray(self.cfg.layer_windows, dtype=jnp.int32))
         if lay is not None:  # NOTE: the window stays the layer's (masking never changes)
             xs += (jnp.asarray(lay.layer_slot, jnp.int32), jnp.asarray(lay.layer_group, jnp.int32))
-        (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md, lora_slots)
+        (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md)
         return kv_pages, self.norm(hidden)
 
-    def compute_logits(self, hidden: jax.Array, rows: jax.Array | None = None) -> jax.Array:
-        """LM head: f32[num_rows, vocab_size] logits from final hidden states; a packed head
-        computes only the first `rows` (i32[] or None: all; the rest 0, padding)."""
-        if self.cfg.tie_word_embeddings and self.quant.row_tile and isinstance(
-                self.embed_tokens, nn.Embed):  # batch-invariant: the product in row tiles
-            logits = tiled_attend(self.embed_tokens.embedding, hidden, self.quant.row_tile)
-        elif isinstance(self.embed_tokens, PackedEmbed) and self.cfg.tie_word_embeddings:
-            logits = self.embed_tokens.attend(hidden, rows)
-        elif self.cfg.tie_word_embeddings:
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """LM head: f32[num_rows, vocab_size] logits from final hidden states (soft-capped
+        where the family caps them)."""
+        if self.cfg.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden)
-        elif isinstance(self.lm_head, PackedDense):
-            logits = self.lm_head(hidden, rows)
         else:
             logits = self.lm_head(hidden)
         logits = logits.astype(jnp.float32)

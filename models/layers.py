@@ -7,9 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ArchConfig
-from models.lora import add_lora
-from models.qlayers import dense as make_dense
-from models.quant import QuantPlan
+from models.linear import Linear, Methods
 from models.rope import RopeScaling, rope_inv_freq
 from pallas_kernels.invariant import fixed_sum
 
@@ -100,26 +98,22 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), `act` being `cfg.hidden_act` (SiLU by default); its
-    width is `cfg.intermediate_size` unless `intermediate_size` is set (a shared expert)."""
+    width is `cfg.intermediate_size` unless `intermediate_size` is set (a shared expert).
+    Each projection is a `Linear` of the method `methods` gives its name."""
 
     cfg: ArchConfig
-    dtype: jnp.dtype = jnp.float32
-    quant: QuantPlan = QuantPlan()
-    backend: str = "xla"
+    dtype: jnp.dtype
+    methods: Methods
     intermediate_size: int | None = None
-    lora_impl: str = "masked"
 
     @nn.compact
-    def __call__(self, x: jax.Array, layer=None, lora_slots=None, rows=None) -> jax.Array:
-        """x [T, hidden] -> [T, hidden]; `layer` (i32[], inside the layer scan) is the index
-        packed weights are read at and `rows` (i32[] or None) the step's real tokens they
-        multiply (`models.qlayers.dense`); `lora_slots` (i32[T] or None) each token's
-        adapter slot (`models.lora.add_lora`)."""
+    def __call__(self, x: jax.Array, layer=None) -> jax.Array:
+        """x [T, hidden] -> [T, hidden]; `layer` (i32[], inside the layer scan) is the
+        layer a stacked weight is read at (`models.linear.LinearMethod.stacked`)."""
 
         def dense(n, name, h):
-            y = make_dense(self.quant, name, n, self.cfg.mlp_bias, self.dtype, self.backend,
-                           layer=layer, rows=rows)(h)
-            return add_lora(self, name, h, y, lora_slots, self.lora_impl, layer)
+            return Linear(n, self.methods.linear(name), self.cfg.mlp_bias, self.dtype, layer,
+                          name=name)(h)
 
         width = self.intermediate_size or self.cfg.intermediate_size
         h = ACTIVATIONS[self.cfg.hidden_act](dense(width, "gate_proj", x))

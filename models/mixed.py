@@ -7,7 +7,7 @@ layers' `MoEMLP` weights (router `gate`, `experts`, Qwen2-MoE's shared expert)
 [L_sparse, ...] at `layers/mlp`, and the dense layers' `GatedMLP` weights [L_dense, ...]
 at `layers/dense_mlp` (the params tree that is loaded, saved and sharded). At apply time
 `broadcast_mlp` moves both into the collection the scan broadcasts whole
-(`models.packed.COLLECTION`, as {"sparse": ..., "dense": ...} under `layers/mlp`), and
+(`models.linear.STACKS`, as {"sparse": ..., "dense": ...} under `layers/mlp`), and
 `MixedMLP` runs one of them per layer under `jax.lax.cond` on the layer's kind, reading
 its stack at the layer's index in it (`mlp_index`): a layer runs only its own MLP, the
 experts read in place as in the serving form (`models.moe.Experts`). Models whose layers
@@ -26,10 +26,9 @@ import numpy as np
 
 from models.config import ArchConfig
 from models.layers import GatedMLP
+from models.linear import STACKS, Methods
 from models.moe import MoEMLP
 from models.moe_parallel import ExpertSharding
-from models.packed import COLLECTION
-from models.quant import QuantPlan
 
 DENSE = "dense_mlp"  # the dense layers' MLP stack in the params tree, beside `mlp`
 
@@ -75,17 +74,17 @@ def mixed_init(cfg: ArchConfig, init_of: Callable[[ArchConfig], Callable]) -> Ca
 
 def broadcast_mlp(variables: dict) -> dict:
     """The Flax variables a mixed model applies with: its two MLP stacks moved from
-    "params" into `COLLECTION` (`layers/mlp/{sparse,dense}`), which the layer scan
+    "params" into `STACKS` (`layers/mlp/{sparse,dense}`), which the layer scan
     broadcasts whole. Other models' variables are returned as they are."""
     layers = variables["params"].get("layers", {})
     if DENSE not in layers:
         return variables
     rest = {k: v for k, v in layers.items() if k not in ("mlp", DENSE)}
-    collection = dict(variables.get(COLLECTION, {}))
+    collection = dict(variables.get(STACKS, {}))
     collection["layers"] = {**collection.get("layers", {}),
                             "mlp": {"sparse": layers["mlp"], "dense": layers[DENSE]}}
     return {**variables, "params": {**variables["params"], "layers": rest},
-            COLLECTION: collection}
+            STACKS: collection}
 
 
 def first_layers(cfg: ArchConfig, params: dict, num_layers: int) -> tuple[ArchConfig, dict]:
@@ -113,21 +112,19 @@ def first_layers(cfg: ArchConfig, params: dict, num_layers: int) -> tuple[ArchCo
 class MixedMLP(nn.Module):
     """A mixed model's MLP in the layer scan: the layer's `MoEMLP` when it is sparse, its
     dense `GatedMLP` otherwise, as a `jax.lax.cond` on the (traced) layer, each branch
-    reading layer `mlp_index(cfg)[layer]` of its stack in `COLLECTION` (`broadcast_mlp`).
+    reading layer `mlp_index(cfg)[layer]` of its stack in `STACKS` (`broadcast_mlp`).
 
     Attributes:
         cfg: Architecture config with `dense_layers`.
         dtype: Parameter dtype.
-        quant: The model's plan (both MLPs follow it as they would alone).
-        backend: Attention/matmul backend name.
+        methods: The model's methods (both MLPs use them as they would alone).
         sharding: How a device mesh splits the sparse layers' experts
             (`models.moe_parallel`), handed to their `MoEMLP`; None: one device.
     """
 
     cfg: ArchConfig
-    dtype: jnp.dtype = jnp.float32
-    quant: QuantPlan = QuantPlan()
-    backend: str = "xla"
+    dtype: jnp.dtype
+    methods: Methods
     sharding: ExpertSharding | None = None
 
     @nn.compact
@@ -137,13 +134,13 @@ class MixedMLP(nn.Module):
         Raises:
             ValueError: The variables lack the stacks (applied without `broadcast_mlp`).
         """
-        sparse = self.get_variable(COLLECTION, "sparse")
-        dense = self.get_variable(COLLECTION, "dense")
+        sparse = self.get_variable(STACKS, "sparse")
+        dense = self.get_variable(STACKS, "dense")
         if sparse is None or dense is None:
             raise ValueError("a mixed model's MLP stacks are not in the "
-                             f"{COLLECTION!r} collection; apply it with "
+                             f"{STACKS!r} collection; apply it with "
                              "models.model.variables(params)")
-        cfg, args = self.cfg, (self.cfg, self.dtype, self.quant, self.backend)
+        cfg, args = self.cfg, (self.cfg, self.dtype, self.methods)
         kinds = np.isin(np.arange(cfg.num_layers), cfg.sparse_layers)  # bool[L]: sparse
         is_sparse = jnp.asarray(kinds)[layer]  # bool[]
         index = jnp.asarray(mlp_index(cfg))[layer]  # i32[]: the layer in its kind's stack
@@ -153,7 +150,7 @@ class MixedMLP(nn.Module):
             # NOTE: the experts stay whole ([L_sparse, E, ...]): they read their layer.
             small = {k: v for k, v in sparse.items() if k != "experts"}
             return MoEMLP(*args, sharding=self.sharding, parent=None).apply(
-                {"params": at(small), COLLECTION: {"experts": sparse["experts"]}}, x, index)
+                {"params": at(small), STACKS: {"experts": sparse["experts"]}}, x, index)
 
         def run_dense(x):
             return GatedMLP(*args, parent=None).apply({"params": at(dense)}, x)

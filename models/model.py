@@ -11,14 +11,15 @@ import jax.numpy as jnp
 from models.config import ArchConfig
 from models.decoder import Decoder
 from models.kv_groups import KVGroupLayout, single_group
+from models.linear import Methods, ServingChoice, choose_methods, forward_context
 from models.lora import COLLECTION as LORA
 from models.mixed import broadcast_mlp, mixed_init
 from models.moe_parallel import ExpertSharding
 from models.quant import NO_QUANT, QuantPlan, quantize_params
-from pallas_kernels import AttentionMetadata, kv_pages_shape, resolve_backend
-from pallas_kernels.tuning import tuned
+from pallas_kernels import AttentionMetadata, kv_pages_shape
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_INIT_CHOICE = ServingChoice("xla")  # init makes the standard leaves, whatever serves them
 
 
 def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
@@ -37,7 +38,9 @@ def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT):
     """A function of an RNG key that initialises every parameter (LM head included)."""
     if cfg.is_mixed:  # two MLP stacks of their own (`models.mixed`)
         return mixed_init(cfg, lambda c: _init_fn(c, dtype, quant))
-    module = Decoder(cfg, parse_dtype(dtype), quant=quant)
+    # NOTE: the standard layout's methods (XLA's; the attention is never traced in init).
+    dtype = parse_dtype(dtype)
+    module = Decoder(cfg, dtype, choose_methods(cfg, quant, dtype, _INIT_CHOICE))
 
     def forward_and_logits(mdl, input_ids, positions, kv_pages, md):
         # NOTE: compute_logits must run too: a setup-defined lm_head only gets params when
@@ -53,7 +56,7 @@ def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT):
                                kv_lens=jnp.ones(1, jnp.int32),
                                cu_q_lens=jnp.arange(2, dtype=jnp.int32))
         kv = jnp.zeros(kv_pages_shape(cfg.num_layers, cfg.num_kv_heads, 2, 1, cfg.head_dim),
-                       parse_dtype(dtype))
+                       dtype)
         return module.init(key, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), kv, md,
                            method=forward_and_logits)["params"]
 
@@ -84,7 +87,7 @@ def random_params(cfg: ArchConfig, dtype="float32", seed: int = 0,
 
 def variables(params: dict) -> dict:
     """The Flax variables of a `Model.params`: the "params" collection's tree, or already
-    the variables dict (a serving form with a collection of its own); a mixed mixture of
+    the variables dict (a serving form with `STACKS`); a mixed mixture of
     experts' MLP stacks moved to the collection the layer scan broadcasts
     (`models.mixed.broadcast_mlp`)."""
     return broadcast_mlp(params if "params" in params else {"params": params})
@@ -97,49 +100,44 @@ class Model:
     Attributes:
         cfg: Architecture config.
         params: Parameter tree (see `abstract_params` for its structure), or, in a
-            serving form that keeps weights in a Flax collection of their own
-            (`models.packed`), the whole variables dict {collection: tree}.
+            serving form that reads weights from `models.linear.STACKS` (panels, whole
+            experts: `models.linear.serving_params`), the whole variables dict
+            {collection: tree}.
         dtype: Parameter/activation dtype.
         source: Where the weights came from (path), for logs and errors.
-        backend: Attention backend ("auto" resolves per platform).
-        quant: How `params` holds each weight: quantized (`models.quant`) or packed.
+        quant: How the standard layout stores each weight (`models.quant`).
+        serving: What the methods are chosen from (`models.linear.ServingChoice`: the
+            attention kernels, the serving forms, batch invariance, LoRA); None: the
+            platform's defaults, no serving form. `params` must be in the form it asks for
+            (`models.linear.serving_form` moves them).
         kv_layout: Its KV cache groups (`models.kv_groups`): with several, the pool holds
             `kv_layout.num_slots` layers per page and each step carries a block table per
             group. None: one group (the pool holds every layer, slot = layer).
         expert_sharding: How the device mesh splits the routed experts of a mixture of
             experts (`models.moe_parallel`; set by the runner from its tensor-parallel
             layout). None: one device, or the experts replicated.
-        lora_impl: How steps with LoRA adapters compute their updates
-            (`models.lora.LORA_IMPLS`; set by the runner from its LoRA settings).
-        batch_invariant: Every token's logits bit-for-bit independent of what shares its
-            step (the engine's `batch_invariant`): matmuls in fixed row tiles, attention
-            per token in fixed key blocks (`pallas_kernels.invariant`).
 
     Raises:
-        ValueError: A `kv_layout` that does not fit the model (`check_kv_layout`).
+        ValueError: A `kv_layout` that does not fit the model (`check_kv_layout`), or a
+            serving choice it cannot be served with (`models.linear.choose_methods`).
     """
 
     cfg: ArchConfig
     params: dict
     dtype: jnp.dtype = jnp.float32
     source: str = ""
-    backend: str = "auto"
     quant: QuantPlan = NO_QUANT
+    serving: ServingChoice | None = None
     kv_layout: KVGroupLayout | None = None
     expert_sharding: ExpertSharding | None = None
-    lora_impl: str = "masked"
-    batch_invariant: bool = False
 
     def __post_init__(self):
-        self.backend = resolve_backend(self.backend)
+        self.serving = self.serving or ServingChoice()
         if self.kv_layout is not None:
             check_kv_layout(self.kv_layout, self.cfg)
-        quant = self.quant
-        if self.batch_invariant:  # the plan the module computes with; `quant` stays as stored
-            quant = dataclasses.replace(quant, row_tile=tuned("batch_invariant")["row_tile"])
-        self.module = Decoder(self.cfg, self.dtype, self.backend, quant,
-                              self.kv_layout if self.is_hybrid else None,
-                              self.expert_sharding, self.lora_impl, self.batch_invariant)
+        self.methods: Methods = choose_methods(self.cfg, self.quant, self.dtype, self.serving)
+        self.module = Decoder(self.cfg, self.dtype, self.methods,
+                              self.kv_layout if self.is_hybrid else None, self.expert_sharding)
 
     @property
     def kv_groups(self) -> KVGroupLayout:
@@ -148,14 +146,9 @@ class Model:
 
     @property
     def kv_dtype(self) -> jnp.dtype:
-        """The dtype of KV pages under `kv_cache_dtype="auto"`: the model dtype, except
-        float16 for a GGUF file's blocks served on the `cpu` backend (in place by its
-        kernels, or by XLA's quantized matmuls where they do not build), llama.cpp's own
-        cache type for the same file: half the pool of float32 at the same tokens; the
-        `cpu` decode kernel and the XLA path widen each element to float32."""
-        if self.quant.name == "gguf" and self.backend == "cpu":
-            return jnp.dtype(jnp.float16)
-        return jnp.dtype(self.dtype)
+        """The dtype of KV pages under `kv_cache_dtype="auto"` (`Methods.kv_dtype`: the
+        model dtype, or llama.cpp's float16 for a GGUF file's blocks served on the CPU)."""
+        return self.methods.kv_dtype
 
     @property
     def is_hybrid(self) -> bool:
@@ -170,15 +163,14 @@ class Model:
         `lora_slots` (i32[num_tokens], each token's slot, -1 none) add every token's LoRA
         update; None: the base model alone."""
         var = variables(params)
-        if lora is not None:
-            var = {**var, LORA: lora}
-        return self.module.apply(var, input_ids, positions, kv_pages, md,
-                                 None if lora is None else lora_slots)
+        if lora is None:
+            return self.module.apply(var, input_ids, positions, kv_pages, md)
+        with forward_context(lora_slots=lora_slots):
+            return self.module.apply({**var, LORA: lora}, input_ids, positions, kv_pages, md)
 
-    def compute_logits(self, params, hidden, rows=None):
-        """Pure LM head (jit-able): f32[num_rows, vocab_size]; with `rows` (i32[], traced)
-        a packed head multiplies only the first `rows` rows (the rest 0: padding)."""
-        return self.module.apply(variables(params), hidden, rows, method=Decoder.compute_logits)
+    def compute_logits(self, params, hidden):
+        """Pure LM head (jit-able): f32[num_rows, vocab_size]."""
+        return self.module.apply(variables(params), hidden, method=Decoder.compute_logits)
 
     @property
     def weight_bytes(self) -> int:

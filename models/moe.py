@@ -20,18 +20,19 @@ layer's stack dequantized (`dequantize_experts`).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from models.config import ROUTER_ORDERS, ArchConfig
 from models.layers import ACTIVATIONS, GatedMLP
+from models.linear import STACKS, Linear, LinearMethod, Methods
+from models.linear.dense import FloatLinear, QuantLinear
+from models.linear.registry import grouped_impl
 from models.moe_parallel import ExpertSharding, sharded_experts
-from models.packed import COLLECTION
-from models.qlayers import dense as make_dense
-from models.quant import QuantFormat, QuantPlan
-from pallas_kernels.quant_matmul.reference import dequantize
-from pallas_kernels.quant_matmul.xla import quant_matmul_xla
+from models.quant import QuantFormat
 from pallas_kernels.tuning import tuned
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -90,20 +91,27 @@ def _at(w, index):
     return jax.tree_util.tree_map(lambda v: v[index], w)
 
 
-def dequantize_experts(experts: dict, dtype=jnp.float32) -> dict:
-    """The experts' float stacks: quantized ones ([..., E, K', N] leaves) dequantized to
-    dtype[..., E, K, N], float ones as they are (cast to `dtype`)."""
-    out = {}
-    for name, w in experts.items():
-        kind = expert_kind(w)
-        if kind is None:
-            out[name] = w.astype(dtype)
-            continue
-        fn = lambda leaves, kind=kind: dequantize(leaves, kind, dtype)
-        for _ in range(w["qweight"].ndim - 2):  # one vmap per leading axis
-            fn = jax.vmap(fn)
-        out[name] = fn(w)
-    return out
+def stack_method(w) -> LinearMethod:
+    """The linear method a float or quantized expert stack's leaves are in (the stacks
+    given without the model's `Methods`: tests, references)."""
+    kind = expert_kind(w)
+    if kind is None:
+        return FloatLinear(w.dtype)
+    k = _stack_shape(w)[-2]
+    return QuantLinear(QuantFormat(kind, k // w["scales"].shape[-2]))
+
+
+def _methods(experts: dict, methods: dict | None) -> dict[str, LinearMethod]:
+    """Each projection's method: the model's, else the one its leaves are in."""
+    methods = methods or {}
+    return {n: methods.get(n) or stack_method(experts[n]) for n in PROJECTIONS}
+
+
+def dequantize_experts(experts: dict, dtype=jnp.float32, methods: dict | None = None) -> dict:
+    """The experts' float stacks dtype[..., E, K, N]: quantized ones ([..., E, K', N]
+    leaves) dequantized by their method, float ones cast."""
+    methods = _methods(experts, methods)
+    return {name: methods[name].dense(w, dtype) for name, w in experts.items()}
 
 
 def _check(x, experts, layer=None):
@@ -119,15 +127,8 @@ def _check(x, experts, layer=None):
 GROUPED_IMPLS = ("ragged_dot", "loop")
 
 
-def grouped_impl() -> str:
-    """The grouped matmul for this platform: XLA's `ragged_dot` (grouped GEMMs on GPU and
-    TPU) or, on the CPU, where XLA expands `ragged_dot` into a matmul of every row with
-    every group, `_expert_loop`."""
-    return "loop" if jax.default_backend() == "cpu" else "ragged_dot"
-
-
 def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
-                 layer=None) -> jax.Array:
+                 methods: dict[str, LinearMethod], layer=None) -> jax.Array:
     """The experts' gated MLPs over rows sorted by expert (`sizes[e]` rows each), expert by
     expert in chunks of `chunk` rows: a routed expert's weights are read once,
     an expert with no row costs nothing, and compute follows the rows (plus one
@@ -154,16 +155,14 @@ def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
     def expert(j, out):
         e = routed[j]
         at = (e,) if layer is None else (layer, e)
-        # Float weights are sliced here; a quantized expert's leaves are sliced and
-        # dequantized inside the chunk loop, beside its matmuls (`quant_matmul_xla`), so
-        # an expert with no row reads none of its bytes.
+        # Float weights are sliced here; a quantized expert's leaves are sliced inside the
+        # chunk loop, beside its method's matmul (a fusion dequantizes the slice into the
+        # tile the dot reads), so an expert with no row reads none of its bytes.
         dense = {n: experts[n][at] for n in PROJECTIONS if expert_kind(experts[n]) is None}
 
         def matmul(rows, name):
-            if name in dense:
-                return rows @ dense[name]
-            w = experts[name]
-            return quant_matmul_xla(rows, _at(w, at), expert_kind(w))
+            w = dense[name] if name in dense else _at(experts[name], at)
+            return methods[name].apply(w, rows)
 
         start, end = starts[e], ends[e]
 
@@ -184,7 +183,8 @@ def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
 
 
 def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: dict,
-                    act: str = "silu", impl: str | None = None, layer=None) -> jax.Array:
+                    act: str = "silu", impl: str | None = None, layer=None,
+                    methods: dict[str, LinearMethod] | None = None) -> jax.Array:
     """The routed experts' outputs combined by the routing weights, computing only the
     (token, expert) pairs routed: pairs sorted by expert, each projection one grouped
     matmul over the sorted rows, the results put back in (token, k) order and summed.
@@ -198,9 +198,12 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
             each a float stack or the quantized leaves of one (`models.quant`: codes,
             scales, zeros with the same leading axes).
         act: The gated MLP's activation (`models.layers.ACTIVATIONS`).
-        impl: One of `GROUPED_IMPLS`; None: `grouped_impl()`.
+        impl: One of `GROUPED_IMPLS`; None: the platform's
+            (`models.linear.registry.grouped_impl`).
         layer: i32[] when `experts` are the layer scan's whole stacks [L, E, ...] (the
-            serving form, `models.packed.broadcast_experts`): the layer to read.
+            serving form, `models.linear.ServingChoice.whole_experts`): the layer to read.
+        methods: Each projection's linear method (the model's `Methods.expert`); None:
+            the method the leaves are in (`stack_method`).
 
     Returns:
         [T, H] in x's dtype.
@@ -210,6 +213,7 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
     """
     _check(x, experts, layer)
     impl = impl or grouped_impl()
+    methods = _methods(experts, methods)
     if impl not in GROUPED_IMPLS:
         raise ValueError(f"unknown grouped matmul {impl!r}; supported: {', '.join(GROUPED_IMPLS)}")
     num_tokens, top_k = ids.shape
@@ -219,14 +223,14 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
     xs = x[order // top_k]  # [T*k, H]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # i32[E]
     if impl == "loop":
-        y_sorted = _expert_loop(xs, sizes, experts, act, layer)
+        y_sorted = _expert_loop(xs, sizes, experts, act, methods, layer)
     else:
         if layer is not None:
             experts = {k: _at(v, layer) for k, v in experts.items()}
         # NOTE: a quantized layer is dequantized whole before the grouped matmul (every
         # expert of the layer, routed or not); a fused kernel would dequantize each
         # group's tiles in registers instead (docs/design.md, mixture of experts).
-        experts = dequantize_experts(experts, xs.dtype)
+        experts = dequantize_experts(experts, xs.dtype, methods)
         gate = jax.lax.ragged_dot(xs, experts["gate_proj"], sizes)  # [T*k, I]
         up = jax.lax.ragged_dot(xs, experts["up_proj"], sizes)
         h = ACTIVATIONS[act](gate) * up
@@ -265,9 +269,9 @@ class MoEMLP(nn.Module):
         cfg: Architecture config (`num_experts`, `num_experts_per_tok`,
             `moe_intermediate_size`, `router_order`, `norm_topk_prob`).
         dtype: Parameter dtype.
-        quant: The model's plan (the shared expert's projections follow it as a dense
-            MLP's; the routed experts' stacks follow `models.quant.EXPERT_MODULES`).
-        backend: Attention/matmul backend name.
+        methods: The model's methods: the router's and the shared expert's layers by
+            name, the routed stacks' by projection (`Methods.expert`), and how the grouped
+            matmul runs (`Methods.grouped`).
         reference: Run `dense_experts` instead of `grouped_experts` (tests).
         sharding: How a device mesh splits the experts (`models.moe_parallel`): set, the
             grouped experts run per device under `shard_map`; None: one device (or
@@ -275,87 +279,70 @@ class MoEMLP(nn.Module):
     """
 
     cfg: ArchConfig
-    dtype: jnp.dtype = jnp.float32
-    quant: QuantPlan = QuantPlan()
-    backend: str = "xla"
+    dtype: jnp.dtype
+    methods: Methods
     reference: bool = False
     sharding: ExpertSharding | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, layer=None) -> jax.Array:
         """x [T, H] -> [T, H]."""
-        cfg = self.cfg
+        cfg, methods = self.cfg, self.methods
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        logits = nn.Dense(e, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
-                          name="gate")(x)  # [T, E]
+        logits = Linear(e, methods.linear("gate"), dtype=self.dtype, layer=layer,
+                        name="gate")(x)  # [T, E]
         weights, ids = route(logits, cfg.num_experts_per_tok, cfg.router_order,
                              cfg.norm_topk_prob)
-        experts, stacked = Experts(e, h, i, self.dtype, self.quant, name="experts")()
+        experts, stacked = Experts(e, h, i, methods, name="experts")()
+        stack_methods = {n: methods.expert(n) for n in PROJECTIONS}
         if self.reference:
             if stacked:
                 experts = {k: _at(v, layer) for k, v in experts.items()}
-            out = dense_experts(x, weights, ids, dequantize_experts(experts, x.dtype),
+            out = dense_experts(x, weights, ids,
+                                dequantize_experts(experts, x.dtype, stack_methods),
                                 cfg.hidden_act)
-        elif self.sharding is not None:
-            out = sharded_experts(grouped_experts, x, weights, ids, experts, cfg.hidden_act,
-                                  self.sharding, layer=layer if stacked else None)
         else:
-            out = grouped_experts(x, weights, ids, experts, cfg.hidden_act,
-                                  layer=layer if stacked else None)
+            grouped = functools.partial(grouped_experts, impl=methods.grouped,
+                                        methods=stack_methods)
+            layer_arg = layer if stacked else None
+            if self.sharding is not None:
+                out = sharded_experts(grouped, x, weights, ids, experts, cfg.hidden_act,
+                                      self.sharding, layer=layer_arg)
+            else:
+                out = grouped(x, weights, ids, experts, cfg.hidden_act, layer=layer_arg)
         if cfg.shared_expert_intermediate_size:
-            shared = GatedMLP(cfg, self.dtype, self.quant, self.backend,
+            shared = GatedMLP(cfg, self.dtype, methods,
                               intermediate_size=cfg.shared_expert_intermediate_size,
                               name="shared_expert")(x, layer)
-            gate = make_dense(self.quant, "shared_expert_gate", 1, False, self.dtype,
-                              self.backend, layer=layer)(x)  # [T, 1]
+            gate = Linear(1, methods.linear("shared_expert_gate"), dtype=self.dtype,
+                          layer=layer, name="shared_expert_gate")(x)  # [T, 1]
             out = out + jax.nn.sigmoid(gate) * shared
         return out
 
 
 class Experts(nn.Module):
     """The routed experts' weights, stacked on a leading expert axis (the axis expert
-    parallelism shards): a float stack per projection, or where the plan quantizes it
-    (`models.quant.EXPERT_MODULES`) that stack's quantized leaves under the projection's
-    name (`experts/gate_proj/qweight` [E, K', N], ...). In the serving form
-    (`models.packed.broadcast_experts`) they are the whole layer stacks [L, E, ...] in the
-    broadcast `COLLECTION`, which the layer scan does not slice (XLA:CPU would copy every
+    parallelism shards), as their methods declare them (`Methods.expert`): a float stack
+    per projection, or a quantized stack's leaves under the projection's name
+    (`experts/gate_proj/qweight` [E, K', N], ...). In the serving form
+    (`ServingChoice.whole_experts`) they are the whole layer stacks [L, E, ...] in the
+    broadcast `STACKS`, which the layer scan does not slice (XLA:CPU would copy every
     expert of a layer out of the stack each step); the experts then index the layer
     themselves."""
 
     num_experts: int
     hidden_size: int
     intermediate_size: int
-    dtype: jnp.dtype = jnp.float32
-    quant: QuantPlan = QuantPlan()
+    methods: Methods
 
     @nn.compact
     def __call__(self) -> tuple[dict, bool]:
         """({"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}, False)
         (a quantized projection: its dict of leaves), or in the serving form the same
         names' [L, E, ...] stacks and True."""
-        if self.has_variable(COLLECTION, "gate_proj"):
-            return {n: self.get_variable(COLLECTION, n) for n in PROJECTIONS}, True
+        if self.has_variable(STACKS, "gate_proj"):
+            return {n: self.get_variable(STACKS, n) for n in PROJECTIONS}, True
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        out = {}
-        for name, (k, n) in zip(PROJECTIONS, ((h, i), (h, i), (i, h)), strict=True):
-            fmt = self.quant.get(f"experts.{name}")
-            out[name] = (self.param(name, init, (e, k, n), self.dtype) if fmt is None
-                         else _QuantStack(e, k, n, fmt, name=name)())
-        return out, False
-
-
-class _QuantStack(nn.Module):
-    """One projection's quantized expert stack: `fmt`'s leaves of E [K, N] kernels, each
-    with the leading [E] axis (zeros at init; loaders fill them)."""
-
-    num_experts: int
-    k: int
-    n: int
-    fmt: QuantFormat
-
-    @nn.compact
-    def __call__(self) -> dict:
-        return {leaf: self.param(leaf, nn.initializers.zeros, (self.num_experts, *shape),
-                                 jnp.dtype(dtype))
-                for leaf, (shape, dtype) in self.fmt.leaf_shapes(self.k, self.n).items()}
+        return {name: self.methods.expert(name).weights(self, k, n, lead=(e,), name=name)
+                for name, (k, n) in zip(PROJECTIONS, ((h, i), (h, i), (i, h)), strict=True)
+                }, False

@@ -11,7 +11,7 @@ Two on-device formats cover every mode (`QuantFormat.kind`):
 
 Layout: K (the contraction axis) leads, as in a Flax `Dense` kernel [in, out]; the tied
 embedding is stored the same way ([hidden, vocab]: the LM head's layout) and looked up by
-column. In a ``q4`` block b, packed row ``b * 16 + j`` holds value ``b * 32 + j`` in its
+column. In a ``q4`` block b, code row ``b * 16 + j`` holds value ``b * 32 + j`` in its
 low nibble and ``b * 32 + 16 + j`` in its high nibble (GGUF's Q4_0 byte order).
 
 Host-side functions here work on the *row form* [N, K] that checkpoints use (HF Linear
@@ -72,31 +72,20 @@ class QuantFormat:
 
 @dataclasses.dataclass(frozen=True)
 class QuantPlan:
-    """How each module's weight is stored: quantized (and how), or packed for the CPU
-    matmul kernel, or dense (hashable: a static part of the model).
+    """How each module's weight is stored in the standard layout: quantized (and how), or
+    dense (hashable: a static part of the model). How a weight is served is its linear
+    method's business (`models.linear`), chosen from this plan.
 
     Attributes:
         formats: (module name, format) pairs; modules not listed stay dense.
         name: The `quantization` setting the plan came from ("int8", "gguf", ...).
-        packed: Modules whose float weight is packed for the CPU matmul kernel (the `cpu`
-            backend's serving form, set by `models.packed.pack_model`; never saved). Not a
-            quantization: `bool(plan)` only says whether `formats` quantizes anything.
-        row_tile: Matmuls not packed run over fixed tiles of this many rows (batch-invariant
-            mode, `pallas_kernels.invariant.row_tiled`; set by `models.model.Model`, never
-            saved); 0: over the step's rows at once.
     """
 
     formats: tuple[tuple[str, QuantFormat], ...] = ()
     name: str = "none"
-    packed: tuple[str, ...] = ()
-    row_tile: int = 0
 
     def get(self, module: str) -> QuantFormat | None:
         return dict(self.formats).get(module)
-
-    def packs(self, module: str) -> bool:
-        """Whether `module`'s weight is packed (`models.packed`)."""
-        return module in self.packed
 
     def __bool__(self) -> bool:
         return bool(self.formats)
@@ -145,10 +134,10 @@ def pack_q4_rows(values: np.ndarray) -> np.ndarray:
     return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2)
 
 
-def unpack_q4_rows(packed: np.ndarray) -> np.ndarray:
+def unpack_q4_rows(codes: np.ndarray) -> np.ndarray:
     """Inverse of `pack_q4_rows`: u8[N, K // 2] -> u8[N, K]."""
-    n, half = packed.shape
-    p = packed.reshape(n, half // (Q4_BLOCK // 2), 1, Q4_BLOCK // 2)
+    n, half = codes.shape
+    p = codes.reshape(n, half // (Q4_BLOCK // 2), 1, Q4_BLOCK // 2)
     return np.concatenate([p & 15, p >> 4], axis=2).reshape(n, half * 2)
 
 

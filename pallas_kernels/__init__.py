@@ -21,6 +21,7 @@ pages), `tuning.py` (tuned sizes per platform).
 from pallas_kernels.metadata import AttentionMetadata, kv_pages_shape
 from pallas_kernels.ops import (
     ATTENTION_BACKENDS,
+    AttentionOps,
     quant_matmul,
     ragged_paged_attention,
     resolve_backend,
@@ -30,6 +31,7 @@ from pallas_kernels.quant_matmul.reference import quant_embed
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "AttentionOps",
     "AttentionMetadata",
     "kv_pages_shape",
     "quant_embed",

@@ -1,5 +1,9 @@
 """The one interface the model calls for KV writes and attention, dispatching on backend.
 
+The model holds an `AttentionOps` (chosen when the model is loaded, `models.linear`) and
+calls `write_kv` and `attend` on it: which kernel runs, and the rotation of 8-bit pages
+(`kv_quant.kv_rotation`), are decided here, never in the model.
+
 Backends:
     "xla":    plain XLA: the KV write's reference scatter and `ragged_paged_attention_xla`,
               whose cost follows the live context (the jnp references stay the oracles).
@@ -15,11 +19,14 @@ Backends:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_ffi
 from pallas_kernels.invariant import invariant_attention
+from pallas_kernels.kv_quant import kv_rotation
 from pallas_kernels.kv_write.kernel import write_kv_kernel
 from pallas_kernels.kv_write.reference import write_kv_reference
 from pallas_kernels.metadata import AttentionMetadata
@@ -157,3 +164,45 @@ def quant_matmul(x: jax.Array, w: dict, kind: str, *, backend: str = "xla") -> j
         y = quant_matmul_kernel(x.reshape(-1, x.shape[-1]), w, kind, interpret=_interpret())
         return y.reshape(*lead, y.shape[-1])
     return quant_matmul_xla(x, w, kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOps:
+    """The KV write and attention a model's layers call, for one resolved backend (hashable:
+    a static part of the model).
+
+    Attributes:
+        backend: A concrete backend ("xla", "cpu" or "pallas"; `resolve_backend`).
+        batch_invariant: Every token's attention computed alone (see
+            `ragged_paged_attention`).
+    """
+
+    backend: str = "xla"
+    batch_invariant: bool = False
+
+    @staticmethod
+    def _rotation(kv_pages: jax.Array, head_dim: int, dtype) -> jax.Array | None:
+        rot = kv_rotation(kv_pages.dtype, head_dim)  # f32[D, D] or None
+        return None if rot is None else jnp.asarray(rot, dtype)
+
+    def write_kv(self, kv_pages: jax.Array, slot, k: jax.Array, v: jax.Array,
+                 slot_mapping: jax.Array) -> jax.Array:
+        """The pool with this step's K and V ([T, Hkv, D] each) written into slot `slot`
+        (8-bit pages that quantize better rotated get K and V rotated first)."""
+        rot = self._rotation(kv_pages, k.shape[-1], k.dtype)
+        if rot is not None:
+            k, v = k @ rot, v @ rot
+        return write_kv(kv_pages, slot, k, v, slot_mapping, backend=self.backend)
+
+    def attend(self, q: jax.Array, kv_pages: jax.Array, slot, md: AttentionMetadata, *,
+               sm_scale: float, sliding_window=0, soft_cap: float | None = None) -> jax.Array:
+        """[T, Hq, D] attention output of queries q [T, Hq, D] over slot `slot` of the
+        pool (`ragged_paged_attention`; rotated pages: q rotated in, the output back)."""
+        rot = self._rotation(kv_pages, q.shape[-1], q.dtype)
+        if rot is not None:
+            q = q @ rot
+        out = ragged_paged_attention(q, kv_pages, slot, md, sm_scale=sm_scale,
+                                     sliding_window=sliding_window, soft_cap=soft_cap,
+                                     backend=self.backend,
+                                     batch_invariant=self.batch_invariant)
+        return out if rot is None else out @ rot.T

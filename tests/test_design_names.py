@@ -132,7 +132,7 @@ def test_design_names_resolve():
 @pytest.mark.parametrize("span, resolves", [
     ("LLMEngine.add_request", True), ("LLMEngine.no_such_method", False),
     ("jaxserve/core/scheduler.py", True), ("engine/request_state.py", False),
-    ("models.packed.pack_model", True), ("models.packed.nope", False),
+    ("models.linear.serving_form", True), ("models.linear.nope", False),
     ("tokenize_prompt", False), ("resolve_limits", True), ("prompt_targets", True),
     ("lm_head/kernel", True),  # a parameter path, not a file
 ])

@@ -109,13 +109,15 @@ def tiny_model(vocab_size: int = 49152, max_position_embeddings: int = 4096):
     import jax.numpy as jnp
 
     from models.config import ArchConfig
+    from models.linear import ServingChoice
     from models.model import Model, random_params
 
     cfg = ArchConfig("LlamaForCausalLM", vocab_size=vocab_size, hidden_size=64,
                      intermediate_size=128, num_layers=1, num_heads=2, num_kv_heads=1,
                      head_dim=32, layer_windows=(0,), tie_word_embeddings=True,
                      max_position_embeddings=max_position_embeddings, eos_token_ids=(2,))
-    return Model(cfg, random_params(cfg), jnp.float32, "tiny-random", backend="xla")
+    return Model(cfg, random_params(cfg), jnp.float32, "tiny-random",
+                 serving=ServingChoice("xla"))
 
 
 @contextlib.contextmanager

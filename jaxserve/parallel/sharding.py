@@ -34,8 +34,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ArchConfig
+from models.linear import STACKS
 from models.moe_parallel import ExpertSharding
-from models.packed import COLLECTION
 
 logger = logging.getLogger("jaxserve")
 EXPERT, KV, REP = "expert", "kv", "rep"
@@ -84,12 +84,12 @@ class TensorParallel:
     def param_specs(self, params) -> dict:
         """PartitionSpec tree matching `params` (stacked layers lead with the layer axis):
         the "params" tree, or a serving form's variables dict ({"params": ...,
-        `models.packed.COLLECTION`: ...}, the experts' stacks broadcast to the layer scan)."""
+        `models.linear.STACKS`: ...}: panels, whole experts)."""
         collections = "params" in params  # a variables dict: paths lead with the collection
 
         def spec(path, leaf):
             keys = tuple(p.key for p in path)
-            if collections and keys[0] in ("params", COLLECTION):
+            if collections and keys[0] in ("params", STACKS):
                 keys = keys[1:]
             tail = keys[-2:]
             ndim = np.ndim(leaf)

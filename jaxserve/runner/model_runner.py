@@ -36,7 +36,8 @@ from jaxserve.runner.warmup import run_warmup
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, SamplingMetadata
 from jaxserve.utils import cdiv
 from models.kv_groups import KVGroupLayout
-from models.lora import resolve_impl as resolve_lora_impl
+from models.linear import serving_form
+from models.linear.lora import resolve_impl as resolve_lora_impl
 from models.model import Model
 from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
 from pallas_kernels.tuning import tuned
@@ -91,9 +92,8 @@ class ModelRunner(StepPrograms):
         if experts != model.expert_sharding:
             model = dataclasses.replace(model, expert_sharding=experts)
         if lora is not None and lora.enable_lora:
-            impl = resolve_lora_impl(lora.lora_impl, model.dtype, layout is None)
-            if impl != model.lora_impl:
-                model = dataclasses.replace(model, lora_impl=impl)
+            model = serving_form(model, lora_impl=resolve_lora_impl(lora.lora_impl, model.dtype,
+                                                                    layout is None))
         # NOTE: a copy of its own: `set_params` updates it in place (the compiled steps
         # hold it), never a model object the caller or another engine holds.
         self.model = dataclasses.replace(model)
@@ -118,9 +118,9 @@ class ModelRunner(StepPrograms):
         # NOTE: the smallest bucket is tuned per backend (`pallas_kernels.tuning`): padded
         # rows cost compute on the XLA path, not in the Pallas kernels.
         self.buckets = token_buckets(max_num_batched_tokens,
-                                     min_bucket=tuned("min_bucket")[model.backend])
+                                     min_bucket=tuned("min_bucket")[model.methods.backend])
         self.max_rows = self.sample_rows(self.buckets[-1])
-        check_kv_cache_dtype(kv_cache_dtype, model.backend, model.dtype)
+        check_kv_cache_dtype(kv_cache_dtype, model.methods.backend, model.dtype)
         pool_shape, pool_dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size),
                                                 model.kv_dtype, kv_cache_dtype)
         self._pool_layout = (pool_shape, pool_dtype)
@@ -339,7 +339,7 @@ class ModelRunner(StepPrograms):
         request i holds token i: `SchedulerOutput.decodes_first`) in a bucket whose token
         and row counts are equal, on a backend with a separate decode kernel (Pallas; the
         XLA path reads decode rows once per row by itself)."""
-        return (self.model.backend == "pallas" and num_tokens == num_rows
+        return (self.model.methods.backend == "pallas" and num_tokens == num_rows
                 and all(s.num_new_tokens == 1 for s in out.scheduled))
 
     def apply_kv_changes(self, out: SchedulerOutput) -> None:

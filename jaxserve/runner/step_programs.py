@@ -14,6 +14,7 @@ from jaxserve.runner.transfer import Layout, unpack
 from jaxserve.sample.logprobs import compute_prompt_logprobs
 from jaxserve.sample.metadata import MAX_LOGPROBS
 from jaxserve.sample.sampler import sample
+from models.linear import forward_context
 from models.model import Model
 from pallas_kernels import AttentionMetadata
 
@@ -29,10 +30,13 @@ def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: boo
                            decode_only, short_tiles)
     src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
     input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
-    kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md, lora,
-                                     x.get("lora_slots"))
-    # f32[rows, vocab]; the padding rows' logits 0 on a packed head
-    logits = model.compute_logits(params, hidden[x["logits_indices"]], x["sample_rows"][0])
+    # NOTE: the step is padded to its bucket: methods that can skip the padding rows (the
+    # CPU kernels) multiply only the real ones (`models.linear.context`).
+    with forward_context(real_rows=md.num_real_tokens):
+        kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md,
+                                         lora, x.get("lora_slots"))
+    with forward_context(real_rows=x["sample_rows"][0]):  # f32[rows, vocab], padding rows 0
+        logits = model.compute_logits(params, hidden[x["logits_indices"]])
     return kv_pages, logits, hidden
 
 

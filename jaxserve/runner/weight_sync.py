@@ -5,29 +5,21 @@ model's own standard layout (`models.model.abstract_params` of its architecture,
 quantization: what `Model.params` holds when loaded, before any serving transform) or a
 checkpoint path. The tree is checked leaf by leaf (structure, shape, dtype: the error
 names the first leaf that differs); float weights for a quantized model are quantized by
-its plan. Then the same transforms the worker applied at load time (`Worker`'s
-`serving_model`: the `cpu` backend's packed panels, a mixture of experts' broadcast
-stacks) give the serving form; the runner places it (`ModelRunner.set_params`). Leaves
+its plan. Then the model's serving form (`models.linear.serving_params` for its methods:
+the `cpu` backend's packed panels, a mixture of experts' whole stacks) is made; the runner
+places it (`ModelRunner.set_params`). Leaves
 that already have the serving shardings are used as they are: nothing goes through the
 host.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 
-from models import packed
+from models import linear
 from models.model import Model, abstract_params
 from models.quant import NO_QUANT, quantize_params
-
-
-def standard_form(model: Model) -> Model:
-    """`model` described in its standard layout (no packed panels), params left out."""
-    return dataclasses.replace(model, params={},
-                               quant=dataclasses.replace(model.quant, packed=()))
 
 
 def _mismatch(got, want) -> str | None:
@@ -58,14 +50,13 @@ def checked_params(model: Model, params: dict) -> dict:
     if not isinstance(params, dict):
         raise ValueError(f"update_weights takes a params tree (dict) or a path, got "
                          f"{type(params).__name__}")
-    base = standard_form(model)
-    dtype = np.dtype(base.dtype).name
-    want = abstract_params(base.cfg, dtype, base.quant)
+    dtype = np.dtype(model.dtype).name
+    want = abstract_params(model.cfg, dtype, model.quant)
     why = _mismatch(params, want)
-    if why is not None and base.quant:
-        float_tree = abstract_params(base.cfg, dtype, NO_QUANT)
+    if why is not None and model.quant:
+        float_tree = abstract_params(model.cfg, dtype, NO_QUANT)
         if _mismatch(params, float_tree) is None:  # float weights: quantize them
-            return jax.device_put(quantize_params(params, base.quant))
+            return jax.device_put(quantize_params(params, model.quant))
     if why is not None:
         raise ValueError(f"update_weights: {why}")
     return params
@@ -73,16 +64,10 @@ def checked_params(model: Model, params: dict) -> dict:
 
 def standard_params(model: Model) -> dict:
     """`model`'s weights in its standard layout (what `update_weights` takes): packed
-    panels unpacked (a copy), a mixture of experts' broadcast stacks put back."""
-    params = model.params
-    if packed.is_packed(model):
-        params = packed.unpack_params(params, model.cfg)
-    return packed.gather_experts(params)
+    panels unpacked (a copy), a mixture of experts' whole stacks put back."""
+    return linear.standard_params(model.params, model.cfg)
 
 
 def serving_params(model: Model, params: dict) -> dict:
     """Standard-layout `params` (checked) in `model`'s serving form."""
-    new = dataclasses.replace(standard_form(model), params=params)
-    if packed.is_packed(model):
-        new = packed.pack_model(new)
-    return packed.broadcast_experts(new).params
+    return linear.serving_params(params, model.cfg, model.methods)

@@ -6,7 +6,8 @@ context length, the token budget and the KV page count), and, once the scheduler
 sizes, the device state (`Worker.init_device`: the page pool and the compiled step
 programs, owned by a `ModelRunner`). Everything that depends on the platform is decided
 here: which attention backend serves, which tensor-parallel layout the weights take, and
-which serving form the weights are transformed into (the `cpu` backend's packed panels).
+which serving form the weights take (`models.linear.ServingChoice`: the `cpu` backend's
+packed panels, a mixture of experts' whole stacks).
 """
 
 from __future__ import annotations
@@ -66,11 +67,12 @@ def tokenizer_path(config: EngineConfig) -> str | None:
 def load_weights(config: EngineConfig, shardings=None) -> Model:
     """The weights `config.model` names, in its dtype, backend and quantization (placed by
     `shardings` when given); every engine kind loads through here."""
+    from models.linear import ServingChoice
     from models.loaders import load_model
 
     mc = config.model
-    return load_model(mc.model, mc.dtype, mc.attention_backend, shardings=shardings,
-                      quantization=mc.quantization)
+    return load_model(mc.model, mc.dtype, ServingChoice(mc.attention_backend),
+                      shardings=shardings, quantization=mc.quantization)
 
 
 def release_loader_memory(source: str) -> None:
@@ -91,17 +93,17 @@ def serving_model(config: EngineConfig, model: Model | None
     Loads the weights when `model` is None (already placed by the layout's shardings),
     applies the configured attention backend to a given model, falls back from the `cpu`
     backend to `xla` across a mesh (the C++ decode kernel reads one device's whole pool),
-    and packs float32 weights for the `cpu` backend's matmul kernel (`models.packed`;
-    `JAXSERVE_CPU_PANELS=0` keeps XLA's matmuls, for comparison and debugging); a
-    mixture of experts on one device gets its experts out of the layer scan's slices
-    (`packed.broadcast_experts`). A given
-    model may come in either form: packed weights that will not serve packed are unpacked.
+    and serves float32 or q8/q4 weights from the `cpu` backend's packed panels where they
+    can (`models.linear.can_panel`; `JAXSERVE_CPU_PANELS=0` keeps XLA's matmuls, for
+    comparison and debugging); a mixture of experts on one device reads its experts
+    whole (`ServingChoice.whole_experts`). A given model may come in any serving form:
+    its weights are moved into the one chosen here (`models.linear.serving_form`).
 
     Raises:
         ValueError: The `cpu` backend asked for over a tensor-parallel mesh; errors of
             loading and of the layout (`tensor_parallel_layout`).
     """
-    from models import packed
+    from models.linear import can_panel, serving_form
     from models.loaders import read_arch_config
 
     mc = config.model
@@ -110,23 +112,30 @@ def serving_model(config: EngineConfig, model: Model | None
         model = load_weights(config, layout.param_shardings if layout is not None else None)
     else:
         layout = tensor_parallel_layout(config, model.cfg)
-        if mc.attention_backend != "auto":
-            model = dataclasses.replace(model, backend=mc.attention_backend)
-    if model.backend == "cpu" and layout is not None and layout.num_devices > 1:
+    backend = model.serving.backend if mc.attention_backend == "auto" else mc.attention_backend
+    if backend == "cpu" and layout is not None and layout.num_devices > 1:
         if mc.attention_backend == "cpu":
             raise ValueError("attention_backend 'cpu' serves one device's page pool; with "
                              f"tensor_parallel_size {config.parallel.tensor_parallel_size} use "
                              "'xla' (or 'auto', which picks it)")
-        model = dataclasses.replace(model, backend="xla")
-    if mc.batch_invariant or model.batch_invariant:
+        backend = "xla"
+    if backend != model.serving.backend:  # panels serve one backend: their form is undone
+        model = serving_form(model, backend=backend, panels=False)
+    if mc.batch_invariant or model.serving.batch_invariant:
         check_batch_invariant(config, model, layout)
-        model = dataclasses.replace(model, batch_invariant=mc.batch_invariant)
+        model = serving_form(model, batch_invariant=mc.batch_invariant)
     warn_emulated_dtypes(config)
-    if os.environ.get("JAXSERVE_CPU_PANELS", "1") != "0" and packed.can_pack(model):
-        model = packed.pack_model(model)
-    else:
-        model = packed.unpack_model(model)
-    return packed.broadcast_experts(model), layout
+    one_device = on_one_device(model.params)
+    panels = (os.environ.get("JAXSERVE_CPU_PANELS", "1") != "0"
+              and can_panel(model.cfg, model.quant, model.dtype, model.serving.backend,
+                            one_device))
+    return serving_form(model, panels=panels, whole_experts=one_device), layout
+
+
+def on_one_device(params) -> bool:
+    """Whether no leaf of `params` is split or copied over several devices."""
+    leaves = jax.tree_util.tree_leaves(params)
+    return not any(len(x.sharding.device_set) > 1 for x in leaves if isinstance(x, jax.Array))
 
 
 def warn_emulated_dtypes(config: EngineConfig) -> None:
@@ -164,8 +173,8 @@ def check_batch_invariant(config: EngineConfig, model: Model,
     if not config.model.batch_invariant:
         return
     why = None
-    if model.backend not in ("xla", "cpu"):
-        why = (f"attention backend {model.backend!r} (built for 'xla' and 'cpu'; a GPU/TPU "
+    if model.serving.backend not in ("xla", "cpu"):
+        why = (f"attention backend {model.serving.backend!r} (built for 'xla' and 'cpu'; a GPU/TPU "
                "kernel would need splits and tiles that do not follow the step)")
     elif layout is not None and layout.num_devices > 1:
         why = f"tensor_parallel_size {config.parallel.tensor_parallel_size} (one device only)"
@@ -351,11 +360,12 @@ class Worker:
                 another architecture.
         """
         from jaxserve.runner.weight_sync import checked_params, serving_params
+        from models.linear import ServingChoice
         from models.loaders import load_model
 
         if isinstance(weights, (str, os.PathLike)):
             mc, std = self.config.model, self.model
-            loaded = load_model(os.fspath(weights), self.dtype, mc.attention_backend,
+            loaded = load_model(os.fspath(weights), self.dtype, ServingChoice(mc.attention_backend),
                                 shardings=self.layout.param_shardings if self.layout else None,
                                 quantization=mc.quantization)
             if loaded.cfg.for_max_model_len(self.limits.max_model_len) != std.cfg:

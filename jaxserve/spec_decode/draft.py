@@ -68,9 +68,8 @@ def truncate_layers(model, num_layers: int):
         cfg = dataclasses.replace(model.cfg, num_layers=num_layers,
                                   layer_windows=model.cfg.layer_windows[:num_layers])
         params = _first_layers(model.params, num_layers)
-    return Model(cfg, params, model.dtype,
-                 f"{model.source} (first {num_layers} layers)", backend=model.backend,
-                 quant=model.quant)
+    return Model(cfg, params, model.dtype, f"{model.source} (first {num_layers} layers)",
+                 quant=model.quant, serving=model.serving)
 
 
 def _first_layers(tree: dict, num_layers: int) -> dict:
@@ -147,9 +146,10 @@ class DraftModelSpeculator(Speculator):
                  max_num_seqs: int, max_num_batched_tokens: int, target_params: int = 0):
         draft = config.model
         if isinstance(draft, str):
+            from models.linear import ServingChoice
             from models.loaders import load_model
 
-            draft = load_model(draft, dtype, backend)
+            draft = load_model(draft, dtype, ServingChoice(backend))
         if draft.cfg.vocab_size != vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary has "
                              f"{draft.cfg.vocab_size} tokens, the target's {vocab_size}")

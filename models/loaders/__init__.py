@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ArchConfig
+from models.linear.registry import ServingChoice, keeps_gguf_blocks, platform
 from models.loaders import orbax_ckpt
 from models.loaders.gguf_file import open_gguf
 from models.loaders.gguf_tokenizer import tokenizer_from_gguf
@@ -42,10 +43,9 @@ def quant_plan_for(kind: str, path: str, quantization: str | None) -> QuantPlan:
     """The weight plan a source loads with.
 
     `None` is the source's own form, except that on the CPU a GGUF file is dequantized
-    (`load_model` keeps its blocks where the `cpu` backend's kernel reads them in place:
-    `_cpu_reads_blocks`): XLA's CPU backend converts int8/4-bit codes far slower than it
-    reads float32 (a decode step with the blocks kept took 1.1-2.4x longer, BENCHMARKS.md
-    "Quantization"). A checkpoint keeps what it stores, a Hugging Face directory is dense.
+    (`load_model` keeps its blocks where the CPU kernels read them in place:
+    `models.linear.registry.keeps_gguf_blocks`). A checkpoint keeps what it stores, a
+    Hugging Face directory is dense.
 
     Raises:
         ValueError: Unknown setting, "gguf" for a source that is not a GGUF file, or a
@@ -60,7 +60,7 @@ def quant_plan_for(kind: str, path: str, quantization: str | None) -> QuantPlan:
             raise ValueError(f"quantization={quantization!r}: {path} is stored as "
                              f"{stored.name!r}; convert the original model again")
     if quantization is None and kind == "gguf":
-        quantization = "none" if jax.default_backend() == "cpu" else "gguf"
+        quantization = "none" if platform() == "cpu" else "gguf"
     if quantization == "gguf":
         if kind != "gguf":
             raise ValueError(f"quantization='gguf' keeps a GGUF file's quantized tensors; "
@@ -69,21 +69,6 @@ def quant_plan_for(kind: str, path: str, quantization: str | None) -> QuantPlan:
     if quantization in _UNIFORM:
         return uniform_plan(quantization, _UNIFORM[quantization])
     return QuantPlan()
-
-
-def _cpu_reads_blocks(path: str, cfg: ArchConfig, dtype, backend: str, sharded: bool) -> bool:
-    """Whether a GGUF file's blocks, kept, would be multiplied in place by the `cpu`
-    backend's quantized matmul kernel (`models.packed.can_pack` before loading): the
-    attention backend resolves to "cpu", float32 activations on one device, no mixture of
-    experts, every kept format one the kernel reads, and the kernels built here."""
-    from models.packed import quant_packable
-    from pallas_kernels.cpu_ffi import qgemm
-    from pallas_kernels.ops import resolve_backend
-
-    if (sharded or cfg.is_moe or jnp.dtype(dtype) != jnp.float32
-            or resolve_backend(backend) != "cpu" or not qgemm.available()):
-        return False
-    return quant_packable(open_gguf(path).quant_plan(), cfg)
 
 
 def resolve_model(model: str | None) -> tuple[str, str]:
@@ -131,18 +116,20 @@ def read_arch_config(model: str | None = None) -> ArchConfig:
     return cfg
 
 
-def load_model(model: str | None = None, dtype: str = "auto", backend: str = "auto",
-               shardings=None, quantization: str | None = None) -> Model:
+def load_model(model: str | None = None, dtype: str = "auto",
+               serving: ServingChoice | None = None, shardings=None,
+               quantization: str | None = None) -> Model:
     """Loads weights into a `Model`.
 
     Args:
         model: GGUF file, HF directory, jaxserve checkpoint, or None for the default model.
         dtype: "auto" (vLLM's default: float32 on the CPU, else the checkpoint's dtype,
             bfloat16 for most; `serving_dtype.resolve_dtype`), "float32" or "bfloat16".
-        backend: Attention backend.
+        serving: What the model's methods are chosen from (`models.linear.ServingChoice`:
+            the attention kernels, the serving forms); None: the platform's defaults.
         quantization: Weight format on the device (`quant_plan_for`): None (the source's
-            own; on the CPU a GGUF file keeps its blocks where the `cpu` backend's kernel
-            reads them in place, else it is dequantized), "none" (dense `dtype`), "gguf"
+            own; on the CPU a GGUF file keeps its blocks where the CPU kernels read them
+            in place, else it is dequantized), "none" (dense `dtype`), "gguf"
             (GGUF blocks kept), "int8" (weight-only, per output channel) or "q8_0" (int8 in
             blocks of 32).
         shardings: Optional `abstract params -> sharding tree` (a tensor-parallel layout's
@@ -155,10 +142,11 @@ def load_model(model: str | None = None, dtype: str = "auto", backend: str = "au
     """
     kind, path = resolve_model(model)
     jdtype = parse_dtype(resolve_dtype(dtype, kind, path))
+    serving = serving or ServingChoice()
     start = time.perf_counter()
     cfg = read_arch_config(path)
-    if (quantization is None and kind == "gguf" and jax.default_backend() == "cpu"
-            and _cpu_reads_blocks(path, cfg, jdtype, backend, shardings is not None)):
+    if quantization is None and kind == "gguf" and keeps_gguf_blocks(
+            cfg, open_gguf(path).quant_plan(), jdtype, serving, shardings is None):
         quantization = "gguf"  # the CPU kernel reads the blocks in place
     plan = quant_plan_for(kind, path, quantization)
     if kind == "jaxserve":
@@ -179,7 +167,7 @@ def load_model(model: str | None = None, dtype: str = "auto", backend: str = "au
         if plan and not keep:
             host = quantize_params(host, plan)
         params = _place(host, cfg, jdtype, plan, shardings)
-    m = Model(cfg, params, jdtype, source=path, backend=backend, quant=plan)
+    m = Model(cfg, params, jdtype, source=path, quant=plan, serving=serving)
     m.load_seconds = time.perf_counter() - start
     return m
 

@@ -42,7 +42,7 @@ def _decode_q4_1(raw):  # raw: u8[N, nb, 20]
 
 
 def _q4_k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """6-bit (scale, min) of the 8 sub-blocks from the 12 packed bytes (sc: u8[..., 12])."""
+    """6-bit (scale, min) of the 8 sub-blocks from the 12 bytes that hold them (sc: u8[..., 12])."""
     sc = sc.astype(np.uint8)
     scales, mins = np.empty(sc.shape[:-1] + (8,), np.uint8), np.empty(sc.shape[:-1] + (8,),
                                                                       np.uint8)

@@ -44,7 +44,7 @@ def tokenizer_from_gguf(gguf: GGUFFile):
         token_id = gguf.field(f"tokenizer.ggml.{key}")
         config[name] = tokens[token_id] if token_id is not None else None
     try:
-        backend, extra = convert_gguf_tokenizer(gguf.arch, tokenizer_dict)
+        fast, extra = convert_gguf_tokenizer(gguf.arch, tokenizer_dict)
     except (ValueError, KeyError) as e:
         raise ValueError(f"{gguf.path}: cannot build the tokenizer ({e})") from None
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+    return PreTrainedTokenizerFast(tokenizer_object=fast, **config, **extra)

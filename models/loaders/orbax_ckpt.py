@@ -15,7 +15,7 @@ import os
 import jax
 
 from models.config import ArchConfig
-from models.packed import gather_experts, unpack_params
+from models.linear import standard_params
 from models.quant import NO_QUANT, QuantPlan
 
 MARKER = "jaxserve_model.json"
@@ -39,16 +39,13 @@ def save_checkpoint(dst: str, cfg: ArchConfig, params, dtype: str, tokenizer,
                     source: str = "", quant: QuantPlan = NO_QUANT) -> None:
     """Writes params (orbax), config and tokenizer to `dst`, which must not exist yet.
 
-    The standard tree is written: the weights of a model packed for the `cpu` backend
-    (`models.packed`; `quant.packed`) are unpacked first, a served mixture of experts'
-    experts put back (`models.packed.gather_experts`).
+    The standard tree is written: params in a serving form (`models.linear.serving_params`:
+    panels, whole experts) are put back in the standard layout first.
 
     Raises:
         ValueError: `dst` already exists.
     """
-    if quant.packed:
-        params = unpack_params(params, cfg)
-    params = gather_experts(params)  # a served mixture of experts: its experts back
+    params = standard_params(params, cfg)
     dst = os.path.abspath(dst)
     if os.path.exists(dst):
         raise ValueError(f"destination {dst} already exists; choose a new directory")

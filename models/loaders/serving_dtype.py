@@ -5,7 +5,7 @@ vLLM's rule, for the dtypes jaxserve serves (float32 and bfloat16): on a GPU or 
 bfloat16 checkpoint stays bfloat16 and a float32 one (or one that names no dtype) is
 downcast to the platform's preferred dtype, bfloat16; a float16 checkpoint, which vLLM
 keeps on a GPU that runs float16, is served in bfloat16 (jaxserve has no float16 path).
-On the CPU backend "auto" is float32: XLA:CPU emulates bfloat16 (and fp8) matmuls, far
+On the CPU "auto" is float32: XLA:CPU emulates bfloat16 (and fp8) matmuls, far
 slower than float32 (docs/development.md), so a smaller dtype buys nothing there.
 """
 
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import logging
 
-import jax
-
+from models.linear.registry import platform as current_platform
 from models.loaders import orbax_ckpt
 from models.loaders.gguf_file import open_gguf
 from models.loaders.safetensors_dir import read_config
@@ -51,28 +50,28 @@ def checkpoint_dtype(kind: str, path: str) -> str | None:
     return None
 
 
-def auto_dtype(checkpoint: str | None, backend: str) -> str:
-    """What `dtype="auto"` serves a checkpoint of dtype `checkpoint` in on `backend`
+def auto_dtype(checkpoint: str | None, platform: str) -> str:
+    """What `dtype="auto"` serves a checkpoint of dtype `checkpoint` in on `platform`
     ("cpu", "gpu", "tpu"; see the module docstring)."""
-    if backend == "cpu":
+    if platform == "cpu":
         return "float32"
     return _ACCELERATOR.get(checkpoint, "bfloat16")
 
 
-def resolve_dtype(dtype: str, kind: str, path: str, backend: str | None = None) -> str:
+def resolve_dtype(dtype: str, kind: str, path: str, platform: str | None = None) -> str:
     """`dtype`, with "auto" made concrete for the source at `path` (`auto_dtype`).
 
     Args:
         dtype: "auto", "float32" or "bfloat16" (the last two are returned as given).
         kind: The source's kind (`checkpoint_dtype`).
         path: The source.
-        backend: The JAX backend (default: `jax.default_backend()`).
+        platform: The JAX platform (default: the one serving, `registry.platform()`).
     """
     if dtype != AUTO:
         return dtype
-    backend = backend or jax.default_backend()
+    platform = platform or current_platform()
     stored = checkpoint_dtype(kind, path)
-    chosen = auto_dtype(stored, backend)
-    logger.info("jaxserve: dtype auto -> %s (%s stores %s; %s backend)", chosen, path,
-                stored or "no dtype", backend)
+    chosen = auto_dtype(stored, platform)
+    logger.info("jaxserve: dtype auto -> %s (%s stores %s; %s platform)", chosen, path,
+                stored or "no dtype", platform)
     return chosen

@@ -195,7 +195,7 @@ def test_prefix_caching(smollm2, smollm2_tokenizer, ref_llm, prompts, alone):
 def test_pallas_backend(smollm2, smollm2_tokenizer, ref_llm, prompts, alone):
     """The Pallas kernels (interpreted on the CPU) against XLA-attention alone runs."""
     llm = make_llm(smollm2, smollm2_tokenizer, attention_backend="pallas")
-    assert llm.engine.model.backend == "pallas"
+    assert llm.engine.model.serving.backend == "pallas"
     assert_same_as_alone(ref_llm, prompts, token_ids(llm, prompts), alone, "pallas")
 
 

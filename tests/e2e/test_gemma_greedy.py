@@ -53,7 +53,7 @@ def gemma(request, smollm2_tokenizer, tmp_path_factory):
         if not cpu_ffi.available():
             pytest.skip(f"no CPU kernel here: {cpu_ffi.unavailable_reason()}")
     llm = LLM(path, **{**ENGINE_ARGS, "attention_backend": backend or "xla"})
-    assert llm.engine.model.backend == (backend or "xla")
+    assert llm.engine.model.serving.backend == (backend or "xla")
     return hf, llm
 
 

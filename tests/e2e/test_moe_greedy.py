@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from models.linear import ServingChoice
 from tests.conftest import TINY_ENGINE
 
 torch = pytest.importorskip("torch")
@@ -142,20 +143,20 @@ def test_qwen3_moe_int8_greedy_is_its_dequantized_model(qwen3_moe, smollm2_token
     serving form), served greedily: every token is the argmax of the float model holding
     the dequantized weights (teacher-forced over prompt + output), batched; and the same
     tokens under tensor parallelism 2 (the quantized experts split on their width)."""
+    from models.linear import STACKS, standard_params
     from models.model import Model
-    from models.packed import gather_experts
     from tests.models.helpers import dequantized_params, forward_logits
 
     _, served = qwen3_moe
     llm = LLM(served.engine.model.source, quantization="int8",
               **{**ENGINE_ARGS, "warmup": False})
     model = llm.engine.model
-    assert "qweight" in model.params["packed"]["layers"]["mlp"]["experts"]["gate_proj"]
+    assert "qweight" in model.params[STACKS]["layers"]["mlp"]["experts"]["gate_proj"]
     ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS[:2]]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
-    floats = Model(model.cfg, dequantized_params(gather_experts(model.params)),
-                   backend="xla")
+    floats = Model(model.cfg, dequantized_params(standard_params(model.params, model.cfg)),
+                   serving=ServingChoice("xla"))
     for prompt_ids, out in zip(ids, outs, strict=True):
         tokens = out.outputs[0].token_ids
         assert len(set(tokens)) > 1
@@ -163,7 +164,8 @@ def test_qwen3_moe_int8_greedy_is_its_dequantized_model(qwen3_moe, smollm2_token
         assert logits[len(prompt_ids) - 1:].argmax(-1).tolist() == tokens
     tp = LLM(model, tokenizer=smollm2_tokenizer,
              **{**ENGINE_ARGS, "warmup": False, "tensor_parallel_size": 2})
-    codes = gather_experts(tp.engine.runner.params)["layers"]["mlp"]["experts"]["up_proj"]
+    codes = standard_params(tp.engine.runner.params, model.cfg)["layers"]["mlp"]["experts"][
+        "up_proj"]
     sharding = codes["qweight"].sharding
     assert codes["qweight"].dtype == np.int8
     assert len(sharding.device_set) == 2 and not sharding.is_fully_replicated

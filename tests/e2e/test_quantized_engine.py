@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from models import packed
+from models.linear import can_panel
 from models.loaders import convert, load_model
 from pallas_kernels.cpu_ffi import qgemm
 from pallas_kernels.kv_quant import check_kv_cache_dtype
@@ -43,7 +43,9 @@ def test_gguf_blocks_match_dequantized_weights(smollm2, gguf_model, smollm2_toke
     dense = LLM(smollm2, tokenizer=smollm2_tokenizer, **SMALL, **POOL)
     quant = LLM(gguf_model, tokenizer=smollm2_tokenizer, **SMALL, **POOL)
     # On the `cpu` backend the blocks are read in place by the quantized matmul kernel.
-    assert packed.is_packed(quant.engine.model) == packed.can_pack(quant.engine.model)
+    served = quant.engine.model
+    assert served.serving.panels == can_panel(served.cfg, served.quant, served.dtype,
+                                              served.serving.backend)
     # "auto" KV pages: float16 under the GGUF's blocks, float32 under the float32 weights.
     assert quant.engine.runner.kv_pages.dtype == np.float16
     assert dense.engine.runner.kv_pages.dtype == np.float32
@@ -60,7 +62,7 @@ def test_gguf_blocks_in_place_match_transformers(gguf_model, hf_smollm2, smollm2
     if not qgemm.available():
         pytest.skip("the CPU quantized matmul kernel is unavailable here")
     llm = LLM(gguf_model, tokenizer=smollm2_tokenizer, attention_backend="cpu", **SMALL, **POOL)
-    assert packed.is_packed(llm.engine.model)
+    assert llm.engine.model.serving.panels
     assert dict(llm.engine.model.quant.formats)["q_proj"].kind == "q4"
     tok = smollm2_tokenizer
     for prompt in PROMPTS:

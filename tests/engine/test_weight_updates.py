@@ -190,7 +190,7 @@ def test_get_weights_of_the_packed_cpu_form_round_trips(tiny_model_dir, base_mod
     """The `cpu` backend serves packed panels; `get_weights` gives the standard layout back
     (the loaded weights exactly), which `update_weights` takes."""
     llm = LLM(tiny_model_dir, warmup=False, **{**TINY_ENGINE, "attention_backend": "cpu"})
-    assert llm.engine.model.quant.packed
+    assert llm.engine.model.serving.panels
     got = llm.get_weights()
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(a, b), got,
                            base_model.params)

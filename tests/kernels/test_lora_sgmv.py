@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.lora import resolve_impl
+from models.linear.lora import resolve_impl
 from pallas_kernels.cpu_ffi import lora as kernel
 
 pytestmark = pytest.mark.skipif(not kernel.available(),

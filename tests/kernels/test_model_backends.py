@@ -10,6 +10,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from models.config import ArchConfig
+from models.linear import ServingChoice
 from models.model import Model, random_params
 from pallas_kernels import cpu_ffi
 
@@ -50,7 +51,7 @@ def test_tiny_model_greedy_same_on_both_backends(tiny_params, page_size):
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, TINY.vocab_size, 21)]
     outs, decode_steps = {}, []
     for backend in ("xla", "cpu", "pallas"):
-        model = Model(TINY, tiny_params, backend=backend)
+        model = Model(TINY, tiny_params, serving=ServingChoice(backend))
         outs[backend] = greedy(model, prompt, 24, decode_steps=decode_steps,
                                block_size=page_size,
                                **(PALLAS_ENGINE if backend == "pallas" else {}))
@@ -73,7 +74,7 @@ def test_many_decode_rows_same_on_xla_and_cpu(tiny_params):
                             detokenize=False)
     outs, hlo = {}, ""
     for backend in ("xla", "cpu"):
-        llm = LLM(Model(TINY, tiny_params, backend=backend), warmup=False,
+        llm = LLM(Model(TINY, tiny_params, serving=ServingChoice(backend)), warmup=False,
                   tokenizer=SimpleNamespace(eos_token_id=None), **ENGINE)
         outs[backend] = [o.outputs[0].token_ids
                          for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -88,11 +89,11 @@ def test_many_decode_rows_same_on_xla_and_cpu(tiny_params):
 @pytest.mark.slow
 def test_smollm2_greedy_same_on_both_backends(smollm2, smollm2_tokenizer):
     ids = smollm2_tokenizer("The three primary colors are").input_ids
-    pallas = Model(smollm2.cfg, smollm2.params, smollm2.dtype, backend="pallas")
+    pallas = Model(smollm2.cfg, smollm2.params, smollm2.dtype, serving=ServingChoice("pallas"))
     want = greedy(smollm2, ids, 12, smollm2_tokenizer)
     assert greedy(pallas, ids, 12, smollm2_tokenizer, **PALLAS_ENGINE) == want
 
 
 def test_unknown_backend_is_an_error(tiny_params):
     with pytest.raises(ValueError, match="unknown attention backend 'triton'; choose one of"):
-        Model(TINY, tiny_params, backend="triton")
+        Model(TINY, tiny_params, serving=ServingChoice("triton"))

@@ -1,5 +1,5 @@
-"""The `cpu` backend's layer matmuls (`pallas_kernels/cpu_ffi/gemm.py`, the packed weights
-of `models/packed.py`) against `jnp` matmuls and the standard model."""
+"""The `cpu` backend's layer matmuls (`pallas_kernels/cpu_ffi/gemm.py`, the panel method of
+`models/linear/panels.py`) against `jnp` matmuls and the standard model."""
 
 import dataclasses
 import json
@@ -12,9 +12,10 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import packed
 from models.config import ArchConfig
+from models.linear import STACKS, ServingChoice, can_panel, serving_form
 from models.model import Model, random_params
+from models.quant import NO_QUANT
 from pallas_kernels.cpu_ffi import gemm
 from tests.kernels.cases import slow_except
 from tests.kernels.test_model_backends import ENGINE
@@ -126,11 +127,11 @@ def test_packed_model_gives_the_standard_logits(bias, tied):
             lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x, params)
     # NOTE: both on the `cpu` backend, so that only the matmuls differ (the attention of
     # a short prompt runs on the C++ kernel there, on XLA's tiles on `xla`).
-    standard = Model(cfg, params, backend="cpu")
-    paneled = packed.pack_model(standard)
-    assert packed.is_packed(paneled) and not packed.is_packed(standard)
+    standard = Model(cfg, params, serving=ServingChoice("cpu"))
+    paneled = serving_form(standard, panels=True)
+    assert paneled.serving.panels and not standard.serving.panels
     assert not paneled.quant and paneled.quant.name == "none"  # packed is not quantized
-    rest, stacks = paneled.params["params"], paneled.params[packed.COLLECTION]
+    rest, stacks = paneled.params["params"], paneled.params[STACKS]
     paths = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_leaves_with_path(rest["layers"])]
     assert not [p for p in paths if "kernel" in p]  # packed, not kept twice
@@ -148,16 +149,15 @@ def test_packed_model_gives_the_standard_logits(bias, tied):
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_model_unpacks_and_saves_the_standard_tree(tied, tmp_path):
     from models.loaders.orbax_ckpt import save_checkpoint
-    from models.quant import NO_QUANT
 
     # NOTE: the tied model has biases too (their leaves make the round trip): the model of
     # test_packed_model_gives_the_standard_logits's default case, whose init is compiled.
     cfg = dataclasses.replace(TINY, tie_word_embeddings=tied, qkv_bias=tied, mlp_bias=tied)
     params = random_params(cfg, seed=5)
-    paneled = packed.pack_model(Model(cfg, params, backend="cpu"))
-    assert packed.pack_model(paneled) is paneled
-    back = packed.unpack_model(paneled)
-    assert back.quant == NO_QUANT and packed.unpack_model(back) is back
+    paneled = serving_form(Model(cfg, params, serving=ServingChoice("cpu")), panels=True)
+    assert serving_form(paneled, panels=True) is paneled
+    back = serving_form(paneled, panels=False)
+    assert back.quant == NO_QUANT and serving_form(back, panels=False) is back
     jax.tree_util.tree_map(np.testing.assert_array_equal, back.params, params)
     hlo = jax.jit(paneled.forward).lower(paneled.params, *_step_args(paneled)).as_text()
     # Each of the layer's 7 matmuls reads its whole stack [L, P, K, 16] (the scan
@@ -178,19 +178,21 @@ def test_a_truncated_packed_model_is_the_truncated_model_packed():
     from jaxserve.spec_decode.draft import truncate_layers
 
     cfg = dataclasses.replace(TINY, tie_word_embeddings=True, qkv_bias=True, mlp_bias=True)
-    model = Model(cfg, random_params(cfg, seed=5), backend="cpu")
-    draft = truncate_layers(packed.pack_model(model), 2)
-    assert packed.is_packed(draft) and draft.cfg.num_layers == 2
-    assert draft.params[packed.COLLECTION]["layers"]["self_attn"]["q_proj"]["kernel"].shape[0] == 2
-    jax.tree_util.tree_map(np.testing.assert_array_equal, packed.unpack_model(draft).params,
+    model = Model(cfg, random_params(cfg, seed=5), serving=ServingChoice("cpu"))
+    draft = truncate_layers(serving_form(model, panels=True), 2)
+    assert draft.serving.panels and draft.cfg.num_layers == 2
+    assert draft.params[STACKS]["layers"]["self_attn"]["q_proj"]["kernel"].shape[0] == 2
+    jax.tree_util.tree_map(np.testing.assert_array_equal,
+                           serving_form(draft, panels=False).params,
                            truncate_layers(model, 2).params)
 
 
 def test_a_packed_weight_missing_is_a_value_error():
     cfg = dataclasses.replace(TINY, tie_word_embeddings=True, qkv_bias=True, mlp_bias=True)
-    paneled = packed.pack_model(Model(cfg, random_params(cfg, seed=5), backend="cpu"))
-    del paneled.params[packed.COLLECTION]["layers"]["mlp"]["down_proj"]
-    with pytest.raises(ValueError, match="down_proj: no packed weight 'kernel'"):
+    paneled = serving_form(Model(cfg, random_params(cfg, seed=5), serving=ServingChoice("cpu")),
+                           panels=True)
+    del paneled.params[STACKS]["layers"]["mlp"]["down_proj"]
+    with pytest.raises(ValueError, match="down_proj: no 'kernel' in the 'stacks' collection"):
         jax.eval_shape(paneled.forward, paneled.params, *_step_args(paneled))  # traced only
 
 
@@ -206,25 +208,28 @@ def _step_args(model):
 
 
 def test_sharded_weights_are_not_packed():
+    from jaxserve.runner.worker import on_one_device
+
     params = random_params(TINY, seed=6)
+    assert on_one_device(params)
     mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     spec = NamedSharding(mesh, PartitionSpec(None, None, "tp"))
     params["layers"]["mlp"]["up_proj"]["kernel"] = jax.device_put(
         params["layers"]["mlp"]["up_proj"]["kernel"], spec)
-    model = Model(TINY, params, backend="cpu")
-    assert not packed.can_pack(model)
-    with pytest.raises(ValueError, match="packing the weights needs the 'cpu' backend"):
-        packed.pack_model(model)
+    assert not on_one_device(params)
+    assert can_panel(TINY, NO_QUANT, jnp.float32, "cpu")
+    assert not can_panel(TINY, NO_QUANT, jnp.float32, "cpu", one_device=False)
 
 
 @pytest.mark.parametrize("change", [{"backend": "xla"}, {"dtype": jnp.bfloat16}])
 def test_packing_needs_the_cpu_backend_and_float32(change):
     params = random_params(TINY, seed=6)
     args = {"backend": "cpu", "dtype": jnp.float32} | change
-    model = Model(TINY, params, **args)
-    assert not packed.can_pack(model)
-    with pytest.raises(ValueError, match="packing the weights needs the 'cpu' backend"):
-        packed.pack_model(model)
+    assert not can_panel(TINY, NO_QUANT, args["dtype"], args["backend"])
+    model = Model(TINY, params, args["dtype"], serving=ServingChoice(args["backend"]))
+    with pytest.raises(ValueError, match="packing the weights into panels needs the 'cpu' "
+                                         "backend"):
+        serving_form(model, panels=True)
 
 
 def test_the_engine_serves_the_cpu_backend_packed(monkeypatch):
@@ -235,15 +240,14 @@ def test_the_engine_serves_the_cpu_backend_packed(monkeypatch):
     # NOTE: the model, weights and engine sizes of test_model_backends.py, whose xla and
     # cpu (packed) engines compile the same step programs.
     params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(SERVED, seed=7))
-    standard = Model(SERVED, params, backend="cpu")
+    standard = Model(SERVED, params, serving=ServingChoice("cpu"))
     outs = {}
     # A model handed over in either form serves in the backend's: packed on `cpu`, not on
     # `xla`.
-    for backend, model in (("cpu", standard),
-                           ("xla", dataclasses.replace(packed.pack_model(standard),
-                                                       backend="xla"))):
-        llm = LLM(model, warmup=False, tokenizer=SimpleNamespace(eos_token_id=None), **ENGINE)
-        assert packed.is_packed(llm.engine.model) == (backend == "cpu")
+    for backend, model in (("cpu", standard), ("xla", serving_form(standard, panels=True))):
+        llm = LLM(model, warmup=False, tokenizer=SimpleNamespace(eos_token_id=None),
+                  attention_backend=backend, **ENGINE)
+        assert llm.engine.model.serving.panels == (backend == "cpu")
         prompts = [{"prompt_token_ids": [3, 5, 7, 11 + i]} for i in range(3)]
         res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12,
                                                    ignore_eos=True, detokenize=False),
@@ -251,14 +255,14 @@ def test_the_engine_serves_the_cpu_backend_packed(monkeypatch):
         outs[backend] = [r.outputs[0].token_ids for r in res]
     assert outs["cpu"] == outs["xla"]
     monkeypatch.setenv("JAXSERVE_CPU_PANELS", "0")
-    llm = LLM(packed.pack_model(standard), warmup=False, max_model_len=64,
+    llm = LLM(serving_form(standard, panels=True), warmup=False, max_model_len=64,
               tokenizer=SimpleNamespace(eos_token_id=None), num_kv_blocks=32)
-    assert llm.engine.model.backend == "cpu" and not packed.is_packed(llm.engine.model)
+    assert llm.engine.model.serving.backend == "cpu" and not llm.engine.model.serving.panels
 
 
 def test_an_unavailable_kernel_keeps_xla_matmuls(monkeypatch):
     monkeypatch.setattr(gemm, "_registered", lambda: "building the FFI library failed")
-    assert not packed.can_pack(Model(TINY, random_params(TINY, seed=8), backend="cpu"))
+    assert not can_panel(TINY, NO_QUANT, jnp.float32, "cpu")
     with pytest.raises(RuntimeError, match="CPU matmul kernel is unavailable"):
         gemm.stacked_gemm(np.ones((2, 40), np.float32), gemm.pack(np.ones((1, 40, 48))), 0, 48)
 

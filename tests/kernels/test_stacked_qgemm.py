@@ -1,5 +1,5 @@
 """The `cpu` backend's quantized layer matmuls (`pallas_kernels/cpu_ffi/qgemm.py`, the
-packed quantized weights of `models/packed.py`) against `jnp` dequantize-then-matmul and
+quantized panels of `models/linear/panels.py`) against `jnp` dequantize-then-matmul and
 the XLA quantized path on the same blocks."""
 
 import dataclasses
@@ -10,10 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import packed
+from models.linear import STACKS, ServingChoice, can_panel, serving_form
+from models.linear.panels import plan_supported
 from models.loaders.gguf_quant import GGUF_KEPT, decode_gguf_rows
-from models.model import Model, abstract_params, random_params
-from models.quant import QuantFormat, quantize_params, quantize_stack, to_leaves, uniform_plan
+from models.model import Model, random_params
+from models.quant import (
+    NO_QUANT,
+    QuantFormat,
+    quantize_params,
+    quantize_stack,
+    to_leaves,
+    uniform_plan,
+)
 from pallas_kernels.cpu_ffi import qgemm
 from pallas_kernels.quant_matmul.reference import q4_int8_matmul_reference, quant_matmul_reference
 from tests.kernels.test_model_backends import ENGINE
@@ -157,10 +165,11 @@ def test_packed_quantized_model_gives_the_xla_quantized_logits(kind, tied):
     fmt = QuantFormat(kind, 32)
     plan = uniform_plan("gguf" if kind == "q4" else "q8_0", fmt)
     params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(cfg, seed=7))
-    standard = Model(cfg, quantize_params(params, plan), backend="cpu", quant=plan)
-    paneled = packed.pack_model(standard)
-    assert packed.is_packed(paneled) and paneled.quant.formats == plan.formats
-    stacks, rest = paneled.params[packed.COLLECTION], paneled.params["params"]
+    standard = Model(cfg, quantize_params(params, plan), quant=plan,
+                     serving=ServingChoice("cpu"))
+    paneled = serving_form(standard, panels=True)
+    assert paneled.serving.panels and paneled.quant.formats == plan.formats
+    stacks, rest = paneled.params[STACKS], paneled.params["params"]
     assert sorted(stacks["layers"]["mlp"]["up_proj"]) == sorted(qgemm.LEAVES[kind])
     head = "embed_tokens" if tied else "lm_head"
     assert sorted(stacks[head]) == sorted(qgemm.LEAVES[kind])  # the head's codes, packed
@@ -171,14 +180,14 @@ def test_packed_quantized_model_gives_the_xla_quantized_logits(kind, tied):
     # sum(x (q s + z)): logits of magnitude ~8 differ in the fifth digit.
     np.testing.assert_allclose(forward_logits(paneled, ids), forward_logits(standard, ids),
                                rtol=1e-4, atol=1e-3)
-    back = packed.unpack_model(paneled)
+    back = serving_form(paneled, panels=False)
     jax.tree_util.tree_map(np.testing.assert_array_equal, back.params, standard.params)
 
 
 def test_a_format_the_kernel_lacks_is_not_packed():
     # (No loader writes such a plan: the leaves' shapes refuse a q4 block of 64.)
-    assert not packed.quant_packable(uniform_plan("custom", QuantFormat("q4", 64)), SERVED)
-    assert packed.quant_packable(uniform_plan("int8", QuantFormat("q8", 0)), SERVED)
+    assert not plan_supported(uniform_plan("custom", QuantFormat("q4", 64)), SERVED)
+    assert plan_supported(uniform_plan("int8", QuantFormat("q8", 0)), SERVED)
 
 
 def test_the_engine_serves_quantized_weights_on_the_kernel(monkeypatch):
@@ -187,7 +196,8 @@ def test_the_engine_serves_quantized_weights_on_the_kernel(monkeypatch):
     # NOTE: the sizes of test_model_backends.py's engines; int8 per channel (q8).
     plan = uniform_plan("int8", QuantFormat("q8", 0))
     params = jax.tree_util.tree_map(lambda x: x * 3.0, random_params(SERVED, seed=7))
-    model = Model(SERVED, quantize_params(params, plan), backend="cpu", quant=plan)
+    model = Model(SERVED, quantize_params(params, plan), quant=plan,
+                  serving=ServingChoice("cpu"))
     prompts = [{"prompt_token_ids": [3, 5, 7, 11 + i]} for i in range(3)]
     sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
                               detokenize=False)
@@ -195,7 +205,7 @@ def test_the_engine_serves_quantized_weights_on_the_kernel(monkeypatch):
     for panels in ("1", "0"):  # the kernel, then XLA's quantized matmuls
         monkeypatch.setenv("JAXSERVE_CPU_PANELS", panels)
         llm = LLM(model, warmup=False, tokenizer=SimpleNamespace(eos_token_id=None), **ENGINE)
-        assert packed.is_packed(llm.engine.model) == (panels == "1")
+        assert llm.engine.model.serving.panels == (panels == "1")
         res = llm.generate(prompts, sampling, use_tqdm=False)
         outs[panels] = [r.outputs[0].token_ids for r in res]
     assert outs["1"] == outs["0"]
@@ -205,9 +215,8 @@ def test_the_engine_serves_quantized_weights_on_the_kernel(monkeypatch):
 def test_an_unavailable_quantized_kernel_keeps_xla(monkeypatch):
     monkeypatch.setattr(qgemm, "_registered", lambda: "building the FFI library failed")
     plan = uniform_plan("int8", QuantFormat("q8", 0))
-    model = Model(SERVED, abstract_params(SERVED, jnp.float32, plan), backend="cpu",
-                  quant=plan)
-    assert not packed.can_pack(model)
+    assert not can_panel(SERVED, plan, jnp.float32, "cpu")
+    assert can_panel(SERVED, NO_QUANT, jnp.float32, "cpu")  # the float kernel still serves
     with pytest.raises(RuntimeError, match="quantized matmul kernel is unavailable"):
         qgemm.stacked_qgemm(np.ones((1, 64), np.float32),
                             {"qweight": np.zeros((1, 3, 64, 16), np.int8),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.lora import LORA_IMPLS, lora_delta
+from models.linear.lora import LORA_IMPLS, lora_delta
 
 
 def reference(x, slots, a, b):

@@ -139,7 +139,7 @@ def test_packed_cpu_weights_serve_adapters(tiny_model_dir, good, smollm2_tokeniz
     adapters' updates add to the packed projections' outputs all the same."""
     llm = LLM(tiny_model_dir, enable_lora=True, warmup=False,
               **{**TINY_ENGINE, "attention_backend": "cpu"})
-    assert llm.engine.model.quant.packed
+    assert llm.engine.model.serving.panels
     out = llm.generate([PROMPT, PROMPT], GREEDY, use_tqdm=False,
                        lora_request=[good.request(), None])
     assert list(out[0].outputs[0].token_ids) == hf_greedy(good.merged, smollm2_tokenizer,

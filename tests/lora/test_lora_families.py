@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from models.lora import resolve_impl
+from models.linear.lora import resolve_impl
 from tests.conftest import TINY_ENGINE
 from tests.e2e.hf_family import SMALL
 from tests.lora.adapters import hf_greedy, make_adapters

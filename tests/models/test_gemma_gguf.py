@@ -119,7 +119,7 @@ def test_gguf_features_are_exercised(gemma_gguf):
     ref = hf_logits(hf, ids)
     for field, value in ABLATE[family].items():
         ablated = Model(dataclasses.replace(model.cfg, **{field: value}), model.params,
-                        model.dtype, backend=model.backend)
+                        model.dtype, serving=model.serving)
         assert np.abs(forward_logits(ablated, ids, page_size=4) - ref).max() > 100 * F32_ATOL, \
             field
 

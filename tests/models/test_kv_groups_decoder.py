@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from jaxserve.utils import cdiv
-from models import packed
 from models.config import ArchConfig
 from models.kv_groups import KVGroupLayout, kv_group_layout, single_group
+from models.linear import ServingChoice, can_panel, serving_form
 from models.model import Model, random_params
 from pallas_kernels import AttentionMetadata, cpu_ffi
 
@@ -106,11 +106,11 @@ def _tables(num_groups: int) -> np.ndarray:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hybrid_layout_gives_the_plain_pools_logits(params, backend):
-    plain = Model(CFG, params, backend=backend)
-    hybrid = Model(CFG, params, backend=backend, kv_layout=LAYOUT)
-    if packed.can_pack(plain):  # the cpu backend serves packed weights, read by layer
-        plain, hybrid = packed.pack_model(plain), packed.pack_model(hybrid)
-        assert hybrid.kv_layout == LAYOUT and packed.is_packed(hybrid)
+    plain = Model(CFG, params, serving=ServingChoice(backend))
+    hybrid = Model(CFG, params, serving=ServingChoice(backend), kv_layout=LAYOUT)
+    if can_panel(CFG, plain.quant, plain.dtype, backend):  # panels, read by layer
+        plain, hybrid = serving_form(plain, panels=True), serving_form(hybrid, panels=True)
+        assert hybrid.kv_layout == LAYOUT and hybrid.serving.panels
     assert hybrid.kv_pages_shape(NUM_PAGES, PAGE)[0] == 2  # slots, not layers
     want = _run(plain, _tables(1), (0,), 0.0)
     got = _run(hybrid, _tables(3), LAYOUT.windows, np.nan)
@@ -123,14 +123,15 @@ def test_hybrid_layout_gives_the_plain_pools_logits(params, backend):
 
 
 def test_one_group_layout_is_the_plain_model(params):
-    plain = Model(CFG, params, backend="xla")
-    same = Model(CFG, params, backend="xla", kv_layout=single_group(CFG.num_layers))
+    plain = Model(CFG, params, serving=ServingChoice("xla"))
+    same = Model(CFG, params, serving=ServingChoice("xla"),
+                 kv_layout=single_group(CFG.num_layers))
     assert not same.is_hybrid and same.module == plain.module
     assert same.kv_pages_shape(5, PAGE) == plain.kv_pages_shape(5, PAGE) == (6, 2, 2, 5, 4, 8)
 
 
 def test_metadata_of_another_group_count_is_an_error(params):
-    hybrid = Model(CFG, params, backend="xla", kv_layout=LAYOUT)
+    hybrid = Model(CFG, params, serving=ServingChoice("xla"), kv_layout=LAYOUT)
     kv = jnp.zeros(hybrid.kv_pages_shape(4, PAGE))
     ids = jnp.zeros(2, jnp.int32)
     # plain 2-D arrays; two groups' arrays; three groups' tables with one slot mapping
@@ -156,4 +157,4 @@ def test_metadata_of_another_group_count_is_an_error(params):
 ])
 def test_layout_that_does_not_fit_is_an_error(params, layout, match):
     with pytest.raises(ValueError, match=match):
-        Model(CFG, params, backend="xla", kv_layout=layout)
+        Model(CFG, params, serving=ServingChoice("xla"), kv_layout=layout)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from models.config import ArchConfig
+from models.linear import STACKS, ServingChoice, choose_methods, serving_form
 from models.moe import GROUPED_IMPLS, MoEMLP, dense_experts, grouped_experts, route
 from models.registry import arch_config_from_hf
 
@@ -109,17 +110,22 @@ def _cfg(**kw) -> ArchConfig:
     return ArchConfig(**{**base, **kw})
 
 
+def _moe(cfg: ArchConfig, **kw) -> MoEMLP:
+    """The layer with the platform's default methods (float weights)."""
+    return MoEMLP(cfg, jnp.float32, choose_methods(cfg), **kw)
+
+
 def test_moe_mlp_grouped_equals_its_reference():
     """The layer (router, experts, Qwen2-MoE's gated shared expert) grouped and dense."""
     cfg = _cfg(shared_expert_intermediate_size=20, norm_topk_prob=True)
     x = jax.random.normal(jax.random.key(3), (12, H))
-    params = MoEMLP(cfg).init(jax.random.key(4), x)
+    params = _moe(cfg).init(jax.random.key(4), x)
     assert params["params"]["experts"]["gate_proj"].shape == (E, H, FF)
     assert params["params"]["shared_expert"]["gate_proj"]["kernel"].shape == (H, 20)
-    ours = MoEMLP(cfg).apply(params, x)
-    ref = MoEMLP(cfg, reference=True).apply(params, x)
+    ours = _moe(cfg).apply(params, x)
+    ref = _moe(cfg, reference=True).apply(params, x)
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
-    no_shared = MoEMLP(_cfg(norm_topk_prob=True)).apply(
+    no_shared = _moe(_cfg(norm_topk_prob=True)).apply(
         {"params": {k: v for k, v in params["params"].items()
                     if k not in ("shared_expert", "shared_expert_gate")}}, x)
     assert np.abs(np.asarray(no_shared) - np.asarray(ours)).max() > 1e-3
@@ -200,7 +206,7 @@ def test_arch_config_dense_layers_errors(kw, match):
 
 @pytest.mark.parametrize("impl", GROUPED_IMPLS)
 def test_grouped_reads_its_layer_of_the_whole_stack(impl):
-    """The serving form (`broadcast_experts`): the experts of every layer, indexed by the
+    """The serving form (`whole_experts`): the experts of every layer, indexed by the
     traced layer, give that layer's experts' result."""
     layers = [_experts(seed) for seed in (5, 6, 7)]
     stack = {k: jnp.stack([e[k] for e in layers]) for k in layers[0]}  # [L, E, ...]
@@ -217,17 +223,16 @@ def test_grouped_reads_its_layer_of_the_whole_stack(impl):
 def test_broadcast_experts_serves_the_same_logits():
     """A model moved to the serving form gives the logits of the plain one."""
     from models.model import Model, random_params
-    from models.packed import COLLECTION, broadcast_experts
     from tests.models.helpers import forward_logits
 
     cfg = _cfg(vocab_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
                shared_expert_intermediate_size=8)
-    model = Model(cfg, random_params(cfg), backend="xla")
-    served = broadcast_experts(model)
+    model = Model(cfg, random_params(cfg), serving=ServingChoice("xla"))
+    served = serving_form(model, whole_experts=True)
     assert "experts" not in served.params["params"]["layers"]["mlp"]
-    assert served.params[COLLECTION]["layers"]["mlp"]["experts"]["gate_proj"].shape == (
+    assert served.params[STACKS]["layers"]["mlp"]["experts"]["gate_proj"].shape == (
         2, E, H, FF)
-    assert broadcast_experts(served) is served
+    assert serving_form(served, whole_experts=True) is served
     ids = list(range(1, 20))
     np.testing.assert_allclose(forward_logits(served, ids, page_size=4),
                                forward_logits(model, ids, page_size=4), rtol=1e-5, atol=1e-5)
@@ -239,25 +244,27 @@ def test_mixed_mlp_runs_each_layers_own_mlp():
     collection it is a ValueError naming the fix."""
     from models.layers import GatedMLP
     from models.mixed import DENSE, MixedMLP, broadcast_mlp, mlp_index
-    from models.packed import COLLECTION
 
     cfg = _cfg(num_layers=3, dense_layers=(1,), shared_expert_intermediate_size=8)
     x = jax.random.normal(jax.random.key(5), (7, H))
     stack = lambda trees: jax.tree_util.tree_map(lambda *a: jnp.stack(a), *trees)
-    layers = {"mlp": stack([MoEMLP(cfg).init(jax.random.key(s), x)["params"] for s in (0, 2)]),
-              DENSE: stack([GatedMLP(cfg).init(jax.random.key(1), x)["params"]])}
-    collection = broadcast_mlp({"params": {"layers": layers}})[COLLECTION]["layers"]["mlp"]
-    fn = jax.jit(lambda layer: MixedMLP(cfg).apply({COLLECTION: collection}, x, layer))
+    methods = choose_methods(cfg)
+    dense_mlp = GatedMLP(cfg, jnp.float32, methods)
+    layers = {"mlp": stack([_moe(cfg).init(jax.random.key(s), x)["params"] for s in (0, 2)]),
+              DENSE: stack([dense_mlp.init(jax.random.key(1), x)["params"]])}
+    collection = broadcast_mlp({"params": {"layers": layers}})[STACKS]["layers"]["mlp"]
+    mixed = MixedMLP(cfg, jnp.float32, methods)
+    fn = jax.jit(lambda layer: mixed.apply({STACKS: collection}, x, layer))
     at = lambda tree, i: jax.tree_util.tree_map(lambda a: a[i], tree)
     outs = []
     for layer, index in enumerate(mlp_index(cfg)):
         if layer in cfg.dense_layers:
-            want = GatedMLP(cfg).apply({"params": at(layers[DENSE], index)}, x)
+            want = dense_mlp.apply({"params": at(layers[DENSE], index)}, x)
         else:
-            want = MoEMLP(cfg).apply({"params": at(layers["mlp"], index)}, x)
+            want = _moe(cfg).apply({"params": at(layers["mlp"], index)}, x)
         outs.append(fn(jnp.int32(layer)))
         np.testing.assert_allclose(outs[-1], want, rtol=1e-5, atol=1e-5)
     assert np.abs(np.asarray(outs[0]) - np.asarray(outs[2])).max() > 1e-3  # own weights
     assert fn._cache_size() == 1
     with pytest.raises(ValueError, match="apply it with models.model.variables"):
-        MixedMLP(cfg).apply({"params": {}}, x, jnp.int32(0))
+        mixed.apply({"params": {}}, x, jnp.int32(0))

@@ -9,9 +9,9 @@ import jax
 import numpy as np
 import pytest
 
+from models.linear import STACKS, serving_form
 from models.loaders import load_model
 from models.loaders.orbax_ckpt import save_checkpoint
-from models.packed import COLLECTION, broadcast_experts
 from tests.models.helpers import forward_logits
 
 pytest.importorskip("torch")
@@ -38,8 +38,8 @@ def qwen2_moe(tmp_path_factory):
 
 def test_orbax_round_trip_from_the_serving_form(qwen2_moe, tmp_path):
     path, model, ids, ref = qwen2_moe
-    served = broadcast_experts(model)
-    assert COLLECTION in served.params
+    served = serving_form(model, whole_experts=True)
+    assert STACKS in served.params
     dst = str(tmp_path / "ckpt")
     save_checkpoint(dst, served.cfg, served.params, "float32", None)
     restored = load_model(dst, "float32")
@@ -103,9 +103,10 @@ def qwen2_moe_mixed(tmp_path_factory):
 
 def test_mixed_layers_orbax_round_trip(qwen2_moe_mixed, tmp_path):
     """The sparse [L_sparse, ...] and dense [L_dense, ...] stacks are saved and restored
-    as they are (the served form is the loaded one: `broadcast_experts` leaves it)."""
+    as they are (the served form is the loaded one: `whole_experts` moves nothing)."""
     path, model, ids, ref = qwen2_moe_mixed
-    assert broadcast_experts(model) is model
+    served = serving_form(model, whole_experts=True)
+    assert STACKS not in served.params and not served.methods.whole_experts
     dst = str(tmp_path / "ckpt")
     save_checkpoint(dst, model.cfg, model.params, "float32", None)
     restored = load_model(dst, "float32")

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from models.config import ArchConfig
+from models.linear import STACKS, ServingChoice, choose_methods, serving_form
 from models.model import Model, abstract_params, random_params
 from models.moe import GROUPED_IMPLS, MoEMLP, dense_experts, grouped_experts, route
-from models.packed import COLLECTION, broadcast_experts
 from models.quant import QuantFormat, dequantize_rows, quantize_stack, uniform_plan
 
 E, H, FF = 8, 32, 64  # experts, hidden, one expert's width (multiples of the q4 block)
@@ -111,20 +111,21 @@ def test_int8_plan_quantizes_the_expert_stacks():
     assert experts["down_proj"]["scales"].shape == (2, E, 1, H)
     params = random_params(cfg, quant=plan)
     assert (jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(tree))
-    model = Model(cfg, params, quant=plan, backend="xla")
-    served = broadcast_experts(model)
-    assert "qweight" in served.params[COLLECTION]["layers"]["mlp"]["experts"]["up_proj"]
+    model = Model(cfg, params, quant=plan, serving=ServingChoice("xla"))
+    served = serving_form(model, whole_experts=True)
+    assert "qweight" in served.params[STACKS]["layers"]["mlp"]["experts"]["up_proj"]
 
     x = jax.random.normal(jax.random.key(7), (6, H))
     layer_params = jax.tree_util.tree_map(lambda v: v[1], params["layers"]["mlp"])
-    mlp = MoEMLP(cfg, quant=plan)
+    methods = choose_methods(cfg, plan)
+    mlp = MoEMLP(cfg, jnp.float32, methods)
     ours = mlp.apply({"params": layer_params}, x)
-    ref = MoEMLP(cfg, quant=plan, reference=True).apply({"params": layer_params}, x)
+    ref = MoEMLP(cfg, jnp.float32, methods, reference=True).apply({"params": layer_params}, x)
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
     # The serving form: the whole [L, E] stacks in the broadcast collection, layer 1 read.
     rest = {k: v for k, v in layer_params.items() if k != "experts"}
-    stacks = {"experts": served.params[COLLECTION]["layers"]["mlp"]["experts"]}
-    form = mlp.apply({"params": rest, COLLECTION: stacks}, x, jnp.int32(1))
+    stacks = {"experts": served.params[STACKS]["layers"]["mlp"]["experts"]}
+    form = mlp.apply({"params": rest, STACKS: stacks}, x, jnp.int32(1))
     np.testing.assert_allclose(form, ours, rtol=1e-5, atol=1e-5)
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from models.linear import ServingChoice
 from models.loaders import load_model
 from models.model import Model
 from models.rope import RopeScaling
@@ -295,7 +296,7 @@ def _check_ablations(tiny, fields: slice):
         pytest.skip("no ablation for this case")
     for field, value in list(case.ablate.items())[fields]:
         ablated = Model(dataclasses.replace(model.cfg, **{field: value}), model.params,
-                        model.dtype, backend=model.backend)
+                        model.dtype, serving=model.serving)
         diff = np.abs(forward_logits(ablated, ids, page_size=PAGE_SIZE) - ref).max()
         assert diff > 100 * F32_ATOL, field
 
@@ -370,7 +371,7 @@ def test_gemma2_soft_caps_on_kernel_backends(backend, tmp_path):
     case = next(c for c in CASES if c.name == "gemma2_softcap")
     hf = build_hf(case, str(tmp_path))
     ids = prompt(hf.config.vocab_size)
-    model = load_model(str(tmp_path), "float32", backend=backend)
-    assert model.backend == backend
+    model = load_model(str(tmp_path), "float32", ServingChoice(backend))
+    assert model.methods.backend == backend
     ours = forward_logits(model, ids, page_size=PAGE_SIZE, chunks=CHUNKINGS["prefill_decode"])
     np.testing.assert_allclose(ours, hf_logits(hf, ids), rtol=0, atol=F32_ATOL)

@@ -68,7 +68,7 @@ def test_tiny_tensor_parallel_matches_one_device(tiny_model, smollm2_tokenizer, 
     layout = llm.engine.layout
     assert layout.size == size and layout.shard_kv_heads == (size == 2)
     # The CPU's C++ decode kernel reads one device's pool: a mesh serves on the XLA path.
-    assert llm.engine.runner.model.backend == "xla"
+    assert llm.engine.runner.model.serving.backend == "xla"
     pool = llm.engine.runner.kv_pages
     assert pool.sharding.spec[2] == "kv" and len(pool.sharding.device_set) == size
     _check_collectives(llm)

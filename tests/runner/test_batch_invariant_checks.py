@@ -15,7 +15,8 @@ from tests.conftest import TINY_ENGINE
 
 
 def fake_model(backend="xla", moe=False):
-    return SimpleNamespace(backend=backend, cfg=SimpleNamespace(is_moe=moe))
+    return SimpleNamespace(serving=SimpleNamespace(backend=backend),
+                           cfg=SimpleNamespace(is_moe=moe))
 
 
 @pytest.mark.parametrize("kwargs, model, layout, message", [

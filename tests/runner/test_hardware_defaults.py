@@ -15,6 +15,7 @@ import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.runner.worker import Worker
+from models.linear import ServingChoice
 from models.loaders import load_model, resolve_model, serving_dtype
 from models.loaders.serving_dtype import auto_dtype, checkpoint_dtype, resolve_dtype
 from models.model import Model, random_params
@@ -182,7 +183,7 @@ def test_over_the_models_context_length_is_an_error(dirs):
     (4, True, 8),
 ])
 def test_the_fit_counts_sliding_groups_by_their_window(num_pages, hybrid, expected):
-    model = Model(HYBRID_CFG, random_params(HYBRID_CFG), backend="xla")
+    model = Model(HYBRID_CFG, random_params(HYBRID_CFG), serving=ServingChoice("xla"))
     config = EngineConfig.from_kwargs(block_size=8, num_kv_blocks=num_pages,
                                       attention_backend="xla")
     w = Worker(config, model, SimpleNamespace(eos_token_id=None), kv_layout=hybrid)

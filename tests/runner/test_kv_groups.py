@@ -25,6 +25,7 @@ from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.utils import cdiv
 from models.kv_groups import KVGroupLayout, single_group
+from models.linear import ServingChoice
 from models.model import Model, random_params
 from tests.models.test_kv_groups_decoder import CFG, LAYOUT
 
@@ -205,7 +206,7 @@ def _generate(model: Model, kv_layout, num_decodes: int = 4):
 
 
 def test_runner_steps_over_groups_equal_the_plain_pools(params):
-    model = Model(CFG, params, backend="xla")
+    model = Model(CFG, params, serving=ServingChoice("xla"))
     plain, want_tokens, want_lp = _generate(model, None)
     hybrid, tokens, lp = _generate(model, LAYOUT)
     assert hybrid.kv_pages.shape[0] == 2 and plain.kv_pages.shape[0] == 6  # slots, layers
@@ -223,7 +224,7 @@ def test_runner_steps_over_groups_equal_the_plain_pools(params):
 
 
 def test_warmup_steps_carry_every_groups_tables(params):
-    runner = ModelRunner(Model(CFG, params, backend="xla"), NUM_PAGES, PAGE, MAX_LEN,
+    runner = ModelRunner(Model(CFG, params, serving=ServingChoice("xla")), NUM_PAGES, PAGE, MAX_LEN,
                          max_num_seqs=2, max_num_batched_tokens=8, kv_layout=LAYOUT)
     for bucket in runner.buckets:
         for out, _ in dummy_steps(runner, bucket):
@@ -237,7 +238,7 @@ def test_worker_sizes_the_pool_by_slots(params):
     config = EngineConfig.from_kwargs(max_model_len=MAX_LEN, block_size=8,
                                       kv_cache_memory_gib=0.001, attention_backend="xla")
     tokenizer = SimpleNamespace(eos_token_id=None)
-    model = Model(CFG, params, backend="xla")
+    model = Model(CFG, params, serving=ServingChoice("xla"))
     plain = Worker(config, model, tokenizer)
     hybrid = Worker(config, model, tokenizer, kv_layout=True)
     assert not plain.model.is_hybrid and plain.kv_layout == single_group(6)
@@ -252,7 +253,8 @@ def test_worker_sizes_the_pool_by_slots(params):
     # False keeps one group; windows of max_model_len or more give back nothing.
     assert serving_kv_layout(hybrid.model, MAX_LEN, False) is None
     assert serving_kv_layout(model, 8, True) == single_group(6)  # no window gives back
-    uniform = Model(dataclasses.replace(CFG, layer_windows=(8,) * 6), params, backend="xla")
+    uniform = Model(dataclasses.replace(CFG, layer_windows=(8,) * 6), params,
+                    serving=ServingChoice("xla"))
     assert serving_kv_layout(uniform, MAX_LEN, True) == single_group(6, 8)
     assert serving_kv_layout(model, MAX_LEN, None) is None
     assert serving_kv_layout(hybrid.model, MAX_LEN, None) == LAYOUT
@@ -261,7 +263,8 @@ def test_worker_sizes_the_pool_by_slots(params):
 def test_copy_and_swap_move_every_slot_of_a_page(params):
     # A page of a hybrid pool holds its group's layers in all its slots; page plans (still
     # on axis 3) move them all.
-    runner = ModelRunner(Model(CFG, params, backend="xla"), 8, PAGE, MAX_LEN, max_num_seqs=2,
+    runner = ModelRunner(Model(CFG, params, serving=ServingChoice("xla")), 8, PAGE, MAX_LEN,
+                         max_num_seqs=2,
                          max_num_batched_tokens=8, num_swap_slots=2, kv_layout=LAYOUT)
     pool = np.random.default_rng(0).standard_normal(runner.kv_pages.shape).astype(np.float32)
     runner.kv_pages = jnp.asarray(pool)

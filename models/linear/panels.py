@@ -1,0 +1,156 @@
+"""The `cpu` backend's linear methods: weights packed into panels its C++ kernels read in place.
+
+The CPU matmul kernel (`pallas_kernels/cpu_ffi/gemm.py`) multiplies by layer `i` of a whole
+weight stack f32[L, K, N] packed into 16-column panels f32[L, P, K, 16] (P = 3 ceil(N / 48),
+zero-padded), read in place at the traced layer index: the layer scan makes no per-layer
+copy of the weights, and the panels spread over XLA's thread pool. A q8/q4 weight is packed
+leaf by leaf ("qweight", "scales"[, "zeros"] as [L, P, rows, 16] panels,
+`pallas_kernels/cpu_ffi/qgemm.py`) and dequantized in registers by the quantized kernel.
+The LM head [hidden, vocab] is packed the same way as a stack of one, [1, P, hidden, 16];
+a tied embedding looks tokens up in the head's panels (one copy of the table).
+
+The panels live in the `STACKS` collection at the module's path and leaf names
+(`layers/self_attn/q_proj/kernel`, ..., `lm_head/kernel`, or `embed_tokens/embedding`
+when tied); biases and norms stay in "params". Only the step's real tokens are multiplied
+(`models.linear.context`: the runner says how many; the padding rows' outputs are 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ArchConfig
+from models.linear.base import EmbedMethod, LinearMethod, read_stacks
+from models.linear.context import current
+from models.quant import QuantFormat, QuantPlan
+from pallas_kernels.cpu_ffi import gemm, qgemm
+from pallas_kernels.quant_matmul.reference import dequantize
+
+# (parent, module) of every layer matmul the panels serve, and the LM head's modules.
+LAYER_MATMULS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
+                 ("mlp", "down_proj"))
+
+
+def _leaf_names(fmt: QuantFormat | None, float_name: str) -> tuple[str, ...]:
+    return (float_name,) if fmt is None else qgemm.LEAVES[fmt.kind]
+
+
+def _pack(leaves: dict, fmt: QuantFormat | None, float_name: str, stacked: bool) -> dict:
+    lead = (lambda a: np.asarray(a)) if stacked else (lambda a: np.asarray(a)[None])
+    if fmt is None:
+        return {float_name: gemm.pack(lead(leaves[float_name]))}
+    return qgemm.pack({name: lead(leaves[name]) for name in qgemm.LEAVES[fmt.kind]},
+                      fmt.kind)
+
+
+def _unpack(panels: dict, fmt: QuantFormat | None, float_name: str, n: int,
+            stacked: bool) -> dict:
+    out = ({float_name: gemm.unpack(panels[float_name], n)} if fmt is None
+           else qgemm.unpack(panels, n))
+    return out if stacked else {name: a[0] for name, a in out.items()}
+
+
+def _matmul(fmt: QuantFormat | None, leaves: dict, x: jax.Array, layer, n: int,
+            float_name: str) -> jax.Array:
+    rows = current().real_rows  # i32[] or None (all)
+    layer = 0 if layer is None else layer
+    if fmt is None:
+        return gemm.stacked_gemm(x, leaves[float_name], layer, n, rows)
+    return qgemm.stacked_qgemm(x, leaves, fmt.kind, layer, n, rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class PanelLinear(LinearMethod):
+    """A float32 ("kernel") or q8/q4 (`fmt`) weight served as panels from `STACKS`."""
+
+    fmt: QuantFormat | None = None
+    stacked = True
+
+    def leaf_shapes(self, k, n):
+        if self.fmt is None:
+            return {"kernel": ((k, n), jnp.dtype(jnp.float32))}
+        return self.fmt.leaf_shapes(k, n)
+
+    def weights(self, module, k, n, lead=(), name=None):
+        return read_stacks(module, _leaf_names(self.fmt, "kernel")), n
+
+    def apply(self, w, x, layer=None):
+        leaves, n = w
+        return _matmul(self.fmt, leaves, x, layer, n, "kernel")
+
+    def to_serving(self, leaves, stacked):
+        return _pack(leaves, self.fmt, "kernel", stacked)
+
+    def to_standard(self, leaves, n, stacked):
+        return _unpack(leaves, self.fmt, "kernel", n, stacked)
+
+
+@dataclasses.dataclass(frozen=True)
+class PanelEmbed(EmbedMethod):
+    """A tied embedding stored as the LM head's panels: "embedding" f32[1, P, hidden, 16],
+    or the quantized leaves' panels ([1, P, rows, 16]); lookups read the same panels."""
+
+    fmt: QuantFormat | None = None
+    stacked = True
+
+    def weights(self, module, vocab, hidden):
+        return read_stacks(module, _leaf_names(self.fmt, "embedding")), vocab
+
+    def lookup(self, w, ids):
+        leaves, _ = w
+        if self.fmt is None:  # column id % 16 of panel id // 16
+            return leaves["embedding"][0, ids // gemm.PANEL, :, ids % gemm.PANEL]
+        return dequantize(qgemm.columns(leaves, ids), self.fmt.kind).T  # [T, hidden]
+
+    def attend(self, w, h):
+        leaves, vocab = w
+        return _matmul(self.fmt, leaves, h.astype(jnp.float32), None, vocab, "embedding")
+
+    def to_serving(self, leaves: dict) -> dict:
+        """Panels of the standard table: [vocab, hidden] float, or [hidden, vocab] leaves."""
+        if self.fmt is None:
+            return {"embedding": gemm.pack(np.asarray(leaves["embedding"]).T[None])}
+        return _pack(leaves, self.fmt, "embedding", stacked=False)
+
+    def to_standard(self, leaves: dict, vocab: int) -> dict:
+        """The inverse of `to_serving`."""
+        if self.fmt is None:
+            return {"embedding": gemm.unpack(leaves["embedding"], vocab)[0].T}
+        return _unpack(leaves, self.fmt, "embedding", vocab, stacked=False)
+
+
+def kernels_available(quantized: bool) -> bool:
+    """Whether the CPU matmul kernel (and for a quantized model the quantized one) builds."""
+    return gemm.available() and (not quantized or qgemm.available())
+
+
+def plan_supported(plan: QuantPlan, cfg: ArchConfig) -> bool:
+    """Whether every layer matmul and the LM head (the tied embedding) that `plan`
+    quantizes has a format the CPU quantized kernel multiplies (q8 with any block dividing
+    its input size, q4 in blocks of 32)."""
+    head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+    for name in (*(name for _, name in LAYER_MATMULS), head):
+        fmt = plan.get(name)
+        k = cfg.hidden_size if name == head else in_features(cfg, name)
+        if fmt is not None and not qgemm.supports(fmt.kind, k, fmt.block_for(k)):
+            return False
+    return True
+
+
+def in_features(cfg: ArchConfig, name: str) -> int:
+    """Input size (K) of layer matmul `name`."""
+    return {"o_proj": cfg.num_heads * cfg.head_dim,
+            "down_proj": cfg.intermediate_size}.get(name, cfg.hidden_size)
+
+
+def out_features(cfg: ArchConfig, name: str) -> int:
+    """Output size (N) of layer matmul `name`."""
+    return {"q_proj": cfg.num_heads * cfg.head_dim, "k_proj": cfg.num_kv_heads * cfg.head_dim,
+            "v_proj": cfg.num_kv_heads * cfg.head_dim, "o_proj": cfg.hidden_size,
+            "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size,
+            "down_proj": cfg.hidden_size}[name]

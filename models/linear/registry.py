@@ -1,0 +1,283 @@
+"""The method registry: every per-platform choice a model's code must not make itself.
+
+A model is loaded as a `QuantPlan` (how the checkpoint stores each weight) and a
+`ServingChoice` (the attention backend, and the serving forms asked for). From those,
+`choose_methods` picks, once, the `Methods` the decoder is built with: each linear layer's
+method (`FloatLinear`, `QuantLinear` with the Pallas or XLA kernel, the `cpu` backend's
+`PanelLinear`; `LoRALinear` around the targets when adapters are served), the embedding's,
+the routed experts' (and how their grouped matmul runs), and the attention kernels
+(`pallas_kernels.AttentionOps`). `serving_params` and `standard_params` move a params tree
+between the standard layout (what checkpoints and `update_weights` hold) and the serving
+form those methods read. Nothing under `models/` outside this package names a backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ArchConfig
+from models.linear import panels as panel_methods
+from models.linear.base import STACKS, EmbedMethod, LinearMethod
+from models.linear.dense import FloatEmbed, FloatLinear, QuantEmbed, QuantLinear
+from models.linear.lora import LoRALinear, scan_slices_lora
+from models.linear.panels import LAYER_MATMULS, PanelEmbed, PanelLinear
+from models.lora import served_targets
+from models.quant import NO_QUANT, QuantFormat, QuantPlan
+from pallas_kernels import AttentionOps, resolve_backend
+from pallas_kernels.tuning import tuned
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def platform() -> str:
+    """The JAX platform the model serves on ("cpu", "gpu", "tpu")."""
+    return jax.default_backend()
+
+
+def grouped_impl() -> str:
+    """How a mixture of experts' grouped matmul runs here (`models.moe.GROUPED_IMPLS`):
+    XLA's `ragged_dot` (grouped GEMMs on GPU and TPU) or, on the CPU, where XLA expands
+    `ragged_dot` into a matmul of every row with every group, the expert loop."""
+    return "loop" if platform() == "cpu" else "ragged_dot"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingChoice:
+    """What a model's methods are chosen from, beside its plan and dtype.
+
+    Attributes:
+        backend: The attention backend ("auto" resolves per platform:
+            `pallas_kernels.resolve_backend`).
+        panels: Serve the layer matmuls and the LM head from the `cpu` backend's packed
+            panels (`models.linear.panels`; `can_panel` says where they serve).
+        whole_experts: A mixture of experts' routed stacks read whole from `STACKS` at
+            the layer index (one device: XLA:CPU would copy every expert of a layer out of
+            the scan's slices), instead of sliced per layer.
+        batch_invariant: Every token's logits bit for bit independent of what shares its
+            step: matmuls in fixed row tiles, attention per token in fixed key blocks.
+        lora_impl: How adapters' updates are computed (`models.linear.lora.LORA_IMPLS`,
+            resolved), or None: no adapters served.
+
+    Raises:
+        ValueError: An unknown backend, or "cpu" where its kernel does not build.
+    """
+
+    backend: str = "auto"
+    panels: bool = False
+    whole_experts: bool = False
+    batch_invariant: bool = False
+    lora_impl: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "backend", resolve_backend(self.backend))
+
+
+@dataclasses.dataclass(frozen=True)
+class Methods:
+    """The methods a decoder is built with (hashable: a static part of the module tree).
+
+    Attributes:
+        attention: The KV write and attention kernels.
+        linears: (module name, method) of the modules not served by `default`.
+        default: The method of every other linear layer (routers, gates: float).
+        embedding: The token embedding's method (and the tied LM head's).
+        experts: (projection, method) of a mixture of experts' routed stacks.
+        grouped: The experts' grouped matmul (`models.moe.GROUPED_IMPLS`).
+        whole_experts: See `ServingChoice.whole_experts`.
+        lora_whole: The LoRA slot stacks are read whole at the layer (the scan broadcasts
+            them) rather than sliced.
+        batch_invariant: See `ServingChoice.batch_invariant` (norms sum in a fixed order).
+        kv_dtype: The dtype of KV pages under `kv_cache_dtype="auto"`.
+    """
+
+    attention: AttentionOps
+    linears: tuple[tuple[str, LinearMethod], ...]
+    default: LinearMethod
+    embedding: EmbedMethod
+    experts: tuple[tuple[str, LinearMethod], ...]
+    grouped: str
+    whole_experts: bool
+    lora_whole: bool
+    batch_invariant: bool
+    kv_dtype: Any
+
+    def linear(self, name: str) -> LinearMethod:
+        """The method of linear module `name` ("q_proj", "lm_head", "gate", ...)."""
+        return dict(self.linears).get(name, self.default)
+
+    def expert(self, projection: str) -> LinearMethod:
+        """The method of the routed experts' stack `projection` ("gate_proj", ...)."""
+        return dict(self.experts)[projection]
+
+    @property
+    def backend(self) -> str:
+        """The attention backend the methods were chosen for."""
+        return self.attention.backend
+
+
+def can_panel(cfg: ArchConfig, plan: QuantPlan, dtype, backend: str,
+              one_device: bool = True) -> bool:
+    """Whether a model serves from packed panels: the `cpu` backend, float32 compute on
+    one device, a dense model (not a mixture of experts: its experts are grouped matmuls),
+    every quantized layer matmul in a format the quantized kernel reads, and the kernels
+    built here."""
+    if resolve_backend(backend) != "cpu" or jnp.dtype(dtype) != jnp.float32 or not one_device:
+        return False
+    if cfg.is_moe or (plan and not panel_methods.plan_supported(plan, cfg)):
+        return False
+    return panel_methods.kernels_available(bool(plan))
+
+
+def keeps_gguf_blocks(cfg: ArchConfig, plan: QuantPlan, dtype, choice: ServingChoice,
+                      one_device: bool) -> bool:
+    """Whether a GGUF file's blocks (`plan`, its own) are best served as they are here:
+    on the CPU, where the `cpu` backend's quantized kernel multiplies them in place
+    (`can_panel`); XLA's CPU matmuls convert int8/4-bit codes far slower than they read
+    float32, so elsewhere on the CPU the file is dequantized (BENCHMARKS.md,
+    "Quantization")."""
+    return platform() == "cpu" and can_panel(cfg, plan, dtype, choice.backend, one_device)
+
+
+def _linear(plan: QuantPlan, name: str, dtype, backend: str, row_tile: int) -> LinearMethod:
+    fmt = plan.get(name)
+    if fmt is None:
+        return FloatLinear(jnp.dtype(dtype), row_tile)
+    return QuantLinear(fmt, jnp.dtype(dtype), "pallas" if backend == "pallas" else "xla",
+                       row_tile)
+
+
+def choose_methods(cfg: ArchConfig, plan: QuantPlan = NO_QUANT, dtype=jnp.float32,
+                   choice: ServingChoice | None = None) -> Methods:
+    """The methods a model of `cfg`, stored as `plan`, serves with under `choice`
+    (default: the plain methods of the platform's default backend).
+
+    Raises:
+        ValueError: `choice.panels` for a model that cannot serve from panels (`can_panel`).
+    """
+    choice = choice or ServingChoice()
+    backend, dtype = choice.backend, jnp.dtype(dtype)
+    row_tile = tuned("batch_invariant")["row_tile"] if choice.batch_invariant else 0
+    if choice.panels and not can_panel(cfg, plan, dtype, backend):
+        raise ValueError("packing the weights into panels needs the 'cpu' backend with "
+                         "float32, unquantized or q8/q4 weights of a dense model on one "
+                         "device and the CPU matmul kernels (got "
+                         f"backend {backend!r}, dtype {dtype.name}, quantization "
+                         f"{plan.to_dict() or None}, {cfg.architecture})")
+    head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+    names = (*(name for _, name in LAYER_MATMULS), "lm_head")
+    linears = {name: _linear(plan, name, dtype, backend, row_tile) for name in names}
+    if choice.panels:
+        linears.update({name: PanelLinear(plan.get(name)) for name in names
+                        if name != "lm_head" or head == "lm_head"})
+    for _, name in served_targets(cfg) if choice.lora_impl else ():
+        linears[name] = LoRALinear(linears[name], choice.lora_impl)
+    fmt = plan.get("embed_tokens")
+    if choice.panels and head == "embed_tokens":
+        embedding: EmbedMethod = PanelEmbed(fmt)
+    elif fmt is None:
+        embedding = FloatEmbed(dtype, row_tile)
+    else:
+        embedding = QuantEmbed(fmt, dtype, "pallas" if backend == "pallas" else "xla",
+                               row_tile)
+    experts = tuple((proj, _linear(plan, f"experts.{proj}", dtype, "xla", 0))
+                    for proj in EXPERT_PROJECTIONS)
+    kv_dtype = jnp.dtype(jnp.float16 if plan.name == "gguf" and backend == "cpu" else dtype)
+    return Methods(
+        attention=AttentionOps(backend, choice.batch_invariant),
+        linears=tuple(sorted(linears.items())), default=FloatLinear(dtype),
+        embedding=embedding, experts=experts,
+        grouped=grouped_impl(),
+        whole_experts=choice.whole_experts and cfg.is_moe and not cfg.is_mixed,
+        lora_whole=choice.lora_impl is not None and not scan_slices_lora(choice.lora_impl),
+        batch_invariant=choice.batch_invariant, kv_dtype=kv_dtype)
+
+
+def _copy(tree: dict) -> dict:
+    return jax.tree_util.tree_map(lambda x: x, tree)  # new dicts, the same leaves
+
+
+def serving_params(params: dict, cfg: ArchConfig, methods: Methods) -> dict:
+    """The serving form of a standard params tree (new dicts; the input is left as it was):
+    the variables {"params": ..., STACKS: ...} when some weight is read from `STACKS`
+    (panels, whole experts), else the tree itself."""
+    stacks: dict = {}
+    rest = _copy(params)
+    for parent, name in LAYER_MATMULS:
+        method = methods.linear(name)
+        if method.stacked:
+            leaf = rest["layers"][parent][name]
+            std = {k: leaf.pop(k) for k in list(leaf) if k != "bias"}
+            stacks.setdefault("layers", {}).setdefault(parent, {})[name] = \
+                method.to_serving(std, stacked=True)
+            if not leaf:  # no bias left either
+                del rest["layers"][parent][name]
+                if not rest["layers"][parent]:
+                    del rest["layers"][parent]
+    if "lm_head" in rest and methods.linear("lm_head").stacked:
+        stacks["lm_head"] = methods.linear("lm_head").to_serving(rest.pop("lm_head"), False)
+    elif "lm_head" not in rest and methods.embedding.stacked:
+        stacks["embed_tokens"] = methods.embedding.to_serving(rest.pop("embed_tokens"))
+    if methods.whole_experts and "experts" in rest.get("layers", {}).get("mlp", {}):
+        experts = rest["layers"]["mlp"].pop("experts")
+        stacks.setdefault("layers", {}).setdefault("mlp", {})["experts"] = experts
+    return {"params": rest, STACKS: stacks} if stacks else rest
+
+
+def _panel_method(leaves: dict) -> PanelLinear:
+    """The panel method whose serving form `leaves` are (the format's block is moot)."""
+    if "qweight" not in leaves:
+        return PanelLinear()
+    return PanelLinear(QuantFormat("q4" if "zeros" in leaves else "q8"))
+
+
+def standard_params(params: dict, cfg: ArchConfig) -> dict:
+    """The standard params tree of any serving form (`serving_params`' inverse; a
+    standard tree is returned as it is)."""
+    if "params" not in params:
+        return params
+    rest, stacks = _copy(params["params"]), params.get(STACKS, {})
+    layers = stacks.get("layers", {})
+    for parent, name in LAYER_MATMULS:
+        if name in layers.get(parent, {}):
+            leaves = layers[parent][name]
+            std = _panel_method(leaves).to_standard(
+                leaves, panel_methods.out_features(cfg, name), stacked=True)
+            rest["layers"].setdefault(parent, {}).setdefault(name, {}).update(std)
+    if "experts" in layers.get("mlp", {}):
+        rest["layers"]["mlp"]["experts"] = layers["mlp"]["experts"]
+    if "lm_head" in stacks:
+        rest["lm_head"] = _panel_method(stacks["lm_head"]).to_standard(
+            stacks["lm_head"], cfg.vocab_size, stacked=False)
+    if "embed_tokens" in stacks:
+        table = stacks["embed_tokens"]
+        fmt = _panel_method({k: v for k, v in table.items() if k != "embedding"}).fmt
+        rest["embed_tokens"] = PanelEmbed(fmt).to_standard(table, cfg.vocab_size)
+    return rest
+
+
+def _form(choice: ServingChoice) -> tuple[bool, bool]:
+    """What of a choice changes where the weights live (panels, whole experts)."""
+    return choice.panels, choice.whole_experts
+
+
+def serving_form(model, **changes):
+    """`model` (a `models.model.Model`) with its `ServingChoice` fields changed and its
+    params moved into the form the new choice reads (the same model when nothing changes;
+    params are never copied when their form stays).
+
+    Raises:
+        ValueError: A choice the model cannot serve with (`choose_methods`), or an
+            unknown backend.
+    """
+    choice = dataclasses.replace(model.serving, **changes)
+    if choice == model.serving:
+        return model
+    methods = choose_methods(model.cfg, model.quant, model.dtype, choice)
+    params = model.params
+    if params is not None and _form(choice) != _form(model.serving):
+        params = serving_params(standard_params(params, model.cfg), model.cfg, methods)
+    return dataclasses.replace(model, params=params, serving=choice)
