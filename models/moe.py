@@ -29,10 +29,8 @@ import jax.numpy as jnp
 from models.config import ROUTER_ORDERS, ArchConfig
 from models.layers import ACTIVATIONS, GatedMLP
 from models.linear import STACKS, Linear, LinearMethod, Methods
-from models.linear.dense import FloatLinear, QuantLinear
-from models.linear.registry import grouped_impl
+from models.linear.registry import grouped_impl, stored_method
 from models.moe_parallel import ExpertSharding, sharded_experts
-from models.quant import QuantFormat
 from pallas_kernels.tuning import tuned
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -91,20 +89,13 @@ def _at(w, index):
     return jax.tree_util.tree_map(lambda v: v[index], w)
 
 
-def stack_method(w) -> LinearMethod:
-    """The linear method a float or quantized expert stack's leaves are in (the stacks
-    given without the model's `Methods`: tests, references)."""
-    kind = expert_kind(w)
-    if kind is None:
-        return FloatLinear(w.dtype)
-    k = _stack_shape(w)[-2]
-    return QuantLinear(QuantFormat(kind, k // w["scales"].shape[-2]))
-
-
 def _methods(experts: dict, methods: dict | None) -> dict[str, LinearMethod]:
-    """Each projection's method: the model's, else the one its leaves are in."""
+    """Each projection's method: the model's, else the one its leaves are in (the stacks
+    given without the model's `Methods`: tests, references)."""
     methods = methods or {}
-    return {n: methods.get(n) or stack_method(experts[n]) for n in PROJECTIONS}
+    return {n: methods.get(n) or stored_method(experts[n] if isinstance(experts[n], dict)
+                                               else {"kernel": experts[n]})
+            for n in PROJECTIONS}
 
 
 def dequantize_experts(experts: dict, dtype=jnp.float32, methods: dict | None = None) -> dict:
@@ -203,7 +194,7 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
         layer: i32[] when `experts` are the layer scan's whole stacks [L, E, ...] (the
             serving form, `models.linear.ServingChoice.whole_experts`): the layer to read.
         methods: Each projection's linear method (the model's `Methods.expert`); None:
-            the method the leaves are in (`stack_method`).
+            the method the leaves are in (`models.linear.registry.stored_method`).
 
     Returns:
         [T, H] in x's dtype.

@@ -35,20 +35,20 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import ArchConfig
 from models.linear import STACKS
+from models.linear.registry import stored_method
 from models.moe_parallel import ExpertSharding
 
 logger = logging.getLogger("jaxserve")
 EXPERT, KV, REP = "expert", "kv", "rep"
 ALL = (KV, REP)  # head- and unit-parallel dimensions split over the tensor-parallel devices
 
-# Leaf path suffix -> which axis of the (stacked) parameter is split: "out" = last axis
-# (column parallel), "in" = the input axis (row parallel). Unlisted leaves are replicated.
-# Quantized weights (`models.quant`: codes, scales, zeros, all laid out [K..., N]) split
-# like the float kernel they replace.
-_WEIGHTS = ("kernel", "qweight", "scales", "zeros")
-_COLUMN = {(m, leaf) for m in ("q_proj", "gate_proj", "up_proj") for leaf in (*_WEIGHTS, "bias")}
-_KV_COLUMN = {(m, leaf) for m in ("k_proj", "v_proj") for leaf in (*_WEIGHTS, "bias")}
-_ROW = {(m, leaf) for m in ("o_proj", "down_proj") for leaf in _WEIGHTS}
+# Module -> how Megatron's layout splits it: "out" (column parallel: the output axis) or
+# "in" (row parallel: the input axis), over which mesh axes. Which axis of each leaf that
+# is, is its linear method's business (`LinearMethod.partition_spec`); unlisted modules
+# are replicated (the LM head splits its vocabulary where the devices divide it).
+_ROLES = {"q_proj": ("out", ALL), "gate_proj": ("out", ALL), "up_proj": ("out", ALL),
+          "k_proj": ("out", KV), "v_proj": ("out", KV), "o_proj": ("in", ALL),
+          "down_proj": ("in", ALL), "lm_head": ("out", ALL)}
 
 
 @dataclass(frozen=True)
@@ -87,30 +87,26 @@ class TensorParallel:
         `models.linear.STACKS`: ...}: panels, whole experts)."""
         collections = "params" in params  # a variables dict: paths lead with the collection
 
-        def spec(path, leaf):
-            keys = tuple(p.key for p in path)
+        def spec(keys, leaf, siblings):
             if collections and keys[0] in ("params", STACKS):
                 keys = keys[1:]
-            tail = keys[-2:]
-            ndim = np.ndim(leaf)
             if "experts" in keys[:-1] and self.experts is not None:  # [L, E, ...] stacks
                 name = keys[keys.index("experts") + 1]
                 return self.experts.leaf_spec(name, np.shape(leaf), keys[0] == "layers")
-            if "experts" in keys:  # no expert layout: replicated, quantized leaves included
-                return P()
-            if tail in _COLUMN:
-                return P(*([None] * (ndim - 1)), ALL)
-            if tail in _KV_COLUMN:
-                return P(*([None] * (ndim - 1)), KV)
-            if tail in _ROW:
-                if np.shape(leaf)[-2] % self.size:  # one scale per column: replicated
-                    return P()
-                return P(*([None] * (ndim - 2)), ALL, None)
-            if keys[0] == "lm_head" and np.shape(leaf)[-1] % self.size == 0:
-                return P(None, ALL)  # vocabulary split; logits are gathered
-            return P()
+            if "experts" in keys or len(keys) < 2 or keys[-2] not in _ROLES:
+                return P()  # replicated (experts without an expert layout included)
+            split, axes = _ROLES[keys[-2]]
+            shards = self.mesh.shape[KV] if axes == KV else self.size
+            # NOTE: a vocabulary the devices do not divide keeps the head whole; the row
+            # parallel leaves whose blocks they do not divide (one scale per column) too.
+            return stored_method(siblings).partition_spec(keys[-1], np.shape(leaf), split,
+                                                          axes, shards)
 
-        return jax.tree_util.tree_map_with_path(spec, params)
+        def walk(tree, keys):
+            return {k: walk(v, (*keys, k)) if isinstance(v, dict) else spec((*keys, k), v, tree)
+                    for k, v in tree.items()}
+
+        return walk(params, ())
 
     def param_shardings(self, params) -> dict:
         return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s),
@@ -124,11 +120,10 @@ class TensorParallel:
 
         def spec(path, leaf):
             module, which = path[-2].key, path[-1].key
-            shape = np.shape(leaf)
-            if which == "b" and (module, "kernel") in _COLUMN | _KV_COLUMN:
-                axis = KV if (module, "kernel") in _KV_COLUMN else ALL
-                return NamedSharding(self.mesh, P(None, None, None, axis))
-            if which == "a" and (module, "kernel") in _ROW and shape[1] % self.size == 0:
+            split, axes = _ROLES.get(module, (None, None))
+            if which == "b" and split == "out":
+                return NamedSharding(self.mesh, P(None, None, None, axes))
+            if which == "a" and split == "in" and np.shape(leaf)[1] % self.size == 0:
                 return NamedSharding(self.mesh, P(None, ALL, None, None))
             return self.replicated()
 

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 # The Flax collection of weights read whole at a traced layer index (stacks [L, ...]): the
 # layer scan broadcasts it to every layer instead of slicing it, so a layer reads its
@@ -75,6 +76,28 @@ class LinearMethod:
         """Bytes of the standard leaves of a [k, n] weight."""
         return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
                    for shape, dtype in self.leaf_shapes(k, n).values())
+
+    def partition_spec(self, leaf: str, shape: tuple[int, ...], split: str | None, axes,
+                       shards: int) -> PartitionSpec:
+        """How a tensor-parallel mesh splits standard leaf `leaf` of this weight.
+
+        The default is for leaves laid out [..., K', N] (the input axis, or its blocks,
+        second to last; the output axis last; stacked axes leading), as every method here.
+
+        Args:
+            leaf: The leaf's name ("kernel", "qweight", "bias", ...).
+            shape: Its shape.
+            split: "out" (column parallel: the output axis split over `axes`), "in" (row
+                parallel: the input axis), or None (replicated).
+            axes: The mesh axes splitting it.
+            shards: The devices those axes span (an axis they do not divide stays whole).
+        """
+        ndim = len(shape)
+        if split == "out" and shape[-1] % shards == 0:
+            return PartitionSpec(*([None] * (ndim - 1)), axes)
+        if split == "in" and leaf != "bias" and ndim >= 2 and shape[-2] % shards == 0:
+            return PartitionSpec(*([None] * (ndim - 2)), axes, None)
+        return PartitionSpec()
 
     def to_serving(self, leaves: dict, stacked: bool) -> dict:
         """The serving form's leaves of standard `leaves` (stacked over layers when

@@ -119,6 +119,22 @@ class Methods:
         return self.attention.backend
 
 
+def stored_method(leaves) -> LinearMethod:
+    """The method whose standard leaves `leaves` (their names, or a dict of them: a float
+    kernel, or a quantized weight's codes) are, for what needs only their layout
+    (partitioning, references); a q8 weight's block is read from its scales' shape when the
+    leaves are arrays."""
+    names = set(leaves)
+    if "qweight" not in names:
+        return FloatLinear()
+    kind = "q4" if "zeros" in names else "q8"
+    block = 32
+    if isinstance(leaves, dict) and hasattr(leaves["scales"], "shape"):
+        k = leaves["qweight"].shape[-2] * (2 if kind == "q4" else 1)
+        block = k // leaves["scales"].shape[-2]
+    return QuantLinear(QuantFormat(kind, block))
+
+
 def can_panel(cfg: ArchConfig, plan: QuantPlan, dtype, backend: str,
               one_device: bool = True) -> bool:
     """Whether a model serves from packed panels: the `cpu` backend, float32 compute on
