@@ -59,7 +59,7 @@ def test_family_adapter_equals_its_merged_model(family, smollm2_tokenizer, tmp_p
     impl = "masked" if family == "qwen3_moe" else "auto"
     llm = LLM(path, enable_lora=True, max_loras=1, max_lora_rank=8, warmup=False,
               lora_impl=impl, **TINY_ENGINE)
-    assert llm.engine.runner.model.lora_impl == ("masked" if family == "qwen3_moe"
+    assert llm.engine.runner.model.serving.lora_impl == ("masked" if family == "qwen3_moe"
                                                  else resolve_impl("auto", "float32",
                                                                    True))
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

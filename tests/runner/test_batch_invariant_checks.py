@@ -56,8 +56,9 @@ def test_served_model_carries_the_flag(tiny_model_dir):
 
     on = serving_model(EngineConfig.from_kwargs(model=tiny_model_dir, attention_backend="xla",
                                                 batch_invariant=True), None)[0]
-    assert on.batch_invariant and on.module.batch_invariant and on.module.quant.row_tile > 0
-    assert on.quant.row_tile == 0  # the stored plan is unchanged
+    assert on.serving.batch_invariant and on.methods.batch_invariant
+    assert on.methods.linear("q_proj").row_tile > 0 and on.methods.attention.batch_invariant
     off = serving_model(EngineConfig.from_kwargs(model=tiny_model_dir,
                                                  attention_backend="xla"), on)[0]
-    assert not off.batch_invariant and off.module.quant.row_tile == 0
+    assert not off.serving.batch_invariant and off.methods.linear("q_proj").row_tile == 0
+    assert not off.methods.attention.batch_invariant

@@ -102,7 +102,7 @@ def test_auto_is_float32_on_the_cpu_even_for_a_bfloat16_checkpoint(dirs, caplog)
 
 
 def test_auto_follows_the_checkpoint_on_a_mocked_accelerator(dirs, monkeypatch):
-    monkeypatch.setattr(serving_dtype.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(serving_dtype, "current_platform", lambda: "tpu")
     assert resolve_dtype("auto", *resolve_model(dirs.bf16)) == "bfloat16"
     assert resolve_dtype("auto", *resolve_model(dirs.f32)) == "bfloat16"
     assert resolve_dtype("float32", *resolve_model(dirs.bf16)) == "float32"  # as asked
