@@ -9,13 +9,15 @@ outputs over a text; rows are taken from it in turn); the default is Gaussian lo
 SmolLM2's vocabulary size, scaled by `--scale`.
 
     git worktree add /tmp/before HEAD~1
-    python scripts/bench_sampler.py --before /tmp/before --rows 8,32,128
+    python -m scripts.benchmarks.bench_sampler --before /tmp/before --rows 8,32,128
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.machinery
+import importlib.util
 import os
 import sys
 
@@ -24,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.bench.roofline import best_seconds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CASES = {  # name: SamplingParams fields of every row
     "greedy": {"temperature": 0.0},
@@ -36,15 +40,21 @@ CASES = {  # name: SamplingParams fields of every row
 
 
 def load_tree(root: str):
-    """`(jaxserve.sample, SamplingParams)` imported from the checkout at `root`."""
+    """`(jaxserve.sample, SamplingParams)` imported from the checkout at `root`.
+
+    Only the `jaxserve` package comes from `root` (found there by `PathFinder`, without
+    touching the import path); the other packages stay this process's.
+    """
     for name in [m for m in sys.modules if m == "jaxserve" or m.startswith("jaxserve.")]:
         del sys.modules[name]
-    sys.path.insert(0, os.path.abspath(root))
-    try:
-        sample = importlib.import_module("jaxserve.sample")
-        params = importlib.import_module("jaxserve.sampling_params").SamplingParams
-    finally:
-        sys.path.pop(0)
+    spec = importlib.machinery.PathFinder.find_spec("jaxserve", [os.path.abspath(root)])
+    if spec is None:
+        raise SystemExit(f"no jaxserve package in {root}")
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["jaxserve"] = package
+    spec.loader.exec_module(package)
+    sample = importlib.import_module("jaxserve.sample")
+    params = importlib.import_module("jaxserve.sampling_params").SamplingParams
     return sample, params
 
 
@@ -59,7 +69,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--iters", type=int, default=8)
     args = p.parse_args()
-    trees = {"now": load_tree(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+    trees = {"now": load_tree(ROOT)}
     if args.before:
         trees = {"before": load_tree(args.before), **trees}
     pool = np.load(args.logits).astype(np.float32) if args.logits else None

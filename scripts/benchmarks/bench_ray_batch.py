@@ -8,7 +8,7 @@ the run); "actor tok/s" is tokens over the time actors spent answering batches (
 excluded). Ratios are to the baseline of the same round; the load average is recorded
 beside each run.
 
-    python scripts/bench_ray_batch.py --requests 64 --max-tokens 16 --rounds 2
+    python -m scripts.benchmarks.bench_ray_batch --requests 64 --max-tokens 16 --rounds 2
 """
 
 from __future__ import annotations

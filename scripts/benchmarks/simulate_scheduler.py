@@ -1,11 +1,12 @@
-"""Simulates the real scheduler + KV cache manager on a trace with a step-cost model.
+r"""Simulates the real scheduler + KV cache manager on a trace with a step-cost model.
 
 Compares the scheduling modes (naive, static, continuous, continuous+chunked) on one
 trace in one run and prints throughput, TTFT, TPOT, ITL and E2E latency, plus the host
 time the scheduler spent per step. Examples:
 
-    python scripts/simulate_scheduler.py --num-requests 10000 --rate 100
-    python scripts/simulate_scheduler.py --trace mixed --cost cpu-smollm2 --num-requests 64
+    python -m scripts.benchmarks.simulate_scheduler --num-requests 10000 --rate 100
+    python -m scripts.benchmarks.simulate_scheduler --trace mixed --cost cpu-smollm2 \
+        --num-requests 64
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ reports, the JAX live-array bytes and the process RSS before, asleep and awake, 
 wake-up time, the compilations after wake-up (0 expected) and whether the greedy outputs
 after each wake-up equal those before.
 
-Usage: python scripts/bench_sleep.py [--model PATH] [--num-kv-blocks N]
+Usage: python -m scripts.benchmarks.bench_sleep [--model PATH] [--num-kv-blocks N]
 """
 
 from __future__ import annotations

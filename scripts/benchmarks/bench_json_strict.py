@@ -5,7 +5,7 @@ SmolLM2 (the embedded default), 40 samples at temperature 1 (seeds 0-39) of the 
 `NESTED` (an object inside an object, an enum, bounded strings, an array), `max_tokens` 160,
 each parsed and validated with `jsonschema`.
 
-Usage: python scripts/bench_json_strict.py ['{"disable_additional_properties": false}']
+Usage: python -m scripts.benchmarks.bench_json_strict ['{"disable_additional_properties": false}']
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ Three random-weight models share every shape: "sparse" (every layer `--experts` 
 `--expert-size`, top `--top-k`), "dense" (every layer a `GatedMLP` of `--dense-size`) and
 "mixed" (the odd layers dense, `ArchConfig.dense_layers`). The dense MLP is made much wider
 than the routed experts' work so the two kinds of layer cost clearly apart. The steps are
-built and timed interleaved as in `scripts/bench_moe.py` (its `compiled`), on the `xla`
+built and timed interleaved as in `scripts/benchmarks/bench_moe.py` (its `compiled`), on the `xla`
 backend; the mixed program's HLO is also checked for its `conditional`.
 
-Usage: python scripts/bench_mixed_moe.py [--batches 1,32] [--layers 4] [--rounds 15]
+Usage: python -m scripts.benchmarks.bench_mixed_moe [--batches 1,32] [--layers 4] [--rounds 15]
 """
 
 from __future__ import annotations
@@ -18,17 +18,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_moe import compiled, interleaved_ms  # noqa: E402
-
-from models.config import ArchConfig  # noqa: E402
-from models.default_model import default_model_path  # noqa: E402
-from models.loaders import load_tokenizer  # noqa: E402
-from models.model import Model, random_params  # noqa: E402
+from models.config import ArchConfig
+from models.default_model import default_model_path
+from models.loaders import load_tokenizer
+from models.model import Model, random_params
+from scripts.benchmarks.bench_moe import compiled, interleaved_ms
 
 
 def configs(args) -> dict[str, ArchConfig]:

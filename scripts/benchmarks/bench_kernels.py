@@ -4,8 +4,8 @@ The device's peak matmul FLOP/s and copy bandwidth are measured with JAX in the 
 so the figures are ratios to this machine, whatever it is (CPU, GPU or TPU). On the CPU
 the Pallas kernels run in the interpreter: their timings say nothing about GPU speed.
 
-    python scripts/bench_kernels.py --num-seqs 8 --context-len 512 --q-len 1
-    python scripts/bench_kernels.py --num-seqs 2 --context-len 512 --q-len 128
+    python -m scripts.benchmarks.bench_kernels --num-seqs 8 --context-len 512 --q-len 1
+    python -m scripts.benchmarks.bench_kernels --num-seqs 2 --context-len 512 --q-len 128
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ for every layer (`--disable-hybrid-kv-cache-manager`). Memory is counted in laye
    same layer pattern, on this machine's backend), the pool read after every step, with
    and without the hybrid KV cache, beside the step count and wall time.
 
-Usage: python scripts/bench_hybrid_kv.py [--layers 26] [--window 512] [--engine]
+Usage: python -m scripts.benchmarks.bench_hybrid_kv [--layers 26] [--window 512] [--engine]
 """
 
 from __future__ import annotations

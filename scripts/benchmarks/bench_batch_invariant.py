@@ -10,7 +10,7 @@ tokens each (EOS ignored). Printed per engine: the median over rounds of output 
 and of all tokens (prompt + output) per second, with each round's load average, and the
 ratio invariant / default per backend.
 
-Usage: python scripts/bench_batch_invariant.py [--backends xla,cpu] [--batch 16]
+Usage: python -m scripts.benchmarks.bench_batch_invariant [--backends xla,cpu] [--batch 16]
        [--prompt-len 128] [--max-tokens 32] [--rounds 3] [--model PATH]
 """
 

@@ -15,7 +15,7 @@ mapped pages are in RssFile, and llama.cpp serves its weights from that mapping)
 model file's own mapped pages (from /proc/PID/smaps), and the peak (VmHWM).
 
 Usage:
-    python scripts/rss_vs_llama.py [--rounds 2] [--prompts 8] [--max-tokens 32]
+    python -m scripts.benchmarks.rss_vs_llama [--rounds 2] [--prompts 8] [--max-tokens 32]
         [--forms jaxserve,jaxserve-gguf,llama] [--llama-server PATH] [--jaxserve-args "..."]
 """
 
@@ -24,15 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_process import REPO, LlamaServer, ServerProcess  # noqa: E402
+from scripts.benchmarks.server_process import REPO, LlamaServer, ServerProcess
 
 LLAMA_SERVER = ("/tmp/s30/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server")
 # form -> extra `jaxserve serve` flags (None: llama-server).

@@ -11,8 +11,8 @@ which meets every path once: grammars, logprobs, n > 1), no compilation after th
 warm-up, no internal error in the server's log. Prints a report (and `--json` writes it);
 exits 1 when a check fails.
 
-    python scripts/soak.py                          # 30 minutes, the default model
-    python scripts/soak.py --minutes 2 --model DIR  # the slow-tier test's run
+    python -m scripts.benchmarks.soak                          # 30 minutes, the default model
+    python -m scripts.benchmarks.soak --minutes 2 --model DIR  # the slow-tier test's run
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from collections import Counter
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_process import ServerProcess  # noqa: E402
+from scripts.benchmarks.server_process import ServerProcess
 
 PROBES = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
           "1, 2, 3, 4,", "The quick brown fox"]

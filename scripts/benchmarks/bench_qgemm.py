@@ -5,35 +5,35 @@ which reads q8/q4 codes in place, against the float32 panels (`stacked_gemm.cc`)
 its float32 weights (panels), the same weights quantized Q4_1-style (q4) and as Q8_0 (q8),
 in place; and the XLA quantized path (`quant_matmul_xla` inside a scan) for reference:
 
-    python scripts/bench_qgemm.py layers --batch-sizes 1,8,32
+    python -m scripts.benchmarks.bench_qgemm layers --batch-sizes 1,8,32
 
 `--compare-source` times another version of the kernel's source beside this one on the
 same q4 panels, as form `other` (e.g. the version of a commit before a change):
 
     git show 8b34823:pallas_kernels/cpu_ffi/stacked_qgemm.cc > /tmp/before.cc
-    python scripts/bench_qgemm.py layers --compare-source /tmp/before.cc --forms q4,other
+    python -m scripts.benchmarks.bench_qgemm layers --compare-source /tmp/before.cc --forms q4,other
 
 `head`: the default model's tied LM head [576, 49152] (its Q8_0 blocks) as float32 panels,
 through the kernel, and through XLA's quantized matmul:
 
-    python scripts/bench_qgemm.py head --batch-sizes 1,32
+    python -m scripts.benchmarks.bench_qgemm head --batch-sizes 1,32
 
 `memory`: the resident set of a process that loads the default model (float32, or with
 its blocks kept) and builds an `LLM` over it with a fixed small page pool, after each
 step, one fresh process per form:
 
-    python scripts/bench_qgemm.py memory
+    python -m scripts.benchmarks.bench_qgemm memory
 
 `decode`: decode tok/s of the embedded SmolLM2 GGUF served with its Q4_1 blocks in place
 (`--quantization gguf`, the `cpu` backend) against float32 (the CPU default), at batch
 sizes 1 and 32, interleaved A, B, A, B, the load average beside each figure:
 
-    python scripts/bench_qgemm.py decode --batch-sizes 1,32 --rounds 2
+    python -m scripts.benchmarks.bench_qgemm decode --batch-sizes 1,32 --rounds 2
 
 `--forms` picks the engines: `q4_kv_f32` and `q4_kv_bf16` serve the blocks with float32 or
 bfloat16 KV pages instead of their default float16:
 
-    python scripts/bench_qgemm.py decode --forms q4_kv_f32,q4_in_place,q4_kv_bf16
+    python -m scripts.benchmarks.bench_qgemm decode --forms q4_kv_f32,q4_in_place,q4_kv_bf16
 """
 
 from __future__ import annotations
@@ -47,13 +47,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_layer_loop import layer_weights, time_forms  # noqa: E402
-
-from models.quant import QuantFormat, quantize_stack  # noqa: E402
-from pallas_kernels.cpu_ffi import gemm, qgemm  # noqa: E402
-from pallas_kernels.quant_matmul.reference import dequantize  # noqa: E402
-from pallas_kernels.quant_matmul.xla import quant_matmul_xla  # noqa: E402
+from models.quant import QuantFormat, quantize_stack
+from pallas_kernels.cpu_ffi import gemm, qgemm
+from pallas_kernels.quant_matmul.reference import dequantize
+from pallas_kernels.quant_matmul.xla import quant_matmul_xla
+from scripts.benchmarks.bench_stacked_gemm import layer_weights, time_forms
 
 
 def _loop(mm):
@@ -187,7 +185,7 @@ def memory(args) -> None:
     import json
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     print("| weights | load avg | weight GiB | after import | after load | engine built "
           "| after a generate | peak |\n|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -12,7 +12,9 @@ forward, whose attention (the XLA path's loop over KV blocks of a dynamic count)
 reverse-mode derivative; a training program would use its own dense attention for the
 trunk and hand the result to `update_weights` the same way.
 
-Usage: python scripts/rl_update_weights.py [--rounds 10] [--steps 5] [--lr 0.5]
+Usage: python -m scripts.examples.rl_update_weights [--rounds 10] [--steps 5] [--lr 0.5]
+       [--model PATH]  (whose tokenizer and architecture the tiny model takes; default:
+                        the embedded SmolLM2)
 """
 
 from __future__ import annotations
@@ -53,14 +55,22 @@ def answer_hidden(model: Model, params, ids: np.ndarray, num_prompt: int,
     return hidden[num_prompt - 1:-1]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Trains the tiny model's LM head for `--rounds` rounds, handing the engine the new
+    weights after each.
+
+    Args:
+        argv: Command-line arguments (default: `sys.argv[1:]`).
+    """
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=1, help="SGD steps per round")
     ap.add_argument("--lr", type=float, default=0.08)
-    args = ap.parse_args()
+    ap.add_argument("--model", default=None,
+                    help="the model whose tokenizer and architecture to shrink (default: SmolLM2)")
+    args = ap.parse_args(argv)
 
-    path = default_model_path()
+    path = args.model or default_model_path()
     tokenizer = load_tokenizer(path)
     cfg = dataclasses.replace(read_arch_config(path), hidden_size=64, intermediate_size=128,
                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

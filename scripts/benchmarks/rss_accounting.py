@@ -13,7 +13,7 @@ bucket's programs show as their own growth; the compiled programs' temporaries
 steps, prompt logprobs, each sampler variant), the C heap trimmed before each reading.
 
 Usage:
-    python scripts/rss_accounting.py [--model PATH] [--quantization gguf] [--no-warmup]
+    python -m scripts.benchmarks.rss_accounting [--model PATH] [--quantization gguf] [--no-warmup]
         [--per-bucket | --per-program] [--prompts N]
 """
 
@@ -24,7 +24,7 @@ import gc
 import os
 import time
 
-from rss_vs_llama import memory_mb
+from scripts.benchmarks.rss_vs_llama import memory_mb
 
 
 class Ledger:

@@ -15,7 +15,7 @@ figures are the median over rounds, with the load average beside them. Adapter l
 (reading a PEFT directory) and slot write time, and the device bytes of one slot, are
 measured on the engine of the last of `--impls`.
 
-Usage: python scripts/bench_lora.py [--batch 32] [--adapters 4] [--rank 16]
+Usage: python -m scripts.benchmarks.bench_lora [--batch 32] [--adapters 4] [--rank 16]
        [--max-tokens 64] [--rounds 3] [--model PATH] [--impls masked,gathered,grouped]
 """
 

@@ -6,7 +6,7 @@ Each request's decode rate is (tokens - 1) / (last token - first token), so the 
 step and the HTTP set-up are left out; time to first token is printed beside it. Both
 servers get the same prompt and token count (checked: `usage.completion_tokens`).
 
-    python scripts/bench_single_stream.py --llama-server /path/to/llama-server --rounds 4
+    python -m scripts.benchmarks.bench_single_stream --llama-server /path/to/llama-server --rounds 4
 
 `--jaxserve-url` / `--peer-url` use servers already running instead of starting them;
 `--jaxserve-args` passes flags to the `jaxserve serve` this script starts (default: none,
@@ -20,14 +20,12 @@ import argparse
 import json
 import os
 import shlex
-import sys
 import tempfile
 import time
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_process import LlamaServer, ServerProcess  # noqa: E402
+from scripts.benchmarks.server_process import LlamaServer, ServerProcess
 
 PROMPT = "Write a long story about a cat who learns to sail."
 

@@ -12,7 +12,7 @@ each request's lifetime (the memory-time integral over its prefill and decode st
 Bytes are SmolLM2-135M's: 30 layers x 2 (K, V) x 3 KV heads x 64 head_dim x 4 bytes.
 
 Usage:
-    python scripts/kv_waste.py [--num-requests N] [--prompt-min A] [--prompt-max B]
+    python -m scripts.benchmarks.kv_waste [--num-requests N] [--prompt-min A] [--prompt-max B]
                                [--output-mean M] [--output-std S] [--max-model-len L]
                                [--page-size P] [--seed S]
 """

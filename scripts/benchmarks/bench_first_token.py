@@ -10,7 +10,7 @@ engine's load + set-up time and the first token's latency from the request's arr
 remainder (wall - load - first token) is Python start, imports and exit. The load average
 is printed beside every round.
 
-Usage: python scripts/bench_first_token.py [--rounds 3] [--prompt TEXT] [--chat]
+Usage: python -m scripts.benchmarks.bench_first_token [--rounds 3] [--prompt TEXT] [--chat]
        [--variants "default;--quantization none"] [--llama-cli PATH]
 
 `--llama-cli` adds llama.cpp's `llama-cli` on the same file as a variant (one turn, one

@@ -1,7 +1,7 @@
 """What pooling costs: `LLM(runner="pooling").embed` against the same prompts' prefill in a
 generating engine (`generate` with `max_tokens=1`), on one loaded model, runs interleaved.
 
-    python scripts/bench_embed.py --num-prompts 64 --prompt-len 128 --pooling-type LAST
+    python -m scripts.benchmarks.bench_embed --num-prompts 64 --prompt-len 128 --pooling-type LAST
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ stream of 2-token completions while eight clients send heavy preparations withou
 templates); the completions' latency is printed beside the idle figure of the same server in
 the same run. Then six maximal /tokenize bodies at once, with the server's RSS before/after.
 
-    python scripts/bench_prepare_starvation.py                 # the lanes, then one shared pool
+    python -m scripts.benchmarks.bench_prepare_starvation   # the lanes, then one shared pool
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -20,8 +19,7 @@ from collections import Counter
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_process import ServerProcess  # noqa: E402
+from scripts.benchmarks.server_process import ServerProcess
 
 PROBE = {"prompt": "Hello, my name is", "max_tokens": 2, "temperature": 0}
 LOOP = ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")

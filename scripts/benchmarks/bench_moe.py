@@ -15,7 +15,7 @@ experts do not use: that would compare matmul kernels, not the layer).
 int8 per output channel (`models.quant.EXPERT_MODULES`), or every weight int8
 (`quantization="int8"`), printed against the float MoE.
 
-Usage: python scripts/bench_moe.py [--batches 1,32] [--hidden 1024] [--layers 4]
+Usage: python -m scripts.benchmarks.bench_moe [--batches 1,32] [--hidden 1024] [--layers 4]
        [--int8 experts|all]
 """
 

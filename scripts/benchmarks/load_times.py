@@ -9,7 +9,7 @@ were just written, so the page cache is warm) and checks that every format gives
 same parameters as the GGUF.
 
 Usage:
-    python scripts/load_times.py [--model PATH.gguf] [--dtype float32|bfloat16]
+    python -m scripts.benchmarks.load_times [--model PATH.gguf] [--dtype float32|bfloat16]
                                  [--repeats N] [--keep DIR]
 """
 

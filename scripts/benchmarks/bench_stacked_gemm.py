@@ -1,6 +1,7 @@
-"""Experiment: the layer loop's matmuls as a C++ custom call that reads each layer's weights
+"""Benchmark: the layer loop's matmuls as a C++ custom call that reads each layer's weights
 in place from stacked, panel-packed weights (`pallas_kernels/cpu_ffi/stacked_gemm.cc`),
-against the model's `nn.scan` form and per-layer buffers (`bench_layer_loop.py`).
+against the model's `nn.scan` form and per-layer buffers (`lax.switch` over one branch
+per layer, each closing over that layer's own buffer).
 
 At decode batch sizes XLA's CPU matmul gains little from the second thread, and the scan
 copies each layer's weights out of the stack before reading them. The custom call takes
@@ -9,13 +10,13 @@ the whole stack and the layer index (no copy) and gives each thread units of thr
 a load-time layout).
 The engine's `cpu` backend serves float32 models this way (`models/packed.py`):
 
-    python scripts/bench_stacked_gemm.py --batch-sizes 1,8,32,128
+    python -m scripts.benchmarks.bench_stacked_gemm --batch-sizes 1,8,32,128
 
 `--compare-source` times another version of the kernel's source beside this one, in the
 same process (e.g. the version of a commit before a change to the kernel):
 
     git show c4feb93:pallas_kernels/cpu_decode/stacked_gemm.cc > /tmp/before.cc
-    python scripts/bench_stacked_gemm.py --compare-source /tmp/before.cc --forms ffi
+    python -m scripts.benchmarks.bench_stacked_gemm --compare-source /tmp/before.cc --forms ffi
 
 A version that reads another panel width (before 2026-12-04 the panels were 48 columns
 wide, `[L, ceil(N / 48), K, 48]`) gets its weights packed that way with
@@ -26,20 +27,73 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_layer_loop import layer_weights, scanned, switched, time_forms  # noqa: E402
-
-from pallas_kernels.cpu_ffi import gemm  # noqa: E402
-from pallas_kernels.cpu_ffi.build import register  # noqa: E402
-from pallas_kernels.cpu_ffi.gemm import pack  # noqa: E402
+from jaxserve.bench.roofline import median_seconds
+from models.default_model import default_model_path
+from models.loaders import load_model
+from pallas_kernels.cpu_ffi import gemm
+from pallas_kernels.cpu_ffi.build import register
+from pallas_kernels.cpu_ffi.gemm import pack
 
 OTHER_TARGET = "jaxserve_bench_stacked_gemm_other"
+NAMES = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"),
+         "v": ("self_attn", "v_proj"), "o": ("self_attn", "o_proj"),
+         "g": ("mlp", "gate_proj"), "u": ("mlp", "up_proj"), "d": ("mlp", "down_proj")}
+
+
+def layer(x, w):
+    """x [B, H] through one layer's matmuls (no attention: q, k, v feed o directly)."""
+    qkv = x @ w["q"] + jnp.pad(x @ w["k"] + x @ w["v"],
+                               ((0, 0), (0, w["q"].shape[1] - w["k"].shape[1])))
+    x = x + qkv @ w["o"]
+    return x + (jax.nn.silu(x @ w["g"]) * (x @ w["u"])) @ w["d"]
+
+
+@jax.jit
+def scanned(stacked, x):
+    """`layer` over the stacked weights in a `lax.scan` (the model's form: each step
+    slices its layer's weights out of the stack)."""
+    return jax.lax.scan(lambda x, w: (layer(x, w), None), x, stacked)[0]
+
+
+@jax.jit
+def switched(per_layer, x):
+    """`layer` in a `fori_loop` whose body picks the layer's own buffer by `lax.switch`
+    (no slice of a stack)."""
+    branches = [lambda x, w=w: layer(x, w) for w in per_layer]
+    return jax.lax.fori_loop(0, len(per_layer),
+                             lambda i, x: jax.lax.switch(i, branches, x), x)
+
+
+def layer_weights() -> tuple[dict, list[dict]]:
+    """The default model's layer matmul weights: stacked {name: [L, in, out]} and per layer."""
+    params = load_model(default_model_path(), "float32", "xla").params["layers"]
+    stacked = {k: params[a][b]["kernel"] for k, (a, b) in NAMES.items()}  # [L, in, out]
+    per_layer = jax.block_until_ready(
+        [{k: jnp.array(w[i]) for k, w in stacked.items()}
+         for i in range(stacked["q"].shape[0])])
+    return stacked, per_layer
+
+
+def time_forms(forms: dict, hidden: int, batch_sizes: list[int], rounds: int,
+               iters: int) -> None:
+    """Prints a table of ms per pass of each form {name: (fn, weights)}, interleaved
+    rounds, and each form's ratio to the first."""
+    names = list(forms)
+    print("| round | batch | load avg | " + " | ".join(f"{n} ms" for n in names) + " | "
+          + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |\n"
+          + "|---:" * (3 + 2 * len(names) - 1) + "|")
+    for r in range(rounds):
+        for b in batch_sizes:
+            x = jnp.ones((b, hidden), jnp.float32) * 0.01
+            ms = [1000 * median_seconds(fn, w, x, iters=iters) for fn, w in forms.values()]
+            print(f"| {r + 1} | {b} | {os.getloadavg()[0]:.2f} | "
+                  + " | ".join(f"{m:.1f}" for m in ms) + " | "
+                  + " | ".join(f"{m / ms[0]:.2f}" for m in ms[1:]) + " |", flush=True)
 
 
 def stacked_gemm(x, panels, layer, target: str = gemm.TARGET):
@@ -50,7 +104,7 @@ def stacked_gemm(x, panels, layer, target: str = gemm.TARGET):
 
 
 def ffi_loop_of(target: str):
-    """`bench_layer_loop.layer` over every layer, each matmul a `stacked_gemm` (jitted)."""
+    """`layer` over every layer, each matmul a `stacked_gemm` (jitted)."""
     @jax.jit
     def loop(packed, x):
         def body(i, x):

@@ -10,7 +10,7 @@ the checkout it imported, and the load average.
 
 Compare two checkouts by running this script under each, interleaved (A, B, A, B):
 
-    PYTHONPATH=/path/to/checkout python scripts/bench_sampling_inputs.py --num-running 64
+    PYTHONPATH=/path/to/checkout python -m scripts.benchmarks.bench_sampling_inputs --num-running 64
 """
 
 from __future__ import annotations
