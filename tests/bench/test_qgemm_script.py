@@ -1,6 +1,6 @@
-"""`scripts/bench_qgemm.py`: its layer loops over the kernel's q4 and q8 panels compute what
-XLA's quantized matmuls (the same blocks) and the float32 panels (the dequantized values)
-do."""
+"""`scripts/benchmarks/bench_qgemm.py`: its layer loops over the kernel's q4 and q8 panels
+compute what XLA's quantized matmuls (the same blocks) and the float32 panels (the
+dequantized values) do."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,6 @@ import pytest
 from models.quant import QuantFormat, quantize_stack
 from pallas_kernels.cpu_ffi import gemm, qgemm
 from pallas_kernels.quant_matmul.reference import dequantize
-from tests.bench import load_script
 
 pytestmark = pytest.mark.skipif(not qgemm.available(),
                                 reason="needs a C++ compiler, x86-64 AVX2/F16C and the CPU")
@@ -18,7 +17,9 @@ pytestmark = pytest.mark.skipif(not qgemm.available(),
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("bench_qgemm")
+    from scripts.benchmarks import bench_qgemm
+
+    return bench_qgemm
 
 
 def test_the_layer_loops_agree(script):

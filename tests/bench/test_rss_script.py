@@ -1,4 +1,4 @@
-"""`scripts/rss_vs_llama.py`: its memory reading against the kernel's own accounting of a
+"""`scripts/benchmarks/rss_vs_llama.py`: its memory reading against the kernel's own accounting of a
 file this test maps, and its llama-server side (flags, readiness, the batch) against a
 stand-in server; bad arguments are refused by name."""
 
@@ -9,12 +9,12 @@ import textwrap
 
 import pytest
 
-from tests.bench import load_script
-
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("rss_vs_llama")
+    from scripts.benchmarks import rss_vs_llama
+
+    return rss_vs_llama
 
 
 def test_memory_counts_a_mapped_file(script, tmp_path):
@@ -95,13 +95,14 @@ def test_llama_needs_a_jaxserve_form_first(script, tmp_path):
 
 
 def test_accounting_ledger_sees_a_phase_that_allocates():
-    """`scripts/rss_accounting.py`'s ledger: a phase that touches 64 MiB shows ~67 MB added
-    (anonymous), the table holds every phase."""
+    """`scripts/benchmarks/rss_accounting.py`'s ledger: a phase that touches 64 MiB shows
+    ~67 MB added (anonymous), the table holds every phase."""
     import mmap
 
     import numpy as np
 
-    accounting = load_script("rss_accounting")
+    from scripts.benchmarks import rss_accounting as accounting
+
     ledger = accounting.Ledger()
     ledger.mark("start")
     # NOTE: fresh private anonymous pages, not `np.ones`: in a test worker that has freed

@@ -1,6 +1,6 @@
-"""`scripts/bench_single_stream.py`: its streamed-completion timer against a stand-in
-OpenAI-style server (a thread streaming fixed SSE chunks), and its refusal of a stream
-that carries no usage."""
+"""`scripts/benchmarks/bench_single_stream.py`: its streamed-completion timer against a
+stand-in OpenAI-style server (a thread streaming fixed SSE chunks), and its refusal of a
+stream that carries no usage."""
 
 import http.server
 import json
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.bench import load_script
+from scripts.benchmarks import bench_single_stream as script
 
 
 def _server(chunks: list[dict], gap_s: float):
@@ -40,7 +40,6 @@ def _token(text):
 
 
 def test_stream_once_times_the_decode_from_the_first_token():
-    script = load_script("bench_single_stream")
     chunks = [_token(t) for t in ("a", "b", "c", "d", "e")]
     chunks.append({"choices": [], "usage": {"completion_tokens": 5}})
     server, url = _server(chunks, gap_s=0.1)
@@ -57,7 +56,6 @@ def test_stream_once_times_the_decode_from_the_first_token():
 
 
 def test_a_stream_without_usage_is_an_error():
-    script = load_script("bench_single_stream")
     server, url = _server([_token("a"), _token("b")], gap_s=0.0)
     try:
         with pytest.raises(RuntimeError, match="no tokens or no usage"):

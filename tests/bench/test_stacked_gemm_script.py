@@ -1,4 +1,4 @@
-"""`scripts/bench_stacked_gemm.py`: its layer loop through another build of the kernel
+"""`scripts/benchmarks/bench_stacked_gemm.py`: its layer loop through another build of the kernel
 (`--compare-source`) computes what the engine's build does."""
 
 import jax.numpy as jnp
@@ -7,7 +7,6 @@ import pytest
 
 from pallas_kernels.cpu_ffi import gemm
 from pallas_kernels.cpu_ffi.build import register
-from tests.bench import load_script
 
 pytestmark = pytest.mark.skipif(not gemm.available(),
                                 reason="needs a C++ compiler and the CPU platform")
@@ -15,7 +14,9 @@ pytestmark = pytest.mark.skipif(not gemm.available(),
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("bench_stacked_gemm")
+    from scripts.benchmarks import bench_stacked_gemm
+
+    return bench_stacked_gemm
 
 
 def test_the_other_build_runs_the_same_layer_loop(script):
