@@ -83,7 +83,7 @@ def engine_run(args, windows, hybrid: bool) -> dict:
                      eos_token_ids=(2,), hidden_act="gelu_pytorch_tanh", norm_offset=1.0,
                      embed_scale=True, sandwich_norms=True, qk_norm=True,
                      query_pre_attn_scalar=32, local_rope_theta=10000.0)
-    model = Model(cfg, random_params(cfg), jnp.float32, "tiny-gemma3", backend="auto")
+    model = Model(cfg, random_params(cfg), jnp.float32, "tiny-gemma3")
     llm = LLM(model, tokenizer=load_tokenizer(default_model_path()), warmup=False,
               max_model_len=args.max_model_len, max_num_batched_tokens=args.budget,
               block_size=args.page_size, enable_prefix_caching=False,

@@ -8,7 +8,7 @@ on this machine), each warmed up:
   request on the base model (the adapter path runs, every token's slot -1);
 - "lora-masked" / "lora-gathered" / "lora-grouped": `enable_lora`, the requests spread
   evenly over `--adapters` random rank-`--rank` adapters on all seven projections, with
-  each of `models.lora.LORA_IMPLS`.
+  each of `models.linear.lora.LORA_IMPLS`.
 Each round runs the engines one after another (A, B, C, D, A, B, ...) on the same prompts
 (prefix caching off) and times `generate` of `--max-tokens` greedy tokens per request; the
 figures are the median over rounds, with the load average beside them. Adapter load time
@@ -33,8 +33,8 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.bench.lora_adapters import write_random_adapter
 from jaxserve.lora import LoRARequest
 from models.default_model import default_model_path
+from models.linear.lora import LORA_IMPLS
 from models.loaders import load_model, load_tokenizer
-from models.lora import LORA_IMPLS
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", default=None)
     ap.add_argument("--impls", default=",".join(LORA_IMPLS),
-                    help="comma-separated LoRA forms to time (models.lora.LORA_IMPLS)")
+                    help="comma-separated LoRA forms to time (models.linear.lora.LORA_IMPLS)")
     args = ap.parse_args()
 
     path = args.model or default_model_path()

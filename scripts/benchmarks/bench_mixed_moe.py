@@ -23,6 +23,7 @@ import numpy as np
 
 from models.config import ArchConfig
 from models.default_model import default_model_path
+from models.linear import ServingChoice
 from models.loaders import load_tokenizer
 from models.model import Model, random_params
 from scripts.benchmarks.bench_moe import compiled, interleaved_ms
@@ -57,7 +58,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     tok = load_tokenizer(default_model_path())
-    models = {name: Model(cfg, random_params(cfg, seed=0), backend="xla")
+    models = {name: Model(cfg, random_params(cfg, seed=0), serving=ServingChoice("xla"))
               for name, cfg in configs(args).items()}
     names = list(models)
     for batch in (int(b) for b in args.batches.split(",")):

@@ -33,6 +33,7 @@ from jaxserve.bench.roofline import decode_pages
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from models.config import ArchConfig
 from models.default_model import default_model_path
+from models.linear import ServingChoice
 from models.loaders import load_tokenizer
 from models.model import Model, random_params
 from models.quant import EXPERT_MODULES, QUANT_MODULES, QuantFormat, uniform_plan
@@ -111,13 +112,13 @@ def main() -> None:
     args = ap.parse_args()
     tok = load_tokenizer(default_model_path())
     cfgs = configs(args)
-    models = {name: Model(cfg, random_params(cfg, seed=0), backend="xla")
+    models = {name: Model(cfg, random_params(cfg, seed=0), serving=ServingChoice("xla"))
               for name, cfg in cfgs.items()}
     if args.int8:
         plan = uniform_plan("int8", QuantFormat("q8", 0),
                             EXPERT_MODULES if args.int8 == "experts" else QUANT_MODULES)
         models["moe_int8"] = Model(cfgs["moe"], random_params(cfgs["moe"], seed=0, quant=plan),
-                                   backend="xla", quant=plan)
+                                   serving=ServingChoice("xla"), quant=plan)
     names = list(models)
     for batch in (int(b) for b in args.batches.split(",")):
         steps = {n: compiled(models[n], tok, batch, args.context) for n in names}

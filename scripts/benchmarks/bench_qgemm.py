@@ -175,7 +175,7 @@ out["engine"] = rss()
 llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
 gc.collect()
 out["generated"] = rss()
-out["packed"] = list(llm.engine.model.quant.packed)
+out["panels"] = llm.engine.model.serving.panels
 print("RESULT " + json.dumps(out))
 """
 
@@ -235,8 +235,9 @@ def decode(args) -> None:
     engines = {form: LLM(path, **DECODE_FORMS[form], **common)
                for form in args.forms.split(",")}
     for name, llm in engines.items():
-        quant = llm.engine.model.quant
-        print(f"# {name}: quantization {quant.name!r}, packed {quant.packed}, KV pages "
+        served = llm.engine.model
+        print(f"# {name}: quantization {served.quant.name!r}, panels "
+              f"{served.serving.panels}, KV pages "
               f"{llm.engine.runner.kv_pages.dtype}")
     later = list(engines)[1:]
     print("| round | batch | load avg | " + " | ".join(f"{n} tok/s" for n in engines)

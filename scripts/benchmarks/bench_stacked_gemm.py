@@ -8,7 +8,7 @@ copies each layer's weights out of the stack before reading them. The custom cal
 the whole stack and the layer index (no copy) and gives each thread units of three
 16-column panels of weights packed contiguously (`pack`: [L, K, N] -> [L, 3 N / 48, K, 16],
 a load-time layout).
-The engine's `cpu` backend serves float32 models this way (`models/packed.py`):
+The engine's `cpu` backend serves float32 models this way (`models/linear/panels.py`):
 
     python -m scripts.benchmarks.bench_stacked_gemm --batch-sizes 1,8,32,128
 

@@ -31,6 +31,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.bench.scale import rss_mib
 from jaxserve.utils import cdiv
 from models.default_model import default_model_path
+from models.linear import ServingChoice
 from models.loaders import load_tokenizer, read_arch_config
 from models.model import Model, random_params
 from pallas_kernels import AttentionMetadata
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = dataclasses.replace(read_arch_config(path), hidden_size=64, intermediate_size=128,
                               num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                               layer_windows=(0, 0), tie_word_embeddings=False)
-    model = Model(cfg, random_params(cfg, seed=0), backend="xla", source="tiny-random")
+    model = Model(cfg, random_params(cfg, seed=0), source="tiny-random",
+                  serving=ServingChoice("xla"))
     llm = LLM(model, tokenizer=tokenizer, attention_backend="xla", max_num_seqs=8,
               max_num_batched_tokens=64, max_model_len=128, num_kv_blocks=64)
     prompt_ids = tokenizer(PROMPT)["input_ids"]

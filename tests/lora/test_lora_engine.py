@@ -66,7 +66,8 @@ def run(llm, cases, adapters, max_tokens=MAX_TOKENS):
 
 def test_each_adapter_alone_equals_its_merged_model(llm, adapters, oracle):
     # the default form: the CPU LoRA kernel where it builds
-    assert llm.engine.runner.model.serving.lora_impl == ("grouped" if kernel.available() else "masked")
+    served = llm.engine.runner.model.serving
+    assert served.lora_impl == ("grouped" if kernel.available() else "masked")
     for name in ("base", "qv8", "mlp4", "all16", "ko2"):
         assert run(llm, [(name, 0)], adapters) == [oracle[(name, 0)]], name
     assert len({tuple(oracle[(n, 0)]) for n in ("base", "qv8", "mlp4", "all16", "ko2")}) == 5
