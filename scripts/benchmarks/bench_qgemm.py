@@ -194,7 +194,7 @@ def memory(args) -> None:
                               capture_output=True, text=True, check=True)
         line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
         r = json.loads(line[len("RESULT "):])
-        print(f"| {quantization} (packed: {len(r['packed'])} modules) | "
+        print(f"| {quantization} (panels: {r['panels']}) | "
               f"{os.getloadavg()[0]:.2f} | {r['weight_bytes']:.3f} | {r['jax']['VmRSS']:.2f} | "
               f"{r['loaded']['VmRSS']:.2f} | {r['engine']['VmRSS']:.2f} | "
               f"{r['generated']['VmRSS']:.2f} | {r['generated']['VmHWM']:.2f} |", flush=True)
