@@ -158,12 +158,16 @@ def keeps_gguf_blocks(cfg: ArchConfig, plan: QuantPlan, dtype, choice: ServingCh
     return platform() == "cpu" and can_panel(cfg, plan, dtype, choice.backend, one_device)
 
 
+def _quant_kernel(backend: str) -> str:
+    """`quant_matmul`'s implementation on `backend`: Pallas where attention is Pallas."""
+    return "pallas" if backend == "pallas" else "xla"
+
+
 def _linear(plan: QuantPlan, name: str, dtype, backend: str, row_tile: int) -> LinearMethod:
     fmt = plan.get(name)
     if fmt is None:
         return FloatLinear(jnp.dtype(dtype), row_tile)
-    return QuantLinear(fmt, jnp.dtype(dtype), "pallas" if backend == "pallas" else "xla",
-                       row_tile)
+    return QuantLinear(fmt, jnp.dtype(dtype), _quant_kernel(backend), row_tile)
 
 
 def choose_methods(cfg: ArchConfig, plan: QuantPlan = NO_QUANT, dtype=jnp.float32,
@@ -197,8 +201,7 @@ def choose_methods(cfg: ArchConfig, plan: QuantPlan = NO_QUANT, dtype=jnp.float3
     elif fmt is None:
         embedding = FloatEmbed(dtype, row_tile)
     else:
-        embedding = QuantEmbed(fmt, dtype, "pallas" if backend == "pallas" else "xla",
-                               row_tile)
+        embedding = QuantEmbed(fmt, dtype, _quant_kernel(backend), row_tile)
     experts = tuple((proj, _linear(plan, f"experts.{proj}", dtype, "xla", 0))
                     for proj in EXPERT_PROJECTIONS)
     kv_dtype = jnp.dtype(jnp.float16 if plan.name == "gguf" and backend == "cpu" else dtype)
