@@ -7,18 +7,20 @@ from jaxserve.core.block_tables import BlockTables
 from jaxserve.core.group_hits import find_group_hits
 from jaxserve.core.kv_metrics import KVCacheCounters, KVCacheStats, make_stats
 from jaxserve.core.kv_page import KVPage, group_key
-from jaxserve.core.kv_swap import SwapMixin
+from jaxserve.core.kv_swap import KVSwapper
 from jaxserve.core.page_pool import HostPool, PagePool
 from jaxserve.core.plans import KVPlans
 from jaxserve.core.prefix_cache import update_page_hashes
 from jaxserve.request import Request
-from jaxserve.utils import cdiv
+from jaxserve.utils import cdiv, delegated
 
 
-class KVCacheManager(SwapMixin):
+class KVCacheManager:
     """Owns every request's block table (page ids) over one device page pool.
 
-    Call order per step (the scheduler's side): `get_computed_pages` for a new request,
+    Swap preemption (`can_swap_out`, `swap_out`, `can_swap_in`, `swap_in`) is its
+    `swapper`'s (`KVSwapper`). Call order per step (the scheduler's side):
+    `get_computed_pages` for a new request,
     `allocate_slots` for every scheduled request (None means preempt and retry),
     `swap_out`/`swap_in`/`free` as needed, then `take_plans()` once; the runner executes
     those plans before the step. Freeing or swapping out a request scheduled earlier in
@@ -73,6 +75,12 @@ class KVCacheManager(SwapMixin):
         self.tables = BlockTables(self.pool, self.host_pool, page_size, self.group_windows)
         self.counters = KVCacheCounters()
         self._watermark_pages = int(watermark * self.pool.num_usable_pages)
+        self.swapper = KVSwapper(self.tables, self.counters, self._watermark_pages)
+
+    can_swap_out = delegated("swapper", KVSwapper.can_swap_out)
+    swap_out = delegated("swapper", KVSwapper.swap_out)
+    can_swap_in = delegated("swapper", KVSwapper.can_swap_in)
+    swap_in = delegated("swapper", KVSwapper.swap_in)
 
     # ----------------------------------------------------------------- lookups
     def has_request(self, request_id: str) -> bool:

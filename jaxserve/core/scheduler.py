@@ -13,7 +13,7 @@ from collections import deque
 from jaxserve.config import SchedulerConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
-from jaxserve.core.scheduler_update import SchedulerUpdates
+from jaxserve.core.scheduler_update import OutputUpdater
 from jaxserve.request import Request, RequestStatus
 
 
@@ -36,7 +36,7 @@ class _StepDraft:
         return entry is not None
 
 
-class Scheduler(SchedulerUpdates):
+class Scheduler:
     """Host-side scheduler over one `KVCacheManager` (no JAX).
 
     Requests carry `sampling_params` (max_tokens, stop ids, n, ...), `priority` and
@@ -76,6 +76,7 @@ class Scheduler(SchedulerUpdates):
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._batch_open = True  # static mode: whether the current batch still admits
+        self.updater = OutputUpdater(self)
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -179,6 +180,21 @@ class Scheduler(SchedulerUpdates):
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+        """Advances requests by what step `out` computed and appends its sampled tokens
+        (`OutputUpdater.update`: fan-out forks, verified proposals, stop checks).
+
+        Args:
+            out: The step's scheduler output.
+            sampled: `{request_id: token ids}` for requests with `num_samples > 0`.
+
+        Returns:
+            (request, new token ids) for every request that got tokens, children included;
+            finished ones have a finished status and no pages any more.
+        """
+        return self.updater.update(out, sampled)
 
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
