@@ -72,14 +72,13 @@ def compiled_step(model, tok, attention, case: str):
                    max_num_batched_tokens=MAX_TOKENS, num_kv_blocks=NUM_PAGES, warmup=False)
     runner = llm.engine.runner
     out = scheduled(case, runner.page_size)
-    _, buf, layout, _, _ = runner._model_inputs(out, None)
+    step = runner.prepare_model_step(out, decode_only=False)
     mine = ops.ragged_paged_attention_xla
     if attention is not None:  # read when the step is traced (first call)
         ops.ragged_paged_attention_xla = attention
     try:
-        fn = runner._step_fn(layout, False)
-        dbuf = runner._to_device(buf)
-        pool, logits, _ = fn(runner.params, runner.kv_pages, dbuf, runner._no_prev_ids)
+        fn, dbuf = step.program, step.buf
+        pool, logits, _ = step.run(runner.params, runner.kv_pages)
     finally:
         ops.ragged_paged_attention_xla = mine
     return [fn, runner, dbuf, pool, logits]

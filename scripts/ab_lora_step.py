@@ -28,7 +28,6 @@ from jaxserve import LLM
 from jaxserve.bench.lora_adapters import write_random_adapter
 from jaxserve.bench.roofline import decode_output
 from jaxserve.lora import LoRARequest
-from jaxserve.runner.transfer import pack
 from models.default_model import default_model_path
 from models.loaders import load_model, load_tokenizer
 from models.lora import LORA_IMPLS
@@ -65,11 +64,12 @@ def main() -> None:
     for name, runner in [("base", runners["base"]),
                          ("lora-none", runners[f"lora-{impls[-1]}"]),
                          *((f"lora-{impl}", runners[f"lora-{impl}"]) for impl in impls)]:
-        arrays, _, _, num_tokens, _ = runner._model_inputs(out, None)
+        slots = None
         if name not in ("base", "lora-none"):
-            arrays.lora_slots = (np.arange(num_tokens) % args.adapters).astype(np.int32)
-        buf, layout = pack(arrays.device_tree())
-        steps[name] = [runner._step_fn(layout, False), runner, runner._to_device(buf)]
+            num_tokens = runner.step_shape(out)[0]
+            slots = (np.arange(num_tokens) % args.adapters).astype(np.int32)
+        step = runner.prepare_model_step(out, decode_only=False, lora_slots=slots)
+        steps[name] = [step.program, runner, step.buf]
     times: dict[str, list[float]] = {n: [] for n in steps}
     names = list(steps)
     for i in range(args.rounds + 2):
@@ -77,7 +77,7 @@ def main() -> None:
             fn, runner, dbuf = steps[name]
             start = time.perf_counter()
             runner.kv_pages, logits, _ = fn(runner.params, runner.kv_pages, dbuf,
-                                            runner._no_prev_ids, runner.lora_stacks)
+                                            runner.no_prev_ids, runner.lora_stacks)
             logits.block_until_ready()
             if i >= 2:
                 times[name].append(1e3 * (time.perf_counter() - start))

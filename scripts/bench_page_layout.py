@@ -84,15 +84,15 @@ def main() -> None:
                              f"{NUM_PAGES - 1} pages")
         steps = {}
         for name in layouts:
-            _, buf, shape, _, _ = runner._model_inputs(
-                decode_step(batch, context, runner.page_size, name), None)
-            steps[name] = (runner._step_fn(shape, False), runner._to_device(buf))
+            step = runner.prepare_model_step(
+                decode_step(batch, context, runner.page_size, name), decode_only=False)
+            steps[name] = (step.program, step.buf)
         times = {name: [] for name in layouts}
         for i in range(args.rounds + 2):  # two untimed rounds first
             for name in layouts if i % 2 == 0 else layouts[::-1]:
                 fn, dbuf = steps[name]
                 t = time.perf_counter()
-                pool, logits, _ = fn(runner.params, pool, dbuf, runner._no_prev_ids)
+                pool, logits, _ = fn(runner.params, pool, dbuf, runner.no_prev_ids)
                 logits.block_until_ready()
                 if i >= 2:
                     times[name].append(1e3 * (time.perf_counter() - t))

@@ -131,13 +131,10 @@ def main() -> None:
         out = prefill_output(args.chunk, args.context_len, runner.page_size)
     else:
         out = decode_output(args.batch, args.context_len, runner.page_size)
-    _, buf, layout, num_tokens, _ = runner._model_inputs(out, None)
-    step = runner._step_fn(layout, runner.is_decode_step(out, num_tokens, len(out.scheduled)))
-    dev = runner._to_device(buf)
+    step = runner.prepare_model_step(out)
 
     def run():
-        runner.kv_pages, logits, _ = step(runner.params, runner.kv_pages, dev,
-                                          runner._no_prev_ids)
+        logits, _ = runner.run_model_step(step)
         jax.block_until_ready(logits)
 
     run()
@@ -158,7 +155,7 @@ def main() -> None:
         if (k := kind_of(name)) is not None:
             kinds[k] += ms
     what = f"chunk {args.chunk}" if args.chunk else f"batch {args.batch}"
-    print(f"{what}, context {args.context_len}, bucket {num_tokens}: wall "
+    print(f"{what}, context {args.context_len}, bucket {step.num_tokens}: wall "
           f"{1000 * float(np.median(walls)):.1f} ms per step (median of {args.steps}, load "
           f"{os.getloadavg()[0]:.2f}); {count / args.steps:.0f} kernels per step, some kernel "
           f"running {any_us / args.steps / 1000:.1f} ms of it, two or more "

@@ -227,7 +227,7 @@ def test_warmup_steps_carry_every_groups_tables(params):
                          max_num_seqs=2, max_num_batched_tokens=8, kv_layout=LAYOUT)
     for bucket in runner.buckets:
         for out, _ in dummy_steps(runner, bucket):
-            arrays = runner._model_inputs(out, None)[0]
+            arrays = runner.prepare_model_step(out).arrays
             assert arrays.block_tables.shape == (3, runner.sample_rows(bucket), 8)
             assert arrays.slot_mapping.shape == (3, bucket)
             assert not arrays.block_tables.any() and not (arrays.slot_mapping // PAGE).any()
