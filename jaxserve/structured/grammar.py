@@ -79,14 +79,14 @@ def fill_bitmasks(items, vocab_size: int) -> tuple[list, dict[int, Exception]]:
     offset = 0
     for i, (grammar, outputs, proposals, _) in enumerate(items):
         try:
-            grammar._sync(outputs)
+            grammar.sync(outputs)
         except ValueError as e:
             errors[i] = e
             starts.append(None)
             continue
         drafts = [int(t) for t in proposals]
-        drafts = drafts[:grammar._matcher.validate_tokens(drafts)] if drafts else []
-        plan.append((grammar._matcher, offset, drafts))
+        drafts = drafts[:grammar.matcher.validate_tokens(drafts)] if drafts else []
+        plan.append((grammar.matcher, offset, drafts))
         starts.append((offset, len(drafts)))
         offset += len(drafts) + 1
     if not plan:
@@ -117,8 +117,8 @@ def fill_bitmasks(items, vocab_size: int) -> tuple[list, dict[int, Exception]]:
             if pos <= valid:
                 out[k] = buf[start + pos]
         masks.append(out)
-        if grammar._matcher.is_error():
-            errors[i] = ValueError(f"structured output: {grammar._matcher.get_error()}")
+        if grammar.matcher.is_error():
+            errors[i] = ValueError(f"structured output: {grammar.matcher.get_error()}")
             masks[-1] = None
     return masks, errors
 
@@ -314,7 +314,20 @@ class RequestGrammar:
         """Whether the grammar is complete (only EOS can follow)."""
         return self._matcher.is_stopped()
 
-    def _sync(self, tokens) -> None:
+    @property
+    def matcher(self):
+        """The llguidance `LLMatcher` that follows the tokens given to `sync` (its masks
+        are those of the next token after them)."""
+        return self._matcher
+
+    def sync(self, tokens) -> None:
+        """Makes the matcher follow exactly `tokens` (the request's output so far): new
+        tokens are consumed, a shorter or different list rolls back first.
+
+        Raises:
+            ValueError: A token does not follow the grammar (those before it are kept), or
+                the matcher cannot roll back that far.
+        """
         done = self._tokens
         n = len(done)
         if len(tokens) < n or (n and tokens[n - 1] != done[-1]):
