@@ -79,11 +79,21 @@ class Scheduler:
         self.updater = OutputUpdater(self)
 
     # ------------------------------------------------------------ requests
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, kv_from: Request | None = None) -> None:
         """Queues a request, or raises if it can never run.
 
         A request whose tokens outgrow the pool (`max_kv_tokens`) later ends as
         length-capped, as at `max_model_len`.
+
+        Args:
+            request: A new request (nothing computed).
+            kv_from: A live request to start from (`LLMEngine.fork_request`): the leading
+                tokens the two have alike, as far as `kv_from` has computed them, are not
+                computed again; `request` takes `kv_from`'s pages for them
+                (`KVCacheManager.fork`; a shared page is copied before a write into it) and
+                runs from now on. Where nothing can be shared (`kv_from` holds no device
+                pages, a sliding window's pages are gone: `KVCacheManager.can_fork`) or no
+                sequence slot is free, it waits as any new request does.
 
         Raises:
             ValueError: Duplicate id, prompt longer than `max_model_len`, more pages than
@@ -111,7 +121,26 @@ class Scheduler:
                              "watermark)")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._enqueue_waiting(request)
+        if kv_from is None or not self._start_from(request, kv_from):
+            self._enqueue_waiting(request)
+
+    def _start_from(self, request: Request, parent: Request) -> bool:
+        """Starts a new request running on `parent`'s KV for the computed tokens they begin
+        with alike (its last token is left to compute: its logits are needed); False, with
+        nothing done, when nothing can be shared or no sequence slot is free."""
+        if (self.requests.get(parent.request_id) is not parent
+                or self._num_slots() + request.fan_out > self.max_num_seqs):
+            return False
+        limit = min(parent.num_computed_tokens, request.num_tokens - 1)
+        mine, theirs = request.all_token_ids, parent.all_token_ids
+        num_shared = next((i for i in range(limit) if mine[i] != theirs[i]), limit)
+        if not num_shared or not self.kv.can_fork(parent, num_shared):
+            return False
+        request.num_computed_tokens = request.num_cached_tokens = num_shared
+        self.kv.fork(parent, request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
 
     def _enqueue_waiting(self, request: Request, front: bool = False) -> None:
         if self.config.scheduling_policy == "priority":
@@ -164,15 +193,6 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 request.spec_token_ids = list(token_ids)
-
-    def pop_output_token(self, request: Request) -> int:
-        """Takes back a request's newest output token, whose KV is not computed yet (beam
-        search puts another candidate in its place with `append_output_token`)."""
-        return request.pop_output_token_id(self.kv.page_size)
-
-    def append_output_token(self, request: Request, token: int) -> None:
-        """Appends a token chosen outside the sampler (beam search); no stop checks."""
-        request.append_output_token_ids(token)
 
     def _num_slots(self) -> int:
         """Sequence slots in use: a request that will fan out into n samples holds n."""

@@ -87,7 +87,7 @@ class LLMEngine:
                                      self.worker.eos_token_ids, config.model.seed)
         self.outputs = OutputProcessor()
         self.sampling_inputs = SamplingInputs(self.runner, self.outputs,
-                                              self.model.cfg.vocab_size, self.eos_token_ids)
+                                              self.model.cfg.vocab_size)
         self.weights = WeightControl(self.worker, self.kv, self._end_requests)
         self.loras = LoRAControl(self.runner.lora)
         self.metrics = EngineMetrics(self.worker, self.scheduler, self.outputs, self.weights,
@@ -180,6 +180,42 @@ class LLMEngine:
         if pooling is not None:
             self.pooler.add(request_id, pooling, len(state.prompt_token_ids))
 
+    def fork_request(self, parent_id: str, request_id: str, prompt,
+                     params: SamplingParams) -> None:
+        """Queues a request that starts from another one's KV cache: like `add_request`,
+        but the leading tokens of `prompt` that live request `parent_id` has alike and has
+        computed are not computed again. The new request shares the parent's pages for them
+        (a page both go on writing into is copied first) and runs with the parent's
+        adapter, cache salt and priority. Programs that branch sequences themselves use it:
+        beam search (`engine/beam_search.py`) forks each beam's continuations this way.
+
+        Args:
+            parent_id: A live request. Where it holds no pages on the device (waiting,
+                preempted, swapped out) nothing is shared and the prompt is computed whole.
+            request_id: The new request's id.
+            prompt: Its prompt as for `add_request`, typically the parent's prompt and
+                outputs so far followed by tokens of the caller's choosing.
+            params: Its sampling parameters (limits such as `max_tokens` count from its
+                own first output token).
+
+        Raises:
+            ValueError: An unknown parent, a pooling engine, or anything `add_request`
+                refuses.
+        """
+        parent = self.scheduler.requests.get(parent_id)
+        if parent is None:
+            raise ValueError(f"fork_request: no live request {parent_id!r}")
+        if self.pooler is not None:
+            raise ValueError("fork_request: the pooling runner (embeddings) forks no requests")
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.weights.check_awake()
+        state = self.inputs.process(request_id, prompt, params, priority=parent.priority,
+                                    cache_salt=parent.cache_salt,
+                                    lora_request=parent.lora_request)
+        self.scheduler.add_request(state.root, kv_from=parent)
+        self.outputs.add(state)
+
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Ends requests now; their pages are freed at once. Unknown ids are ignored.
 
@@ -242,23 +278,6 @@ class LLMEngine:
         pending, self._pending = self._pending, following
         return outputs + self._finish(pending)
 
-    def run_core_step(self, row_for, on_prompt_logprobs=None) -> CoreStep | None:
-        """Schedules a step, runs it on the device and advances the scheduler, alone (a step
-        in flight is finished first; its outputs come with the next `step()`).
-
-        Args:
-            row_for: `(request, scheduled entry, k) -> RowSpec` of the k-th sampling row of
-                a scheduled request.
-            on_prompt_logprobs: `(out, requests, prompt_logprobs)`, called when the step
-                computed prompt logprobs (before the scheduler drops finished requests).
-
-        Returns:
-            The step's `CoreStep`, or None when nothing was scheduled.
-        """
-        self.flush()
-        inflight = self._dispatch(row_for=row_for)
-        return None if inflight is None else self._core(inflight, on_prompt_logprobs)
-
     def flush(self) -> None:
         """Finishes the step in flight, if any (its outputs come with the next `step()`)."""
         if self._pending is not None:
@@ -288,7 +307,7 @@ class LLMEngine:
         return not (self.inputs.grammars.num_compiled
                     and any(r.grammar is not None for r in self.scheduler.requests.values()))
 
-    def _dispatch(self, prev: _InFlight | None = None, row_for=None) -> _InFlight | None:
+    def _dispatch(self, prev: _InFlight | None = None) -> _InFlight | None:
         """Schedules a step and hands it to the device; None when nothing was scheduled."""
         if self.speculator is not None:
             self.scheduler.set_proposals(self.speculator.step(self.scheduler.running))
@@ -301,7 +320,9 @@ class LLMEngine:
             return None
         reached_runner = False
         try:
-            requests, sampling, failed = self._step_inputs(out, row_for)
+            requests = {s.request_id: self.scheduler.requests[s.request_id]
+                        for s in out.scheduled}
+            sampling, failed = self.sampling_inputs.build(out, requests)
             reached_runner = True
             pending = self.runner.dispatch(out, sampling,
                                            prev=None if prev is None else prev.pending)
@@ -312,21 +333,12 @@ class LLMEngine:
             raise
         return _InFlight(out, requests, pending, failed)
 
-    def _step_inputs(self, out: SchedulerOutput, row_for=None):
-        """(requests by id, sampling arrays, `{request_id: error}` of requests whose rows
-        failed) of a scheduled step: gathered from the runner's kept rows, or built from
-        `row_for`'s rows (beam search)."""
-        requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}
-        if row_for is None:
-            return (requests, *self.sampling_inputs.build(out, requests))
-        return (requests, *self.sampling_inputs.from_rows(out, requests, row_for))
-
-    def _core(self, inflight: _InFlight, on_prompt_logprobs=None) -> CoreStep:
+    def _core(self, inflight: _InFlight) -> CoreStep:
         """Waits for a dispatched step and advances the scheduler by what it sampled."""
         result = self.runner.fetch(inflight.pending)
         out, requests = inflight.out, inflight.requests
-        if result.prompt_logprobs is not None and on_prompt_logprobs is not None:
-            on_prompt_logprobs(out, requests, result.prompt_logprobs)
+        if result.prompt_logprobs is not None:
+            self.outputs.record_prompt_logprobs(out, requests, result.prompt_logprobs)
         # NOTE: a request that ended while the step ran is skipped (its id may be reused).
         failed = {req_id: error for req_id, error in inflight.failed.items()
                   if self.scheduler.scheduled_request(out, req_id) is not None}
@@ -348,7 +360,7 @@ class LLMEngine:
         return CoreStep(out, requests, result, updates, row_of, failed)
 
     def _finish(self, inflight: _InFlight) -> list[RequestOutput]:
-        core = self._core(inflight, self.outputs.record_prompt_logprobs)
+        core = self._core(inflight)
         self.counters["num_steps"] += 1
         done = self.outputs.process(core)
         self._finish_requests(done.to_finish)

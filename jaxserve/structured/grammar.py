@@ -123,28 +123,6 @@ def fill_bitmasks(items, vocab_size: int) -> tuple[list, dict[int, Exception]]:
     return masks, errors
 
 
-def mask_rows(rows: list, constrained: list, vocab_size: int, inert, failed: dict) -> None:
-    """Gives the sampling rows of each constrained request its grammar's token bitmask
-    (one batched `fill_bitmasks`); a request whose mask cannot be built fails alone.
-
-    Args:
-        rows: The step's `RowSpec`s, replaced in place.
-        constrained: `(first row, request, scheduled entry)` of each constrained request
-            that samples this step.
-        vocab_size: V.
-        inert: The row that replaces a failed request's rows.
-        failed: `{request_id: exception}`, added to.
-    """
-    masks = row_bitmasks(constrained, vocab_size, failed)
-    for first, req, s in constrained:
-        end = first + s.num_samples + s.num_spec_tokens
-        if req.request_id in failed:
-            rows[first:end] = [inert] * (end - first)
-        else:
-            rows[first:end] = [r._replace(token_bitmask=masks[i])
-                               for i, r in enumerate(rows[first:end], first)]
-
-
 def row_bitmasks(constrained: list, vocab_size: int, failed: dict) -> dict[int, np.ndarray]:
     """The token bitmask of each sampling row of the constrained requests (one batched
     `fill_bitmasks`); a request whose mask cannot be built fails alone (no rows).
@@ -282,10 +260,9 @@ class GrammarCompiler:
 class RequestGrammar:
     """One request's grammar state: follows its output tokens and masks its next token.
 
-    The matcher is synchronised lazily with the tokens it is given (outputs only grow,
-    except when beam search swaps the newest token; a shorter or different list rolls
-    back), so preemption, which keeps a request's tokens, needs nothing, and speculative
-    proposals are consumed for one mask and rolled back.
+    The matcher is synchronised lazily with the tokens it is given (outputs only grow; a
+    shorter or different list rolls back), so preemption, which keeps a request's tokens,
+    needs nothing, and speculative proposals are consumed for one mask and rolled back.
 
     Args:
         compiler: The compiler that made `grammar` (its tokenizer and vocabulary).
@@ -306,7 +283,7 @@ class RequestGrammar:
         self._consumed = 0
 
     def fork(self) -> RequestGrammar:
-        """A matcher of the same grammar for a forked request (n > 1, beams)."""
+        """A matcher of the same grammar for a forked request (n > 1)."""
         return RequestGrammar(self.compiler, self.grammar, self._prototype)
 
     @property

@@ -408,7 +408,7 @@ def test_continuous_mode_never_chunks():
 
 # --------------------------------------------------------- the scheduler's own mutators
 def test_fork_shares_pages_and_runs_the_child():
-    """`Scheduler.fork` (used by fan-out and beam search): the child holds the parent's
+    """`Scheduler.fork` (used by fan-out): the child holds the parent's
     tokens and pages and runs next; an id in use is refused and changes nothing."""
     h = Harness(make_scheduler(budget=64))
     h.add(make_request("p", 10, max_tokens=4))
