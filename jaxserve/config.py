@@ -199,9 +199,10 @@ class SchedulerConfig:
         long_prefill_token_threshold: Cap on one request's chunk (0: no cap).
         preemption_mode: "recompute" or "swap".
         scheduling_policy: "fcfs" or "priority" (lower value first).
-        scheduling_mode: "continuous+chunked" (default), "continuous" (whole prompts),
-            "static" (fixed batches that wait for their slowest member) or "naive" (one
-            request at a time); the last three exist for the benchmarks.
+        scheduling_mode: "continuous+chunked" (default), "continuous" (whole prompts:
+            chunked prefill off), or the benchmarks' baselines "static" (fixed batches that
+            wait for their slowest member) and "naive" (one request at a time), which an
+            engine schedules with `jaxserve.bench.batch_modes`' variants.
         async_scheduling: Schedule and dispatch each step while the previous one runs on
             the device, its sampled ids fed to the next step there (vLLM's async
             scheduling); False keeps one step at a time (for debugging). Steps fall back

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from jaxserve.bench.batch_modes import scheduler_class
 from jaxserve.bench.stats import RequestTiming, summarize
 from jaxserve.bench.workloads import TraceRequest, trace_token_ids
 from jaxserve.config import SchedulerConfig
@@ -117,7 +118,8 @@ def simulate(trace: list[TraceRequest], cost: CostModel, scheduler: SchedulerCon
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=enable_prefix_caching,
                         swap_space=float(swap_space_pages), bytes_per_page=2**30,
                         max_model_len=max_model_len)
-    sched = Scheduler(scheduler, kv, max_model_len, max_num_batched_tokens)
+    sched = scheduler_class(scheduler.scheduling_mode)(scheduler, kv, max_model_len,
+                                                       max_num_batched_tokens)
     arrivals = _Arrivals(trace, seed)
     timings: dict[str, RequestTiming] = {}
     totals = _Totals()

@@ -1,5 +1,6 @@
 """`OutputUpdater`: what a scheduler does after a step: advancing requests by what the step
-computed (fan-out forks, verified proposals, stop checks)."""
+computed (fan-out forks, verified proposals, stop checks), or taking back a step that never
+ran."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ if TYPE_CHECKING:
 
 
 class OutputUpdater:
-    """Advances a scheduler's requests by a step's samples (`Scheduler.update_from_output`
-    delegates here).
+    """Advances a scheduler's requests by a step's samples, or takes back a step that never
+    ran (`Scheduler.update_from_output`, `unschedule` and `scheduled_request` delegate
+    here).
 
     Args:
         scheduler: The `Scheduler` it updates, through its public members: `requests`,
-            `running`, `kv`, `length_cap`, `scheduled_request`, `fork`, `finish_request`.
+            `running`, `kv`, `length_cap`, `fork`, `finish_request`.
     """
 
     def __init__(self, scheduler: Scheduler):
@@ -44,7 +46,7 @@ class OutputUpdater:
         results: list[tuple[Request, list[int]]] = []
         verified: list[Request] = []  # requests that verified proposals
         for entry in out.scheduled:
-            request = sched.scheduled_request(out, entry.request_id)
+            request = self.scheduled_request(out, entry.request_id)
             if request is None or request.is_finished():
                 continue  # finished meanwhile (its pages are gone)
             if entry.num_samples:
@@ -101,3 +103,22 @@ class OutputUpdater:
         self.scheduler.finish_request(
             request.request_id, RequestStatus.FINISHED_STOPPED if kind == "stop"
             else RequestStatus.FINISHED_LENGTH_CAPPED)
+
+    def unschedule(self, out: SchedulerOutput) -> None:
+        """Takes back the progress `schedule()` gave a step that never ran (its dispatch
+        failed): its requests compute those tokens again in a later step."""
+        for entry in out.scheduled:
+            request = self.scheduled_request(out, entry.request_id)
+            if request is not None and not request.is_finished():
+                request.num_computed_tokens -= entry.num_new_tokens - entry.num_spec_tokens
+                request.num_output_placeholders -= bool(entry.num_samples)
+                # NOTE: the runner may have kept part of this step's table deltas.
+                self.scheduler.kv.resend_pages(entry.request_id)
+
+    def scheduled_request(self, out: SchedulerOutput, request_id: str) -> Request | None:
+        """The request `out` scheduled as `request_id` if it is still in the scheduler, else
+        None: it ended since, and its id may now belong to a new request (added after an
+        abort while the step was in flight), which the step must not touch."""
+        request = self.scheduler.requests.get(request_id)
+        scheduled = out.requests.get(request_id, request)
+        return request if request is scheduled else None

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from jaxserve.bench.batch_modes import scheduler_class
 from jaxserve.compilation_cache import drop_staging_caches
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.engine_metrics import EngineMetrics
 from jaxserve.engine.input_processor import InputProcessor
@@ -73,9 +73,10 @@ class LLMEngine:
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len,
             group_windows=self.worker.kv_layout.windows,
             max_chunk_tokens=lim.max_num_batched_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
-                                   lim.max_num_batched_tokens,
-                                   config.lora.max_loras if config.lora.enable_lora else None)
+        # NOTE: "static" and "naive" modes are the benchmarks' baselines (bench/batch_modes.py).
+        self.scheduler = scheduler_class(config.scheduler.scheduling_mode)(
+            config.scheduler, self.kv, lim.max_model_len, lim.max_num_batched_tokens,
+            config.lora.max_loras if config.lora.enable_lora else None)
         self.speculator = make_speculator(
             config.speculative_config, **self.worker.draft_runner_args(self.scheduler.max_num_seqs))
         self.worker.init_device(self.scheduler.max_num_seqs, self.kv.host_pool.num_slots,
