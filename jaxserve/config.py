@@ -202,7 +202,7 @@ class SchedulerConfig:
         scheduling_mode: "continuous+chunked" (default), "continuous" (whole prompts:
             chunked prefill off), or the benchmarks' baselines "static" (fixed batches that
             wait for their slowest member) and "naive" (one request at a time), which an
-            engine schedules with `jaxserve.bench.batch_modes`' variants.
+            engine schedules with `jaxserve.core.baseline_schedulers`' variants.
         async_scheduling: Schedule and dispatch each step while the previous one runs on
             the device, its sampled ids fed to the next step there (vLLM's async
             scheduling); False keeps one step at a time (for debugging). Steps fall back

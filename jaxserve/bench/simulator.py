@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from jaxserve.bench.batch_modes import scheduler_class
 from jaxserve.bench.stats import RequestTiming, summarize
 from jaxserve.bench.workloads import TraceRequest, trace_token_ids
 from jaxserve.config import SchedulerConfig
+from jaxserve.core.baseline_schedulers import scheduler_class
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput

@@ -358,7 +358,7 @@ class Scheduler:
     def may_admit(self) -> bool:
         """Whether this step may admit waiting requests once running and swapped ones are
         served: always, under continuous batching. The benchmarks' baselines hold them
-        back (static batching: `jaxserve.bench.batch_modes`)."""
+        back (static batching: `jaxserve.core.baseline_schedulers`)."""
         return True
 
     def _admit_waiting(self, step: StepDraft) -> None:

@@ -4,14 +4,27 @@ ran."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.core.stop_checker import check_stop
 from jaxserve.request import Request, RequestStatus
 
-if TYPE_CHECKING:
-    from jaxserve.core.scheduler import Scheduler
+
+class UpdatedScheduler(Protocol):
+    """What `OutputUpdater` reads and calls of its scheduler (`Scheduler` provides it)."""
+
+    requests: dict[str, Request]
+    running: list[Request]
+    kv: KVCacheManager
+    length_cap: int
+
+    def fork(self, parent: Request, child_id: str, index: int | None = None) -> Request:
+        """Forks a running request (fan-out); the child runs at `index`."""
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request and frees its pages."""
 
 
 class OutputUpdater:
@@ -20,11 +33,10 @@ class OutputUpdater:
     here).
 
     Args:
-        scheduler: The `Scheduler` it updates, through its public members: `requests`,
-            `running`, `kv`, `length_cap`, `fork`, `finish_request`.
+        scheduler: The scheduler it updates, through the members `UpdatedScheduler` names.
     """
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: UpdatedScheduler):
         self.scheduler = scheduler
 
     def update(self, out: SchedulerOutput,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from jaxserve.bench.batch_modes import scheduler_class
 from jaxserve.compilation_cache import drop_staging_caches
 from jaxserve.config import EngineConfig
+from jaxserve.core.baseline_schedulers import scheduler_class
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.engine_metrics import EngineMetrics
@@ -73,7 +73,7 @@ class LLMEngine:
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len,
             group_windows=self.worker.kv_layout.windows,
             max_chunk_tokens=lim.max_num_batched_tokens)
-        # NOTE: "static" and "naive" modes are the benchmarks' baselines (bench/batch_modes.py).
+        # NOTE: "static" and "naive" are the benchmarks' baselines (core/baseline_schedulers.py).
         self.scheduler = scheduler_class(config.scheduler.scheduling_mode)(
             config.scheduler, self.kv, lim.max_model_len, lim.max_num_batched_tokens,
             config.lora.max_loras if config.lora.enable_lora else None)
@@ -116,6 +116,7 @@ class LLMEngine:
     sleep = delegated("weights", WeightControl.sleep)
     wake_up = delegated("weights", WeightControl.wake_up)
     is_sleeping = delegated("weights", WeightControl.is_sleeping)
+    check_awake = delegated("weights", WeightControl.check_awake)
     add_lora = delegated("loras", LoRAControl.add_lora)
     remove_lora = delegated("loras", LoRAControl.remove_lora)
     list_loras = delegated("loras", LoRAControl.list_loras)

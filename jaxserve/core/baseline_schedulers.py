@@ -1,12 +1,14 @@
 """The benchmarks' batching baselines as scheduler variants: static batching and one request
-at a time (`scheduling_mode` "static" and "naive").
+at a time (`scheduling_mode` "static" and "naive"), outside the production `Scheduler`.
 
-`jaxserve bench throughput` and the scheduler simulator compare them with continuous
-batching, with and without chunked prefill (the production `Scheduler`, whose
-`SchedulerConfig.chunked` follows `scheduling_mode` "continuous+chunked" / "continuous").
-An engine built with `scheduling_mode="static"` or `"naive"` (engine arguments the README
-documents as benchmark comparison points) schedules with these classes
-(`scheduler_class`). Neither chunks prompts.
+`jaxserve bench throughput` (`jaxserve.bench.throughput`) and the scheduler simulator
+(`jaxserve.bench.simulator`) compare them with continuous batching, with and without
+chunked prefill (the production `Scheduler`, whose `SchedulerConfig.chunked` follows
+`scheduling_mode` "continuous+chunked" / "continuous"). They live in `core`, not in
+`jaxserve.bench`, because the engine builds them too: an engine given
+`scheduling_mode="static"` or `"naive"` (engine arguments the README documents as the
+benchmarks' comparison points) schedules with them (`scheduler_class`), and the engine
+layer may not import the benchmarks. Neither chunks prompts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The benchmarks' batching baselines (`jaxserve.bench.batch_modes`): the scheduler variants
+"""The benchmarks' batching baselines (`jaxserve.core.baseline_schedulers`): the scheduler variants
 of `scheduling_mode` "naive" and "static", checked step by step by the scheduler harness,
 and the engine and simulator building them from the mode."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve.bench.batch_modes import NaiveScheduler, StaticBatchScheduler, scheduler_class
 from jaxserve.bench.simulator import PRESETS, simulate
 from jaxserve.bench.workloads import TraceRequest
 from jaxserve.config import SchedulerConfig
+from jaxserve.core.baseline_schedulers import NaiveScheduler, StaticBatchScheduler, scheduler_class
 from jaxserve.core.scheduler import Scheduler
 from tests.core.scheduler_harness import Harness, make_request, make_scheduler, scheduled
 
