@@ -138,8 +138,12 @@ def _resolve_runner(cfg: ModelConfig) -> None:
 class CacheConfig:
     """The KV page pool and the host swap space.
 
+    The engine arguments keep vLLM's names (`block_size`, `num_kv_blocks`); inside the
+    engine a block is a page (`page_size`, `num_pages`), translated here (`page_size`) and
+    where the pool is sized (`runner.sizing.pool_pages`).
+
     Attributes:
-        block_size: Tokens per KV page.
+        block_size: Tokens per KV page (`page_size` inside the engine).
         num_kv_blocks: Fix the page count (the null page included); None sizes the pool
             from memory.
         gpu_memory_utilization: Fraction of accelerator memory for weights + KV.
@@ -170,6 +174,12 @@ class CacheConfig:
     watermark: float = 0.01
     kv_cache_dtype: str = "auto"
     disable_hybrid_kv_cache_manager: bool = False
+
+    @property
+    def page_size(self) -> int:
+        """Token slots per KV page: the engine argument `block_size` under the name the
+        engine uses inside."""
+        return self.block_size
 
     def __post_init__(self):
         _check_types(self)

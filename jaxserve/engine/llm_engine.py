@@ -67,7 +67,7 @@ class LLMEngine:
             self.model.source) or PoolerConfig(), self.model.cfg.hidden_size) \
             if config.model.runner == "pooling" else None
         self.kv = KVCacheManager(
-            lim.num_pages, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching
+            lim.num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching
             and (self.pooler is None or self.pooler.prefix_caching_allowed),
             watermark=cache.watermark, swap_space=cache.swap_space,
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len,

@@ -249,6 +249,9 @@ def test_worker_sizes_the_pool_by_slots(params):
     runner = hybrid.init_device(max_num_seqs=2, num_swap_slots=0)
     assert runner.num_kv_groups == 3
     assert runner.kv_pages.shape == (2, 2, 2, hybrid.limits.num_pages, 8, 8)
+    # The engine argument block_size is the page size inside (`CacheConfig.page_size`).
+    assert config.cache.page_size == runner.page_size == 8
+    assert hybrid.kv_capacity_tokens == (hybrid.limits.num_pages - 1) * 8 // 3
     # False keeps one group; windows of max_model_len or more give back nothing.
     assert serving_kv_layout(hybrid.model, MAX_LEN, False) is None
     assert serving_kv_layout(model, 8, True) == single_group(6)  # no window gives back
