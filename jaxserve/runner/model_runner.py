@@ -24,7 +24,7 @@ from jaxserve.parallel.sharding import TensorParallel
 from jaxserve.runner import compile_counter
 from jaxserve.runner.block_table_rows import BlockTableRows
 from jaxserve.runner.buckets import pick_bucket, rows_for_bucket, token_buckets
-from jaxserve.runner.kv_ops import HostSwapSpace, copy_page_pairs
+from jaxserve.runner.kv_ops import HostSwapSpace, run_plans
 from jaxserve.runner.lora_slots import LoRASlots
 from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.sampling_rows import SamplingRows
@@ -373,19 +373,13 @@ class ModelRunner:
 
     # -------------------------------------------------------------- plans
     def execute_plans(self, plans: KVPlans | None) -> None:
-        """Swap-outs first (their pages may be reused this step), then swap-ins, copies."""
+        """Runs a step's page plans on the pool (`kv_ops.run_plans`), after sending them to
+        the other processes of a multi-host leader."""
         if plans is None or plans.is_empty():
             return
         if self.channel is not None:
             self.channel.send("plans", plans)
-        # NOTE: plans run in pieces of PLAN_PAIRS pairs (kv_ops), the one size warm-up
-        # compiled, so a step that swaps or copies many pages compiles nothing.
-        if plans.swap_out.pairs:
-            self.swap.swap_out(self.kv_pages, plans.swap_out.as_array())
-        if plans.swap_in.pairs:
-            self.kv_pages = self.swap.swap_in(self.kv_pages, plans.swap_in.as_array())
-        if plans.copy.pairs:
-            self.kv_pages = copy_page_pairs(self.kv_pages, plans.copy.as_array())
+        self.kv_pages = run_plans(self.kv_pages, self.swap, plans)
 
     # ------------------------------------------------------------- warmup
     def warmup(self, make_dummy_sampling) -> float:
