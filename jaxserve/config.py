@@ -138,8 +138,12 @@ def _resolve_runner(cfg: ModelConfig) -> None:
 class CacheConfig:
     """The KV page pool and the host swap space.
 
+    The engine arguments keep vLLM's names (`block_size`, `num_kv_blocks`); inside the
+    engine a block is a page (`page_size`, `num_pages`), translated here (`page_size`) and
+    where the pool is sized (`runner.sizing.pool_pages`).
+
     Attributes:
-        block_size: Tokens per KV page.
+        block_size: Tokens per KV page (`page_size` inside the engine).
         num_kv_blocks: Fix the page count (the null page included); None sizes the pool
             from memory.
         gpu_memory_utilization: Fraction of accelerator memory for weights + KV.
@@ -171,6 +175,12 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     disable_hybrid_kv_cache_manager: bool = False
 
+    @property
+    def page_size(self) -> int:
+        """Token slots per KV page: the engine argument `block_size` under the name the
+        engine uses inside."""
+        return self.block_size
+
     def __post_init__(self):
         _check_types(self)
         _check(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size,
@@ -199,9 +209,10 @@ class SchedulerConfig:
         long_prefill_token_threshold: Cap on one request's chunk (0: no cap).
         preemption_mode: "recompute" or "swap".
         scheduling_policy: "fcfs" or "priority" (lower value first).
-        scheduling_mode: "continuous+chunked" (default), "continuous" (whole prompts),
-            "static" (fixed batches that wait for their slowest member) or "naive" (one
-            request at a time); the last three exist for the benchmarks.
+        scheduling_mode: "continuous+chunked" (default), "continuous" (whole prompts:
+            chunked prefill off), or the benchmarks' baselines "static" (fixed batches that
+            wait for their slowest member) and "naive" (one request at a time), which an
+            engine schedules with `jaxserve.core.baseline_schedulers`' variants.
         async_scheduling: Schedule and dispatch each step while the previous one runs on
             the device, its sampled ids fed to the next step there (vLLM's async
             scheduling); False keeps one step at a time (for debugging). Steps fall back

@@ -147,19 +147,6 @@ class Request:
         self.output_token_ids.extend(new_ids)
         self._all_token_ids.extend(new_ids)
 
-    def pop_output_token_id(self, page_size: int) -> int:
-        """Removes the newest output token, whose KV must not be computed yet (beam search
-        swaps it for another candidate). Drops a page hash that covered it.
-
-        Raises:
-            ValueError: No output token, or its KV is already computed.
-        """
-        if not self.output_token_ids or self.num_computed_tokens >= self.num_tokens:
-            raise ValueError(f"request {self.request_id!r}: no uncomputed output token to pop")
-        self._all_token_ids.pop()
-        del self.page_hashes[self.num_tokens // page_size:]
-        return self.output_token_ids.pop()
-
     def is_finished(self) -> bool:
         """Whether the request reached a finished status."""
         return RequestStatus.is_finished(self.status)
@@ -170,7 +157,7 @@ class Request:
         return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     def fork(self, request_id: str) -> Request:
-        """A copy with a new id: same tokens, progress, salt and status (for n > 1, beams).
+        """A copy with a new id: same tokens, progress, salt and status (for n > 1).
 
         Pair it with `KVCacheManager.fork(parent, child)` so the child shares the pages.
         """

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Mapping
+import operator
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -15,6 +17,30 @@ def cdiv(a: int, b: int) -> int:
     Works elementwise on NumPy integer arrays as well.
     """
     return -(-a // b)
+
+
+def delegated(part: str, method: Callable) -> Callable:
+    """A method that calls `method` on the object's collaborator `self.<part>`, with the
+    method's name, signature and docstring: how a class composed of collaborators keeps
+    their calls as its own public API (`LLMEngine.sleep` is its `WeightControl`'s).
+
+    Args:
+        part: The attribute holding the collaborator (dotted for a nested one).
+        method: The collaborator class's function of the same name.
+    """
+    get_part = operator.attrgetter(part)
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        return getattr(get_part(self), method.__name__)(*args, **kwargs)
+
+    return call
+
+
+def delegated_property(part: str, prop: property) -> property:
+    """A read-only property that reads `prop` of the object's collaborator `self.<part>`
+    (its docstring kept)."""
+    return property(operator.attrgetter(f"{part}.{prop.fget.__name__}"), doc=prop.__doc__)
 
 
 def _load_malloc_trim():

@@ -173,7 +173,7 @@ def engine_overhead(llm, num_running: int, *, prompt_len: int = 32, num_steps: i
         eng.step()
     acc: dict[str, float] = {}
     rows = []
-    with StepProbe(eng) as probe, _patched(eng, ["_kept_rows"], acc), \
+    with StepProbe(eng) as probe, _patched(eng.sampling_inputs, ["build"], acc), \
             _patched(mr, ["build_step_arrays", "pack", "promote"], acc):
         for _ in range(num_steps):
             acc.clear()
@@ -185,13 +185,13 @@ def engine_overhead(llm, num_running: int, *, prompt_len: int = 32, num_steps: i
            "step": med([r.seconds for r, _ in rows]),
            "schedule": med([r.schedule_s for r, _ in rows]),
            "update": med([r.update_s for r, _ in rows]),
-           "sampling_metadata": med([a.get("_kept_rows", 0) for _, a in rows]),
+           "sampling_metadata": med([a.get("build", 0) for _, a in rows]),
            "step_arrays": med([a.get("build_step_arrays", 0) for _, a in rows]),
            "pack_promote": med([a.get("pack", 0) + a.get("promote", 0) for _, a in rows]),
            "device": med([r.execute_s - a.get("build_step_arrays", 0) - a.get("pack", 0)
                           - a.get("promote", 0) for r, a in rows]),
            "output_processing": med([r.seconds - r.schedule_s - r.update_s - r.execute_s
-                                     - a.get("_kept_rows", 0)
+                                     - a.get("build", 0)
                                      for r, a in rows])}
     res["scheduling"] = res["schedule"] + res["update"]
     res["input_preparation"] = res["sampling_metadata"] + res["step_arrays"] + res["pack_promote"]

@@ -182,7 +182,7 @@ def _memory_and_speed(model, eng, batches, context: int, num_steps: int) -> dict
     row = {"weight_mib": sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
            / 2**20,
            "kv_bytes_per_token": eng.runner.kv_pages.nbytes
-           / (eng.limits.num_pages * eng.config.cache.block_size),
+           / (eng.limits.num_pages * eng.config.cache.page_size),
            "kv_capacity_tokens": eng.kv_capacity_tokens}
     for b in batches:
         row[f"tok_s_b{b}"] = b / measure_decode(eng, b, context, num_steps)["step_s"]

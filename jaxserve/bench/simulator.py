@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from jaxserve.bench.stats import RequestTiming, summarize
 from jaxserve.bench.workloads import TraceRequest, trace_token_ids
 from jaxserve.config import SchedulerConfig
+from jaxserve.core.baseline_schedulers import scheduler_class
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
@@ -117,7 +118,8 @@ def simulate(trace: list[TraceRequest], cost: CostModel, scheduler: SchedulerCon
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=enable_prefix_caching,
                         swap_space=float(swap_space_pages), bytes_per_page=2**30,
                         max_model_len=max_model_len)
-    sched = Scheduler(scheduler, kv, max_model_len, max_num_batched_tokens)
+    sched = scheduler_class(scheduler.scheduling_mode)(scheduler, kv, max_model_len,
+                                                       max_num_batched_tokens)
     arrivals = _Arrivals(trace, seed)
     timings: dict[str, RequestTiming] = {}
     totals = _Totals()

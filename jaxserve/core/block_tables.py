@@ -11,6 +11,7 @@ from jaxserve.core.page_pool import HostPool, PagePool
 from jaxserve.core.plans import KVPlans, PendingPlans
 from jaxserve.core.prefix_cache import update_page_hashes
 from jaxserve.request import Request
+from jaxserve.utils import cdiv
 
 
 @dataclass
@@ -146,13 +147,30 @@ class BlockTables:
         state = self.requests[request_id] = RequestKV.empty(self.num_groups)
         return state
 
-    def share(self, parent: RequestKV, child_id: str) -> None:
-        """Gives `child_id` the parent's pages (one more owner each) and progress."""
-        self.pool.touch(parent.owned_pages())
-        self.requests[child_id] = RequestKV(
-            [list(table) for table in parent.tables], num_slot_tokens=parent.num_slot_tokens,
-            num_cached_pages=parent.num_cached_pages,
-            num_sent_pages=[0] * self.num_groups, num_dropped=list(parent.num_dropped))
+    def share(self, parent: RequestKV, child_id: str, num_tokens: int | None = None) -> None:
+        """Gives `child_id` the parent's pages (one more owner each) and progress: all of
+        them, or only those holding its first `num_tokens` tokens (`can_share`)."""
+        state = RequestKV([list(table) for table in parent.tables],
+                          num_slot_tokens=parent.num_slot_tokens,
+                          num_cached_pages=parent.num_cached_pages,
+                          num_sent_pages=[0] * self.num_groups,
+                          num_dropped=list(parent.num_dropped))
+        if num_tokens is not None and num_tokens < parent.num_slot_tokens:
+            n = cdiv(num_tokens, self.page_size)
+            state.tables = [table[:n] for table in state.tables]
+            state.num_slot_tokens = num_tokens
+            state.num_cached_pages = min(state.num_cached_pages, num_tokens // self.page_size)
+            state.num_dropped = [min(d, n) for d in state.num_dropped]
+        self.pool.touch(state.owned_pages())
+        self.requests[child_id] = state
+
+    def can_share(self, parent: RequestKV, num_tokens: int) -> bool:
+        """Whether a request computed up to `num_tokens` of the parent's tokens can take
+        the parent's pages for them: every sliding group still holds the pages its window
+        reads from there on (the parent, further on, may have given back pages that a
+        shorter request still reads)."""
+        return all(parent.num_dropped[g] <= max(0, (num_tokens - self.windows[g] + 1)
+                                                // self.page_size) for g in self.sliding)
 
     def free(self, request_id: str) -> None:
         """Drops a request's state, returning its pages (tail first) or its host slots.

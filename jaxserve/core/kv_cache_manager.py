@@ -7,18 +7,20 @@ from jaxserve.core.block_tables import BlockTables
 from jaxserve.core.group_hits import find_group_hits
 from jaxserve.core.kv_metrics import KVCacheCounters, KVCacheStats, make_stats
 from jaxserve.core.kv_page import KVPage, group_key
-from jaxserve.core.kv_swap import SwapMixin
+from jaxserve.core.kv_swap import KVSwapper
 from jaxserve.core.page_pool import HostPool, PagePool
 from jaxserve.core.plans import KVPlans
 from jaxserve.core.prefix_cache import update_page_hashes
 from jaxserve.request import Request
-from jaxserve.utils import cdiv
+from jaxserve.utils import cdiv, delegated
 
 
-class KVCacheManager(SwapMixin):
+class KVCacheManager:
     """Owns every request's block table (page ids) over one device page pool.
 
-    Call order per step (the scheduler's side): `get_computed_pages` for a new request,
+    Swap preemption (`can_swap_out`, `swap_out`, `can_swap_in`, `swap_in`) is its
+    `swapper`'s (`KVSwapper`). Call order per step (the scheduler's side):
+    `get_computed_pages` for a new request,
     `allocate_slots` for every scheduled request (None means preempt and retry),
     `swap_out`/`swap_in`/`free` as needed, then `take_plans()` once; the runner executes
     those plans before the step. Freeing or swapping out a request scheduled earlier in
@@ -73,6 +75,12 @@ class KVCacheManager(SwapMixin):
         self.tables = BlockTables(self.pool, self.host_pool, page_size, self.group_windows)
         self.counters = KVCacheCounters()
         self._watermark_pages = int(watermark * self.pool.num_usable_pages)
+        self.swapper = KVSwapper(self.tables, self.counters, self._watermark_pages)
+
+    can_swap_out = delegated("swapper", KVSwapper.can_swap_out)
+    swap_out = delegated("swapper", KVSwapper.swap_out)
+    can_swap_in = delegated("swapper", KVSwapper.can_swap_in)
+    swap_in = delegated("swapper", KVSwapper.swap_in)
 
     # ----------------------------------------------------------------- lookups
     def has_request(self, request_id: str) -> bool:
@@ -324,21 +332,43 @@ class KVCacheManager(SwapMixin):
         self.tables.free(request.request_id)
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Gives `child` the parent's pages, shared by reference count (n > 1, beams).
+        """Gives `child` the parent's pages holding the child's computed tokens, shared by
+        reference count (n > 1: all of them; `Scheduler.add_request(kv_from=...)`: a
+        prefix). A shared page is copied before either writes into it.
 
         Raises:
-            ValueError: Unknown or swapped parent, a child that already holds KV, or a child
-                whose progress or computed tokens differ from the parent's.
+            ValueError: Unknown or swapped parent, a child that already holds KV, a child
+                whose computed tokens are not the parent's first computed ones (or none of
+                a parent that has some), or a sliding group whose pages for them the parent
+                gave back (`can_fork`).
         """
         parent_state = self.tables.on_device(parent.request_id)
         if self.has_request(child.request_id):
             raise ValueError(f"cannot fork into {child.request_id!r}: it already holds KV")
-        num_computed = parent.num_computed_tokens
-        if (child.num_computed_tokens != num_computed
+        num_computed = child.num_computed_tokens
+        # NOTE: a child behind its parent shares at least one token; one level with it (n > 1)
+        # may share none yet.
+        if (num_computed > parent.num_computed_tokens
+                or num_computed == 0 < parent.num_computed_tokens
                 or child.all_token_ids[:num_computed] != parent.all_token_ids[:num_computed]):
             raise ValueError(f"child {child.request_id!r} must match parent "
-                             f"{parent.request_id!r} in computed tokens (use Request.fork)")
-        self.tables.share(parent_state, child.request_id)
+                             f"{parent.request_id!r} in its computed tokens, at least one "
+                             "(use Request.fork, or set them to a prefix of the parent's)")
+        if not self.tables.can_share(parent_state, num_computed):
+            raise ValueError(f"cannot fork {child.request_id!r} from {parent.request_id!r} "
+                             f"at {num_computed} tokens: the parent gave back pages a "
+                             "sliding window still reads there")
+        self.tables.share(parent_state, child.request_id,
+                          None if num_computed == parent.num_computed_tokens else num_computed)
+
+    def can_fork(self, parent: Request, num_tokens: int) -> bool:
+        """Whether a request computed up to the parent's first `num_tokens` tokens may
+        share its pages now (`fork`): the parent holds device pages and, in every sliding
+        group, still the ones those tokens' window reads."""
+        state = self.tables.requests.get(parent.request_id)
+        return (state is not None and not state.is_swapped
+                and num_tokens <= parent.num_computed_tokens
+                and self.tables.can_share(state, num_tokens))
 
     # ---------------------------------------------------------- step / metrics
     def take_plans(self) -> KVPlans:

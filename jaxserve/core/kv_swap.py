@@ -1,4 +1,5 @@
-"""Swap preemption of the KV cache manager: a request's pages to host slots and back."""
+"""`KVSwapper`: swap preemption of the KV cache manager, a request's pages to host slots and
+back."""
 
 from __future__ import annotations
 
@@ -14,16 +15,30 @@ if TYPE_CHECKING:
     from jaxserve.core.page_pool import HostPool, PagePool
 
 
-class SwapMixin:
-    """`KVCacheManager`'s swap methods (its pools, tables and counters are theirs)."""
+class KVSwapper:
+    """Moves requests' KV between device pages and host slots (`KVCacheManager` delegates
+    its swap calls here).
 
-    tables: BlockTables
-    pool: PagePool
-    host_pool: HostPool
-    counters: KVCacheCounters
-    page_size: int
-    num_groups: int
-    _watermark_pages: int
+    Args:
+        tables: The manager's `BlockTables` (over its device pool and host slots).
+        counters: The manager's counters (swaps are counted there).
+        watermark_pages: Device pages a swap-in must leave free.
+    """
+
+    def __init__(self, tables: BlockTables, counters: KVCacheCounters, watermark_pages: int):
+        self.tables = tables
+        self.counters = counters
+        self.watermark_pages = watermark_pages
+
+    @property
+    def pool(self) -> PagePool:
+        """The device page pool."""
+        return self.tables.pool
+
+    @property
+    def host_pool(self) -> HostPool:
+        """The host swap slots."""
+        return self.tables.host_pool
 
     def can_swap_out(self, request: Request) -> bool:
         """Whether `swap_out` would succeed now."""
@@ -41,7 +56,8 @@ class SwapMixin:
         Raises:
             ValueError: Unknown or already swapped-out request.
         """
-        if self.is_swapped(request.request_id):
+        state = self.tables.requests.get(request.request_id)
+        if state is not None and state.is_swapped:
             raise ValueError(f"request {request.request_id!r} is already swapped out")
         if not self.can_swap_out(request):
             self.counters.num_swap_fallbacks += 1
@@ -60,9 +76,9 @@ class SwapMixin:
         """
         slot_ids = self.tables.swapped_out(request.request_id).host_slot_ids
         num_free = self.pool.num_allocatable_pages
-        num_next = cdiv(request.num_computed_tokens + num_new_tokens, self.page_size)
-        return (len(slot_ids) + self._watermark_pages <= num_free and
-                num_next * self.num_groups <= num_free)
+        num_next = cdiv(request.num_computed_tokens + num_new_tokens, self.tables.page_size)
+        return (len(slot_ids) + self.watermark_pages <= num_free and
+                num_next * self.tables.num_groups <= num_free)
 
     def swap_in(self, request: Request) -> SwapPlan | None:
         """Brings a swapped-out request back into fresh device pages, same logical order.

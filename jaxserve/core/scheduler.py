@@ -11,32 +11,20 @@ from __future__ import annotations
 from collections import deque
 
 from jaxserve.config import SchedulerConfig
+from jaxserve.core.adapter_limit import AdapterLimit
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
-from jaxserve.core.scheduler_update import SchedulerUpdates
+from jaxserve.core.scheduler_output import (
+    PLACEHOLDER,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepDraft,
+)
+from jaxserve.core.scheduler_update import OutputUpdater
 from jaxserve.request import Request, RequestStatus
+from jaxserve.utils import delegated
 
 
-class _StepDraft:
-    """The step being built: its entries by request id and the token budget left."""
-
-    def __init__(self, budget: int):
-        self.entries: dict[str, ScheduledRequest] = {}
-        self.budget = budget
-
-    def add(self, entry: ScheduledRequest) -> None:
-        self.entries[entry.request_id] = entry
-        self.budget -= entry.num_new_tokens
-
-    def drop(self, request_id: str) -> bool:
-        """Takes a request's entry back (it was preempted); False if it had none."""
-        entry = self.entries.pop(request_id, None)
-        if entry is not None:
-            self.budget += entry.num_new_tokens
-        return entry is not None
-
-
-class Scheduler(SchedulerUpdates):
+class Scheduler:
     """Host-side scheduler over one `KVCacheManager` (no JAX).
 
     Requests carry `sampling_params` (max_tokens, stop ids, n, ...), `priority` and
@@ -58,8 +46,9 @@ class Scheduler(SchedulerUpdates):
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = 1 if config.scheduling_mode == "naive" else config.max_num_seqs
+        self.max_num_seqs = config.max_num_seqs
         self.max_loras = max_loras
+        self.adapters = AdapterLimit(max_loras)
         # Most tokens one request may hold in KV: what the pool gives a request running
         # alone (past the admission watermark) and, without chunking, what one step computes.
         # NOTE: a request reaching it ends as length-capped, like at max_model_len; were it
@@ -75,14 +64,24 @@ class Scheduler(SchedulerUpdates):
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._batch_open = True  # static mode: whether the current batch still admits
+        self.updater = OutputUpdater(self)
 
     # ------------------------------------------------------------ requests
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, kv_from: Request | None = None) -> None:
         """Queues a request, or raises if it can never run.
 
         A request whose tokens outgrow the pool (`max_kv_tokens`) later ends as
         length-capped, as at `max_model_len`.
+
+        Args:
+            request: A new request (nothing computed).
+            kv_from: A live request to start from (`LLMEngine.fork_request`): the leading
+                tokens the two have alike, as far as `kv_from` has computed them, are not
+                computed again; `request` takes `kv_from`'s pages for them
+                (`KVCacheManager.fork`; a shared page is copied before a write into it) and
+                runs from now on. Where nothing can be shared (`kv_from` holds no device
+                pages, a sliding window's pages are gone: `KVCacheManager.can_fork`) or no
+                sequence slot is free, it waits as any new request does.
 
         Raises:
             ValueError: Duplicate id, prompt longer than `max_model_len`, more pages than
@@ -110,7 +109,26 @@ class Scheduler(SchedulerUpdates):
                              "watermark)")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._enqueue_waiting(request)
+        if kv_from is None or not self._start_from(request, kv_from):
+            self._enqueue_waiting(request)
+
+    def _start_from(self, request: Request, parent: Request) -> bool:
+        """Starts a new request running on `parent`'s KV for the computed tokens they begin
+        with alike (its last token is left to compute: its logits are needed); False, with
+        nothing done, when nothing can be shared or no sequence slot is free."""
+        if (self.requests.get(parent.request_id) is not parent
+                or self._num_slots() + request.fan_out > self.max_num_seqs):
+            return False
+        limit = min(parent.num_computed_tokens, request.num_tokens - 1)
+        mine, theirs = request.all_token_ids, parent.all_token_ids
+        num_shared = next((i for i in range(limit) if mine[i] != theirs[i]), limit)
+        if not num_shared or not self.kv.can_fork(parent, num_shared):
+            return False
+        request.num_computed_tokens = request.num_cached_tokens = num_shared
+        self.kv.fork(parent, request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
 
     def _enqueue_waiting(self, request: Request, front: bool = False) -> None:
         if self.config.scheduling_policy == "priority":
@@ -164,15 +182,6 @@ class Scheduler(SchedulerUpdates):
             if request is not None:
                 request.spec_token_ids = list(token_ids)
 
-    def pop_output_token(self, request: Request) -> int:
-        """Takes back a request's newest output token, whose KV is not computed yet (beam
-        search puts another candidate in its place with `append_output_token`)."""
-        return request.pop_output_token_id(self.kv.page_size)
-
-    def append_output_token(self, request: Request, token: int) -> None:
-        """Appends a token chosen outside the sampler (beam search); no stop checks."""
-        request.append_output_token_ids(token)
-
     def _num_slots(self) -> int:
         """Sequence slots in use: a request that will fan out into n samples holds n."""
         return sum(r.fan_out for r in self.running)
@@ -180,11 +189,29 @@ class Scheduler(SchedulerUpdates):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    scheduled_request = delegated("updater", OutputUpdater.scheduled_request)
+    unschedule = delegated("updater", OutputUpdater.unschedule)
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+        """Advances requests by what step `out` computed and appends its sampled tokens
+        (`OutputUpdater.update`: fan-out forks, verified proposals, stop checks).
+
+        Args:
+            out: The step's scheduler output.
+            sampled: `{request_id: token ids}` for requests with `num_samples > 0`.
+
+        Returns:
+            (request, new token ids) for every request that got tokens, children included;
+            finished ones have a finished status and no pages any more.
+        """
+        return self.updater.update(out, sampled)
+
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         """Builds the next step (see the module docstring)."""
         out = SchedulerOutput()
-        step = _StepDraft(self.max_num_batched_tokens)
+        step = StepDraft(self.max_num_batched_tokens)
         self._schedule_running(step, out)
         if not out.preempted_request_ids:
             self._resume_swapped(step)
@@ -205,7 +232,7 @@ class Scheduler(SchedulerUpdates):
         out.released_request_ids = self.kv.take_released()
         return out
 
-    def _schedule_running(self, step: _StepDraft, out: SchedulerOutput) -> None:
+    def _schedule_running(self, step: StepDraft, out: SchedulerOutput) -> None:
         """Running requests in order, preempting from the back when pages run out."""
         index = 0
         while index < len(self.running) and step.budget > 0:
@@ -309,39 +336,40 @@ class Scheduler(SchedulerUpdates):
         request.status = RequestStatus.PREEMPTED
         self._enqueue_waiting(request, front=True)
 
-    def _resume_swapped(self, step: _StepDraft) -> None:
-        adapters = self._running_adapters()
+    def _resume_swapped(self, step: StepDraft) -> None:
+        adapters = self.adapters.running(self.running)
         while self.swapped and step.budget > 0 and self._num_slots() < self.max_num_seqs:
             request = self.swapped[0]
             num_new = self._num_new_tokens(request, step.budget)
             # NOTE: the pages for this step's tokens must be free as well; a request swapped
             # in without them would not run and would be swapped straight back out.
-            if (num_new == 0 or not self._lora_fits(request, adapters)
+            if (num_new == 0 or not self.adapters.fits(request, adapters)
                     or not self.kv.can_swap_in(request, num_new)):
                 break
             self.kv.swap_in(request)
             self.swapped.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._note_adapter(request, adapters)
+            self.adapters.note(request, adapters)
             if self.kv.allocate_slots(request, num_new) is None:
                 break  # back in device pages; it runs (or is preempted) next step
             step.add(self._entry(request, num_new))
 
-    def _admit_waiting(self, step: _StepDraft) -> None:
-        static = self.config.scheduling_mode in ("static", "naive")
-        if static:
-            if self.running:
-                if not self._batch_open:
-                    return
-            else:
-                self._batch_open = True
+    def may_admit(self) -> bool:
+        """Whether this step may admit waiting requests once running and swapped ones are
+        served: always, under continuous batching. The benchmarks' baselines hold them
+        back (static batching: `jaxserve.core.baseline_schedulers`)."""
+        return True
+
+    def _admit_waiting(self, step: StepDraft) -> None:
+        if not self.may_admit():
+            return
         skipped = 0  # waiting requests passed over: their adapter has no slot this step
-        adapters = self._running_adapters()
+        adapters = self.adapters.running(self.running)
         while (len(self.waiting) > skipped and step.budget > 0
                and self._num_slots() < self.max_num_seqs):
             request = self.waiting[skipped]
-            if not self._lora_fits(request, adapters):
+            if not self.adapters.fits(request, adapters):
                 skipped += 1
                 continue
             hit_ids, num_hit = self._prefix_hit(request)
@@ -358,30 +386,8 @@ class Scheduler(SchedulerUpdates):
             request.num_cached_tokens = max(request.num_cached_tokens, num_hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            self._note_adapter(request, adapters)
+            self.adapters.note(request, adapters)
             step.add(self._entry(request, num_new))
-        if static and self.running:
-            self._batch_open = False
-
-    def _running_adapters(self) -> set[int] | None:
-        """The adapter ids of the running requests (None when adapters are not limited):
-        built once per admission pass, then kept current by `_note_adapter`."""
-        if self.max_loras is None:
-            return None
-        return {r.lora_id for r in self.running if r.lora_id}
-
-    @staticmethod
-    def _note_adapter(request: Request, adapters: set[int] | None) -> None:
-        if adapters is not None and request.lora_id:
-            adapters.add(request.lora_id)
-
-    def _lora_fits(self, request: Request, adapters: set[int] | None) -> bool:
-        """Whether `request` may run beside the running requests, whose adapters are
-        `adapters` (`_running_adapters`): it has no adapter, or one they use, or fewer than
-        `max_loras` adapters are running."""
-        if adapters is None or not request.lora_id:
-            return True
-        return request.lora_id in adapters or len(adapters) < self.max_loras
 
     def _prefix_hit(self, request: Request) -> tuple[list[int], int]:
         """Cached pages for a waiting request's prompt: (page ids, tokens they hold)."""
@@ -390,22 +396,3 @@ class Scheduler(SchedulerUpdates):
         if self.kv.has_request(request.request_id) or sp.prompt_logprobs is not None:
             return [], 0
         return self.kv.get_computed_pages(request)
-
-    def unschedule(self, out: SchedulerOutput) -> None:
-        """Takes back the progress `schedule()` gave a step that never ran (its dispatch
-        failed): its requests compute those tokens again in a later step."""
-        for entry in out.scheduled:
-            request = self.scheduled_request(out, entry.request_id)
-            if request is not None and not request.is_finished():
-                request.num_computed_tokens -= entry.num_new_tokens - entry.num_spec_tokens
-                request.num_output_placeholders -= bool(entry.num_samples)
-                # NOTE: the runner may have kept part of this step's table deltas.
-                self.kv.resend_pages(entry.request_id)
-
-    def scheduled_request(self, out: SchedulerOutput, request_id: str) -> Request | None:
-        """The request `out` scheduled as `request_id` if it is still in the scheduler, else
-        None: it ended since, and its id may now belong to a new request (added after an
-        abort while the step was in flight), which the step must not touch."""
-        request = self.requests.get(request_id)
-        scheduled = out.requests.get(request_id, request)
-        return request if request is scheduled else None

@@ -124,3 +124,24 @@ class SchedulerOutput:
         self.scheduled = ([s for s in self.scheduled if s.num_new_tokens == 1]
                           + [s for s in self.scheduled if s.num_new_tokens != 1])
         return self
+
+
+class StepDraft:
+    """The step `Scheduler.schedule` is building: its entries by request id and the token
+    budget left."""
+
+    def __init__(self, budget: int):
+        self.entries: dict[str, ScheduledRequest] = {}
+        self.budget = budget
+
+    def add(self, entry: ScheduledRequest) -> None:
+        """Adds a request's entry (its tokens come out of the budget)."""
+        self.entries[entry.request_id] = entry
+        self.budget -= entry.num_new_tokens
+
+    def drop(self, request_id: str) -> bool:
+        """Takes a request's entry back (it was preempted); False if it had none."""
+        entry = self.entries.pop(request_id, None)
+        if entry is not None:
+            self.budget += entry.num_new_tokens
+        return entry is not None

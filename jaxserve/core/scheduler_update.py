@@ -1,20 +1,46 @@
-"""`SchedulerUpdates`: the scheduler's half that runs after a step: advancing requests by
-what the step computed (`update_from_output`: fan-out forks, verified proposals, stop
-checks)."""
+"""`OutputUpdater`: what a scheduler does after a step: advancing requests by what the step
+computed (fan-out forks, verified proposals, stop checks), or taking back a step that never
+ran."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
+from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.core.stop_checker import check_stop
 from jaxserve.request import Request, RequestStatus
 
 
-class SchedulerUpdates:
-    """Mixed into `Scheduler`: reads its `requests`, `running`, `kv` and `length_cap`,
-    and calls its `scheduled_request`, `fork` and `finish_request`."""
+class UpdatedScheduler(Protocol):
+    """What `OutputUpdater` reads and calls of its scheduler (`Scheduler` provides it)."""
 
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+    requests: dict[str, Request]
+    running: list[Request]
+    kv: KVCacheManager
+    length_cap: int
+
+    def fork(self, parent: Request, child_id: str, index: int | None = None) -> Request:
+        """Forks a running request (fan-out); the child runs at `index`."""
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request and frees its pages."""
+
+
+class OutputUpdater:
+    """Advances a scheduler's requests by a step's samples, or takes back a step that never
+    ran (`Scheduler.update_from_output`, `unschedule` and `scheduled_request` delegate
+    here).
+
+    Args:
+        scheduler: The scheduler it updates, through the members `UpdatedScheduler` names.
+    """
+
+    def __init__(self, scheduler: UpdatedScheduler):
+        self.scheduler = scheduler
+
+    def update(self, out: SchedulerOutput,
+               sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
         """Advances requests by what the step computed and appends sampled tokens.
 
         Fan-out requests (n > 1) fork here, after the step wrote their prompt's KV: each
@@ -28,6 +54,7 @@ class SchedulerUpdates:
             (request, new token ids) for every request that got tokens, children included;
             finished ones have a finished status and no pages any more.
         """
+        sched = self.scheduler
         results: list[tuple[Request, list[int]]] = []
         verified: list[Request] = []  # requests that verified proposals
         for entry in out.scheduled:
@@ -51,9 +78,9 @@ class SchedulerUpdates:
             results.append((request, tokens[:1]))
             for i, token in enumerate(tokens[1:], start=1):
                 child_id = f"{request.request_id}#{i}"
-                while child_id in self.requests:  # NOTE: a user id may look like a child's
+                while child_id in sched.requests:  # NOTE: a user id may look like a child's
                     child_id += "#"
-                child = self.fork(request, child_id, self.running.index(request) + i)
+                child = sched.fork(request, child_id, sched.running.index(request) + i)
                 child.sample_index = i
                 child.forked_from = request.request_id
                 results.append((child, [token]))
@@ -62,27 +89,48 @@ class SchedulerUpdates:
         for request, tokens in results:
             for i, token in enumerate(tokens):  # NOTE: a stop ends verified tokens there
                 request.append_output_token_ids(token)
-                self._check_stop(request)
+                self.check_stop(request)
                 if request.is_finished():
                     tokens = tokens[:i + 1]
                     break
             kept.append((request, tokens))
         for request in verified:  # pages only rejected proposals were written into
             if not request.is_finished():
-                self.kv.trim(request)
+                sched.kv.trim(request)
         return kept
 
-    def _check_stop(self, request: Request) -> None:
+    def check_stop(self, request: Request) -> None:
+        """Finishes `request` (stopped or length-capped) if its newest token ends it."""
         sp = request.sampling_params
         reason = check_stop(
             request.output_token_ids, num_prompt_tokens=request.num_prompt_tokens,
             max_tokens=sp.max_tokens,
-            max_model_len=self.length_cap,
+            max_model_len=self.scheduler.length_cap,
             eos_token_ids=request.eos_token_ids, ignore_eos=sp.ignore_eos,
             stop_token_ids=sp.stop_token_ids or (), min_tokens=sp.min_tokens)
         if reason is None:
             return
         kind, stop_reason = reason
         request.stop_reason = stop_reason
-        self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED if kind == "stop"
-                            else RequestStatus.FINISHED_LENGTH_CAPPED)
+        self.scheduler.finish_request(
+            request.request_id, RequestStatus.FINISHED_STOPPED if kind == "stop"
+            else RequestStatus.FINISHED_LENGTH_CAPPED)
+
+    def unschedule(self, out: SchedulerOutput) -> None:
+        """Takes back the progress `schedule()` gave a step that never ran (its dispatch
+        failed): its requests compute those tokens again in a later step."""
+        for entry in out.scheduled:
+            request = self.scheduled_request(out, entry.request_id)
+            if request is not None and not request.is_finished():
+                request.num_computed_tokens -= entry.num_new_tokens - entry.num_spec_tokens
+                request.num_output_placeholders -= bool(entry.num_samples)
+                # NOTE: the runner may have kept part of this step's table deltas.
+                self.scheduler.kv.resend_pages(entry.request_id)
+
+    def scheduled_request(self, out: SchedulerOutput, request_id: str) -> Request | None:
+        """The request `out` scheduled as `request_id` if it is still in the scheduler, else
+        None: it ended since, and its id may now belong to a new request (added after an
+        abort while the step was in flight), which the step must not touch."""
+        request = self.scheduler.requests.get(request_id)
+        scheduled = out.requests.get(request_id, request)
+        return request if request is scheduled else None

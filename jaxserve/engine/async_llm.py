@@ -58,8 +58,9 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
 
-    def _put(self, item) -> None:
-        """Delivers an output or an exception (thread-safe)."""
+    def put(self, item) -> None:
+        """Delivers an output or an exception to the iterating side (thread-safe: the
+        engine thread calls it)."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -318,9 +319,9 @@ class AsyncLLM:
             finals = engine.abort_request([payload]) or []
             if stream is not None and not stream.finished:
                 for out in finals:
-                    stream._put(out)
+                    stream.put(out)
                 if not finals:
-                    stream._put(EngineDeadError(f"request {payload} was aborted"))
+                    stream.put(EngineDeadError(f"request {payload} was aborted"))
 
     def _drain(self, block: bool) -> bool:
         """Runs queued commands (waiting for one if `block`); False once told to stop."""
@@ -357,14 +358,14 @@ class AsyncLLM:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            stream._put(out)
+            stream.put(out)
 
     def _fail_all(self, error: BaseException) -> None:
         ids = list(self._streams.keys())
         for request_id in ids:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
-                stream._put(error)
+                stream.put(error)
             self.metrics.forget(request_id)
         if ids:
             self.engine.abort_request(ids)

@@ -1,10 +1,13 @@
-"""Beam search on the engine's forking: beams share pages and copy on write as they diverge.
+"""Beam search on the engine's public API: beams share pages and copy on write as they diverge.
 
-Each beam is a greedy request that returns its top 2W next tokens. After a step, every beam
-that sampled gives back its token (not yet computed) and waits; once all live beams of a
-prompt have their candidates, the best W continuations are chosen: a beam picked once
-takes its token, a beam picked k times forks k - 1 children (sharing its pages), and a
-beam not picked is freed. Candidates ending in EOS become finished hypotheses.
+Each beam is a greedy engine request that returns its top 2W next tokens (`logprobs=2W`).
+The engine steps one at a time (no overlap) and every beam of a prompt samples in the same
+step; once they all have, the best W continuations are chosen (`select_beams`): a beam
+whose request sampled the chosen token goes on in it, and every other continuation is a
+new request started from its beam's KV with `LLMEngine.fork_request` (it shares the pages
+and computes only the chosen token); requests no continuation goes on in are aborted.
+Candidates ending in EOS become finished hypotheses. A beam whose group is not ready (a
+sibling was preempted) is aborted and later continued as a request of its own.
 """
 
 from __future__ import annotations
@@ -12,8 +15,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -94,14 +96,27 @@ def best_hypotheses(done: list[BeamSearchSequence], params: BeamSearchParams
                                                    params.length_penalty))[:params.beam_width]
 
 
+@dataclass
+class _Beam:
+    """A live hypothesis: its tokens (prompt included), score, and the engine request that
+    computes its next token (None once parked: aborted while its group waited)."""
+
+    tokens: list[int]
+    cum_logprob: float
+    request_id: str | None
+    sampled: int | None = None  # what its request sampled last (not computed yet)
+    candidates: list[tuple[int, float]] | None = None  # its top 2W (token, logprob)
+
+
+@dataclass
 class _Group:
     """The beams of one prompt."""
 
-    def __init__(self, root: Request):
-        self.beams: dict[str, float] = {root.request_id: 0.0}  # request id -> cum logprob
-        self.pending: dict[str, list[tuple[int, float]]] = {}  # candidates per waiting beam
-        self.done: list[BeamSearchSequence] = []
-        self.num_children = 0
+    num_prompt_tokens: int
+    lora_request: object
+    beams: list[_Beam]
+    done: list[BeamSearchSequence] = field(default_factory=list)
+    num_requests: int = 1  # engine requests made for it (their ids' suffixes)
 
 
 def beam_search(engine, prompts: list, params: BeamSearchParams,
@@ -111,59 +126,55 @@ def beam_search(engine, prompts: list, params: BeamSearchParams,
 
     Raises:
         ValueError: The engine is busy or speculates (`speculative_config`), a prompt is
-            invalid or too long, or an adapter does not load.
+            invalid or too long, an adapter does not load, or a beam's request failed.
     """
     if engine.speculator is not None:
         raise ValueError("speculative_config: beam search does not combine with speculative "
                          "decoding; use an engine without speculative_config")
-    if engine.has_unfinished_requests() or engine.scheduler.has_unfinished_requests():
+    if engine.has_unfinished_requests():
         raise ValueError("beam_search needs an idle engine; finish or abort other requests")
-    width = params.beam_width
-    sp = SamplingParams(temperature=0.0, max_tokens=None, logprobs=2 * width, ignore_eos=True,
-                        detokenize=False)
     all_ids = [engine.inputs.tokenize(prompt)[1] for prompt in prompts]
     for i, ids in enumerate(all_ids):  # validate every prompt before queuing any
-        if len(ids) + params.max_tokens >= engine.limits.max_model_len:
+        if len(ids) + params.max_tokens >= engine.max_model_len:
             raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_tokens "
                              f"{params.max_tokens} exceeds max_model_len "
-                             f"{engine.limits.max_model_len}")
+                             f"{engine.max_model_len}")
     loras = loras or [None] * len(prompts)
     for lora in loras:
         if lora is not None:
             engine.add_lora(lora)
-    groups: dict[str, _Group] = {}
-    for i, ids in enumerate(all_ids):
-        root = Request(f"beam-{i}", ids, sampling_params=sp.clone(
-            max_tokens=engine.limits.max_model_len - len(ids)),
-            eos_token_ids=engine.eos_token_ids, user_request_id=f"beam-{i}",
-            lora_request=loras[i])
-        engine.scheduler.add_request(root)
-        groups[root.request_id] = _Group(root)
-    owner = {g: g for g in groups}  # beam request id -> group id
-
-    while any(g.beams for g in groups.values()):
-        step = _execute_step(engine)
-        if step is None:
-            break
-        result, requests = step
-        for row, req_id in enumerate(result.row_request_ids):
-            req, group = requests[req_id], groups[owner[req_id]]
-            k = 2 * width
-            cands = [(int(t), float(lp)) for t, lp in zip(result.topk_token_ids[row][:k],
-                                                         result.topk_logprobs[row][:k],
-                                                         strict=True)]
-            if req.is_finished():  # capped by the pool's size: keep it as a hypothesis
-                _finish(group, req, list(req.all_token_ids),
-                        group.beams.pop(req_id) + cands[0][1], "length")
-                continue
-            engine.scheduler.pop_output_token(req)  # the beam waits for the group's choice
-            group.pending[req_id] = cands
-        for gid, group in groups.items():
-            if group.beams and set(group.pending) >= set(group.beams):
-                _select(engine, gid, group, owner, params)
-
+    # Each beam request computes its newest token and returns the top 2W next ones; it
+    # then waits (steps one at a time, not overlapped) until its group has chosen.
+    step_params = SamplingParams(temperature=0.0, max_tokens=None, logprobs=2 * params.beam_width,
+                                 ignore_eos=True, detokenize=False,
+                                 output_kind=RequestOutputKind.DELTA)
+    groups: list[_Group] = []
+    live: dict[str, tuple[_Group, _Beam]] = {}  # beam request id -> its group and beam
+    overlap, engine.async_scheduling = engine.async_scheduling, False
+    try:
+        for i, ids in enumerate(all_ids):
+            group = _Group(len(ids), loras[i], [_Beam(list(ids), 0.0, f"beam-{i}")])
+            engine.add_request(f"beam-{i}", {"prompt_token_ids": ids}, step_params,
+                               lora_request=loras[i])
+            groups.append(group)
+            live[f"beam-{i}"] = (group, group.beams[0])
+        while live:
+            for out in engine.step():
+                if out.request_id in live:
+                    _take_candidates(live, out, 2 * params.beam_width)
+            for g, group in enumerate(groups):
+                if not group.beams:
+                    continue
+                if all(beam.candidates is not None for beam in group.beams):
+                    _select(engine, f"beam-{g}", group, live, step_params, params)
+                else:  # NOTE: a beam that has its candidates must not compute on
+                    _park([b for b in group.beams if b.candidates is not None], engine, live)
+    finally:
+        engine.async_scheduling = overlap
+        if live:
+            engine.abort_request(list(live))
     outputs = []
-    for group in groups.values():
+    for group in groups:
         best = best_hypotheses(group.done, params)
         for seq in best:
             seq.text = engine.tokenizer.decode(seq.tokens[seq.num_prompt_tokens:],
@@ -172,57 +183,77 @@ def beam_search(engine, prompts: list, params: BeamSearchParams,
     return outputs
 
 
-def _select(engine, gid: str, group: _Group, owner: dict, params: BeamSearchParams) -> None:
-    """Chooses the group's next beams from its pending candidates."""
-    width, sched = params.beam_width, engine.scheduler
+def _take_candidates(live: dict, out, k: int) -> None:
+    """Records a beam request's step: its sampled token and top `k` candidates; a request
+    the engine ended (its length cap) becomes a finished hypothesis."""
+    group, beam = live[out.request_id]
+    completion = out.outputs[0]
+    if completion.finish_reason == "error":
+        raise ValueError(f"beam search: request {out.request_id} failed: {out.error}")
+    token, entry = completion.token_ids[-1], completion.logprobs[-1]
+    ranked = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()),
+                    key=lambda c: -c[1])
+    if completion.finish_reason is not None:  # capped by the pool's size: a hypothesis
+        group.beams.remove(beam)
+        del live[out.request_id]
+        _finish(group, beam.tokens + [token], beam.cum_logprob + ranked[0][1], "length")
+        return
+    beam.sampled, beam.candidates = token, ranked[:k]
+
+
+def _park(beams: list[_Beam], engine, live: dict) -> None:
+    """Aborts the requests of beams that have their candidates while others of their group
+    do not yet (preempted, or computing a longer prompt): they would compute on."""
+    ids = [beam.request_id for beam in beams if beam.request_id is not None]
+    for beam in beams:
+        beam.request_id = None
+    for request_id in ids:
+        del live[request_id]
+    if ids:
+        engine.abort_request(ids)
+
+
+def _select(engine, gid: str, group: _Group, live: dict, step_params: SamplingParams,
+            params: BeamSearchParams) -> None:
+    """Chooses the group's next beams from its beams' candidates: a beam whose request
+    sampled the chosen token goes on in that request; every other choice is a new request
+    forked from its beam's (sharing its pages) or, for a parked beam, a new one."""
     eos = set(engine.eos_token_ids)
-    scored = []
-    for req_id, cands in group.pending.items():
-        for token, lp in cands:
-            scored.append((group.beams[req_id] + lp, req_id, token))
-    group.pending.clear()
-    keep, ended = select_beams(scored, width, eos, params.ignore_eos)
-    for cum, req_id, token in ended:
-        req = sched.requests[req_id]
-        _finish(group, req, req.all_token_ids + [token], cum, "stop")
-    # Forks first, from the beams' current (waiting) state; then every beam takes its token.
-    used: set[str] = set()
-    assigned: list[tuple[Request, int, float]] = []
-    for cum, req_id, token in keep:
-        parent = sched.requests[req_id]
-        if req_id not in used:
-            used.add(req_id)
-            assigned.append((parent, token, cum))
+    scored = [(beam.cum_logprob + lp, -i, token) for i, beam in enumerate(group.beams)
+              for token, lp in beam.candidates]
+    keep, ended = select_beams(scored, params.beam_width, eos, params.ignore_eos)
+    for cum, neg_i, token in ended:
+        _finish(group, group.beams[-neg_i].tokens + [token], cum, "stop")
+    going_on: set[str] = set()  # requests that carry a beam on
+    beams: list[_Beam] = []
+    for cum, neg_i, token in keep:
+        parent = group.beams[-neg_i]
+        tokens = parent.tokens + [token]
+        if len(tokens) - group.num_prompt_tokens >= params.max_tokens:
+            _finish(group, tokens, cum, "length")
             continue
-        group.num_children += 1
-        beam = sched.fork(parent, f"{gid}.{group.num_children}")  # shares pages (CoW)
-        owner[beam.request_id] = gid
-        assigned.append((beam, token, cum))
-    new_beams: dict[str, float] = {}
-    for beam, token, cum in assigned:
-        sched.append_output_token(beam, token)
-        new_beams[beam.request_id] = cum
-    for req_id in group.beams:
-        if req_id not in used:
-            sched.finish_request(req_id, RequestStatus.FINISHED_ABORTED)
-    group.beams = new_beams
-    for req_id, cum in list(group.beams.items()):
-        req = sched.requests[req_id]
-        if req.num_output_tokens >= params.max_tokens:
-            _finish(group, req, list(req.all_token_ids), cum, "length")
-            sched.finish_request(req_id, RequestStatus.FINISHED_LENGTH_CAPPED)
-            del group.beams[req_id]
+        request_id = parent.request_id
+        if request_id is None or token != parent.sampled or request_id in going_on:
+            request_id = f"{gid}.{group.num_requests}"
+            group.num_requests += 1
+            prompt = {"prompt_token_ids": tokens}
+            if parent.request_id is not None:
+                engine.fork_request(parent.request_id, request_id, prompt, step_params)
+            else:
+                engine.add_request(request_id, prompt, step_params,
+                                   lora_request=group.lora_request)
+        going_on.add(request_id)
+        beams.append(_Beam(tokens, cum, request_id))
+        live[request_id] = (group, beams[-1])
+    done = [b.request_id for b in group.beams
+            if b.request_id is not None and b.request_id not in going_on]
+    for request_id in done:
+        del live[request_id]
+    if done:
+        engine.abort_request(done)
+    group.beams = beams
 
 
-def _finish(group: _Group, req: Request, tokens: list[int], cum: float, reason: str) -> None:
-    group.done.append(BeamSearchSequence(tokens, cum, req.num_prompt_tokens,
+def _finish(group: _Group, tokens: list[int], cum: float, reason: str) -> None:
+    group.done.append(BeamSearchSequence(tokens, cum, group.num_prompt_tokens,
                                          finish_reason=reason))
-
-
-def _execute_step(engine):
-    """Runs one core step of the engine's (beam) requests; None when nothing ran."""
-    from jaxserve.sample.metadata import RowSpec
-
-    core = engine.run_core_step(lambda req, s, k: RowSpec(
-        req.sampling_params, req.prompt_token_ids, req.output_token_ids, 0, s.sampling_counter))
-    return None if core is None else (core.result, core.requests)

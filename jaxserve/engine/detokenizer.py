@@ -88,6 +88,11 @@ class _Decoder:
             for t in context:  # primes the stream's prefix with the prompt's tail
                 self._stream.step(backend, t)
 
+    @property
+    def streaming(self) -> bool:
+        """Whether deltas come from `DecodeStream` (False: window decodes)."""
+        return self._stream is not None
+
     def step(self, token_id: int) -> str:
         self._ids.append(token_id)
         if self._stream is not None:
@@ -199,7 +204,7 @@ class IncrementalDetokenizer:
     @property
     def is_fast(self) -> bool:
         """Whether deltas currently come from `DecodeStream`."""
-        return self._decoder._stream is not None
+        return self._decoder.streaming
 
     def update(self, new_token_ids: Sequence[int], *, stop_terminated: bool = False
                ) -> str | None:

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 from jaxserve.compilation_cache import drop_staging_caches
 from jaxserve.config import EngineConfig
+from jaxserve.core.baseline_schedulers import scheduler_class
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.engine_metrics import EngineMetrics
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.lora_control import LoRAControl
 from jaxserve.engine.output_processor import CoreStep, OutputProcessor
-from jaxserve.engine.pooling import Pooler, PoolingControl
+from jaxserve.engine.pooling import POOLING_SAMPLING, Pooler
+from jaxserve.engine.sampling_inputs import SamplingInputs
 from jaxserve.engine.weight_control import WeightControl
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling_params import PoolerConfig, PoolingParams, sentence_transformers_pooler
@@ -25,13 +25,9 @@ from jaxserve.runner.worker import Worker
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.spec_decode.factory import make_speculator
-from jaxserve.structured import mask_rows, row_bitmasks
-from jaxserve.utils import trim_memory
+from jaxserve.utils import delegated, delegated_property, trim_memory
 
 logger = logging.getLogger("jaxserve")
-# The row that stands in for a request whose own row could not be built (it computes
-# nothing another row reads).
-_INERT_ROW = RowSpec(SamplingParams(temperature=0.0), (), (), 0, 0)
 
 
 @dataclasses.dataclass
@@ -44,8 +40,14 @@ class _InFlight:
     failed: dict[str, BaseException]
 
 
-class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
+class LLMEngine:
     """Continuous-batching engine over one model.
+
+    It owns the request flow (add, step, abort); its other calls are delegated to the
+    collaborators it builds: `weights` (`WeightControl`: new weights, prefix cache,
+    sleep), `loras` (`LoRAControl`: adapters), `metrics` (`EngineMetrics`: figures),
+    `sampling_inputs` (`SamplingInputs`: each step's sampling arrays), and for a pooling
+    engine `pooler` (`Pooler`: embeddings).
 
     Args:
         config: Engine configuration.
@@ -65,15 +67,16 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
             self.model.source) or PoolerConfig(), self.model.cfg.hidden_size) \
             if config.model.runner == "pooling" else None
         self.kv = KVCacheManager(
-            lim.num_pages, cache.block_size, enable_prefix_caching=cache.enable_prefix_caching
+            lim.num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching
             and (self.pooler is None or self.pooler.prefix_caching_allowed),
             watermark=cache.watermark, swap_space=cache.swap_space,
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len,
             group_windows=self.worker.kv_layout.windows,
             max_chunk_tokens=lim.max_num_batched_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.kv, lim.max_model_len,
-                                   lim.max_num_batched_tokens,
-                                   config.lora.max_loras if config.lora.enable_lora else None)
+        # NOTE: "static" and "naive" are the benchmarks' baselines (core/baseline_schedulers.py).
+        self.scheduler = scheduler_class(config.scheduler.scheduling_mode)(
+            config.scheduler, self.kv, lim.max_model_len, lim.max_num_batched_tokens,
+            config.lora.max_loras if config.lora.enable_lora else None)
         self.speculator = make_speculator(
             config.speculative_config, **self.worker.draft_runner_args(self.scheduler.max_num_seqs))
         self.worker.init_device(self.scheduler.max_num_seqs, self.kv.host_pool.num_slots,
@@ -84,7 +87,13 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
                                      lim.max_model_len, self.scheduler.max_num_seqs,
                                      self.worker.eos_token_ids, config.model.seed)
         self.outputs = OutputProcessor()
-        self.counters = {"pooled_prompt_tokens": 0, "num_steps": 0}
+        self.sampling_inputs = SamplingInputs(self.runner, self.outputs,
+                                              self.model.cfg.vocab_size)
+        self.weights = WeightControl(self.worker, self.kv, self._end_requests)
+        self.loras = LoRAControl(self.runner.lora)
+        self.metrics = EngineMetrics(self.worker, self.scheduler, self.outputs, self.weights,
+                                     self.speculator, self.pooler)
+        self.counters = {"num_steps": 0}
         # Whether steps overlap (may be switched between steps, as tests do to compare both
         # orders on one compiled engine).
         self.async_scheduling = config.scheduler.async_scheduling
@@ -99,6 +108,30 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
     runner = property(lambda self: self.worker.runner, doc="The `ModelRunner`.")
     layout = property(lambda self: self.worker.layout, doc="Tensor-parallel layout or None.")
     limits = property(lambda self: self.worker.limits, doc="The engine's sizes (`Limits`).")
+
+    # Calls delegated to the collaborators (documented there).
+    update_weights = delegated("weights", WeightControl.update_weights)
+    get_weights = delegated("weights", WeightControl.get_weights)
+    reset_prefix_cache = delegated("weights", WeightControl.reset_prefix_cache)
+    sleep = delegated("weights", WeightControl.sleep)
+    wake_up = delegated("weights", WeightControl.wake_up)
+    is_sleeping = delegated("weights", WeightControl.is_sleeping)
+    check_awake = delegated("weights", WeightControl.check_awake)
+    add_lora = delegated("loras", LoRAControl.add_lora)
+    remove_lora = delegated("loras", LoRAControl.remove_lora)
+    list_loras = delegated("loras", LoRAControl.list_loras)
+    get_metrics = delegated("metrics", EngineMetrics.get_metrics)
+    cache_config_info = delegated("metrics", EngineMetrics.cache_config_info)
+    kv_capacity_tokens = delegated_property("metrics", EngineMetrics.kv_capacity_tokens)
+    num_scheduled_tokens = delegated_property("metrics", EngineMetrics.num_scheduled_tokens)
+    num_iteration_tokens = delegated_property("metrics", EngineMetrics.num_iteration_tokens)
+    num_prompt_tokens = delegated_property("metrics", EngineMetrics.num_prompt_tokens)
+    warmup_progress = delegated_property("metrics", EngineMetrics.warmup_progress)
+
+    @property
+    def runner_type(self) -> str:
+        """"generate" or "pooling" (`ModelConfig.runner`; vLLM's `runner_type`)."""
+        return self.config.model.runner
 
     # ------------------------------------------------------------ requests
     @property
@@ -117,26 +150,72 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
         """Queues a request: text, token ids, or `{"prompt_token_ids": [...]}`.
 
         `lora_request` (`jaxserve.lora.LoRARequest`) runs it with that adapter, loaded
-        now if it is not yet.
+        now if it is not yet. On a pooling engine (`runner="pooling"`) `params` are
+        `PoolingParams` (None: the defaults), and the request is prefill only
+        (`engine/pooling.py`).
 
         Raises:
             ValueError: Duplicate id, bad prompt or parameters, a request that can never
                 fit (prompt over max_model_len, more pages than exist), an adapter without
-                `enable_lora` or one that does not load (`LoRAManager.add`).
+                `enable_lora` or one that does not load (`LoRAManager.add`),
+                `PoolingParams` on a generate engine, or on a pooling engine
+                `SamplingParams`, bad `dimensions` or an adapter.
         """
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.check_awake()
+        self.weights.check_awake()
+        pooling = None
         if self.pooler is not None or isinstance(params, PoolingParams):
-            return self._add_pooling_request(request_id, prompt, params, priority=priority,
-                                             cache_salt=cache_salt, arrival_time=arrival_time,
-                                             lora_request=lora_request)
-        if lora_request is not None:
+            if self.pooler is None:
+                raise ValueError("this engine runs the generate runner: embeddings "
+                                 "(PoolingParams) need an engine with runner='pooling' "
+                                 "(task='embed')")
+            pooling = self.pooler.check(params, lora_request)
+            params = POOLING_SAMPLING
+        elif lora_request is not None:
             self.add_lora(lora_request)
         state = self.inputs.process(request_id, prompt, params or SamplingParams(),
                                     priority=priority, cache_salt=cache_salt,
                                     arrival_time=arrival_time, lora_request=lora_request)
         self.scheduler.add_request(state.root)
+        self.outputs.add(state)
+        if pooling is not None:
+            self.pooler.add(request_id, pooling, len(state.prompt_token_ids))
+
+    def fork_request(self, parent_id: str, request_id: str, prompt,
+                     params: SamplingParams) -> None:
+        """Queues a request that starts from another one's KV cache: like `add_request`,
+        but the leading tokens of `prompt` that live request `parent_id` has alike and has
+        computed are not computed again. The new request shares the parent's pages for them
+        (a page both go on writing into is copied first) and runs with the parent's
+        adapter, cache salt and priority. Programs that branch sequences themselves use it:
+        beam search (`engine/beam_search.py`) forks each beam's continuations this way.
+
+        Args:
+            parent_id: A live request. Where it holds no pages on the device (waiting,
+                preempted, swapped out) nothing is shared and the prompt is computed whole.
+            request_id: The new request's id.
+            prompt: Its prompt as for `add_request`, typically the parent's prompt and
+                outputs so far followed by tokens of the caller's choosing.
+            params: Its sampling parameters (limits such as `max_tokens` count from its
+                own first output token).
+
+        Raises:
+            ValueError: An unknown parent, a pooling engine, or anything `add_request`
+                refuses.
+        """
+        parent = self.scheduler.requests.get(parent_id)
+        if parent is None:
+            raise ValueError(f"fork_request: no live request {parent_id!r}")
+        if self.pooler is not None:
+            raise ValueError("fork_request: the pooling runner (embeddings) forks no requests")
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.weights.check_awake()
+        state = self.inputs.process(request_id, prompt, params, priority=parent.priority,
+                                    cache_salt=parent.cache_salt,
+                                    lora_request=parent.lora_request)
+        self.scheduler.add_request(state.root, kv_from=parent)
         self.outputs.add(state)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
@@ -201,23 +280,6 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
         pending, self._pending = self._pending, following
         return outputs + self._finish(pending)
 
-    def run_core_step(self, row_for, on_prompt_logprobs=None) -> CoreStep | None:
-        """Schedules a step, runs it on the device and advances the scheduler, alone (a step
-        in flight is finished first; its outputs come with the next `step()`).
-
-        Args:
-            row_for: `(request, scheduled entry, k) -> RowSpec` of the k-th sampling row of
-                a scheduled request.
-            on_prompt_logprobs: `(out, requests, prompt_logprobs)`, called when the step
-                computed prompt logprobs (before the scheduler drops finished requests).
-
-        Returns:
-            The step's `CoreStep`, or None when nothing was scheduled.
-        """
-        self.flush()
-        inflight = self._dispatch(row_for=row_for)
-        return None if inflight is None else self._core(inflight, on_prompt_logprobs)
-
     def flush(self) -> None:
         """Finishes the step in flight, if any (its outputs come with the next `step()`)."""
         if self._pending is not None:
@@ -247,7 +309,7 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
         return not (self.inputs.grammars.num_compiled
                     and any(r.grammar is not None for r in self.scheduler.requests.values()))
 
-    def _dispatch(self, prev: _InFlight | None = None, row_for=None) -> _InFlight | None:
+    def _dispatch(self, prev: _InFlight | None = None) -> _InFlight | None:
         """Schedules a step and hands it to the device; None when nothing was scheduled."""
         if self.speculator is not None:
             self.scheduler.set_proposals(self.speculator.step(self.scheduler.running))
@@ -260,7 +322,9 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
             return None
         reached_runner = False
         try:
-            requests, sampling, failed = self._step_inputs(out, row_for)
+            requests = {s.request_id: self.scheduler.requests[s.request_id]
+                        for s in out.scheduled}
+            sampling, failed = self.sampling_inputs.build(out, requests)
             reached_runner = True
             pending = self.runner.dispatch(out, sampling,
                                            prev=None if prev is None else prev.pending)
@@ -271,68 +335,12 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
             raise
         return _InFlight(out, requests, pending, failed)
 
-    def _step_inputs(self, out: SchedulerOutput, row_for=None):
-        """(requests by id, sampling arrays, `{request_id: error}` of requests whose rows
-        failed) of a scheduled step: gathered from the runner's kept rows, or built from
-        `row_for`'s rows (beam search)."""
-        requests = {s.request_id: self.scheduler.requests[s.request_id] for s in out.scheduled}
-        if row_for is None:
-            return (requests, *self._kept_rows(out, requests))
-        rows, row_owner, row_failed, constrained = [], [], {}, []
-        for s in out.scheduled:
-            req, first = requests[s.request_id], len(rows)
-            for k in range(s.num_samples + s.num_spec_tokens):
-                try:
-                    rows.append(row_for(req, s, k))
-                except Exception as e:  # noqa: BLE001 - this request fails, not the step
-                    row_failed.setdefault(s.request_id, e)
-                    rows.append(_INERT_ROW)
-                row_owner.append(s.request_id)
-            if req.grammar is not None and len(rows) > first \
-                    and s.request_id not in row_failed:
-                constrained.append((first, req, s))
-        if constrained:
-            mask_rows(rows, constrained, self.model.cfg.vocab_size, _INERT_ROW, row_failed)
-        _, num_rows = self.runner.step_shape(out)
-        sampling, failed = self._rows_metadata(rows, row_owner, num_rows)
-        return requests, sampling, {**row_failed, **failed}
-
-    def _kept_rows(self, out: SchedulerOutput, requests: dict[str, Request]):
-        """(sampling arrays, `{request_id: error}`) of a step from the runner's kept rows:
-        each request's settings are written once, when it joins; this step adds its
-        counters, output tokens and structured-output masks."""
-        now, failed, constrained, first = time.time(), {}, [], 0
-        for s in out.scheduled:
-            req, num = requests[s.request_id], s.num_samples + s.num_spec_tokens
-            if num:
-                try:
-                    self.outputs.row_state(req, now)
-                except Exception as e:  # noqa: BLE001 - this request fails, not the step
-                    failed.setdefault(s.request_id, e)
-                if req.grammar is not None and s.request_id not in failed:
-                    constrained.append((first, req, s))
-            first += num
-        masks = row_bitmasks(constrained, self.model.cfg.vocab_size, failed) \
-            if constrained else None
-        _, num_rows = self.runner.step_shape(out)
-        sampling, row_failed = self._sampling_metadata(out, num_rows, masks, failed)
-        return sampling, {**failed, **row_failed}
-
-    def _sampling_metadata(self, out: SchedulerOutput, num_rows: int, masks, failed):
-        """The step's sampling arrays gathered from the runner's rows, and the requests whose
-        rows cannot be written. Those and the requests in `failed` get inert greedy rows:
-        the step computes the others' tokens exactly as it would without them."""
-        states = self.outputs.states
-        return self.runner.sampling_rows.gather(
-            out, num_rows, lambda req: states[req.user_request_id].row_params, masks,
-            inert=failed)
-
-    def _core(self, inflight: _InFlight, on_prompt_logprobs=None) -> CoreStep:
+    def _core(self, inflight: _InFlight) -> CoreStep:
         """Waits for a dispatched step and advances the scheduler by what it sampled."""
         result = self.runner.fetch(inflight.pending)
         out, requests = inflight.out, inflight.requests
-        if result.prompt_logprobs is not None and on_prompt_logprobs is not None:
-            on_prompt_logprobs(out, requests, result.prompt_logprobs)
+        if result.prompt_logprobs is not None:
+            self.outputs.record_prompt_logprobs(out, requests, result.prompt_logprobs)
         # NOTE: a request that ended while the step ran is skipped (its id may be reused).
         failed = {req_id: error for req_id, error in inflight.failed.items()
                   if self.scheduler.scheduled_request(out, req_id) is not None}
@@ -354,36 +362,28 @@ class LLMEngine(EngineMetrics, LoRAControl, WeightControl, PoolingControl):
         return CoreStep(out, requests, result, updates, row_of, failed)
 
     def _finish(self, inflight: _InFlight) -> list[RequestOutput]:
-        core = self._core(inflight, self.outputs.record_prompt_logprobs)
+        core = self._core(inflight)
         self.counters["num_steps"] += 1
         done = self.outputs.process(core)
         self._finish_requests(done.to_finish)
         return done.outputs if self.pooler is None else self.pooler.outputs(done.outputs)
 
+    def _end_requests(self, what: str, abort: bool) -> list[RequestOutput]:
+        """Finishes the step in flight; aborts unfinished requests when `abort`, else
+        refuses while there are any (`WeightControl`'s `end_requests`)."""
+        self.flush()
+        live = list(self.states)
+        if live and not abort:
+            raise ValueError(f"{what}: {len(live)} request(s) are unfinished ({live[:3]}); "
+                             "let them finish or abort them first"
+                             + (" (or pass abort_running=True)" if what == "update_weights"
+                                else ""))
+        return self.abort_request(live) if live else []
+
     def _finish_requests(self, to_finish: dict[str, RequestStatus]) -> None:
         """Ends the scheduler requests the output processor says are over."""
         for req_id, status in to_finish.items():
             self.scheduler.finish_request(req_id, status)
-
-    def _rows_metadata(self, rows: list[RowSpec], row_owner: list[str], num_rows: int):
-        """The sampling arrays of hand-made rows (`run_core_step`), and `{request_id: error}`
-        of requests whose rows could not be built (their rows are replaced by inert greedy
-        ones: the step computes the others' tokens exactly as it would without them)."""
-        eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        vocab = self.model.cfg.vocab_size
-        try:
-            return build_sampling_metadata(rows, num_rows, vocab, eos_token_id=eos), {}
-        except Exception:  # noqa: BLE001 - find the rows at fault, below
-            pass
-        failed: dict[str, BaseException] = {}
-        for i, row in enumerate(rows):
-            try:
-                build_sampling_metadata([row], 1, vocab, eos_token_id=eos)
-            except Exception as e:  # noqa: BLE001
-                failed.setdefault(row_owner[i], e)
-        rows = [_INERT_ROW if owner in failed else row for row, owner in zip(rows, row_owner,
-                                                                         strict=True)]
-        return build_sampling_metadata(rows, num_rows, vocab, eos_token_id=eos), failed
 
     # -------------------------------------------------------------- warmup
     def warmup(self) -> float:

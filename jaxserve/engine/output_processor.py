@@ -23,7 +23,7 @@ logger = logging.getLogger("jaxserve")
 
 @dataclasses.dataclass
 class CoreStep:
-    """What one core step did (`LLMEngine.run_core_step`).
+    """What one step did on the device and in the scheduler (`LLMEngine.step`).
 
     Attributes:
         out: The scheduler's step (decode rows first).
@@ -321,8 +321,8 @@ class OutputProcessor:
         return state
 
     def process(self, step: CoreStep, now: float | None = None) -> ProcessedOutputs:
-        """Outputs of the requests a core step advanced (see `LLMEngine.run_core_step`),
-        and the scheduler requests the engine must end.
+        """Outputs of the requests a step advanced (`CoreStep`), and the scheduler requests
+        the engine must end.
 
         NOTE: a failure in one request's own work (its sampling row, its detokenization)
         ends that request only, with finish_reason "error".

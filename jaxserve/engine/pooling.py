@@ -8,8 +8,8 @@ preemption and (for LAST pooling) prefix hits work unchanged. Each step's
 `ModelRunner.pool_step` returns every scheduled row's share (`StepResult.pooled`);
 `Pooler.accumulate` keeps a vector per request (reset whenever a chunk starts at
 position 0, as after a recompute preemption), and `Pooler.outputs` turns the finished
-requests' `RequestOutput`s into embeddings. `PoolingControl` (mixed into `LLMEngine`) adds
-them.
+requests' `RequestOutput`s into embeddings. `LLMEngine.add_request` adds them (with
+`POOLING_SAMPLING` for the scheduler) and hands their `PoolingParams` to `Pooler.add`.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ class Pooler:
         self.params: dict[str, PoolingParams] = {}  # by request id
         self._vectors: dict[str, np.ndarray] = {}  # f32[hidden] so far, by request id
         self._prompt_lens: dict[str, int] = {}
+        # Prompt tokens of the pooling requests added (vLLM counts them when added: a
+        # pooling request ends in its prefill step).
+        self.num_prompt_tokens = 0
 
     @property
     def prefix_caching_allowed(self) -> bool:
@@ -49,11 +52,12 @@ class Pooler:
         them (MEAN and CLS need every chunk from position 0; vLLM turns caching off)."""
         return self.config.pooling_type == "LAST"
 
-    def check(self, params) -> PoolingParams:
+    def check(self, params, lora_request=None) -> PoolingParams:
         """The request's `PoolingParams` (default ones for None).
 
         Raises:
-            ValueError: Not `PoolingParams`, or `dimensions` past the hidden size.
+            ValueError: Not `PoolingParams`, `dimensions` past the hidden size, or a LoRA
+                adapter (the pooling runner serves none).
         """
         params = PoolingParams() if params is None else params
         if not isinstance(params, PoolingParams):
@@ -61,12 +65,15 @@ class Pooler:
                              f"takes PoolingParams, not {type(params).__name__}; generation "
                              "needs an engine with runner='generate'")
         params.verify(self.hidden_size)
+        if lora_request is not None:
+            raise ValueError("lora_request: the pooling runner serves no LoRA adapters")
         return params
 
     def add(self, request_id: str, params: PoolingParams, prompt_len: int) -> None:
         """Starts a request's vector."""
         self.params[request_id] = params
         self._prompt_lens[request_id] = prompt_len
+        self.num_prompt_tokens += prompt_len
 
     def forget(self, request_ids) -> None:
         for request_id in request_ids:
@@ -118,37 +125,3 @@ class Pooler:
                                                  error))
             self.forget([out.request_id])
         return result
-
-
-class PoolingControl:
-    """Mixed into `LLMEngine`: its pooling requests (reads `self.pooler`, None on a
-    generate engine, and the engine's parts)."""
-
-    @property
-    def runner_type(self) -> str:
-        """"generate" or "pooling" (`ModelConfig.runner`; vLLM's `runner_type`)."""
-        return self.config.model.runner
-
-    def _add_pooling_request(self, request_id: str, prompt, params, *, priority: int,
-                             cache_salt: str | None, arrival_time: float | None,
-                             lora_request) -> None:
-        """Queues a pooling request (prefill only; `engine/pooling.py`).
-
-        Raises:
-            ValueError: A generate engine, `SamplingParams` on a pooling engine, bad
-                `dimensions`, a LoRA adapter (not served by the pooling runner), or a bad
-                prompt.
-        """
-        if self.pooler is None:
-            raise ValueError("this engine runs the generate runner: embeddings (PoolingParams) "
-                             "need an engine with runner='pooling' (task='embed')")
-        params = self.pooler.check(params)
-        if lora_request is not None:
-            raise ValueError("lora_request: the pooling runner serves no LoRA adapters")
-        state = self.inputs.process(request_id, prompt, POOLING_SAMPLING, priority=priority,
-                                    cache_salt=cache_salt, arrival_time=arrival_time)
-        self.scheduler.add_request(state.root)
-        self.outputs.add(state)
-        self.pooler.add(request_id, params, len(state.prompt_token_ids))
-        # NOTE: counted when added (a pooling request ends in its prefill step).
-        self.counters["pooled_prompt_tokens"] += len(state.prompt_token_ids)

@@ -9,13 +9,39 @@ dropped by both (their KV was computed with the old weights, or is gone).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from jaxserve.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from jaxserve.core.kv_cache_manager import KVCacheManager
+    from jaxserve.runner.worker import Worker
 
 
 class WeightControl:
-    """Mixed into `LLMEngine`: reads `self.worker`, `self.kv`, `self.states`."""
+    """An engine's weights, cached prefixes and sleep state (`LLMEngine` delegates its
+    calls of the same names here).
 
-    _sleep_level = 0
+    Args:
+        worker: The engine's `Worker` (the served weights and the page pool).
+        kv: The engine's `KVCacheManager` (its cached prefixes are dropped).
+        end_requests: `(what, abort) -> final outputs`: settles the engine's requests
+            before a change: finishes the step in flight, then aborts the unfinished
+            requests when `abort`, else raises ValueError (naming `what`) while there are
+            any.
+
+    Attributes:
+        sleep_level: 0 awake, else the deepest level `sleep` was called with since the
+            last `wake_up`.
+    """
+
+    def __init__(self, worker: Worker, kv: KVCacheManager,
+                 end_requests: Callable[[str, bool], list[RequestOutput]]):
+        self.worker = worker
+        self.kv = kv
+        self.end_requests = end_requests
+        self.sleep_level = 0
 
     def update_weights(self, weights, abort_running: bool = False) -> list[RequestOutput]:
         """Serves new weights from the next step on: no recompiles; leaves already placed
@@ -35,7 +61,7 @@ class WeightControl:
             ValueError: Requests are unfinished (and `abort_running` is False), or the
                 weights do not fit the model (the message names the leaf).
         """
-        aborted = self._end_requests("update_weights", abort_running)
+        aborted = self.end_requests("update_weights", abort_running)
         self.worker.update_weights(weights)
         self.reset_prefix_cache()
         return aborted
@@ -63,36 +89,24 @@ class WeightControl:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (free the KV cache) or 2 (also the "
                              f"weights), got {level!r}")
-        self._end_requests("sleep", abort=False)
+        self.end_requests("sleep", False)
         self.reset_prefix_cache()
         freed = self.worker.sleep(level)
-        self._sleep_level = max(self._sleep_level, level)
+        self.sleep_level = max(self.sleep_level, level)
         return freed
 
     def wake_up(self) -> None:
         """Allocates what `sleep` freed (weights dropped at level 2 are read again from the
         model's path, unless `update_weights` gave new ones)."""
         self.worker.wake_up()
-        self._sleep_level = 0
+        self.sleep_level = 0
 
     def is_sleeping(self) -> bool:
         """Whether the engine sleeps (requests are refused until `wake_up`)."""
-        return self._sleep_level > 0
+        return self.sleep_level > 0
 
     def check_awake(self) -> None:
         """Raises ValueError when the engine sleeps (new requests are refused)."""
-        if self._sleep_level:
+        if self.sleep_level:
             raise ValueError("the engine is sleeping (sleep was called); call wake_up() "
                              "before adding requests")
-
-    def _end_requests(self, what: str, abort: bool) -> list[RequestOutput]:
-        """Finishes the step in flight; aborts unfinished requests when `abort`, else
-        refuses while there are any."""
-        self.flush()
-        live = list(self.states)
-        if live and not abort:
-            raise ValueError(f"{what}: {len(live)} request(s) are unfinished ({live[:3]}); "
-                             "let them finish or abort them first"
-                             + (" (or pass abort_running=True)" if what == "update_weights"
-                                else ""))
-        return self.abort_request(live) if live else []

@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from jaxserve.core.plans import KVPlans
+
 # Pairs of every compiled page-plan program.
 PLAN_PAIRS = 8
 
@@ -55,6 +57,22 @@ def copy_page_pairs(kv_pages, pairs: np.ndarray):
     """Copies pages (i32[n, 2] (src, dst) pairs, any n) in pieces; returns the new pool."""
     for piece in plan_pieces(pairs):
         kv_pages = copy_pages(kv_pages, jax.device_put(pad_pairs(piece)))
+    return kv_pages
+
+
+def run_plans(kv_pages, swap: HostSwapSpace, plans: KVPlans):
+    """Runs a step's page plans on the pool: swap-outs first (their pages may be reused
+    this step), then swap-ins, then copies. Returns the new pool.
+
+    NOTE: plans run in pieces of PLAN_PAIRS pairs, the one size warm-up compiled, so a
+    step that swaps or copies many pages compiles nothing.
+    """
+    if plans.swap_out.pairs:
+        swap.swap_out(kv_pages, plans.swap_out.as_array())
+    if plans.swap_in.pairs:
+        kv_pages = swap.swap_in(kv_pages, plans.swap_in.as_array())
+    if plans.copy.pairs:
+        kv_pages = copy_page_pairs(kv_pages, plans.copy.as_array())
     return kv_pages
 
 

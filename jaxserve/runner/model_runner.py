@@ -24,27 +24,30 @@ from jaxserve.parallel.sharding import TensorParallel
 from jaxserve.runner import compile_counter
 from jaxserve.runner.block_table_rows import BlockTableRows
 from jaxserve.runner.buckets import pick_bucket, rows_for_bucket, token_buckets
-from jaxserve.runner.kv_ops import HostSwapSpace, copy_page_pairs
+from jaxserve.runner.kv_ops import HostSwapSpace, run_plans
 from jaxserve.runner.lora_slots import LoRASlots
 from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.sampling_rows import SamplingRows
 from jaxserve.runner.step_input import build_step_arrays
-from jaxserve.runner.step_io import PendingStep, StepInputs, StepResult
-from jaxserve.runner.step_programs import StepPrograms, to_host
+from jaxserve.runner.step_io import ModelStep, PendingStep, StepInputs, StepResult
+from jaxserve.runner.step_programs import StepPrograms, result_on_host, runner_model
 from jaxserve.runner.transfer import Layout, pack
 from jaxserve.runner.warmup import run_warmup
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, SamplingMetadata
 from jaxserve.utils import cdiv
 from models.kv_groups import KVGroupLayout
-from models.linear import serving_form
-from models.linear.lora import resolve_impl as resolve_lora_impl
 from models.model import Model
 from pallas_kernels.kv_quant import check_kv_cache_dtype, kv_pool_layout
 from pallas_kernels.tuning import tuned
 
 
-class ModelRunner(StepPrograms):
-    """Owns the device page pool and the compiled step programs.
+class ModelRunner:
+    """Owns the device page pool and the compiled step programs (`programs`, a
+    `StepPrograms`).
+
+    Besides serving steps (`dispatch`, `fetch`), it prepares one step's model program
+    with its inputs on the device for warm-up and benchmarks (`prepare_model_step`,
+    `run_model_step`).
 
     Args:
         model: The loaded model.
@@ -84,16 +87,7 @@ class ModelRunner(StepPrograms):
                  eos_token_id: int | None = None, kv_layout: KVGroupLayout | None = None,
                  lora: LoRAConfig | None = None):
         compile_counter.install()
-        if kv_layout is not None and kv_layout != model.kv_layout:
-            model = dataclasses.replace(model, kv_layout=kv_layout)
-        # NOTE: a mixture of experts runs its experts per device under the layout's mesh
-        # (`models.moe_parallel`); without a layout, on one device.
-        experts = None if layout is None else layout.experts
-        if experts != model.expert_sharding:
-            model = dataclasses.replace(model, expert_sharding=experts)
-        if lora is not None and lora.enable_lora:
-            model = serving_form(model, lora_impl=resolve_lora_impl(lora.lora_impl, model.dtype,
-                                                                    layout is None))
+        model = runner_model(model, kv_layout, layout, lora)
         # NOTE: a copy of its own: `set_params` updates it in place (the compiled steps
         # hold it), never a model object the caller or another engine holds.
         self.model = dataclasses.replace(model)
@@ -130,12 +124,10 @@ class ModelRunner(StepPrograms):
         self.lora = (LoRASlots(model, lora, layout) if lora is not None and lora.enable_lora
                      else None)
         # i32[max_rows]: what a step reads for placeholders when no step precedes it.
-        self._no_prev_ids = self._to_device(np.zeros(self.max_rows, np.int32))
+        self.no_prev_ids = self.to_device(np.zeros(self.max_rows, np.int32))
         page_shape = pool_shape[:3] + pool_shape[4:]  # one page: [L, 2, Hkv, page_size, row]
         self.swap = HostSwapSpace(num_swap_slots, page_shape, pool_dtype)
-        self._steps: dict[Layout, object] = {}
-        self._samplers: dict[Layout, object] = {}
-        self._prompt_logprobs = None
+        self.programs = StepPrograms(self.model, layout, self.short_tiles, self.max_rows)
         self.num_padded_tokens = 0
         self.num_scheduled_tokens = 0
         # Compilations inside this runner's steps since warm-up (other engines or user code
@@ -152,7 +144,6 @@ class ModelRunner(StepPrograms):
         # A pooling runner's `PoolerConfig.pooling_type` (set by the engine): every step
         # also computes each row's pooled share on the device (`pool_step`); None: none.
         self.pooling_type: str | None = None
-        self._pools: dict[Layout, object] = {}
 
     # ------------------------------------------------------ device state
     def set_params(self, params) -> None:
@@ -226,22 +217,9 @@ class ModelRunner(StepPrograms):
         """Waits for a dispatched step and brings its samples to the host."""
         start = compile_counter.num_compilations()
         try:
-            res = to_host(pending.result)
-            prompt_lp = pooled = None
-            if pending.pooled is not None:
-                pooled = to_host(pending.pooled)[:pending.num_pool_rows]
-            if pending.prompt_logprobs is not None:
-                prompt_lp = jax.tree_util.tree_map(lambda x: x[:pending.num_prompt_targets],
-                                                   to_host(pending.prompt_logprobs))
+            return result_on_host(pending)
         finally:
             self.num_compilations += compile_counter.num_compilations() - start
-        n = len(pending.row_request_ids)
-        topk_ids = None if res.topk_token_ids is None else res.topk_token_ids[:n]
-        topk_lp = None if res.topk_logprobs is None else res.topk_logprobs[:n]
-        logprobs = None if res.logprobs is None else res.logprobs[:n]
-        ranks = None if res.token_ranks is None else res.token_ranks[:n]
-        return StepResult(pending.row_request_ids, res.token_ids[:n], logprobs, ranks,
-                          topk_ids, topk_lp, pending.num_padded_tokens, prompt_lp, pooled)
 
     def _dispatch(self, out: SchedulerOutput, sampling: SamplingMetadata,
                   variant: str | None, prev: PendingStep | None) -> PendingStep:
@@ -286,22 +264,58 @@ class ModelRunner(StepPrograms):
             device arrays; with `pooled`, then f32[num_rows, hidden] or None.
         """
         self.num_decode_steps += inputs.decode_only
-        model_buf = self._to_device(inputs.model_buf)
-        self.kv_pages, logits, hidden = self._step_fn(inputs.model_layout, inputs.decode_only)(
+        programs = self.programs
+        model_buf = self.to_device(inputs.model_buf)
+        self.kv_pages, logits, hidden = programs.model_step(
+            inputs.model_layout, inputs.decode_only)(
             self.params, self.kv_pages, model_buf,
-            self._no_prev_ids if prev_ids is None else prev_ids, self.lora_stacks)
+            self.no_prev_ids if prev_ids is None else prev_ids, self.lora_stacks)
         pool = None
         if self.pooling_type is not None:
-            pool = self._pool_fn(inputs.model_layout)(hidden, model_buf)
+            pool = programs.pool(inputs.model_layout, self.pooling_type)(hidden, model_buf)
         prompt_lp = None
         if inputs.prompt_targets is not None:
-            prompt_lp = self._prompt_fn()(self.params, hidden,
-                                          self._to_device(inputs.prompt_targets))
-        sample_buf, sample_layout = self._sample_inputs(inputs.sampling, inputs.variant)
-        res, next_ids = self._sampler_fn(sample_layout)(logits, self._to_device(sample_buf))
+            prompt_lp = programs.prompt_logprobs()(self.params, hidden,
+                                                   self.to_device(inputs.prompt_targets))
+        sample_buf, sample_layout = self.sampling_inputs(inputs.sampling, inputs.variant)
+        res, next_ids = programs.sampler(sample_layout)(logits, self.to_device(sample_buf))
         return (res, next_ids, prompt_lp, pool) if pooled else (res, next_ids, prompt_lp)
 
-    def _model_inputs(self, out: SchedulerOutput, prev: PendingStep | None):
+    def prepare_model_step(self, out: SchedulerOutput, decode_only: bool | None = None,
+                           lora_slots: np.ndarray | None = None) -> ModelStep:
+        """Builds a step's model inputs, sends them to the device and picks its compiled
+        model program, without running it: what warm-up lowers and runs, and what a
+        benchmark times (`ModelStep.run` on a pool of its own, or `run_model_step`).
+
+        Args:
+            out: The step. Entries without `pages_from` carry whole block tables and
+                leave nothing kept; entries with it apply their deltas to the rows this
+                runner keeps, as a served step does.
+            decode_only: Run the paged decode program; None: when the step qualifies
+                (`is_decode_step`).
+            lora_slots: i32[num_tokens] each token's adapter slot (-1: none) in place of
+                the step's own, on a runner serving adapters; None: the step's.
+
+        Raises:
+            ValueError: The step does not fit the largest bucket or the block tables
+                (`build_step_arrays`).
+        """
+        arrays, buf, layout, num_tokens, num_rows = self._model_inputs(out, None, lora_slots)
+        if decode_only is None:
+            decode_only = self.is_decode_step(out, num_tokens, num_rows)
+        return ModelStep(self.programs.model_step(layout, decode_only), self.to_device(buf),
+                         layout, arrays, self.no_prev_ids, self.lora_stacks, decode_only,
+                         num_tokens, num_rows)
+
+    def run_model_step(self, step: ModelStep) -> tuple[jax.Array, jax.Array]:
+        """Runs a prepared model step on the served weights and the runner's pool (which
+        it replaces: its KV writes land there); returns (f32[sample rows, V] logits,
+        hidden [num_tokens, H]) without waiting for the device."""
+        self.kv_pages, logits, hidden = step.run(self.params, self.kv_pages)
+        return logits, hidden
+
+    def _model_inputs(self, out: SchedulerOutput, prev: PendingStep | None,
+                      lora_slots: np.ndarray | None = None):
         """(host arrays, packed buffer, its layout, token bucket, row bucket) of a step."""
         num_tokens, num_sample_rows = self.step_shape(out)
         num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)
@@ -310,7 +324,9 @@ class ModelRunner(StepPrograms):
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
                                    self.max_pages_per_seq, prev_rows, num_sample_rows,
                                    self.group_tables)
-        if self.lora is not None:
+        if lora_slots is not None:
+            arrays.lora_slots = np.asarray(lora_slots, np.int32)
+        elif self.lora is not None:
             arrays.lora_slots = self.lora.token_slots(out, num_tokens)
         model_buf, model_layout = pack(arrays.device_tree())
         return arrays, model_buf, model_layout, num_tokens, num_rows
@@ -320,13 +336,15 @@ class ModelRunner(StepPrograms):
         """The LoRA slot stacks every step reads (None: no adapters served)."""
         return None if self.lora is None else self.lora.stacks
 
-    def _sample_inputs(self, sampling: SamplingMetadata, variant: str | None):
-        """The packed sampling buffer of the cheapest variant that fits (or `variant`)."""
+    def sampling_inputs(self, sampling: SamplingMetadata, variant: str | None = None
+                        ) -> tuple[np.ndarray, Layout]:
+        """The packed sampling buffer (i32) of the cheapest sampler variant that fits (or
+        `variant`), and its layout (`programs.sampler(layout)` runs it)."""
         sampling = promote(sampling, variant or variant_of(sampling),
                            self.model.cfg.vocab_size, self.penalty_len, self.banned_len)
         return pack(sampling)
 
-    def _to_device(self, buf: np.ndarray) -> jax.Array:
+    def to_device(self, buf: np.ndarray) -> jax.Array:
         """One host buffer onto the step's devices (replicated over a mesh)."""
         if self._inputs_on is None:
             return jax.device_put(buf)
@@ -355,23 +373,18 @@ class ModelRunner(StepPrograms):
 
     # -------------------------------------------------------------- plans
     def execute_plans(self, plans: KVPlans | None) -> None:
-        """Swap-outs first (their pages may be reused this step), then swap-ins, copies."""
+        """Runs a step's page plans on the pool (`kv_ops.run_plans`), after sending them to
+        the other processes of a multi-host leader."""
         if plans is None or plans.is_empty():
             return
         if self.channel is not None:
             self.channel.send("plans", plans)
-        # NOTE: plans run in pieces of PLAN_PAIRS pairs (kv_ops), the one size warm-up
-        # compiled, so a step that swaps or copies many pages compiles nothing.
-        if plans.swap_out.pairs:
-            self.swap.swap_out(self.kv_pages, plans.swap_out.as_array())
-        if plans.swap_in.pairs:
-            self.kv_pages = self.swap.swap_in(self.kv_pages, plans.swap_in.as_array())
-        if plans.copy.pairs:
-            self.kv_pages = copy_page_pairs(self.kv_pages, plans.copy.as_array())
+        self.kv_pages = run_plans(self.kv_pages, self.swap, plans)
 
     # ------------------------------------------------------------- warmup
     def warmup(self, make_dummy_sampling) -> float:
-        """Compiles every bucket's model step, sampler variants and KV plan programs.
+        """Compiles every bucket's model step, sampler variants and KV plan programs
+        (`runner/warmup.py`), updating `warmup_progress` as buckets finish.
 
         Args:
             make_dummy_sampling: `num_rows -> SamplingMetadata` of all-padding rows.
@@ -385,11 +398,12 @@ class ModelRunner(StepPrograms):
         try:
             if channel is not None:
                 channel.send("warmup")
-            return self._warmup(make_dummy_sampling)
+            self.warmup_seconds = run_warmup(self, make_dummy_sampling,
+                                             progress=self._note_warmup_progress)
         finally:
             self.channel = channel
-
-    def _warmup(self, make_dummy_sampling) -> float:
-        self.warmup_seconds = run_warmup(self, make_dummy_sampling)
         self.num_padded_tokens = self.num_scheduled_tokens = self.num_compilations = 0
         return self.warmup_seconds
+
+    def _note_warmup_progress(self, done: int, total: int) -> None:
+        self.warmup_progress = (done, total)

@@ -34,10 +34,10 @@ class Limits:
     bytes_per_page: int
 
 
-def page_bytes(model, block_size: int, kv_cache_dtype: str = "auto") -> int:
+def page_bytes(model, page_size: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one KV page of `model` across the layers a page holds (`Model.kv_pages_shape`:
     all of them, or a hybrid layout's `num_slots`), K and V (8-bit: codes + scales)."""
-    shape, dtype = kv_pool_layout(model.kv_pages_shape(1, block_size), model.kv_dtype,
+    shape, dtype = kv_pool_layout(model.kv_pages_shape(1, page_size), model.kv_dtype,
                                   kv_cache_dtype)
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
 
@@ -69,9 +69,9 @@ def resolve_limits(config: EngineConfig, model, max_model_len: int | None = None
             raise ValueError(f"max_num_batched_tokens={budget} is smaller than max_model_len="
                              f"{max_model_len}; without chunked prefill a whole prompt must "
                              "fit one step (enable chunked prefill or raise the budget)")
-    per_page = page_bytes(model, cc.block_size, cc.kv_cache_dtype)
+    per_page = page_bytes(model, cc.page_size, cc.kv_cache_dtype)
     num_pages = pool_pages(config, model, per_page)
-    min_pages = pages_per_sequence(model.kv_groups, max_model_len, cc.block_size) + 1
+    min_pages = pages_per_sequence(model.kv_groups, max_model_len, cc.page_size) + 1
     if num_pages < 2:
         raise ValueError(f"num_kv_blocks={num_pages}: the pool needs at least 2 pages")
     if num_pages < min_pages:
@@ -82,8 +82,9 @@ def resolve_limits(config: EngineConfig, model, max_model_len: int | None = None
 
 
 def pool_pages(config: EngineConfig, model, per_page: int | None = None) -> int:
-    """KV pages in the pool, the null page included: `num_kv_blocks`, else what the memory
-    budget holds (the same on every process).
+    """KV pages in the pool, the null page included: the engine argument `num_kv_blocks`
+    (vLLM's name, read here only), else what the memory budget holds (the same on every
+    process).
 
     Args:
         per_page: Bytes of one page (`page_bytes`; computed when None).
@@ -92,7 +93,7 @@ def pool_pages(config: EngineConfig, model, per_page: int | None = None) -> int:
     if cc.num_kv_blocks is not None:
         return cc.num_kv_blocks
     if per_page is None:
-        per_page = page_bytes(model, cc.block_size, cc.kv_cache_dtype)
+        per_page = page_bytes(model, cc.page_size, cc.kv_cache_dtype)
     # NOTE: under tensor parallelism each device holds its KV heads' share of a page.
     kv_shards = min(config.parallel.tensor_parallel_size, model.cfg.num_kv_heads)
     return agree_across_processes(_pages_from_memory(config, per_page // kv_shards))
@@ -127,9 +128,9 @@ def fit_max_model_len(config: EngineConfig, model, max_model_len: int) -> int:
     """
     if config.model.max_model_len is not None:
         return max_model_len
-    block_size, layout = config.cache.block_size, model.kv_groups
+    page_size, layout = config.cache.page_size, model.kv_groups
     num_pages = pool_pages(config, model)
-    fits = lambda n: pages_per_sequence(layout, n, block_size) + 1 <= num_pages
+    fits = lambda n: pages_per_sequence(layout, n, page_size) + 1 <= num_pages
     if num_pages < 2 or fits(max_model_len):
         return max_model_len
     lo, hi = 0, max_model_len  # the longest that fits is in [lo, hi]; fits(0)
@@ -144,16 +145,16 @@ def fit_max_model_len(config: EngineConfig, model, max_model_len: int) -> int:
     logger.warning("jaxserve: max_model_len=%d, not the model's context length %d: the KV "
                    "pool (%d pages of %d tokens, from %s) holds no longer request; raise the "
                    "budget or set max_model_len to silence this", lo, max_model_len,
-                   num_pages, block_size, budget)
+                   num_pages, page_size, budget)
     return lo
 
 
-def pages_per_sequence(layout, max_model_len: int, block_size: int) -> int:
+def pages_per_sequence(layout, max_model_len: int, page_size: int) -> int:
     """Pages one sequence of `max_model_len` tokens holds at most, over all KV cache groups
     of `layout` (`KVGroupLayout`): a full-attention group its whole table, a sliding group
     the pages of its window and one more (one step's tokens may straddle a page)."""
-    full = cdiv(max_model_len, block_size)
-    return sum(full if not window else min(full, cdiv(window, block_size) + 1)
+    full = cdiv(max_model_len, page_size)
+    return sum(full if not window else min(full, cdiv(window, page_size) + 1)
                for window in layout.windows)
 
 

@@ -1,9 +1,10 @@
-"""What a step hands between host and device: its packed inputs, the dispatched step, and
-the samples brought back."""
+"""What a step hands between host and device: its packed inputs, the dispatched step, the
+samples brought back, and a model step prepared to run again and again (`ModelStep`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -87,3 +88,45 @@ class StepResult:
     num_padded_tokens: int
     prompt_logprobs: object = None
     pooled: np.ndarray | None = None  # f32[len(scheduled), hidden]: `PendingStep.pooled`
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    """One step's model program bound to its inputs on the device, ready to run again and
+    again: what warm-up lowers and runs, and what a benchmark times
+    (`ModelRunner.prepare_model_step`; `ModelRunner.run_model_step` runs it on the
+    runner's own weights and pool).
+
+    Attributes:
+        program: The jitted model step (`step_programs.model_step`): `(params, kv_pages,
+            buf, prev_ids, lora_stacks) -> (kv_pages, f32[sample rows, V] logits, hidden
+            [num_tokens, H])`; `kv_pages` is donated (use the pool it returns).
+        buf: i32[layout.size] the packed inputs, on the step's devices.
+        layout: How `buf` unpacks (`transfer.Layout`).
+        arrays: The host arrays packed into `buf` (`step_input.StepArrays`).
+        prev_ids: i32[max_rows] what placeholder tokens read (zeros: no step before).
+        lora_stacks: The adapter slot stacks every step reads (None: no adapters).
+        decode_only: Whether `program` is the paged-decode variant.
+        num_tokens: The token bucket.
+        num_rows: The attention-row bucket.
+    """
+
+    program: Any
+    buf: jax.Array
+    layout: Layout
+    arrays: Any
+    prev_ids: jax.Array
+    lora_stacks: dict | None
+    decode_only: bool
+    num_tokens: int
+    num_rows: int
+
+    def run(self, params, kv_pages) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Runs the step on `params` and `kv_pages` (donated); returns (the new pool,
+        logits, hidden), without waiting for the device."""
+        return self.program(params, kv_pages, self.buf, self.prev_ids, self.lora_stacks)
+
+    def lower(self, params, kv_pages):
+        """The step lowered for `params` and `kv_pages` (`jax.stages.Lowered`: compile it,
+        or read its HLO)."""
+        return self.program.lower(params, kv_pages, self.buf, self.prev_ids, self.lora_stacks)

@@ -1,20 +1,25 @@
-"""The jitted programs of a step (model forward, pooling, prompt logprobs, sampler), the copy
-of their outputs to the host, and `StepPrograms`, the runner's cache of them per input
-layout."""
+"""The jitted programs of a step (model forward, pooling, prompt logprobs, sampler), the
+model form they are built from (`runner_model`), the copy of their outputs to the host
+(`result_on_host`), and `StepPrograms`, a runner's cache of them per input layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.config import LoRAConfig
+from jaxserve.runner.step_io import PendingStep, StepResult
 from jaxserve.runner.transfer import Layout, unpack
 from jaxserve.sample.logprobs import compute_prompt_logprobs
 from jaxserve.sample.metadata import MAX_LOGPROBS
 from jaxserve.sample.sampler import sample
-from models.linear import forward_context
+from models.kv_groups import KVGroupLayout
+from models.linear import forward_context, serving_form
+from models.linear.lora import resolve_impl as resolve_lora_impl
 from models.model import Model
 from pallas_kernels import AttentionMetadata
 
@@ -83,6 +88,25 @@ def small_program_options() -> dict:
     return {"xla_cpu_use_fusion_emitters": False} if jax.default_backend() == "cpu" else {}
 
 
+def runner_model(model: Model, kv_layout: KVGroupLayout | None, parallel,
+                 lora: LoRAConfig | None) -> Model:
+    """`model` in the form a runner's programs are built from: with its KV cache groups
+    `kv_layout` (None: its own), its experts split as the tensor-parallel layout
+    `parallel` says (None: one device), and the LoRA implementation `lora` resolves to
+    (when adapters are served)."""
+    if kv_layout is not None and kv_layout != model.kv_layout:
+        model = dataclasses.replace(model, kv_layout=kv_layout)
+    # NOTE: a mixture of experts runs its experts per device under the layout's mesh
+    # (`models.moe_parallel`); without a layout, on one device.
+    experts = None if parallel is None else parallel.experts
+    if experts != model.expert_sharding:
+        model = dataclasses.replace(model, expert_sharding=experts)
+    if lora is not None and lora.enable_lora:
+        model = serving_form(model, lora_impl=resolve_lora_impl(lora.lora_impl, model.dtype,
+                                                                parallel is None))
+    return model
+
+
 def to_host(tree):
     """NumPy copies of replicated device arrays (one local replica when a mesh spans
     processes, where the whole array is not addressable here)."""
@@ -90,41 +114,89 @@ def to_host(tree):
         lambda x: np.asarray(x if x.is_fully_addressable else x.addressable_data(0)), tree)
 
 
+def result_on_host(pending: PendingStep) -> StepResult:
+    """Waits for a dispatched step and copies its samples (and prompt logprobs, pooled
+    shares) to the host, padding rows dropped."""
+    res = to_host(pending.result)
+    prompt_lp = pooled = None
+    if pending.pooled is not None:
+        pooled = to_host(pending.pooled)[:pending.num_pool_rows]
+    if pending.prompt_logprobs is not None:
+        prompt_lp = jax.tree_util.tree_map(lambda x: x[:pending.num_prompt_targets],
+                                           to_host(pending.prompt_logprobs))
+    n = len(pending.row_request_ids)
+    topk_ids = None if res.topk_token_ids is None else res.topk_token_ids[:n]
+    topk_lp = None if res.topk_logprobs is None else res.topk_logprobs[:n]
+    logprobs = None if res.logprobs is None else res.logprobs[:n]
+    ranks = None if res.token_ranks is None else res.token_ranks[:n]
+    return StepResult(pending.row_request_ids, res.token_ids[:n], logprobs, ranks,
+                      topk_ids, topk_lp, pending.num_padded_tokens, prompt_lp, pooled)
+
+
 class StepPrograms:
-    """Mixed into `ModelRunner`: its jitted programs, built on first use per input layout
-    (reads `model`, `layout`, `short_tiles`, `max_rows`, `pooling_type` and the caches
-    `_steps`, `_samplers`, `_pools`, `_prompt_logprobs`)."""
+    """A runner's jitted step programs, each built on first use per input layout.
 
-    def _pool_fn(self, layout: Layout):
-        fn = self._pools.get(layout)
-        if fn is None:
-            fn = jax.jit(functools.partial(pool_step, layout, self.pooling_type))
-            self._pools[layout] = fn
-        return fn
+    Args:
+        model: The runner's model (its params are the programs' arguments, not constants).
+        parallel: The tensor-parallel layout (the model step's output shardings), or None.
+        short_tiles: `AttentionMetadata.short_tiles` of the model steps.
+        max_rows: Length of the sampled ids the samplers return for the next step's
+            placeholders (`ModelRunner.max_rows`).
+    """
 
-    def _prompt_fn(self):
-        if self._prompt_logprobs is None:
-            self._prompt_logprobs = jax.jit(functools.partial(
-                prompt_logprobs, self.model, min(MAX_LOGPROBS, self.model.cfg.vocab_size)),
-                compiler_options=small_program_options())
-        return self._prompt_logprobs
+    def __init__(self, model: Model, parallel, short_tiles: bool, max_rows: int):
+        self.model = model
+        self.parallel = parallel
+        self.short_tiles = short_tiles
+        self.max_rows = max_rows
+        self._steps: dict[tuple[Layout, bool], object] = {}
+        self._samplers: dict[Layout, object] = {}
+        self._pools: dict[tuple[Layout, str], object] = {}
+        self._prompt_logprobs = None
 
-    def _step_fn(self, layout: Layout, decode_only: bool = False):
+    def model_step(self, layout: Layout, decode_only: bool = False):
+        """The model forward (`model_step`) of inputs packed as `layout`: `(params,
+        kv_pages, buf, prev_ids, lora_stacks) -> (kv_pages, logits, hidden)`, the pool
+        donated; `decode_only` picks the paged-decode variant."""
         fn = self._steps.get((layout, decode_only))
         if fn is None:
-            shardings = {} if self.layout is None else {"out_shardings": (
-                self.layout.kv_pages_sharding(), self.layout.replicated(),
-                self.layout.replicated())}
+            shardings = {} if self.parallel is None else {"out_shardings": (
+                self.parallel.kv_pages_sharding(), self.parallel.replicated(),
+                self.parallel.replicated())}
             fn = jax.jit(functools.partial(model_step, self.model, layout, decode_only,
                                            self.short_tiles),
                          donate_argnums=1, **shardings)
             self._steps[(layout, decode_only)] = fn
         return fn
 
-    def _sampler_fn(self, layout: Layout):
+    def model_steps(self) -> dict[tuple[Layout, bool], object]:
+        """The model steps built so far, by (input layout, decode_only)."""
+        return dict(self._steps)
+
+    def sampler(self, layout: Layout):
+        """The sampler (`sample_step`) of sampling arrays packed as `layout`: `(logits,
+        buf) -> (SamplerOutput, i32[max_rows] sampled ids)`."""
         fn = self._samplers.get(layout)
         if fn is None:
             fn = jax.jit(functools.partial(sample_step, layout, self.max_rows),
                          compiler_options=small_program_options())
             self._samplers[layout] = fn
+        return fn
+
+    def prompt_logprobs(self):
+        """The prompt-logprobs program: `(params, hidden, i32[num_tokens] next prompt
+        tokens) -> PromptLogprobs` (`prompt_logprobs`)."""
+        if self._prompt_logprobs is None:
+            self._prompt_logprobs = jax.jit(functools.partial(
+                prompt_logprobs, self.model, min(MAX_LOGPROBS, self.model.cfg.vocab_size)),
+                compiler_options=small_program_options())
+        return self._prompt_logprobs
+
+    def pool(self, layout: Layout, pooling_type: str):
+        """The pooling program (`pool_step`) of a step packed as `layout`: `(hidden, buf)
+        -> f32[num_rows, hidden_size]` each row's share."""
+        fn = self._pools.get((layout, pooling_type))
+        if fn is None:
+            fn = jax.jit(functools.partial(pool_step, layout, pooling_type))
+            self._pools[(layout, pooling_type)] = fn
         return fn

@@ -17,21 +17,17 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxserve.core.plans import CopyPlan, KVPlans, SwapPlan
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.runner.buckets import rows_for_bucket
-from jaxserve.runner.kv_ops import (
-    PLAN_PAIRS,
-    copy_page_pairs,
-    copy_pages,
-    gather_pages,
-    scatter_pages,
-)
+from jaxserve.runner.kv_ops import PLAN_PAIRS, copy_pages, gather_pages, scatter_pages
 from jaxserve.runner.sampler_variants import VARIANTS
 from jaxserve.utils import cdiv
 
@@ -77,24 +73,23 @@ def dummy_steps(runner, num_tokens: int) -> list[tuple[SchedulerOutput, bool]]:
     return steps
 
 
-def _lower_bucket(runner, num_tokens: int, make_dummy_sampling) -> list:
+def lower_bucket(runner, num_tokens: int, make_dummy_sampling) -> list:
     """The lowered programs of one token bucket."""
-    lowered, pools = [], []
-    for step, decode_only in dummy_steps(runner, num_tokens):
-        _, buf, layout, _, _ = runner._model_inputs(step, None)
-        lowered.append(runner._step_fn(layout, decode_only).lower(
-            runner.params, runner.kv_pages, runner._to_device(buf), runner._no_prev_ids,
-            runner.lora_stacks))
-        pools.append((layout, runner._to_device(buf)))
+    lowered, steps, programs = [], [], runner.programs
+    for out, decode_only in dummy_steps(runner, num_tokens):
+        step = runner.prepare_model_step(out, decode_only)
+        lowered.append(step.lower(runner.params, runner.kv_pages))
+        steps.append(step)
     _, logits, hidden = lowered[0].out_info
     if runner.pooling_type is not None:  # a pooling runner's program, per step layout
-        lowered += [runner._pool_fn(layout).lower(hidden, buf) for layout, buf in pools]
-    lowered.append(runner._prompt_fn().lower(
-        runner.params, hidden, runner._to_device(np.zeros(num_tokens, np.int32))))
+        lowered += [programs.pool(step.layout, runner.pooling_type).lower(hidden, step.buf)
+                    for step in steps]
+    lowered.append(programs.prompt_logprobs().lower(
+        runner.params, hidden, runner.to_device(np.zeros(num_tokens, np.int32))))
     dummy = make_dummy_sampling(runner.sample_rows(num_tokens))
     for variant in VARIANTS:
-        buf, layout = runner._sample_inputs(dummy, variant)
-        lowered.append(runner._sampler_fn(layout).lower(logits, runner._to_device(buf)))
+        buf, layout = runner.sampling_inputs(dummy, variant)
+        lowered.append(programs.sampler(layout).lower(logits, runner.to_device(buf)))
     return lowered
 
 
@@ -107,11 +102,12 @@ def _lower_plans(runner) -> list:
     return lowered
 
 
-def compile_ahead(runner, make_dummy_sampling, threads: int) -> None:
+def compile_ahead(runner, make_dummy_sampling, threads: int,
+                  progress: Callable[[int, int], None]) -> None:
     """Lowers every warm-up program here and compiles them on `threads` threads.
 
-    `runner.warmup_progress` counts a bucket once all its programs are compiled (they
-    may finish in any order).
+    `progress(done, total)` counts a bucket once all its programs are compiled (they
+    may finish in any order); it is called on the compiler threads.
     """
     total = len(runner.buckets)
     lock = threading.Lock()
@@ -123,12 +119,12 @@ def compile_ahead(runner, make_dummy_sampling, threads: int) -> None:
             left[num_tokens] -= 1
             if left[num_tokens] == 0:
                 done[0] += 1
-                runner.warmup_progress = (done[0], total)
+                progress(done[0], total)
 
     with ThreadPoolExecutor(threads, thread_name_prefix="jaxserve-compile") as pool:
         futures = []
         for num_tokens in runner.buckets:
-            lowered = _lower_bucket(runner, num_tokens, make_dummy_sampling)
+            lowered = lower_bucket(runner, num_tokens, make_dummy_sampling)
             left[num_tokens] = len(lowered)
             for program in lowered:
                 futures.append(pool.submit(program.compile))
@@ -138,56 +134,68 @@ def compile_ahead(runner, make_dummy_sampling, threads: int) -> None:
             f.result()  # re-raises a compile error here
 
 
-def run_warmup(runner, make_dummy_sampling, threads: int | None = None) -> float:
+def plan_warmup(num_swap_slots: int) -> KVPlans:
+    """KV plans that run every plan program once on the null page: a copy of it onto
+    itself and, with swap slots, the real swap path out to scratch slots -1..-n and back
+    in."""
+    copy = CopyPlan([(0, 0)] * PLAN_PAIRS)
+    if not num_swap_slots:
+        return KVPlans(copy=copy)
+    scratch = [(0, -1 - i) for i in range(PLAN_PAIRS)]
+    return KVPlans(swap_out=SwapPlan(scratch, to_host=True),
+                   swap_in=SwapPlan([(slot, page) for page, slot in scratch], to_host=False),
+                   copy=copy)
+
+
+def run_warmup(runner, make_dummy_sampling, threads: int | None = None,
+               progress: Callable[[int, int], None] | None = None) -> float:
     """Compiles (ahead, on threads) and runs once every program of `runner`.
 
     Args:
-        runner: The `ModelRunner`.
+        runner: The `ModelRunner` (through its public members: its buckets and sizes,
+            `prepare_model_step`, `run_model_step`, `programs`, `execute_plans`).
         make_dummy_sampling: `num_rows -> SamplingMetadata` of all-padding rows.
         threads: Compiler threads; None: `compile_threads()`.
+        progress: `(buckets compiled, buckets in all)`, called as buckets finish.
 
     Returns:
         Seconds spent.
     """
     start = time.perf_counter()
+    progress = progress or (lambda done, total: None)
     total = len(runner.buckets)
-    runner.warmup_progress = (0, total)
+    progress(0, total)
     threads = compile_threads() if threads is None else threads
     if threads > 1:
-        compile_ahead(runner, make_dummy_sampling, threads)
+        compile_ahead(runner, make_dummy_sampling, threads, progress)
     for done, num_tokens in enumerate(tqdm(runner.buckets, desc="jaxserve warm-up",
                                            unit="bucket")):
         if threads == 1:
-            runner.warmup_progress = (done, total)
-        _run_bucket(runner, num_tokens, make_dummy_sampling)
-    runner.kv_pages = copy_page_pairs(runner.kv_pages, NULL_PAIRS)
+            progress(done, total)
+        run_bucket(runner, num_tokens, make_dummy_sampling)
+    runner.execute_plans(plan_warmup(runner.swap.num_slots))
     if runner.lora is not None:  # the slot-writing program, on an empty slot
         runner.lora.write(0, None)
-    if runner.swap.num_slots:
-        # The real swap path, on the null page: out to scratch slots -1..-n, back in.
-        scratch = NULL_PAIRS.copy()
-        scratch[:, 1] = -1 - np.arange(PLAN_PAIRS)
-        runner.swap.swap_out(runner.kv_pages, scratch)
-        runner.kv_pages = runner.swap.swap_in(runner.kv_pages, scratch[:, ::-1])
-    runner.warmup_progress = (total, total)
+    progress(total, total)
     return time.perf_counter() - start
 
 
-def _run_bucket(runner, num_tokens: int, make_dummy_sampling) -> None:
-    """One model step; the prompt-logprobs program and every sampler variant on its
-    outputs (running the model once per variant cost ~7 s more cold)."""
+def run_bucket(runner, num_tokens: int, make_dummy_sampling) -> None:
+    """Runs bucket `num_tokens`'s programs once on dummy inputs: one model step; the
+    prompt-logprobs program and every sampler variant on its outputs (running the model
+    once per variant cost ~7 s more cold); the bucket's decode program, if it has one."""
     (out, decode_only), *decodes = dummy_steps(runner, num_tokens)
     num_sample_rows = runner.sample_rows(num_tokens)
-    _, model_buf, model_layout, _, _ = runner._model_inputs(out, None)
-    model_buf = runner._to_device(model_buf)
-    runner.kv_pages, logits, hidden = runner._step_fn(model_layout, decode_only)(
-        runner.params, runner.kv_pages, model_buf, runner._no_prev_ids, runner.lora_stacks)
+    programs = runner.programs
+    step = runner.prepare_model_step(out, decode_only)
+    logits, hidden = runner.run_model_step(step)
     if runner.pooling_type is not None:
-        jax.block_until_ready(runner._pool_fn(model_layout)(hidden, model_buf))
-    jax.block_until_ready(runner._prompt_fn()(
-        runner.params, hidden, runner._to_device(np.zeros(num_tokens, np.int32))))
+        jax.block_until_ready(programs.pool(step.layout, runner.pooling_type)(hidden,
+                                                                               step.buf))
+    jax.block_until_ready(programs.prompt_logprobs()(
+        runner.params, hidden, runner.to_device(np.zeros(num_tokens, np.int32))))
     for variant in VARIANTS:
-        buf, layout = runner._sample_inputs(make_dummy_sampling(num_sample_rows), variant)
-        jax.block_until_ready(runner._sampler_fn(layout)(logits, runner._to_device(buf)))
-    for step, _ in decodes:  # its own program (`execute` runs its pooling program too)
-        runner.execute(step, make_dummy_sampling(num_sample_rows), VARIANTS[0])
+        buf, layout = runner.sampling_inputs(make_dummy_sampling(num_sample_rows), variant)
+        jax.block_until_ready(programs.sampler(layout)(logits, runner.to_device(buf)))
+    for decode, _ in decodes:  # its own program (`execute` runs its pooling program too)
+        runner.execute(decode, make_dummy_sampling(num_sample_rows), VARIANTS[0])

@@ -311,7 +311,7 @@ class Worker:
         # NOTE: the target's served dtype ("auto" resolved), so the draft matches it.
         return dict(vocab_size=self.model.cfg.vocab_size, dtype=self.dtype,
                     backend=mc.attention_backend, num_pages=lim.num_pages,
-                    page_size=self.config.cache.block_size, max_model_len=lim.max_model_len,
+                    page_size=self.config.cache.page_size, max_model_len=lim.max_model_len,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=lim.max_num_batched_tokens,
                     target_params=self.model.weight_bytes)
 
@@ -326,7 +326,7 @@ class Worker:
             num_spec_tokens: Most proposals a request verifies per step.
         """
         lim, cache = self.limits, self.config.cache
-        self.runner = ModelRunner(self.model, lim.num_pages, cache.block_size, lim.max_model_len,
+        self.runner = ModelRunner(self.model, lim.num_pages, cache.page_size, lim.max_model_len,
                                   max_num_seqs, lim.max_num_batched_tokens, num_swap_slots,
                                   layout=self.layout, num_spec_tokens=num_spec_tokens,
                                   kv_cache_dtype=cache.kv_cache_dtype,
@@ -335,7 +335,7 @@ class Worker:
         logger.info("jaxserve: weights %s (%.0f MiB); KV cache %s: %d pages of %d tokens = "
                     "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
                     self.model.quant.name, self.model.weight_bytes / 2**20,
-                    np.dtype(self.runner.kv_pages.dtype).name, lim.num_pages, cache.block_size,
+                    np.dtype(self.runner.kv_pages.dtype).name, lim.num_pages, cache.page_size,
                     self.kv_capacity_tokens, lim.num_pages * lim.bytes_per_page / 2**20,
                     lim.max_model_len, self.runner.buckets)
         if self.model.is_hybrid:
@@ -423,4 +423,4 @@ class Worker:
         KV cache group keeps every page: a hybrid cache's sliding groups hold less, so
         long requests fit more."""
         num_groups = self.kv_layout.num_groups
-        return (self.limits.num_pages - 1) * self.config.cache.block_size // num_groups
+        return (self.limits.num_pages - 1) * self.config.cache.page_size // num_groups

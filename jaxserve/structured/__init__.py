@@ -5,11 +5,9 @@ from jaxserve.structured.grammar import (
     RequestGrammar,
     bitmask_width,
     fill_bitmasks,
-    mask_rows,
     row_bitmasks,
 )
 from jaxserve.structured.params import StructuredOutputsParams
 
 __all__ = ["GrammarCompiler", "RequestGrammar", "StructuredOutputsParams", "bitmask_width",
-           "fill_bitmasks", "mask_rows",
-           "row_bitmasks"]
+           "fill_bitmasks", "row_bitmasks"]

@@ -79,14 +79,14 @@ def fill_bitmasks(items, vocab_size: int) -> tuple[list, dict[int, Exception]]:
     offset = 0
     for i, (grammar, outputs, proposals, _) in enumerate(items):
         try:
-            grammar._sync(outputs)
+            grammar.sync(outputs)
         except ValueError as e:
             errors[i] = e
             starts.append(None)
             continue
         drafts = [int(t) for t in proposals]
-        drafts = drafts[:grammar._matcher.validate_tokens(drafts)] if drafts else []
-        plan.append((grammar._matcher, offset, drafts))
+        drafts = drafts[:grammar.matcher.validate_tokens(drafts)] if drafts else []
+        plan.append((grammar.matcher, offset, drafts))
         starts.append((offset, len(drafts)))
         offset += len(drafts) + 1
     if not plan:
@@ -117,32 +117,10 @@ def fill_bitmasks(items, vocab_size: int) -> tuple[list, dict[int, Exception]]:
             if pos <= valid:
                 out[k] = buf[start + pos]
         masks.append(out)
-        if grammar._matcher.is_error():
-            errors[i] = ValueError(f"structured output: {grammar._matcher.get_error()}")
+        if grammar.matcher.is_error():
+            errors[i] = ValueError(f"structured output: {grammar.matcher.get_error()}")
             masks[-1] = None
     return masks, errors
-
-
-def mask_rows(rows: list, constrained: list, vocab_size: int, inert, failed: dict) -> None:
-    """Gives the sampling rows of each constrained request its grammar's token bitmask
-    (one batched `fill_bitmasks`); a request whose mask cannot be built fails alone.
-
-    Args:
-        rows: The step's `RowSpec`s, replaced in place.
-        constrained: `(first row, request, scheduled entry)` of each constrained request
-            that samples this step.
-        vocab_size: V.
-        inert: The row that replaces a failed request's rows.
-        failed: `{request_id: exception}`, added to.
-    """
-    masks = row_bitmasks(constrained, vocab_size, failed)
-    for first, req, s in constrained:
-        end = first + s.num_samples + s.num_spec_tokens
-        if req.request_id in failed:
-            rows[first:end] = [inert] * (end - first)
-        else:
-            rows[first:end] = [r._replace(token_bitmask=masks[i])
-                               for i, r in enumerate(rows[first:end], first)]
 
 
 def row_bitmasks(constrained: list, vocab_size: int, failed: dict) -> dict[int, np.ndarray]:
@@ -282,10 +260,9 @@ class GrammarCompiler:
 class RequestGrammar:
     """One request's grammar state: follows its output tokens and masks its next token.
 
-    The matcher is synchronised lazily with the tokens it is given (outputs only grow,
-    except when beam search swaps the newest token; a shorter or different list rolls
-    back), so preemption, which keeps a request's tokens, needs nothing, and speculative
-    proposals are consumed for one mask and rolled back.
+    The matcher is synchronised lazily with the tokens it is given (outputs only grow; a
+    shorter or different list rolls back), so preemption, which keeps a request's tokens,
+    needs nothing, and speculative proposals are consumed for one mask and rolled back.
 
     Args:
         compiler: The compiler that made `grammar` (its tokenizer and vocabulary).
@@ -306,7 +283,7 @@ class RequestGrammar:
         self._consumed = 0
 
     def fork(self) -> RequestGrammar:
-        """A matcher of the same grammar for a forked request (n > 1, beams)."""
+        """A matcher of the same grammar for a forked request (n > 1)."""
         return RequestGrammar(self.compiler, self.grammar, self._prototype)
 
     @property
@@ -314,7 +291,20 @@ class RequestGrammar:
         """Whether the grammar is complete (only EOS can follow)."""
         return self._matcher.is_stopped()
 
-    def _sync(self, tokens) -> None:
+    @property
+    def matcher(self):
+        """The llguidance `LLMatcher` that follows the tokens given to `sync` (its masks
+        are those of the next token after them)."""
+        return self._matcher
+
+    def sync(self, tokens) -> None:
+        """Makes the matcher follow exactly `tokens` (the request's output so far): new
+        tokens are consumed, a shorter or different list rolls back first.
+
+        Raises:
+            ValueError: A token does not follow the grammar (those before it are kept), or
+                the matcher cannot roll back that far.
+        """
         done = self._tokens
         n = len(done)
         if len(tokens) < n or (n and tokens[n - 1] != done[-1]):

@@ -64,7 +64,7 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         steps = {n: compiled(models[n], tok, batch, args.context) for n in names}
         fn, runner, dbuf, pool = steps["mixed"]
-        hlo = fn.lower(runner.params, pool, dbuf, runner._no_prev_ids).compile().as_text()
+        hlo = fn.lower(runner.params, pool, dbuf, runner.no_prev_ids).compile().as_text()
         times = interleaved_ms(steps, names, args.rounds)
         med = {n: float(np.median(times[n])) for n in names}
         mean = (med["sparse"] + med["dense"]) / 2

@@ -70,11 +70,10 @@ def compiled(model: Model, tok, batch: int, context: int):
     llm = make_llm(model, tok, max_model_len=1024, max_num_seqs=32,
                    max_num_batched_tokens=256, num_kv_blocks=NUM_PAGES, warmup=False)
     runner = llm.engine.runner
-    _, buf, layout, _, _ = runner._model_inputs(decode_step(batch, context, runner.page_size),
-                                                None)
-    fn = runner._step_fn(layout, False)
-    dbuf = runner._to_device(buf)
-    pool, logits, _ = fn(runner.params, runner.kv_pages, dbuf, runner._no_prev_ids)
+    step = runner.prepare_model_step(decode_step(batch, context, runner.page_size),
+                                     decode_only=False)
+    fn, dbuf = step.program, step.buf
+    pool, logits, _ = step.run(runner.params, runner.kv_pages)
     logits.block_until_ready()
     return [fn, runner, dbuf, pool]
 
@@ -88,7 +87,7 @@ def interleaved_ms(steps: dict, names: list[str], rounds: int) -> dict[str, list
         for name in names if i % 2 == 0 else names[::-1]:
             fn, runner, dbuf, pool = steps[name][:4]
             t = time.perf_counter()
-            pool, logits, _ = fn(runner.params, pool, dbuf, runner._no_prev_ids)
+            pool, logits, _ = fn(runner.params, pool, dbuf, runner.no_prev_ids)
             logits.block_until_ready()
             steps[name][3] = pool
             if i >= 2:

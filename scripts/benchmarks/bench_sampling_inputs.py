@@ -3,7 +3,7 @@
 A real `LLMEngine` over a 1-layer random-weight model (`jaxserve.bench.overhead.tiny_model`,
 SmolLM2's vocabulary) runs `--num-running` requests with mixed sampling settings (greedy,
 top-p, top-k, penalties, seeds, min_tokens, logprobs, logit bias) to a steady decode state;
-then each of `--steps` engine steps times `LLMEngine._step_inputs` (the sampling rows and
+then each of `--steps` engine steps times `SamplingInputs.build` (the sampling rows and
 arrays of the step) plus, where the runner builds them, the prompt-logprob targets
 (`SamplingRows.prompt_targets`). It prints one JSON line: median and p90 milliseconds,
 the checkout it imported, and the load average.
@@ -67,7 +67,7 @@ def main() -> None:
         engine.step()
 
     times: list[float] = []
-    step_inputs = engine._step_inputs
+    step_inputs = engine.sampling_inputs.build
     rows = getattr(engine.runner, "sampling_rows", None)
 
     def timed_step_inputs(out, *a, **kw):
@@ -81,7 +81,7 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
         return res
 
-    engine._step_inputs = timed_step_inputs
+    engine.sampling_inputs.build = timed_step_inputs
     for _ in range(args.steps):
         engine.step()
     ms = 1000 * np.array(times)

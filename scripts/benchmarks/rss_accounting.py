@@ -74,9 +74,9 @@ def _live_mb() -> float:
 def program_sizes(runner, dummy, num_tokens: int) -> list[str]:
     """Table rows of the compiled programs of one bucket: temporaries and arguments (MB;
     XLA:CPU reports no code size)."""
-    from jaxserve.runner.warmup import _lower_bucket
+    from jaxserve.runner.warmup import lower_bucket
 
-    lowered = _lower_bucket(runner, num_tokens, dummy)
+    lowered = lower_bucket(runner, num_tokens, dummy)
     labels = (["model step", "decode step"][:len(lowered) - 4]
               + ["prompt logprobs", "sampler greedy", "sampler sample", "sampler full"])
     rows = []
@@ -137,9 +137,9 @@ def main(argv=None) -> None:
         from jaxserve.runner import warmup as w
 
         for num_tokens in runner.buckets:
-            w._run_bucket(runner, num_tokens, dummy)
+            w.run_bucket(runner, num_tokens, dummy)
             ledger.mark(f"warm-up: bucket {num_tokens}")
-        runner.kv_pages = w.copy_page_pairs(runner.kv_pages, w.NULL_PAIRS)
+        runner.execute_plans(w.plan_warmup(0))
         ledger.mark("warm-up: KV plan programs")
     elif args.per_program:
         outputs = {}  # bucket -> (logits, hidden) of its model step
@@ -174,20 +174,17 @@ def warm_up_kind(runner, dummy, kind: str, outputs: dict) -> None:
     for n in runner.buckets:
         (out, decode_only), *decodes = dummy_steps(runner, n)
         if kind == "model":
-            _, buf, layout, _, _ = runner._model_inputs(out, None)
-            runner.kv_pages, logits, hidden = runner._step_fn(layout, decode_only)(
-                runner.params, runner.kv_pages, runner._to_device(buf), runner._no_prev_ids,
-                runner.lora_stacks)
+            logits, hidden = runner.run_model_step(runner.prepare_model_step(out, decode_only))
             outputs[n] = (logits, hidden)
             for step, _ in decodes:
                 runner.execute(step, dummy(runner.sample_rows(n)), "greedy")
         elif kind == "prompt logprobs":
-            jax.block_until_ready(runner._prompt_fn()(
-                runner.params, outputs[n][1], runner._to_device(np.zeros(n, np.int32))))
+            jax.block_until_ready(runner.programs.prompt_logprobs()(
+                runner.params, outputs[n][1], runner.to_device(np.zeros(n, np.int32))))
         else:
-            buf, layout = runner._sample_inputs(dummy(runner.sample_rows(n)), kind)
-            jax.block_until_ready(runner._sampler_fn(layout)(outputs[n][0],
-                                                             runner._to_device(buf)))
+            buf, layout = runner.sampling_inputs(dummy(runner.sample_rows(n)), kind)
+            jax.block_until_ready(runner.programs.sampler(layout)(outputs[n][0],
+                                                                  runner.to_device(buf)))
 
 
 def _dummy_sampling(engine):

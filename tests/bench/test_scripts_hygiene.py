@@ -13,16 +13,6 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 PACKAGES = ("jaxserve", "models", "pallas_kernels")
-# TODO(lead): public runner API. These still call the runner's and engine's private
-# methods (`_model_inputs`, `_step_fn`, `_to_device`, `_no_prev_ids`, `_sample_inputs`,
-# `_step_inputs`, `_run_bucket`, ...) until `ModelRunner`/`LLMEngine` offer public ones; they
-# are exempt from the private-name checks only (not from the `sys.path` one).
-PRIVATE_CALLS_PENDING = {
-    "scripts/benchmarks/bench_mixed_moe.py",
-    "scripts/benchmarks/bench_moe.py",
-    "scripts/benchmarks/bench_sampling_inputs.py",
-    "scripts/benchmarks/rss_accounting.py",
-}
 
 
 def private(name: str) -> bool:
@@ -67,18 +57,12 @@ def test_the_checker_sees_scripts():
 @pytest.mark.parametrize("path", script_files())
 def test_script_is_hygienic(path):
     found = problems((ROOT / path).read_text())
-    if path in PRIVATE_CALLS_PENDING:
-        found = [p for p in found if "private" not in p]
     assert not found, f"{path}:\n" + "\n".join(found)
-
-
-def test_pending_list_names_only_existing_files():
-    assert PRIVATE_CALLS_PENDING <= set(script_files())
 
 
 @pytest.mark.parametrize("source, bad", [
     ('"""Doc."""\nimport sys\nsys.path.insert(0, "x")\n', "sys.path"),
-    ('"""Doc."""\nfrom jaxserve.runner.warmup import _lower_bucket\n', "imports private"),
+    ('"""Doc."""\nfrom jaxserve.runner.warmup import lower_bucket\n', "imports private"),
     ('"""Doc."""\nfrom jaxserve._private import x\n', "imports private"),
     ('"""Doc."""\nimport models._hidden\n', "imports private"),
     ('"""Doc."""\nrunner._step_fn(1)\n', "private attribute ._step_fn"),

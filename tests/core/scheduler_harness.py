@@ -28,12 +28,12 @@ HOST_PAGE_BYTES = 2**30  # swap_space=N GiB then gives exactly N host slots
 def make_scheduler(*, num_pages: int = 33, page_size: int = PS, budget: int = 32,
                    max_model_len: int = 64, host_slots: int = 0, prefix: bool = True,
                    watermark: float = 0.0, group_windows: tuple[int, ...] = (0,),
-                   **config) -> Scheduler:
+                   scheduler_class: type[Scheduler] = Scheduler, **config) -> Scheduler:
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix, watermark=watermark,
                         swap_space=float(host_slots), bytes_per_page=HOST_PAGE_BYTES,
                         max_model_len=max_model_len, group_windows=group_windows,
                         max_chunk_tokens=budget)
-    return Scheduler(SchedulerConfig(**config), kv, max_model_len, budget)
+    return scheduler_class(SchedulerConfig(**config), kv, max_model_len, budget)
 
 
 def make_request(request_id: str, prompt: int | list[int], *, max_tokens: int | None = 8,

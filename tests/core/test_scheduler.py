@@ -382,23 +382,6 @@ def test_stop_conditions(params, tokens, status, reason, num_out):
 
 
 # -------------------------------------------------------------------------- modes
-def test_naive_mode_runs_one_request_at_a_time():
-    h = Harness(make_scheduler(max_num_seqs=8, scheduling_mode="naive"))
-    h.add(*(make_request(f"r{i}", 5, max_tokens=3, arrival=i) for i in range(3)))
-    h.run()
-    order = [list(scheduled(o)) for o in h.outputs]
-    assert order == [["r0"]] * 3 + [["r1"]] * 3 + [["r2"]] * 3
-
-
-def test_static_mode_admits_a_batch_only_after_the_last_one_finished():
-    h = Harness(make_scheduler(max_num_seqs=2, scheduling_mode="static"))
-    h.add(make_request("a", 5, max_tokens=2), make_request("b", 5, max_tokens=5, arrival=1),
-          make_request("c", 5, max_tokens=2, arrival=2))
-    h.run()
-    order = [sorted(scheduled(o)) for o in h.outputs]
-    assert order == [["a", "b"]] * 2 + [["b"]] * 3 + [["c"]] * 2
-
-
 def test_continuous_mode_never_chunks():
     h = Harness(make_scheduler(budget=24, scheduling_mode="continuous"))
     h.add(*(make_request(f"r{i}", 6 + 4 * i, max_tokens=4, arrival=i) for i in range(5)))
@@ -408,7 +391,7 @@ def test_continuous_mode_never_chunks():
 
 # --------------------------------------------------------- the scheduler's own mutators
 def test_fork_shares_pages_and_runs_the_child():
-    """`Scheduler.fork` (used by fan-out and beam search): the child holds the parent's
+    """`Scheduler.fork` (used by fan-out): the child holds the parent's
     tokens and pages and runs next; an id in use is refused and changes nothing."""
     h = Harness(make_scheduler(budget=64))
     h.add(make_request("p", 10, max_tokens=4))

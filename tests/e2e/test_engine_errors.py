@@ -212,7 +212,7 @@ def test_a_step_that_fails_before_the_device_is_taken_back(llm, monkeypatch):
 
     submit()
     want = _run(engine)
-    build = engine._sampling_metadata
+    build = engine.sampling_inputs.gather
     for fail_at in (2, 3, 5):
         def failing(*args, calls=[], fail_at=fail_at, **kwargs):  # noqa: B006 - a counter
             calls.append(1)
@@ -220,7 +220,7 @@ def test_a_step_that_fails_before_the_device_is_taken_back(llm, monkeypatch):
                 raise RuntimeError("inputs lost")
             return build(*args, **kwargs)
 
-        monkeypatch.setattr(engine, "_sampling_metadata", failing)
+        monkeypatch.setattr(engine.sampling_inputs, "gather", failing)
         submit()
         with pytest.raises(RuntimeError, match="inputs lost"):
             _run(engine)

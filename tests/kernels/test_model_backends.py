@@ -79,9 +79,9 @@ def test_many_decode_rows_same_on_xla_and_cpu(tiny_params):
         outs[backend] = [o.outputs[0].token_ids
                          for o in llm.generate(prompts, params, use_tqdm=False)]
         runner = llm.engine.runner
-        for (layout, _), step in runner._steps.items():
+        for (layout, _), step in runner.programs.model_steps().items():
             buf = np.zeros(layout.size, np.int32)
-            hlo += step.lower(runner.params, runner.kv_pages, buf, runner._no_prev_ids).as_text()
+            hlo += step.lower(runner.params, runner.kv_pages, buf, runner.no_prev_ids).as_text()
     assert outs["xla"] == outs["cpu"]
     assert cpu_ffi.op.TARGET in hlo  # the cpu engine's steps called the kernel
 

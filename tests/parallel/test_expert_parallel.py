@@ -154,10 +154,10 @@ def test_layouts_match_one_device(moe_dir, smollm2_tokenizer, reference, args, m
 def _step_hlo(llm) -> str:
     """The compiled text of the engine's first model step."""
     runner = llm.engine.runner
-    (layout, decode_only), step = next(iter(runner._steps.items()))
+    (layout, decode_only), step = next(iter(runner.programs.model_steps().items()))
     buf = jax.device_put(np.zeros(layout.size, np.int32), llm.engine.layout.replicated())
     return step.lower(runner.params, runner.kv_pages, buf,
-                      runner._no_prev_ids).compile().as_text()
+                      runner.no_prev_ids).compile().as_text()
 
 
 def _no_expert_gather(llm, hlo: str) -> None:

@@ -131,9 +131,9 @@ def test_tp3_under_preemption_and_mixed_load(tiny9, smollm2_tokenizer, tiny9_ref
 def _check_collectives(llm):
     """The compiled step all-reduces after row-parallel layers and never gathers the pool."""
     runner = llm.engine.runner
-    ((layout, _), step), *_ = runner._steps.items()
+    ((layout, _), step), *_ = runner.programs.model_steps().items()
     buf = jax.device_put(np.zeros(layout.size, np.int32), llm.engine.layout.replicated())
-    prev_ids = runner._no_prev_ids
+    prev_ids = runner.no_prev_ids
     hlo = step.lower(runner.params, runner.kv_pages, buf, prev_ids).compile().as_text()
     assert len(re.findall(r"all-reduce\(", hlo)) >= 2  # attention out + MLP down, per layer
     pool = runner.kv_pages.shape

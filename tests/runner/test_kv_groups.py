@@ -228,7 +228,7 @@ def test_warmup_steps_carry_every_groups_tables(params):
                          max_num_seqs=2, max_num_batched_tokens=8, kv_layout=LAYOUT)
     for bucket in runner.buckets:
         for out, _ in dummy_steps(runner, bucket):
-            arrays = runner._model_inputs(out, None)[0]
+            arrays = runner.prepare_model_step(out).arrays
             assert arrays.block_tables.shape == (3, runner.sample_rows(bucket), 8)
             assert arrays.slot_mapping.shape == (3, bucket)
             assert not arrays.block_tables.any() and not (arrays.slot_mapping // PAGE).any()
@@ -250,6 +250,9 @@ def test_worker_sizes_the_pool_by_slots(params):
     runner = hybrid.init_device(max_num_seqs=2, num_swap_slots=0)
     assert runner.num_kv_groups == 3
     assert runner.kv_pages.shape == (2, 2, 2, hybrid.limits.num_pages, 8, 8)
+    # The engine argument block_size is the page size inside (`CacheConfig.page_size`).
+    assert config.cache.page_size == runner.page_size == 8
+    assert hybrid.kv_capacity_tokens == (hybrid.limits.num_pages - 1) * 8 // 3
     # False keeps one group; windows of max_model_len or more give back nothing.
     assert serving_kv_layout(hybrid.model, MAX_LEN, False) is None
     assert serving_kv_layout(model, 8, True) == single_group(6)  # no window gives back

@@ -26,7 +26,7 @@ def test_warmup_pass_finds_every_program_compiled_ahead(tiny_model_dir, monkeypa
     pass compiles them itself."""
     monkeypatch.setenv("JAXSERVE_COMPILE_THREADS", str(threads))
     counts, progress = {}, []
-    run_bucket = warmup._run_bucket
+    run_bucket = warmup.run_bucket
 
     def spy(runner, num_tokens, make_dummy_sampling):
         counts.setdefault("pass", compile_counter.num_compilations())
@@ -34,7 +34,7 @@ def test_warmup_pass_finds_every_program_compiled_ahead(tiny_model_dir, monkeypa
         run_bucket(runner, num_tokens, make_dummy_sampling)
         counts["after"] = compile_counter.num_compilations()
 
-    monkeypatch.setattr(warmup, "_run_bucket", spy)
+    monkeypatch.setattr(warmup, "run_bucket", spy)
     llm = LLM(tiny_model_dir, **ARGS)
     runner = llm.engine.runner
     total = len(BUCKETS)

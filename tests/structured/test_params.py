@@ -89,7 +89,7 @@ def test_matcher_follows_tokens_rolls_back_and_masks(compiler, smollm2_tokenizer
     after = allowed(m.bitmask(yes))
     assert list(after) == [tok.eos_token_id]  # complete: only EOS may follow
     assert m.is_stopped
-    # a shorter token list rolls the matcher back (beam search swaps the newest token)
+    # a shorter token list rolls the matcher back
     assert set(allowed(m.bitmask([]))) == set(first)
     # proposals are checked, then rolled back; a rejected one allows everything
     assert list(allowed(m.bitmask([], proposals=yes))) == [tok.eos_token_id]

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from jaxserve.entrypoints.cli import (
@@ -26,23 +25,13 @@ from jaxserve.entrypoints.cli.args import (  # noqa: F401 - engine_kwargs re-exp
 COMMANDS = (generate, serve, chat, run_batch, convert, bench, diagnose, verify)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     """The argument parser of every command."""
     parser = Parser(prog="jaxserve", description="A JAX/XLA LLM serving engine (vLLM's design).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser,
                                 metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
-    return parser
-
-
-def _chosen(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
-    """The innermost parser of the command that was given (for its usage line)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            name = getattr(args, action.dest, None)
-            if name in action.choices:
-                return _chosen(action.choices[name], args)
     return parser
 
 
@@ -55,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # NOTE: the command's own usage, not the top-level one
-        _chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.command_parser(args).error(f"unrecognized arguments: {' '.join(extra)}")
     quiet_start()  # before transformers or JAX is imported
     try:
         return args.handler(args)

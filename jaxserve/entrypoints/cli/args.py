@@ -105,11 +105,27 @@ MODEL_HELP = ("GGUF file, Hugging Face directory, jaxserve checkpoint, Hugging F
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse without abbreviations (`--max-token` is an error, not `--max-tokens`)."""
+    """argparse without abbreviations (`--max-token` is an error, not `--max-tokens`), that
+    knows its subcommands (`command_parser`)."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.subcommands = None  # what `add_subparsers` returned, if it was called
+
+    def add_subparsers(self, **kwargs):
+        """argparse's `add_subparsers`, remembered as `subcommands`."""
+        self.subcommands = super().add_subparsers(**kwargs)
+        return self.subcommands
+
+    def command_parser(self, args: argparse.Namespace) -> argparse.ArgumentParser:
+        """The parser of the innermost (sub)command `args` chose (for its usage line)."""
+        action = self.subcommands
+        chosen = None if action is None else action.choices.get(getattr(args, action.dest,
+                                                                          None))
+        if isinstance(chosen, Parser):
+            return chosen.command_parser(args)
+        return self if chosen is None else chosen
 
 
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True,
