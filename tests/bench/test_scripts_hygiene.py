@@ -62,7 +62,7 @@ def test_script_is_hygienic(path):
 
 @pytest.mark.parametrize("source, bad", [
     ('"""Doc."""\nimport sys\nsys.path.insert(0, "x")\n', "sys.path"),
-    ('"""Doc."""\nfrom jaxserve.runner.warmup import lower_bucket\n', "imports private"),
+    ('"""Doc."""\nfrom jaxserve.runner.warmup import _dummy_rows\n', "imports private"),
     ('"""Doc."""\nfrom jaxserve._private import x\n', "imports private"),
     ('"""Doc."""\nimport models._hidden\n', "imports private"),
     ('"""Doc."""\nrunner._step_fn(1)\n', "private attribute ._step_fn"),
