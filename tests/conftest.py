@@ -34,41 +34,32 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), memory // WORKER_MEMORY_BYTES))
 
 
-# The default tier's heaviest test files, heaviest first: their measured time in a default
-# run on a clean clone (`pytest -q --junitxml=...`, test times summed per file; refresh when
-# a file's cost changes much; docs/development.md). xdist hands files
-# to workers in collection order (`--no-loadscope-reorder` in pyproject.toml), so the long
-# ones start first and the files left for the end are short: the workers finish together.
-HEAVY_FIRST = (
-    "tests/models/test_numerics.py", "tests/e2e/test_engine_sampling.py",
-    "tests/e2e/test_engine_invariance.py", "tests/spec_decode/test_engine_spec.py",
-    "tests/engine/test_weight_updates.py", "tests/parallel/test_parallel_engine.py",
-    "tests/bench/test_engine_run.py", "tests/spec_decode/test_draft_model.py",
-    "tests/e2e/test_batch_invariant.py", "tests/test_docs.py",
-    "tests/kernels/test_stacked_qgemm.py", "tests/entrypoints/test_openai_fields.py",
-    "tests/models/test_moe.py", "tests/kernels/test_kv_quant.py",
-    "tests/e2e/test_quantized_engine.py", "tests/kernels/test_stacked_gemm.py",
-    "tests/kernels/test_cpu_decode.py", "tests/pooling/test_embed_oracle.py",
-    "tests/pooling/test_embed_engine.py", "tests/lora/test_lora_errors.py",
-    "tests/models/test_gemma_gguf.py", "tests/models/test_quant_accuracy.py",
-    "tests/entrypoints/test_server_hostile.py", "tests/models/test_moe_quant.py",
-    "tests/parallel/test_expert_parallel.py", "tests/e2e/test_moe_greedy.py",
-    "tests/e2e/test_gemma_hybrid_kv.py", "tests/lora/test_lora_engine.py",
-    "tests/entrypoints/test_lora_server.py", "tests/models/test_moe_loading.py",
-    "tests/runner/test_kv_groups.py", "tests/runner/test_warmup.py",
-    "tests/e2e/test_gemma_greedy.py", "tests/runner/test_hardware_defaults.py",
-    "tests/models/test_tokenizer.py", "tests/e2e/test_async_scheduling.py",
-    "tests/e2e/test_engine_errors.py", "tests/e2e/test_greedy.py",
-    "tests/kernels/test_ragged_xla.py", "tests/kernels/test_model_backends.py",
-    "tests/models/test_loaders.py", "tests/parallel/test_multihost_serve.py",
-    "tests/sample/test_sampler.py", "tests/entrypoints/test_concurrency.py",
-)
+# Each test file's measured seconds in a default-tier run on a clean clone (tests/durations.json,
+# written by `python -m tests.record_durations run.xml` from `pytest -q --junitxml=run.xml`;
+# regenerate it when files' costs change much: docs/development.md). xdist hands files to
+# workers in collection order (`--no-loadscope-reorder` in pyproject.toml), so the long ones
+# start first and the files left for the end are short: the workers finish together.
+DURATIONS_FILE = os.path.join(os.path.dirname(__file__), "durations.json")
+
+
+def file_order(path: str, durations: dict[str, float]) -> tuple:
+    """Sort key of a test file: recorded ones longest first, then the others by name."""
+    if path in durations:
+        return (0, -durations[path], path)
+    return (1, 0.0, path)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Runs the files of `HEAVY_FIRST` first, in its order; the others keep theirs."""
-    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    """Runs the test files longest first by their recorded durations (`DURATIONS_FILE`),
+    files it does not name last by name; a file's tests keep their order."""
+    import json
+
+    try:
+        with open(DURATIONS_FILE) as f:
+            durations = json.load(f)
+    except FileNotFoundError:
+        durations = {}
+    items.sort(key=lambda item: file_order(item.nodeid.split("::")[0], durations))
 
 
 @pytest.fixture(scope="session", autouse=True)

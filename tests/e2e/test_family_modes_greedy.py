@@ -1,9 +1,10 @@
 """Greedy tokens of the tiny random Mixtral, Qwen2-MoE (all sparse, shared expert), OLMoE and
-Phi-3 (fused weights, LongRoPE, a window) through the engine equal transformers'
-`generate`: batched and alone, a prompt past the token budget (chunked prefill), a prompt
-sent twice (prefix-cache hits), a pool too small for the batch (recompute or swap
-preemption) and n-gram speculation. Qwen3-MoE's runs of the same modes are in
-tests/e2e/test_moe_greedy.py."""
+Phi-3 (fused weights, LongRoPE, a window) through an engine that preempts by recompute equal
+transformers' `generate`: batched and alone, a prompt past the token budget (chunked
+prefill), a prompt sent twice (prefix-cache hits), a pool too small for the batch and n-gram
+speculation. The same under swap preemption, for every family, is
+tests/e2e/test_family_conformance.py (these models are its rows); Qwen3-MoE's recompute
+run is in tests/e2e/test_moe_greedy.py."""
 
 from __future__ import annotations
 
@@ -11,41 +12,31 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from tests.conftest import TINY_ENGINE
-from tests.e2e.hf_family import PROMPTS, TINY, build_hf_model, hf_greedy
-from tests.e2e.test_phi3_greedy import CONFIG as PHI3
+from tests.e2e.hf_family import PROMPTS, build_hf_model, hf_greedy
+from tests.e2e.test_family_conformance import family
 
 torch = pytest.importorskip("torch")
 
-MOE = dict(num_hidden_layers=2, num_experts_per_tok=2)
-FAMILIES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(TINY, **MOE, num_local_experts=8, sliding_window=None)),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(TINY, **MOE, num_experts=8, moe_intermediate_size=32,
-                       shared_expert_intermediate_size=48, norm_topk_prob=False)),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
-              dict(TINY, **MOE, num_experts=8, intermediate_size=32)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", PHI3),
-}
+FAMILIES = {name: family(name) for name in ("mixtral", "qwen2_moe", "olmoe", "phi3")}
 LONG = " ".join(["The three primary colors are red, yellow and blue; mixing two of them "
                  "gives a secondary color, and the painter knows"] * 4)
 MAX_TOKENS = 24
 
 
-@pytest.mark.slow  # eight more engines; the default tier serves Qwen3-MoE, Qwen2-MoE, Phi-3
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_family_greedy_under_every_mode(family, mode, smollm2_tokenizer, tmp_path):
-    config_cls, model_cls, config = FAMILIES[family]
-    hf = build_hf_model(config_cls, model_cls, config, smollm2_tokenizer, str(tmp_path), 1.0)
+@pytest.mark.slow  # four more engines; the default tier runs swap preemption (the table)
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_greedy_under_recompute_preemption(name, smollm2_tokenizer, tmp_path):
+    row = FAMILIES[name]
+    hf = build_hf_model(row.config_cls, row.model_cls, row.config, smollm2_tokenizer,
+                        str(tmp_path), 1.0)
     # NOTE: Phi-3's window gives pages back (the hybrid KV cache): a smaller pool preempts.
-    blocks = 8 if family == "phi3" else 12
+    blocks = 8 if name == "phi3" else 12
     llm = LLM(str(tmp_path), **{**TINY_ENGINE, "warmup": False, "num_kv_blocks": blocks,
                                 "max_model_len": 128, "enable_prefix_caching": True,
-                                "preemption_mode": mode, "swap_space": 0.05,
+                                "preemption_mode": "recompute",
                                 "speculative_config": {"method": "ngram",
                                                        "num_speculative_tokens": 3}})
-    assert llm.engine.model.cfg.num_experts == (0 if family == "phi3" else 8)
+    assert llm.engine.model.cfg.num_experts == (0 if name == "phi3" else 8)
     llm.engine.speculator.gate.min_acceptance = 0.0  # proposals every step
     ids = [smollm2_tokenizer(p).input_ids for p in [*PROMPTS, LONG]]
     assert len(ids[-1]) > TINY_ENGINE["max_num_batched_tokens"]  # chunked prefill
@@ -65,5 +56,5 @@ def test_family_greedy_under_every_mode(family, mode, smollm2_tokenizer, tmp_pat
     # Proposals were made and verified (accepted only where the random text repeats
     # itself, which Mixtral's here does not; Phi-3's never repeats an n-gram, so its
     # engine runs with the speculator but gets no proposal).
-    if family != "phi3":
+    if name != "phi3":
         assert metrics["jaxserve:spec_decode_num_draft_tokens"] > 0

@@ -1,6 +1,10 @@
 """Greedy generation of a tiny random Qwen3-MoE through the engine equals transformers'
 `generate` (alone and batched, a prompt past the token budget chunked), and serving after
-warm-up compiles nothing whatever the routing."""
+warm-up compiles nothing whatever the routing.
+
+Slow tier only: the default tier serves the same model warmed up (the qwen3_moe row of
+tests/e2e/test_family_conformance.py: transformers' tokens batched, chunked, from prefix
+hits, swapped and speculated, each check compiling nothing after warm-up)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from models.linear import ServingChoice
 from tests.conftest import TINY_ENGINE
+from tests.e2e.test_family_conformance import family
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -24,12 +29,9 @@ PROMPTS = [
     " ".join(["The three primary colors are red, yellow and blue; mixing two of them gives "
               "a secondary color, and the painter knows"] * 4),  # past the 64-token budget
 ]
-# SmolLM2's vocabulary (49152, the tokenizer's); 8 experts of 32, top 2, normalized.
-CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              max_position_embeddings=256, num_experts=8, num_experts_per_tok=2,
-              moe_intermediate_size=32, norm_topk_prob=True, initializer_range=0.1,
-              pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+# The table's Qwen3-MoE: SmolLM2's vocabulary (49152, the tokenizer's); 8 experts of 32,
+# top 2, normalized.
+CONFIG = family("qwen3_moe").config
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,7 @@ def _routed_experts(hf, ids) -> set[int]:
     return set(torch.topk(logits, CONFIG["num_experts_per_tok"]).indices.ravel().tolist())
 
 
+@pytest.mark.slow  # the table's qwen3_moe row (module docstring); three buckets warmed up
 def test_qwen3_moe_greedy_matches_transformers(qwen3_moe, smollm2_tokenizer):
     hf, llm = qwen3_moe
     assert llm.engine.model.cfg.num_experts == 8
@@ -84,6 +87,7 @@ def test_qwen3_moe_greedy_matches_transformers(qwen3_moe, smollm2_tokenizer):
     assert llm.get_metrics()["jaxserve:num_compilations"] == 0
 
 
+@pytest.mark.slow  # the table's warmed-up qwen3_moe row compiles nothing in its checks
 def test_qwen3_moe_any_routing_compiles_nothing(qwen3_moe):
     """Random prompts (other routings, other batch mixes) after warm-up: no compiles."""
     _, llm = qwen3_moe
@@ -95,7 +99,7 @@ def test_qwen3_moe_any_routing_compiles_nothing(qwen3_moe):
     assert llm.get_metrics()["jaxserve:num_compilations"] == 0
 
 
-@pytest.mark.slow  # the default-tier test above checks the tokens; this one the modes
+@pytest.mark.slow  # the test above checks the tokens; this one the modes (swap: the table)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_qwen3_moe_greedy_under_preemption_prefix_hits_and_ngram(qwen3_moe, smollm2_tokenizer,
                                                                  mode):

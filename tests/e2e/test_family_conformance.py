@@ -1,0 +1,251 @@
+"""Per family, one engine equals transformers: batched, chunked, prefix hits, swap, n-gram."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.conftest import TINY_ENGINE
+from tests.e2e.hf_family import PROMPTS, TINY
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One row of the table: a tiny random transformers model of the family.
+
+    Attributes:
+        name: Test id.
+        config_cls: transformers config class name.
+        model_cls: transformers model class name.
+        config: The config's fields (SmolLM2's vocabulary, hidden 64: `TINY` and the
+            family's own).
+        expect: `ArchConfig` fields the loader must have parsed (dotted for nested ones):
+            the family's features are served, not defaulted away.
+        norm_center: Where the random norm weights are drawn around (0 for Gemma's
+            `1 + weight`, 1 elsewhere), so the norms matter.
+        engine: Engine arguments of its own, over `ENGINE`. With `warmup=True` every check
+            also asserts that nothing compiled after warm-up.
+    """
+
+    name: str
+    config_cls: str
+    model_cls: str
+    config: dict
+    expect: dict = dataclasses.field(default_factory=dict)
+    norm_center: float = 1.0
+    engine: dict = dataclasses.field(default_factory=dict)
+
+
+DENSE = dict(TINY, num_hidden_layers=2)
+MOE = dict(DENSE, num_experts_per_tok=2)
+WINDOW = 8  # shorter than every prompt: the windows bind
+# Gemma 2/3: heads of 16, query scale apart from head_dim, soft caps that bind.
+GEMMA = dict(TINY, head_dim=16, sliding_window=WINDOW)
+# The hybrid KV cache (sliding and full layers: a page table per KV cache group, Gemma 2's
+# two, Gemma 3's three) takes a page of each group per 16 tokens: a pool of 12 holds no
+# request of LONG's length.
+HYBRID_POOL = dict(num_kv_blocks=24)
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+             "short_factor": [1.0, 1.2, 1.9, 3.0], "long_factor": [1.3, 3.5, 8.0, 24.0]}
+GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
+
+# The table: adding a family is adding a row. The configs are those the older family tests
+# served (tests/e2e/test_gemma_greedy.py, test_phi3_greedy.py, test_moe_greedy.py,
+# test_family_modes_greedy.py, which now take them from here): two layers, Gemma 3 three
+# (its pattern of 3: two sliding layers, then a global one).
+FAMILIES = [
+    Family("llama", "LlamaConfig", "LlamaForCausalLM", DENSE,
+           dict(num_kv_heads=2, qkv_bias=False, tie_word_embeddings=False)),
+    Family("qwen2", "Qwen2Config", "Qwen2ForCausalLM", DENSE,
+           dict(qkv_bias=True, o_bias=False)),
+    Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(DENSE, head_dim=16),
+           dict(qk_norm=True, qkv_bias=False)),
+    Family("mistral", "MistralConfig", "MistralForCausalLM",
+           dict(DENSE, sliding_window=WINDOW), dict(layer_windows=(WINDOW, WINDOW))),
+    # Fused qkv/gate_up weights, LongRoPE's long factors with half of each head rotated,
+    # a window on every layer.
+    Family("phi3", "Phi3Config", "Phi3ForCausalLM",
+           dict(DENSE, original_max_position_embeddings=WINDOW, partial_rotary_factor=0.5,
+                sliding_window=WINDOW, rope_parameters=PHI3_ROPE),
+           {"rotary_dim": 8, "rope_scaling.use_long_factors": True,
+            "layer_windows": (WINDOW, WINDOW)}),
+    Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM",
+           dict(GEMMA, num_hidden_layers=2, query_pre_attn_scalar=32,
+                attn_logit_softcapping=2.0, final_logit_softcapping=4.0),
+           dict(layer_windows=(WINDOW, 0), attn_logit_softcap=2.0, final_logit_softcap=4.0),
+           norm_center=0.0, engine=HYBRID_POOL),
+    Family("gemma3", "Gemma3TextConfig", "Gemma3ForCausalLM",
+           dict(GEMMA, num_hidden_layers=3, query_pre_attn_scalar=16,
+                sliding_window_pattern=3, final_logit_softcapping=4.0,
+                rope_parameters=GEMMA3_ROPE),
+           dict(layer_windows=(WINDOW, WINDOW, 0), qk_norm=True, local_rope_theta=100.0,
+                final_logit_softcap=4.0),
+           norm_center=0.0, engine=HYBRID_POOL),
+    Family("mixtral", "MixtralConfig", "MixtralForCausalLM",
+           dict(MOE, num_local_experts=8, sliding_window=None),
+           dict(num_experts=8, router_order="topk_softmax")),
+    Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+           dict(MOE, num_experts=8, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, norm_topk_prob=False),
+           dict(num_experts=8, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                router_order="softmax_topk")),
+    # Warmed up: no routing of any check compiles a program after warm-up.
+    Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+           dict(MOE, num_experts=8, moe_intermediate_size=32, head_dim=16,
+                norm_topk_prob=True),
+           dict(num_experts=8, norm_topk_prob=True, qk_norm=True), engine=dict(warmup=True)),
+    Family("olmoe", "OlmoeConfig", "OlmoeForCausalLM",
+           dict(MOE, num_experts=8, intermediate_size=32),
+           dict(num_experts=8, qk_norm=True, qk_norm_full=True)),
+]
+
+
+def family(name: str) -> Family:
+    """The table's row of that name (other files serve the same tiny models other ways)."""
+    return next(f for f in FAMILIES if f.name == name)
+
+
+# One engine per family for every check: prefix caching, swap preemption into a pool too
+# small for SWAP_BATCH (12 pages of 16 tokens, the null page included), n-gram speculation
+# proposing from any repeated token. NOTE: a 16-token budget (the smallest bucket): one
+# step program instead of three (16, 32, 64), which took a row from ~37 to ~23 s of
+# compiling on a loaded VM; the long prompt still chunks. No other default-tier file serves
+# these models, so sizes shared with theirs (`TINY_ENGINE`'s) would share no program.
+ENGINE = {**TINY_ENGINE, "warmup": False, "max_num_batched_tokens": 16, "max_model_len": 128,
+          "num_kv_blocks": 12, "enable_prefix_caching": True, "preemption_mode": "swap",
+          "swap_space": 0.05,
+          "speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                 "prompt_lookup_min": 1, "prompt_lookup_max": 2}}
+MAX_TOKENS = 24
+# Past the token budget (chunked prefill), sharing no page with the other prompts: its
+# second run's hits are its first run's pages.
+LONG = " ".join(["A river carries sand down to the delta, where the slow water lays it in "
+                 "wide banks, and the farmers know"] * 4)
+# Eight requests: more pages than the pool holds, windowed families' included.
+SWAP_BATCH = [*PROMPTS, LONG, "Sliding windows keep only the most recent keys, so old "
+              "pages can be given back", "Once upon a time there was a small engine that "
+              "served many requests", "def fibonacci(n): return n if n < 2 else", "1, 2, 3,"]
+
+
+def _build_hf(row: Family, tokenizer, directory: str):
+    """The float32 transformers model (eager attention) with its norms drawn around
+    `norm_center` and its biases drawn too, saved with `tokenizer` into `directory`."""
+    cfg = getattr(transformers, row.config_cls)(**row.config, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = getattr(transformers, row.model_cls)(cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(row.norm_center + 0.3 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * noise)
+    hf.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return hf
+
+
+def _hf_greedy(hf, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          min_new_tokens=MAX_TOKENS, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@dataclasses.dataclass
+class Served:
+    """A row's engine (`warm`: warmed up), its prompts' ids and transformers' greedy tokens
+    for each."""
+
+    family: Family
+    llm: LLM
+    warm: bool
+    ids: dict[str, list[int]]
+    want: dict[str, list[int]]
+
+    def check(self, prompts: list[str]) -> dict[str, float]:
+        """Serves `prompts` batched, asserts transformers' tokens for each; returns what the
+        engine's counters gained."""
+        before = self.llm.get_metrics()
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": self.ids[p]} for p in prompts], params,
+                                 use_tqdm=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            ours = out.outputs[0].token_ids
+            assert ours == self.want[prompt], (self.family.name, prompt)
+        after = self.llm.get_metrics()
+        assert after["jaxserve:kv_cache_usage_perc"] == 0.0  # every page given back
+        gained = {k.removeprefix("jaxserve:"): after[k] - before[k] for k in before
+                  if isinstance(before[k], (int, float))}
+        if self.warm:  # warm-up compiled every program these steps ran
+            assert gained["num_compilations"] == 0, self.family.name
+        return gained
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=lambda f: f.name)
+def served(request, smollm2_tokenizer, tmp_path_factory):
+    """The row's engine (built once for its four checks) and transformers' tokens, on one
+    torch thread."""
+    row = request.param
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        directory = str(tmp_path_factory.mktemp(row.name))
+        hf = _build_hf(row, smollm2_tokenizer, directory)
+        prompts = dict.fromkeys([*PROMPTS, LONG, *SWAP_BATCH])
+        ids = {p: smollm2_tokenizer(p).input_ids for p in prompts}
+        want = {p: _hf_greedy(hf, ids[p]) for p in prompts}
+    finally:
+        torch.set_num_threads(threads)
+    assert all(len(set(w)) > 1 for w in want.values())  # not a degenerate repeat
+    args = {**ENGINE, **row.engine}
+    llm = LLM(directory, **args)
+    llm.engine.speculator.gate.min_acceptance = 0.0  # never paused: proposals every step
+    cfg = llm.engine.model.cfg
+    for field, value in row.expect.items():
+        got = cfg
+        for part in field.split("."):
+            got = getattr(got, part)
+        assert got == value, (row.name, field)
+    return Served(row, llm, args["warmup"], ids, want)
+
+
+def test_batched_greedy(served):
+    assert min(len(served.ids[p]) for p in PROMPTS) > WINDOW  # the windows bind
+    served.check(PROMPTS)
+
+
+def test_chunked_prefill_then_prefix_hits(served):
+    """A prompt past the token budget, sent twice: the second run reads the first's pages."""
+    assert len(served.ids[LONG]) > ENGINE["max_num_batched_tokens"]
+    served.check([LONG])
+    assert served.check([LONG])["prefix_cache_hits"] > 0
+
+
+def test_swap_preemption(served):
+    """A batch whose pages do not fit the pool: requests are swapped out and back in."""
+    gained = served.check(SWAP_BATCH)
+    assert gained["num_preemptions"] > 0
+    assert gained["num_swap_outs"] > 0 and gained["num_swap_ins"] > 0
+
+
+def _lookup_chances(ids: list[int], out: list[int]) -> int:
+    """Decode steps at which the text so far ends with a token seen before in it (a
+    one-token n-gram match: a proposal), by transformers' tokens."""
+    return sum(out[i - 1] in ids + out[:i - 1] for i in range(1, len(out)))
+
+
+def test_ngram_speculation(served):
+    """Proposals are made (the text repeats a token: transformers' own tokens show where)
+    and verified: the tokens stay transformers'."""
+    prompts = [*PROMPTS, LONG]
+    assert sum(_lookup_chances(served.ids[p], served.want[p]) for p in prompts) > 0
+    gained = served.check(prompts)
+    assert gained["spec_decode_num_draft_tokens"] > 0
