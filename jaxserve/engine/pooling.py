@@ -4,8 +4,9 @@ what each step computed on the device, and their `EmbeddingRequestOutput`s.
 A pooling request is an ordinary scheduler request whose only sample (`max_tokens=1`,
 greedy, dropped) ends it as soon as its prompt is computed, so it is prefill only and
 shares steps with other pooling requests through the same scheduler: chunked prefill,
-preemption and (for LAST pooling) prefix hits work unchanged. Each step's
-`ModelRunner.pool_step` returns every scheduled row's share (`StepResult.pooled`);
+preemption and (for LAST pooling) prefix hits work unchanged. Each step, the runner's
+pooling program (`StepPrograms.pool`) returns every scheduled row's share
+(`StepResult.pooled`);
 `Pooler.accumulate` keeps a vector per request (reset whenever a chunk starts at
 position 0, as after a recompute preemption), and `Pooler.outputs` turns the finished
 requests' `RequestOutput`s into embeddings. `LLMEngine.add_request` adds them (with

@@ -154,7 +154,7 @@ def keeps_gguf_blocks(cfg: ArchConfig, plan: QuantPlan, dtype, choice: ServingCh
     on the CPU, where the `cpu` backend's quantized kernel multiplies them in place
     (`can_panel`); XLA's CPU matmuls convert int8/4-bit codes far slower than they read
     float32, so elsewhere on the CPU the file is dequantized (BENCHMARKS.md,
-    "Quantization")."""
+    "Quantized matmuls read in place")."""
     return platform() == "cpu" and can_panel(cfg, plan, dtype, choice.backend, one_device)
 
 

@@ -38,7 +38,7 @@ def chunked(tiny):
 
 # NOTE: the static mode is a second warmed-up engine (its budget adds a bucket): the tests
 # that compare it with the chunked mode run in the slow tier (the default tier checks the
-# static mode's admission in tests/core/test_scheduler.py).
+# static mode's admission in tests/core/test_baseline_schedulers.py).
 @pytest.fixture(scope="module")
 def runs(tiny, chunked):
     return {"static": _run(tiny, "static"), "continuous+chunked": chunked}
