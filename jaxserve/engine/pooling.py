@@ -6,10 +6,9 @@ greedy, dropped) ends it as soon as its prompt is computed, so it is prefill onl
 shares steps with other pooling requests through the same scheduler: chunked prefill,
 preemption and (for LAST pooling) prefix hits work unchanged. Each step, the runner's
 pooling program (`StepPrograms.pool`) returns every scheduled row's share
-(`StepResult.pooled`);
-`Pooler.accumulate` keeps a vector per request (reset whenever a chunk starts at
-position 0, as after a recompute preemption), and `Pooler.outputs` turns the finished
-requests' `RequestOutput`s into embeddings. `LLMEngine.add_request` adds them (with
+(`StepResult.pooled`); `Pooler.accumulate` keeps a vector per request (reset whenever a
+chunk starts at position 0, as after a recompute preemption), and `Pooler.outputs` turns
+the finished requests' `RequestOutput`s into embeddings. `LLMEngine.add_request` adds them (with
 `POOLING_SAMPLING` for the scheduler) and hands their `PoolingParams` to `Pooler.add`.
 """
 
