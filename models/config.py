@@ -15,6 +15,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # How a mixture-of-experts router turns logits into weights (`models.moe.route`):
 # softmax over all experts then top-k (Qwen-MoE, OLMoE), or top-k logits then softmax (Mixtral).
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
+# Every decoder layer's dense linear modules, as (block, module).
+LAYER_MATMULS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
+                 ("mlp", "down_proj"))
 
 
 @dataclass(frozen=True)
@@ -284,3 +288,14 @@ def windows_from_layer_types(hf: dict[str, Any]) -> tuple[int, ...]:
                              f"{', '.join(LAYER_TYPES)}")
     window = int(hf.get("sliding_window") or 0)
     return tuple(window if t == "sliding_attention" else 0 for t in hf["layer_types"])
+
+
+def layer_matmul_shapes(cfg: ArchConfig) -> dict[tuple[str, str], tuple[int, int]]:
+    """(in, out) of each of `cfg`'s decoder layer matmuls (`LAYER_MATMULS`; the MLP's of a
+    dense layer)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    i = cfg.intermediate_size
+    return {("self_attn", "q_proj"): (h, q), ("self_attn", "k_proj"): (h, kv),
+            ("self_attn", "v_proj"): (h, kv), ("self_attn", "o_proj"): (q, h),
+            ("mlp", "gate_proj"): (h, i), ("mlp", "up_proj"): (h, i),
+            ("mlp", "down_proj"): (i, h)}

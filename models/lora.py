@@ -7,26 +7,14 @@ The deltas themselves are a linear method wrapping the target's own
 
 from __future__ import annotations
 
-from models.config import ArchConfig
+from models.config import LAYER_MATMULS, ArchConfig, layer_matmul_shapes
 
-# The decoder modules an adapter may target, as (block, module).
-TARGETS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-           ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
-           ("mlp", "down_proj"))
+# The decoder modules an adapter may target, as (block, module): every layer matmul.
+TARGETS = LAYER_MATMULS
 # The Flax collection of the slot stacks: {"layers": {block: {module: {"a", "b"}}}}, each
 # leaf led by the layer axis (A [L, in, S, R], B [L, S, R, out]), which the layer scan
 # slices like the params.
 COLLECTION = "lora"
-
-
-def module_shapes(cfg: ArchConfig) -> dict[tuple[str, str], tuple[int, int]]:
-    """(in, out) of every module an adapter may target in `cfg`'s decoder layers."""
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    i = cfg.intermediate_size
-    return {("self_attn", "q_proj"): (h, q), ("self_attn", "k_proj"): (h, kv),
-            ("self_attn", "v_proj"): (h, kv), ("self_attn", "o_proj"): (q, h),
-            ("mlp", "gate_proj"): (h, i), ("mlp", "up_proj"): (h, i),
-            ("mlp", "down_proj"): (i, h)}
 
 
 def served_targets(cfg: ArchConfig) -> tuple[tuple[str, str], ...]:
@@ -41,7 +29,7 @@ def served_targets(cfg: ArchConfig) -> tuple[tuple[str, str], ...]:
 def stack_shapes(cfg: ArchConfig, num_slots: int, rank: int
                  ) -> dict[tuple[str, str], tuple[tuple[int, ...], tuple[int, ...]]]:
     """(block, module) -> the shapes of its A [L, in, S, R] and B [L, S, R, out] stacks."""
-    shapes = module_shapes(cfg)
+    shapes = layer_matmul_shapes(cfg)
     return {t: ((cfg.num_layers, shapes[t][0], num_slots, rank),
                 (cfg.num_layers, num_slots, rank, shapes[t][1]))
             for t in served_targets(cfg)}

@@ -161,12 +161,24 @@ class Model:
 
         `lora` (the adapter slots' stacks, `models.lora.COLLECTION`'s tree) and
         `lora_slots` (i32[num_tokens], each token's slot, -1 none) add every token's LoRA
-        update; None: the base model alone."""
+        update; None: the base model alone. The step's real tokens (`md.num_real_tokens`;
+        the rest is padding) and the slots reach the linear methods through the forward
+        context (`models.linear.context`).
+
+        Raises:
+            ValueError: Adapter stacks for a model not served with LoRA
+                (`ServingChoice.lora_impl` None: no method would read them).
+        """
         var = variables(params)
-        if lora is None:
+        if lora is not None:
+            if self.serving.lora_impl is None:
+                raise ValueError("Model.forward got LoRA stacks, but the model is not served "
+                                 "with adapters: set ServingChoice.lora_impl "
+                                 "(models.linear.serving_form(model, lora_impl=...))")
+            var = {**var, LORA: lora}
+        with forward_context(real_rows=md.num_real_tokens,
+                             lora_slots=None if lora is None else lora_slots):
             return self.module.apply(var, input_ids, positions, kv_pages, md)
-        with forward_context(lora_slots=lora_slots):
-            return self.module.apply({**var, LORA: lora}, input_ids, positions, kv_pages, md)
 
     def compute_logits(self, params, hidden):
         """Pure LM head (jit-able): f32[num_rows, vocab_size]."""

@@ -31,6 +31,7 @@ from models.layers import ACTIVATIONS, GatedMLP
 from models.linear import STACKS, Linear, LinearMethod, Methods
 from models.linear.registry import grouped_impl, stored_method
 from models.moe_parallel import ExpertSharding, sharded_experts
+from models.quant import kind_of
 from pallas_kernels.tuning import tuned
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -70,9 +71,7 @@ def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool):
 def expert_kind(w) -> str | None:
     """"q8" or "q4" for a quantized expert stack (a dict of `models.quant` leaves), None
     for a float one."""
-    if not isinstance(w, dict):
-        return None
-    return "q4" if "zeros" in w else "q8"
+    return kind_of(w) if isinstance(w, dict) else None
 
 
 def _stack_shape(w) -> tuple[int, ...]:

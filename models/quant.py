@@ -103,6 +103,14 @@ class QuantPlan:
 NO_QUANT = QuantPlan()  # every weight dense
 
 
+def kind_of(leaves) -> str | None:
+    """The format kind ("q8", "q4") of a quantized weight's leaves (a dict of them, or their
+    names), None for a float one (no "qweight")."""
+    if "qweight" not in leaves:
+        return None
+    return "q4" if "zeros" in leaves else "q8"
+
+
 def uniform_plan(name: str, fmt: QuantFormat, modules=QUANT_MODULES) -> QuantPlan:
     """A plan quantizing every module in `modules` to `fmt`."""
     return QuantPlan(tuple((m, fmt) for m in modules), name)

@@ -20,6 +20,8 @@ its pages are not rotated.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,13 +38,15 @@ _QMAX = {np.dtype(jnp.int8): 127.0, np.dtype(jnp.float8_e4m3fn): 448.0,
 _ROTATED = (np.dtype(jnp.int8), np.dtype(jnp.float8_e5m2))
 
 
+@functools.lru_cache(maxsize=16)
 def kv_rotation(dtype, head_dim: int) -> np.ndarray | None:
     """f32[head_dim, head_dim] orthonormal R that K, V and Q are multiplied by (x @ R) for
     a pool of `dtype`, or None where pages hold K/V as they are. Attention output comes back
     rotated too: multiply it by R.T.
 
     A normalized Hadamard matrix for power-of-two head_dim; otherwise a fixed seeded random
-    orthogonal matrix (the same on every host and run).
+    orthogonal matrix (the same on every host and run). Computed once per (dtype,
+    head_dim), and read-only.
     """
     if np.dtype(dtype) not in _ROTATED:
         return None
@@ -50,9 +54,12 @@ def kv_rotation(dtype, head_dim: int) -> np.ndarray | None:
         r = np.ones((1, 1), np.float64)
         while r.shape[0] < head_dim:
             r = np.block([[r, r], [r, -r]])
-        return (r / np.sqrt(head_dim)).astype(np.float32)
-    q, rr = np.linalg.qr(np.random.RandomState(0).randn(head_dim, head_dim))
-    return (q * np.sign(np.diag(rr))).astype(np.float32)
+        rot = (r / np.sqrt(head_dim)).astype(np.float32)
+    else:
+        q, rr = np.linalg.qr(np.random.RandomState(0).randn(head_dim, head_dim))
+        rot = (q * np.sign(np.diag(rr))).astype(np.float32)
+    rot.setflags(write=False)
+    return rot
 
 
 def is_quantized(dtype) -> bool:

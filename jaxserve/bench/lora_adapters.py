@@ -8,7 +8,8 @@ import os
 
 import numpy as np
 
-from models.lora import module_shapes, served_targets
+from models.config import layer_matmul_shapes
+from models.lora import served_targets
 
 
 def write_random_adapter(directory: str, cfg, rank: int, seed: int) -> str:
@@ -16,7 +17,7 @@ def write_random_adapter(directory: str, cfg, rank: int, seed: int) -> str:
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
-    shapes = module_shapes(cfg)
+    shapes = layer_matmul_shapes(cfg)
     tensors = {}
     for layer in range(cfg.num_layers):
         for block, module in served_targets(cfg):

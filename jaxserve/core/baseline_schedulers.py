@@ -22,6 +22,8 @@ class StaticBatchScheduler(Scheduler):
     """Static batching: a batch is admitted only when nothing runs, and it runs until its
     slowest request finishes (no request joins it meanwhile); the scheduler's arguments."""
 
+    MODES = ("static",)
+
     def may_admit(self) -> bool:
         """Only when no request runs (preempted ones wait for the batch to drain)."""
         return not self.running
@@ -30,6 +32,8 @@ class StaticBatchScheduler(Scheduler):
 class NaiveScheduler(StaticBatchScheduler):
     """One request at a time: static batches of one (`max_num_seqs` is 1 whatever the
     configuration says); the scheduler's arguments."""
+
+    MODES = ("naive",)
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  max_num_batched_tokens: int, max_loras: int | None = None):

@@ -112,6 +112,16 @@ class BlockTables:
         return len(self.windows)
 
     # ----------------------------------------------------------------- lookups
+    def device_state(self, request_id: str) -> RequestKV | None:
+        """The state of a request holding device pages, or None (no pages, or swapped out)."""
+        state = self.requests.get(request_id)
+        return None if state is None or state.is_swapped else state
+
+    def is_swapped(self, request_id: str) -> bool:
+        """Whether the request's KV sits in the host pool."""
+        state = self.requests.get(request_id)
+        return state is not None and state.is_swapped
+
     def on_device(self, request_id: str) -> RequestKV:
         """The state of a request holding device pages.
 

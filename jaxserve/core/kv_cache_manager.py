@@ -89,8 +89,7 @@ class KVCacheManager:
 
     def is_swapped(self, request_id: str) -> bool:
         """Whether the request's KV sits in the host pool."""
-        state = self.tables.requests.get(request_id)
-        return state is not None and state.is_swapped
+        return self.tables.is_swapped(request_id)
 
     @property
     def num_groups(self) -> int:
@@ -236,7 +235,8 @@ class KVCacheManager:
             if self._fill_in_place(request, num_new_tokens):
                 return []
         state = self.tables.requests.get(request.request_id)
-        drops = state is not None and not state.is_swapped and bool(self.tables.sliding)
+        drops = self.tables.device_state(request.request_id) is not None and bool(
+            self.tables.sliding)
         num_freed = (self.tables.num_freed_outside_window(state, request.num_computed_tokens)
                      if drops else 0)
         if not hits:
@@ -277,8 +277,8 @@ class KVCacheManager:
         """Fast path of `allocate_slots` (a decode step, most of them): the new tokens fit
         the request's own unshared pages. Does what the general path would and returns
         True, or returns False (nothing changed) to take the general path."""
-        state = self.tables.requests.get(request.request_id)
-        if state is None or state.is_swapped or num_new_tokens < 0:
+        state = self.tables.device_state(request.request_id)
+        if state is None or num_new_tokens < 0:
             return False
         ps, tables = self.page_size, state.tables
         num_after = request.num_computed_tokens + num_new_tokens
@@ -304,8 +304,8 @@ class KVCacheManager:
 
         NOTE: its slot count drops to its known tokens; the next step allocates again.
         """
-        state = self.tables.requests.get(request.request_id)
-        if state is None or state.is_swapped:
+        state = self.tables.device_state(request.request_id)
+        if state is None:
             return 0
         keep = cdiv(request.num_tokens_with_placeholders, self.page_size)
         num_trimmed = 0
@@ -365,9 +365,8 @@ class KVCacheManager:
         """Whether a request computed up to the parent's first `num_tokens` tokens may
         share its pages now (`fork`): the parent holds device pages and, in every sliding
         group, still the ones those tokens' window reads."""
-        state = self.tables.requests.get(parent.request_id)
-        return (state is not None and not state.is_swapped
-                and num_tokens <= parent.num_computed_tokens
+        state = self.tables.device_state(parent.request_id)
+        return (state is not None and num_tokens <= parent.num_computed_tokens
                 and self.tables.can_share(state, num_tokens))
 
     # ---------------------------------------------------------- step / metrics

@@ -56,8 +56,7 @@ class KVSwapper:
         Raises:
             ValueError: Unknown or already swapped-out request.
         """
-        state = self.tables.requests.get(request.request_id)
-        if state is not None and state.is_swapped:
+        if self.tables.is_swapped(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already swapped out")
         if not self.can_swap_out(request):
             self.counters.num_swap_fallbacks += 1

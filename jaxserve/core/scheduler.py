@@ -40,14 +40,20 @@ class Scheduler:
             and the ones behind it may go first (vLLM's rule). None: no adapters.
     """
 
+    MODES = ("continuous+chunked", "continuous")  # the `scheduling_mode`s it serves
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  max_num_batched_tokens: int, max_loras: int | None = None):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        if config.scheduling_mode not in self.MODES:
+            raise ValueError(f"scheduling_mode={config.scheduling_mode!r} is not "
+                             f"{type(self).__name__}'s ({', '.join(self.MODES)}); build the "
+                             "scheduler with jaxserve.core.baseline_schedulers."
+                             "scheduler_class(scheduling_mode)")
         self.max_num_seqs = config.max_num_seqs
-        self.max_loras = max_loras
         self.adapters = AdapterLimit(max_loras)
         # Most tokens one request may hold in KV: what the pool gives a request running
         # alone (past the admission watermark) and, without chunking, what one step computes.
@@ -191,21 +197,7 @@ class Scheduler:
 
     scheduled_request = delegated("updater", OutputUpdater.scheduled_request)
     unschedule = delegated("updater", OutputUpdater.unschedule)
-
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
-        """Advances requests by what step `out` computed and appends its sampled tokens
-        (`OutputUpdater.update`: fan-out forks, verified proposals, stop checks).
-
-        Args:
-            out: The step's scheduler output.
-            sampled: `{request_id: token ids}` for requests with `num_samples > 0`.
-
-        Returns:
-            (request, new token ids) for every request that got tokens, children included;
-            finished ones have a finished status and no pages any more.
-        """
-        return self.updater.update(out, sampled)
+    update_from_output = delegated("updater", OutputUpdater.update_from_output)
 
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:

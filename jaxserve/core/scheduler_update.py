@@ -39,8 +39,8 @@ class OutputUpdater:
     def __init__(self, scheduler: UpdatedScheduler):
         self.scheduler = scheduler
 
-    def update(self, out: SchedulerOutput,
-               sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
         """Advances requests by what the step computed and appends sampled tokens.
 
         Fan-out requests (n > 1) fork here, after the step wrote their prompt's KV: each

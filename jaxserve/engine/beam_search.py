@@ -183,6 +183,14 @@ def beam_search(engine, prompts: list, params: BeamSearchParams,
     return outputs
 
 
+def ranked_candidates(entry: dict, k: int | None = None) -> list[tuple[int, float]]:
+    """(token id, logprob) of a step's logprobs entry ({token id: `Logprob`}), most likely
+    first (ties in the entry's order); the top `k` of them when given."""
+    ranked = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()),
+                    key=lambda c: -c[1])
+    return ranked if k is None else ranked[:k]
+
+
 def _take_candidates(live: dict, out, k: int) -> None:
     """Records a beam request's step: its sampled token and top `k` candidates; a request
     the engine ended (its length cap) becomes a finished hypothesis."""
@@ -191,8 +199,7 @@ def _take_candidates(live: dict, out, k: int) -> None:
     if completion.finish_reason == "error":
         raise ValueError(f"beam search: request {out.request_id} failed: {out.error}")
     token, entry = completion.token_ids[-1], completion.logprobs[-1]
-    ranked = sorted(((int(t), float(lp.logprob)) for t, lp in entry.items()),
-                    key=lambda c: -c[1])
+    ranked = ranked_candidates(entry)
     if completion.finish_reason is not None:  # capped by the pool's size: a hypothesis
         group.beams.remove(beam)
         del live[out.request_id]

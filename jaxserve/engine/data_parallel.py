@@ -15,7 +15,7 @@ import jax
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.outputs import RequestOutput
-from jaxserve.runner.worker import (
+from jaxserve.runner.serving import (
     load_weights,
     local_model_config,
     release_loader_memory,

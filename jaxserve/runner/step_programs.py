@@ -35,11 +35,10 @@ def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: boo
                            decode_only, short_tiles)
     src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
     input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
-    # NOTE: the step is padded to its bucket: methods that can skip the padding rows (the
-    # CPU kernels) multiply only the real ones (`models.linear.context`).
-    with forward_context(real_rows=md.num_real_tokens):
-        kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md,
-                                         lora, x.get("lora_slots"))
+    kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md, lora,
+                                     x.get("lora_slots"))
+    # NOTE: the sampled rows are padded to the step's row count: methods that can skip the
+    # padding rows (the CPU kernels) multiply only the real ones (`models.linear.context`).
     with forward_context(real_rows=x["sample_rows"][0]):  # f32[rows, vocab], padding rows 0
         logits = model.compute_logits(params, hidden[x["logits_indices"]])
     return kv_pages, logits, hidden
@@ -94,13 +93,12 @@ def runner_model(model: Model, kv_layout: KVGroupLayout | None, parallel,
     `kv_layout` (None: its own), its experts split as the tensor-parallel layout
     `parallel` says (None: one device), and the LoRA implementation `lora` resolves to
     (when adapters are served)."""
-    if kv_layout is not None and kv_layout != model.kv_layout:
-        model = dataclasses.replace(model, kv_layout=kv_layout)
     # NOTE: a mixture of experts runs its experts per device under the layout's mesh
     # (`models.moe_parallel`); without a layout, on one device.
     experts = None if parallel is None else parallel.experts
-    if experts != model.expert_sharding:
-        model = dataclasses.replace(model, expert_sharding=experts)
+    kv_layout = model.kv_layout if kv_layout is None else kv_layout
+    if (kv_layout, experts) != (model.kv_layout, model.expert_sharding):
+        model = dataclasses.replace(model, kv_layout=kv_layout, expert_sharding=experts)
     if lora is not None and lora.enable_lora:
         model = serving_form(model, lora_impl=resolve_lora_impl(lora.lora_impl, model.dtype,
                                                                 parallel is None))

@@ -70,4 +70,4 @@ def standard_params(model: Model) -> dict:
 
 def serving_params(model: Model, params: dict) -> dict:
     """Standard-layout `params` (checked) in `model`'s serving form."""
-    return linear.serving_params(params, model.cfg, model.methods)
+    return linear.serving_params(params, model.methods)

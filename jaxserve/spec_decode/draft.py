@@ -149,7 +149,7 @@ class DraftModelSpeculator(Speculator):
             from models.linear import ServingChoice
             from models.loaders import load_model
 
-            draft = load_model(draft, dtype, ServingChoice(backend))
+            draft = load_model(draft, dtype, serving=ServingChoice(backend))
         if draft.cfg.vocab_size != vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary has "
                              f"{draft.cfg.vocab_size} tokens, the target's {vocab_size}")

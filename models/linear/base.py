@@ -127,6 +127,15 @@ class EmbedMethod:
         """[T, vocab] logits of hidden states h [T, hidden]."""
         raise NotImplementedError
 
+    def to_serving(self, leaves: dict) -> dict:
+        """The serving form's leaves of the standard table's `leaves` (the identity unless
+        the method serves from another layout)."""
+        return leaves
+
+    def to_standard(self, leaves: dict, vocab: int) -> dict:
+        """The inverse of `to_serving`."""
+        return leaves
+
 
 class Linear(nn.Module):
     """A linear layer whose weight and matmul are its `method`'s.

@@ -23,17 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ArchConfig
+from models.config import ArchConfig, layer_matmul_shapes
 from models.linear.base import EmbedMethod, LinearMethod, read_stacks
 from models.linear.context import current
 from models.quant import QuantFormat, QuantPlan
 from pallas_kernels.cpu_ffi import gemm, qgemm
 from pallas_kernels.quant_matmul.reference import dequantize
-
-# (parent, module) of every layer matmul the panels serve, and the LM head's modules.
-LAYER_MATMULS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
-                 ("mlp", "down_proj"))
 
 
 def _leaf_names(fmt: QuantFormat | None, float_name: str) -> tuple[str, ...]:
@@ -134,23 +129,9 @@ def plan_supported(plan: QuantPlan, cfg: ArchConfig) -> bool:
     quantizes has a format the CPU quantized kernel multiplies (q8 with any block dividing
     its input size, q4 in blocks of 32)."""
     head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-    for name in (*(name for _, name in LAYER_MATMULS), head):
+    shapes = {name: k for (_, name), (k, _) in layer_matmul_shapes(cfg).items()}
+    for name, k in (*shapes.items(), (head, cfg.hidden_size)):
         fmt = plan.get(name)
-        k = cfg.hidden_size if name == head else in_features(cfg, name)
         if fmt is not None and not qgemm.supports(fmt.kind, k, fmt.block_for(k)):
             return False
     return True
-
-
-def in_features(cfg: ArchConfig, name: str) -> int:
-    """Input size (K) of layer matmul `name`."""
-    return {"o_proj": cfg.num_heads * cfg.head_dim,
-            "down_proj": cfg.intermediate_size}.get(name, cfg.hidden_size)
-
-
-def out_features(cfg: ArchConfig, name: str) -> int:
-    """Output size (N) of layer matmul `name`."""
-    return {"q_proj": cfg.num_heads * cfg.head_dim, "k_proj": cfg.num_kv_heads * cfg.head_dim,
-            "v_proj": cfg.num_kv_heads * cfg.head_dim, "o_proj": cfg.hidden_size,
-            "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size,
-            "down_proj": cfg.hidden_size}[name]

@@ -19,14 +19,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.config import ArchConfig
+from models.config import LAYER_MATMULS, ArchConfig, layer_matmul_shapes
 from models.linear import panels as panel_methods
 from models.linear.base import STACKS, EmbedMethod, LinearMethod
 from models.linear.dense import FloatEmbed, FloatLinear, QuantEmbed, QuantLinear
 from models.linear.lora import LoRALinear, scan_slices_lora
-from models.linear.panels import LAYER_MATMULS, PanelEmbed, PanelLinear
+from models.linear.panels import PanelEmbed, PanelLinear
 from models.lora import served_targets
-from models.quant import NO_QUANT, QuantFormat, QuantPlan
+from models.quant import NO_QUANT, QuantFormat, QuantPlan, kind_of
 from pallas_kernels import AttentionOps, resolve_backend
 from pallas_kernels.tuning import tuned
 
@@ -90,7 +90,6 @@ class Methods:
         whole_experts: See `ServingChoice.whole_experts`.
         lora_whole: The LoRA slot stacks are read whole at the layer (the scan broadcasts
             them) rather than sliced.
-        batch_invariant: See `ServingChoice.batch_invariant` (norms sum in a fixed order).
         kv_dtype: The dtype of KV pages under `kv_cache_dtype="auto"`.
     """
 
@@ -102,7 +101,6 @@ class Methods:
     grouped: str
     whole_experts: bool
     lora_whole: bool
-    batch_invariant: bool
     kv_dtype: Any
 
     def linear(self, name: str) -> LinearMethod:
@@ -118,16 +116,27 @@ class Methods:
         """The attention backend the methods were chosen for."""
         return self.attention.backend
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether they compute batch-invariantly (norms then sum in a fixed order too)."""
+        return self.attention.batch_invariant
+
+    @property
+    def form(self) -> tuple:
+        """Where the weights live for these methods (which are read whole from `STACKS`):
+        two `Methods` of the same form read the same params tree."""
+        return (tuple(name for name, m in self.linears if m.stacked),
+                self.embedding.stacked, self.whole_experts)
+
 
 def stored_method(leaves) -> LinearMethod:
     """The method whose standard leaves `leaves` (their names, or a dict of them: a float
     kernel, or a quantized weight's codes) are, for what needs only their layout
     (partitioning, references); a q8 weight's block is read from its scales' shape when the
     leaves are arrays."""
-    names = set(leaves)
-    if "qweight" not in names:
+    kind = kind_of(leaves)
+    if kind is None:
         return FloatLinear()
-    kind = "q4" if "zeros" in names else "q8"
     block = 32
     if isinstance(leaves, dict) and hasattr(leaves["scales"], "shape"):
         k = leaves["qweight"].shape[-2] * (2 if kind == "q4" else 1)
@@ -212,14 +221,14 @@ def choose_methods(cfg: ArchConfig, plan: QuantPlan = NO_QUANT, dtype=jnp.float3
         grouped=grouped_impl(),
         whole_experts=choice.whole_experts and cfg.is_moe and not cfg.is_mixed,
         lora_whole=choice.lora_impl is not None and not scan_slices_lora(choice.lora_impl),
-        batch_invariant=choice.batch_invariant, kv_dtype=kv_dtype)
+        kv_dtype=kv_dtype)
 
 
 def _copy(tree: dict) -> dict:
     return jax.tree_util.tree_map(lambda x: x, tree)  # new dicts, the same leaves
 
 
-def serving_params(params: dict, cfg: ArchConfig, methods: Methods) -> dict:
+def serving_params(params: dict, methods: Methods) -> dict:
     """The serving form of a standard params tree (new dicts; the input is left as it was):
     the variables {"params": ..., STACKS: ...} when some weight is read from `STACKS`
     (panels, whole experts), else the tree itself."""
@@ -248,23 +257,22 @@ def serving_params(params: dict, cfg: ArchConfig, methods: Methods) -> dict:
 
 def _panel_method(leaves: dict) -> PanelLinear:
     """The panel method whose serving form `leaves` are (the format's block is moot)."""
-    if "qweight" not in leaves:
-        return PanelLinear()
-    return PanelLinear(QuantFormat("q4" if "zeros" in leaves else "q8"))
+    kind = kind_of(leaves)
+    return PanelLinear(None if kind is None else QuantFormat(kind))
 
 
 def standard_params(params: dict, cfg: ArchConfig) -> dict:
     """The standard params tree of any serving form (`serving_params`' inverse; a
-    standard tree is returned as it is)."""
+    standard tree is returned as it is). Each weight's method is read off its leaves, so
+    a checkpoint writer needs no `Methods`."""
     if "params" not in params:
         return params
     rest, stacks = _copy(params["params"]), params.get(STACKS, {})
     layers = stacks.get("layers", {})
-    for parent, name in LAYER_MATMULS:
+    for (parent, name), (_, n) in layer_matmul_shapes(cfg).items():
         if name in layers.get(parent, {}):
             leaves = layers[parent][name]
-            std = _panel_method(leaves).to_standard(
-                leaves, panel_methods.out_features(cfg, name), stacked=True)
+            std = _panel_method(leaves).to_standard(leaves, n, stacked=True)
             rest["layers"].setdefault(parent, {}).setdefault(name, {}).update(std)
     if "experts" in layers.get("mlp", {}):
         rest["layers"]["mlp"]["experts"] = layers["mlp"]["experts"]
@@ -273,20 +281,15 @@ def standard_params(params: dict, cfg: ArchConfig) -> dict:
             stacks["lm_head"], cfg.vocab_size, stacked=False)
     if "embed_tokens" in stacks:
         table = stacks["embed_tokens"]
-        fmt = _panel_method({k: v for k, v in table.items() if k != "embedding"}).fmt
-        rest["embed_tokens"] = PanelEmbed(fmt).to_standard(table, cfg.vocab_size)
+        rest["embed_tokens"] = PanelEmbed(_panel_method(table).fmt).to_standard(
+            table, cfg.vocab_size)
     return rest
-
-
-def _form(choice: ServingChoice) -> tuple[bool, bool]:
-    """What of a choice changes where the weights live (panels, whole experts)."""
-    return choice.panels, choice.whole_experts
 
 
 def serving_form(model, **changes):
     """`model` (a `models.model.Model`) with its `ServingChoice` fields changed and its
-    params moved into the form the new choice reads (the same model when nothing changes;
-    params are never copied when their form stays).
+    params moved into the form the new methods read (the same model when nothing changes;
+    params are not copied when their form stays).
 
     Raises:
         ValueError: A choice the model cannot serve with (`choose_methods`), or an
@@ -295,8 +298,7 @@ def serving_form(model, **changes):
     choice = dataclasses.replace(model.serving, **changes)
     if choice == model.serving:
         return model
-    methods = choose_methods(model.cfg, model.quant, model.dtype, choice)
-    params = model.params
-    if params is not None and _form(choice) != _form(model.serving):
-        params = serving_params(standard_params(params, model.cfg), model.cfg, methods)
-    return dataclasses.replace(model, params=params, serving=choice)
+    new = dataclasses.replace(model, serving=choice)
+    if model.params is not None and new.methods.form != model.methods.form:
+        new.params = serving_params(standard_params(model.params, model.cfg), new.methods)
+    return new

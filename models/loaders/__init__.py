@@ -116,7 +116,7 @@ def read_arch_config(model: str | None = None) -> ArchConfig:
     return cfg
 
 
-def load_model(model: str | None = None, dtype: str = "auto",
+def load_model(model: str | None = None, dtype: str = "auto", *,
                serving: ServingChoice | None = None, shardings=None,
                quantization: str | None = None) -> Model:
     """Loads weights into a `Model`.
@@ -145,8 +145,9 @@ def load_model(model: str | None = None, dtype: str = "auto",
     serving = serving or ServingChoice()
     start = time.perf_counter()
     cfg = read_arch_config(path)
-    if quantization is None and kind == "gguf" and keeps_gguf_blocks(
-            cfg, open_gguf(path).quant_plan(), jdtype, serving, shardings is None):
+    if (quantization is None and kind == "gguf" and platform() == "cpu"
+            and keeps_gguf_blocks(cfg, open_gguf(path).quant_plan(), jdtype, serving,
+                                  shardings is None)):
         quantization = "gguf"  # the CPU kernel reads the blocks in place
     plan = quant_plan_for(kind, path, quantization)
     if kind == "jaxserve":

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from models.config import ArchConfig
-from models.lora import TARGETS, module_shapes
+from models.config import ArchConfig, layer_matmul_shapes
+from models.lora import TARGETS
 
 # Fused checkpoint modules and the decoder modules their output rows hold, in order.
 _FUSED = {("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
@@ -130,7 +130,7 @@ def load_peft_adapter(path: str, cfg: ArchConfig, max_lora_rank: int | None = No
 
     config = read_adapter_config(path)
     tensors = load_file(os.path.join(path, WEIGHTS_FILE))
-    shapes = module_shapes(cfg)
+    shapes = layer_matmul_shapes(cfg)
     found: dict[tuple[int, str, str], dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         m = _KEY.match(key)

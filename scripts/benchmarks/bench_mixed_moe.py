@@ -63,8 +63,8 @@ def main() -> None:
     names = list(models)
     for batch in (int(b) for b in args.batches.split(",")):
         steps = {n: compiled(models[n], tok, batch, args.context) for n in names}
-        fn, runner, dbuf, pool = steps["mixed"]
-        hlo = fn.lower(runner.params, pool, dbuf, runner.no_prev_ids).compile().as_text()
+        step, runner, pool = steps["mixed"]
+        hlo = step.lower(runner.params, pool).compile().as_text()
         times = interleaved_ms(steps, names, args.rounds)
         med = {n: float(np.median(times[n])) for n in names}
         mean = (med["sparse"] + med["dense"]) / 2

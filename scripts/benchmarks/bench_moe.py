@@ -66,30 +66,29 @@ def decode_step(batch: int, context: int, page_size: int) -> SchedulerOutput:
 
 
 def compiled(model: Model, tok, batch: int, context: int):
-    """[step fn, runner, device buffer, pool] of one decode step."""
+    """[the runner's `ModelStep` of one decode step, its runner, the pool it updates]."""
     llm = make_llm(model, tok, max_model_len=1024, max_num_seqs=32,
                    max_num_batched_tokens=256, num_kv_blocks=NUM_PAGES, warmup=False)
     runner = llm.engine.runner
     step = runner.prepare_model_step(decode_step(batch, context, runner.page_size),
                                      decode_only=False)
-    fn, dbuf = step.program, step.buf
     pool, logits, _ = step.run(runner.params, runner.kv_pages)
     logits.block_until_ready()
-    return [fn, runner, dbuf, pool]
+    return [step, runner, pool]
 
 
 def interleaved_ms(steps: dict, names: list[str], rounds: int) -> dict[str, list[float]]:
-    """Milliseconds of each named compiled step (`compiled`'s [fn, runner, dbuf, pool, ...],
-    its pool updated in place), `rounds` timed rounds after two untimed ones, the order
+    """Milliseconds of each named compiled step (`compiled`'s [step, runner, pool], its pool
+    updated in place), `rounds` timed rounds after two untimed ones, the order
     reversed every other round (A, B, B, A, ...) so drifting load falls on both alike."""
     times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(rounds + 2):
         for name in names if i % 2 == 0 else names[::-1]:
-            fn, runner, dbuf, pool = steps[name][:4]
+            step, runner, pool = steps[name]
             t = time.perf_counter()
-            pool, logits, _ = fn(runner.params, pool, dbuf, runner.no_prev_ids)
+            pool, logits, _ = step.run(runner.params, pool)
             logits.block_until_ready()
-            steps[name][3] = pool
+            steps[name][2] = pool
             if i >= 2:
                 times[name].append(1e3 * (time.perf_counter() - t))
     return times

@@ -34,6 +34,7 @@ import numpy as np
 
 from jaxserve.bench.roofline import median_seconds
 from models.default_model import default_model_path
+from models.linear import ServingChoice
 from models.loaders import load_model
 from pallas_kernels.cpu_ffi import gemm
 from pallas_kernels.cpu_ffi.build import register
@@ -71,7 +72,8 @@ def switched(per_layer, x):
 
 def layer_weights() -> tuple[dict, list[dict]]:
     """The default model's layer matmul weights: stacked {name: [L, in, out]} and per layer."""
-    params = load_model(default_model_path(), "float32", "xla").params["layers"]
+    params = load_model(default_model_path(), "float32",
+                        serving=ServingChoice("xla")).params["layers"]
     stacked = {k: params[a][b]["kernel"] for k, (a, b) in NAMES.items()}  # [L, in, out]
     per_layer = jax.block_until_ready(
         [{k: jnp.array(w[i]) for k, w in stacked.items()}

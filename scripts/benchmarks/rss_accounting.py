@@ -107,7 +107,7 @@ def main(argv=None) -> None:
     from jaxserve import LLM, SamplingParams
     from jaxserve.config import EngineConfig
     from jaxserve.runner.sampler_variants import VARIANTS
-    from jaxserve.runner.worker import release_loader_memory, serving_model
+    from jaxserve.runner.serving import release_loader_memory, serving_model
     from jaxserve.utils import trim_memory
     from models.default_model import default_model_path
     from models.loaders import load_tokenizer

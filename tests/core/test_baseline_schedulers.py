@@ -44,3 +44,14 @@ def test_each_mode_has_its_scheduler(mode, cls):
                    SchedulerConfig(max_num_seqs=4, scheduling_mode=mode), num_pages=64,
                    max_num_batched_tokens=64)
     assert res.summary["mean_batch_size"] == pytest.approx(1.0 if mode == "naive" else 3.0)
+
+
+@pytest.mark.parametrize("mode, cls", [("static", Scheduler), ("naive", Scheduler),
+                                       ("continuous", StaticBatchScheduler),
+                                       ("static", NaiveScheduler)])
+def test_a_scheduler_refuses_a_mode_it_does_not_serve(mode, cls):
+    """The production scheduler never runs a baseline mode as continuous batching (and a
+    baseline never runs another's): building it for one names the factory."""
+    with pytest.raises(ValueError, match=f"scheduling_mode='{mode}' is not {cls.__name__}'s"
+                                         ".*scheduler_class"):
+        make_scheduler(scheduling_mode=mode, scheduler_class=cls)

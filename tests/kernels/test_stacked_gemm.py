@@ -208,7 +208,7 @@ def _step_args(model):
 
 
 def test_sharded_weights_are_not_packed():
-    from jaxserve.runner.worker import on_one_device
+    from jaxserve.runner.serving import on_one_device
 
     params = random_params(TINY, seed=6)
     assert on_one_device(params)

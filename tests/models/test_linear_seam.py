@@ -114,7 +114,7 @@ def test_panels_round_trip_the_standard_tree(tied):
     assert methods.linear("v_proj") == PanelLinear(Q8.get("v_proj"))
     assert methods.embedding == (PanelEmbed(Q8.get("embed_tokens")) if tied
                                  else QuantEmbed(Q8.get("embed_tokens"), jnp.float32, "xla"))
-    served = serving_params(params, cfg, methods)
+    served = serving_params(params, methods)
     assert "q_proj" in served["params"]["layers"]["self_attn"]  # its bias stays a param
     back = standard_params(served, cfg)
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
@@ -124,11 +124,11 @@ def test_panels_round_trip_the_standard_tree(tied):
 def test_whole_experts_move_to_the_stacks_and_back():
     params = random_params(MOE, seed=2)
     methods = choose_methods(MOE, choice=ServingChoice("xla", whole_experts=True))
-    served = serving_params(params, MOE, methods)
+    served = serving_params(params, methods)
     assert "experts" not in served["params"]["layers"]["mlp"]
     assert served["stacks"]["layers"]["mlp"]["experts"]["up_proj"].shape == (2, 4, 32, 16)
     jax.tree_util.tree_map(np.testing.assert_array_equal, standard_params(served, MOE), params)
-    same = serving_params(params, MOE, choose_methods(MOE))  # nothing to move
+    same = serving_params(params, choose_methods(MOE))  # nothing to move
     assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: a is b, same, params))
 
 

@@ -371,7 +371,7 @@ def test_gemma2_soft_caps_on_kernel_backends(backend, tmp_path):
     case = next(c for c in CASES if c.name == "gemma2_softcap")
     hf = build_hf(case, str(tmp_path))
     ids = prompt(hf.config.vocab_size)
-    model = load_model(str(tmp_path), "float32", ServingChoice(backend))
+    model = load_model(str(tmp_path), "float32", serving=ServingChoice(backend))
     assert model.methods.backend == backend
     ours = forward_logits(model, ids, page_size=PAGE_SIZE, chunks=CHUNKINGS["prefill_decode"])
     np.testing.assert_allclose(ours, hf_logits(hf, ids), rtol=0, atol=F32_ATOL)

@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM
 from jaxserve.config import EngineConfig
-from jaxserve.runner.worker import check_batch_invariant
+from jaxserve.runner.serving import check_batch_invariant
 from tests.conftest import TINY_ENGINE
 
 
@@ -52,7 +52,7 @@ def test_pallas_engine_is_refused(tiny_model_dir):
 
 
 def test_served_model_carries_the_flag(tiny_model_dir):
-    from jaxserve.runner.worker import serving_model
+    from jaxserve.runner.serving import serving_model
 
     on = serving_model(EngineConfig.from_kwargs(model=tiny_model_dir, attention_backend="xla",
                                                 batch_invariant=True), None)[0]

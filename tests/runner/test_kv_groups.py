@@ -20,7 +20,8 @@ from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.sizing import page_bytes, pages_per_sequence
 from jaxserve.runner.step_input import build_step_arrays
 from jaxserve.runner.warmup import dummy_steps
-from jaxserve.runner.worker import Worker, serving_kv_layout
+from jaxserve.runner.serving import serving_kv_layout
+from jaxserve.runner.worker import Worker
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.utils import cdiv

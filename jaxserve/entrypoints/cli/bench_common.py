@@ -33,11 +33,12 @@ def load_model_and_tokenizer(args):
     `--quantization` / `--attention-backend` (the engine built over it checks that its
     own settings agree)."""
     from models.default_model import default_model_path
+    from models.linear import ServingChoice
     from models.loaders import load_model, load_tokenizer
 
     path = args.model or default_model_path()
-    model = load_model(path, args.dtype or "auto",
-                       getattr(args, "attention_backend", None) or "auto",
+    backend = getattr(args, "attention_backend", None) or "auto"
+    model = load_model(path, args.dtype or "auto", serving=ServingChoice(backend),
                        quantization=getattr(args, "quantization", None))
     return model, load_tokenizer(path), path
 

@@ -17,6 +17,7 @@ from jaxserve.engine.beam_search import (
     BeamSearchParams,
     BeamSearchSequence,
     best_hypotheses,
+    ranked_candidates,
     select_beams,
 )
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
@@ -34,9 +35,7 @@ async def _top_tokens(llm, tokens: list[int], params: SamplingParams, request_id
             out = await stream.get()
     finally:
         stream.abort()  # a no-op once finished; frees it when this search is cancelled
-    entry = out.outputs[0].logprobs[0]
-    ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[:k]
-    return [(int(t), float(lp.logprob)) for t, lp in ranked]
+    return ranked_candidates(out.outputs[0].logprobs[0], k)
 
 
 async def beam_search(llm, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
