@@ -6,7 +6,7 @@ and full-attention layers, soft caps, sandwich norms) runs the same teacher-forc
 both ways. In the hybrid run each group has its own pages, every unwritten slot holds NaN,
 and the sliding groups give back (null out, and poison) the pages that fell out of the
 window before each step, as the host-side manager does. On the cpu backend both run with
-packed weights (`models.packed`, read at the layer index, not the pool slot).
+packed panels (`models.linear.panels`, read at the layer index, not the pool slot).
 """
 
 from __future__ import annotations

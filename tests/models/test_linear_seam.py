@@ -158,3 +158,36 @@ def test_float_methods_declare_flax_dense_leaves():
     assert params["layers"]["self_attn"]["q_proj"]["kernel"].shape == (2, 64, 64)
     assert set(params["embed_tokens"]) == {"embedding"}
     assert FloatEmbed(jnp.float32).attend(jnp.eye(3, 4), jnp.ones((2, 4))).shape == (2, 3)
+
+
+def test_lora_stacks_on_a_model_served_without_adapters_are_an_error():
+    from models.model import Model
+    from pallas_kernels import AttentionMetadata
+
+    model = Model(TINY, random_params(TINY, seed=0), serving=ServingChoice("xla"))
+    md = AttentionMetadata(jnp.zeros(2, jnp.int32), jnp.zeros((1, 1), jnp.int32),
+                           jnp.full(1, 2, jnp.int32), jnp.asarray([0, 2], jnp.int32))
+    kv = jnp.zeros(model.kv_pages_shape(2, 4))
+    ids = jnp.zeros(2, jnp.int32)
+    with pytest.raises(ValueError, match="not served with adapters: set "
+                                         "ServingChoice.lora_impl"):
+        model.forward(model.params, ids, ids, kv, md, lora={}, lora_slots=ids)
+
+
+@pytest.mark.parametrize("method", [FloatLinear(jnp.float32), FloatLinear(jnp.bfloat16),
+                                    QuantLinear(QuantFormat("q8", 0)),
+                                    QuantLinear(QuantFormat("q8", 32)),
+                                    QuantLinear(QuantFormat("q4", 32))])
+def test_a_methods_bytes_are_its_leaves(method):
+    """`nbytes` (memory accounting before anything loads) counts what `weights` declares."""
+    import flax.linen as nn
+
+    class One(nn.Module):
+        @nn.compact
+        def __call__(self):
+            return method.weights(self, 64, 96)
+
+    leaves = jax.eval_shape(lambda: One().init(jax.random.key(0)))["params"]
+    got = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(leaves))
+    assert method.nbytes(64, 96) == got
+    assert got < 64 * 96 * 4 or isinstance(method, FloatLinear)
