@@ -13,6 +13,7 @@ import dataclasses
 from collections import Counter
 
 from jaxserve.config import SchedulerConfig
+from jaxserve.core.baseline_schedulers import scheduler_class as baseline_class
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import PLACEHOLDER, SchedulerOutput
@@ -28,7 +29,11 @@ HOST_PAGE_BYTES = 2**30  # swap_space=N GiB then gives exactly N host slots
 def make_scheduler(*, num_pages: int = 33, page_size: int = PS, budget: int = 32,
                    max_model_len: int = 64, host_slots: int = 0, prefix: bool = True,
                    watermark: float = 0.0, group_windows: tuple[int, ...] = (0,),
-                   scheduler_class: type[Scheduler] = Scheduler, **config) -> Scheduler:
+                   scheduler_class: type[Scheduler] | None = None, **config) -> Scheduler:
+    """A scheduler over a fresh KV manager; its class is the one `config`'s
+    `scheduling_mode` names (`scheduler_class`) unless one is given."""
+    if scheduler_class is None:
+        scheduler_class = baseline_class(config.get("scheduling_mode", "continuous+chunked"))
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix, watermark=watermark,
                         swap_space=float(host_slots), bytes_per_page=HOST_PAGE_BYTES,
                         max_model_len=max_model_len, group_windows=group_windows,
