@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     model = Model(cfg, random_params(cfg, seed=0), source="tiny-random",
                   serving=ServingChoice("xla"))
     llm = LLM(model, tokenizer=tokenizer, attention_backend="xla", max_num_seqs=8,
-              max_num_batched_tokens=64, max_model_len=128, num_kv_blocks=64)
+              max_num_batched_tokens=16, max_model_len=128, num_kv_blocks=64)
     prompt_ids = tokenizer(PROMPT)["input_ids"]
     answer_ids = tokenizer(ANSWER)["input_ids"]
     ids = np.array(prompt_ids + answer_ids)

@@ -29,7 +29,7 @@ from models.linear.context import current
 from models.linear.dense import FloatEmbed, FloatLinear, QuantEmbed, QuantLinear
 from models.linear.lora import LoRALinear
 from models.linear.panels import PanelEmbed, PanelLinear, kernels_available
-from models.model import random_params
+from models.model import abstract_params
 from models.quant import QuantFormat, quantize_params, uniform_plan
 
 MODELS = pathlib.Path(__file__).resolve().parents[2] / "models"
@@ -41,6 +41,15 @@ MOE = ArchConfig("Qwen3MoeForCausalLM", vocab_size=97, hidden_size=32, intermedi
                  num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, layer_windows=(0, 0),
                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 Q8 = uniform_plan("int8", QuantFormat("q8", 0))
+
+
+def _filled(cfg: ArchConfig, seed: int) -> dict:
+    """A params tree of `cfg` (float32) filled with NumPy normals: the standard layout
+    without compiling `init`."""
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(
+        lambda leaf: rng.standard_normal(leaf.shape).astype(np.float32),
+        abstract_params(cfg, "float32"))
 
 
 def _outside_registry() -> list[pathlib.Path]:
@@ -109,7 +118,7 @@ def test_lora_wraps_the_targets_only():
 @pytest.mark.parametrize("tied", [True, False])
 def test_panels_round_trip_the_standard_tree(tied):
     cfg = dataclasses.replace(TINY, tie_word_embeddings=tied, qkv_bias=True)
-    params = quantize_params(random_params(cfg, seed=1), Q8)
+    params = quantize_params(_filled(cfg, seed=1), Q8)
     methods = choose_methods(cfg, Q8, jnp.float32, ServingChoice("cpu", panels=True))
     assert methods.linear("v_proj") == PanelLinear(Q8.get("v_proj"))
     assert methods.embedding == (PanelEmbed(Q8.get("embed_tokens")) if tied
@@ -122,7 +131,7 @@ def test_panels_round_trip_the_standard_tree(tied):
 
 
 def test_whole_experts_move_to_the_stacks_and_back():
-    params = random_params(MOE, seed=2)
+    params = _filled(MOE, seed=2)
     methods = choose_methods(MOE, choice=ServingChoice("xla", whole_experts=True))
     served = serving_params(params, methods)
     assert "experts" not in served["params"]["layers"]["mlp"]
@@ -153,7 +162,7 @@ def test_forward_context_nests_and_resets():
 def test_float_methods_declare_flax_dense_leaves():
     """`FloatLinear`/`FloatEmbed` hold what `nn.Dense`/`nn.Embed` hold (checkpoints and
     loaders see the same tree whatever serves it)."""
-    params = random_params(TINY, seed=0)
+    params = abstract_params(TINY, "float32")
     assert set(params["layers"]["self_attn"]["q_proj"]) == {"kernel"}
     assert params["layers"]["self_attn"]["q_proj"]["kernel"].shape == (2, 64, 64)
     assert set(params["embed_tokens"]) == {"embedding"}
@@ -164,7 +173,7 @@ def test_lora_stacks_on_a_model_served_without_adapters_are_an_error():
     from models.model import Model
     from pallas_kernels import AttentionMetadata
 
-    model = Model(TINY, random_params(TINY, seed=0), serving=ServingChoice("xla"))
+    model = Model(TINY, _filled(TINY, seed=0), serving=ServingChoice("xla"))
     md = AttentionMetadata(jnp.zeros(2, jnp.int32), jnp.zeros((1, 1), jnp.int32),
                            jnp.full(1, 2, jnp.int32), jnp.asarray([0, 2], jnp.int32))
     kv = jnp.zeros(model.kv_pages_shape(2, 4))
