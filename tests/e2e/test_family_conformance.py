@@ -50,6 +50,9 @@ GEMMA = dict(TINY, head_dim=16, sliding_window=WINDOW)
 # two, Gemma 3's three) takes a page of each group per 16 tokens: a pool of 12 holds no
 # request of LONG's length.
 HYBRID_POOL = dict(num_kv_blocks=24)
+# A window on every layer: a request holds its window's pages only (two of 16 tokens), so
+# the pool that makes SWAP_BATCH preempt is smaller.
+WINDOWED_POOL = dict(num_kv_blocks=6)
 PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
              "short_factor": [1.0, 1.2, 1.9, 3.0], "long_factor": [1.3, 3.5, 8.0, 24.0]}
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
@@ -67,14 +70,15 @@ FAMILIES = [
     Family("qwen3", "Qwen3Config", "Qwen3ForCausalLM", dict(DENSE, head_dim=16),
            dict(qk_norm=True, qkv_bias=False)),
     Family("mistral", "MistralConfig", "MistralForCausalLM",
-           dict(DENSE, sliding_window=WINDOW), dict(layer_windows=(WINDOW, WINDOW))),
+           dict(DENSE, sliding_window=WINDOW), dict(layer_windows=(WINDOW, WINDOW)),
+           engine=WINDOWED_POOL),
     # Fused qkv/gate_up weights, LongRoPE's long factors with half of each head rotated,
     # a window on every layer.
     Family("phi3", "Phi3Config", "Phi3ForCausalLM",
            dict(DENSE, original_max_position_embeddings=WINDOW, partial_rotary_factor=0.5,
                 sliding_window=WINDOW, rope_parameters=PHI3_ROPE),
            {"rotary_dim": 8, "rope_scaling.use_long_factors": True,
-            "layer_windows": (WINDOW, WINDOW)}),
+            "layer_windows": (WINDOW, WINDOW)}, engine=WINDOWED_POOL),
     Family("gemma2", "Gemma2Config", "Gemma2ForCausalLM",
            dict(GEMMA, num_hidden_layers=2, query_pre_attn_scalar=32,
                 attn_logit_softcapping=2.0, final_logit_softcapping=4.0),
@@ -113,11 +117,12 @@ def family(name: str) -> Family:
 
 # One engine per family for every check: prefix caching, swap preemption into a pool too
 # small for SWAP_BATCH (12 pages of 16 tokens, the null page included), n-gram speculation
-# proposing from any repeated token. NOTE: a 16-token budget (the smallest bucket): one
-# step program instead of three (16, 32, 64), which took a row from ~37 to ~23 s of
-# compiling on a loaded VM; the long prompt still chunks. No other default-tier file serves
-# these models, so sizes shared with theirs (`TINY_ENGINE`'s) would share no program.
-ENGINE = {**TINY_ENGINE, "warmup": False, "max_num_batched_tokens": 16, "max_model_len": 128,
+# proposing from any repeated token. NOTE: an 8-token budget and 8 sequences: two token
+# buckets (4 and 8) to compile, where `TINY_ENGINE`'s 64 tokens make five; the long prompt
+# still chunks. No other default-tier file serves these models, so sizes shared with
+# theirs would share no program.
+ENGINE = {**TINY_ENGINE, "warmup": False, "max_num_batched_tokens": 8, "max_num_seqs": 8,
+          "max_model_len": 128,
           "num_kv_blocks": 12, "enable_prefix_caching": True, "preemption_mode": "swap",
           "swap_space": 0.05,
           "speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
