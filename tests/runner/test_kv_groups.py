@@ -17,10 +17,10 @@ from jaxserve.core.plans import CopyPlan, KVPlans, SwapPlan
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.runner.block_table_rows import BlockTableRows, group_delta
 from jaxserve.runner.model_runner import ModelRunner
+from jaxserve.runner.serving import serving_kv_layout
 from jaxserve.runner.sizing import page_bytes, pages_per_sequence
 from jaxserve.runner.step_input import build_step_arrays
 from jaxserve.runner.warmup import dummy_steps
-from jaxserve.runner.serving import serving_kv_layout
 from jaxserve.runner.worker import Worker
 from jaxserve.sample.metadata import RowSpec, build_sampling_metadata
 from jaxserve.sampling_params import SamplingParams
