@@ -235,16 +235,21 @@ class AsyncLLM:
         """
         return await self._call("sleep", level)
 
-    async def wake_up(self) -> None:
-        """Allocates again what `sleep` freed."""
-        await self._call("wake_up", None)
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Allocates again what `sleep` freed: every memory tag, or those in `tags`
+        ("weights", "kv_cache"; vLLM's partial wake-up).
+
+        Raises:
+            ValueError: An unknown tag, or weights that cannot be read again.
+        """
+        await self._call("wake_up", tags)
 
     async def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; False while requests hold pages."""
         return await self._call("reset_prefix_cache", None)
 
     def is_sleeping(self) -> bool:
-        """Whether the engine sleeps."""
+        """Whether any memory tag of the engine sleeps."""
         return self.engine.is_sleeping()
 
     async def _call(self, method: str, arg):
@@ -305,7 +310,7 @@ class AsyncLLM:
         elif kind == "call":
             method, arg = payload
             calls = {"add_lora": engine.add_lora, "remove_lora": engine.remove_lora,
-                     "sleep": engine.sleep, "wake_up": lambda _: engine.wake_up(),
+                     "sleep": engine.sleep, "wake_up": engine.wake_up,
                      "reset_prefix_cache": lambda _: engine.reset_prefix_cache()}
             try:
                 done.set_result(calls[method](arg))

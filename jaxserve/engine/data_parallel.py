@@ -14,6 +14,7 @@ import jax
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.weight_control import WeightControl
 from jaxserve.outputs import RequestOutput
 from jaxserve.runner.serving import (
     load_weights,
@@ -98,9 +99,12 @@ class DataParallelEngine:
     def sleep(self, level: int = 1) -> int:
         return sum(r.sleep(level) for r in self.replicas)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wakes `tags` (None: all) on every replica; an unknown tag is refused before any
+        replica wakes."""
+        WeightControl.check_tags(tags)
         for r in self.replicas:
-            r.wake_up()
+            r.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         return any(r.is_sleeping() for r in self.replicas)

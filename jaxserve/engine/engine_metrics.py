@@ -108,8 +108,11 @@ class EngineMetrics:
         for reason in (*FINISH_REASONS, *finished):  # vLLM's, from 0
             metrics[f"jaxserve:request_success{{finished_reason={reason}}}"] = \
                 finished.get(reason, 0)
-        level = self.weights.sleep_level
-        for state, on in (("awake", level == 0), ("weights_offloaded", level == 1),
+        # NOTE: as vLLM's gauge, the level counts while the weights sleep; with only the
+        # KV cache asleep (a partial wake) no state is on.
+        asleep = self.weights.sleeping_tags
+        level = self.weights.sleep_level if "weights" in asleep else 0
+        for state, on in (("awake", not asleep), ("weights_offloaded", level == 1),
                           ("discard_all", level == 2)):
             metrics[f"jaxserve:engine_sleep_state{{sleep_state={state}}}"] = float(on)
         return metrics

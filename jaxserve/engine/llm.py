@@ -241,11 +241,14 @@ class LLM:
         """Frees the KV cache (level 2: the weights too) until `wake_up`; bytes freed."""
         return self.engine.sleep(level)
 
-    def wake_up(self) -> None:
-        """Allocates again what `sleep` freed."""
-        self.engine.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Allocates again what `sleep` freed: every memory tag, or those in `tags`
+        ("weights", "kv_cache"; vLLM's partial wake-up); see
+        `jaxserve.engine.weight_control.WeightControl.wake_up`."""
+        self.engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
+        """Whether any memory tag still sleeps (requests are refused until all are awake)."""
         return self.engine.is_sleeping()
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -56,11 +56,12 @@ class EngineClient(Protocol):
         """Frees the KV cache (level 2: the weights too); raises ValueError while requests
         are unfinished. Returns the bytes freed."""
 
-    def wake_up(self) -> None:
-        """Allocates again what `sleep` freed."""
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Allocates again what `sleep` freed: every memory tag, or those in `tags`
+        ("weights", "kv_cache"); raises ValueError for an unknown tag."""
 
     def is_sleeping(self) -> bool:
-        """Whether the engine sleeps (new requests are refused)."""
+        """Whether any memory tag sleeps (new requests are refused until all are awake)."""
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached prefix; False while requests hold pages."""

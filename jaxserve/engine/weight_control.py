@@ -5,6 +5,11 @@ Requests in flight are never silently carried across a weight change: `update_we
 refuses while requests are unfinished unless `abort_running=True`, which ends them (finish
 reason "abort") first; `sleep` refuses while requests are unfinished. Cached prefixes are
 dropped by both (their KV was computed with the old weights, or is gone).
+
+Sleep is kept per memory tag, as vLLM's: `sleep` puts both tags ("weights", "kv_cache") to
+sleep and `wake_up(tags)` wakes some of them, so an RL loop can wake the weights, update
+them, and only then allocate the KV cache (a lower peak). The engine sleeps, and refuses
+requests, until every tag is awake.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jaxserve.outputs import RequestOutput
+
+# vLLM's memory tags, in the order `wake_up` restores them (weights before the KV cache).
+SLEEP_TAGS = ("weights", "kv_cache")
 
 if TYPE_CHECKING:
     from jaxserve.core.kv_cache_manager import KVCacheManager
@@ -33,7 +41,10 @@ class WeightControl:
 
     Attributes:
         sleep_level: 0 awake, else the deepest level `sleep` was called with since the
-            last `wake_up`.
+            weights were last woken (while only the KV cache sleeps, the level `sleep` was
+            called with).
+        sleeping_tags: The memory tags still asleep (a subset of `SLEEP_TAGS`; empty when
+            awake).
     """
 
     def __init__(self, worker: Worker, kv: KVCacheManager,
@@ -42,6 +53,7 @@ class WeightControl:
         self.kv = kv
         self.end_requests = end_requests
         self.sleep_level = 0
+        self.sleeping_tags: set[str] = set()
 
     def update_weights(self, weights, abort_running: bool = False) -> list[RequestOutput]:
         """Serves new weights from the next step on: no recompiles; leaves already placed
@@ -81,7 +93,9 @@ class WeightControl:
 
     def sleep(self, level: int = 1) -> int:
         """Frees device memory until `wake_up` (vLLM's `sleep`): level 1 the KV page pool,
-        level 2 the weights too. Returns the bytes freed.
+        level 2 the weights too. Both tags sleep afterwards at either level (as vLLM's; at
+        level 1 the weights stay on the devices, and waking them costs nothing). Sleeping
+        again, fully or partly woken, frees what is still held. Returns the bytes freed.
 
         Raises:
             ValueError: A level other than 1 or 2, or unfinished requests.
@@ -92,21 +106,61 @@ class WeightControl:
         self.end_requests("sleep", False)
         self.reset_prefix_cache()
         freed = self.worker.sleep(level)
-        self.sleep_level = max(self.sleep_level, level)
+        # NOTE: woken weights were restored, so the level starts again from this call.
+        deepest = self.sleep_level if "weights" in self.sleeping_tags else 0
+        self.sleep_level = max(deepest, level)
+        self.sleeping_tags = set(SLEEP_TAGS)
         return freed
 
-    def wake_up(self) -> None:
-        """Allocates what `sleep` freed (weights dropped at level 2 are read again from the
-        model's path, unless `update_weights` gave new ones)."""
-        self.worker.wake_up()
-        self.sleep_level = 0
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Allocates what `sleep` freed (vLLM's `wake_up`): every tag, or those in `tags`.
+
+        "weights" puts the weights back (those dropped at level 2 are read again from the
+        model's path, unless `update_weights` gave new ones since); "kv_cache" allocates
+        the page pool. Waking a tag that is awake does nothing (as vLLM's), and so does an
+        empty list. The engine serves again once every tag is awake.
+
+        Args:
+            tags: Some of "weights" and "kv_cache"; None wakes both.
+
+        Raises:
+            ValueError: `tags` is not a list of those names (an unknown tag wakes nothing),
+                or the weights were dropped and cannot be read again (`Worker.wake_up`).
+        """
+        wanted = self.check_tags(tags)
+        due = [t for t in SLEEP_TAGS if t in wanted and t in self.sleeping_tags]
+        if not due:
+            return
+        self.worker.wake_up(weights="weights" in due, kv_cache="kv_cache" in due)
+        self.sleeping_tags.difference_update(due)
+        if not self.sleeping_tags:
+            self.sleep_level = 0
+
+    @staticmethod
+    def check_tags(tags) -> set[str]:
+        """The tags `wake_up` is asked for (None: all of them).
+
+        Raises:
+            ValueError: Not a list of "weights" / "kv_cache" (the message names the bad tag).
+        """
+        if tags is None:
+            return set(SLEEP_TAGS)
+        if isinstance(tags, (str, bytes)) or not isinstance(tags, (list, tuple, set)):
+            raise ValueError(f"wake_up tags must be a list of memory tags {list(SLEEP_TAGS)} "
+                             f"(or None for all), got {tags!r}")
+        unknown = [t for t in tags if t not in SLEEP_TAGS]
+        if unknown:
+            raise ValueError(f"wake_up: unknown memory tag(s) {unknown}; the tags are "
+                             f"{list(SLEEP_TAGS)}")
+        return set(tags)
 
     def is_sleeping(self) -> bool:
-        """Whether the engine sleeps (requests are refused until `wake_up`)."""
-        return self.sleep_level > 0
+        """Whether any tag sleeps (requests are refused until every tag is awake)."""
+        return bool(self.sleeping_tags)
 
     def check_awake(self) -> None:
         """Raises ValueError when the engine sleeps (new requests are refused)."""
-        if self.sleep_level:
-            raise ValueError("the engine is sleeping (sleep was called); call wake_up() "
-                             "before adding requests")
+        if self.sleeping_tags:
+            asleep = [t for t in SLEEP_TAGS if t in self.sleeping_tags]
+            raise ValueError(f"the engine is sleeping (sleep was called; still asleep: "
+                             f"{', '.join(asleep)}); call wake_up() before adding requests")

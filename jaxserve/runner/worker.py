@@ -227,21 +227,22 @@ class Worker:
             self.model = dataclasses.replace(self.model, params=None)
         return freed
 
-    def wake_up(self) -> None:
-        """Allocates the page pool again; weights dropped by `sleep(2)` are read again from
-        the model's source.
+    def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
+        """Restores what `sleep` freed: the weights (those dropped by `sleep(2)` are read
+        again from the model's source; weights still held cost nothing) and then the page
+        pool (each only when asked and missing).
 
         Raises:
             ValueError: The weights were dropped and the model came without a path to read
                 them from (give them with `update_weights`).
         """
-        if self.runner.params is None:
+        if weights and self.runner.params is None:
             if not self.model.source or not os.path.exists(self.model.source):
                 raise ValueError("wake_up: the weights were dropped by sleep(level=2) and "
                                  "the model has no path to read them again; give them with "
                                  "update_weights(params) first")
             self.update_weights(self.model.source)
-        if self.runner.kv_pages is None:
+        if kv_cache and self.runner.kv_pages is None:
             self.runner.alloc_kv_pool()
 
     @property

@@ -1,6 +1,7 @@
 """New weights without a restart (`update_weights`), `reset_prefix_cache`, and `sleep` /
-`wake_up`: outputs equal a fresh engine built with the same weights, nothing recompiles,
-placed weights never go through the host, and the page pool's memory is given back."""
+`wake_up` (whole, or per memory tag as vLLM's partial wake-up): outputs equal a fresh engine
+built with the same weights, nothing recompiles, placed weights never go through the host,
+and the page pool's memory is given back (and stays free while only the weights are awake)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 def tokens(llm, prompts=PROMPTS):
     return [list(o.outputs[0].token_ids)
             for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def sleep_state(llm) -> dict:
+    """vLLM's `engine_sleep_state` gauge, by state."""
+    return {k.split("=")[1][:-1]: v for k, v in llm.engine.get_metrics().items()
+            if k.startswith("jaxserve:engine_sleep_state{")}
 
 
 @pytest.fixture(scope="module")
@@ -126,16 +133,61 @@ def test_sleep_frees_the_pool_and_wake_up_serves_the_same(llm):
     live = sum(x.nbytes for x in jax.live_arrays())
     assert llm.sleep(level=1) == pool_bytes
     assert llm.is_sleeping() and llm.engine.runner.kv_pages is None
-    state = lambda: {k.split("=")[1][:-1]: v for k, v in llm.engine.get_metrics().items()
-                     if k.startswith("jaxserve:engine_sleep_state{")}
-    assert state() == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}  # vLLM's gauge
+    # vLLM's gauge
+    assert sleep_state(llm) == {"awake": 0, "weights_offloaded": 1, "discard_all": 0}
     assert sum(x.nbytes for x in jax.live_arrays()) <= live - pool_bytes
     with pytest.raises(ValueError, match="sleeping"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.wake_up()
     assert not llm.is_sleeping() and tokens(llm) == before
-    assert state() == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+    assert sleep_state(llm) == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
     assert llm.engine.runner.num_compilations == 0
+
+
+def live_bytes() -> int:
+    return sum(x.nbytes for x in jax.live_arrays())
+
+
+def test_partial_wake_up_updates_the_weights_before_the_kv_cache(llm, base_model, new_params,
+                                                                  expected_new):
+    """vLLM's RL order: `wake_up(tags=["weights"])` leaves the engine asleep with the pool
+    unallocated (no bytes added), new weights go in, `wake_up(tags=["kv_cache"])` ends the
+    sleep; the tokens are a fresh engine's and nothing compiles."""
+    runner = llm.engine.runner
+    before = tokens(llm)
+    pool_bytes = runner.kv_pages.nbytes
+    llm.sleep(level=1)
+    asleep = live_bytes()
+    llm.wake_up(tags=["weights"])
+    assert llm.is_sleeping() and runner.kv_pages is None and live_bytes() == asleep
+    assert sleep_state(llm) == {"awake": 0, "weights_offloaded": 0, "discard_all": 0}
+    with pytest.raises(ValueError, match="sleeping .*still asleep: kv_cache"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with jax.transfer_guard("disallow"):
+        llm.update_weights(new_params)
+    assert llm.is_sleeping() and runner.kv_pages is None and live_bytes() <= asleep
+    llm.wake_up(tags=["weights"])  # awake already: nothing to do
+    llm.wake_up(tags=[])  # vLLM's empty list: nothing either
+    assert llm.is_sleeping()
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.is_sleeping() and live_bytes() <= asleep + pool_bytes
+    assert sleep_state(llm) == {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
+    assert tokens(llm) == expected_new
+    llm.update_weights(base_model.params)
+    assert tokens(llm) == before
+    assert runner.num_compilations == 0
+
+
+def test_unknown_wake_up_tags_are_refused_and_wake_nothing(llm):
+    llm.sleep(level=1)
+    for tags, match in ((["weights", "kv-cache"], r"unknown memory tag\(s\) \['kv-cache'\]"),
+                        (["scheduling"], "unknown memory tag"),  # vLLM's level-0 tag
+                        ("weights", "must be a list")):
+        with pytest.raises(ValueError, match=match):
+            llm.wake_up(tags=tags)
+    assert llm.engine.weights.sleeping_tags == {"weights", "kv_cache"}
+    llm.wake_up()
+    assert not llm.is_sleeping() and llm.engine.runner.kv_pages is not None
 
 
 def test_sleep_level_2_drops_the_weights_and_wake_up_reads_them_again(llm):
@@ -143,7 +195,30 @@ def test_sleep_level_2_drops_the_weights_and_wake_up_reads_them_again(llm):
     freed = llm.sleep(level=2)
     assert freed > llm.engine.limits.num_pages  # pool and weights
     assert llm.engine.runner.params is None
-    llm.wake_up()  # read again from the model's directory
+    assert sleep_state(llm) == {"awake": 0, "weights_offloaded": 0, "discard_all": 1}
+    llm.wake_up(tags=["weights"])  # read again from the model's directory, pool still free
+    assert llm.engine.runner.params is not None and llm.engine.runner.kv_pages is None
+    assert llm.is_sleeping()
+    llm.wake_up(tags=["kv_cache"])
+    assert tokens(llm) == before
+
+
+def test_sleep_level_2_takes_new_weights_before_waking(llm, base_model, new_params,
+                                                       expected_new):
+    """At level 2 an RL loop gives the new weights while asleep: waking the weights then
+    reads nothing from disk (the given leaves are served as they are)."""
+    before = tokens(llm)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["kv_cache"])  # the pool first: the weights are still missing
+    assert llm.engine.runner.kv_pages is not None and llm.engine.runner.params is None
+    with pytest.raises(ValueError, match="still asleep: weights"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.update_weights(new_params)
+    llm.wake_up(tags=["weights"])
+    q = llm.engine.runner.params["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert q is new_params["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert not llm.is_sleeping() and tokens(llm) == expected_new
+    llm.update_weights(base_model.params)
     assert tokens(llm) == before
 
 

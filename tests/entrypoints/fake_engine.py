@@ -54,7 +54,7 @@ class FakeEngine:
         self.sleeping = level
         return 0
 
-    def wake_up(self):
+    def wake_up(self, tags=None):
         self.sleeping = 0
 
     def is_sleeping(self):

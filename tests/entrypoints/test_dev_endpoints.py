@@ -1,6 +1,7 @@
 """vLLM's development endpoints over a real tiny engine: `/sleep` frees the KV cache and
-completions are refused while it sleeps, `/wake_up` serves the same tokens again,
-`/is_sleeping`, `/reset_prefix_cache`; none of them exists without development mode."""
+completions are refused while it sleeps, `/wake_up` (whole, or by memory tag) serves the
+same tokens again, `/is_sleeping`, `/reset_prefix_cache`; none of them exists without
+development mode."""
 
 from __future__ import annotations
 
@@ -45,6 +46,31 @@ def test_sleep_refuses_completions_and_wake_up_serves_the_same(served):
     with pytest.raises(openai.BadRequestError, match="sleeping"):
         complete(url)
     assert httpx.post(f"{url}/wake_up").status_code == 200
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+    assert complete(url) == before
+
+
+def test_partial_wake_up_by_tags(served):
+    """vLLM's `POST /wake_up?tags=...`: the weights alone leave the engine sleeping (the pool
+    unallocated, completions refused), the KV cache then ends the sleep; an unknown tag is
+    a 400 that wakes nothing; repeated `tags` wake several."""
+    url, engine = served
+    before = complete(url)
+    assert httpx.post(f"{url}/sleep", params={"level": 1}).status_code == 200
+    assert httpx.post(f"{url}/wake_up", params={"tags": "weights"}).status_code == 200
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+    assert engine.runner.kv_pages is None
+    with pytest.raises(openai.BadRequestError, match="still asleep: kv_cache"):
+        complete(url)
+    bad = httpx.post(f"{url}/wake_up", params={"tags": "kv"})
+    assert bad.status_code == 400 and "unknown memory tag" in bad.json()["error"]["message"]
+    assert engine.runner.kv_pages is None
+    assert httpx.post(f"{url}/wake_up", params={"tags": "kv_cache"}).status_code == 200
+    assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+    assert complete(url) == before
+    httpx.post(f"{url}/sleep", params={"level": 2})
+    both = httpx.post(f"{url}/wake_up", params=[("tags", "weights"), ("tags", "kv_cache")])
+    assert both.status_code == 200
     assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
     assert complete(url) == before
 

@@ -168,10 +168,23 @@ def test_data_parallel_two_replicas(tiny_model, smollm2_tokenizer, tiny_referenc
 
 def test_data_parallel_loads_the_weights_as_one_engine_does(tiny_model_dir):
     """Replicas of a model given by path are loaded like a single engine's (`load_weights`):
-    quantization included (it was once dropped, leaving float weights)."""
+    quantization included (it was once dropped, leaving float weights). Sleep and partial
+    wake-up reach every replica: the front end sleeps until each has every tag awake."""
     llm = LLM(tiny_model_dir, data_parallel_size=2, quantization="int8", num_kv_blocks=16,
               warmup=False, **SMALL)
-    assert [r.model.quant.name for r in llm.engine.replicas] == ["int8", "int8"]
+    replicas = llm.engine.replicas
+    assert [r.model.quant.name for r in replicas] == ["int8", "int8"]
+    assert llm.sleep(level=1) == sum(r.limits.num_pages * r.limits.bytes_per_page
+                                     for r in replicas)
+    with pytest.raises(ValueError, match="unknown memory tag"):
+        llm.wake_up(tags=["weights", "kv"])
+    assert all(r.weights.sleeping_tags == {"weights", "kv_cache"} for r in replicas)
+    llm.wake_up(tags=["weights"])
+    assert llm.is_sleeping() and all(r.is_sleeping() for r in replicas)
+    assert [r.runner.kv_pages for r in replicas] == [None, None]
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.is_sleeping()
+    assert all(r.runner.kv_pages is not None for r in replicas)
 
 
 def test_bad_sizes_are_clear_errors(smollm2, smollm2_tokenizer):

@@ -25,7 +25,9 @@ def add_dev_routes(app: FastAPI, state, guard) -> None:
     """Adds the development endpoints to `app` (`guard` turns failures into JSON errors).
 
     `POST /sleep?level=1|2` frees the KV cache (2: the weights too; 400 while requests
-    run), `POST /wake_up`, `GET /is_sleeping` -> {"is_sleeping": bool},
+    run), `POST /wake_up` (every memory tag; `?tags=weights`, `?tags=kv_cache`, repeated
+    for several, wakes those only: vLLM's partial wake-up; an unknown tag is a 400),
+    `GET /is_sleeping` -> {"is_sleeping": bool} (true until every tag is awake),
     `POST /reset_prefix_cache` (400 while requests hold pages). While the engine sleeps,
     completions are refused with a 400 naming it.
     """
@@ -54,8 +56,10 @@ def add_dev_routes(app: FastAPI, state, guard) -> None:
 
     @app.post("/wake_up")
     @guard
-    async def wake_up():
-        await call(engine().wake_up)
+    async def wake_up(request: Request):
+        # NOTE: vLLM's query form: `tags` repeated; none at all wakes every tag.
+        tags = request.query_params.getlist("tags") or None
+        await call(engine().wake_up, tags)
         return Response(status_code=200)
 
     @app.get("/is_sleeping")
