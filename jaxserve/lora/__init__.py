@@ -1,5 +1,5 @@
 """LoRA adapters served per request (vLLM's interface): `LoRARequest` names one."""
 
-from jaxserve.lora.request import LoRARequest
+from jaxserve.lora.request import LoRAAdapterNotFoundError, LoRARequest
 
-__all__ = ["LoRARequest"]
+__all__ = ["LoRAAdapterNotFoundError", "LoRARequest"]

@@ -10,14 +10,25 @@ than `max_loras` adapters among the running requests, so a step's adapters alway
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Iterable
 
 from jaxserve.config import LoRAConfig
-from jaxserve.lora.request import LoRARequest
+from jaxserve.lora.request import LoRAAdapterNotFoundError, LoRARequest
 from models.config import ArchConfig
-from models.loaders.peft_adapter import LoRAWeights, load_peft_adapter
+from models.loaders.peft_adapter import CONFIG_FILE, LoRAWeights, load_peft_adapter
 from models.lora import TARGETS, served_targets
+
+
+def check_adapter_exists(lora: LoRARequest) -> None:
+    """Raises `LoRAAdapterNotFoundError` where vLLM finds no adapter: a missing path, or a
+    directory without `adapter_config.json` (an existing file is a plain ValueError later,
+    as vLLM's "not a directory")."""
+    path = lora.lora_path
+    if not os.path.exists(path) or (os.path.isdir(path)
+                                    and not os.path.isfile(os.path.join(path, CONFIG_FILE))):
+        raise LoRAAdapterNotFoundError(lora.lora_name, path)
 
 
 class LoRAManager:
@@ -51,6 +62,7 @@ class LoRAManager:
         """Loads `lora` (or refreshes its place in the LRU) and returns its weights.
 
         Raises:
+            LoRAAdapterNotFoundError: No adapter at the path (`check_adapter_exists`).
             ValueError: Not a `LoRARequest`; an id already loaded from another path; an
                 adapter that is not a PEFT LoRA directory, whose rank passes
                 `max_lora_rank`, whose shapes do not fit the base, or that targets a
@@ -67,6 +79,7 @@ class LoRAManager:
                                  "adapter)")
             self._loaded.move_to_end(lora.lora_int_id)
             return held[1]
+        check_adapter_exists(lora)
         weights = load_peft_adapter(lora.lora_path, self.cfg, self.config.max_lora_rank)
         extra = [m for b, m in TARGETS if (b, m) in weights.stacks and (b, m) not in self.targets]
         if extra:

@@ -1,4 +1,5 @@
-"""`LoRARequest`: which adapter a request runs with (vLLM's fields and meaning)."""
+"""`LoRARequest`: which adapter a request runs with (vLLM's fields and meaning), and
+`LoRAAdapterNotFoundError`: the error for a path that holds no adapter."""
 
 from __future__ import annotations
 
@@ -52,3 +53,19 @@ class LoRARequest:
     def path(self) -> str:
         """vLLM's alias of `lora_path`."""
         return self.lora_path
+
+
+class LoRAAdapterNotFoundError(ValueError):
+    """No adapter at a `LoRARequest`'s path (vLLM's `LoRAAdapterNotFoundError`, with its
+    message): the path does not exist, or is a directory without `adapter_config.json`.
+    The server answers it with a 404 (vLLM's `NotFoundError`); it is a ValueError like
+    every other adapter that does not load.
+
+    Args:
+        lora_name: The adapter's name.
+        lora_path: The path that holds no adapter.
+    """
+
+    def __init__(self, lora_name: str, lora_path: str):
+        super().__init__(f"Loading lora {lora_name} failed: No adapter found for {lora_path}")
+        self.lora_name, self.lora_path = lora_name, lora_path

@@ -55,13 +55,22 @@ class LoRAWeights:
         return tuple(m for b, m in TARGETS if (b, m) in self.stacks)
 
 
-def read_adapter_config(path: str) -> dict:
+def read_adapter_config(path: str, max_lora_rank: int | None = None) -> dict:
     """The adapter's `adapter_config.json`, checked to be a LoRA adapter jaxserve serves.
+
+    The features vLLM refuses are refused with vLLM's wording (clients match on it), all
+    of them in one message: `modules_to_save`, DoRA, a config `r` above `max_lora_rank`
+    (whatever the tensors hold), and a `bias` other than "none".
+
+    Args:
+        path: The adapter directory.
+        max_lora_rank: The largest rank served (None: any).
 
     Raises:
         ValueError: `path` is not a directory, has no config or weights (not a PEFT
             adapter), or the config asks for what is not served (another `peft_type`,
-            DoRA, trained biases, `modules_to_save`, `fan_in_fan_out`).
+            DoRA, trained biases, `modules_to_save`, a rank above `max_lora_rank`,
+            `fan_in_fan_out`, `lora_bias`).
     """
     if not os.path.isdir(path):
         raise ValueError(f"LoRA adapter {path!r} is not a directory (a PEFT adapter is a "
@@ -79,17 +88,37 @@ def read_adapter_config(path: str) -> dict:
         raise ValueError(f"LoRA adapter {path!r}: peft_type "
                          f"{config.get('peft_type') if isinstance(config, dict) else config!r}"
                          " is not supported (only LORA)")
-    refused = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (Conv1D bases)",
-               "modules_to_save": "modules_to_save (fully trained modules)",
-               "lora_bias": "lora_bias"}
+    problems = _unsupported(config, max_lora_rank)
+    if problems:
+        raise ValueError(f"LoRA adapter {path!r}: {' '.join(problems)}")
+    refused = {"fan_in_fan_out": "fan_in_fan_out (Conv1D bases)", "lora_bias": "lora_bias"}
     for key, what in refused.items():
         if config.get(key):
             raise ValueError(f"LoRA adapter {path!r}: {key}={config[key]!r} is not supported "
                              f"({what})")
-    if config.get("bias", "none") != "none":
-        raise ValueError(f"LoRA adapter {path!r}: bias={config['bias']!r} is not supported "
-                         "(only 'none': trained biases would change the base)")
     return config
+
+
+def _unsupported(config: dict, max_lora_rank: int | None) -> list[str]:
+    """vLLM's refusals of an adapter config (`PEFTHelper.validate_legal`'s sentences, with
+    this engine's name), in vLLM's order."""
+    problems = []
+    if config.get("modules_to_save"):
+        problems.append(f"jaxserve only supports modules_to_save being None (got "
+                        f"{config['modules_to_save']!r}: fully trained modules).")
+    if config.get("use_dora"):
+        problems.append("jaxserve does not yet support DoRA.")
+    rank = config.get("r")
+    # NOTE: the config's `r` is checked as vLLM does, even where the saved tensors are
+    # smaller (the tensors' own ranks are checked when they are read).
+    if (max_lora_rank is not None and isinstance(rank, int) and not isinstance(rank, bool)
+            and rank > max_lora_rank):
+        problems.append(f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}.")
+    if config.get("bias", "none") != "none":
+        problems.append(f"Adapter bias cannot be used without bias_enabled (bias="
+                        f"{config['bias']!r}; jaxserve serves adapters without trained "
+                        "biases).")
+    return problems
 
 
 def _pattern_value(patterns: dict, name: str, default):
@@ -128,7 +157,7 @@ def load_peft_adapter(path: str, cfg: ArchConfig, max_lora_rank: int | None = No
     """
     from safetensors.numpy import load_file
 
-    config = read_adapter_config(path)
+    config = read_adapter_config(path, max_lora_rank)
     tensors = load_file(os.path.join(path, WEIGHTS_FILE))
     shapes = layer_matmul_shapes(cfg)
     found: dict[tuple[int, str, str], dict[str, np.ndarray]] = {}
@@ -177,8 +206,8 @@ def _pieces(path, config, found, shapes, max_lora_rank):
                              f"{b.shape} are not [r, in] and [out, r]")
         rank = a.shape[0]
         if max_lora_rank is not None and rank > max_lora_rank:
-            raise ValueError(f"LoRA adapter {path!r}: {name} has rank {rank} > "
-                             f"max_lora_rank={max_lora_rank}")
+            raise ValueError(f"LoRA adapter {path!r}: {name}: LoRA rank {rank} is greater "
+                             f"than max_lora_rank {max_lora_rank}.")
         parts = _FUSED.get((block, module), (module,))
         widths = [shapes[(block, p)][1] for p in parts]
         d_in = shapes[(block, parts[0])][0]

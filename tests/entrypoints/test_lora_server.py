@@ -175,7 +175,9 @@ def test_runtime_lora_errors_name_the_adapter(served, tmp_path):
     assert bad.json()["error"]["message"].startswith("LoRA adapter 'broken': ")
     missing = post(url, "/v1/load_lora_adapter", {"lora_name": "nothing",
                                                   "lora_path": str(tmp_path / "absent")})
-    assert missing.status_code == 400 and "nothing" in missing.json()["error"]["message"]
+    assert missing.status_code == 404  # vLLM's NotFoundError, with its message
+    assert missing.json()["error"]["message"] == (f"Loading lora nothing failed: No adapter "
+                                                  f"found for {tmp_path / 'absent'}")
     no_path = post(url, "/v1/load_lora_adapter", {"lora_name": "x"})
     assert no_path.status_code == 400 and no_path.json()["error"]["param"] == "lora_path"
     base = post(url, "/v1/load_lora_adapter", {"lora_name": BASE, "lora_path": str(tmp_path)})
@@ -189,6 +191,47 @@ def test_runtime_lora_errors_name_the_adapter(served, tmp_path):
     assert mismatch.json()["error"]["message"] == ("The lora adapter 'qv8' with id 999 "
                                                    "cannot be found.")
     assert "broken" not in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+
+
+# vLLM's own test cases for refused adapter configs (tests/entrypoints/openai/
+# test_lora_adapters.py, BADREQUEST_CASES): the change to a good adapter's config and the
+# words its BadRequestError must hold.
+BAD_CONFIGS = [({"r": 1024}, "is greater than max_lora_rank"),
+               ({"bias": "all"}, "Adapter bias cannot be used without bias_enabled"),
+               ({"use_dora": True}, "does not yet support DoRA"),
+               ({"modules_to_save": ["lm_head"]}, "only supports modules_to_save being None")]
+
+
+def test_load_errors_are_vllms_for_the_official_client(client, lora_setup, tmp_path,
+                                                       smollm2_tokenizer):
+    """A path with no adapter is the client's `NotFoundError` (a 404, which clients suppress
+    as vLLM's tests do), refused configs its `BadRequestError`; the engine goes on serving
+    the adapters it has (a refused adapter never reaches a request, so it holds no page:
+    `tests/lora/test_lora_errors.py` checks the pool after such refusals)."""
+    import shutil
+
+    _, adapters = lora_setup
+    with pytest.raises(openai.NotFoundError, match="No adapter found for /not/an/adapter"):
+        client.post("load_lora_adapter", cast_to=str,
+                    body={"lora_name": "notfound", "lora_path": "/not/an/adapter"})
+    empty = tmp_path / "empty"
+    empty.mkdir()  # a directory without adapter_config.json: also not found, as in vLLM
+    with pytest.raises(openai.NotFoundError, match="No adapter found"):
+        client.post("load_lora_adapter", cast_to=str,
+                    body={"lora_name": "empty", "lora_path": str(empty)})
+    for i, (change, words) in enumerate(BAD_CONFIGS):
+        bad = tmp_path / f"bad{i}"
+        shutil.copytree(adapters["qv8"].path, bad)
+        config = json.loads((bad / "adapter_config.json").read_text())
+        (bad / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(openai.BadRequestError, match=words):
+            client.post("load_lora_adapter", cast_to=str,
+                        body={"lora_name": f"bad{i}", "lora_path": str(bad)})
+    names = [m.id for m in client.models.list().data]
+    assert not {"notfound", "empty", "bad0", "bad1", "bad2", "bad3"} & set(names)
+    qv8 = adapters["qv8"]
+    got = client.completions.create(model="qv8", prompt=PROMPT, max_tokens=8, **GREEDY)
+    assert got.choices[0].text == oracle_text(qv8.merged, smollm2_tokenizer, PROMPT, 8)
 
 
 def test_runtime_endpoints_absent_without_the_flag(served):

@@ -1,17 +1,19 @@
-"""Bad adapters and bad LoRA settings are ValueErrors naming the problem, and the requests
-already running keep running with their own adapters; adapters also serve over the `cpu`
-backend's packed weights and over an int8 base."""
+"""Bad adapters and bad LoRA settings are ValueErrors naming the problem (vLLM's wording and,
+for a path with no adapter, vLLM's `LoRAAdapterNotFoundError`), and the requests already
+running keep running with their own adapters; adapters also serve over the `cpu` backend's
+packed weights and over an int8 base."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.lora import LoRARequest
+from jaxserve.lora import LoRAAdapterNotFoundError, LoRARequest
 from tests.conftest import TINY_ENGINE
 from tests.lora.adapters import hf_greedy, load_hf, make_adapters, write_adapter
 
@@ -44,10 +46,11 @@ def bad_dirs(base, good, tmp_path_factory):
     not_peft = root / "not-peft"
     not_peft.mkdir()
     (not_peft / "config.json").write_text("{}")
-    out["not a PEFT dir"] = (str(not_peft), "not a PEFT adapter")
+    out["not a PEFT dir"] = (str(not_peft), f"Loading lora bad failed: No adapter found for "
+                                            f"{not_peft}")
     high = root / "rank-32"
     write_adapter(base, str(high), seed=3, r=32, lora_alpha=32, target_modules=["q_proj"])
-    out["rank above max"] = (str(high), "max_lora_rank=16")
+    out["rank above max"] = (str(high), "LoRA rank 32 is greater than max_lora_rank 16.")
     head = root / "lm-head"
     write_adapter(base, str(head), seed=4, r=4, lora_alpha=8, target_modules=["lm_head"])
     out["module the layers lack"] = (str(head), "lm_head")
@@ -55,12 +58,22 @@ def bad_dirs(base, good, tmp_path_factory):
     shutil.copytree(good.path, shapes)
     _shrink_a_tensor(shapes / "adapter_model.safetensors")
     out["shapes that do not fit"] = (str(shapes), "do not fit the base")
-    dora = root / "dora"
-    shutil.copytree(good.path, dora)
-    cfg = json.loads((dora / "adapter_config.json").read_text())
-    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
-    out["DoRA"] = (str(dora), "DoRA")
-    out["no such path"] = (str(root / "nowhere"), "is not a directory")
+    # vLLM's config refusals (its test_lora_adapters cases): the config's `r` counts even
+    # though the tensors are rank 4.
+    for case, change, phrase in (
+            ("DoRA", {"use_dora": True}, "does not yet support DoRA"),
+            ("config rank above max", {"r": 1024}, "is greater than max_lora_rank"),
+            ("bias", {"bias": "all"}, "Adapter bias cannot be used without bias_enabled"),
+            ("modules_to_save", {"modules_to_save": ["lm_head"]},
+             "only supports modules_to_save being None")):
+        edited = root / case.replace(" ", "-")
+        shutil.copytree(good.path, edited)
+        cfg = json.loads((edited / "adapter_config.json").read_text())
+        (edited / "adapter_config.json").write_text(json.dumps({**cfg, **change}))
+        out[case] = (str(edited), phrase)
+    out["no such path"] = (str(root / "nowhere"), "Loading lora bad failed: No adapter found "
+                                                  f"for {root / 'nowhere'}")
+    out["a file"] = (str(root / "not-peft" / "config.json"), "is not a directory")
     return out
 
 
@@ -79,9 +92,13 @@ def llm(tiny_model_dir):
                warmup=False, **TINY_ENGINE)
 
 
+NOT_FOUND = ("not a PEFT dir", "no such path")  # vLLM's LoRAAdapterNotFoundError
+
+
 @pytest.mark.parametrize("case", ["missing file", "not a PEFT dir", "rank above max",
                                   "module the layers lack", "shapes that do not fit", "DoRA",
-                                  "no such path"])
+                                  "config rank above max", "bias", "modules_to_save",
+                                  "no such path", "a file"])
 def test_a_bad_adapter_fails_its_request_only(llm, good, bad_dirs, base, smollm2_tokenizer,
                                               case):
     """The bad adapter's request is refused at add time with the problem named; a request
@@ -90,8 +107,10 @@ def test_a_bad_adapter_fails_its_request_only(llm, good, bad_dirs, base, smollm2
     engine.add_request("running", PROMPT, GREEDY, lora_request=good.request())
     engine.step()
     path, phrase = bad_dirs[case]
-    with pytest.raises(ValueError, match=phrase.replace("(", r"\(").replace(")", r"\)")):
+    error = LoRAAdapterNotFoundError if case in NOT_FOUND else ValueError
+    with pytest.raises(error, match=re.escape(phrase)) as raised:
         engine.add_request("bad", PROMPT, GREEDY, lora_request=LoRARequest("bad", 99, path))
+    assert isinstance(raised.value, LoRAAdapterNotFoundError) == (case in NOT_FOUND)
     assert "bad" not in engine.states and 99 not in engine.list_loras()
     tokens = None
     while engine.has_unfinished_requests():

@@ -117,6 +117,7 @@ def edited(adapter_dir, tmp_path, config=None, tensors=None):
     from safetensors.numpy import load_file, save_file
 
     src, _ = adapter_dir
+    tmp_path.mkdir(parents=True, exist_ok=True)
     with open(os.path.join(src, "adapter_config.json")) as f:
         cfg = json.load(f)
     with open(tmp_path / "adapter_config.json", "w") as f:
@@ -132,9 +133,12 @@ def renamed(old, new):
 
 @pytest.mark.parametrize("config,tensors,match", [
     ({"peft_type": "IA3"}, None, "peft_type 'IA3' is not supported"),
-    ({"use_dora": True}, None, "use_dora=True is not supported"),
-    ({"bias": "all"}, None, "bias='all' is not supported"),
-    ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+    # vLLM's refusals, in vLLM's words (its clients and tests match on them)
+    ({"use_dora": True}, None, "does not yet support DoRA"),
+    ({"bias": "all"}, None, "Adapter bias cannot be used without bias_enabled"),
+    ({"bias": "lora_only"}, None, "Adapter bias cannot be used without bias_enabled"),
+    ({"modules_to_save": ["lm_head"]}, None, "only supports modules_to_save being None"),
+    ({"fan_in_fan_out": True}, None, "fan_in_fan_out=True is not supported"),
     (None, renamed("o_proj", "out_proj"), "target module self_attn.out_proj"),
     (None, renamed("layers.1.", "layers.7."), "is for layer 7; the base has 3 layers"),
     (None, renamed("self_attn.q_proj.lora_A", "embed_tokens.lora_embedding_A"),
@@ -153,8 +157,23 @@ def test_bad_adapters_name_the_problem(adapter_dir, tmp_path, config, tensors, m
 
 def test_rank_above_the_maximum_and_non_peft_directories(adapter_dir, tmp_path):
     path, cfg = adapter_dir
-    with pytest.raises(ValueError, match="has rank 4 > max_lora_rank=2"):
+    with pytest.raises(ValueError, match=r"LoRA rank 4 is greater than max_lora_rank 2\."):
         load_peft_adapter(path, cfg, max_lora_rank=2)
+    # The config's `r` is refused even where the tensors are smaller (as vLLM checks it)...
+    big_r = edited(adapter_dir, tmp_path / "big-r", {"r": 32})
+    with pytest.raises(ValueError, match="LoRA rank 32 is greater than max_lora_rank 16"):
+        load_peft_adapter(big_r, cfg, max_lora_rank=16)
+    # ...and the tensors' rank where the config understates it.
+    small_r = edited(adapter_dir, tmp_path / "small-r", {"r": 1})
+    with pytest.raises(ValueError, match=r"o_proj: LoRA rank 4 is greater than max_lora_rank 2"):
+        load_peft_adapter(small_r, cfg, max_lora_rank=2)
+    # Every vLLM refusal at once, in one message (vLLM's order).
+    every = edited(adapter_dir, tmp_path / "every", {"r": 32, "bias": "all", "use_dora": True,
+                                                     "modules_to_save": ["lm_head"]})
+    with pytest.raises(ValueError, match=r"modules_to_save being None .*\. jaxserve does not "
+                                         r"yet support DoRA\. LoRA rank 32 is greater than "
+                                         r"max_lora_rank 16\. Adapter bias cannot"):
+        load_peft_adapter(every, cfg, max_lora_rank=16)
     with pytest.raises(ValueError, match="is not a directory"):
         load_peft_adapter(str(tmp_path / "missing"), cfg)
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")

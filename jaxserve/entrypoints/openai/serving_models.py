@@ -11,7 +11,7 @@ import threading
 import uuid
 
 from jaxserve.entrypoints.openai.errors import OpenAIError
-from jaxserve.lora import LoRARequest
+from jaxserve.lora import LoRAAdapterNotFoundError, LoRARequest
 
 # vLLM's switch for `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (read as vLLM does:
 # "1" or "true", any case); `jaxserve serve --allow-runtime-lora-updating` is the same.
@@ -178,8 +178,9 @@ class OpenAIServingModels:
             vLLM's success text.
 
         Raises:
-            OpenAIError: 400 for an empty field, a name already served, or an adapter that
-                does not load (the engine's message, naming the adapter).
+            OpenAIError: 404 when no adapter is at the path (vLLM's "No adapter found"); 400
+                for an empty field, a name already served, or an adapter that does not load
+                (the engine's message, naming the adapter).
         """
         if not lora_name or not lora_path:
             raise OpenAIError(400, "Both 'lora_name' and 'lora_path' must be provided.",
@@ -190,6 +191,8 @@ class OpenAIServingModels:
                 lora = LoRARequest(lora_name, self._take_id(), lora_path)
             try:
                 await llm.add_lora(lora)
+            except LoRAAdapterNotFoundError as e:  # vLLM's NotFoundError: its own message
+                raise OpenAIError(404, str(e), "lora_path") from None
             except ValueError as e:
                 raise OpenAIError(400, f"LoRA adapter '{lora_name}': {e}", "lora_path") \
                     from None
