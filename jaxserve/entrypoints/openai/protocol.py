@@ -88,6 +88,11 @@ class SamplingFields(OpenAIBaseModel):
     length_penalty: float = 1.0
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
+    # vLLM's token-id extensions (RL rollouts): the prompt's and the output's ids in the
+    # response; logprob tokens as `token_id:N` (None: the server's
+    # --return-tokens-as-token-ids).
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         tool_schema: dict | None = None) -> SamplingParams:
