@@ -22,8 +22,8 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "m
 NESTED = "[" * 100_000 + "]" * 100_000
 
 # (path, raw body or JSON-able body, expected status or None for "200 or 400"). Scalars are
-# coerced as vLLM's pydantic models coerce them (`"16"`, `true` and `16.0` are 16, `"yes"` is
-# true: test_token_id_fields.py); these values do not parse.
+# coerced as vLLM's pydantic models coerce them (`"16"` and `16.0` are 16, `true` is 1,
+# `"yes"` is true: test_token_id_fields.py); these values do not parse.
 HOSTILE = [
     ("/v1/completions", NESTED, 400),
     ("/v1/completions", '{"prompt": ' + NESTED + "}", 400),
