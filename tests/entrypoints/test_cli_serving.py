@@ -111,3 +111,13 @@ def test_enable_prompt_tokens_details_is_a_server_flag_not_an_engine_argument():
     args = build_parser().parse_args(["serve", "m.gguf", "--enable-prompt-tokens-details"])
     assert args.enable_prompt_tokens_details and engine_kwargs(args) == {"model": "m.gguf"}
     assert not build_parser().parse_args(["serve", "m.gguf"]).enable_prompt_tokens_details
+
+
+def test_return_tokens_as_token_ids_is_a_server_flag():
+    from jaxserve.entrypoints.cli.serve import serving_limits
+
+    args = build_parser().parse_args(["serve", "m.gguf", "--return-tokens-as-token-ids"])
+    assert serving_limits(args).return_tokens_as_token_ids
+    assert engine_kwargs(args) == {"model": "m.gguf"}
+    assert not serving_limits(build_parser().parse_args(["serve", "m.gguf"])) \
+        .return_tokens_as_token_ids

@@ -232,7 +232,7 @@ def test_tokenize_detokenize_and_models(urls):
 
 @pytest.mark.parametrize("path, body, status", [
     ("/v1/completions", {**PROMPT, "seed": 2**63}, 400),
-    ("/v1/chat/completions", {**CHAT, "seed": "7"}, 400),
+    ("/v1/chat/completions", {**CHAT, "seed": "seven"}, 400),
     ("/v1/completions", {**PROMPT, "model": "nope"}, 404),
     ("/tokenize", {"prompt": "a", "messages": CHAT["messages"]}, 400),
 ])
@@ -251,8 +251,10 @@ def test_error_bodies(urls, path, body, status):
     (-(2**63) - 1, "{'type': 'greater_than_equal', 'loc': 'body.seed', 'msg': 'Input should "
                    "be greater than or equal to -9223372036854775808', 'input': "
                    "'-9223372036854775809', 'ctx': {'ge': -9223372036854775808}}"),
-    ("7", "{'type': 'int_type', 'loc': 'body.seed', 'msg': 'Input should be a valid "
-          "integer', 'input': '7'}"),
+    ("seven", "{'type': 'int_parsing', 'loc': 'body.seed', 'msg': 'Input should be a valid "
+              "integer, unable to parse string as an integer', 'input': 'seven'}"),
+    ([7], "{'type': 'int_type', 'loc': 'body.seed', 'msg': 'Input should be a valid "
+          "integer', 'input': '<list of 1 items>'}"),
 ])
 def test_seed_errors_carry_pydantics_codes_as_vllms_400s(urls, seed, words):
     error = post(urls[False], "/v1/chat/completions", {**CHAT, "seed": seed}).json()["error"]

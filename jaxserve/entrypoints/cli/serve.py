@@ -94,10 +94,28 @@ def add_parser(sub) -> None:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens (prefix-cache hits) in "
                         "responses whose prompts hit the cache, as vLLM's flag (null otherwise)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprob tokens as 'token_id:N' strings, so clients map them to ids "
+                        "without the tokenizer, as vLLM's flag (a request's "
+                        "return_tokens_as_token_ids overrides it)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="(default: info)")
     p.set_defaults(handler=run)
+
+
+def serving_limits(args):
+    """The server's `ServingLimits` from its flags (ValueError naming a bad parser name)."""
+    from jaxserve.entrypoints.openai.serving_base import ServingLimits
+
+    return ServingLimits(max_prompts_per_request=args.max_prompts_per_request,
+                         tool_call_parser=None if args.tool_call_parser == "none"
+                         else args.tool_call_parser,
+                         reasoning_parser=args.reasoning_parser,
+                         max_tokenize_tokens=args.max_tokenize_tokens,
+                         max_stop_strings=args.max_stop_strings,
+                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def run(args) -> int:
@@ -127,7 +145,6 @@ def run(args) -> int:
         start_in_background,
     )
     from jaxserve.entrypoints.openai.dev_routes import dev_mode_from_env
-    from jaxserve.entrypoints.openai.serving_base import ServingLimits
     from jaxserve.entrypoints.openai.serving_models import (
         load_static_loras,
         runtime_lora_updating_from_env,
@@ -138,13 +155,7 @@ def run(args) -> int:
     print_backend()
     if getattr(args, "coordinator_address", None) and args.process_id != 0:
         return _follow(kwargs)
-    limits = ServingLimits(max_prompts_per_request=args.max_prompts_per_request,
-                           tool_call_parser=None if args.tool_call_parser == "none"
-                           else args.tool_call_parser,
-                           reasoning_parser=args.reasoning_parser,
-                           max_tokenize_tokens=args.max_tokenize_tokens,
-                           max_stop_strings=args.max_stop_strings,
-                           enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+    limits = serving_limits(args)
     lanes = PrepareLimits(heavy_body_bytes=args.heavy_request_bytes,
                           heavy_workers=args.heavy_prepare_workers,
                           heavy_queue=args.heavy_prepare_queue,

@@ -28,12 +28,14 @@ REQUEST_FIELDS = frozenset({"stream_options", "response_format", "tools", "tool_
 class OpenAIBaseModel(BaseModel):
     """Base of every request body: unknown fields are ignored, as vLLM does.
 
-    NOTE: strict types: a string or a bool is never coerced into a number (`max_tokens:
-    true` or `"16"` is a 400), nor a string into a bool (`stream: "yes"`); integers are
-    accepted where a float is expected.
+    NOTE: pydantic's lax mode, as vLLM's models (FastAPI validates them the same way):
+    scalars are coerced where pydantic can (`"logprobs": "true"` is true, `"5"` and `5.0`
+    are 5, `"yes"`/`"on"`/`1` are true); a value that does not parse as its type (`"maybe"`
+    for a bool, `1.5` or `"ten"` for an integer, a number for a string, a string for a list
+    or an object) is still a 400 naming the field.
     """
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore")
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -86,6 +88,11 @@ class SamplingFields(OpenAIBaseModel):
     length_penalty: float = 1.0
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
+    # vLLM's token-id extensions (RL rollouts): the prompt's and the output's ids in the
+    # response; logprob tokens as `token_id:N` (None: the server's
+    # --return-tokens-as-token-ids).
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         tool_schema: dict | None = None) -> SamplingParams:

@@ -59,6 +59,9 @@ class ServingLimits:
         enable_prompt_tokens_details: Report `usage.prompt_tokens_details` (the prompt's
             prefix-cache hits) when some tokens were cached, as vLLM's
             `--enable-prompt-tokens-details`; null otherwise.
+        return_tokens_as_token_ids: Render logprob tokens as `token_id:N` unless a request
+            says otherwise (its `return_tokens_as_token_ids`), as vLLM's
+            `--return-tokens-as-token-ids`.
     """
 
     max_prompts_per_request: int = 256
@@ -68,6 +71,7 @@ class ServingLimits:
     max_tokenize_tokens: int | None = None
     max_stop_strings: int = 64
     enable_prompt_tokens_details: bool = False
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self):
         for name in ("max_prompts_per_request", "max_tokenize_tokens", "max_stop_strings"):
@@ -183,6 +187,12 @@ class OpenAIServingBase:
                                    f"However, you requested {num_prompt + params.max_tokens} "
                                    f"tokens ({num_prompt} in the prompt, {params.max_tokens} "
                                    "in the completion).", max_tokens_param)
+
+    def tokens_as_ids(self, req) -> bool:
+        """Whether `req`'s logprob tokens are rendered as `token_id:N`: its own
+        `return_tokens_as_token_ids` when given (true or false), else the server's flag."""
+        asked = getattr(req, "return_tokens_as_token_ids", None)
+        return self.limits.return_tokens_as_token_ids if asked is None else asked
 
     def check_stop(self, stop: str | list[str] | None) -> None:
         """400 for more stop strings than `max_stop_strings` (each costs host time every

@@ -21,6 +21,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     final_usage,
     from_value_error,
     now,
+    token_label,
     usage,
 )
 from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, reply_message, tool_mode
@@ -31,22 +32,32 @@ _FIELDS = SAMPLING_FIELDS | REQUEST_FIELDS | {"logit_bias", "top_logprobs", "mes
                                                 "max_completion_tokens"}
 
 
-def _entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+def _entry(token: str, logprob: float, text: str | None = None) -> dict:
+    """A chat logprob: `bytes` are those of `text` (the token's own text) when given, else
+    of `token`, as vLLM's (whose sampled tokens carry their text's bytes even as
+    `token_id:N`, and whose alternatives the bytes of what they show)."""
+    return {"token": token, "logprob": logprob,
+            "bytes": list((token if text is None else text).encode("utf-8"))}
 
 
-def chat_logprobs(comp: CompletionOutput, start: int, top: int, tokenizer) -> dict:
-    """OpenAI's chat logprobs object (`{"content": [...]}`) for tokens `start:`."""
+def chat_logprobs(comp: CompletionOutput, start: int, top: int, tokenizer,
+                  as_ids: bool = False) -> dict:
+    """OpenAI's chat logprobs object (`{"content": [...]}`) for tokens `start:` (`as_ids`:
+    tokens as `token_id:N`, vLLM's `return_tokens_as_token_ids`)."""
     content = []
     decode = lambda tid, lp: lp.decoded_token if lp.decoded_token is not None \
         else tokenizer.decode([tid])
     for tid, entry in zip(comp.token_ids[start:], (comp.logprobs or [])[start:], strict=False):
         lp = entry.get(tid)
-        item = _entry(decode(tid, lp), lp.logprob) if lp is not None \
-            else _entry(tokenizer.decode([tid]), float("nan"))
+        if lp is not None:
+            text = decode(tid, lp)
+            item = _entry(token_label(tid, text, as_ids), lp.logprob, text)
+        else:
+            item = _entry(token_label(tid, tokenizer.decode([tid]), as_ids), float("nan"))
         ranked = sorted(((v.rank or 0, k, v) for k, v in entry.items() if v.rank is not None
                          and v.rank <= top), key=lambda r: r[0])
-        item["top_logprobs"] = [_entry(decode(k, v), v.logprob) for _, k, v in ranked]
+        item["top_logprobs"] = [_entry(token_label(k, "", True) if as_ids else decode(k, v),
+                                       v.logprob) for _, k, v in ranked]
         content.append(item)
     return {"content": content}
 
@@ -132,10 +143,17 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return get_reasoning_parser(name)
 
+    def shows_token_ids(self, req, prep: Prepared) -> bool:
+        """`return_token_ids`, unless reasoning is split off and left out
+        (`include_reasoning: false`): its ids would show it, so vLLM sends none."""
+        return bool(req.return_token_ids) and (
+            req.include_reasoning or self.reasoning_parser(req, prep) is None)
+
     def full_response(self, req, prep, request_id, finals) -> dict:
         params, final = prep.params, finals[0]
         mode = self.tool_mode(req)
         splitter = self.reasoning_parser(req, prep)
+        as_ids, show_ids = self.tokens_as_ids(req), self.shows_token_ids(req, prep)
         choices = []
         for comp in final.outputs:
             reasoning, text = splitter.split(comp.text) if splitter else (None, comp.text)
@@ -148,29 +166,33 @@ class OpenAIServingChat(OpenAIServing):
                 reasoning=reasoning if req.include_reasoning else None)
             choices.append({
                 "index": comp.index, "message": message,
-                "logprobs": chat_logprobs(comp, 0, params.logprobs, self.tokenizer)
+                "logprobs": chat_logprobs(comp, 0, params.logprobs, self.tokenizer, as_ids)
                 if params.logprobs is not None else None,
                 "finish_reason": finish_reason, "stop_reason": comp.stop_reason,
-                "token_ids": None})
+                "token_ids": list(comp.token_ids) if show_ids else None})
         return {"id": request_id, "object": "chat.completion", "created": now(),
                 "model": self.serving_models.response_name(prep.lora_request),
                 "choices": choices, "service_tier": None, "system_fingerprint": None,
                 "usage": usage([final], details=self.limits.enable_prompt_tokens_details),
                 "prompt_logprobs": prompt_logprobs_json(final)
                 if req.prompt_logprobs is not None else None,
-                "prompt_token_ids": None, "kv_transfer_params": None}
+                "prompt_token_ids": list(final.prompt_token_ids) if req.return_token_ids
+                else None, "kv_transfer_params": None}
 
     async def stream_events(self, req, prep, request_id, streams) -> AsyncIterator[dict]:
         params = prep.params
         head = {"id": request_id, "object": "chat.completion.chunk", "created": now(),
                 "model": self.serving_models.response_name(prep.lora_request)}
         # NOTE: vLLM's chunks hold the keys it set (`exclude_unset`): the first one
-        # `prompt_token_ids`, every delta its deprecated `reasoning_content`.
+        # `prompt_token_ids` (the ids with `return_token_ids`), every delta its deprecated
+        # `reasoning_content`.
+        prompt_ids = list(prep.prompts[0]["prompt_token_ids"]) if req.return_token_ids \
+            else None
         for c in range(params.n):
             yield {**head, "choices": [{
                 "index": c, "delta": {"role": "assistant", "content": prep.extra["echo"],
                                       "reasoning_content": None},
-                "logprobs": None, "finish_reason": None}], "prompt_token_ids": None,
+                "logprobs": None, "finish_reason": None}], "prompt_token_ids": prompt_ids,
                 **chunk_usage(req, prep, [None], chat=True)}
         finals = [None]
         mode, splitter = self.tool_mode(req), self.reasoning_parser(req, prep)
@@ -178,15 +200,16 @@ class OpenAIServingChat(OpenAIServing):
                                               self.limits.tool_call_parser, req.tools),
                                splitter.stream() if splitter else None, req.include_reasoning)
                    for _ in range(params.n)]
+        as_ids, show_ids = self.tokens_as_ids(req), self.shows_token_ids(req, prep)
         async for d in deltas(streams, params, finals):
-            logprobs = chat_logprobs(d.comp, d.token_start, params.logprobs, self.tokenizer) \
-                if params.logprobs is not None else None
+            logprobs = chat_logprobs(d.comp, d.token_start, params.logprobs, self.tokenizer,
+                                     as_ids) if params.logprobs is not None else None
             delta, finish_reason = replies[d.comp.index].feed(d.text, d.comp.finish_reason)
             choice = {"index": d.comp.index, "delta": delta,
                       "logprobs": logprobs, "finish_reason": finish_reason}
             if finish_reason is not None:
                 choice["stop_reason"] = d.comp.stop_reason
-            choice["token_ids"] = None
+            choice["token_ids"] = list(d.comp.token_ids[d.token_start:]) if show_ids else None
             yield {**head, "choices": [choice], **chunk_usage(req, prep, finals, chat=True)}
         if req.stream_options is not None and req.stream_options.include_usage:
             yield {**head, "choices": [], "usage": final_usage(

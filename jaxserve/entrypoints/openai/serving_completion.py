@@ -14,6 +14,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     final_usage,
     from_value_error,
     now,
+    token_label,
     usage,
 )
 from jaxserve.outputs import CompletionOutput, RequestOutput
@@ -28,15 +29,24 @@ def _token_text(entry: dict, token_id: int, tokenizer) -> tuple[str, float]:
     return text, (lp.logprob if lp is not None else float("nan"))
 
 
-def completion_logprobs(comp: CompletionOutput, start: int, offset: int, tokenizer) -> dict:
-    """OpenAI's legacy logprobs object for tokens `start:` of a completion."""
+def _top_key(token_id: int, lp, tokenizer, as_ids: bool) -> str:
+    """A `top_logprobs` key: the alternative's text, or `token_id:N`."""
+    if as_ids:
+        return token_label(token_id, "", True)
+    return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([token_id])
+
+
+def completion_logprobs(comp: CompletionOutput, start: int, offset: int, tokenizer,
+                        as_ids: bool = False) -> dict:
+    """OpenAI's legacy logprobs object for tokens `start:` of a completion (`as_ids`: tokens
+    and `top_logprobs` keys as `token_id:N`; `text_offset` still counts the text)."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for tid, entry in zip(comp.token_ids[start:], (comp.logprobs or [])[start:], strict=False):
         text, lp = _token_text(entry, tid, tokenizer)
-        tokens.append(text)
+        tokens.append(token_label(tid, text, as_ids))
         token_logprobs.append(lp)
-        top_logprobs.append({(v.decoded_token if v.decoded_token is not None
-                              else tokenizer.decode([k])): v.logprob for k, v in entry.items()})
+        top_logprobs.append({_top_key(k, v, tokenizer, as_ids): v.logprob
+                             for k, v in entry.items()})
         text_offset.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
@@ -52,18 +62,18 @@ def _extend(logprobs: dict, more: dict) -> None:
         logprobs[key].extend(values)
 
 
-def prompt_part(out: RequestOutput, k: int, tokenizer) -> dict:
+def prompt_part(out: RequestOutput, k: int, tokenizer, as_ids: bool = False) -> dict:
     """OpenAI's legacy logprobs object over the prompt tokens (echo): the first token has
     no logprob (None), the others their logprob and the top `k` alternatives."""
     part, offset = _empty_logprobs(), 0
     lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
     for tid, entry in zip(out.prompt_token_ids, lps, strict=True):
         text, lp = _token_text(entry or {}, tid, tokenizer)
-        part["tokens"].append(text)
+        part["tokens"].append(token_label(tid, text, as_ids))
         part["token_logprobs"].append(None if entry is None else lp)
         part["top_logprobs"].append(None if entry is None else {
-            (v.decoded_token if v.decoded_token is not None else tokenizer.decode([t])):
-            v.logprob for t, v in entry.items() if t == tid or (v.rank or 0) <= k})
+            _top_key(t, v, tokenizer, as_ids): v.logprob for t, v in entry.items()
+            if t == tid or (v.rank or 0) <= k})
         part["text_offset"].append(offset)
         offset += len(text)
     return part
@@ -116,29 +126,38 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _choice(self, req, prep, i: int, out: RequestOutput, comp: CompletionOutput,
                 first: bool, text: str, token_start: int, offset: int,
-                stream: bool = False) -> dict:
-        """One choice (or stream chunk choice), with vLLM's keys: the echo and prompt
-        logprobs come with the first; echo with max_tokens=0 drops the generated token."""
+                stream: bool = False) -> tuple[dict, int]:
+        """One choice (or stream chunk choice), with vLLM's keys, and the characters of text
+        it covers (for the next chunk's `text_offset`): the echo and prompt logprobs come
+        with the first; echo with max_tokens=0 drops the generated token.
+
+        With `return_token_ids` (vLLM's), the first carries the prompt's ids and each its
+        new output ids; an echoed prompt then comes as ids only, not as text (as vLLM)."""
         params = prep.params
         echo = self._echo(req, prep.prompts[i]) if first else ""
+        generated = "" if req.echo_only else text
         logprobs = None
         if params.logprobs is not None:
-            logprobs = prompt_part(out, params.logprobs, self.tokenizer) if echo \
+            as_ids = self.tokens_as_ids(req)
+            logprobs = prompt_part(out, params.logprobs, self.tokenizer, as_ids) if echo \
                 else _empty_logprobs()
             if not req.echo_only:
                 _extend(logprobs, completion_logprobs(comp, token_start, offset + len(echo),
-                                                      self.tokenizer))
+                                                      self.tokenizer, as_ids))
+        ids = req.return_token_ids
         choice = {"index": i * params.n + comp.index,
-                  "text": echo + ("" if req.echo_only else text), "logprobs": logprobs,
+                  "text": ("" if ids else echo) + generated, "logprobs": logprobs,
                   "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
-                  "prompt_token_ids": None, "token_ids": None}
+                  "prompt_token_ids": list(out.prompt_token_ids) if ids and first else None,
+                  "token_ids": ([] if req.echo_only else list(comp.token_ids[token_start:]))
+                  if ids else None}
         asked = req.prompt_logprobs is not None and first
         if not stream or asked:  # NOTE: vLLM refuses prompt logprobs when streaming
             choice["prompt_logprobs"] = prompt_logprobs_json(out) if asked else None
-        return choice
+        return choice, len(echo) + len(generated)
 
     def full_response(self, req, prep, request_id, finals) -> dict:
-        choices = [self._choice(req, prep, i, out, comp, True, comp.text, 0, 0)
+        choices = [self._choice(req, prep, i, out, comp, True, comp.text, 0, 0)[0]
                    for i, out in enumerate(finals) for comp in out.outputs]
         return {"id": request_id, "object": "text_completion", "created": now(),
                 "model": self.serving_models.response_name(prep.lora_request),
@@ -154,9 +173,10 @@ class OpenAIServingCompletion(OpenAIServing):
         async for d in deltas(streams, prep.params, finals):
             key = (d.prompt_index, d.comp.index)
             offset = sent.get(key, 0)
-            choice = self._choice(req, prep, d.prompt_index, finals[d.prompt_index], d.comp,
-                                  d.first, d.text, d.token_start, offset, stream=True)
-            sent[key] = offset + len(choice["text"])
+            choice, covered = self._choice(req, prep, d.prompt_index, finals[d.prompt_index],
+                                           d.comp, d.first, d.text, d.token_start, offset,
+                                           stream=True)
+            sent[key] = offset + covered
             if req.echo_only and not d.first and d.comp.finish_reason is None:
                 continue
             yield {**head, "choices": [choice], **chunk_usage(req, prep, finals)}

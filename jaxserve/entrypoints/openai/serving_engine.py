@@ -344,6 +344,12 @@ def chunk_usage(req, prep: Prepared, finals: list[RequestOutput | None],
     return {"usage": counts}
 
 
+def token_label(token_id: int, text: str, as_ids: bool) -> str:
+    """A logprob entry's token: its text, or vLLM's `token_id:N` (`return_tokens_as_token_ids`:
+    a client maps it back to the id without the tokenizer, whatever the text holds)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
 def sse(data: dict | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
