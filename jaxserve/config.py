@@ -90,6 +90,9 @@ class ModelConfig:
         batch_invariant: Every request's logits bit-for-bit the same whatever shares its
             step, chunk sizes and buckets (`pallas_kernels.invariant`); "xla" and "cpu"
             backends, float weights or quantized, one device.
+        enable_return_routed_experts: Every completion also carries the experts its tokens
+            were routed to (`CompletionOutput.routed_experts`; a mixture of experts only;
+            routing replay in RL training). Off: the step programs are unchanged.
     """
 
     model: str | None = None
@@ -106,6 +109,7 @@ class ModelConfig:
     pooler_config: object = None
     override_pooler_config: object = None
     batch_invariant: bool = False
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self):
         _check_types(self)

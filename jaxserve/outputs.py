@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # One generated position's logprobs: {token_id: Logprob}.
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -35,6 +39,12 @@ class CompletionOutput:
         logprobs: Per position, the sampled token and the top alternatives.
         finish_reason: "stop", "length", "abort", "error", or None while running.
         stop_reason: The stop string or stop token id that ended it, else None.
+        routed_experts: With `enable_return_routed_experts` (a mixture of experts), once
+            finished: i32[num_prompt_tokens + len(token_ids) - 1, num_layers, top_k],
+            the experts every computed position (the last sampled token never goes
+            through the model) was routed to in each layer, the router's heaviest first;
+            -1 on a dense layer of a mixed model and where a position's routing is
+            unknown (a prefix-cache hit on pages whose routing was dropped). Else None.
     """
 
     index: int
@@ -44,6 +54,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    routed_experts: np.ndarray | None = field(default=None, compare=False)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

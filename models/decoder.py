@@ -86,6 +86,7 @@ class DecoderLayer(nn.Module):
     dtype: jnp.dtype
     methods: Methods
     expert_sharding: ExpertSharding | None = None
+    capture_routing: bool = False
 
     @nn.compact
     def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
@@ -102,21 +103,28 @@ class DecoderLayer(nn.Module):
         h = norm("input_layernorm")(hidden)
         attn_out, kv_pages = Attention(cfg, self.dtype, methods, name="self_attn")(
             h, cos, sin, kv_pages, layer, window, md, slot)
+        routed = None  # i32[T, top_k] this layer's routed experts, when captured
         if cfg.is_mixed:  # sparse and dense layers: one of two stacks per layer
-            mlp = MixedMLP(cfg, self.dtype, methods, sharding=self.expert_sharding, name="mlp")
+            mlp = MixedMLP(cfg, self.dtype, methods, sharding=self.expert_sharding,
+                           return_ids=self.capture_routing, name="mlp")
         elif cfg.is_moe:  # every layer sparse
-            mlp = MoEMLP(cfg, self.dtype, methods, sharding=self.expert_sharding, name="mlp")
+            mlp = MoEMLP(cfg, self.dtype, methods, sharding=self.expert_sharding,
+                         return_ids=self.capture_routing, name="mlp")
         else:
             mlp = GatedMLP(cfg, self.dtype, methods, name="mlp")
         if cfg.sandwich_norms:
             hidden = hidden + norm("post_attention_layernorm")(attn_out)
             h = norm("pre_feedforward_layernorm")(hidden)
-            hidden = hidden + norm("post_feedforward_layernorm")(mlp(h, layer))
         else:
             hidden = hidden + attn_out
             h = norm("post_attention_layernorm")(hidden)
-            hidden = hidden + mlp(h, layer)
-        return (hidden, kv_pages), None
+        mlp_out = mlp(h, layer)
+        if self.capture_routing:
+            mlp_out, routed = mlp_out
+        if cfg.sandwich_norms:
+            mlp_out = norm("post_feedforward_layernorm")(mlp_out)
+        hidden = hidden + mlp_out
+        return (hidden, kv_pages), routed
 
 
 class Decoder(nn.Module):
@@ -131,6 +139,8 @@ class Decoder(nn.Module):
             (or a one-group layout): the plain pool, slot = layer, 2-D block tables.
         expert_sharding: How a device mesh splits a mixture of experts' routed experts
             (`models.moe_parallel`); None: one device, or the experts replicated.
+        capture_routing: Also return each token's routed experts in every layer (a
+            mixture of experts only; vLLM's `enable_return_routed_experts`).
     """
 
     cfg: ArchConfig
@@ -138,6 +148,7 @@ class Decoder(nn.Module):
     methods: Methods
     kv_layout: KVGroupLayout | None = None
     expert_sharding: ExpertSharding | None = None
+    capture_routing: bool = False
 
     def setup(self):
         cfg, methods = self.cfg, self.methods
@@ -158,7 +169,7 @@ class Decoder(nn.Module):
             # (which creates them inside the body) needs it. Tracing a step once instead
             # of twice: issue 49's startup, docs/development.md "trace time".
             check_constancy_invariants=self.is_initializing(),
-        )(cfg, self.dtype, methods, self.expert_sharding)
+        )(cfg, self.dtype, methods, self.expert_sharding, self.capture_routing)
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, methods.batch_invariant)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.vocab_size, methods.linear("lm_head"), dtype=self.dtype)
@@ -176,7 +187,9 @@ class Decoder(nn.Module):
                 mapping and block tables per group: `AttentionMetadata.for_group`).
 
         Returns:
-            (kv_pages, hidden) with hidden [num_tokens, hidden_size] after the final norm.
+            (kv_pages, hidden) with hidden [num_tokens, hidden_size] after the final norm;
+            with `capture_routing`, (kv_pages, hidden, i32[num_tokens, num_layers, top_k]
+            each token's routed experts per layer, -1 on a mixed model's dense layers).
 
         Raises:
             ValueError: `md` carries another number of KV cache groups than `kv_layout`.
@@ -197,7 +210,9 @@ class Decoder(nn.Module):
               jnp.asarray(self.cfg.layer_windows, dtype=jnp.int32))
         if lay is not None:  # NOTE: the window stays the layer's (masking never changes)
             xs += (jnp.asarray(lay.layer_slot, jnp.int32), jnp.asarray(lay.layer_group, jnp.int32))
-        (hidden, kv_pages), _ = self.layers((hidden, kv_pages), xs, cos, sin, md)
+        (hidden, kv_pages), routed = self.layers((hidden, kv_pages), xs, cos, sin, md)
+        if self.capture_routing:  # routed: i32[L, T, k] from the scan
+            return kv_pages, self.norm(hidden), jnp.swapaxes(routed, 0, 1)
         return kv_pages, self.norm(hidden)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:

@@ -120,16 +120,19 @@ class MixedMLP(nn.Module):
         methods: The model's methods (both MLPs use them as they would alone).
         sharding: How a device mesh splits the sparse layers' experts
             (`models.moe_parallel`), handed to their `MoEMLP`; None: one device.
+        return_ids: Also return the routed expert ids (`MoEMLP.return_ids`).
     """
 
     cfg: ArchConfig
     dtype: jnp.dtype
     methods: Methods
     sharding: ExpertSharding | None = None
+    return_ids: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, layer: jax.Array) -> jax.Array:
-        """x [T, H] -> [T, H] through layer `layer`'s (i32[]) MLP.
+    def __call__(self, x: jax.Array, layer: jax.Array):
+        """x [T, H] -> [T, H] through layer `layer`'s (i32[]) MLP; with `return_ids`,
+        (that, i32[T, top_k] the routed experts, -1 on a dense layer).
 
         Raises:
             ValueError: The variables lack the stacks (applied without `broadcast_mlp`).
@@ -149,10 +152,14 @@ class MixedMLP(nn.Module):
         def run_sparse(x):
             # NOTE: the experts stay whole ([L_sparse, E, ...]): they read their layer.
             small = {k: v for k, v in sparse.items() if k != "experts"}
-            return MoEMLP(*args, sharding=self.sharding, parent=None).apply(
+            return MoEMLP(*args, sharding=self.sharding, return_ids=self.return_ids,
+                          parent=None).apply(
                 {"params": at(small), STACKS: {"experts": sparse["experts"]}}, x, index)
 
         def run_dense(x):
-            return GatedMLP(*args, parent=None).apply({"params": at(dense)}, x)
+            out = GatedMLP(*args, parent=None).apply({"params": at(dense)}, x)
+            if not self.return_ids:
+                return out
+            return out, jnp.full((x.shape[0], cfg.num_experts_per_tok), -1, jnp.int32)
 
         return jax.lax.cond(is_sparse, run_sparse, run_dense, x)

@@ -156,8 +156,12 @@ class Model:
         return self.kv_layout is not None and self.kv_layout.is_hybrid
 
     def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata,
-                lora: dict | None = None, lora_slots: jax.Array | None = None):
-        """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size]).
+                lora: dict | None = None, lora_slots: jax.Array | None = None,
+                routing: bool = False):
+        """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size]);
+        with `routing`, (kv_pages, hidden, i32[num_tokens, num_layers, top_k]): each
+        token's routed experts per layer, the router's heaviest first (-1 on a mixed
+        model's dense layers). `routing` is static: without it the program is unchanged.
 
         `lora` (the adapter slots' stacks, `models.lora.COLLECTION`'s tree) and
         `lora_slots` (i32[num_tokens], each token's slot, -1 none) add every token's LoRA
@@ -167,8 +171,12 @@ class Model:
 
         Raises:
             ValueError: Adapter stacks for a model not served with LoRA
-                (`ServingChoice.lora_impl` None: no method would read them).
+                (`ServingChoice.lora_impl` None: no method would read them), or
+                `routing` on a model without a mixture of experts.
         """
+        if routing and not self.cfg.is_moe:
+            raise ValueError(f"routed experts were asked of {self.source or 'a model'}, "
+                             "which has no mixture-of-experts layers")
         var = variables(params)
         if lora is not None:
             if self.serving.lora_impl is None:
@@ -178,7 +186,8 @@ class Model:
             var = {**var, LORA: lora}
         with forward_context(real_rows=md.num_real_tokens,
                              lora_slots=None if lora is None else lora_slots):
-            return self.module.apply(var, input_ids, positions, kv_pages, md)
+            module = self.module.clone(capture_routing=True) if routing else self.module
+            return module.apply(var, input_ids, positions, kv_pages, md)
 
     def compute_logits(self, params, hidden):
         """Pure LM head (jit-able): f32[num_rows, vocab_size]."""

@@ -263,6 +263,8 @@ class MoEMLP(nn.Module):
             name, the routed stacks' by projection (`Methods.expert`), and how the grouped
             matmul runs (`Methods.grouped`).
         reference: Run `dense_experts` instead of `grouped_experts` (tests).
+        return_ids: Also return the routed expert ids (routing capture, vLLM's
+            `enable_return_routed_experts`).
         sharding: How a device mesh splits the experts (`models.moe_parallel`): set, the
             grouped experts run per device under `shard_map`; None: one device (or
             replicated experts).
@@ -273,10 +275,12 @@ class MoEMLP(nn.Module):
     methods: Methods
     reference: bool = False
     sharding: ExpertSharding | None = None
+    return_ids: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, layer=None) -> jax.Array:
-        """x [T, H] -> [T, H]."""
+    def __call__(self, x: jax.Array, layer=None):
+        """x [T, H] -> [T, H]; with `return_ids`, (that, i32[T, top_k] each token's routed
+        experts in the router's order, the heaviest first)."""
         cfg, methods = self.cfg, self.methods
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         logits = Linear(e, methods.linear("gate"), dtype=self.dtype, layer=layer,
@@ -307,7 +311,7 @@ class MoEMLP(nn.Module):
             gate = Linear(1, methods.linear("shared_expert_gate"), dtype=self.dtype,
                           layer=layer, name="shared_expert_gate")(x)  # [T, 1]
             out = out + jax.nn.sigmoid(gate) * shared
-        return out
+        return (out, ids) if self.return_ids else out
 
 
 class Experts(nn.Module):

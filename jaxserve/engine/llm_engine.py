@@ -15,6 +15,7 @@ from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.lora_control import LoRAControl
 from jaxserve.engine.output_processor import CoreStep, OutputProcessor
 from jaxserve.engine.pooling import POOLING_SAMPLING, Pooler
+from jaxserve.engine.routed_experts import RoutedExperts
 from jaxserve.engine.sampling_inputs import SamplingInputs
 from jaxserve.engine.weight_control import WeightControl
 from jaxserve.outputs import RequestOutput
@@ -86,7 +87,9 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
                                      lim.max_model_len, self.scheduler.max_num_seqs,
                                      self.worker.eos_token_ids, config.model.seed)
-        self.outputs = OutputProcessor()
+        self.outputs = OutputProcessor(RoutedExperts(
+            self.model.cfg.num_layers, self.model.cfg.num_experts_per_tok, cache.page_size,
+            lim.num_pages) if config.model.enable_return_routed_experts else None)
         self.sampling_inputs = SamplingInputs(self.runner, self.outputs,
                                               self.model.cfg.vocab_size)
         self.weights = WeightControl(self.worker, self.kv, self._end_requests)
@@ -217,6 +220,8 @@ class LLMEngine:
                                     lora_request=parent.lora_request)
         self.scheduler.add_request(state.root, kv_from=parent)
         self.outputs.add(state)
+        if self.outputs.routing is not None:
+            self.outputs.routing.fork(parent_id, request_id)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Ends requests now; their pages are freed at once. Unknown ids are ignored.
@@ -341,6 +346,8 @@ class LLMEngine:
         out, requests = inflight.out, inflight.requests
         if result.prompt_logprobs is not None:
             self.outputs.record_prompt_logprobs(out, requests, result.prompt_logprobs)
+        if result.routed_experts is not None:
+            self.outputs.routing.record(out, requests, result.routed_experts)
         # NOTE: a request that ended while the step ran is skipped (its id may be reused).
         failed = {req_id: error for req_id, error in inflight.failed.items()
                   if self.scheduler.scheduled_request(out, req_id) is not None}

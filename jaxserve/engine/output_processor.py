@@ -10,6 +10,7 @@ import time
 
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
+from jaxserve.engine.routed_experts import RoutedExperts
 from jaxserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_io import StepResult
@@ -231,7 +232,8 @@ class RequestState:
         if self.params.output_kind != RequestOutputKind.DELTA:
             outputs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
                                         list(o.logprobs) if o.logprobs is not None else None,
-                                        o.finish_reason, o.stop_reason) for o in self.outputs]
+                                        o.finish_reason, o.stop_reason, o.routed_experts)
+                       for o in self.outputs]
             prompt_logprobs = self.prompt_logprobs
         else:
             outputs = [c for o in self.outputs if (c := self._delta(o)) is not None]
@@ -256,7 +258,7 @@ class RequestState:
         return CompletionOutput(o.index, o.text[nchar:end], o.token_ids[ntok:],
                                 o.cumulative_logprob,
                                 o.logprobs[nlp:] if o.logprobs is not None else None,
-                                o.finish_reason, o.stop_reason)
+                                o.finish_reason, o.stop_reason, o.routed_experts)
 
 
 @dataclasses.dataclass
@@ -276,9 +278,15 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    """The engine's live user requests and what each step turns into `RequestOutput`s."""
+    """The engine's live user requests and what each step turns into `RequestOutput`s.
 
-    def __init__(self):
+    Args:
+        routing: Where the steps' routed experts are recorded (routing capture), handed
+            to each completion when it finishes; None: no capture.
+    """
+
+    def __init__(self, routing: RoutedExperts | None = None):
+        self.routing = routing
         self.states: dict[str, RequestState] = {}
         self.finished_reasons: dict[str, int] = {}
         self.num_generation_tokens = 0
@@ -299,6 +307,9 @@ class OutputProcessor:
                 continue
             for req_id in state.live_request_ids():
                 done.to_finish[req_id] = RequestStatus.FINISHED_ABORTED
+            if self.routing is not None:
+                for req in state.requests.values():
+                    self.routing.drop(req.request_id)
             state.abort()
             self._count(["abort"])
             done.outputs.append(state.make_output())
@@ -359,12 +370,23 @@ class OutputProcessor:
             touched[state.request_id] = state
         outputs = []
         for state in touched.values():
+            if self.routing is not None:
+                self._hand_routing(state)
             if state.wants_output:
                 outputs.append(state.make_output())
             if state.finished:
                 del self.states[state.request_id]
                 self._count(state.finish_reasons())
         return ProcessedOutputs(outputs, to_finish)
+
+    def _hand_routing(self, state: RequestState) -> None:
+        """Gives each newly finished completion its routed experts (children first: a
+        fan-out child that computed nothing yet starts from its parent's record)."""
+        for o in reversed(state.outputs):
+            req = state.requests.get(o.index)
+            if o.finish_reason is not None and o.routed_experts is None and req is not None:
+                length = len(state.prompt_token_ids) + len(o.token_ids) - 1
+                o.routed_experts = self.routing.take(req, max(length, 0))
 
     def _count(self, reasons: list[str]) -> None:
         for reason in reasons:

@@ -74,10 +74,13 @@ class ModelRunner:
             (`Model.kv_layout`; one group unless it was given one).
         lora: LoRA settings: with `enable_lora`, the runner keeps the adapter slots
             (`LoRASlots`) and every step carries each token's slot.
+        routed_experts: Every step also brings back each token's routed experts (a
+            mixture of experts; `StepResult.routed_experts`).
 
     Raises:
         ValueError: A `kv_layout` that does not fit the model (`models.model.check_kv_layout`),
-            or a KV cache dtype the backend cannot serve.
+            a KV cache dtype the backend cannot serve, or `routed_experts` on a model
+            without a mixture of experts.
     """
 
     def __init__(self, model: Model, num_pages: int, page_size: int, max_model_len: int,
@@ -85,8 +88,11 @@ class ModelRunner:
                  layout: TensorParallel | None = None, num_spec_tokens: int = 0,
                  kv_cache_dtype: str = "auto", short_tiles: bool | None = None,
                  eos_token_id: int | None = None, kv_layout: KVGroupLayout | None = None,
-                 lora: LoRAConfig | None = None):
+                 lora: LoRAConfig | None = None, routed_experts: bool = False):
         compile_counter.install()
+        if routed_experts and not model.cfg.is_moe:
+            raise ValueError("enable_return_routed_experts needs a mixture-of-experts model; "
+                             f"{model.source or 'this model'} has no routed experts")
         model = runner_model(model, kv_layout, layout, lora)
         # NOTE: a copy of its own: `set_params` updates it in place (the compiled steps
         # hold it), never a model object the caller or another engine holds.
@@ -127,7 +133,8 @@ class ModelRunner:
         self.no_prev_ids = self.to_device(np.zeros(self.max_rows, np.int32))
         page_shape = pool_shape[:3] + pool_shape[4:]  # one page: [L, 2, Hkv, page_size, row]
         self.swap = HostSwapSpace(num_swap_slots, page_shape, pool_dtype)
-        self.programs = StepPrograms(self.model, layout, self.short_tiles, self.max_rows)
+        self.programs = StepPrograms(self.model, layout, self.short_tiles, self.max_rows,
+                                     routed_experts)
         self.num_padded_tokens = 0
         self.num_scheduled_tokens = 0
         # Compilations inside this runner's steps since warm-up (other engines or user code
@@ -240,33 +247,35 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.send("step", inputs, self._step_count,
                               None if prev is None else prev.step_id)
-        res, next_ids, prompt_lp, *pooled = self.launch(
-            inputs, None if prev is None else prev.next_input_ids, pooled=True)
+        res, next_ids, prompt_lp, pooled, routed = self.launch(
+            inputs, None if prev is None else prev.next_input_ids, extras=True)
         padded = num_tokens - total
         self.num_padded_tokens += padded
         self.num_scheduled_tokens += total
         return PendingStep(arrays.row_request_ids, res, next_ids, padded, prompt_lp,
                            0 if prompt_targets is None else len(prompt_targets),
-                           self._step_count, pooled[0], len(out.scheduled))
+                           self._step_count, pooled, len(out.scheduled), routed, total)
 
     def launch(self, inputs: StepInputs, prev_ids: jax.Array | None = None,
-               pooled: bool = False):
+               extras: bool = False):
         """Dispatches one step's programs (model, prompt logprobs, sampler) on its inputs.
 
         Args:
             inputs: The step's packed buffers.
             prev_ids: i32[max_rows] the previous step's sampled ids (on the device), read
                 for placeholder tokens; None when no step is in flight.
-            pooled: Also return the rows' pooled shares (a pooling runner's, else None).
+            extras: Also return the rows' pooled shares (a pooling runner's, else None)
+                and the tokens' routed experts (when captured, else None).
 
         Returns:
             (SamplerOutput, i32[max_rows] next input ids, PromptLogprobs or None), all
-            device arrays; with `pooled`, then f32[num_rows, hidden] or None.
+            device arrays; with `extras`, then f32[num_rows, hidden] or None and
+            i32[num_tokens, L, k] or None.
         """
         self.num_decode_steps += inputs.decode_only
         programs = self.programs
         model_buf = self.to_device(inputs.model_buf)
-        self.kv_pages, logits, hidden = programs.model_step(
+        self.kv_pages, logits, hidden, routed = programs.model_step(
             inputs.model_layout, inputs.decode_only)(
             self.params, self.kv_pages, model_buf,
             self.no_prev_ids if prev_ids is None else prev_ids, self.lora_stacks)
@@ -279,7 +288,7 @@ class ModelRunner:
                                                    self.to_device(inputs.prompt_targets))
         sample_buf, sample_layout = self.sampling_inputs(inputs.sampling, inputs.variant)
         res, next_ids = programs.sampler(sample_layout)(logits, self.to_device(sample_buf))
-        return (res, next_ids, prompt_lp, pool) if pooled else (res, next_ids, prompt_lp)
+        return (res, next_ids, prompt_lp, pool, routed) if extras else (res, next_ids, prompt_lp)
 
     def prepare_model_step(self, out: SchedulerOutput, decode_only: bool | None = None,
                            lora_slots: np.ndarray | None = None) -> ModelStep:

@@ -36,6 +36,8 @@ class PendingStep:
     step_id: int = 0
     pooled: object = None  # f32[num_rows, hidden] of a pooling runner (`pool_step`), or None
     num_pool_rows: int = 0  # its real rows (the scheduled requests, in their order)
+    routed_experts: object = None  # i32[num_tokens bucket, L, k] captured routing, or None
+    num_tokens: int = 0  # the step's real tokens (the scheduled ones, in their order)
 
 
 @dataclass
@@ -88,6 +90,9 @@ class StepResult:
     num_padded_tokens: int
     prompt_logprobs: object = None
     pooled: np.ndarray | None = None  # f32[len(scheduled), hidden]: `PendingStep.pooled`
+    # i32[real tokens, L, k]: each scheduled token's routed experts (in the scheduled
+    # entries' order), when the runner captures routing; else None.
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,8 @@ class ModelStep:
     Attributes:
         program: The jitted model step (`step_programs.model_step`): `(params, kv_pages,
             buf, prev_ids, lora_stacks) -> (kv_pages, f32[sample rows, V] logits, hidden
-            [num_tokens, H])`; `kv_pages` is donated (use the pool it returns).
+            [num_tokens, H], routed experts or None)`; `kv_pages` is donated (use the pool
+            it returns).
         buf: i32[layout.size] the packed inputs, on the step's devices.
         layout: How `buf` unpacks (`transfer.Layout`).
         arrays: The host arrays packed into `buf` (`step_input.StepArrays`).
@@ -124,7 +130,7 @@ class ModelStep:
     def run(self, params, kv_pages) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Runs the step on `params` and `kv_pages` (donated); returns (the new pool,
         logits, hidden), without waiting for the device."""
-        return self.program(params, kv_pages, self.buf, self.prev_ids, self.lora_stacks)
+        return self.program(params, kv_pages, self.buf, self.prev_ids, self.lora_stacks)[:3]
 
     def lower(self, params, kv_pages):
         """The step lowered for `params` and `kv_pages` (`jax.stages.Lowered`: compile it,

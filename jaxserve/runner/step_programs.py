@@ -24,24 +24,26 @@ from models.model import Model
 from pallas_kernels import AttentionMetadata
 
 
-def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: bool, params,
-                kv_pages, buf, prev_ids, lora=None):
+def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: bool,
+               routing: bool, params, kv_pages, buf, prev_ids, lora=None):
     """One step's model forward on its packed inputs `buf` (unpacked by `layout`): the
     placeholder tokens read from `prev_ids` (i32[max_rows]), every token's LoRA slot from
     the buffer when `lora` (the slot stacks) is given. Returns (kv_pages, f32[rows, vocab]
-    logits of the sampled rows, hidden [num_tokens, hidden_size])."""
+    logits of the sampled rows, hidden [num_tokens, hidden_size], routed): `routed` is
+    i32[num_tokens, num_layers, top_k] each token's routed experts when `routing` (a
+    mixture of experts' routing capture), else None."""
     x = unpack(buf, layout)
     md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"],
                            decode_only, short_tiles)
     src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
     input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
-    kv_pages, hidden = model.forward(params, input_ids, x["positions"], kv_pages, md, lora,
-                                     x.get("lora_slots"))
+    kv_pages, hidden, *routed = model.forward(params, input_ids, x["positions"], kv_pages, md,
+                                              lora, x.get("lora_slots"), routing=routing)
     # NOTE: the sampled rows are padded to the step's row count: methods that can skip the
     # padding rows (the CPU kernels) multiply only the real ones (`models.linear.context`).
     with forward_context(real_rows=x["sample_rows"][0]):  # f32[rows, vocab], padding rows 0
         logits = model.compute_logits(params, hidden[x["logits_indices"]])
-    return kv_pages, logits, hidden
+    return kv_pages, logits, hidden, (routed[0] if routing else None)
 
 
 def pool_step(layout: Layout, pooling_type: str, hidden, buf):
@@ -122,13 +124,16 @@ def result_on_host(pending: PendingStep) -> StepResult:
     if pending.prompt_logprobs is not None:
         prompt_lp = jax.tree_util.tree_map(lambda x: x[:pending.num_prompt_targets],
                                            to_host(pending.prompt_logprobs))
+    routed = None
+    if pending.routed_experts is not None:
+        routed = to_host(pending.routed_experts)[:pending.num_tokens]
     n = len(pending.row_request_ids)
     topk_ids = None if res.topk_token_ids is None else res.topk_token_ids[:n]
     topk_lp = None if res.topk_logprobs is None else res.topk_logprobs[:n]
     logprobs = None if res.logprobs is None else res.logprobs[:n]
     ranks = None if res.token_ranks is None else res.token_ranks[:n]
     return StepResult(pending.row_request_ids, res.token_ids[:n], logprobs, ranks,
-                      topk_ids, topk_lp, pending.num_padded_tokens, prompt_lp, pooled)
+                      topk_ids, topk_lp, pending.num_padded_tokens, prompt_lp, pooled, routed)
 
 
 class StepPrograms:
@@ -140,10 +145,14 @@ class StepPrograms:
         short_tiles: `AttentionMetadata.short_tiles` of the model steps.
         max_rows: Length of the sampled ids the samplers return for the next step's
             placeholders (`ModelRunner.max_rows`).
+        routing: The model steps also return every token's routed experts (a mixture of
+            experts' routing capture).
     """
 
-    def __init__(self, model: Model, parallel, short_tiles: bool, max_rows: int):
+    def __init__(self, model: Model, parallel, short_tiles: bool, max_rows: int,
+                 routing: bool = False):
         self.model = model
+        self.routing = routing
         self.parallel = parallel
         self.short_tiles = short_tiles
         self.max_rows = max_rows
@@ -154,15 +163,15 @@ class StepPrograms:
 
     def model_step(self, layout: Layout, decode_only: bool = False):
         """The model forward (`model_step`) of inputs packed as `layout`: `(params,
-        kv_pages, buf, prev_ids, lora_stacks) -> (kv_pages, logits, hidden)`, the pool
-        donated; `decode_only` picks the paged-decode variant."""
+        kv_pages, buf, prev_ids, lora_stacks) -> (kv_pages, logits, hidden, routed)`, the
+        pool donated; `decode_only` picks the paged-decode variant."""
         fn = self._steps.get((layout, decode_only))
         if fn is None:
             shardings = {} if self.parallel is None else {"out_shardings": (
                 self.parallel.kv_pages_sharding(), self.parallel.replicated(),
-                self.parallel.replicated())}
+                self.parallel.replicated(), self.parallel.replicated())}
             fn = jax.jit(functools.partial(model_step, self.model, layout, decode_only,
-                                           self.short_tiles),
+                                           self.short_tiles, self.routing),
                          donate_argnums=1, **shardings)
             self._steps[(layout, decode_only)] = fn
         return fn

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -55,6 +56,7 @@ HYBRID_POOL = dict(num_kv_blocks=24)
 WINDOWED_POOL = dict(num_kv_blocks=6)
 PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
              "short_factor": [1.0, 1.2, 1.9, 3.0], "long_factor": [1.3, 3.5, 8.0, 24.0]}
+ROUTED = dict(enable_return_routed_experts=True)
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 
@@ -91,19 +93,23 @@ FAMILIES = [
            dict(layer_windows=(WINDOW, WINDOW, 0), qk_norm=True, local_rope_theta=100.0,
                 final_logit_softcap=4.0),
            norm_center=0.0, engine=HYBRID_POOL),
+    # Routing captured (top-k then softmax): every check also compares each completion's
+    # routed experts with transformers' router.
     Family("mixtral", "MixtralConfig", "MixtralForCausalLM",
            dict(MOE, num_local_experts=8, sliding_window=None),
-           dict(num_experts=8, router_order="topk_softmax")),
+           dict(num_experts=8, router_order="topk_softmax"), engine=ROUTED),
     Family("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
            dict(MOE, num_experts=8, moe_intermediate_size=32,
                 shared_expert_intermediate_size=48, norm_topk_prob=False),
            dict(num_experts=8, shared_expert_intermediate_size=48, norm_topk_prob=False,
                 router_order="softmax_topk")),
-    # Warmed up: no routing of any check compiles a program after warm-up.
+    # Warmed up: no routing of any check compiles a program after warm-up (its routing
+    # captured, softmax then top-k).
     Family("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
            dict(MOE, num_experts=8, moe_intermediate_size=32, head_dim=16,
                 norm_topk_prob=True),
-           dict(num_experts=8, norm_topk_prob=True, qk_norm=True), engine=dict(warmup=True)),
+           dict(num_experts=8, norm_topk_prob=True, qk_norm=True),
+           engine=dict(ROUTED, warmup=True)),
     Family("olmoe", "OlmoeConfig", "OlmoeForCausalLM",
            dict(MOE, num_experts=8, intermediate_size=32),
            dict(num_experts=8, qk_norm=True, qk_norm_full=True)),
@@ -164,6 +170,14 @@ def _hf_greedy(hf, ids: list[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def _hf_routing(hf, ids: list[int], k: int) -> np.ndarray:
+    """i32[len(ids), L, k]: the experts transformers' routers rank first for each token of
+    `ids` (teacher-forced), heaviest first."""
+    with torch.no_grad():
+        router = hf(torch.tensor([ids]), output_router_logits=True).router_logits
+    return np.stack([torch.topk(r, k).indices.numpy() for r in router], axis=1)
+
+
 @dataclasses.dataclass
 class Served:
     """A row's engine (`warm`: warmed up), its prompts' ids and transformers' greedy tokens
@@ -174,6 +188,9 @@ class Served:
     warm: bool
     ids: dict[str, list[int]]
     want: dict[str, list[int]]
+    routing: dict[str, np.ndarray] | None = None  # captured: transformers' routed experts
+    hf: object = None  # the transformers model
+    directory: str = ""  # where it is saved
 
     def check(self, prompts: list[str]) -> dict[str, float]:
         """Serves `prompts` batched, asserts transformers' tokens for each; returns what the
@@ -185,6 +202,11 @@ class Served:
         for prompt, out in zip(prompts, outs, strict=True):
             ours = out.outputs[0].token_ids
             assert ours == self.want[prompt], (self.family.name, prompt)
+            routed = out.outputs[0].routed_experts
+            if self.routing is None:
+                assert routed is None
+            else:  # the prompt and every output but the last went through the model
+                np.testing.assert_array_equal(routed, self.routing[prompt])
         after = self.llm.get_metrics()
         assert after["jaxserve:kv_cache_usage_perc"] == 0.0  # every page given back
         gained = {k.removeprefix("jaxserve:"): after[k] - before[k] for k in before
@@ -207,10 +229,14 @@ def served(request, smollm2_tokenizer, tmp_path_factory):
         prompts = dict.fromkeys([*PROMPTS, LONG, *SWAP_BATCH])
         ids = {p: smollm2_tokenizer(p).input_ids for p in prompts}
         want = {p: _hf_greedy(hf, ids[p]) for p in prompts}
+        args = {**ENGINE, **row.engine}
+        routing = None
+        if args.get("enable_return_routed_experts"):
+            k = row.config["num_experts_per_tok"]
+            routing = {p: _hf_routing(hf, ids[p] + want[p][:-1], k) for p in prompts}
     finally:
         torch.set_num_threads(threads)
     assert all(len(set(w)) > 1 for w in want.values())  # not a degenerate repeat
-    args = {**ENGINE, **row.engine}
     llm = LLM(directory, **args)
     llm.engine.speculator.gate.min_acceptance = 0.0  # never paused: proposals every step
     cfg = llm.engine.model.cfg
@@ -219,7 +245,7 @@ def served(request, smollm2_tokenizer, tmp_path_factory):
         for part in field.split("."):
             got = getattr(got, part)
         assert got == value, (row.name, field)
-    return Served(row, llm, args["warmup"], ids, want)
+    return Served(row, llm, args["warmup"], ids, want, routing, hf, directory)
 
 
 def test_batched_greedy(served):
@@ -254,3 +280,40 @@ def test_ngram_speculation(served):
     assert sum(_lookup_chances(served.ids[p], served.want[p]) for p in prompts) > 0
     gained = served.check(prompts)
     assert gained["spec_decode_num_draft_tokens"] > 0
+
+
+def test_routed_experts_of_every_sample(served):
+    """Routing capture with n > 1 (the samples fork after the prompt: each has its own
+    tokens' routing after the shared prompt's), and nothing kept for an aborted request."""
+    if served.routing is None:
+        pytest.skip("this row does not capture routing")
+    ids, k = served.ids[PROMPTS[1]], served.family.config["num_experts_per_tok"]
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6)
+    out = served.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for c in out.outputs:
+            np.testing.assert_array_equal(
+                c.routed_experts, _hf_routing(served.hf, ids + c.token_ids[:-1], k))
+    finally:
+        torch.set_num_threads(threads)
+    engine = served.llm.engine
+    engine.add_request("aborted", {"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    engine.step()
+    (final,) = engine.abort_request("aborted")
+    assert final.outputs[0].routed_experts is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.outputs.routing) == 0
+
+
+def test_routed_experts_need_a_mixture_of_experts(served):
+    if served.family.name != "llama":
+        pytest.skip("one dense row is enough")
+    with pytest.raises(ValueError, match="enable_return_routed_experts needs a "
+                                         "mixture-of-experts model"):
+        LLM(served.directory, **{**ENGINE, "enable_return_routed_experts": True})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -153,3 +154,24 @@ def write_gguf_header(path: str, arch: str, fields: dict, tensors: dict | None =
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def forward_routing(model, token_ids: Sequence[int], page_size: int = 16) -> np.ndarray:
+    """i32[T, num_layers, top_k]: the experts each token of a prompt is routed to in every
+    layer (`Model.forward(routing=True)`), the prompt run whole in one step."""
+    ids = np.asarray(token_ids, np.int32)
+    n = len(ids)
+    pages = cdiv(n, page_size)
+    block_tables = np.zeros((1, pages + 1), np.int32)
+    block_tables[0, :pages] = np.arange(1, pages + 1)
+    positions = np.arange(n, dtype=np.int32)
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(page_size + positions),  # pages 1.. in order
+        block_tables=jnp.asarray(block_tables),
+        kv_lens=jnp.asarray([n], jnp.int32),
+        cu_q_lens=jnp.asarray([0, n], jnp.int32),
+    )
+    kv_pages = jnp.zeros(model.kv_pages_shape(pages + 2, page_size), model.dtype)
+    _, _, routed = jax.jit(functools.partial(model.forward, routing=True))(
+        model.params, jnp.asarray(ids), jnp.asarray(positions), kv_pages, md)
+    return np.asarray(routed)

@@ -16,7 +16,7 @@ from models.linear import ServingChoice
 from models.loaders import load_model
 from models.model import Model
 from models.rope import RopeScaling
-from tests.models.helpers import forward_logits, hf_logits
+from tests.models.helpers import forward_logits, forward_routing, hf_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -325,6 +325,30 @@ def test_tiny_every_feature_is_exercised(tiny):
     if tiny[0].ablate is not None and len(tiny[0].ablate) <= first:
         pytest.skip("one feature: the default tier ablates it")
     _check_ablations(tiny, slice(first, None))
+
+
+@pytest.mark.parametrize("tiny", _params([c for c in CASES if c.name == "qwen3_moe_mlp_only"]),
+                         indirect=True)
+def test_routed_experts_are_transformers_routers(tiny):
+    """Routing capture (`Model.forward(routing=True)`) of a mixture of experts with a
+    dense layer: each sparse layer's experts per token are those transformers' router
+    ranks first (its `router_logits`, heaviest first); the dense layer's are -1."""
+    case, model, ids, _, path = tiny
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    with torch.no_grad():
+        router = hf(torch.tensor([ids]), output_router_logits=True).router_logits
+    k = model.cfg.num_experts_per_tok
+    ours = forward_routing(model, ids, page_size=PAGE_SIZE)  # i32[T, L, k]
+    assert ours.shape == (len(ids), model.cfg.num_layers, k)
+    sparse = [i for i in range(model.cfg.num_layers) if i not in model.cfg.dense_layers]
+    assert len(router) == len(sparse) and model.cfg.dense_layers == (1,)
+    for layer, logits in zip(sparse, router, strict=True):
+        np.testing.assert_array_equal(ours[:, layer], torch.topk(logits, k).indices.numpy())
+    assert (ours[:, 1] == -1).all()
+    with pytest.raises(ValueError, match="no mixture-of-experts"):
+        dense = Model(dataclasses.replace(model.cfg, num_experts=0, dense_layers=()),
+                      model.params, model.dtype)
+        dense.forward(model.params, None, None, None, None, routing=True)
 
 
 def test_bfloat16_close_to_float32(tmp_path):

@@ -74,6 +74,8 @@ ENGINE_ARGS = [
      "(LAST, MEAN or CLS; normalize; dimensions)"),
     ("--batch-invariant", "bool", None, "off",
      "every request's logits bit-for-bit the same whatever shares its step (xla/cpu)"),
+    ("--enable-return-routed-experts", "bool", None, "off",
+     "mixture of experts: every completion carries its tokens' routed experts per layer"),
     ("--tensor-parallel-size", int, None, "1", "devices one model is split over"),
     ("--enable-expert-parallel", "bool", None, "off",
      "mixture of experts: split the experts over the tensor-parallel devices (whole experts "
