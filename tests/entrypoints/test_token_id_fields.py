@@ -5,6 +5,7 @@ streamed, and pydantic's lax scalar coercion of request bodies, as vLLM's models
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import pytest
 
 from jaxserve.engine.async_llm import AsyncLLM
@@ -150,18 +151,25 @@ def test_values_that_do_not_parse_are_still_400s(server, chat, extra, param, cod
 
 class LogprobEngine(FakeEngine):
     """The fake engine (token i as text `"t{i} "`) with logprobs when asked for: the token
-    (rank 1) and id i + 100 (rank 2, text `"u{i}"`)."""
+    (rank 1) and id i + 100 (rank 2, text `"u{i}"`); a finished completion carries routed
+    experts (`ROUTED` cut to its positions), as an engine capturing routing."""
 
     def step(self):
         params = {rid: entry[1] for rid, entry in self.running.items()}
         outputs = super().step()
         for out in outputs:
-            if params[out.request_id].logprobs is not None:
-                for comp in out.outputs:
+            for comp in out.outputs:
+                if params[out.request_id].logprobs is not None:
                     comp.logprobs = [{t: Logprob(-0.5, 1, f"t{t} "),
                                       t + 100: Logprob(-2.0, 2, f"u{t}")}
                                      for t in comp.token_ids]
+                if comp.finish_reason is not None:
+                    n = len(out.prompt_token_ids) + len(comp.token_ids) - 1
+                    comp.routed_experts = ROUTED[:n]
         return outputs
+
+
+ROUTED = np.arange(64 * 3 * 2, dtype=np.int32).reshape(64, 3, 2) % 7  # [position, L, k]
 
 
 @pytest.fixture(scope="module")
@@ -255,3 +263,25 @@ def test_ids_are_withheld_when_reasoning_is_left_out(flagged, stream):
         assert all(c["choices"][0]["token_ids"] is None for c in got[1:])
     else:
         assert got["prompt_token_ids"] and got["choices"][0]["token_ids"] is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_routed_experts_reach_the_client(flagged, stream):
+    """An engine capturing routing (`--enable-return-routed-experts`): each finished choice
+    carries its routed experts as [position][layer][k] lists (streamed: in its last
+    chunk), chat and completions."""
+    for path, body in (("/v1/chat/completions", {**FAKE, "messages": MESSAGES}),
+                       ("/v1/completions", {**FAKE, "prompt": "Hello"})):
+        got = fake_post(flagged, path, {**body, "return_token_ids": True}, stream)
+        if stream:
+            ends = [c["choices"][0] for c in got if c["choices"]
+                    and c["choices"][0]["finish_reason"] is not None]
+            assert len(ends) == 1
+            assert all("routed_experts" not in c["choices"][0] or c["choices"][0] is ends[0]
+                       for c in got if c["choices"])
+            choice = ends[0]
+        else:
+            choice = got["choices"][0]
+            assert got.get("prompt_token_ids", choice.get("prompt_token_ids")) == [1, 2]
+        # The fake engine's prompt is [1, 2] whatever was sent.
+        assert choice["routed_experts"] == ROUTED[:2 + FAKE["max_tokens"] - 1].tolist(), path

@@ -21,6 +21,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     final_usage,
     from_value_error,
     now,
+    routed_experts_json,
     token_label,
     usage,
 )
@@ -169,7 +170,8 @@ class OpenAIServingChat(OpenAIServing):
                 "logprobs": chat_logprobs(comp, 0, params.logprobs, self.tokenizer, as_ids)
                 if params.logprobs is not None else None,
                 "finish_reason": finish_reason, "stop_reason": comp.stop_reason,
-                "token_ids": list(comp.token_ids) if show_ids else None})
+                "token_ids": list(comp.token_ids) if show_ids else None,
+                "routed_experts": routed_experts_json(comp)})
         return {"id": request_id, "object": "chat.completion", "created": now(),
                 "model": self.serving_models.response_name(prep.lora_request),
                 "choices": choices, "service_tier": None, "system_fingerprint": None,
@@ -209,6 +211,8 @@ class OpenAIServingChat(OpenAIServing):
                       "logprobs": logprobs, "finish_reason": finish_reason}
             if finish_reason is not None:
                 choice["stop_reason"] = d.comp.stop_reason
+                if d.comp.routed_experts is not None:
+                    choice["routed_experts"] = routed_experts_json(d.comp)
             choice["token_ids"] = list(d.comp.token_ids[d.token_start:]) if show_ids else None
             yield {**head, "choices": [choice], **chunk_usage(req, prep, finals, chat=True)}
         if req.stream_options is not None and req.stream_options.include_usage:

@@ -14,6 +14,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
     final_usage,
     from_value_error,
     now,
+    routed_experts_json,
     token_label,
     usage,
 )
@@ -151,6 +152,8 @@ class OpenAIServingCompletion(OpenAIServing):
                   "prompt_token_ids": list(out.prompt_token_ids) if ids and first else None,
                   "token_ids": ([] if req.echo_only else list(comp.token_ids[token_start:]))
                   if ids else None}
+        if comp.routed_experts is not None and comp.finish_reason is not None:
+            choice["routed_experts"] = routed_experts_json(comp)  # jaxserve's, as chat's
         asked = req.prompt_logprobs is not None and first
         if not stream or asked:  # NOTE: vLLM refuses prompt logprobs when streaming
             choice["prompt_logprobs"] = prompt_logprobs_json(out) if asked else None

@@ -350,6 +350,12 @@ def token_label(token_id: int, text: str, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else text
 
 
+def routed_experts_json(comp: CompletionOutput) -> list | None:
+    """A finished completion's routed experts as nested lists [position][layer][k] (the
+    engine captures them under `--enable-return-routed-experts`), else None."""
+    return None if comp.routed_experts is None else comp.routed_experts.tolist()
+
+
 def sse(data: dict | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
