@@ -13,10 +13,12 @@ experts do not use: that would compare matmul kernels, not the layer).
 
 `--int8 experts|all` adds a fourth model, "moe_int8": the MoE with its routed expert stacks
 int8 per output channel (`models.quant.EXPERT_MODULES`), or every weight int8
-(`quantization="int8"`), printed against the float MoE.
+(`quantization="int8"`), printed against the float MoE. `--routed` adds "moe_routed": the
+MoE's step with routing capture (`enable_return_routed_experts`: the step also returns
+every token's routed experts), printed against the MoE's.
 
 Usage: python -m scripts.benchmarks.bench_moe [--batches 1,32] [--hidden 1024] [--layers 4]
-       [--int8 experts|all]
+       [--int8 experts|all] [--routed]
 """
 
 from __future__ import annotations
@@ -65,10 +67,11 @@ def decode_step(batch: int, context: int, page_size: int) -> SchedulerOutput:
         for i in range(batch)])
 
 
-def compiled(model: Model, tok, batch: int, context: int):
+def compiled(model: Model, tok, batch: int, context: int, routed: bool = False):
     """[the runner's `ModelStep` of one decode step, its runner, the pool it updates]."""
     llm = make_llm(model, tok, max_model_len=1024, max_num_seqs=32,
-                   max_num_batched_tokens=256, num_kv_blocks=NUM_PAGES, warmup=False)
+                   max_num_batched_tokens=256, num_kv_blocks=NUM_PAGES, warmup=False,
+                   enable_return_routed_experts=routed)
     runner = llm.engine.runner
     step = runner.prepare_model_step(decode_step(batch, context, runner.page_size),
                                      decode_only=False)
@@ -107,6 +110,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--int8", choices=("experts", "all"),
                     help="also time the MoE with int8 experts (or every weight int8)")
+    ap.add_argument("--routed", action="store_true",
+                    help="also time the MoE's step with routing capture")
     args = ap.parse_args()
     tok = load_tokenizer(default_model_path())
     cfgs = configs(args)
@@ -117,9 +122,10 @@ def main() -> None:
                             EXPERT_MODULES if args.int8 == "experts" else QUANT_MODULES)
         models["moe_int8"] = Model(cfgs["moe"], random_params(cfgs["moe"], seed=0, quant=plan),
                                    serving=ServingChoice("xla"), quant=plan)
-    names = list(models)
+    names = list(models) + (["moe_routed"] if args.routed else [])
     for batch in (int(b) for b in args.batches.split(",")):
-        steps = {n: compiled(models[n], tok, batch, args.context) for n in names}
+        steps = {n: compiled(models.get(n, models["moe"]), tok, batch, args.context,
+                             routed=n == "moe_routed") for n in names}
         times = interleaved_ms(steps, names, args.rounds)
         med = {n: float(np.median(times[n])) for n in names}
         print(f"batch {batch}, context {args.context}: " + ", ".join(
@@ -127,6 +133,8 @@ def main() -> None:
             + f"; moe / dense_active {med['moe'] / med['dense_active']:.2f}x, "
             f"moe / dense_all {med['moe'] / med['dense_all']:.2f}x"
             + (f", moe_int8 / moe {med['moe_int8'] / med['moe']:.2f}x" if args.int8 else "")
+            + (f", moe_routed / moe {med['moe_routed'] / med['moe']:.2f}x" if args.routed
+               else "")
             + "; load "
             f"{os.getloadavg()[0]:.2f}", flush=True)
         del steps
