@@ -85,7 +85,8 @@ class LLMEngine:
             self.runner.pooling_type = self.pooler.config.pooling_type
         self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
                                      lim.max_model_len, self.scheduler.max_num_seqs,
-                                     self.worker.eos_token_ids, config.model.seed)
+                                     self.worker.eos_token_ids, config.model.seed,
+                                     config.model.max_logprobs)
         self.outputs = OutputProcessor()
         self.sampling_inputs = SamplingInputs(self.runner, self.outputs,
                                               self.model.cfg.vocab_size)

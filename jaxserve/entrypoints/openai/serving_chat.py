@@ -12,7 +12,7 @@ from jaxserve.entrypoints.openai.reasoning import (
     thinking_disabled,
 )
 from jaxserve.entrypoints.openai.serving_base import SAMPLING_FIELDS, Prepared
-from jaxserve.entrypoints.openai.serving_completion import prompt_logprobs_json
+from jaxserve.entrypoints.openai.serving_completion import json_logprob, prompt_logprobs_json
 from jaxserve.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
@@ -32,11 +32,14 @@ _FIELDS = SAMPLING_FIELDS | REQUEST_FIELDS | {"logit_bias", "top_logprobs", "mes
 
 
 def _entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return {"token": token, "logprob": json_logprob(logprob),
+            "bytes": list(token.encode("utf-8"))}
 
 
 def chat_logprobs(comp: CompletionOutput, start: int, top: int, tokenizer) -> dict:
-    """OpenAI's chat logprobs object (`{"content": [...]}`) for tokens `start:`."""
+    """OpenAI's chat logprobs object (`{"content": [...]}`) for tokens `start:`, with the
+    `top` best alternatives (-1: every one returned)."""
+    top = float("inf") if top == -1 else top
     content = []
     decode = lambda tid, lp: lp.decoded_token if lp.decoded_token is not None \
         else tokenizer.decode([tid])

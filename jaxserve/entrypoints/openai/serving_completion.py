@@ -21,11 +21,21 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 _FIELDS = SAMPLING_FIELDS | REQUEST_FIELDS | {"logit_bias", "suffix", "best_of", "prompt"}
 
 
+# What a -inf logprob (a token the processed logprobs modes dropped) is sent as: JSON has no
+# infinity (vLLM's value).
+MIN_JSON_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """`logprob` as the responses send it: -inf (and anything below) as MIN_JSON_LOGPROB."""
+    return logprob if not logprob < MIN_JSON_LOGPROB else MIN_JSON_LOGPROB
+
+
 def _token_text(entry: dict, token_id: int, tokenizer) -> tuple[str, float]:
     lp = entry.get(token_id)
     text = lp.decoded_token if lp is not None and lp.decoded_token is not None \
         else tokenizer.decode([token_id])
-    return text, (lp.logprob if lp is not None else float("nan"))
+    return text, (json_logprob(lp.logprob) if lp is not None else float("nan"))
 
 
 def completion_logprobs(comp: CompletionOutput, start: int, offset: int, tokenizer) -> dict:
@@ -36,7 +46,8 @@ def completion_logprobs(comp: CompletionOutput, start: int, offset: int, tokeniz
         tokens.append(text)
         token_logprobs.append(lp)
         top_logprobs.append({(v.decoded_token if v.decoded_token is not None
-                              else tokenizer.decode([k])): v.logprob for k, v in entry.items()})
+                              else tokenizer.decode([k])): json_logprob(v.logprob)
+                             for k, v in entry.items()})
         text_offset.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
@@ -63,7 +74,7 @@ def prompt_part(out: RequestOutput, k: int, tokenizer) -> dict:
         part["token_logprobs"].append(None if entry is None else lp)
         part["top_logprobs"].append(None if entry is None else {
             (v.decoded_token if v.decoded_token is not None else tokenizer.decode([t])):
-            v.logprob for t, v in entry.items() if t == tid or (v.rank or 0) <= k})
+            json_logprob(v.logprob) for t, v in entry.items() if t == tid or (v.rank or 0) <= k})
         part["text_offset"].append(offset)
         offset += len(text)
     return part
@@ -74,7 +85,7 @@ def prompt_logprobs_json(out: RequestOutput) -> list | None:
     decoded token}."""
     if out.prompt_logprobs is None:
         return None
-    return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank,
+    return [None if e is None else {str(t): {"logprob": json_logprob(v.logprob), "rank": v.rank,
                                              "decoded_token": v.decoded_token}
                                     for t, v in e.items()} for e in out.prompt_logprobs]
 
