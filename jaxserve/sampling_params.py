@@ -53,6 +53,30 @@ def resolve_num_logprobs(num: int | None, vocab_size: int) -> int | None:
     return vocab_size if num == -1 else num
 
 
+def check_num_logprobs(params: SamplingParams, max_logprobs: int,
+                       vocab_size: int) -> SamplingParams:
+    """Refuses more `logprobs` or `prompt_logprobs` than an engine's `max_logprobs` (vLLM's
+    check and words; -1 counts as the whole vocabulary, and so does a `max_logprobs` of -1).
+
+    Returns:
+        `params`, or a copy with -1 resolved to `vocab_size` (the count engines work with).
+
+    Raises:
+        ParameterError: A count above the limit (`parameter` names the field).
+    """
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        num = resolve_num_logprobs(getattr(params, name), vocab_size)
+        if num and num > limit:
+            raise ParameterError(f"Requested {kind} logprobs of {num}, which is greater than "
+                                 f"max allowed: {limit}", name, num)
+    if -1 in (params.logprobs, params.prompt_logprobs):
+        params = params.clone(logprobs=resolve_num_logprobs(params.logprobs, vocab_size),
+                              prompt_logprobs=resolve_num_logprobs(params.prompt_logprobs,
+                                                                   vocab_size))
+    return params
+
+
 class RequestOutputKind(enum.IntEnum):
     """When the engine emits a request's `RequestOutput` (vLLM's names and values)."""
 

@@ -14,12 +14,7 @@ import numpy as np
 from jaxserve.engine.output_processor import RequestState
 from jaxserve.request import Request
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, RowSpec, build_sampling_metadata
-from jaxserve.sampling_params import (
-    ParameterError,
-    SamplingParams,
-    device_seed,
-    resolve_num_logprobs,
-)
+from jaxserve.sampling_params import SamplingParams, check_num_logprobs, device_seed
 from jaxserve.structured import GrammarCompiler
 
 
@@ -148,25 +143,8 @@ class InputProcessor:
         return state
 
     def check_logprobs(self, params: SamplingParams) -> SamplingParams:
-        """Refuses more logprobs or prompt logprobs than `max_logprobs` (vLLM's check and
-        words; -1 counts as the whole vocabulary); returns `params` with -1 resolved to the
-        vocabulary size, the count the engine works with.
-
-        Raises:
-            ParameterError: A count above the limit (`parameter` names the field).
-        """
-        vocab = self.vocab_size
-        limit = vocab if self.max_logprobs == -1 else self.max_logprobs
-        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
-            num = resolve_num_logprobs(getattr(params, name), vocab)
-            if num and num > limit:
-                raise ParameterError(f"Requested {kind} logprobs of {num}, which is greater "
-                                     f"than max allowed: {limit}", name, num)
-        if -1 in (params.logprobs, params.prompt_logprobs):
-            params = params.clone(
-                logprobs=resolve_num_logprobs(params.logprobs, vocab),
-                prompt_logprobs=resolve_num_logprobs(params.prompt_logprobs, vocab))
-        return params
+        """`check_num_logprobs` against this engine's `max_logprobs` and vocabulary."""
+        return check_num_logprobs(params, self.max_logprobs, self.vocab_size)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids alone and after a space (how it appears mid-text), as

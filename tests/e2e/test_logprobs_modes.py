@@ -1,8 +1,8 @@
 """`max_logprobs`, `logprobs=-1` / `prompt_logprobs=-1` and `logprobs_mode` on the tiny model.
 
-The oracles: transformers' logits of the same tiny model, and a sampler written here in NumPy
-(penalties, temperature, min-p, top-k, top-p) whose log-distribution the engine's
-"processed_logprobs" must equal, token for token over the whole vocabulary.
+The oracles: transformers' logits of the same tiny model, and a sampler written in NumPy
+(`tests/sample/reference_sampler.py`: penalties, temperature, min-p, top-k, top-p) whose
+log-distribution the engine's "processed_logprobs" must equal, over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from tests.sample.reference_sampler import log_softmax, processed_logprobs
 
 # NOTE: a 16-token budget (few buckets to warm up) and no prefix caching, so every prompt
 # position is computed (prompt logprobs) whatever ran before.
@@ -43,40 +44,6 @@ def hf_tiny(tiny_model_dir):
     return logits
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    finite = x[np.isfinite(x)]
-    return x - (finite.max() + np.log(np.exp(finite - finite.max()).sum()))
-
-
-def reference_processed(logits: np.ndarray, prompt: list[int], output: list[int],
-                        p: SamplingParams) -> np.ndarray:
-    """f64[V]: the log of the distribution vLLM's sampler draws from, from the rules as
-    documented (vLLM, OpenAI, transformers): repetition penalty over prompt and output, then
-    frequency and presence over output counts; a greedy request stops there; else
-    temperature, min-p (drop p < min_p * p_max), top-k (keep the k largest), top-p (keep the
-    smallest most-likely set reaching p, over the renormalised top-k), dropped ids -inf."""
-    x = logits.astype(np.float64).copy()
-    seen = np.zeros(len(x), bool)
-    seen[list(prompt) + list(output)] = True
-    x[seen] = np.where(x[seen] > 0, x[seen] / p.repetition_penalty,
-                       x[seen] * p.repetition_penalty)
-    counts = np.bincount(np.asarray(output, np.int64), minlength=len(x))
-    x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-    if p.temperature < 1e-5:
-        return log_softmax(x)
-    x /= p.temperature
-    probs = np.exp(log_softmax(x))
-    x[probs < p.min_p * probs.max()] = -np.inf
-    if p.top_k > 0:
-        x[x < np.sort(x)[-p.top_k]] = -np.inf
-    if p.top_p < 1.0:
-        probs = np.exp(log_softmax(x))
-        order = np.argsort(-probs, kind="stable")
-        keep = int(np.searchsorted(np.cumsum(probs[order]), p.top_p)) + 1
-        x[order[keep:]] = -np.inf
-    return log_softmax(x)
-
-
 def dense(entry: dict) -> np.ndarray:
     """f64[V] from a whole-vocabulary logprobs entry ({token: Logprob})."""
     assert len(entry) == VOCAB
@@ -105,7 +72,7 @@ def test_processed_logprobs_are_the_sampling_distribution(processed, hf_tiny):
         assert len(comp.logprobs) == len(comp.token_ids) == 4
         for i, (token, entry) in enumerate(zip(comp.token_ids, comp.logprobs, strict=True)):
             got = dense(entry)
-            ref = reference_processed(logits[i], prompt, comp.token_ids[:i], p)
+            ref = processed_logprobs(logits[i], prompt, comp.token_ids[:i], p)
             np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
             kept = np.isfinite(ref)
             np.testing.assert_allclose(got[kept], ref[kept], atol=2e-3)
