@@ -118,3 +118,22 @@ def test_buckets_and_the_full_variant_keep_the_wide_width():
     plain = build_sampling_metadata([RowSpec(SP(temperature=0))], 2, V)
     assert [promote(md, "full", V, 16, 64).max_num_logprobs
             for md in (wide, narrow, plain)] == [40, 20, 20]
+
+
+def test_engine_arguments_from_the_command_line():
+    """`--max-logprobs` / `--logprobs-mode` reach the engine config (serve and generate share
+    the engine flags); a mode that is not vLLM's is refused by argparse and by the config."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.entrypoints.cli import build_parser, engine_kwargs
+
+    for command in (["serve"], ["generate", "hi"]):
+        args = build_parser().parse_args([*command, "--max-logprobs", "-1",
+                                          "--logprobs-mode", "processed_logits"])
+        model = EngineConfig.from_kwargs(**engine_kwargs(args)).model
+        assert (model.max_logprobs, model.logprobs_mode) == (-1, "processed_logits")
+    assert EngineConfig().model.max_logprobs == 20
+    assert EngineConfig().model.logprobs_mode == "raw_logprobs"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--logprobs-mode", "processed"])
+    with pytest.raises(ValueError, match="max_logprobs must be -1"):
+        EngineConfig.from_kwargs(max_logprobs=-3)
