@@ -15,7 +15,7 @@ from tests.sample.reference_sampler import log_softmax, processed_logprobs
 
 # NOTE: a 16-token budget (few buckets to warm up) and no prefix caching, so every prompt
 # position is computed (prompt logprobs) whatever ran before.
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, num_kv_blocks=40,
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128, num_kv_blocks=40,
               attention_backend="xla", enable_prefix_caching=False)
 VOCAB = 49152
 PROMPTS = ["The capital of France is", "Once upon a time there", "1, 2, 3, 4,", "def f(x):"]
