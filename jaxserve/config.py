@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from jaxserve.pooling_params import RUNNERS, TASKS, PoolerConfig
+from jaxserve.sampling_params import LOGPROBS_MODES
 from jaxserve.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig  # noqa: F401
 from models.quant import QUANTIZATIONS
 
@@ -93,6 +94,14 @@ class ModelConfig:
         enable_return_routed_experts: Every completion also carries the experts its tokens
             were routed to (`CompletionOutput.routed_experts`; a mixture of experts only;
             routing replay in RL training). Off: the step programs are unchanged.
+        max_logprobs: Most `logprobs` / `prompt_logprobs` a request may ask for (vLLM's,
+            default 20); -1: the whole vocabulary. Above 20 warm-up compiles one more
+            top-logprobs width (`jaxserve.sample.metadata.logprobs_widths`).
+        logprobs_mode: What sample logprobs hold (`LOGPROBS_MODES`, vLLM's): "raw_logprobs"
+            (the default: log-softmax of the model's logits), "raw_logits", or
+            "processed_logprobs" / "processed_logits" (after the logit controls, penalties,
+            temperature and min-p / top-k / top-p the sampler applied; dropped tokens -inf).
+            Prompt logprobs are raw log-softmax in every mode, as vLLM's.
     """
 
     model: str | None = None
@@ -110,10 +119,16 @@ class ModelConfig:
     override_pooler_config: object = None
     batch_invariant: bool = False
     enable_return_routed_experts: bool = False
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self):
         _check_types(self)
         _resolve_runner(self)
+        _check(self.max_logprobs >= -1, "max_logprobs", self.max_logprobs,
+               "-1 (the whole vocabulary) or a non-negative integer")
+        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode,
+               f"one of {LOGPROBS_MODES}")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                self.max_model_len, "a positive integer")

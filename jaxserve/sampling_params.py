@@ -26,6 +26,55 @@ MAX_LOGIT_BIAS = 300
 MAX_ALLOWED_TOKEN_IDS = 1024
 MAX_BAD_WORDS = 64
 LOGIT_BIAS_LIMIT = 100.0
+# What sample logprobs hold (vLLM's `--logprobs-mode`, an engine argument): log-softmax or
+# logits, of the model's logits ("raw") or of the distribution actually sampled ("processed").
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+class ParameterError(ValueError):
+    """A bad request value whose message does not start with the field's name (vLLM's
+    `VLLMValidationError`): the server reports `parameter` as the 400's `param`.
+
+    Args:
+        message: The message.
+        parameter: The request field at fault.
+        value: Its value.
+    """
+
+    def __init__(self, message: str, parameter: str, value: Any = None):
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+
+def resolve_num_logprobs(num: int | None, vocab_size: int) -> int | None:
+    """A `logprobs` / `prompt_logprobs` value as a count: -1 (vLLM's "the whole vocabulary")
+    becomes `vocab_size`; None stays None."""
+    return vocab_size if num == -1 else num
+
+
+def check_num_logprobs(params: SamplingParams, max_logprobs: int,
+                       vocab_size: int) -> SamplingParams:
+    """Refuses more `logprobs` or `prompt_logprobs` than an engine's `max_logprobs` (vLLM's
+    check and words; -1 counts as the whole vocabulary, and so does a `max_logprobs` of -1).
+
+    Returns:
+        `params`, or a copy with -1 resolved to `vocab_size` (the count engines work with).
+
+    Raises:
+        ParameterError: A count above the limit (`parameter` names the field).
+    """
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        num = resolve_num_logprobs(getattr(params, name), vocab_size)
+        if num and num > limit:
+            raise ParameterError(f"Requested {kind} logprobs of {num}, which is greater than "
+                                 f"max allowed: {limit}", name, num)
+    if -1 in (params.logprobs, params.prompt_logprobs):
+        params = params.clone(logprobs=resolve_num_logprobs(params.logprobs, vocab_size),
+                              prompt_logprobs=resolve_num_logprobs(params.prompt_logprobs,
+                                                                   vocab_size))
+    return params
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -114,6 +163,8 @@ class SamplingParams:
         ValueError: Any invalid value; the message names the field and the value.
     """
 
+    # The engines' default `max_logprobs` (vLLM's): the most `logprobs` and `prompt_logprobs`
+    # a request may ask for, checked when it is added (-1 asks for the whole vocabulary).
     MAX_LOGPROBS: ClassVar[int] = 20
 
     n: int = 1
@@ -185,7 +236,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None:
                 continue
-            setattr(self, name, _as_int(name, value, 0, self.MAX_LOGPROBS))
+            value = _as_int(name, value)
+            if value < -1:  # NOTE: vLLM's rule and words; the engine checks max_logprobs
+                raise ValueError(f"{name} must be non-negative or -1, got {value}")
+            setattr(self, name, value)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):

@@ -14,7 +14,7 @@ import numpy as np
 from jaxserve.engine.output_processor import RequestState
 from jaxserve.request import Request
 from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, RowSpec, build_sampling_metadata
-from jaxserve.sampling_params import SamplingParams, device_seed
+from jaxserve.sampling_params import SamplingParams, check_num_logprobs, device_seed
 from jaxserve.structured import GrammarCompiler
 
 
@@ -28,12 +28,16 @@ class InputProcessor:
         max_num_seqs: Most sequences in a step (bounds `n`).
         eos_token_ids: The model's and tokenizer's EOS ids (the first is the sampler's).
         seed: Seed of the stream that seeds requests given without one.
+        max_logprobs: Most `logprobs` / `prompt_logprobs` a request may ask for (-1: the
+            whole vocabulary), the engine argument.
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 eos_token_ids: tuple[int, ...], seed: int = 0):
+                 eos_token_ids: tuple[int, ...], seed: int = 0,
+                 max_logprobs: int = SamplingParams.MAX_LOGPROBS):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.eos_token_ids = eos_token_ids
@@ -92,7 +96,7 @@ class InputProcessor:
                              f"{type(params).__name__}")
         # NOTE: a validated copy: fields set after construction are checked again here, at
         # add time, so nothing invalid reaches a step that other requests share.
-        params = params.clone()
+        params = self.check_logprobs(params.clone())
         if isinstance(priority, bool) or not isinstance(priority, int) \
                 or not -2**63 <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
@@ -137,6 +141,10 @@ class InputProcessor:
         if params.structured_outputs is not None:
             root.grammar = self.grammars.matcher(params.structured_outputs)
         return state
+
+    def check_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """`check_num_logprobs` against this engine's `max_logprobs` and vocabulary."""
+        return check_num_logprobs(params, self.max_logprobs, self.vocab_size)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids alone and after a space (how it appears mid-text), as

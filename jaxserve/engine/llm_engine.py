@@ -86,7 +86,8 @@ class LLMEngine:
             self.runner.pooling_type = self.pooler.config.pooling_type
         self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
                                      lim.max_model_len, self.scheduler.max_num_seqs,
-                                     self.worker.eos_token_ids, config.model.seed)
+                                     self.worker.eos_token_ids, config.model.seed,
+                                     config.model.max_logprobs)
         self.outputs = OutputProcessor(RoutedExperts(
             self.model.cfg.num_layers, self.model.cfg.num_experts_per_tok, cache.page_size,
             lim.num_pages) if config.model.enable_return_routed_experts else None)

@@ -33,7 +33,12 @@ from jaxserve.runner.step_io import ModelStep, PendingStep, StepInputs, StepResu
 from jaxserve.runner.step_programs import StepPrograms, result_on_host, runner_model
 from jaxserve.runner.transfer import Layout, pack
 from jaxserve.runner.warmup import run_warmup
-from jaxserve.sample.metadata import MAX_BANNED_TOKEN_IDS, SamplingMetadata
+from jaxserve.sample.metadata import (
+    MAX_BANNED_TOKEN_IDS,
+    MAX_LOGPROBS,
+    SamplingMetadata,
+    logprobs_widths,
+)
 from jaxserve.utils import cdiv
 from models.kv_groups import KVGroupLayout
 from models.model import Model
@@ -76,6 +81,10 @@ class ModelRunner:
             (`LoRASlots`) and every step carries each token's slot.
         routed_experts: Every step also brings back each token's routed experts (a
             mixture of experts; `StepResult.routed_experts`).
+        max_logprobs: The engine's `max_logprobs` (-1: the whole vocabulary): above
+            MAX_LOGPROBS the sampler and prompt-logprobs programs get a second, wide
+            top-logprobs width (`logprobs_widths`), which warm-up compiles too.
+        logprobs_mode: What sample logprobs hold (`jaxserve.sampling_params.LOGPROBS_MODES`).
 
     Raises:
         ValueError: A `kv_layout` that does not fit the model (`models.model.check_kv_layout`),
@@ -88,7 +97,8 @@ class ModelRunner:
                  layout: TensorParallel | None = None, num_spec_tokens: int = 0,
                  kv_cache_dtype: str = "auto", short_tiles: bool | None = None,
                  eos_token_id: int | None = None, kv_layout: KVGroupLayout | None = None,
-                 lora: LoRAConfig | None = None, routed_experts: bool = False):
+                 lora: LoRAConfig | None = None, max_logprobs: int = MAX_LOGPROBS,
+                 logprobs_mode: str = "raw_logprobs", routed_experts: bool = False):
         compile_counter.install()
         if routed_experts and not model.cfg.is_moe:
             raise ValueError("enable_return_routed_experts needs a mixture-of-experts model; "
@@ -111,8 +121,13 @@ class ModelRunner:
         self.group_tables = [self.block_tables] + [
             BlockTableRows(self.max_pages_per_seq, max_num_seqs)
             for _ in range(self.num_kv_groups - 1)]
+        # The top-logprobs widths compiled: MAX_LOGPROBS, and a wide one when max_logprobs
+        # is larger (requests above MAX_LOGPROBS use it).
+        self.logprobs_widths = logprobs_widths(max_logprobs, model.cfg.vocab_size)
+        self.wide_logprobs = self.logprobs_widths[1] if len(self.logprobs_widths) > 1 else None
         # Requests' sampling rows kept between steps (written when each request joins).
-        self.sampling_rows = SamplingRows(model.cfg.vocab_size, eos_token_id, max_num_seqs)
+        self.sampling_rows = SamplingRows(model.cfg.vocab_size, eos_token_id, max_num_seqs,
+                                          self.wide_logprobs)
         self.penalty_len = 1 << (max_model_len - 1).bit_length()
         self.banned_len = MAX_BANNED_TOKEN_IDS
         # NOTE: the smallest bucket is tuned per backend (`pallas_kernels.tuning`): padded
@@ -134,7 +149,7 @@ class ModelRunner:
         page_shape = pool_shape[:3] + pool_shape[4:]  # one page: [L, 2, Hkv, page_size, row]
         self.swap = HostSwapSpace(num_swap_slots, page_shape, pool_dtype)
         self.programs = StepPrograms(self.model, layout, self.short_tiles, self.max_rows,
-                                     routed_experts)
+                                     logprobs_mode, self.wide_logprobs, routed_experts)
         self.num_padded_tokens = 0
         self.num_scheduled_tokens = 0
         # Compilations inside this runner's steps since warm-up (other engines or user code
@@ -236,13 +251,14 @@ class ModelRunner:
         # i32[total]: for prompt logprobs, the next prompt token of each position (-1 where
         # not wanted), from the prompts of the kept rows; None skips them.
         prompt_targets = self.sampling_rows.prompt_targets(out, arrays.cu_q_lens)
-        targets = None
+        targets, num_prompt_logprobs = None, 0
         if prompt_targets is not None:
             targets = np.zeros(num_tokens, np.int32)  # i32[num_tokens]; padding: any id
             targets[:len(prompt_targets)] = np.maximum(prompt_targets, 0)
+            num_prompt_logprobs = self.sampling_rows.prompt_logprobs_width(out)
         inputs = StepInputs(model_layout, model_buf,
                             self.is_decode_step(out, num_tokens, num_rows), sampling, variant,
-                            targets)
+                            targets, num_prompt_logprobs)
         self._step_count += 1
         if self.channel is not None:
             self.channel.send("step", inputs, self._step_count,
@@ -284,8 +300,8 @@ class ModelRunner:
             pool = programs.pool(inputs.model_layout, self.pooling_type)(hidden, model_buf)
         prompt_lp = None
         if inputs.prompt_targets is not None:
-            prompt_lp = programs.prompt_logprobs()(self.params, hidden,
-                                                   self.to_device(inputs.prompt_targets))
+            prompt_lp = programs.prompt_logprobs(inputs.num_prompt_logprobs)(
+                self.params, hidden, self.to_device(inputs.prompt_targets))
         sample_buf, sample_layout = self.sampling_inputs(inputs.sampling, inputs.variant)
         res, next_ids = programs.sampler(sample_layout)(logits, self.to_device(sample_buf))
         return (res, next_ids, prompt_lp, pool, routed) if extras else (res, next_ids, prompt_lp)

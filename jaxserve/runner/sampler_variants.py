@@ -7,7 +7,7 @@ per bucket. The runner instead promotes each step to one of three variants:
     "sample":   random rows with top-k/top-p/min-p filtering; nothing else.
     "full":     everything on (filtering, penalties, banned tokens, logit bias and allowed
                 ids, structured-output bitmask, the sampled tokens' logprobs and 20 top
-                logprobs).
+                logprobs, or the engine's wide width where a request asks for more).
 
 Promotion only adds stages that are identities for rows that do not use them (penalty 0,
 repetition 1, pad token ids, top-k 0, top-p 1), so every variant samples the same tokens.
@@ -87,7 +87,9 @@ def promote(md: SamplingMetadata, variant: str, vocab_size: int, penalty_len: in
         else np.full((num_rows, bitmask_width(vocab_size)), -1, np.int32)  # i32[R, W]
     return dataclasses.replace(
         md, all_greedy=False, needs_filtering=True, has_penalties=True,
-        has_banned_tokens=True, max_num_logprobs=min(MAX_LOGPROBS, vocab_size),
+        has_banned_tokens=True,
+        # NOTE: a step with a request above MAX_LOGPROBS keeps the engine's wide width.
+        max_num_logprobs=max(md.max_num_logprobs, min(MAX_LOGPROBS, vocab_size)),
         needs_logprobs=True,
         prompt_token_ids=widen(md.prompt_token_ids, penalty_len),
         output_token_ids=widen(md.output_token_ids, penalty_len),

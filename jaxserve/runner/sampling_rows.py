@@ -27,7 +27,7 @@ from jaxserve.sample.metadata import (
     padded_len,
     row_banned_ids,
 )
-from jaxserve.sampling_params import SAMPLING_EPS, SamplingParams
+from jaxserve.sampling_params import SAMPLING_EPS, SamplingParams, resolve_num_logprobs
 
 # Columns of `floats` (f32) and `ints` (i64) per row.
 _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
@@ -47,11 +47,15 @@ class SamplingRows:
         vocab_size: V; also the pad id of the token id arrays.
         eos_token_id: Banned with `stop_token_ids` below `min_tokens` (None: no EOS).
         num_rows: Rows to start with (more are added when requests outnumber them).
+        wide_logprobs: The engine's wide top-logprobs width (`logprobs_widths`), for steps
+            with a request asking for more than MAX_LOGPROBS; None: the request's count.
     """
 
-    def __init__(self, vocab_size: int, eos_token_id: int | None = None, num_rows: int = 64):
+    def __init__(self, vocab_size: int, eos_token_id: int | None = None, num_rows: int = 64,
+                 wide_logprobs: int | None = None):
         self.vocab_size = int(vocab_size)
         self.eos_token_id = eos_token_id
+        self.wide_logprobs = wide_logprobs
         n = max(2, num_rows + 1)
         self.floats = np.tile(np.array(_FLOAT_PADS, np.float32), (n, 1))  # f32[n, 6]
         self.ints = np.zeros((n, 4), np.int64)  # i64[n, 4]: top_k, seed, logprobs, flags
@@ -65,6 +69,7 @@ class SamplingRows:
         self._output_len = [0] * n
         self._seeds: list[tuple[int, ...]] = [(0,)] * n  # every completion's seed (fan-out)
         self._prompt_logprobs = [False] * n  # whether the row wants prompt logprobs
+        self._prompt_k = [0] * n  # how many top prompt logprobs it wants (-1 resolved)
         self._num_prompt_logprobs = 0  # rows that do
         # (i32[b] logit-bias ids, f32[b] their biases, i32[a] allowed ids or None) of rows
         # with logit controls
@@ -170,8 +175,8 @@ class SamplingRows:
             needs_filtering=bool((top_k > 0).any() or (top_p < 1.0).any()
                                  or (min_p > 0.0).any()),
             has_penalties=has_penalties,
-            max_num_logprobs=min(logprobs_bucket(int(logprobs.max(initial=0))),
-                                 self.vocab_size),
+            max_num_logprobs=min(logprobs_bucket(int(logprobs.max(initial=0)),
+                                                 self.wide_logprobs), self.vocab_size),
             needs_logprobs=bool((logprobs >= 0).any()))
         special = np.flatnonzero(flags[:num_real] & (_PENALTIES | _BAD_WORDS))
         history = self._histories(sched, starts, counts, slots, out, special)
@@ -210,6 +215,13 @@ class SamplingRows:
             targets[t:t + s.num_new_tokens][keep] = prompt[pos[keep] + 1]
             hit |= bool(keep.any())
         return targets if hit else None
+
+    def prompt_logprobs_width(self, out: SchedulerOutput) -> int:
+        """The most top prompt logprobs a kept, scheduled request of `out` asked for (0 when
+        none asked): the step's prompt-logprobs program width is the bucket of it."""
+        return max((self._prompt_k[slot] for s in out.scheduled
+                    if (slot := self.slot_of.get(s.request_id)) is not None
+                    and self._prompt_logprobs[slot]), default=0)
 
     # ------------------------------------------------------------- joining
     def _slot(self, request_id: str, req: Request | None, params_of, failed: dict) -> int:
@@ -253,9 +265,11 @@ class SamplingRows:
                  | (_CONTROLS if p.logit_bias or p.allowed_token_ids is not None else 0))
         self.ints[slot] = (0 if top_k >= self.vocab_size else top_k,
                            int(seed or 0) & 0xFFFFFFFF,
-                           -1 if p.logprobs is None else p.logprobs, flags)
+                           -1 if p.logprobs is None
+                           else resolve_num_logprobs(p.logprobs, self.vocab_size), flags)
         self._seeds[slot] = tuple(int(x or 0) & 0xFFFFFFFF for x in req.seeds)
         self._prompt_logprobs[slot] = p.prompt_logprobs is not None and req.sample_index == 0
+        self._prompt_k[slot] = resolve_num_logprobs(p.prompt_logprobs or 0, self.vocab_size)
         self._num_prompt_logprobs += self._prompt_logprobs[slot]
         if flags & _CONTROLS:
             bias = p.logit_bias or {}
@@ -352,7 +366,7 @@ class SamplingRows:
         self.floats[slot] = _FLOAT_PADS
         self.ints[slot] = (0, 0, -1, _GREEDY)
         self._num_prompt_logprobs -= self._prompt_logprobs[slot]
-        self._seeds[slot], self._prompt_logprobs[slot] = (0,), False
+        self._seeds[slot], self._prompt_logprobs[slot], self._prompt_k[slot] = (0,), False, 0
         self._controls_of[slot] = None
         self._free.append(slot)
 
@@ -367,5 +381,6 @@ class SamplingRows:
             self._output_len.extend([0] * n)
             self._seeds.extend([(0,)] * n)
             self._prompt_logprobs.extend([False] * n)
+            self._prompt_k.extend([0] * n)
             self._free = list(range(2 * n - 1, n - 1, -1))
         return self._free.pop()

@@ -54,6 +54,8 @@ class StepInputs:
         variant: The sampler variant to run (None: the cheapest that fits).
         prompt_targets: i32[num_tokens] next prompt token per position, or None (no
             prompt logprobs this step).
+        num_prompt_logprobs: The most top prompt logprobs a request of the step asked for
+            (picks the program's width: `StepPrograms.prompt_logprobs`).
     """
 
     model_layout: Layout
@@ -62,6 +64,7 @@ class StepInputs:
     sampling: SamplingMetadata
     variant: str | None = None
     prompt_targets: np.ndarray | None = None
+    num_prompt_logprobs: int = 0
 
 
 @dataclass

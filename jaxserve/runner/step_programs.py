@@ -15,7 +15,7 @@ from jaxserve.config import LoRAConfig
 from jaxserve.runner.step_io import PendingStep, StepResult
 from jaxserve.runner.transfer import Layout, unpack
 from jaxserve.sample.logprobs import compute_prompt_logprobs
-from jaxserve.sample.metadata import MAX_LOGPROBS
+from jaxserve.sample.metadata import MAX_LOGPROBS, logprobs_bucket
 from jaxserve.sample.sampler import sample
 from models.kv_groups import KVGroupLayout
 from models.linear import forward_context, serving_form
@@ -71,10 +71,11 @@ def prompt_logprobs(model: Model, num_logprobs: int, params, hidden, next_token_
     return compute_prompt_logprobs(logits, next_token_ids, num_logprobs)
 
 
-def sample_step(layout: Layout, max_rows: int, logits, buf):
-    """Samples the rows (`buf`: packed `SamplingMetadata`); (SamplerOutput, the ids as
-    i32[max_rows], what the next step's placeholders read)."""
-    res = sample(logits, unpack(buf, layout))
+def sample_step(layout: Layout, max_rows: int, logprobs_mode: str, logits, buf):
+    """Samples the rows (`buf`: packed `SamplingMetadata`; logprobs as `logprobs_mode`
+    says); (SamplerOutput, the ids as i32[max_rows], what the next step's placeholders
+    read)."""
+    res = sample(logits, unpack(buf, layout), logprobs_mode)
     ids = res.token_ids  # i32[num_rows]
     return res, jnp.zeros(max_rows, jnp.int32).at[:ids.shape[0]].set(ids)  # i32[max_rows]
 
@@ -145,21 +146,26 @@ class StepPrograms:
         short_tiles: `AttentionMetadata.short_tiles` of the model steps.
         max_rows: Length of the sampled ids the samplers return for the next step's
             placeholders (`ModelRunner.max_rows`).
+        logprobs_mode: What the samplers' logprobs hold (`sample`'s, static).
+        wide_logprobs: The engine's wide top-logprobs width (`logprobs_widths`), or None.
         routing: The model steps also return every token's routed experts (a mixture of
             experts' routing capture).
     """
 
     def __init__(self, model: Model, parallel, short_tiles: bool, max_rows: int,
+                 logprobs_mode: str = "raw_logprobs", wide_logprobs: int | None = None,
                  routing: bool = False):
         self.model = model
         self.routing = routing
         self.parallel = parallel
         self.short_tiles = short_tiles
         self.max_rows = max_rows
+        self.logprobs_mode = logprobs_mode
+        self.wide_logprobs = wide_logprobs
         self._steps: dict[tuple[Layout, bool], object] = {}
         self._samplers: dict[Layout, object] = {}
         self._pools: dict[tuple[Layout, str], object] = {}
-        self._prompt_logprobs = None
+        self._prompt_logprobs: dict[int, object] = {}
 
     def model_step(self, layout: Layout, decode_only: bool = False):
         """The model forward (`model_step`) of inputs packed as `layout`: `(params,
@@ -185,19 +191,26 @@ class StepPrograms:
         buf) -> (SamplerOutput, i32[max_rows] sampled ids)`."""
         fn = self._samplers.get(layout)
         if fn is None:
-            fn = jax.jit(functools.partial(sample_step, layout, self.max_rows),
+            fn = jax.jit(functools.partial(sample_step, layout, self.max_rows,
+                                           self.logprobs_mode),
                          compiler_options=small_program_options())
             self._samplers[layout] = fn
         return fn
 
-    def prompt_logprobs(self):
-        """The prompt-logprobs program: `(params, hidden, i32[num_tokens] next prompt
-        tokens) -> PromptLogprobs` (`prompt_logprobs`)."""
-        if self._prompt_logprobs is None:
-            self._prompt_logprobs = jax.jit(functools.partial(
-                prompt_logprobs, self.model, min(MAX_LOGPROBS, self.model.cfg.vocab_size)),
-                compiler_options=small_program_options())
-        return self._prompt_logprobs
+    def prompt_logprobs(self, num_logprobs: int = 0):
+        """The prompt-logprobs program for a step whose requests ask for up to
+        `num_logprobs` top logprobs: `(params, hidden, i32[num_tokens] next prompt tokens)
+        -> PromptLogprobs` (`prompt_logprobs`), of MAX_LOGPROBS (`logprobs_bucket`: the
+        engine's wide width above that), capped at V."""
+        vocab_size = self.model.cfg.vocab_size
+        width = min(max(logprobs_bucket(num_logprobs, self.wide_logprobs), MAX_LOGPROBS),
+                    vocab_size)
+        fn = self._prompt_logprobs.get(width)
+        if fn is None:
+            fn = jax.jit(functools.partial(prompt_logprobs, self.model, width),
+                         compiler_options=small_program_options())
+            self._prompt_logprobs[width] = fn
+        return fn
 
     def pool(self, layout: Layout, pooling_type: str):
         """The pooling program (`pool_step`) of a step packed as `layout`: `(hidden, buf)

@@ -1,7 +1,8 @@
 """Warm-up of a `ModelRunner`: every program a step can run, compiled on a thread per core.
 
 A step runs one of a few programs per token bucket (the model step, the decode-only step
-on Pallas, prompt logprobs, three sampler variants), and three KV plan programs run
+on Pallas, prompt logprobs, three sampler variants; with a `max_logprobs` above 20, a wide
+prompt-logprobs and "full" sampler program too), and three KV plan programs run
 page copies and swaps. Compiled one after another, they leave the other cores of a
 many-core host idle. So warm-up first *lowers* every program on this thread (tracing holds
 the GIL) and hands each lowered program to a thread pool that compiles it (compiling
@@ -14,6 +15,7 @@ nothing it does not have to.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -84,13 +86,25 @@ def lower_bucket(runner, num_tokens: int, make_dummy_sampling) -> list:
     if runner.pooling_type is not None:  # a pooling runner's program, per step layout
         lowered += [programs.pool(step.layout, runner.pooling_type).lower(hidden, step.buf)
                     for step in steps]
-    lowered.append(programs.prompt_logprobs().lower(
-        runner.params, hidden, runner.to_device(np.zeros(num_tokens, np.int32))))
+    targets = runner.to_device(np.zeros(num_tokens, np.int32))
+    lowered += [programs.prompt_logprobs(width).lower(runner.params, hidden, targets)
+                for width in runner.logprobs_widths]
     dummy = make_dummy_sampling(runner.sample_rows(num_tokens))
-    for variant in VARIANTS:
-        buf, layout = runner.sampling_inputs(dummy, variant)
+    for md, variant in sampler_variants(runner, dummy):
+        buf, layout = runner.sampling_inputs(md, variant)
         lowered.append(programs.sampler(layout).lower(logits, runner.to_device(buf)))
     return lowered
+
+
+def sampler_variants(runner, dummy) -> list[tuple]:
+    """(sampling metadata, variant) pairs covering every sampler program of a bucket: each
+    variant on `dummy` (all-padding rows), and "full" at the wide top-logprobs width too
+    when the engine has one (its `max_logprobs` is above MAX_LOGPROBS)."""
+    pairs = [(dummy, variant) for variant in VARIANTS]
+    if runner.wide_logprobs is not None:
+        pairs.append((dataclasses.replace(dummy, max_num_logprobs=runner.wide_logprobs),
+                      "full"))
+    return pairs
 
 
 def _lower_plans(runner) -> list:
@@ -192,10 +206,11 @@ def run_bucket(runner, num_tokens: int, make_dummy_sampling) -> None:
     if runner.pooling_type is not None:
         jax.block_until_ready(programs.pool(step.layout, runner.pooling_type)(hidden,
                                                                                step.buf))
-    jax.block_until_ready(programs.prompt_logprobs()(
-        runner.params, hidden, runner.to_device(np.zeros(num_tokens, np.int32))))
-    for variant in VARIANTS:
-        buf, layout = runner.sampling_inputs(make_dummy_sampling(num_sample_rows), variant)
+    for width in runner.logprobs_widths:
+        jax.block_until_ready(programs.prompt_logprobs(width)(
+            runner.params, hidden, runner.to_device(np.zeros(num_tokens, np.int32))))
+    for md, variant in sampler_variants(runner, make_dummy_sampling(num_sample_rows)):
+        buf, layout = runner.sampling_inputs(md, variant)
         jax.block_until_ready(programs.sampler(layout)(logits, runner.to_device(buf)))
     for decode, _ in decodes:  # its own program (`execute` runs its pooling program too)
         runner.execute(decode, make_dummy_sampling(num_sample_rows), VARIANTS[0])

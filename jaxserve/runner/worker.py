@@ -158,6 +158,8 @@ class Worker:
                                   kv_cache_dtype=cache.kv_cache_dtype,
                                   eos_token_id=(self.eos_token_ids or (None,))[0],
                                   kv_layout=self.model.kv_layout, lora=self.config.lora,
+                                  max_logprobs=self.config.model.max_logprobs,
+                                  logprobs_mode=self.config.model.logprobs_mode,
                                   routed_experts=self.config.model.enable_return_routed_experts)
         logger.info("jaxserve: weights %s (%.0f MiB); KV cache %s: %d pages of %d tokens = "
                     "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",

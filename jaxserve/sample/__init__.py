@@ -8,6 +8,7 @@ from jaxserve.sample.metadata import (
     SamplingMetadata,
     build_sampling_metadata,
     logprobs_bucket,
+    logprobs_widths,
     padded_len,
 )
 from jaxserve.sample.sampler import (
@@ -29,6 +30,7 @@ __all__ = [
     "compute_prompt_logprobs",
     "gather_logprobs",
     "logprobs_bucket",
+    "logprobs_widths",
     "padded_len",
     "random_sample",
     "sample",

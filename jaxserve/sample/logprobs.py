@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jaxserve.sample.rowwise import top_k_rows
 
 
-def gather_logprobs(logits: jax.Array, token_ids: jax.Array,
-                    num_logprobs: int) -> tuple[jax.Array, jax.Array, Any, Any]:
+def gather_logprobs(logits: jax.Array, token_ids: jax.Array, num_logprobs: int,
+                    normalize: bool = True) -> tuple[jax.Array, jax.Array, Any, Any]:
     """Each row's log-softmax at its chosen token, that token's rank and the top
     alternatives, without materializing the [N, V] log-softmax.
 
@@ -25,12 +25,16 @@ def gather_logprobs(logits: jax.Array, token_ids: jax.Array,
         logits: f32[N, V].
         token_ids: i32[N] the chosen token of each row.
         num_logprobs: K, static; 0 returns None for the alternatives. Capped at V.
+        normalize: Static; False returns the logits themselves (vLLM's "*_logits" modes):
+            the same ranks and alternatives, no log-softmax.
 
     Returns:
         (token_logprobs f32[N], token_ranks i32[N], topk_token_ids i32[N, K] or None,
         topk_logprobs f32[N, K] or None). A rank is vLLM's: the number of tokens whose
         logprob is >= the chosen one's (1 = the most likely token).
     """
+    if not normalize:
+        return _gather_logits(logits, token_ids, num_logprobs)
     top = jnp.max(logits, axis=-1, keepdims=True)  # f32[N, 1]
     log_sum = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))  # f32[N, 1]
     chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # f32[N, 1]
@@ -42,6 +46,17 @@ def gather_logprobs(logits: jax.Array, token_ids: jax.Array,
     num_logprobs = min(num_logprobs, logits.shape[-1])
     values, topk_ids = top_k_rows(logits, num_logprobs)  # f32[N, K], i32[N, K]
     return token_logprobs[:, 0], token_ranks, topk_ids, (values - top) - log_sum
+
+
+def _gather_logits(logits: jax.Array, token_ids: jax.Array,
+                   num_logprobs: int) -> tuple[jax.Array, jax.Array, Any, Any]:
+    """`gather_logprobs` of the logits as they are (no log-softmax)."""
+    chosen = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # f32[N, 1]
+    token_ranks = jnp.sum(logits >= chosen, axis=-1, dtype=jnp.int32)  # i32[N]
+    if num_logprobs <= 0:
+        return chosen[:, 0], token_ranks, None, None
+    values, topk_ids = top_k_rows(logits, min(num_logprobs, logits.shape[-1]))
+    return chosen[:, 0], token_ranks, topk_ids, values
 
 
 @functools.partial(

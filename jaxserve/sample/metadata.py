@@ -17,10 +17,12 @@ from jaxserve.sampling_params import (
     SAMPLING_EPS,
     SamplingParams,
     device_seed,
+    resolve_num_logprobs,
 )
 from jaxserve.structured.grammar import bitmask_width
 
-# The only non-zero top-logprobs width the sampler compiles for (see `logprobs_bucket`).
+# The top-logprobs width the sampler compiles for any request asking for up to this many
+# (see `logprobs_bucket`); an engine whose `max_logprobs` is larger has one more width.
 MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
 # Smallest padded width of the penalty / banned token id arrays.
 MIN_TOKEN_IDS_LEN = 16
@@ -84,8 +86,8 @@ class SamplingMetadata:
         needs_filtering: Static; some row uses top-k, top-p or min-p (compiles the filters).
         has_penalties: Static; the penalty arrays are present.
         has_banned_tokens: Static; `banned_token_ids` is present.
-        max_num_logprobs: Static; top alternatives returned per row, 0 or MAX_LOGPROBS
-            (capped at V).
+        max_num_logprobs: Static; top alternatives returned per row: 0, MAX_LOGPROBS or
+            the engine's wide width (`logprobs_widths`), capped at V.
         needs_logprobs: Static; the sampled tokens' logprobs and ranks are computed (some
             row asked for logprobs). Off, the sampler skips the log-softmax over [R, V].
         has_logit_controls: Static; the logit-bias and allowed-id arrays are present.
@@ -147,14 +149,31 @@ class RowSpec(NamedTuple):
     token_bitmask: np.ndarray | None = None
 
 
-def logprobs_bucket(num_logprobs: int) -> int:
+def logprobs_bucket(num_logprobs: int, wide: int | None = None) -> int:
     """Static top-logprobs width for a batch whose largest request is `num_logprobs`.
 
-    NOTE: two buckets only (0 and MAX_LOGPROBS) keep compile variants at two; top-k of 20
-    over the vocab costs little next to the model, and rows asking for fewer are sliced
-    on the host.
+    NOTE: few buckets keep compile variants few: 0, MAX_LOGPROBS (top-k of 20 over the
+    vocab costs little next to the model; rows asking for fewer are sliced on the host),
+    and for more than that the engine's one wide width (`logprobs_widths`).
+
+    Args:
+        num_logprobs: The batch's largest request (a count: -1 already resolved).
+        wide: The engine's wide width; None: `num_logprobs` itself (no engine to bound it).
     """
-    return 0 if num_logprobs <= 0 else MAX_LOGPROBS
+    if num_logprobs <= 0:
+        return 0
+    if num_logprobs <= MAX_LOGPROBS:
+        return MAX_LOGPROBS
+    return num_logprobs if wide is None else max(wide, num_logprobs)
+
+
+def logprobs_widths(max_logprobs: int, vocab_size: int) -> tuple[int, ...]:
+    """The top-logprobs widths an engine compiles: MAX_LOGPROBS, and when `max_logprobs`
+    (-1: the whole vocabulary) is larger, one wide width (max_logprobs capped at V); each
+    capped at V."""
+    limit = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+    base = min(MAX_LOGPROBS, vocab_size)
+    return (base,) if limit <= base else (base, limit)
 
 
 def padded_len(n: int, minimum: int = MIN_TOKEN_IDS_LEN) -> int:
@@ -182,7 +201,8 @@ def _pad_ids(id_lists: list[Sequence[int] | None], num_rows: int, width: int,
 def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: int,
                             vocab_size: int, *, eos_token_id: int | None = None,
                             prompt_len_padded: int | None = None,
-                            output_len_padded: int | None = None) -> SamplingMetadata:
+                            output_len_padded: int | None = None,
+                            wide_logprobs: int | None = None) -> SamplingMetadata:
     """Builds the NumPy sampling arrays of one step (the caller transfers them).
 
     Args:
@@ -193,6 +213,7 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
             `ignore_eos`) has generated fewer than `min_tokens` tokens.
         prompt_len_padded: Width Lp of `prompt_token_ids`; defaults to a power of two.
         output_len_padded: Width Lo of `output_token_ids`; defaults to a power of two.
+        wide_logprobs: The engine's wide top-logprobs width (`logprobs_bucket`), if any.
 
     Returns:
         A SamplingMetadata of NumPy arrays and static flags.
@@ -240,7 +261,8 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
                                else ((), (), ()))
     controls = _logit_controls(params, num_rows, vocab_size) \
         if any(bias) or any(a is not None for a in allowed) else {}
-    max_logprobs = max([n or 0 for n in logprobs], default=0)
+    max_logprobs = max([resolve_num_logprobs(n, vocab_size) or 0 for n in logprobs],
+                       default=0)
     bitmask = _bitmask(rows, num_rows, vocab_size)
     return SamplingMetadata(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -250,7 +272,7 @@ def build_sampling_metadata(rows: Sequence[RowSpec | tuple], num_rows_padded: in
         all_greedy=bool((values[:, 0] < SAMPLING_EPS).all()),
         needs_filtering=bool((top_k > 0).any() or (top_p < 1.0).any() or (min_p > 0.0).any()),
         has_penalties=has_penalties, has_banned_tokens=has_banned,
-        max_num_logprobs=min(logprobs_bucket(max_logprobs), int(vocab_size)),
+        max_num_logprobs=min(logprobs_bucket(max_logprobs, wide_logprobs), int(vocab_size)),
         needs_logprobs=any(n is not None for n in logprobs),
         has_logit_controls=bool(controls), **controls,
         token_bitmask=bitmask, has_bitmask=bitmask is not None)

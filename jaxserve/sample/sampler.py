@@ -13,7 +13,7 @@ from jaxserve.sample.filters import apply_filters
 from jaxserve.sample.logprobs import gather_logprobs
 from jaxserve.sample.metadata import SamplingMetadata
 from jaxserve.sample.rowwise import argmax_rows, categorical_rows
-from jaxserve.sampling_params import SAMPLING_EPS
+from jaxserve.sampling_params import LOGPROBS_MODES, SAMPLING_EPS
 
 
 @functools.partial(
@@ -27,12 +27,13 @@ class SamplerOutput:
 
     Attributes:
         token_ids: i32[R] the sampled tokens.
-        logprobs: f32[R] raw log-softmax (model logits, before penalties and temperature)
-            of each sampled token; vLLM v1's default "raw_logprobs" mode.
-        token_ranks: i32[R] rank of each sampled token under the raw logprobs (1 = top).
+        logprobs: f32[R] each sampled token's logprob: by default the raw log-softmax
+            (model logits, before penalties and temperature), vLLM v1's "raw_logprobs"
+            mode; else what `sample`'s `logprobs_mode` says.
+        token_ranks: i32[R] rank of each sampled token under those values (1 = top).
             Both are None when no row asked for logprobs (`needs_logprobs` off).
         topk_token_ids: i32[R, K] or None when K = max_num_logprobs = 0.
-        topk_logprobs: f32[R, K] or None; raw logprobs of those alternatives, descending.
+        topk_logprobs: f32[R, K] or None; the same values of those alternatives, descending.
     """
 
     token_ids: Any
@@ -150,7 +151,8 @@ def _when(pred: jax.Array, stage, logits: jax.Array, arg) -> jax.Array:
     return jax.lax.cond(pred, stage, lambda x, _: x, logits, arg)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+def sample(logits: jax.Array, md: SamplingMetadata,
+           logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
     """Samples one token per row (jit-able; only `md`'s meta fields are static).
 
     Order as in vLLM v1: banned ids (min_tokens, bad words) -> allowed ids -> logit bias ->
@@ -162,11 +164,21 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     Args:
         logits: f32[R, V] (any float dtype; computed in f32).
         md: The step's SamplingMetadata (NumPy or device arrays).
+        logprobs_mode: Static; what the logprobs hold (`jaxserve.sampling_params.LOGPROBS_MODES`,
+            vLLM's): the log-softmax ("*_logprobs") or the values ("*_logits") of `logits`
+            ("raw_*") or of the logits drawn from ("processed_*": after every stage up to
+            the filters; a greedy row's without temperature, as vLLM's; dropped ids -inf).
 
     Returns:
-        SamplerOutput; logprobs are the raw log-softmax of `logits` (None without
-        `md.needs_logprobs`).
+        SamplerOutput; logprobs as `logprobs_mode` says (None without `md.needs_logprobs`).
+
+    Raises:
+        ValueError: An unknown `logprobs_mode`.
     """
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got "
+                         f"{logprobs_mode!r}")
+    processed_mode = logprobs_mode.startswith("processed") and md.needs_logprobs
     logits = logits.astype(jnp.float32)  # f32[R, V]
     raw_logits = logits
     vocab_size = logits.shape[-1]
@@ -186,11 +198,12 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
                 | jnp.any(jnp.asarray(md.presence_penalty) != 0.0))
         logits = _when(used, apply_penalties, logits, md)
     token_ids = argmax_rows(logits)  # i32[R]
+    processed = logits  # f32[R, V]: what greedy rows draw from (no temperature, no filters)
     if not md.all_greedy:
         temperature = jnp.asarray(md.temperature, jnp.float32)  # f32[R]
         is_greedy = temperature < SAMPLING_EPS  # bool[R]
 
-        def draw(logits: jax.Array) -> jax.Array:
+        def scale_and_filter(logits: jax.Array) -> jax.Array:
             scaled = logits / jnp.where(is_greedy, 1.0, temperature)[:, None]  # f32[R, V]
             if md.needs_filtering:
                 top_k, top_p, min_p = (jnp.asarray(md.top_k), jnp.asarray(md.top_p),
@@ -199,14 +212,30 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
                                          | (top_p < 1.0) | (min_p > 0.0))  # bool[R]
                 scaled = _when(jnp.any(filtered), lambda x, a: apply_filters(x, *a), scaled,
                                (top_k, top_p, min_p))
-            return random_sample(scaled, jnp.asarray(md.seeds), jnp.asarray(md.counters))
+            return scaled
 
-        random_ids = jax.lax.cond(jnp.any(~is_greedy), draw,
-                                  lambda _: token_ids, logits)  # i32[R]
+        def draw(logits: jax.Array) -> jax.Array:
+            return random_sample(scale_and_filter(logits), jnp.asarray(md.seeds),
+                                 jnp.asarray(md.counters))
+
+        if processed_mode:
+            # NOTE: the draw also hands back what it drew from (only in the processed modes:
+            # the default program keeps no [R, V] result out of the cond).
+            def draw_keep(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+                scaled = scale_and_filter(logits)
+                ids = random_sample(scaled, jnp.asarray(md.seeds), jnp.asarray(md.counters))
+                return ids, jnp.where(is_greedy[:, None], logits, scaled)
+
+            random_ids, processed = jax.lax.cond(jnp.any(~is_greedy), draw_keep,
+                                                 lambda x: (token_ids, x), logits)
+        else:
+            random_ids = jax.lax.cond(jnp.any(~is_greedy), draw,
+                                      lambda _: token_ids, logits)  # i32[R]
         token_ids = jnp.where(is_greedy, token_ids, random_ids)
     if not md.needs_logprobs:
         return SamplerOutput(token_ids=token_ids, logprobs=None, token_ranks=None)
     token_logprobs, ranks, topk_ids, topk_logprobs = gather_logprobs(
-        raw_logits, token_ids, md.max_num_logprobs)
+        processed if processed_mode else raw_logits, token_ids, md.max_num_logprobs,
+        normalize=logprobs_mode.endswith("logprobs"))
     return SamplerOutput(token_ids=token_ids, logprobs=token_logprobs, token_ranks=ranks,
                          topk_token_ids=topk_ids, topk_logprobs=topk_logprobs)

@@ -26,7 +26,7 @@ def llm(tiny_model_dir) -> LLM:
 @pytest.mark.parametrize("field, value", [
     ("temperature", -1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
     ("top_k", -2), ("min_p", 1.5), ("n", 0), ("max_tokens", 0), ("min_tokens", -1),
-    ("logprobs", 21), ("prompt_logprobs", -1), ("presence_penalty", 3.0),
+    ("logprobs", -2), ("prompt_logprobs", -2), ("presence_penalty", 3.0),
     ("frequency_penalty", -2.5), ("repetition_penalty", 0.0), ("seed", "x"), ("stop", [""]),
     ("stop_token_ids", [-1]), ("ignore_eos", "yes"), ("n", 1.5),
 ])
@@ -59,6 +59,9 @@ def test_min_tokens_over_max_tokens():
     (dict(max_model_len=10**6), "max_model_len"),
     (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
     (dict(attention_backend="cuda"), "attention backend"),
+    (dict(max_logprobs=-2), "max_logprobs"),
+    (dict(max_logprobs=1.5), "max_logprobs"),
+    (dict(logprobs_mode="processed"), "logprobs_mode"),
     (dict(foo_bar=1), "foo_bar"),
 ])
 def test_invalid_engine_args(smollm2, smollm2_tokenizer, kwargs, field):
@@ -172,6 +175,27 @@ def test_bad_requests(llm):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("dup", "hello", SamplingParams(max_tokens=2))
     assert list(_run(engine)) == ["dup"]
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("logprobs", 21, "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ("logprobs", -1, f"Requested sample logprobs of {VOCAB}, which is greater than max "
+                     "allowed: 20"),
+    ("prompt_logprobs", 21, "Requested prompt logprobs of 21, which is greater than max "
+                            "allowed: 20"),
+    ("prompt_logprobs", -1, f"Requested prompt logprobs of {VOCAB}, which is greater than max "
+                            "allowed: 20"),
+])
+def test_logprobs_over_max_logprobs(llm, field, value, words):
+    """The default max_logprobs (20) with vLLM's words (-1 counts as the vocabulary); nothing
+    is queued, and the error names the field for the server (`ParameterError.parameter`)."""
+    with pytest.raises(ValueError) as info:
+        llm.generate(["ok", "hi"], SamplingParams(max_tokens=2, **{field: value}),
+                     use_tqdm=False)
+    assert str(info.value) == words and info.value.parameter == field
+    assert not llm.engine.has_unfinished_requests()
+    (out,) = llm.generate(["ok"], SamplingParams(max_tokens=1, **{field: 20}), use_tqdm=False)
+    assert out.outputs[0].token_ids
 
 
 def test_failed_step_leaves_nothing_queued(llm, monkeypatch):

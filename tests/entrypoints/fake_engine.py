@@ -6,6 +6,7 @@ import time
 from types import SimpleNamespace
 
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.sampling_params import SamplingParams, check_num_logprobs
 
 
 class FakeEngine:
@@ -39,6 +40,8 @@ class FakeEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if prompt == "":
             raise ValueError("prompt is empty: it must hold at least one token")
+        # NOTE: the real engine's default limit over the default model's vocabulary.
+        params = check_num_logprobs(params, SamplingParams.MAX_LOGPROBS, 49152)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         self.running[request_id] = (prompt, params, [], metrics)
         self.added_at_step[request_id] = self.num_steps

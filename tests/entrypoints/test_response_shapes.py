@@ -274,3 +274,32 @@ def test_many_validation_errors_are_counted_and_the_first_ten_shown(urls):
     assert message.startswith("13 validation errors:\n  {'type': 'string_type', 'loc': "
                               "'body.stop'")
     assert error["error"]["param"] == "stop"
+
+
+def test_dropped_tokens_are_sent_as_vllms_minimum_and_top_minus_one_is_everything():
+    """A processed logprobs mode's -inf (a dropped token) is valid JSON as -9999.0 (vLLM's
+    value) in every logprobs object; chat's top_logprobs=-1 lists every alternative."""
+    import json
+
+    from jaxserve.entrypoints.openai.serving_chat import chat_logprobs
+    from jaxserve.entrypoints.openai.serving_completion import (
+        completion_logprobs,
+        prompt_logprobs_json,
+        prompt_part,
+    )
+    from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    entry = {5: Logprob(-0.1, 1, "a"), 6: Logprob(float("-inf"), 2, "b"),
+             7: Logprob(float("-inf"), 3, "c")}
+    comp = CompletionOutput(0, "a", [5], logprobs=[entry])
+    out = RequestOutput("r", "x", [9, 5], [comp], True, RequestMetrics(0.0),
+                        prompt_logprobs=[None, entry])
+    chat = chat_logprobs(comp, 0, -1, None)["content"][0]
+    assert [t["logprob"] for t in chat["top_logprobs"]] == [-0.1, -9999.0, -9999.0]
+    legacy = completion_logprobs(comp, 0, 0, None)
+    assert legacy["top_logprobs"][0] == {"a": -0.1, "b": -9999.0, "c": -9999.0}
+    tokenizer = type("Tok", (), {"decode": staticmethod(lambda ids: "?")})
+    assert prompt_part(out, 2, tokenizer)["top_logprobs"][1] == {"a": -0.1, "b": -9999.0}
+    assert prompt_logprobs_json(out)[1]["6"]["logprob"] == -9999.0
+    for body in (chat, legacy, prompt_logprobs_json(out)):
+        json.dumps(body, allow_nan=False)  # what the server's JSONResponse does

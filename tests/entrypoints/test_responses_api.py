@@ -303,7 +303,7 @@ def test_text_format_json_schema_and_logprobs(canned):
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
     ({"input": "hi", "max_output_tokens": 1000}, "max_output_tokens", "maximum context"),
     ({"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 50},
-     "top_logprobs", "top_logprobs must be at most 20"),
+     "top_logprobs", "Requested sample logprobs of 50, which is greater than max allowed: 20"),
     ({"input": "hi", "temperature": "hot"}, "temperature", "valid number"),
     ({"input": "hi", "seed": 2**63}, "seed", "less_than_equal"),
 ])

@@ -49,6 +49,33 @@ def test_bad_request_gets_an_openai_error_naming_the_field(server, path, body, s
     assert error["param"] == param and error["code"] == status and error["message"]
 
 
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {**GOOD, "logprobs": -1}, "logprobs",
+     "`logprobs` must be a positive value."),
+    ("/v1/completions", {**GOOD, "logprobs": 21}, "logprobs",
+     "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+    ("/v1/completions", {**GOOD, "prompt_logprobs": -2}, "prompt_logprobs",
+     "`prompt_logprobs` must be a positive value or -1."),
+    ("/v1/completions", {**GOOD, "prompt_logprobs": -1}, "prompt_logprobs",
+     "Requested prompt logprobs of 49152, which is greater than max allowed: 20"),
+    ("/v1/completions", {**GOOD, "echo": True, "logprobs": 2, "prompt_logprobs": -1},
+     "prompt_logprobs",
+     "Requested prompt logprobs of 49152, which is greater than max allowed: 20"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -1}, "logprobs",
+     "Requested sample logprobs of 49152, which is greater than max allowed: 20"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": -2}, "top_logprobs",
+     "`top_logprobs` must be a positive value or -1."),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 21}, "prompt_logprobs",
+     "Requested prompt logprobs of 21, which is greater than max allowed: 20"),
+])
+def test_logprobs_limits_are_vllms_400s(server, path, body, param, message):
+    """vLLM's rules and words: -1 (the whole vocabulary) where vLLM takes it, checked with
+    the rest against the engine's max_logprobs (the default 20)."""
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"], r.json()["error"]["message"]) == (param, message)
+
+
 def test_bad_json_is_a_400(server):
     r = post(server, "/v1/chat/completions", content=b'{"model": "x", "messages": [',
              headers={**AUTH, "Content-Type": "application/json"})

@@ -22,6 +22,16 @@ def test_defaults_match_vllm():
     assert SamplingParams.MAX_LOGPROBS == 20
 
 
+def test_logprobs_counts_allowed_up_to_the_engine():
+    """-1 (the whole vocabulary) and any count pass here, as in vLLM: the engine checks them
+    against its max_logprobs when the request is added (tests/e2e/test_engine_errors.py)."""
+    p = SamplingParams(logprobs=-1, prompt_logprobs=-1)
+    assert (p.logprobs, p.prompt_logprobs) == (-1, -1)
+    assert SamplingParams(logprobs=21, prompt_logprobs=100).logprobs == 21
+    with pytest.raises(ValueError, match=r"^logprobs must be non-negative or -1, got -2$"):
+        SamplingParams(logprobs=-2)
+
+
 def test_normalisation():
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(stop="###").stop == ["###"]
@@ -85,10 +95,10 @@ def test_helpers():
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 17}, "min_tokens"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
-    ({"logprobs": -1}, "logprobs"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"prompt_logprobs": -1}, "prompt_logprobs"),
-    ({"prompt_logprobs": 100}, "prompt_logprobs"),
+    ({"logprobs": -2}, "logprobs"),
+    ({"logprobs": 2**31}, "logprobs"),
+    ({"logprobs": 1.5}, "logprobs"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs"),
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"stop": "x", "detokenize": False}, "stop"),
     # Beyond the device's int32 (issue 12: a top_k of 2**40 failed every request in the step).

@@ -12,6 +12,7 @@ import sys
 from jaxserve.config import (
     DTYPES,
     KV_CACHE_DTYPES,
+    LOGPROBS_MODES,
     PREEMPTION_MODES,
     SCHEDULING_MODES,
     SCHEDULING_POLICIES,
@@ -72,6 +73,12 @@ ENGINE_ARGS = [
     ("--pooler-config", "json", None, '{"pooling_type": "LAST", "normalize": true}',
      'the pooling runner\'s pooler, vLLM\'s JSON object, e.g. \'{"pooling_type": "MEAN"}\' '
      "(LAST, MEAN or CLS; normalize; dimensions)"),
+    ("--max-logprobs", int, None, "20",
+     "most logprobs / prompt_logprobs a request may ask for (-1: the whole vocabulary; above "
+     "20 warm-up compiles one more width)"),
+    ("--logprobs-mode", str, LOGPROBS_MODES, "raw_logprobs",
+     "what sample logprobs hold: log-softmax or logits, before (raw) or after (processed) "
+     "penalties, temperature and top-k/top-p/min-p"),
     ("--batch-invariant", "bool", None, "off",
      "every request's logits bit-for-bit the same whatever shares its step (xla/cpu)"),
     ("--enable-return-routed-experts", "bool", None, "off",

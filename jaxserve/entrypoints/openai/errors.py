@@ -100,7 +100,8 @@ def from_validation_error(e: ValidationError) -> OpenAIError:
 
 def from_value_error(e: Exception, fields: set[str], renames: dict[str, str] | None = None
                      ) -> OpenAIError:
-    """A 400 for a ValueError whose message starts with a field name (SamplingParams').
+    """A 400 for a ValueError whose message starts with a field name (SamplingParams'), or
+    a `ParameterError` carrying it.
 
     Args:
         e: The error.
@@ -109,6 +110,10 @@ def from_value_error(e: Exception, fields: set[str], renames: dict[str, str] | N
             given as `max_completion_tokens`); the message is rewritten too.
     """
     message = str(e)
+    named = getattr(e, "parameter", None)  # a `ParameterError`: its message names no field
+    if named is not None:
+        param = named if named in fields else None
+        return OpenAIError(400, message, (renames or {}).get(param, param))
     first = re.match(r"[A-Za-z_]\w*", message)
     param = first[0] if first and first[0] in fields else None
     if renames and param in renames:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.entrypoints.openai.structured import request_constraint, tool_call_schema
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import ParameterError, SamplingParams
 
 # The request seed's range: any signed 64-bit seed, as vLLM's `Field(ge=, le=)` of torch.long
 # (issue 48); outside it a 400 carrying pydantic's `greater_than_equal`/`less_than_equal`.
@@ -105,6 +105,9 @@ class SamplingFields(OpenAIBaseModel):
         """
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise ParameterError("`prompt_logprobs` must be a positive value or -1.",
+                                 "prompt_logprobs", self.prompt_logprobs)  # vLLM's words
         constraint, field = request_constraint(self, tool_schema)
         if constraint is not None and self.use_beam_search:
             raise ValueError(f"{field}: structured output is not supported with "
@@ -189,8 +192,11 @@ class CompletionRequest(SamplingFields):
                              f"{self.best_of}")
         # NOTE: echo with max_tokens=0 scores the prompt only (how evaluation harnesses ask
         # for log-likelihoods): one token is generated and dropped, as vLLM does.
+        if self.logprobs is not None and self.logprobs < 0:  # vLLM's rule and words: no -1
+            raise ParameterError("`logprobs` must be a positive value.", "logprobs",
+                                 self.logprobs)
         params = self.sampling_params(1 if self.echo_only else self.max_tokens, self.logprobs)
-        if self.echo and self.logprobs is not None:
+        if self.echo and self.logprobs is not None and params.prompt_logprobs != -1:
             params = params.clone(prompt_logprobs=max(params.prompt_logprobs or 0,
                                                       self.logprobs))
         return params
@@ -269,6 +275,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def to_sampling_params(self) -> SamplingParams:
         """The engine's `SamplingParams`; `max_completion_tokens` wins over `max_tokens`."""
+        if self.top_logprobs is not None and self.top_logprobs < -1:
+            raise ParameterError("`top_logprobs` must be a positive value or -1.",
+                                 "top_logprobs", self.top_logprobs)  # vLLM's words
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         self._check_tools()

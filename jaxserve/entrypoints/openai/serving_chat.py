@@ -12,7 +12,7 @@ from jaxserve.entrypoints.openai.reasoning import (
     thinking_disabled,
 )
 from jaxserve.entrypoints.openai.serving_base import SAMPLING_FIELDS, Prepared
-from jaxserve.entrypoints.openai.serving_completion import prompt_logprobs_json
+from jaxserve.entrypoints.openai.serving_completion import json_logprob, prompt_logprobs_json
 from jaxserve.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
@@ -37,14 +37,16 @@ def _entry(token: str, logprob: float, text: str | None = None) -> dict:
     """A chat logprob: `bytes` are those of `text` (the token's own text) when given, else
     of `token`, as vLLM's (whose sampled tokens carry their text's bytes even as
     `token_id:N`, and whose alternatives the bytes of what they show)."""
-    return {"token": token, "logprob": logprob,
+    return {"token": token, "logprob": json_logprob(logprob),
             "bytes": list((token if text is None else text).encode("utf-8"))}
 
 
 def chat_logprobs(comp: CompletionOutput, start: int, top: int, tokenizer,
                   as_ids: bool = False) -> dict:
-    """OpenAI's chat logprobs object (`{"content": [...]}`) for tokens `start:` (`as_ids`:
-    tokens as `token_id:N`, vLLM's `return_tokens_as_token_ids`)."""
+    """OpenAI's chat logprobs object (`{"content": [...]}`) for tokens `start:`, with the
+    `top` best alternatives (-1: every one returned; `as_ids`: tokens as `token_id:N`,
+    vLLM's `return_tokens_as_token_ids`)."""
+    top = float("inf") if top == -1 else top
     content = []
     decode = lambda tid, lp: lp.decoded_token if lp.decoded_token is not None \
         else tokenizer.decode([tid])

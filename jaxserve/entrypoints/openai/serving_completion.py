@@ -23,11 +23,21 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 _FIELDS = SAMPLING_FIELDS | REQUEST_FIELDS | {"logit_bias", "suffix", "best_of", "prompt"}
 
 
+# What a -inf logprob (a token the processed logprobs modes dropped) is sent as: JSON has no
+# infinity (vLLM's value).
+MIN_JSON_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """`logprob` as the responses send it: -inf (and anything below) as MIN_JSON_LOGPROB."""
+    return logprob if not logprob < MIN_JSON_LOGPROB else MIN_JSON_LOGPROB
+
+
 def _token_text(entry: dict, token_id: int, tokenizer) -> tuple[str, float]:
     lp = entry.get(token_id)
     text = lp.decoded_token if lp is not None and lp.decoded_token is not None \
         else tokenizer.decode([token_id])
-    return text, (lp.logprob if lp is not None else float("nan"))
+    return text, (json_logprob(lp.logprob) if lp is not None else float("nan"))
 
 
 def _top_key(token_id: int, lp, tokenizer, as_ids: bool) -> str:
@@ -46,7 +56,7 @@ def completion_logprobs(comp: CompletionOutput, start: int, offset: int, tokeniz
         text, lp = _token_text(entry, tid, tokenizer)
         tokens.append(token_label(tid, text, as_ids))
         token_logprobs.append(lp)
-        top_logprobs.append({_top_key(k, v, tokenizer, as_ids): v.logprob
+        top_logprobs.append({_top_key(k, v, tokenizer, as_ids): json_logprob(v.logprob)
                              for k, v in entry.items()})
         text_offset.append(offset)
         offset += len(text)
@@ -73,8 +83,8 @@ def prompt_part(out: RequestOutput, k: int, tokenizer, as_ids: bool = False) -> 
         part["tokens"].append(token_label(tid, text, as_ids))
         part["token_logprobs"].append(None if entry is None else lp)
         part["top_logprobs"].append(None if entry is None else {
-            _top_key(t, v, tokenizer, as_ids): v.logprob for t, v in entry.items()
-            if t == tid or (v.rank or 0) <= k})
+            _top_key(t, v, tokenizer, as_ids): json_logprob(v.logprob)
+            for t, v in entry.items() if t == tid or (v.rank or 0) <= k})
         part["text_offset"].append(offset)
         offset += len(text)
     return part
@@ -85,7 +95,7 @@ def prompt_logprobs_json(out: RequestOutput) -> list | None:
     decoded token}."""
     if out.prompt_logprobs is None:
         return None
-    return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank,
+    return [None if e is None else {str(t): {"logprob": json_logprob(v.logprob), "rank": v.rank,
                                              "decoded_token": v.decoded_token}
                                     for t, v in e.items()} for e in out.prompt_logprobs]
 

@@ -60,6 +60,8 @@ class OpenAIServing(OpenAIServingBase, abc.ABC):
 
     request_model: type = None
     id_prefix = "req"
+    # Engine field names reported under the request's own (an engine refusal's `param`).
+    field_renames: dict[str, str] = {}
 
     @abc.abstractmethod
     def prepare(self, req) -> Prepared:
@@ -173,7 +175,8 @@ class OpenAIServing(OpenAIServingBase, abc.ABC):
             raise OpenAIError(503, str(e)) from None
         except ValueError as e:
             raise from_value_error(e, SAMPLING_FIELDS | {"prompt", "messages", "priority",
-                                                         "cache_salt"}) from None
+                                                         "cache_salt"},
+                                   self.field_renames) from None
 
     @abc.abstractmethod
     def full_response(self, req, prep: Prepared, request_id: str,

@@ -198,6 +198,7 @@ class OpenAIServingResponses(OpenAIServing):
 
     request_model = ResponsesRequest
     id_prefix = "resp"
+    field_renames = {"logprobs": "top_logprobs"}  # the engine's max_logprobs refusal
 
     def __init__(self, llm, served_model_names: list[str], limits=None, lanes=None,
                  models=None, chat: OpenAIServingChat | None = None):
