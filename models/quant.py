@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-QUANTIZATIONS = ("none", "gguf", "int8", "q8_0")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "q8_0")
 # A mixture of experts' routed expert stacks, as a plan names them (`models.moe.Experts`):
 # apart from the dense MLP's and the shared expert's `gate_proj`/`up_proj`/`down_proj`.
 EXPERT_MODULES = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")

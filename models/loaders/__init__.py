@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from models.config import ArchConfig
 from models.linear.registry import ServingChoice, keeps_gguf_blocks, platform
 from models.loaders import orbax_ckpt
+from models.loaders.checkpoint_quant import QuantizedSource, check_requested, checkpoint_format
 from models.loaders.gguf_file import open_gguf
 from models.loaders.gguf_tokenizer import tokenizer_from_gguf
 from models.loaders.hf_names import SplitFused, build_params
@@ -127,9 +128,10 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
             bfloat16 for most; `serving_dtype.resolve_dtype`), "float32" or "bfloat16".
         serving: What the model's methods are chosen from (`models.linear.ServingChoice`:
             the attention kernels, the serving forms); None: the platform's defaults.
-        quantization: Weight format on the device (`quant_plan_for`): None (the source's
-            own; on the CPU a GGUF file keeps its blocks where the CPU kernels read them
-            in place, else it is dequantized), "none" (dense `dtype`), "gguf"
+        quantization: Weight format on the device (`quant_plan_for`): None or "auto" (the
+            source's own: a quantized Hugging Face checkpoint's `quantization_config`
+            format, `checkpoint_quant`; on the CPU a GGUF file keeps its blocks where the
+            CPU kernels read them in place, else it is dequantized), "none" (dense `dtype`), "gguf"
             (GGUF blocks kept), "int8" (weight-only, per output channel) or "q8_0" (int8 in
             blocks of 32).
         shardings: Optional `abstract params -> sharding tree` (a tensor-parallel layout's
@@ -140,6 +142,8 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
         ValueError: Missing files, unsupported architecture, missing or misshapen tensors,
             truncated files; the message names the file and the tensor.
     """
+    check_quantization(quantization)
+    quantization = None if quantization == "auto" else quantization
     kind, path = resolve_model(model)
     jdtype = parse_dtype(resolve_dtype(dtype, kind, path))
     serving = serving or ServingChoice()
@@ -149,7 +153,12 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
             and keeps_gguf_blocks(cfg, open_gguf(path).quant_plan(), jdtype, serving,
                                   shardings is None)):
         quantization = "gguf"  # the CPU kernel reads the blocks in place
-    plan = quant_plan_for(kind, path, quantization)
+    ckpt = checkpoint_format(path, cfg) if kind == "hf" else None
+    if ckpt is not None:  # a quantized checkpoint: served in its own format
+        check_requested(ckpt, quantization, path)
+        plan = ckpt.plan
+    else:
+        plan = quant_plan_for(kind, path, quantization)
     if kind == "jaxserve":
         saved = parse_dtype(orbax_ckpt.read_checkpoint_meta(path)[1])
         stored = orbax_ckpt.read_checkpoint_quant(path)
@@ -162,7 +171,9 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
             params = _place(quantize_params(params, plan), cfg, jdtype, plan, shardings)
     else:
         source = open_gguf(path) if kind == "gguf" else SplitFused(SafetensorsDir(path), cfg)
-        keep = plan if plan.name == "gguf" else QuantPlan()
+        if ckpt is not None:
+            source = QuantizedSource(source, ckpt)
+        keep = plan if plan.name == "gguf" or ckpt is not None else QuantPlan()
         host = build_params(cfg, abstract_params(cfg, jdtype, keep), source, jdtype,
                             quant_rows=getattr(source, "get_quant_rows", None))
         if plan and not keep:

@@ -1,0 +1,2 @@
+"""The quantized checkpoint formats: importing this package registers each format's
+builder with `models.loaders.checkpoint_quant.register` (one module per format family)."""
