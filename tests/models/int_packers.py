@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: logical value i sits in nibble AWQ_ORDER[i]
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: nibble i of a word holds value AWQ_ORDER[i]
 
 
 def quantize_groups(w: np.ndarray, bits: int, group: int, sym: bool, rng, min_zero: int = 0):
@@ -41,15 +41,15 @@ def quantize_groups(w: np.ndarray, bits: int, group: int, sym: bool, rng, min_ze
 
 
 def pack_along(values: np.ndarray, bits: int, axis: int, order=None) -> np.ndarray:
-    """int32 words of 32 / bits values along `axis`; value i of a word in bit slot i, or in
-    slot order[i]."""
+    """int32 words of 32 / bits values along `axis`; bit slot i of a word holds value i of
+    its run, or value order[i]."""
     per = 32 // bits
     v = np.moveaxis(values.astype(np.uint64), axis, -1)
     v = v.reshape(*v.shape[:-1], v.shape[-1] // per, per)
     word = np.zeros(v.shape[:-1], np.uint64)
-    for i in range(per):
-        slot = i if order is None else order[i]
-        word |= v[..., i] << np.uint64(bits * slot)
+    for slot in range(per):
+        value = slot if order is None else order[slot]
+        word |= v[..., value] << np.uint64(bits * slot)
     return np.ascontiguousarray(np.moveaxis(word.astype(np.uint32).view(np.int32), -1, axis))
 
 

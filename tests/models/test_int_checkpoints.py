@@ -63,12 +63,9 @@ CASES = {  # id: (writer, served leaf kind)
     "awq-4bit-g128": (lambda t: _awq(t, 128), "q4"),
     "awq-4bit-g64": (lambda t: _awq(t, 64), "q4"),
 }
-DEFAULT_TIER = ("gptq-4bit-g32-asym", "awq-4bit-g128")
 
 
-@pytest.mark.parametrize("case", [c if c in DEFAULT_TIER else pytest.param(
-    c, marks=pytest.mark.slow(reason="a model per format variant; one of each in default"))
-    for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_logits_equal_transformers_on_the_dequantized_weights(case, tmp_path):
     pytest.importorskip("torch")
     write, kind = CASES[case]

@@ -43,13 +43,13 @@ def group_format(bits: int, group: int, symmetric: bool, where: str) -> QuantFor
 
 def unpack_int32(packed: np.ndarray, bits: int, axis: int,
                  order: tuple[int, ...] | None = None) -> np.ndarray:
-    """Codes u8 from int32 words holding 32 / bits each along `axis` (value j of a word in
-    bits [bits * j, bits * (j + 1)), or at position `order[j]` of it: AWQ's interleave)."""
+    """Codes u8 from int32 words holding 32 / bits each along `axis`: bit slot i (bits
+    [bits * i, bits * (i + 1))) holds value i of the word's run, or value `order[i]` (AWQ's
+    interleave)."""
     per = 32 // bits
     words = np.moveaxis(np.asarray(packed).view(np.uint32), axis, -1)
-    shifts = np.arange(per, dtype=np.uint32) * bits
-    if order is not None:  # value j of a group of `per` sits at slot order[j]
-        shifts = shifts[list(order)]
+    slot_of = np.arange(per) if order is None else np.argsort(order)  # value j's slot
+    shifts = slot_of.astype(np.uint32) * np.uint32(bits)
     codes = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)
     codes = codes.reshape(*words.shape[:-1], words.shape[-1] * per).astype(np.uint8)
     return np.moveaxis(codes, -1, axis)
