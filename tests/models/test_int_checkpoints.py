@@ -80,3 +80,67 @@ def test_logits_equal_transformers_on_the_dequantized_weights(case, tmp_path):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     # Device bytes within 10% of the checkpoint's.
     assert abs(_device_bytes(model) / _weight_bytes(tmp_path) - 1) < 0.10
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(tmp_path_factory):
+    pytest.importorskip("torch")
+    directory = tmp_path_factory.mktemp("gptq")
+    _gptq(directory, 4, 32, False)
+    return str(directory)
+
+
+def _variant(src: str, dst, tensors=None, config=None) -> str:
+    """A copy of checkpoint `src` with `tensors(dict)` and `config(quantization_config)`
+    applied to its tensors and its quantization config."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "model.safetensors")
+    if tensors is not None:
+        t = load_file(file)
+        tensors(t)
+        save_file(t, file, metadata={"format": "pt"})
+    if config is not None:
+        with open(os.path.join(dst, "config.json")) as f:
+            cfg = json.load(f)
+        config(cfg["quantization_config"])
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    return str(dst)
+
+
+Q = "model.layers.1.self_attn.q_proj"
+BAD_FILES = {  # id: (tensor edit, config edit, message)
+    "missing-scales": (lambda t: t.pop(f"{Q}.scales"), None, f"'{Q}': scales is missing"),
+    "missing-qzeros": (lambda t: t.pop(f"{Q}.qzeros"), None, f"'{Q}': qzeros is missing"),
+    "scales-shape": (lambda t: t.update({f"{Q}.scales": t[f"{Q}.scales"][:2]}), None,
+                     rf"'{Q}': scales has shape \(2, 128\), expected \(4, 128\)"),
+    "qzeros-shape": (lambda t: t.update({f"{Q}.qzeros": t[f"{Q}.qzeros"][:, :8]}), None,
+                     rf"'{Q}': qzeros has shape \(4, 8\), expected \(4, 16\)"),
+    "qweight-dtype": (lambda t: t.update({f"{Q}.qweight": t[f"{Q}.qweight"].astype(np.float32)}),
+                      None, rf"'{Q}': qweight must be int32"),
+    "qweight-shape": (lambda t: t.update({f"{Q}.qweight": t[f"{Q}.qweight"][:, :64]}), None,
+                      rf"'{Q}': scales has shape \(4, 128\), expected \(4, 64\)"),
+    "act-order": (lambda t: t.update({f"{Q}.g_idx": t[f"{Q}.g_idx"][::-1].copy()}), None,
+                  rf"'{Q}': g_idx orders groups by activation \(desc_act=true\)"),
+    "bits": (None, lambda qc: qc.update(bits=3), r"quantization_config: bits=3 is not supported"),
+    "group": (None, lambda qc: qc.update(group_size=48), r"group_size=48 is not supported"),
+    "asym-8bit": (None, lambda qc: qc.update(bits=8), r"asymmetric 8-bit weights \(sym=false\)"),
+    "format": (None, lambda qc: qc.update(checkpoint_format="marlin"),
+               r"checkpoint_format 'marlin' is not supported"),
+    "lm-head": (None, lambda qc: qc.update(lm_head=True), r"lm_head=true"),
+    "awq-version": (None, lambda qc: qc.update(quant_method="awq", version="gemv"),
+                    r"version 'gemv' is not supported"),
+    "awq-bits": (None, lambda qc: qc.update(quant_method="awq", bits=8),
+                 r"bits=8 is not supported for AWQ"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_a_bad_file_is_refused_naming_the_tensor_and_field(case, gptq_dir, tmp_path):
+    tensors, config, message = BAD_FILES[case]
+    with pytest.raises(ValueError, match=message):
+        load_model(_variant(gptq_dir, tmp_path / "m", tensors, config))
