@@ -85,14 +85,26 @@ def write_quantized(directory: str, config: dict, quant_config: dict, pack, bits
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).float().eval()
     rng = np.random.default_rng(0)
     tensors, dense = {}, {}
+    def quantize(base: str, w: np.ndarray) -> np.ndarray:  # one Linear [N, K]
+        q, z, s, deq = quantize_groups(w, bits, group, sym, rng, min_zero)
+        for field, arr in pack(q, z, s).items():
+            tensors[f"{base}.{field}"] = arr
+        return deq
+
     for name, p in hf.state_dict().items():
         w = p.detach().numpy().astype(np.float32)
         parts = name.rsplit(".", 2)
         if name.endswith(".weight") and parts[-2] in LINEARS and w.ndim == 2:
-            q, z, s, deq = quantize_groups(w, bits, group, sym, rng, min_zero)
-            for field, arr in pack(q, z, s).items():
-                tensors[f"{name[:-7]}.{field}"] = arr
-            dense[name] = deq
+            dense[name] = quantize(name[:-7], w)
+        elif name.endswith("experts.gate_up_proj"):  # transformers' fused [E, 2I, H]
+            half = w.shape[1] // 2  # a checkpoint stores experts.{e}.gate_proj / up_proj
+            dense[name] = np.stack([np.concatenate(
+                [quantize(f"{name[:-12]}{e}.{proj}", part)
+                 for proj, part in (("gate_proj", we[:half]), ("up_proj", we[half:]))])
+                for e, we in enumerate(w)])
+        elif name.endswith("experts.down_proj"):  # [E, H, I]
+            dense[name] = np.stack([quantize(f"{name[:-9]}{e}.down_proj", we)
+                                    for e, we in enumerate(w)])
         else:
             tensors[name] = dense[name] = np.ascontiguousarray(w)
     hf.load_state_dict({k: torch.from_numpy(v) for k, v in dense.items()})
