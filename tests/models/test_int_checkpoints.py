@@ -60,6 +60,7 @@ def _device_bytes(model) -> int:
 CASES = {  # id: (writer, served leaf kind)
     "gptq-4bit-g128-sym": (lambda t: _gptq(t, 4, 128, True), "q4"),
     "gptq-4bit-g32-asym": (lambda t: _gptq(t, 4, 32, False), "q4"),
+    "gptq-4bit-g32-sym": (lambda t: _gptq(t, 4, 32, True), "q4"),
     "gptq_v2-4bit-channel-asym": (lambda t: _gptq(t, 4, -1, False, "gptq_v2"), "q4"),
     "gptq-8bit-g64-sym": (lambda t: _gptq(t, 8, 64, True), "q8"),
     "awq-4bit-g128": (lambda t: _awq(t, 128), "q4"),
