@@ -41,11 +41,16 @@ class QuantFormat:
 
     Attributes:
         kind: "q8" or "q4".
-        block: Values per scale along K (0: one scale per output channel, i.e. block = K).
+        block: Values per scale along K (0: one scale per output channel, i.e. block = K);
+            a q4 block is a multiple of 32 (its codes are packed in 32-value sub-blocks).
+        zero_dtype: The q4 zeros' dtype: "float16", or "float32" where a checkpoint's
+            zero points must stay exact (an asymmetric GPTQ/AWQ zero -z * scale needs up
+            to 15 mantissa bits; the CPU panel kernel reads only float16 zeros).
     """
 
     kind: str
     block: int = 32
+    zero_dtype: str = "float16"
 
     def block_for(self, k: int) -> int:
         """The block length for a weight with contraction size `k`."""
@@ -62,8 +67,11 @@ class QuantFormat:
             raise ValueError(f"{self.kind} block {block} does not divide the input size {k}")
         if self.kind == "q8":
             return {"qweight": ((k, n), "int8"), "scales": ((k // block, n), "float16")}
+        if block % Q4_BLOCK:
+            raise ValueError(f"q4 block {block} (input size {k}) is not a multiple of "
+                             f"{Q4_BLOCK}")
         return {"qweight": ((k // 2, n), "uint8"), "scales": ((k // block, n), "float16"),
-                "zeros": ((k // block, n), "float16")}
+                "zeros": ((k // block, n), self.zero_dtype)}
 
     @property
     def bits(self) -> int:
@@ -92,12 +100,12 @@ class QuantPlan:
 
     def to_dict(self) -> dict:
         return {"name": self.name,
-                "formats": {m: [f.kind, f.block] for m, f in self.formats}}
+                "formats": {m: [f.kind, f.block] + ([f.zero_dtype] if f.zero_dtype != "float16"
+                                                    else []) for m, f in self.formats}}
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantPlan:
-        return cls(tuple((m, QuantFormat(k, b)) for m, (k, b) in d["formats"].items()),
-                   d["name"])
+        return cls(tuple((m, QuantFormat(*f)) for m, f in d["formats"].items()), d["name"])
 
 
 NO_QUANT = QuantPlan()  # every weight dense
