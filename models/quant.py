@@ -42,7 +42,7 @@ class QuantFormat:
     Attributes:
         kind: "q8" or "q4".
         block: Values per scale along K (0: one scale per output channel, i.e. block = K);
-            a q4 block is a multiple of 32 (its codes are packed in 32-value sub-blocks).
+            a q4 block is a multiple of 32 (its codes pair up within 32-value sub-blocks).
         zero_dtype: The q4 zeros' dtype: "float16", or "float32" where a checkpoint's
             zero points must stay exact (an asymmetric GPTQ/AWQ zero -z * scale needs up
             to 15 mantissa bits; the CPU panel kernel reads only float16 zeros).

@@ -5,7 +5,7 @@ Each quantized Linear `<module>` stores (K input features, N outputs, G = K / gr
 
 * `<module>.qweight` int32[K, N / 8]: eight 4-bit codes per word along N, bit slot i
   (bits [4i, 4i + 4)) holding value AWQ_ORDER[i] of the word's eight columns.
-* `<module>.qzeros` int32[G, N / 8]: zero points packed the same way (stored as they are).
+* `<module>.qzeros` int32[G, N / 8]: zero points stored the same way (stored as they are).
 * `<module>.scales` f16[G, N].
 
 w[n, k] = (q[k, n] - z[k // group_size, n]) * scales[k // group_size, n].

@@ -3,9 +3,9 @@ read as they are onto `q4` (4 bits) or `q8` (8 bits, symmetric) (`int_groups`).
 
 Each quantized Linear `<module>` stores (K input features, N outputs, G groups):
 
-* `<module>.qweight` int32[K * bits / 32, N]: codes packed along K, value j of a word in
+* `<module>.qweight` int32[K * bits / 32, N]: codes stored along K, value j of a word in
   bits [bits * j, bits * (j + 1)).
-* `<module>.qzeros` int32[G, N * bits / 32]: zero points packed the same way along N. The
+* `<module>.qzeros` int32[G, N * bits / 32]: zero points stored the same way along N. The
   original format (`checkpoint_format` "gptq", AutoGPTQ's v1) stores z - 1; "gptq_v2"
   (GPTQModel) stores z.
 * `<module>.scales` f16[G, N]; `<module>.g_idx` i32[K] (optional): each input's group.

@@ -41,13 +41,13 @@ def group_format(bits: int, group: int, symmetric: bool, where: str) -> QuantFor
     return QuantFormat("q4", block, "float16" if symmetric else "float32")
 
 
-def unpack_int32(packed: np.ndarray, bits: int, axis: int,
+def unpack_int32(words_in: np.ndarray, bits: int, axis: int,
                  order: tuple[int, ...] | None = None) -> np.ndarray:
     """Codes u8 from int32 words holding 32 / bits each along `axis`: bit slot i (bits
     [bits * i, bits * (i + 1))) holds value i of the word's run, or value `order[i]` (AWQ's
     interleave)."""
     per = 32 // bits
-    words = np.moveaxis(np.asarray(packed).view(np.uint32), axis, -1)
+    words = np.moveaxis(np.asarray(words_in).view(np.uint32), axis, -1)
     slot_of = np.arange(per) if order is None else np.argsort(order)  # value j's slot
     shifts = slot_of.astype(np.uint32) * np.uint32(bits)
     codes = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)
