@@ -1,2 +1,3 @@
 """The quantized checkpoint formats: importing this package registers each format's
 builder with `models.loaders.checkpoint_quant.register` (one module per format family)."""
+from models.loaders.quant_formats import fp8  # noqa: F401
