@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.fp8_matmul.reference import check_fp8_weight, expand_scales
 
@@ -42,9 +43,9 @@ def _tile(n: int) -> int:
     return next((t for t in (128, 64, 32, 16) if n % t == 0), n)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "block_m", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block", "block_m", "interpret", "target"))
 def fp8_matmul_kernel(x: jax.Array, w: dict, block: tuple[int, int], *, block_m: int = 16,
-                      interpret: bool = False) -> jax.Array:
+                      interpret: bool = False, target: str | None = None) -> jax.Array:
     """x [M, K] @ the dequantized FP8 weight [K, N] -> [M, N] in x's dtype.
 
     Args:
@@ -53,6 +54,8 @@ def fp8_matmul_kernel(x: jax.Array, w: dict, block: tuple[int, int], *, block_m:
         block: (bk, bn), resolved.
         block_m: Rows of x per program.
         interpret: Run in the Pallas interpreter (the CPU).
+        target: The platform lowered for ("gpu": Triton, "tpu": Mosaic); None: JAX's
+            default backend.
 
     Raises:
         ValueError: Leaves that do not fit each other or x.
@@ -72,5 +75,9 @@ def fp8_matmul_kernel(x: jax.Array, w: dict, block: tuple[int, int], *, block_m:
         in_specs=[pl.BlockSpec((block_m, k), lambda i, j: (i, 0)), col(k), col(kb)],
         out_specs=pl.BlockSpec((block_m, tn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((padded, n), x.dtype), interpret=interpret,
+        # NOTE: Triton explicitly on GPU (JAX 0.10 would otherwise pick Mosaic GPU, whose
+        # layouts this generic body does not fit); none for TPU's Mosaic, which refuses them.
+        compiler_params=(None if (target or jax.default_backend()) == "tpu"
+                         else pltriton.CompilerParams(num_warps=4, num_stages=2)),
     )(xp, w["qweight"], scales)
     return out[:m]
