@@ -201,3 +201,30 @@ def test_plan_round_trips_and_router_exclusions(block_dir, tmp_path):
                         config={"modules_to_not_convert": ["lm_head", "mlp.gate",
                                                            "model.norm"]})
     assert load_model(directory).quant.get("down_proj") == QuantFormat("fp8", 32, 32)
+
+
+def test_tensor_parallel_splits_fp8_on_block_boundaries():
+    """Column- and row-parallel FP8 leaves split codes and scales together on block
+    boundaries (tp=2: 64 / 2 = one block of 32 per device); a split that would cut a block
+    (intermediate 96 = three blocks over 2 devices) is refused naming the layer."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.parallel.sharding import make_tensor_parallel
+    from models.config import ArchConfig
+    from models.model import abstract_params
+
+    fmt = QuantFormat("fp8", 32, 32)
+    plan = QuantPlan(tuple((m, fmt) for m in ("q_proj", "o_proj", "gate_proj")), "fp8")
+    cfg = ArchConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=64,
+                     intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16)
+    specs = make_tensor_parallel(cfg, 2).param_specs(abstract_params(cfg, "float32", plan))
+    attn = specs["layers"]["self_attn"]
+    assert attn["q_proj"]["qweight"][-1] is not None and attn["q_proj"]["block_scales"][-1]
+    assert attn["o_proj"]["qweight"][-2] is not None and attn["o_proj"]["block_scales"][-2]
+    assert attn["o_proj"]["block_scales"] == P(None, attn["o_proj"]["qweight"][-2], None)
+    bad = ArchConfig(**{**cfg.__dict__, "intermediate_size": 96})
+    with pytest.raises(ValueError, match=r"layers/mlp/gate_proj: an FP8 weight \(2, 64, 96\)"
+                                         r" in blocks of 32x32 cannot be split 2 ways.*"
+                                         r"a shard of 48 would cut a block of 32"):
+        make_tensor_parallel(bad, 2).param_specs(abstract_params(bad, "float32", plan))
