@@ -46,12 +46,17 @@ class QuantFormat:
 
     Attributes:
         kind: "q8", "q4" or "fp8".
-        block: Values per scale along K (0: one scale per output channel, i.e. block = K).
+        block: Values per scale along K (0: one scale per output channel, i.e. block = K);
+            a q4 block is a multiple of 32 (its codes are packed in 32-value sub-blocks).
+        zero_dtype: The q4 zeros' dtype: "float16", or "float32" where a checkpoint's
+            zero points must stay exact (an asymmetric GPTQ/AWQ zero -z * scale needs up
+            to 15 mantissa bits; the CPU panel kernel reads only float16 zeros).
         block_n: ``fp8`` only: values per scale along N (0: all of N, 1: per channel).
     """
 
     kind: str
     block: int = 32
+    zero_dtype: str = "float16"
     block_n: int = 0
 
     def blocks_for(self, k: int, n: int) -> tuple[int, int]:
@@ -77,8 +82,11 @@ class QuantFormat:
             raise ValueError(f"{self.kind} block {block} does not divide the input size {k}")
         if self.kind == "q8":
             return {"qweight": ((k, n), "int8"), "scales": ((k // block, n), "float16")}
+        if block % Q4_BLOCK:
+            raise ValueError(f"q4 block {block} (input size {k}) is not a multiple of "
+                             f"{Q4_BLOCK}")
         return {"qweight": ((k // 2, n), "uint8"), "scales": ((k // block, n), "float16"),
-                "zeros": ((k // block, n), "float16")}
+                "zeros": ((k // block, n), self.zero_dtype)}
 
     @property
     def bits(self) -> int:
@@ -107,13 +115,14 @@ class QuantPlan:
 
     def to_dict(self) -> dict:
         return {"name": self.name,
-                "formats": {m: [f.kind, f.block, *([f.block_n] if f.kind == "fp8" else [])]
+                "formats": {m: [f.kind, f.block]
+                            + ([f.zero_dtype] if f.zero_dtype != "float16" or f.kind == "fp8"
+                               else []) + ([f.block_n] if f.kind == "fp8" else [])
                             for m, f in self.formats}}
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantPlan:
-        return cls(tuple((m, QuantFormat(*f)) for m, f in d["formats"].items()),
-                   d["name"])
+        return cls(tuple((m, QuantFormat(*f)) for m, f in d["formats"].items()), d["name"])
 
 
 NO_QUANT = QuantPlan()  # every weight dense

@@ -170,6 +170,10 @@ class DataParallelEngine:
         return self.limits.max_model_len
 
     @property
+    def quantization(self) -> str:
+        return self.replicas[0].quantization
+
+    @property
     def vocab_size(self) -> int:
         return self.replicas[0].vocab_size
 

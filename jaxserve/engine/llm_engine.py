@@ -247,6 +247,12 @@ class LLMEngine:
         return self.limits.max_model_len
 
     @property
+    def quantization(self) -> str:
+        """The weight format served: the plan's name ("gguf", "int8", a checkpoint's own
+        format such as "fp8"), or "none" for float weights."""
+        return self.model.quant.name or "none"
+
+    @property
     def vocab_size(self) -> int:
         """The model's vocabulary size."""
         return self.model.cfg.vocab_size

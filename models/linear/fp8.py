@@ -35,7 +35,7 @@ def infer_fp8_format(leaves: dict) -> QuantFormat:
 
     (k, n), (kb, nb) = leaves["qweight"].shape[-2:], leaves["block_scales"].shape[-2:]
     bn = block(n, nb)
-    return QuantFormat("fp8", block(k, kb), 1 if nb == n and n > 1 else bn)
+    return QuantFormat("fp8", block(k, kb), block_n=1 if nb == n and n > 1 else bn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,11 +127,13 @@ def kernels_available(quantized: bool) -> bool:
 def plan_supported(plan: QuantPlan, cfg: ArchConfig) -> bool:
     """Whether every layer matmul and the LM head (the tied embedding) that `plan`
     quantizes has a format the CPU quantized kernel multiplies (q8 with any block dividing
-    its input size, q4 in blocks of 32)."""
+    its input size, q4 in blocks of 32 with float16 zeros); other plans serve with XLA's
+    `QuantLinear` (`can_panel`)."""
     head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
     shapes = {name: k for (_, name), (k, _) in layer_matmul_shapes(cfg).items()}
     for name, k in (*shapes.items(), (head, cfg.hidden_size)):
         fmt = plan.get(name)
-        if fmt is not None and not qgemm.supports(fmt.kind, k, fmt.block_for(k)):
+        if fmt is not None and (fmt.zero_dtype != "float16"
+                                or not qgemm.supports(fmt.kind, k, fmt.block_for(k))):
             return False
     return True

@@ -141,7 +141,7 @@ def stored_method(leaves) -> LinearMethod:
         return FloatLinear()
     if kind == "fp8":  # its blocks read off the scales' shape (or a default: layout only)
         arrays = isinstance(leaves, dict) and hasattr(leaves["block_scales"], "shape")
-        return Fp8Linear(infer_fp8_format(leaves) if arrays else QuantFormat("fp8", 0, 0))
+        return Fp8Linear(infer_fp8_format(leaves) if arrays else QuantFormat("fp8", 0, block_n=0))
     block = 32
     if isinstance(leaves, dict) and hasattr(leaves["scales"], "shape"):
         k = leaves["qweight"].shape[-2] * (2 if kind == "q4" else 1)

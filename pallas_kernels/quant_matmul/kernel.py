@@ -1,5 +1,8 @@
 """Quantized matmul as a Pallas kernel: the weight is dequantized one 32-row block at a time.
 
+A scale may cover several 32-row blocks (GPTQ/AWQ groups of 64 or 128, or a whole
+column): each block reads its group's scale and zero.
+
 Grid: (row tiles of x, column tiles of the weight). Each program walks K in blocks of 32
 values: it loads the block's codes, converts them, applies the block's scale (and zero),
 and accumulates a dot in float32. For q4 a block is two dots of 16: the low nibbles hold
@@ -24,14 +27,15 @@ from pallas_kernels.quant_matmul.reference import Q4_HALF, check_quant_weight
 BLOCK_K = 32
 
 
-def _q8_kernel(x_ref, q_ref, s_ref, o_ref, *, num_blocks: int, per_channel: bool):
+def _q8_kernel(x_ref, q_ref, s_ref, o_ref, *, num_blocks: int, per_channel: bool,
+               per_scale: int):
     def body(b, acc):
         xs = x_ref[:, pl.ds(b * BLOCK_K, BLOCK_K)].astype(jnp.float32)
         ws = q_ref[pl.ds(b * BLOCK_K, BLOCK_K), :].astype(jnp.float32)
         part = jnp.dot(xs, ws, preferred_element_type=jnp.float32)
         if per_channel:
             return acc + part
-        return acc + part * s_ref[pl.ds(b, 1), :].astype(jnp.float32)
+        return acc + part * s_ref[pl.ds(b // per_scale, 1), :].astype(jnp.float32)
 
     acc = lax.fori_loop(0, num_blocks, body, jnp.zeros(o_ref.shape, jnp.float32))
     if per_channel:
@@ -39,11 +43,12 @@ def _q8_kernel(x_ref, q_ref, s_ref, o_ref, *, num_blocks: int, per_channel: bool
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _q4_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, num_blocks: int):
+def _q4_kernel(x_ref, q_ref, s_ref, z_ref, o_ref, *, num_blocks: int, per_scale: int):
+    # `per_scale` 32-value sub-blocks share a scale and zero (a q4 block of 32 * per_scale).
     def body(b, acc):
         p = q_ref[pl.ds(b * Q4_HALF, Q4_HALF), :]  # u8[16, bn]
-        s = s_ref[pl.ds(b, 1), :].astype(jnp.float32)
-        z = z_ref[pl.ds(b, 1), :].astype(jnp.float32)
+        s = s_ref[pl.ds(b // per_scale, 1), :].astype(jnp.float32)
+        z = z_ref[pl.ds(b // per_scale, 1), :].astype(jnp.float32)
         w_lo = (p & 15).astype(jnp.float32) * s + z
         w_hi = (p >> 4).astype(jnp.float32) * s + z
         x_lo = x_ref[:, pl.ds(b * BLOCK_K, Q4_HALF)].astype(jnp.float32)
@@ -72,7 +77,7 @@ def quant_matmul_kernel(x: jax.Array, w: dict, kind: str, *, block_m: int = 16,
         interpret: Run in the Pallas interpreter (the CPU).
 
     Raises:
-        ValueError: K is not a multiple of 32, or a block size that is not one.
+        ValueError: K, or the block (K / scale rows), is not a multiple of 32.
     """
     k, n = check_quant_weight(w, kind)
     m = x.shape[0]
@@ -81,8 +86,8 @@ def quant_matmul_kernel(x: jax.Array, w: dict, kind: str, *, block_m: int = 16,
     if k % BLOCK_K:
         raise ValueError(f"the kernel needs K ({k}) to be a multiple of {BLOCK_K}")
     nb = w["scales"].shape[0]
-    if nb != 1 and (k // nb) != BLOCK_K:
-        raise ValueError(f"the kernel supports blocks of {BLOCK_K} or one scale per column; "
+    if (k // nb) % BLOCK_K:
+        raise ValueError(f"the kernel supports blocks of a multiple of {BLOCK_K} values; "
                          f"got blocks of {k // nb}")
     padded = -(-m // block_m) * block_m
     xp = jnp.pad(x, ((0, padded - m), (0, 0)))
@@ -93,12 +98,14 @@ def quant_matmul_kernel(x: jax.Array, w: dict, kind: str, *, block_m: int = 16,
     out_spec = pl.BlockSpec((block_m, bn), lambda i, j: (i, j))
     out_shape = jax.ShapeDtypeStruct((padded, n), x.dtype)
     if kind == "q8":
-        body = functools.partial(_q8_kernel, num_blocks=k // BLOCK_K, per_channel=nb == 1)
+        body = functools.partial(_q8_kernel, num_blocks=k // BLOCK_K, per_channel=nb == 1,
+                                 per_scale=k // nb // BLOCK_K)
         out = pl.pallas_call(body, grid=grid, in_specs=[x_spec, col(k), col(nb)],
                              out_specs=out_spec, out_shape=out_shape, interpret=interpret)(
             xp, w["qweight"], w["scales"])
     else:
-        body = functools.partial(_q4_kernel, num_blocks=nb)
+        body = functools.partial(_q4_kernel, num_blocks=k // BLOCK_K,
+                                 per_scale=k // nb // BLOCK_K)
         out = pl.pallas_call(body, grid=grid, in_specs=[x_spec, col(k // 2), col(nb), col(nb)],
                              out_specs=out_spec, out_shape=out_shape, interpret=interpret)(
             xp, w["qweight"], w["scales"], w["zeros"])

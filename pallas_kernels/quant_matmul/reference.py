@@ -2,7 +2,9 @@
 
 Weights arrive as the leaves of one quantized module in the on-device layout of
 `models.quant`: ``qweight`` (i8[K, N] for q8, u8[K // 2, N] for q4), ``scales``
-f16[K // block, N] and, for q4, ``zeros`` f16[K // 32, N].
+f16[K // block, N] and, for q4, ``zeros`` [K // block, N] (f16, or f32 where a checkpoint's
+zero points need it). A q4 block is any multiple of 32 values (its codes are packed in
+32-value sub-blocks either way); q8 blocks are any divisor of K.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ def check_quant_weight(w: dict, kind: str) -> tuple[int, int]:
     if scales.ndim != 2 or scales.shape[1] != n or k % scales.shape[0]:
         raise ValueError(f"scales {scales.shape} do not fit qweight {q.shape} ({kind})")
     if kind == "q4":
-        if k % 32 or scales.shape[0] != k // 32:
-            raise ValueError(f"q4 qweight {q.shape} needs blocks of 32 values and scales "
-                             f"[{k // 32}, {n}], got {scales.shape}")
+        if k % 32 or (k // scales.shape[0]) % 32:
+            raise ValueError(f"q4 qweight {q.shape} needs blocks of a multiple of 32 values; "
+                             f"scales {scales.shape} give blocks of {k // scales.shape[0]}")
         if w["zeros"].shape != scales.shape:
             raise ValueError(f"zeros {w['zeros'].shape} differ from scales {scales.shape}")
     return k, n
@@ -39,8 +41,8 @@ def dequantize(w: dict, kind: str, dtype=jnp.float32) -> jax.Array:
     if kind == "q8":
         q = w["qweight"].astype(jnp.float32).reshape(nb, k // nb, n)
         return (q * scales[:, None, :]).reshape(k, n).astype(dtype)
-    p = w["qweight"].reshape(nb, 1, Q4_HALF, n)
-    q = jnp.concatenate([p & 15, p >> 4], axis=1).astype(jnp.float32).reshape(nb, 32, n)
+    p = w["qweight"].reshape(k // 32, 1, Q4_HALF, n)
+    q = jnp.concatenate([p & 15, p >> 4], axis=1).astype(jnp.float32).reshape(nb, k // nb, n)
     deq = q * scales[:, None, :] + w["zeros"].astype(jnp.float32)[:, None, :]
     return deq.reshape(k, n).astype(dtype)
 

@@ -26,11 +26,12 @@ def quant_matmul_xla(x: jax.Array, w: dict, kind: str) -> jax.Array:
     if kind == "q8":
         wq = w["qweight"].astype(dtype).reshape(nb, k // nb, n) * scales[:, None, :]
         return x @ wq.reshape(k, n)
-    p = w["qweight"].reshape(nb, Q4_HALF, n)  # u8[nb, 16, N]
+    # A block of B = k / nb values (a multiple of 32) is B / 32 packed sub-blocks of 16 rows.
+    p = w["qweight"].reshape(nb, k // nb // 32 * Q4_HALF, n)  # u8[nb, B / 2, N]
     s, z = scales[:, None, :], w["zeros"].astype(dtype)[:, None, :]
     w_lo = ((p & 15).astype(dtype) * s + z).reshape(k // 2, n)
     w_hi = ((p >> 4).astype(dtype) * s + z).reshape(k // 2, n)
-    xb = x.reshape(*x.shape[:-1], nb, 2, Q4_HALF)
+    xb = x.reshape(*x.shape[:-1], k // 32, 2, Q4_HALF)
     x_lo = xb[..., 0, :].reshape(*x.shape[:-1], k // 2)
     x_hi = xb[..., 1, :].reshape(*x.shape[:-1], k // 2)
     return x_lo @ w_lo + x_hi @ w_hi

@@ -19,6 +19,8 @@ def test_models_lists_the_served_name(client, server):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert models[0].max_model_len == 256
+    # The weight format served (jaxserve's key): the fixture serves float32 weights.
+    assert not server.llm.engine.model.quant and models[0].quantization == "none"
 
 
 def test_greedy_completion_with_usage(client):

@@ -150,9 +150,10 @@ def test_shape_errors_name_the_problem():
     bad = {**q8, "scales": q8["scales"][:1].repeat(3, axis=0)}  # 3 blocks do not divide 64
     with pytest.raises(ValueError, match=r"scales \(3, 32\) do not fit qweight"):
         kernel(x, bad, "q8")
-    bad = {**q4, "scales": q4["scales"][:1], "zeros": q4["zeros"][:1]}  # blocks of 64
-    with pytest.raises(ValueError, match=r"q4 qweight \(32, 32\) needs blocks of 32 values "
-                                         r"and scales \[2, 32\], got \(1, 32\)"):
+    bad = {**q4, "scales": q4["scales"].repeat(2, axis=0),
+           "zeros": q4["zeros"].repeat(2, axis=0)}  # blocks of 16
+    with pytest.raises(ValueError, match=r"q4 qweight \(32, 32\) needs blocks of a multiple "
+                                         r"of 32 values; scales \(4, 32\) give blocks of 16"):
         quant_matmul_xla(x, bad, "q4")
     bad = {**q4, "zeros": q4["zeros"][:, :16]}
     with pytest.raises(ValueError, match=r"zeros \(2, 16\) differ from scales \(2, 32\)"):
@@ -165,7 +166,7 @@ def test_shape_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"x \(1, 32\) must be \[M, 64\] for the weight"):
         kernel(x[:, :32], q8, "q8")
     q8_16 = {"qweight": q8["qweight"], "scales": jnp.ones((4, 32), jnp.float16)}
-    with pytest.raises(ValueError, match=r"blocks of 32 or one scale per column; got blocks "
+    with pytest.raises(ValueError, match=r"blocks of a multiple of 32 values; got blocks "
                                          r"of 16"):
         kernel(x, q8_16, "q8")
     np.testing.assert_allclose(np.asarray(quant_matmul_xla(x, q8_16, "q8")),  # XLA: any block
@@ -174,3 +175,33 @@ def test_shape_errors_name_the_problem():
     q8_48 = {"qweight": q8["qweight"][:48], "scales": jnp.ones((1, 32), jnp.float16)}
     with pytest.raises(ValueError, match=r"K \(48\) to be a multiple of 32"):
         kernel(x[:, :48], q8_48, "q8")
+
+
+# Checkpoint group sizes (GPTQ/AWQ/compressed-tensors): q4 and q8 blocks of 64 and 128 and
+# q4 float32 zeros, through the jnp reference, XLA and the Pallas kernel (interpreted).
+@pytest.mark.parametrize("fmt", [QuantFormat("q4", 64), QuantFormat("q4", 128, "float32"),
+                                 QuantFormat("q4", 0, "float32"), QuantFormat("q8", 64)],
+                         ids=["q4-64", "q4-128-f32zeros", "q4-channel-f32zeros", "q8-64"])
+def test_group_blocks_match_the_numpy_dequantization(fmt):
+    k, n = 128, 32
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    rows = quantize_rows(fmt, w)
+    if fmt.zero_dtype == "float32":  # zeros no float16 holds exactly
+        rows["zeros"] = rows["zeros"].astype(np.float32) + np.float32(1e-4)
+    leaves = {name: jnp.asarray(a) for name, a in to_leaves(rows).items()}
+    want = dequantize_rows(fmt, rows).T
+    np.testing.assert_array_equal(np.asarray(dequantize(leaves, fmt.kind)), want)
+    x = activations(5, k)
+    dense = np.asarray(x) @ want
+    for got in (xla_path(x, leaves, kind=fmt.kind), kernel(x, leaves, fmt.kind)):
+        np.testing.assert_allclose(np.asarray(got), dense, rtol=1e-5, atol=1e-4)
+
+
+def test_a_q4_block_not_a_multiple_of_32_is_refused():
+    with pytest.raises(ValueError, match="q4 block 48 .* not a multiple of 32"):
+        QuantFormat("q4", 48).leaf_shapes(96, 16)
+    leaves = {"qweight": jnp.zeros((48, 16), jnp.uint8), "scales": jnp.zeros((2, 16)),
+              "zeros": jnp.zeros((2, 16))}
+    with pytest.raises(ValueError, match="blocks of a multiple of 32"):
+        dequantize(leaves, "q4")

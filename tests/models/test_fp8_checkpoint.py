@@ -84,7 +84,7 @@ def test_block_fp8_equals_transformers_dequantized(block_dir):
         directory, dtype=torch.float32,
         quantization_config=transformers.FineGrainedFP8Config(dequantize=True))
     sd = ref.state_dict()
-    method = Fp8Linear(QuantFormat("fp8", 32, 32))
+    method = Fp8Linear(QuantFormat("fp8", 32, block_n=32))
     for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
         np.testing.assert_array_equal(sd[name].numpy(), dense[name])
     leaves = {k: np.asarray(v[1]) for k, v in q.items()}
@@ -144,7 +144,7 @@ def test_moe_experts_in_fp8_equal_the_dequantized_model(tmp_path):
     directory = str(tmp_path / "fp8")
     dense = write_fp8_dir(directory, hf, (32, 32), FP8)
     model = load_model(directory)
-    assert model.quant.get("experts.down_proj") == QuantFormat("fp8", 32, 32)
+    assert model.quant.get("experts.down_proj") == QuantFormat("fp8", 32, block_n=32)
     experts = model.params["layers"]["mlp"]["experts"]
     assert experts["down_proj"]["block_scales"].shape == (2, 4, 2, 2)  # [L, E, 48 / 32, 2]
     assert "qweight" not in model.params["layers"]["mlp"]["gate"]  # the router stays float
@@ -195,12 +195,12 @@ def test_bad_fp8_files_name_the_tensor_and_field(block_dir, tmp_path, tensors, c
 
 
 def test_plan_round_trips_and_router_exclusions(block_dir, tmp_path):
-    plan = QuantPlan((("q_proj", QuantFormat("fp8", 128, 64)),), "fp8")
+    plan = QuantPlan((("q_proj", QuantFormat("fp8", 128, block_n=64)),), "fp8")
     assert QuantPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     directory = _broken(block_dir[0], str(tmp_path / "skip"),
                         config={"modules_to_not_convert": ["lm_head", "mlp.gate",
                                                            "model.norm"]})
-    assert load_model(directory).quant.get("down_proj") == QuantFormat("fp8", 32, 32)
+    assert load_model(directory).quant.get("down_proj") == QuantFormat("fp8", 32, block_n=32)
 
 
 def test_tensor_parallel_splits_fp8_on_block_boundaries():
@@ -213,7 +213,7 @@ def test_tensor_parallel_splits_fp8_on_block_boundaries():
     from models.config import ArchConfig
     from models.model import abstract_params
 
-    fmt = QuantFormat("fp8", 32, 32)
+    fmt = QuantFormat("fp8", 32, block_n=32)
     plan = QuantPlan(tuple((m, fmt) for m in ("q_proj", "o_proj", "gate_proj")), "fp8")
     cfg = ArchConfig(architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=64,
                      intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -145,20 +145,21 @@ class OpenAIServingModels:
         """The `model` a response reports: the adapter's name, else the base's."""
         return lora.lora_name if lora is not None else self.model_name
 
-    def cards(self, max_model_len: int, now: int) -> dict:
+    def cards(self, max_model_len: int, now: int, quantization: str | None = None) -> dict:
         """`/v1/models`: the base model's names (no file system paths), then each adapter
         with `root` its path and `parent` its base model; each card with vLLM's keys (one
         `permission` entry, vLLM's defaults)."""
         base = [{"id": name, "object": "model", "created": now, "owned_by": "jaxserve",
                  "root": self.model_name, "parent": None, "max_model_len": max_model_len,
-                 "permission": [model_permission(now)]} for name in self.base_model_names]
+                 "permission": [model_permission(now)], "quantization": quantization}
+                for name in self.base_model_names]
         with self._names:
             loras = list(self.lora_requests.values())
         adapters = [{"id": lo.lora_name, "object": "model", "created": now,
                      "owned_by": "jaxserve", "root": lo.lora_path,
                      "parent": lo.base_model_name or self.model_name,
-                     "max_model_len": max_model_len, "permission": [model_permission(now)]}
-                    for lo in loras]
+                     "max_model_len": max_model_len, "permission": [model_permission(now)],
+                     "quantization": quantization} for lo in loras]
         return {"object": "list", "data": base + adapters}
 
     def _lock(self) -> asyncio.Lock:

@@ -116,4 +116,4 @@ class OpenAIServingTokenization(OpenAIServingBase):
     def models(self) -> dict:
         """OpenAI's model list: one card per served name (no file system paths), then one
         per LoRA adapter (`parent`: its base model; `root`: its directory)."""
-        return self.serving_models.cards(self.max_model_len, now())
+        return self.serving_models.cards(self.max_model_len, now(), self.llm.quantization)

@@ -73,7 +73,7 @@ def _block_format(block, field: str) -> QuantFormat:
             or not all(isinstance(b, int) and b > 0 and b & (b - 1) == 0 for b in block)):
         raise ValueError(f"quantization_config.{field} {block!r} must be two positive powers "
                          "of two [out, in] (the block of values one scale covers)")
-    return QuantFormat("fp8", block[1], block[0])
+    return QuantFormat("fp8", block[1], block_n=block[0])
 
 
 def _modules(qc: dict, cfg, path: str) -> tuple[str, ...]:
@@ -120,7 +120,7 @@ def fp8_format(qc: dict, path: str, cfg) -> CheckpointFormat:
                          "supported (supported: float, ue8m0)")
     block = qc.get("weight_block_size")
     if block is None:  # one scale per tensor
-        fmt, suffix = QuantFormat("fp8", 0, 0), "_scale"
+        fmt, suffix = QuantFormat("fp8", 0, block_n=0), "_scale"
     else:
         fmt, suffix = _block_format(block, "weight_block_size"), "_scale_inv"
     modules = _modules(qc, cfg, path)
@@ -159,9 +159,9 @@ def compressed_tensors_fp8(weights: dict, where: str = "weights") -> tuple[Quant
         raise ValueError(f"{where}.symmetric: FP8 weights must be symmetric")
     strategy = weights.get("strategy")
     if strategy == "tensor":
-        fmt = QuantFormat("fp8", 0, 0)
+        fmt = QuantFormat("fp8", 0, block_n=0)
     elif strategy == "channel":
-        fmt = QuantFormat("fp8", 0, 1)
+        fmt = QuantFormat("fp8", 0, block_n=1)
     elif strategy == "block":
         fmt = _block_format(weights.get("block_structure"), f"{where}.block_structure")
     else:
