@@ -1,6 +1,6 @@
 """Weight quantization formats: what a quantized projection stores, and host-side quantizers.
 
-Two on-device formats cover every mode (`QuantFormat.kind`):
+Three on-device formats cover every mode (`QuantFormat.kind`):
 
 * ``q8``: ``qweight`` i8[K, N] with ``scales`` f16[K // block, N]; w = q * scale. Q8_0
   (block 32) and int8 weight-only (per output channel: block = K) are both ``q8``.
@@ -8,6 +8,11 @@ Two on-device formats cover every mode (`QuantFormat.kind`):
   ``zeros`` f16[K // 32, N]; w = q * scale + zero. GGUF's Q4_0 (zero = -8 * scale), Q4_1
   (zero = its min) and Q4_K (each 32-weight sub-block's 6-bit scale and min expanded to
   f16) all map onto it without re-quantizing.
+* ``fp8``: ``qweight`` float8_e4m3fn[K, N] with ``block_scales`` f32[ceil(K / bk),
+  ceil(N / bn)]; w = q * scale of its (bk, bn) block, the last block along each axis cut
+  short where bk or bn does not divide it. Block-wise FP8 checkpoints (DeepSeek-V3's and
+  Qwen3-FP8's 128x128 `weight_scale_inv`), per output channel (bk = K, bn = 1) and per
+  tensor (bk = K, bn = N) are all ``fp8`` (`models.loaders.quant_formats.fp8`).
 
 Layout: K (the contraction axis) leads, as in a Flax `Dense` kernel [in, out]; the tied
 embedding is stored the same way ([hidden, vocab]: the LM head's layout) and looked up by
@@ -40,17 +45,23 @@ class QuantFormat:
     """On-device format of one quantized weight.
 
     Attributes:
-        kind: "q8" or "q4".
+        kind: "q8", "q4" or "fp8".
         block: Values per scale along K (0: one scale per output channel, i.e. block = K);
             a q4 block is a multiple of 32 (its codes pair up within 32-value sub-blocks).
         zero_dtype: The q4 zeros' dtype: "float16", or "float32" where a checkpoint's
             zero points must stay exact (an asymmetric GPTQ/AWQ zero -z * scale needs up
             to 15 mantissa bits; the CPU panel kernel reads only float16 zeros).
+        block_n: ``fp8`` only: values per scale along N (0: all of N, 1: per channel).
     """
 
     kind: str
     block: int = 32
     zero_dtype: str = "float16"
+    block_n: int = 0
+
+    def blocks_for(self, k: int, n: int) -> tuple[int, int]:
+        """``fp8``'s (bk, bn) block for a [k, n] weight (0 resolved to the whole axis)."""
+        return self.block_for(k), n if self.block_n == 0 else self.block_n
 
     def block_for(self, k: int) -> int:
         """The block length for a weight with contraction size `k`."""
@@ -62,6 +73,10 @@ class QuantFormat:
         Raises:
             ValueError: `k` is not a multiple of the block (or of 2 for 4-bit packing).
         """
+        if self.kind == "fp8":  # edge blocks cut short: no divisibility needed
+            bk, bn = self.blocks_for(k, n)
+            return {"qweight": ((k, n), "float8_e4m3fn"),
+                    "block_scales": ((-(-k // bk), -(-n // bn)), "float32")}
         block = self.block_for(k)
         if k % block:
             raise ValueError(f"{self.kind} block {block} does not divide the input size {k}")
@@ -75,7 +90,7 @@ class QuantFormat:
 
     @property
     def bits(self) -> int:
-        return 8 if self.kind == "q8" else 4
+        return 4 if self.kind == "q4" else 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +115,10 @@ class QuantPlan:
 
     def to_dict(self) -> dict:
         return {"name": self.name,
-                "formats": {m: [f.kind, f.block] + ([f.zero_dtype] if f.zero_dtype != "float16"
-                                                    else []) for m, f in self.formats}}
+                "formats": {m: [f.kind, f.block]
+                            + ([f.zero_dtype] if f.zero_dtype != "float16" or f.kind == "fp8"
+                               else []) + ([f.block_n] if f.kind == "fp8" else [])
+                            for m, f in self.formats}}
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantPlan:
@@ -112,10 +129,12 @@ NO_QUANT = QuantPlan()  # every weight dense
 
 
 def kind_of(leaves) -> str | None:
-    """The format kind ("q8", "q4") of a quantized weight's leaves (a dict of them, or their
-    names), None for a float one (no "qweight")."""
+    """The format kind ("q8", "q4", "fp8") of a quantized weight's leaves (a dict of them,
+    or their names), None for a float one (no "qweight")."""
     if "qweight" not in leaves:
         return None
+    if "block_scales" in leaves:
+        return "fp8"
     return "q4" if "zeros" in leaves else "q8"
 
 

@@ -9,6 +9,8 @@ One folder per kernel, each with its pure-`jnp` reference (the oracle of its tes
     kv_write/                the Pallas KV write (a step's K/V into the page pool)
     quant_matmul/            matmuls against quantized weights: Pallas (`kernel.py`), XLA
                              (`xla.py`)
+    fp8_matmul/              matmuls against FP8 weights with block scales: Pallas
+                             (`kernel.py`), XLA's widen-and-dot (`reference.py`)
     cpu_ffi/                 the `cpu` backend's C++ kernels (XLA FFI custom calls, built
                              on first use): paged decode attention and the layer matmul
                              over packed weights; for development, CI and small deployments
@@ -22,6 +24,7 @@ from pallas_kernels.metadata import AttentionMetadata, kv_pages_shape
 from pallas_kernels.ops import (
     ATTENTION_BACKENDS,
     AttentionOps,
+    fp8_matmul,
     quant_matmul,
     ragged_paged_attention,
     resolve_backend,
@@ -33,6 +36,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionOps",
     "AttentionMetadata",
+    "fp8_matmul",
     "kv_pages_shape",
     "quant_embed",
     "quant_matmul",

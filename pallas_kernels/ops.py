@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_ffi
+from pallas_kernels.fp8_matmul.kernel import fp8_matmul_kernel
+from pallas_kernels.fp8_matmul.reference import fp8_matmul_reference
 from pallas_kernels.invariant import invariant_attention
 from pallas_kernels.kv_quant import kv_rotation
 from pallas_kernels.kv_write.kernel import write_kv_kernel
@@ -164,6 +166,18 @@ def quant_matmul(x: jax.Array, w: dict, kind: str, *, backend: str = "xla") -> j
         y = quant_matmul_kernel(x.reshape(-1, x.shape[-1]), w, kind, interpret=_interpret())
         return y.reshape(*lead, y.shape[-1])
     return quant_matmul_xla(x, w, kind)
+
+
+def fp8_matmul(x: jax.Array, w: dict, block: tuple[int, int], *,
+               backend: str = "xla") -> jax.Array:
+    """x [..., K] @ an FP8 weight [K, N] with (bk, bn) block scales
+    (`pallas_kernels.fp8_matmul`): the Pallas kernel on "pallas", else XLA's widen-and-dot."""
+    if backend == "pallas":
+        lead = x.shape[:-1]
+        y = fp8_matmul_kernel(x.reshape(-1, x.shape[-1]), w, tuple(block),
+                              interpret=_interpret())
+        return y.reshape(*lead, y.shape[-1])
+    return fp8_matmul_reference(x, w, tuple(block))
 
 
 @dataclasses.dataclass(frozen=True)

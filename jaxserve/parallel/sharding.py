@@ -92,6 +92,12 @@ class TensorParallel:
                 keys = keys[1:]
             if "experts" in keys[:-1] and self.experts is not None:  # [L, E, ...] stacks
                 name = keys[keys.index("experts") + 1]
+                if keys[-1] == "qweight" and "block_scales" in siblings:
+                    # FP8 blocks: the codes' width split must fall on block boundaries
+                    # (the scales split by blocks beside them); the method refuses others.
+                    _checked(keys, lambda: stored_method(siblings).partition_spec(
+                        "qweight", np.shape(leaf), "in" if name == "down_proj" else "out",
+                        None, self.experts.num_width_shards))
                 return self.experts.leaf_spec(name, np.shape(leaf), keys[0] == "layers")
             if "experts" in keys or len(keys) < 2 or keys[-2] not in _ROLES:
                 return P()  # replicated (experts without an expert layout included)
@@ -99,8 +105,8 @@ class TensorParallel:
             shards = self.mesh.shape[KV] if axes == KV else self.size
             # NOTE: a vocabulary the devices do not divide keeps the head whole; the row
             # parallel leaves whose blocks they do not divide (one scale per column) too.
-            return stored_method(siblings).partition_spec(keys[-1], np.shape(leaf), split,
-                                                          axes, shards)
+            return _checked(keys, lambda: stored_method(siblings).partition_spec(
+                keys[-1], np.shape(leaf), split, axes, shards))
 
         def walk(tree, keys):
             return {k: walk(v, (*keys, k)) if isinstance(v, dict) else spec((*keys, k), v, tree)
@@ -140,6 +146,14 @@ class TensorParallel:
     def shard_params(self, params) -> dict:
         """Places `params` on the mesh (each device receives only its shard)."""
         return jax.device_put(params, self.param_shardings(params))
+
+
+def _checked(keys: tuple, spec):
+    """`spec()`, its ValueError (a split a method refuses) prefixed with the layer's path."""
+    try:
+        return spec()
+    except ValueError as e:
+        raise ValueError(f"{'/'.join(map(str, keys[:-1]))}: {e}") from None
 
 
 def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None,
