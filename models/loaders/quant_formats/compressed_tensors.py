@@ -9,7 +9,7 @@ and a `format` (the group's, else the config's). `ignore` leaves modules float. 
 
 * pack-quantized: `weight_packed` int32[N, K * bits / 32] (value i of a word in bits
   [bits * i, bits * (i + 1)), stored as q + 2^(bits - 1)), `weight_shape` [N, K],
-  `weight_scale` [N, G] (channel: [N, 1]) and, asymmetric, `weight_zero_point` packed the
+  `weight_scale` [N, G] (channel: [N, 1]) and, asymmetric, `weight_zero_point` stored the
   same way along N (int32[N * bits / 32, G]).
 * int-quantized / naive-quantized: `weight` int8[N, K] holding q, and `weight_scale`.
 
@@ -93,15 +93,15 @@ def _int_reader(weights: dict, fmt_name: str, where: str):
             raise KeyError(name)
         base = name[:-len(".weight")]
         if fmt_name == "pack-quantized":
-            packed = read_field(source, base, "weight_packed")
+            words = read_field(source, base, "weight_packed")
             shape = read_field(source, base, "weight_shape").reshape(-1).tolist()
-            if len(shape) != 2 or packed.dtype != np.int32 or packed.ndim != 2:
-                raise ValueError(f"quantized tensor {base!r}: weight_packed {packed.dtype}"
-                                 f"{list(packed.shape)} and weight_shape {shape} must be "
+            if len(shape) != 2 or words.dtype != np.int32 or words.ndim != 2:
+                raise ValueError(f"quantized tensor {base!r}: weight_packed {words.dtype}"
+                                 f"{list(words.shape)} and weight_shape {shape} must be "
                                  "int32[N, K * num_bits / 32] and [N, K]")
             n, k = (int(v) for v in shape)
-            check_shape(packed, (n, -(-k * bits // 32)), base, "weight_packed (for weight_shape)")
-            codes = unpack_int32(packed, bits, axis=1)[:, :k]  # q + offset, u8[N, K]
+            check_shape(words, (n, -(-k * bits // 32)), base, "weight_packed (for weight_shape)")
+            codes = unpack_int32(words, bits, axis=1)[:, :k]  # q + offset, u8[N, K]
         else:
             q = read_field(source, base, "weight")
             if q.dtype != np.int8 or q.ndim != 2:
