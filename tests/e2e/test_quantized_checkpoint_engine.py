@@ -5,6 +5,9 @@ over two devices."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import re
 
 import jax
 import numpy as np
@@ -76,6 +79,7 @@ class Checkpoint:
     llm: LLM
     ids: list[list[int]]
     want: list[list[int]]
+    log: list[str]  # the engine's startup log
 
     def check(self, llm: LLM, which: list[int]) -> None:
         outs = llm.generate([{"prompt_token_ids": self.ids[i]} for i in which], GREEDY,
@@ -99,8 +103,20 @@ def checkpoint(request, smollm2_tokenizer, tmp_path_factory) -> Checkpoint:
         torch.set_num_threads(threads)
     assert all(len(x) > ENGINE["max_num_batched_tokens"] for x in ids)  # chunked prefill
     assert all(len(set(w)) > 1 for w in want)  # not a degenerate repeat
-    llm = LLM(directory, quantization="auto", **ENGINE)
-    return Checkpoint(request.param, directory, llm, ids, want)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("jaxserve")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # NOTE: setLevel, not `.level =`: it clears the cache
+    try:
+        llm = LLM(directory, quantization="auto", **ENGINE)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    log = [r.getMessage() for r in records]
+    return Checkpoint(request.param, directory, llm, ids, want, log)
 
 
 def _leaves(llm: LLM) -> dict[str, jax.Array]:
@@ -117,6 +133,22 @@ def test_served_in_the_checkpoints_format(checkpoint):
     if checkpoint.name == "fp8":  # the routed experts' stacks too
         assert any("experts" in p and "down_proj" in p and p.endswith("qweight")
                    and leaf.dtype == np.dtype("float8_e4m3fn") for p, leaf in leaves.items())
+
+
+def test_startup_log_names_the_format_and_its_bytes(checkpoint):
+    """The log line gives the served format, its device bytes and the checkpoint's weight
+    tensors' bytes (the files' sizes less their headers), within 10% of each other."""
+    path = os.path.join(checkpoint.directory, "model.safetensors")
+    with open(path, "rb") as f:  # safetensors: u64 header length, the JSON header, the data
+        on_disk = os.path.getsize(path) - 8 - int.from_bytes(f.read(8), "little")
+    (line,) = [m for m in checkpoint.log if m.startswith("jaxserve: weights ")]
+    got = re.match(rf"jaxserve: weights {checkpoint.name}: ([\d.]+) MiB on the device, "
+                   r"([\d.]+) MiB in the checkpoint \(x([\d.]+)\);", line)
+    assert got, line
+    device, ckpt, ratio = map(float, got.groups())
+    assert ckpt == round(on_disk / 2**20, 2)
+    assert device == round(checkpoint.llm.engine.model.weight_bytes / 2**20, 2)
+    assert abs(ratio - 1) < 0.10
 
 
 def test_greedy_alone_then_batched(checkpoint):
