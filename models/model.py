@@ -116,6 +116,9 @@ class Model:
         expert_sharding: How the device mesh splits the routed experts of a mixture of
             experts (`models.moe_parallel`; set by the runner from its tensor-parallel
             layout). None: one device, or the experts replicated.
+        checkpoint_bytes: Bytes of the weight tensors in the files it was read from (a
+            safetensors directory's, set by `models.loaders.load_model`); 0 where not
+            measured (GGUF files, orbax checkpoints, models built in memory).
 
     Raises:
         ValueError: A `kv_layout` that does not fit the model (`check_kv_layout`), or a
@@ -130,6 +133,7 @@ class Model:
     serving: ServingChoice | None = None
     kv_layout: KVGroupLayout | None = None
     expert_sharding: ExpertSharding | None = None
+    checkpoint_bytes: int = 0
 
     def __post_init__(self):
         self.serving = self.serving or ServingChoice()
@@ -197,6 +201,16 @@ class Model:
     def weight_bytes(self) -> int:
         """Bytes the parameters occupy (codes, scales and dense leaves together)."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.params))
+
+    def weights_report(self) -> str:
+        """The served weight format and its device bytes, beside the checkpoint's weight
+        tensors' bytes where they were measured: "gptq: 3.21 MiB on the device, 3.05 MiB
+        in the checkpoint (x1.05)" (the startup log's and `jaxserve verify`'s line)."""
+        report = f"{self.quant.name}: {self.weight_bytes / 2**20:.2f} MiB on the device"
+        if self.checkpoint_bytes:
+            report += (f", {self.checkpoint_bytes / 2**20:.2f} MiB in the checkpoint "
+                       f"(x{self.weight_bytes / self.checkpoint_bytes:.2f})")
+        return report
 
     def kv_pages_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
         """Shape of this model's page pool for `num_pages` pages of `page_size` slots (one

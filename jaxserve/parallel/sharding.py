@@ -92,9 +92,10 @@ class TensorParallel:
                 keys = keys[1:]
             if "experts" in keys[:-1] and self.experts is not None:  # [L, E, ...] stacks
                 name = keys[keys.index("experts") + 1]
-                if keys[-1] == "qweight" and "block_scales" in siblings:
-                    # FP8 blocks: the codes' width split must fall on block boundaries
-                    # (the scales split by blocks beside them); the method refuses others.
+                if keys[-1] == "qweight":
+                    # FP8 blocks and q4/q8 groups: the codes' width split must fall on
+                    # block boundaries (the scales split by blocks beside them); the
+                    # method refuses others.
                     _checked(keys, lambda: stored_method(siblings).partition_spec(
                         "qweight", np.shape(leaf), "in" if name == "down_proj" else "out",
                         None, self.experts.num_width_shards))

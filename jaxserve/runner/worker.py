@@ -161,9 +161,9 @@ class Worker:
                                   max_logprobs=self.config.model.max_logprobs,
                                   logprobs_mode=self.config.model.logprobs_mode,
                                   routed_experts=self.config.model.enable_return_routed_experts)
-        logger.info("jaxserve: weights %s (%.0f MiB); KV cache %s: %d pages of %d tokens = "
+        logger.info("jaxserve: weights %s; KV cache %s: %d pages of %d tokens = "
                     "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
-                    self.model.quant.name, self.model.weight_bytes / 2**20,
+                    self.model.weights_report(),
                     np.dtype(self.runner.kv_pages.dtype).name, lim.num_pages, cache.page_size,
                     self.kv_capacity_tokens, lim.num_pages * lim.bytes_per_page / 2**20,
                     lim.max_model_len, self.runner.buckets)

@@ -85,6 +85,26 @@ class QuantLinear(LinearMethod):
         return row_tiled(lambda t: quant_matmul(t.astype(self.dtype), w, self.fmt.kind,
                                                 backend=self.kernel), x, self.row_tile)
 
+    def partition_spec(self, leaf, shape, split, axes, shards):
+        """Splits the codes and their group scales (and zeros) together: a row-parallel
+        split of K falls on group boundaries only.
+
+        Raises:
+            ValueError: A K split that would cut a group of several along K (the message
+                names the weight's shape, the group and the shard count); one group per
+                output channel stays whole beside the split codes (it scales each partial
+                sum).
+        """
+        if split == "in" and leaf == "qweight" and shards > 1:
+            k = shape[-2] * (2 if self.fmt.kind == "q4" else 1)
+            block = self.fmt.block_for(k)
+            if block < k and (k % shards or (k // shards) % block):
+                raise ValueError(
+                    f"a {self.fmt.kind} weight of {k} inputs in groups of {block} cannot be "
+                    f"split {shards} ways along its input axis: a shard of {k / shards:g} "
+                    f"inputs would cut a group")
+        return super().partition_spec(leaf, shape, split, axes, shards)
+
     def dense(self, w, dtype):
         fn = lambda leaves: dequantize(leaves, self.fmt.kind, dtype)
         for _ in range(w["qweight"].ndim - 2):  # one vmap per leading axis

@@ -159,6 +159,7 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
         plan = ckpt.plan
     else:
         plan = quant_plan_for(kind, path, quantization)
+    checkpoint_bytes = 0  # the weight tensors' bytes in a safetensors directory's files
     if kind == "jaxserve":
         saved = parse_dtype(orbax_ckpt.read_checkpoint_meta(path)[1])
         stored = orbax_ckpt.read_checkpoint_quant(path)
@@ -170,7 +171,9 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
         if plan and not stored:
             params = _place(quantize_params(params, plan), cfg, jdtype, plan, shardings)
     else:
-        source = open_gguf(path) if kind == "gguf" else SplitFused(SafetensorsDir(path), cfg)
+        files = None if kind == "gguf" else SafetensorsDir(path)
+        source = open_gguf(path) if files is None else SplitFused(files, cfg)
+        checkpoint_bytes = 0 if files is None else files.tensor_bytes()
         if ckpt is not None:
             source = QuantizedSource(source, ckpt)
         keep = plan if plan.name == "gguf" or ckpt is not None else QuantPlan()
@@ -179,7 +182,8 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
         if plan and not keep:
             host = quantize_params(host, plan)
         params = _place(host, cfg, jdtype, plan, shardings)
-    m = Model(cfg, params, jdtype, source=path, quant=plan, serving=serving)
+    m = Model(cfg, params, jdtype, source=path, quant=plan, serving=serving,
+              checkpoint_bytes=checkpoint_bytes)
     m.load_seconds = time.perf_counter() - start
     return m
 

@@ -87,6 +87,13 @@ class SafetensorsDir:
                     self._entries.setdefault("model." + tensor, self._entries[tensor])
         self._maps: dict[str, np.memmap] = {}
 
+    def tensor_bytes(self) -> int:
+        """Bytes the files' tensors hold (their data sections; each tensor once, aliases
+        of a multimodal checkpoint's language model not counted twice)."""
+        spans = {(path, *info["data_offsets"]) for path, info, _ in self._entries.values()
+                 if isinstance(info, dict) and "data_offsets" in info}
+        return sum(end - begin for _, begin, end in spans)
+
     def where(self, name: str) -> str:
         entry = self._entries.get(name)
         return entry[0] if entry else f"the safetensors files of {self.directory}"

@@ -91,6 +91,12 @@ def test_batch_invariant_run_passes(capsys, tiny_model_dir):
     report = json.loads(capsys.readouterr().out)
     assert rc == 0 and report["strict"] and not report["failed"]
     assert [d["kind"] for d in report["prompts"]] == ["identical"] * 8
+    # The served weights and the checkpoint's weight tensors (float32 both: the same bytes).
+    from safetensors.numpy import load_file
+
+    on_disk = sum(a.nbytes for a in load_file(f"{tiny_model_dir}/model.safetensors").values())
+    assert report["weights"] == {"format": "none", "device_bytes": on_disk,
+                                 "checkpoint_bytes": on_disk}
 
 
 # NOTE: slow: two more engines; the exit-1 path is also covered by `failed` above.
@@ -105,3 +111,4 @@ def test_two_backends_differ_under_strict(capsys, tiny_model_dir, tmp_path):
                *sizes()])
     out = capsys.readouterr().out
     assert rc == 1 and "FAILED" in out and "backend xla vs cpu" in out, out
+    assert "weights none: " in out and "MiB in the checkpoint (x1.00)" in out, out

@@ -10,14 +10,17 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from models.model import Model, random_params
-from models.quant import QuantFormat, uniform_plan
+from models.quant import EXPERT_MODULES, QuantFormat, uniform_plan
 from tests.parallel.test_parallel_engine import SMALL, TINY, _tiny_prompts, _tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, detokenize=False)
 # 4-bit blocks of 32 and int8 per output channel: row-parallel o/down_proj split K, so at
-# tp=4 a 64-wide K holds half a block per device (the scales are then replicated).
+# tp=4 a 64-wide K would hold half a 4-bit block per device (refused: a split cuts no group);
+# int8's one scale per column stays whole beside its split codes.
 PLANS = {"q4": uniform_plan("q4", QuantFormat("q4", 32)),
          "int8": uniform_plan("int8", QuantFormat("q8", 0))}
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
 
@@ -42,6 +45,12 @@ def quantized(request, smollm2_tokenizer):
 @pytest.mark.parametrize("size", [2, 4])
 def test_quantized_tensor_parallel_matches_one_device(quantized, smollm2_tokenizer, size):
     model, want = quantized
+    if size == 4 and model.quant.name == "q4":
+        with pytest.raises(ValueError, match=r"layers/self_attn/o_proj: a q4 weight of 64 "
+                                             r"inputs in groups of 32 cannot be split 4 ways"):
+            LLM(model, tokenizer=smollm2_tokenizer, tensor_parallel_size=size, warmup=False,
+                **SMALL)
+        return
     llm = LLM(model, tokenizer=smollm2_tokenizer, tensor_parallel_size=size,
               kv_cache_dtype="int8", num_kv_blocks=64, warmup=False, **SMALL)
     assert _tokens(llm.generate(_tiny_prompts(), GREEDY, use_tqdm=False)) == want
@@ -81,3 +90,43 @@ def test_quantized_expert_stacks_split_as_their_float_stacks():
     assert mlp["experts"]["down_proj"]["qweight"] == P(None, None, width, None)
     assert mlp["experts"]["down_proj"]["scales"] == P(None, None, None, None)
     assert mlp["shared_expert"]["gate_proj"]["qweight"][-1] is not None
+
+
+@pytest.mark.parametrize("group, size, layer", [
+    (32, 2, None), (32, 4, "layers/mlp/down_proj"), (0, 4, None)])
+def test_a_split_that_cuts_a_group_is_refused_naming_the_layer(group, size, layer):
+    """A checkpoint's int4 groups (GPTQ/AWQ) under tensor parallelism: row-parallel
+    o_proj/down_proj split K on group boundaries only; one group per output channel (0)
+    stays whole beside the split codes. Here o_proj's K is 128, down_proj's 192."""
+    from jaxserve.parallel.sharding import make_tensor_parallel
+    from models.config import ArchConfig
+    from models.model import abstract_params
+
+    cfg = ArchConfig("LlamaForCausalLM", vocab_size=64, hidden_size=64, intermediate_size=192,
+                     num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16)
+    plan = uniform_plan("gptq", QuantFormat("q4", group, "float32"), LINEARS)
+    tp = make_tensor_parallel(cfg, size)
+    params = abstract_params(cfg, "float32", plan)
+    if layer is None:
+        specs = tp.param_specs(params)
+        assert specs["layers"]["self_attn"]["o_proj"]["qweight"][-2] is not None
+        return
+    with pytest.raises(ValueError, match=rf"^{layer}: a q4 weight of 192 inputs in groups of "
+                                         rf"{group} cannot be split {size} ways"):
+        tp.param_specs(params)
+
+
+def test_a_split_that_cuts_a_group_of_an_expert_stack_is_refused():
+    """The routed experts' down_proj splits its K (each expert's width) on group
+    boundaries too: a width of 48 in groups of 32 over two devices is refused."""
+    from jaxserve.parallel.sharding import make_tensor_parallel
+    from models.config import ArchConfig
+    from models.model import abstract_params
+
+    cfg = ArchConfig(architecture="Qwen2MoeForCausalLM", vocab_size=64, hidden_size=64,
+                     intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=96)
+    plan = uniform_plan("awq", QuantFormat("q4", 32, "float32"), (*LINEARS, *EXPERT_MODULES))
+    with pytest.raises(ValueError, match=r"experts/down_proj: a q4 weight of 96 inputs"):
+        make_tensor_parallel(cfg, 2).param_specs(abstract_params(cfg, "float32", plan))

@@ -64,6 +64,12 @@ def run(args) -> int:
 
     params = v.greedy_params(args.max_tokens, args.logprobs)
     llm = LLM(**{**kwargs, **({"attention_backend": backends[0]} if backends else {})})
+    model = llm.engine.model
+    # The served weight format and its bytes, the checkpoint's beside them (issue 62).
+    weights = {"format": model.quant.name, "device_bytes": model.weight_bytes,
+               "checkpoint_bytes": model.checkpoint_bytes or None}
+    report = model.weights_report()
+    del model  # NOTE: the first engine's weights are freed before a second backend's load
     prompts = v.prompt_ids(llm.get_tokenizer(), texts)
     others = v.random_prompts(args.crowd, llm.get_tokenizer().vocab_size, args.crowd_seed)
     if backends:
@@ -80,11 +86,12 @@ def run(args) -> int:
     strict = bool(kwargs.get("batch_invariant")) if args.strict is None else args.strict
     failed = v.failed(divergences, strict)
     if args.json:
-        print(json.dumps({"what": what, "strict": strict, "failed": failed,
+        print(json.dumps({"what": what, "weights": weights, "strict": strict, "failed": failed,
                           "epsilon": args.epsilon,
                           "prompts": [dataclasses.asdict(d) for d in divergences]},
                          indent=1))
     else:
+        print(f"weights {report}")
         print(v.summary(divergences, args.epsilon, what))
         print("FAILED" if failed else "OK", "(strict: any divergence fails)" if strict
               else "(real differences fail)")

@@ -1,0 +1,176 @@
+"""Quantized checkpoints (FP8 blocks, GPTQ, AWQ) served by the engine with quantization="auto":
+transformers' greedy tokens on the dequantized weights, alone, batched, chunked, and split
+over two devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.conftest import TINY_ENGINE
+from tests.e2e.hf_family import PROMPTS, TINY, hf_greedy
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# K = 64 (hidden) and 128 (MLP width): groups of 32 and FP8 blocks of 32 divide every matmul
+# and every half of it (tensor parallelism 2 splits o_proj's and down_proj's K).
+LLAMA = dict(TINY, model_type="llama", num_hidden_layers=2, intermediate_size=128, head_dim=16)
+QWEN3_MOE = dict(TINY, num_hidden_layers=2, head_dim=16, moe_intermediate_size=64,
+                 num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+# NOTE: an 8-token budget (two token buckets to compile, as tests/e2e/test_family_conformance.py):
+# every prompt here is longer, so each is prefilled in chunks.
+ENGINE = {**TINY_ENGINE, "warmup": False, "max_num_batched_tokens": 8, "max_num_seqs": 8,
+          "max_model_len": 128, "num_kv_blocks": 32}
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _gptq(directory: str):
+    from tests.models.int_packers import gptq_tensors, write_quantized
+
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": False,
+          "checkpoint_format": "gptq"}
+    hf, _ = write_quantized(directory, LLAMA, qc, lambda q, z, s: gptq_tensors(q, z, s, 4, True),
+                            4, 32, False, min_zero=1)
+    return hf
+
+
+def _awq(directory: str):
+    from tests.models.int_packers import awq_tensors, write_quantized
+
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+          "version": "gemm"}
+    hf, _ = write_quantized(directory, LLAMA, qc, awq_tensors, 4, 32, sym=False)
+    return hf
+
+
+def _fp8_moe(directory: str):
+    """A Qwen3-MoE whose attention and routed experts are FP8 in 32x32 blocks."""
+    from tests.models.fp8_pack import write_dense_dir, write_fp8_dir
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(**QWEN3_MOE, attn_implementation="eager")
+    hf = transformers.Qwen3MoeForCausalLM(cfg).float().eval()
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+          "weight_block_size": [32, 32]}
+    dense = write_fp8_dir(directory, hf, (32, 32), qc)
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        write_dense_dir(directory + "-dense", directory, dense), dtype=torch.float32,
+        attn_implementation="eager").eval()
+
+
+WRITERS = {"fp8": _fp8_moe, "gptq": _gptq, "awq": _awq}
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A format's tiny checkpoint, its engine and transformers' tokens (dequantized)."""
+
+    name: str
+    directory: str
+    llm: LLM
+    ids: list[list[int]]
+    want: list[list[int]]
+    log: list[str]  # the engine's startup log
+
+    def check(self, llm: LLM, which: list[int]) -> None:
+        outs = llm.generate([{"prompt_token_ids": self.ids[i]} for i in which], GREEDY,
+                            use_tqdm=False)
+        for i, out in zip(which, outs, strict=True):
+            assert out.outputs[0].token_ids == self.want[i], (self.name, i)
+
+
+@pytest.fixture(scope="module", params=list(WRITERS))
+def checkpoint(request, smollm2_tokenizer, tmp_path_factory) -> Checkpoint:
+    """One engine per format (module-scoped: every check below shares it)."""
+    directory = str(tmp_path_factory.mktemp(request.param) / "model")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hf = WRITERS[request.param](directory)
+        smollm2_tokenizer.save_pretrained(directory)
+        ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
+        want = [hf_greedy(hf, x, MAX_TOKENS) for x in ids]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(len(x) > ENGINE["max_num_batched_tokens"] for x in ids)  # chunked prefill
+    assert all(len(set(w)) > 1 for w in want)  # not a degenerate repeat
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("jaxserve")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # NOTE: setLevel, not `.level =`: it clears the cache
+    try:
+        llm = LLM(directory, quantization="auto", **ENGINE)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    log = [r.getMessage() for r in records]
+    return Checkpoint(request.param, directory, llm, ids, want, log)
+
+
+def _leaves(llm: LLM) -> dict[str, jax.Array]:
+    """The served weights by path ("layers/self_attn/o_proj/qweight", ...), whatever
+    collection (the serving form's) holds them."""
+    return {"/".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in
+            jax.tree_util.tree_leaves_with_path(llm.engine.runner.params)}
+
+
+def test_served_in_the_checkpoints_format(checkpoint):
+    assert checkpoint.llm.engine.quantization == checkpoint.name
+    leaves = _leaves(checkpoint.llm)
+    assert not any("o_proj/kernel" in p for p in leaves)  # kept quantized on the device
+    if checkpoint.name == "fp8":  # the routed experts' stacks too
+        assert any("experts" in p and "down_proj" in p and p.endswith("qweight")
+                   and leaf.dtype == np.dtype("float8_e4m3fn") for p, leaf in leaves.items())
+
+
+def test_startup_log_names_the_format_and_its_bytes(checkpoint):
+    """The log line gives the served format, its device bytes and the checkpoint's weight
+    tensors' bytes (the files' sizes less their headers), within 10% of each other."""
+    path = os.path.join(checkpoint.directory, "model.safetensors")
+    with open(path, "rb") as f:  # safetensors: u64 header length, the JSON header, the data
+        on_disk = os.path.getsize(path) - 8 - int.from_bytes(f.read(8), "little")
+    (line,) = [m for m in checkpoint.log if m.startswith("jaxserve: weights ")]
+    got = re.match(rf"jaxserve: weights {checkpoint.name}: ([\d.]+) MiB on the device, "
+                   r"([\d.]+) MiB in the checkpoint \(x([\d.]+)\);", line)
+    assert got, line
+    device, ckpt, ratio = map(float, got.groups())
+    assert ckpt == round(on_disk / 2**20, 2)
+    assert device == round(checkpoint.llm.engine.model.weight_bytes / 2**20, 2)
+    assert abs(ratio - 1) < 0.10
+
+
+def test_greedy_alone_then_batched(checkpoint):
+    """One prompt alone, then all of them in one batch; each prompt is longer than the
+    token budget (chunked prefill)."""
+    checkpoint.check(checkpoint.llm, [1])
+    checkpoint.check(checkpoint.llm, [0, 1, 2])
+
+
+TP_FORMATS = ["gptq", pytest.param("fp8", marks=pytest.mark.slow),
+              pytest.param("awq", marks=pytest.mark.slow)]
+
+
+# NOTE: one tensor-parallel engine in the default tier (GPTQ's groups split on K); FP8's
+# and AWQ's compile another model step each (slow tier, ~6 s apiece here).
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
+@pytest.mark.parametrize("name", TP_FORMATS)
+def test_tensor_parallel_2(name, checkpoint):
+    if checkpoint.name != name:
+        pytest.skip("one format per engine")
+    llm = LLM(checkpoint.directory, quantization="auto", tensor_parallel_size=2, **ENGINE)
+    (codes,) = [leaf for p, leaf in _leaves(llm).items() if p.endswith("o_proj/qweight")]
+    assert len(codes.sharding.device_set) == 2
+    assert codes.sharding.spec[-2] is not None  # row parallel: K split on group boundaries
+    checkpoint.check(llm, [0, 1, 2])
