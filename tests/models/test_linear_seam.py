@@ -60,11 +60,12 @@ def _outside_registry() -> list[pathlib.Path]:
 
 def test_models_name_no_backend_outside_the_registry():
     """The acceptance grep: `backend`, `cpu_ffi`, `packed`, `default_backend` appear in
-    `models/` only in the method registry."""
+    `models/` only in the method registry (compressed-tensors' checkpoint tensor
+    `weight_packed` is a file's field name, not a packing of ours)."""
     hits = [f"{p.relative_to(MODELS)}:{i}: {line.strip()}"
             for p in _outside_registry()
             for i, line in enumerate(p.read_text().splitlines(), 1)
-            if re.search(r"backend|cpu_ffi|packed|default_backend", line)]
+            if re.search(r"backend|cpu_ffi|(?<!weight_)packed|default_backend", line)]
     assert not hits, "\n".join(hits)
 
 

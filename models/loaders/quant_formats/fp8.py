@@ -59,7 +59,8 @@ def read_fp8(source, name: str, fmt: QuantFormat, scale_suffix: str) -> dict[str
     # A per-tensor scalar or [1], or a per-channel [N], stands for its [Nb, Kb] grid.
     fits = (tuple(s.shape) == want if s.ndim == 2
             else s.size == want[0] * want[1] and 1 in want)
-    if not fits or s.dtype.kind != "f" or s.dtype.itemsize < 2:
+    # bfloat16 (llm-compressor's scales for a bfloat16 model) is ml_dtypes' kind "V".
+    if not fits or (s.dtype.kind != "f" and s.dtype.name != "bfloat16") or s.dtype.itemsize < 2:
         raise ValueError(
             f"tensor {scale_name!r} in {source.where(scale_name)}: {s.dtype}{list(s.shape)}, "
             f"expected float scales {list(want)} for the weight {list(q.shape)} in blocks of "
