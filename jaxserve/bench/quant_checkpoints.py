@@ -18,11 +18,15 @@ import os
 import ml_dtypes
 import numpy as np
 
-# name -> (quant_method, bits, group size): FP8's 128x128 blocks, and int groups of 128,
-# the common published choice (`gptq-int4-g32`: the group the CPU kernel's q4 reads in place).
+# name -> (quant_method, bits, group size; 0: one scale per output channel): FP8's 128x128
+# blocks, int groups of 128 (the common published choice; `gptq-int4-g32`: the group the CPU
+# kernel's q4 reads in place), and llm-compressor's presets in compressed-tensors ("ct-"):
+# W4A16 (pack-quantized int4, groups of 128), W8A8 int8 and FP8_DYNAMIC (per channel).
+CT = "compressed-tensors"
 FORMATS = {"float32": (None, 32, 0), "fp8": ("fp8", 8, 128), "gptq-int4": ("gptq", 4, 128),
            "awq-int4": ("awq", 4, 128), "gptq-int8": ("gptq", 8, 128),
-           "gptq-int4-g32": ("gptq", 4, 32)}
+           "gptq-int4-g32": ("gptq", 4, 32), "ct-w4a16": (CT, 4, 128),
+           "ct-w8a8-int8": (CT, 8, 0), "ct-fp8-dynamic": (CT, 8, 0)}
 LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
            "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -78,6 +82,8 @@ def quantization_config(fmt: str) -> dict | None:
     method, bits, group = FORMATS[fmt]
     if method is None:
         return None
+    if method == CT:
+        return compressed_tensors_config(fmt, bits, group)
     if method == "fp8":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": [group, group]}
@@ -86,6 +92,22 @@ def quantization_config(fmt: str) -> dict | None:
                 "version": "gemm"}
     return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": True,
             "desc_act": False, "checkpoint_format": "gptq"}
+
+
+def compressed_tensors_config(fmt: str, bits: int, group: int) -> dict:
+    """The `quantization_config` llm-compressor writes for one scheme over every Linear but
+    the LM head (its W4A16, W8A8 int8 and FP8_DYNAMIC presets; activations dynamic)."""
+    kind = "float" if fmt == "ct-fp8-dynamic" else "int"
+    weights = {"num_bits": bits, "type": kind, "symmetric": True, "dynamic": False,
+               "strategy": "group" if group else "channel", "group_size": group or None}
+    acts = None if bits == 4 else {"num_bits": 8, "type": kind, "symmetric": True,
+                                   "dynamic": True, "strategy": "token"}
+    return {"quant_method": CT, "quantization_status": "compressed",
+            "format": {"ct-w4a16": "pack-quantized", "ct-w8a8-int8": "int-quantized",
+                       "ct-fp8-dynamic": "float-quantized"}[fmt],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": acts}},
+            "ignore": ["lm_head"]}
 
 
 def random_words(rng, shape) -> np.ndarray:
@@ -108,6 +130,16 @@ def linear_tensors(fmt: str, out: int, inp: int, rng) -> dict[str, np.ndarray]:
                                  ).astype(np.float16)
     if method is None:
         return {"weight": (0.02 * rng.standard_normal((out, inp), np.float32))}
+    if fmt == "ct-w4a16":  # [N, K / 8] along K, stored q + 8; scales [N, G]
+        return {"weight_packed": random_words(rng, (out, inp // 8)),
+                "weight_shape": np.array([out, inp], np.int64),
+                "weight_scale": scales(out, inp // group)}
+    if fmt == "ct-w8a8-int8":  # q int8[N, K], per-channel scales [N, 1]
+        return {"weight": rng.integers(-128, 128, (out, inp), dtype=np.int8),
+                "weight_scale": scales(out, 1)}
+    if fmt == "ct-fp8-dynamic":
+        codes = rng.standard_normal((out, inp), np.float32).astype(ml_dtypes.float8_e4m3fn)
+        return {"weight": codes, "weight_scale": np.full((out, 1), 0.02, np.float32)}
     if method == "fp8":  # codes of N(0, 1) values (every finite e4m3 value near zero occurs)
         codes = rng.standard_normal((out, inp), np.float32).astype(ml_dtypes.float8_e4m3fn)
         blocks = (-(-out // group), -(-inp // group))
@@ -138,7 +170,7 @@ def write_checkpoint(directory: str, fmt: str, shape: Shape = Shape(), seed: int
     from safetensors.numpy import save_file
 
     qc = quantization_config(fmt)
-    group = FORMATS[fmt][2]
+    group = FORMATS[fmt][2] if FORMATS[fmt][0] != "fp8" else 0  # FP8 blocks may be partial
     if group and (shape.hidden % group or shape.intermediate % group):
         raise ValueError(f"hidden {shape.hidden} and intermediate {shape.intermediate} must be "
                          f"multiples of {fmt}'s group size {group}")

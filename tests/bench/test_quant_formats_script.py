@@ -19,7 +19,9 @@ from models.loaders import load_model
 TINY = Shape(hidden=256, intermediate=512, layers=1, vocab=256)
 SERVED = {"float32": (None, None), "fp8": ("fp8", "fp8"), "gptq-int4": ("gptq", "q4"),
           "awq-int4": ("awq", "q4"), "gptq-int8": ("gptq", "q8"),
-          "gptq-int4-g32": ("gptq", "q4")}
+          "gptq-int4-g32": ("gptq", "q4"), "ct-w4a16": ("compressed-tensors", "q4"),
+          "ct-w8a8-int8": ("compressed-tensors", "q8"),
+          "ct-fp8-dynamic": ("compressed-tensors", "fp8")}
 
 
 def test_every_format_is_checked_here():
@@ -37,7 +39,7 @@ def test_the_checkpoint_loads_in_its_format(fmt, tmp_path):
     if kind is not None:
         plan_fmt = model.quant.get("q_proj")
         assert (plan_fmt.kind, plan_fmt.block) == (kind, FORMATS[fmt][2])
-    if fmt.startswith("gptq-int4"):  # symmetric: the stored 7s are zero point 8
+    if fmt.startswith("gptq-int4") or fmt == "ct-w4a16":  # symmetric: zero point 8
         np.testing.assert_array_equal(np.asarray(q["zeros"], np.float32),
                                       -8 * np.asarray(q["scales"], np.float32))
     device = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
