@@ -7,12 +7,11 @@ group 32 (the group the `cpu` backend's q4 kernel reads in place), and compresse
 W4A16, W8A8 int8 and FP8_DYNAMIC presets) is written to a temporary directory, loaded with
 `quantization="auto"` (the checkpoint's own format) and served in the form the engine picks
 on this machine (`jaxserve.runner.serving`: the `cpu` backend's packed panels where its
-kernels read the format, else XLA's matmuls). Each decode
-step (`batch` requests, one new token each at `--context`) is compiled once per format
-(`runner.prepare_model_step`, as `bench_moe`) and timed interleaved in one process (A B C,
-C B A, ...: machine drift hits all alike); the median of `--rounds` rounds is printed with
-its ratio to float32, and each format's served weight bytes against its checkpoint's
-tensor bytes.
+kernels read the format, else XLA's matmuls). Each decode step (`batch` requests, one new
+token each at `--context`) is compiled once per format (`runner.prepare_model_step`, as
+`bench_moe`) and timed interleaved in one process (A B C, C B A, ...: machine drift hits all
+alike); the median of `--rounds` rounds is printed with its ratio to the first format
+(float32), and each format's served weight bytes against its checkpoint's tensor bytes.
 
 Usage: python -m scripts.benchmarks.bench_quant_formats [--batches 1,32] [--layers 8]
        [--formats float32,fp8,gptq-int4,...] [--rounds 15]
