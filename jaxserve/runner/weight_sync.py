@@ -65,7 +65,7 @@ def checked_params(model: Model, params: dict) -> dict:
 def standard_params(model: Model) -> dict:
     """`model`'s weights in its standard layout (what `update_weights` takes): packed
     panels unpacked (a copy), a mixture of experts' whole stacks put back."""
-    return linear.standard_params(model.params, model.cfg)
+    return linear.standard_params(model.params, model.cfg, model.quant)
 
 
 def serving_params(model: Model, params: dict) -> dict:

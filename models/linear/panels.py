@@ -30,23 +30,42 @@ from models.quant import QuantFormat, QuantPlan
 from pallas_kernels.cpu_ffi import gemm, qgemm
 from pallas_kernels.quant_matmul.reference import dequantize
 
+KERNEL_Q4_BLOCK = 32  # the q4 block the CPU quantized kernel reads (`qgemm.supports`)
+
 
 def _leaf_names(fmt: QuantFormat | None, float_name: str) -> tuple[str, ...]:
     return (float_name,) if fmt is None else qgemm.LEAVES[fmt.kind]
+
+
+def _subblocks(fmt: QuantFormat, k: int) -> int:
+    """How many of the kernel's 32-value q4 blocks one of `fmt`'s groups spans (1 for q8,
+    whose kernel takes any block)."""
+    return fmt.block_for(k) // KERNEL_Q4_BLOCK if fmt.kind == "q4" else 1
 
 
 def _pack(leaves: dict, fmt: QuantFormat | None, float_name: str, stacked: bool) -> dict:
     lead = (lambda a: np.asarray(a)) if stacked else (lambda a: np.asarray(a)[None])
     if fmt is None:
         return {float_name: gemm.pack(lead(leaves[float_name]))}
-    return qgemm.pack({name: lead(leaves[name]) for name in qgemm.LEAVES[fmt.kind]},
-                      fmt.kind)
+    arrays = {name: lead(leaves[name]) for name in qgemm.LEAVES[fmt.kind]}
+    # NOTE: a q4 group of 64 or 128 (GPTQ, AWQ) is that many 32-value blocks with its
+    # scale and zero repeated: what the kernel reads, a few % more bytes than the file.
+    r = _subblocks(fmt, arrays["qweight"].shape[-2] * 2)
+    if r > 1:
+        for name in ("scales", "zeros"):
+            arrays[name] = np.repeat(arrays[name], r, axis=-2)
+    return qgemm.pack(arrays, fmt.kind)
 
 
 def _unpack(panels: dict, fmt: QuantFormat | None, float_name: str, n: int,
             stacked: bool) -> dict:
     out = ({float_name: gemm.unpack(panels[float_name], n)} if fmt is None
            else qgemm.unpack(panels, n))
+    if fmt is not None:
+        r = _subblocks(fmt, out["qweight"].shape[-2] * 2)
+        if r > 1:  # the repeated rows of `_pack`, once each
+            out = {**out, "scales": out["scales"][..., ::r, :],
+                   "zeros": out["zeros"][..., ::r, :]}
     return out if stacked else {name: a[0] for name, a in out.items()}
 
 
@@ -127,13 +146,18 @@ def kernels_available(quantized: bool) -> bool:
 def plan_supported(plan: QuantPlan, cfg: ArchConfig) -> bool:
     """Whether every layer matmul and the LM head (the tied embedding) that `plan`
     quantizes has a format the CPU quantized kernel multiplies (q8 with any block dividing
-    its input size, q4 in blocks of 32 with float16 zeros); other plans serve with XLA's
+    its input size, q4 in groups of a multiple of 32 with float16 zeros: symmetric GPTQ and
+    compressed-tensors int4 among them); other plans serve with XLA's
     `QuantLinear` (`can_panel`)."""
     head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
     shapes = {name: k for (_, name), (k, _) in layer_matmul_shapes(cfg).items()}
     for name, k in (*shapes.items(), (head, cfg.hidden_size)):
         fmt = plan.get(name)
-        if fmt is not None and (fmt.zero_dtype != "float16"
-                                or not qgemm.supports(fmt.kind, k, fmt.block_for(k))):
+        if fmt is None:
+            continue
+        block = fmt.block_for(k)
+        if fmt.kind == "q4":  # a group of several kernel blocks is repeated into them
+            block = KERNEL_Q4_BLOCK if block % KERNEL_Q4_BLOCK == 0 else block
+        if fmt.zero_dtype != "float16" or not qgemm.supports(fmt.kind, k, block):
             return False
     return True

@@ -262,16 +262,21 @@ def serving_params(params: dict, methods: Methods) -> dict:
     return {"params": rest, STACKS: stacks} if stacks else rest
 
 
-def _panel_method(leaves: dict) -> PanelLinear:
-    """The panel method whose serving form `leaves` are (the format's block is moot)."""
+def _panel_method(leaves: dict, fmt: QuantFormat | None = None) -> PanelLinear:
+    """The panel method whose serving form `leaves` are: with the stored format `fmt`
+    when known (a q4 group of more than the kernel's 32 values is repeated into its
+    blocks), else the leaves' kind with the kernel's block."""
     kind = kind_of(leaves)
-    return PanelLinear(None if kind is None else QuantFormat(kind))
+    if kind is None:
+        return PanelLinear()
+    return PanelLinear(fmt if fmt is not None and fmt.kind == kind else QuantFormat(kind))
 
 
-def standard_params(params: dict, cfg: ArchConfig) -> dict:
+def standard_params(params: dict, cfg: ArchConfig, plan: QuantPlan = NO_QUANT) -> dict:
     """The standard params tree of any serving form (`serving_params`' inverse; a
-    standard tree is returned as it is). Each weight's method is read off its leaves, so
-    a checkpoint writer needs no `Methods`."""
+    standard tree is returned as it is). Each weight's method is read off its leaves and
+    `plan` (the model's `quant`: a q4 group wider than the CPU kernel's blocks), so a
+    checkpoint writer needs no `Methods`."""
     if "params" not in params:
         return params
     rest, stacks = _copy(params["params"]), params.get(STACKS, {})
@@ -279,16 +284,17 @@ def standard_params(params: dict, cfg: ArchConfig) -> dict:
     for (parent, name), (_, n) in layer_matmul_shapes(cfg).items():
         if name in layers.get(parent, {}):
             leaves = layers[parent][name]
-            std = _panel_method(leaves).to_standard(leaves, n, stacked=True)
+            std = _panel_method(leaves, plan.get(name)).to_standard(leaves, n, stacked=True)
             rest["layers"].setdefault(parent, {}).setdefault(name, {}).update(std)
     if "experts" in layers.get("mlp", {}):
         rest["layers"]["mlp"]["experts"] = layers["mlp"]["experts"]
     if "lm_head" in stacks:
-        rest["lm_head"] = _panel_method(stacks["lm_head"]).to_standard(
+        rest["lm_head"] = _panel_method(stacks["lm_head"], plan.get("lm_head")).to_standard(
             stacks["lm_head"], cfg.vocab_size, stacked=False)
     if "embed_tokens" in stacks:
         table = stacks["embed_tokens"]
-        rest["embed_tokens"] = PanelEmbed(_panel_method(table).fmt).to_standard(
+        rest["embed_tokens"] = PanelEmbed(_panel_method(
+            table, plan.get("embed_tokens")).fmt).to_standard(
             table, cfg.vocab_size)
     return rest
 
@@ -307,5 +313,6 @@ def serving_form(model, **changes):
         return model
     new = dataclasses.replace(model, serving=choice)
     if model.params is not None and new.methods.form != model.methods.form:
-        new.params = serving_params(standard_params(model.params, model.cfg), new.methods)
+        new.params = serving_params(standard_params(model.params, model.cfg, model.quant),
+                                    new.methods)
     return new

@@ -45,7 +45,7 @@ def save_checkpoint(dst: str, cfg: ArchConfig, params, dtype: str, tokenizer,
     Raises:
         ValueError: `dst` already exists.
     """
-    params = standard_params(params, cfg)
+    params = standard_params(params, cfg, quant)
     dst = os.path.abspath(dst)
     if os.path.exists(dst):
         raise ValueError(f"destination {dst} already exists; choose a new directory")
