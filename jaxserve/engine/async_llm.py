@@ -116,8 +116,7 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        # The weight format served (`LLMEngine.quantization`); None for engines without one.
-        self.quantization = getattr(engine, "quantization", None)
+        self.quantization = engine.quantization  # the weight format served
         self.metrics = metrics or ServerMetrics("jaxserve")
         self.stat_logger = StatLogger(log_interval) if log_interval > 0 else None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -28,6 +28,10 @@ class EngineClient(Protocol):
         """"generate" (completions) or "pooling" (embeddings): each engine serves one."""
 
     @property
+    def quantization(self) -> str:
+        """The weight format served ("none" for float weights)."""
+
+    @property
     def max_model_len(self) -> int:
         """Longest prompt + output a request may have."""
 

@@ -30,6 +30,7 @@ class FakeEngine:
         self.added_at_step: dict[str, int] = {}  # steps run before each request came in
         self.num_steps = 0
         self.runner_type = "generate"  # `EngineClient.runner_type`: it serves completions
+        self.quantization = "none"  # `EngineClient.quantization`: no weights at all
 
     def add_request(self, request_id, prompt, params, *, priority=0, cache_salt=None,
                     arrival_time=None, lora_request=None):

@@ -185,9 +185,11 @@ def test_packed_quantized_model_gives_the_xla_quantized_logits(kind, tied):
 
 
 def test_a_format_the_kernel_lacks_is_not_packed():
-    # (No loader writes such a plan: the leaves' shapes refuse a q4 block of 64.)
-    assert not plan_supported(uniform_plan("custom", QuantFormat("q4", 64)), SERVED)
+    # float32 zeros (an asymmetric GPTQ/AWQ group) are not what the kernel reads.
+    assert not plan_supported(uniform_plan("awq", QuantFormat("q4", 32, "float32")), SERVED)
     assert plan_supported(uniform_plan("int8", QuantFormat("q8", 0)), SERVED)
+    # A group of 64 is read as two of the kernel's blocks (scale and zero repeated).
+    assert plan_supported(uniform_plan("gptq", QuantFormat("q4", 64)), SERVED)
 
 
 def test_the_engine_serves_quantized_weights_on_the_kernel(monkeypatch):
