@@ -175,3 +175,31 @@ def forward_routing(model, token_ids: Sequence[int], page_size: int = 16) -> np.
     _, _, routed = jax.jit(functools.partial(model.forward, routing=True))(
         model.params, jnp.asarray(ids), jnp.asarray(positions), kv_pages, md)
     return np.asarray(routed)
+
+
+def checkpoint_variant(src: str, dst, tensors=None, config=None, lib: str = "numpy") -> str:
+    """A copy of quantized checkpoint `src` at `dst` with `tensors(dict)` applied to its
+    tensors (NumPy arrays, or torch tensors with `lib="torch"`: bfloat16 files) and
+    `config(quantization_config)` to its quantization config (a bad file for a refusal
+    test)."""
+    import importlib
+    import json
+    import os
+    import shutil
+
+    io = importlib.import_module(f"safetensors.{lib}")
+    load_file, save_file = io.load_file, io.save_file
+
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "model.safetensors")
+    if tensors is not None:
+        t = load_file(file)
+        tensors(t)
+        save_file(t, file, metadata={"format": "pt"})
+    if config is not None:
+        with open(os.path.join(dst, "config.json")) as f:
+            cfg = json.load(f)
+        config(cfg["quantization_config"])
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    return str(dst)

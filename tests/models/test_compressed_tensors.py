@@ -5,16 +5,12 @@ refused naming the tensor and the field."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import numpy as np
 import pytest
 
 from models.loaders import load_model
 from models.quant import QuantFormat
-from tests.models.helpers import forward_logits
+from tests.models.helpers import checkpoint_variant, forward_logits
 
 pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")
@@ -106,25 +102,6 @@ def asym_dir(tmp_path_factory):
     return directory
 
 
-def _variant(src: str, dst, tensors=None, config=None) -> str:
-    """A copy of `src` with `tensors(dict)` and `config(quantization_config)` applied."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    file = os.path.join(dst, "model.safetensors")
-    if tensors is not None:
-        t = load_file(file)
-        tensors(t)
-        save_file(t, file, metadata={"format": "pt"})
-    if config is not None:
-        with open(os.path.join(dst, "config.json")) as f:
-            cfg = json.load(f)
-        config(cfg["quantization_config"])
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(cfg, f)
-    return str(dst)
-
-
 def _weights(qc, **args):
     qc["config_groups"]["group_0"]["weights"].update(args)
 
@@ -168,4 +145,4 @@ BAD_FILES = {  # id: (tensor edit, config edit, message)
 def test_a_bad_file_is_refused_naming_the_tensor_and_field(case, asym_dir, tmp_path):
     tensors, config, message = BAD_FILES[case]
     with pytest.raises(ValueError, match=message):
-        load_model(_variant(asym_dir, tmp_path / "m", tensors, config))
+        load_model(checkpoint_variant(asym_dir, tmp_path / "m", tensors, config, lib="torch"))

@@ -5,7 +5,6 @@ refused naming the tensor and the field."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 from models.linear import serving_form, standard_params
 from models.linear.registry import can_panel
 from models.loaders import load_model
-from tests.models.helpers import forward_logits
+from tests.models.helpers import checkpoint_variant, forward_logits
 from tests.models.int_packers import awq_tensors, gptq_tensors, write_quantized
 
 # K = 128 or 256 everywhere: every group size (32, 64, 128, channel-wise) divides it.
@@ -111,28 +110,6 @@ def gptq_dir(tmp_path_factory):
     return str(directory)
 
 
-def _variant(src: str, dst, tensors=None, config=None) -> str:
-    """A copy of checkpoint `src` with `tensors(dict)` and `config(quantization_config)`
-    applied to its tensors and its quantization config."""
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
-    shutil.copytree(src, dst)
-    file = os.path.join(dst, "model.safetensors")
-    if tensors is not None:
-        t = load_file(file)
-        tensors(t)
-        save_file(t, file, metadata={"format": "pt"})
-    if config is not None:
-        with open(os.path.join(dst, "config.json")) as f:
-            cfg = json.load(f)
-        config(cfg["quantization_config"])
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(cfg, f)
-    return str(dst)
-
-
 Q = "model.layers.1.self_attn.q_proj"
 BAD_FILES = {  # id: (tensor edit, config edit, message)
     "missing-scales": (lambda t: t.pop(f"{Q}.scales"), None, f"'{Q}': scales is missing"),
@@ -164,4 +141,4 @@ BAD_FILES = {  # id: (tensor edit, config edit, message)
 def test_a_bad_file_is_refused_naming_the_tensor_and_field(case, gptq_dir, tmp_path):
     tensors, config, message = BAD_FILES[case]
     with pytest.raises(ValueError, match=message):
-        load_model(_variant(gptq_dir, tmp_path / "m", tensors, config))
+        load_model(checkpoint_variant(gptq_dir, tmp_path / "m", tensors, config))

@@ -17,7 +17,7 @@ import numpy as np
 
 from models.config import ArchConfig
 from models.loaders.checkpoint_quant import CheckpointFormat, register
-from models.loaders.quant_formats.gptq import linear_modules, read_field
+from models.loaders.quant_formats.gptq import linear_modules, read_int_leaves
 from models.loaders.quant_formats.int_groups import check_shape, group_format, to_rows, unpack_int32
 from models.quant import QuantPlan
 
@@ -47,12 +47,7 @@ def awq_format(qc: dict, path: str, cfg: ArchConfig) -> CheckpointFormat:
 
     def reader(source, name: str) -> dict[str, np.ndarray]:
         base = name.removesuffix(".weight")
-        qweight = read_field(source, base, "qweight")
-        scales = read_field(source, base, "scales")
-        qzeros = read_field(source, base, "qzeros")
-        if qweight.dtype != np.int32 or qweight.ndim != 2:
-            raise ValueError(f"quantized tensor {base!r}: qweight must be int32[K, N / 8], "
-                             f"got {qweight.dtype}{list(qweight.shape)}")
+        qweight, scales, qzeros = read_int_leaves(source, base, "[K, N / 8]")
         k, n = qweight.shape[0], qweight.shape[1] * 8
         if fmt.block and k % group:
             raise ValueError(f"quantized tensor {base!r}: group_size {group} does not divide "

@@ -44,6 +44,21 @@ def read_field(source, base: str, field: str) -> np.ndarray:
                          f"{source.where(f'{base}.{field}')}") from None
 
 
+def read_int_leaves(source, base: str, layout: str) -> tuple[np.ndarray, ...]:
+    """(qweight, scales, qzeros) of the GPTQ/AWQ Linear `base`; `layout` describes the
+    qweight it must be (for the message).
+
+    Raises:
+        ValueError: A leaf is missing, or qweight is not a 2-D int32 array.
+    """
+    qweight, scales, qzeros = (read_field(source, base, f)
+                               for f in ("qweight", "scales", "qzeros"))
+    if qweight.dtype != np.int32 or qweight.ndim != 2:
+        raise ValueError(f"quantized tensor {base!r}: qweight must be int32{layout}, "
+                         f"got {qweight.dtype}{list(qweight.shape)}")
+    return qweight, scales, qzeros
+
+
 @register("gptq")
 def gptq_format(qc: dict, path: str, cfg: ArchConfig) -> CheckpointFormat:
     """The GPTQ format of `qc` (bits, group_size, sym, desc_act, checkpoint_format).
@@ -66,12 +81,7 @@ def gptq_format(qc: dict, path: str, cfg: ArchConfig) -> CheckpointFormat:
 
     def reader(source, name: str) -> dict[str, np.ndarray]:
         base = name.removesuffix(".weight")
-        qweight = read_field(source, base, "qweight")
-        scales = read_field(source, base, "scales")
-        qzeros = read_field(source, base, "qzeros")
-        if qweight.dtype != np.int32 or qweight.ndim != 2:
-            raise ValueError(f"quantized tensor {base!r}: qweight must be int32[K * {bits} / 32"
-                             f", N], got {qweight.dtype}{list(qweight.shape)}")
+        qweight, scales, qzeros = read_int_leaves(source, base, f"[K * {bits} / 32, N]")
         k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
         groups = 1 if fmt.block == 0 else k // group
         if fmt.block and k % group:
