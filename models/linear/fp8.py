@@ -12,11 +12,8 @@ dequantized model's.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-import jax.numpy as jnp
-
-from models.linear.base import LinearMethod, declare_leaves
+from models.linear.dense import QuantLinear
 from models.quant import QuantFormat
 from pallas_kernels import fp8_matmul
 from pallas_kernels.fp8_matmul.reference import dequantize_fp8
@@ -39,8 +36,9 @@ def infer_fp8_format(leaves: dict) -> QuantFormat:
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Linear(LinearMethod):
-    """An ``fp8`` weight (codes float8_e4m3fn[K, N], `block_scales` f32[Kb, Nb]).
+class Fp8Linear(QuantLinear):
+    """An ``fp8`` weight (codes float8_e4m3fn[K, N], `block_scales` f32[Kb, Nb]): a
+    `QuantLinear` (its fields, leaves and declaration) multiplied by `fp8_matmul`.
 
     Attributes:
         fmt: The stored format (its blocks).
@@ -48,17 +46,6 @@ class Fp8Linear(LinearMethod):
         kernel: `fp8_matmul`'s implementation: "pallas" (GPU/TPU) or "xla".
         row_tile: As `FloatLinear.row_tile`.
     """
-
-    fmt: QuantFormat
-    dtype: Any = jnp.float32
-    kernel: str = "xla"
-    row_tile: int = 0
-
-    def leaf_shapes(self, k, n):
-        return self.fmt.leaf_shapes(k, n)
-
-    def weights(self, module, k, n, lead=(), name=None):
-        return declare_leaves(module, self.fmt.leaf_shapes(k, n), lead, name)
 
     def _block(self, w) -> tuple[int, int]:
         return self.fmt.blocks_for(*w["qweight"].shape[-2:])

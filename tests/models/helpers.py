@@ -12,6 +12,17 @@ import numpy as np
 from jaxserve.utils import cdiv
 from pallas_kernels import AttentionMetadata
 
+# The tiny models of the quantized-checkpoint tests (K = 128 or 256: every group size, 32,
+# 64, 128 or channel-wise, divides it) and their prompt.
+QUANT_LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=128, intermediate_size=256,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=64, initializer_range=0.05,
+                   tie_word_embeddings=False)
+QUANT_QWEN3_MOE = dict(QUANT_LLAMA, model_type="qwen3_moe", head_dim=32,
+                       moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                       decoder_sparse_step=1, norm_topk_prob=True)
+QUANT_IDS = np.random.default_rng(0).integers(0, 128, 12).tolist()
+
 # One jitted step function per model (keyed by id; the model is kept alive beside it).
 _STEP_FNS: dict[int, tuple[object, object]] = {}
 

@@ -10,56 +10,50 @@ import pytest
 
 from models.loaders import load_model
 from models.quant import QuantFormat
-from tests.models.helpers import checkpoint_variant, forward_logits
+from tests.models.helpers import (
+    QUANT_IDS,
+    QUANT_LLAMA,
+    QUANT_QWEN3_MOE,
+    checkpoint_variant,
+    forward_logits,
+    hf_logits,
+)
 
 pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")
 
 from tests.models.ct_pack import scheme, write_ct  # noqa: E402
 
-LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=128, intermediate_size=256,
-             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=64, initializer_range=0.05, tie_word_embeddings=False)
-QWEN3_MOE = dict(LLAMA, model_type="qwen3_moe", head_dim=32, moe_intermediate_size=128,
-                 num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
-IDS = np.random.default_rng(0).integers(0, 128, 12).tolist()
 INT8_TOKEN = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
 FP8_TOKEN = dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
 
 CASES = {  # id: (scheme, config, served format of q_proj)
     "w4a16-g128-sym": (lambda: scheme("pack-quantized", num_bits=4, type="int", strategy="group",
-                                      group_size=128, symmetric=True), LLAMA,
+                                      group_size=128, symmetric=True), QUANT_LLAMA,
                        QuantFormat("q4", 128)),
     "w4a16-g32-asym": (lambda: scheme("pack-quantized", num_bits=4, type="int", strategy="group",
-                                      group_size=32, symmetric=False), LLAMA,
+                                      group_size=32, symmetric=False), QUANT_LLAMA,
                        QuantFormat("q4", 32, "float32")),
     "w4a16-channel-asym-qwen3moe": (
         lambda: scheme("pack-quantized", num_bits=4, type="int", strategy="channel",
-                       symmetric=False), QWEN3_MOE, QuantFormat("q4", 0, "float32")),
+                       symmetric=False), QUANT_QWEN3_MOE, QuantFormat("q4", 0, "float32")),
     "w8a16-g64-packed": (lambda: scheme("pack-quantized", num_bits=8, type="int",
-                                        strategy="group", group_size=64, symmetric=True), LLAMA,
-                         QuantFormat("q8", 64)),
+                                        strategy="group", group_size=64, symmetric=True),
+                         QUANT_LLAMA, QuantFormat("q8", 64)),
     "w8a8-int-channel": (lambda: scheme("int-quantized", INT8_TOKEN, num_bits=8, type="int",
-                                        strategy="channel", symmetric=True), LLAMA,
+                                        strategy="channel", symmetric=True), QUANT_LLAMA,
                          QuantFormat("q8", 0)),
     "w8a16-naive-tensor": (lambda: scheme("naive-quantized", num_bits=8, type="int",
-                                          strategy="tensor", symmetric=True), LLAMA,
+                                          strategy="tensor", symmetric=True), QUANT_LLAMA,
                            QuantFormat("q8", 0)),
     "fp8-w8a8-channel": (lambda: scheme("float-quantized", FP8_TOKEN, num_bits=8, type="float",
-                                        strategy="channel", symmetric=True), LLAMA,
+                                        strategy="channel", symmetric=True), QUANT_LLAMA,
                          QuantFormat("fp8", 0, block_n=1)),
     "fp8-w8a16-block": (lambda: scheme("float-quantized", num_bits=8, type="float",
                                        strategy="block", block_structure=[64, 64],
-                                       symmetric=True), LLAMA,
+                                       symmetric=True), QUANT_LLAMA,
                         QuantFormat("fp8", 64, block_n=64)),
 }
-
-
-def _hf_logits(hf, ids) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].numpy()
 
 
 def _checkpoint_bytes(tensors) -> int:
@@ -83,8 +77,8 @@ def test_logits_equal_transformers_on_the_decompressed_weights(case, tmp_path):
     if "moe" in case:  # the routed experts stay quantized, the router float
         assert model.quant.get("experts.down_proj") == served
         assert "qweight" not in model.params["layers"]["mlp"]["gate"]
-    ours = forward_logits(model, IDS)
-    ref = _hf_logits(hf, IDS)
+    ours = forward_logits(model, QUANT_IDS)
+    ref = hf_logits(hf, QUANT_IDS)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-5)
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     # Device bytes within 10% of the checkpoint's; float32 zeros of an asymmetric group of
@@ -97,7 +91,7 @@ def test_logits_equal_transformers_on_the_decompressed_weights(case, tmp_path):
 @pytest.fixture(scope="module")
 def asym_dir(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("ct"))
-    write_ct(directory, LLAMA, scheme("pack-quantized", num_bits=4, type="int",
+    write_ct(directory, QUANT_LLAMA, scheme("pack-quantized", num_bits=4, type="int",
                                       strategy="group", group_size=32, symmetric=False))
     return directory
 

@@ -13,34 +13,26 @@ import pytest
 from models.linear import serving_form, standard_params
 from models.linear.registry import can_panel
 from models.loaders import load_model
-from tests.models.helpers import checkpoint_variant, forward_logits
+from tests.models.helpers import (
+    QUANT_IDS,
+    QUANT_LLAMA,
+    QUANT_QWEN3_MOE,
+    checkpoint_variant,
+    forward_logits,
+    hf_logits,
+)
 from tests.models.int_packers import awq_tensors, gptq_tensors, write_quantized
-
-# K = 128 or 256 everywhere: every group size (32, 64, 128, channel-wise) divides it.
-LLAMA = dict(model_type="llama", vocab_size=128, hidden_size=128, intermediate_size=256,
-             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=64, initializer_range=0.05, tie_word_embeddings=False)
-QWEN3_MOE = dict(LLAMA, model_type="qwen3_moe", head_dim=32, moe_intermediate_size=128,
-                 num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
-IDS = np.random.default_rng(0).integers(0, 128, 12).tolist()
-
-
-def _hf_logits(hf, ids) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].numpy()
 
 
 def _gptq(tmp, bits, group, sym, fmt="gptq", **extra):
     qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
           "desc_act": False, "checkpoint_format": fmt, **extra}
-    return write_quantized(str(tmp), LLAMA, qc,
+    return write_quantized(str(tmp), QUANT_LLAMA, qc,
                            lambda q, z, s: gptq_tensors(q, z, s, bits, fmt == "gptq"),
                            bits, group, sym, min_zero=1 if fmt == "gptq" else 0)
 
 
-def _awq(tmp, group, config=LLAMA):
+def _awq(tmp, group, config=QUANT_LLAMA):
     qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
           "version": "gemm"}
     return write_quantized(str(tmp), config, qc, awq_tensors, 4, group, sym=False)
@@ -66,7 +58,7 @@ CASES = {  # id: (writer, served leaf kind)
     "gptq-8bit-g64-sym": (lambda t: _gptq(t, 8, 64, True), "q8"),
     "awq-4bit-g128": (lambda t: _awq(t, 128), "q4"),
     "awq-4bit-g64": (lambda t: _awq(t, 64), "q4"),
-    "awq-4bit-g128-qwen3moe": (lambda t: _awq(t, 128, QWEN3_MOE), "q4"),
+    "awq-4bit-g128-qwen3moe": (lambda t: _awq(t, 128, QUANT_QWEN3_MOE), "q4"),
 }
 
 
@@ -82,8 +74,8 @@ def test_logits_equal_transformers_on_the_dequantized_weights(case, tmp_path):
     if "moe" in case:  # the routed experts' stacks stay quantized: [L, E, K / 2, N]
         assert model.params["layers"]["mlp"]["experts"]["down_proj"]["qweight"].shape == (
             2, 4, 64, 128)
-    ours = forward_logits(model, IDS)
-    ref = _hf_logits(hf, IDS)
+    ours = forward_logits(model, QUANT_IDS)
+    ref = hf_logits(hf, QUANT_IDS)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-5)
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     # Device bytes within 10% of the checkpoint's (float32 zeros of an asymmetric group of
@@ -93,7 +85,7 @@ def test_logits_equal_transformers_on_the_dequantized_weights(case, tmp_path):
         # repeated into the kernel's blocks of 32; the standard leaves come back as loaded.
         assert can_panel(model.cfg, model.quant, model.dtype, "cpu")
         panel = serving_form(model, backend="cpu", panels=True)
-        np.testing.assert_allclose(forward_logits(panel, IDS), ref, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(forward_logits(panel, QUANT_IDS), ref, rtol=0, atol=2e-5)
         back = standard_params(panel.params, panel.cfg, panel.quant)
         for name in ("qweight", "scales", "zeros"):
             np.testing.assert_array_equal(back["layers"]["self_attn"]["q_proj"][name],
