@@ -29,13 +29,17 @@ class _Record:
         rec.ids, rec.known, rec.num_published = self.ids.copy(), self.known.copy(), 0
         return rec
 
-    def write(self, start: int, ids: np.ndarray) -> None:
-        end = start + len(ids)
-        if end > len(self.known):
-            grow = max(end, 2 * len(self.known)) - len(self.known)
+    def grow(self, size: int) -> None:
+        """Room for `size` positions at least (doubling), the new ones unknown."""
+        if size > len(self.known):
+            grow = max(size, 2 * len(self.known)) - len(self.known)
             self.ids = np.concatenate(
                 [self.ids, np.full((grow, *self.ids.shape[1:]), UNKNOWN, np.int16)])
             self.known = np.concatenate([self.known, np.zeros(grow, bool)])
+
+    def write(self, start: int, ids: np.ndarray) -> None:
+        end = start + len(ids)
+        self.grow(end)
         self.ids[start:end] = ids
         self.known[start:end] = True
 
@@ -86,11 +90,9 @@ class RoutedExperts:
         """i32[length, L, k]: the finished request's routing of positions 0..length-1
         (prefix hits filled from their pages, `UNKNOWN` where none was kept); its
         record is dropped."""
-        rec = self._records.pop(req.request_id, None)
-        if rec is None:  # nothing computed of its own (a fan-out child that ended at once)
-            parent = self._records.get(req.forked_from) if req.forked_from else None
-            rec = parent.copy() if parent is not None else _Record(self.num_layers,
-                                                                   self.top_k, max(length, 1))
+        # NOTE: without a record it computed nothing of its own (a fan-out child that
+        # ended at once): its parent's.
+        rec = self._records.pop(req.request_id, None) or self._start(req)
         self._fill_from_pages(req, rec, length)
         return rec.ids[:length].astype(np.int32)
 
@@ -110,18 +112,19 @@ class RoutedExperts:
         positions (prefix hits) filled from their pages now, while they are kept."""
         rec = self._records.get(req.request_id)
         if rec is None:
-            parent = self._records.get(req.forked_from) if req.forked_from else None
-            rec = parent.copy() if parent is not None else _Record(self.num_layers,
-                                                                   self.top_k)
+            rec = self._records[req.request_id] = self._start(req)
             self._fill_from_pages(req, rec, start)
-            self._records[req.request_id] = rec
         return rec
+
+    def _start(self, req: Request) -> _Record:
+        """A new record: a copy of its parent's (a fan-out child), else empty."""
+        parent = self._records.get(req.forked_from) if req.forked_from else None
+        return parent.copy() if parent is not None else _Record(self.num_layers, self.top_k)
 
     def _fill_from_pages(self, req: Request, rec: _Record, length: int) -> None:
         """Fills the unknown positions below `length` from the pages kept under the
         request's prefix hashes (each page used becomes the most recent)."""
-        if len(rec.known) < length:  # grown to `length`, the new positions unknown
-            rec.write(length, np.zeros((0, self.num_layers, self.top_k), np.int16))
+        rec.grow(length)
         ps = self.page_size
         for page in np.unique(np.flatnonzero(~rec.known[:length]) // ps):
             key = req.page_hashes[page] if page < len(req.page_hashes) else None
