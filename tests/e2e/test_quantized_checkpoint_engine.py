@@ -1,6 +1,6 @@
-"""Quantized checkpoints (FP8 blocks, GPTQ, AWQ, MXFP4, NVFP4) served by the engine with quantization="auto":
-transformers' greedy tokens on the dequantized weights, alone, batched, chunked, and split
-over two devices."""
+"""Quantized checkpoints (FP8 blocks, GPTQ, AWQ, MXFP4, NVFP4) served by the engine with
+quantization="auto": transformers' greedy tokens on the dequantized weights, alone, batched,
+chunked, and split over two devices."""
 
 from __future__ import annotations
 

@@ -112,8 +112,8 @@ def gpt_oss_expert_leaves(blocks: np.ndarray, scales: np.ndarray, name: str) -> 
 
     gpt-oss stores a projection of E experts (N outputs, K inputs) as `<name>_blocks`
     u8[E, N, K / 32, 16] (byte j of a block holds its values 2j, low nibble, and 2j + 1)
-    and `<name>_scales` u8[E, N, K / 32] (E8M0 exponents); transformers'
-    `convert_moe_packed_tensors` dequantizes them to [E, K, N]. The same codes and
+    and `<name>_scales` u8[E, N, K / 32] (E8M0 exponents); transformers' MXFP4 dequantizer
+    (`transformers.integrations.mxfp4`) turns them into [E, K, N]. The same codes and
     exponents, transposed, are the on-device stack.
 
     Args:
