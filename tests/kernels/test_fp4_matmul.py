@@ -48,8 +48,13 @@ def _weight(kind: str, k: int, n: int, seed: int = 0) -> tuple[dict, np.ndarray]
     return {key: jnp.asarray(v) for key, v in w.items()}, dense
 
 
-@pytest.mark.parametrize("kind,k,n", [("mxfp4", 64, 48), ("mxfp4", 96, 128),
-                                      ("nvfp4", 64, 40), ("nvfp4", 128, 32)])
+SLOW = pytest.mark.slow(reason="another shape of a kind the default tier runs")
+
+
+@pytest.mark.parametrize("kind,k,n", [("mxfp4", 64, 48),
+                                      pytest.param("mxfp4", 96, 128, marks=SLOW),
+                                      pytest.param("nvfp4", 64, 40, marks=SLOW),
+                                      ("nvfp4", 128, 32)])
 def test_kernel_and_reference_match_numpy(kind, k, n):
     w, dense = _weight(kind, k, n)
     np.testing.assert_array_equal(np.asarray(dequantize_fp4(w, kind)), dense)
@@ -101,6 +106,8 @@ def test_shape_errors_name_the_problem():
         dequantize_fp4({**nv, "global_scale": jnp.ones((1,))}, "nvfp4")
     with pytest.raises(ValueError, match=r"K / 2 = 16 must be a multiple of it"):
         kernel(jnp.zeros((1, 32)), nv, "nvfp4", chunk=32)
+    with pytest.raises(ValueError, match=r"unknown FP4 kind 'fp4'"):
+        dequantize_fp4(nv, "fp4")
 
 
 def _abstract(kind, k, n, dtype):

@@ -155,6 +155,28 @@ def test_tensor_parallel_splits_fp4_on_block_boundaries():
         make_tensor_parallel(bad, 2).param_specs(abstract_params(bad, "float32", plan))
 
 
+def test_the_registry_and_the_formats_leaves():
+    """The registry serves an FP4 plan with `Fp4Linear` (the Pallas kernel on the `pallas`
+    backend, dense layers and expert stacks alike); a kind's block is fixed."""
+    from models.config import ArchConfig
+    from models.linear import ServingChoice
+
+    cfg = ArchConfig(architecture="Qwen3MoeForCausalLM", vocab_size=64, hidden_size=64,
+                     intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                     head_dim=16, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=64)
+    plan = QuantPlan((("q_proj", MX), ("experts.down_proj", NV)), "compressed-tensors")
+    methods = choose_methods(cfg, plan, choice=ServingChoice(backend="pallas"))
+    assert methods.linear("q_proj") == Fp4Linear(MX, kernel="pallas")
+    assert methods.expert("down_proj").fmt == NV
+    assert NV.leaf_shapes(64, 8) == {"qweight": ((32, 8), "uint8"),
+                                     "e4m3_scales": ((4, 8), "float8_e4m3fn"),
+                                     "global_scale": ((1, 1), "float32")}
+    assert QuantPlan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(ValueError, match="mxfp4 block 16 must be 32"):
+        QuantFormat("mxfp4", 16).leaf_shapes(64, 8)
+
+
 Q = "model.layers.1.self_attn.q_proj"
 
 
