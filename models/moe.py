@@ -31,7 +31,7 @@ from models.layers import ACTIVATIONS, GatedMLP
 from models.linear import STACKS, Linear, LinearMethod, Methods
 from models.linear.registry import grouped_impl, stored_method
 from models.moe_parallel import ExpertSharding, sharded_experts
-from models.quant import kind_of
+from models.quant import NIBBLE_KINDS, kind_of
 from pallas_kernels.tuning import tuned
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -69,8 +69,8 @@ def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool):
 
 
 def expert_kind(w) -> str | None:
-    """"q8" or "q4" for a quantized expert stack (a dict of `models.quant` leaves), None
-    for a float one."""
+    """The format kind ("q8", "q4", ...) of a quantized expert stack (a dict of
+    `models.quant` leaves), None for a float one."""
     return kind_of(w) if isinstance(w, dict) else None
 
 
@@ -79,7 +79,7 @@ def _stack_shape(w) -> tuple[int, ...]:
     if not isinstance(w, dict):
         return tuple(w.shape)
     q = w["qweight"]
-    packing = 2 if expert_kind(w) == "q4" else 1
+    packing = 2 if expert_kind(w) in NIBBLE_KINDS else 1
     return (*q.shape[:-2], q.shape[-2] * packing, q.shape[-1])
 
 

@@ -1,6 +1,6 @@
 """Weight quantization formats: what a quantized projection stores, and host-side quantizers.
 
-Three on-device formats cover every mode (`QuantFormat.kind`):
+Five on-device formats cover every mode (`QuantFormat.kind`):
 
 * ``q8``: ``qweight`` i8[K, N] with ``scales`` f16[K // block, N]; w = q * scale. Q8_0
   (block 32) and int8 weight-only (per output channel: block = K) are both ``q8``.
@@ -13,11 +13,20 @@ Three on-device formats cover every mode (`QuantFormat.kind`):
   short where bk or bn does not divide it. Block-wise FP8 checkpoints (DeepSeek-V3's and
   Qwen3-FP8's 128x128 `weight_scale_inv`), per output channel (bk = K, bn = 1) and per
   tensor (bk = K, bn = N) are all ``fp8`` (`models.loaders.quant_formats.fp8`).
+* ``mxfp4``: FP4 E2M1 codes ``qweight`` u8[K // 2, N] (two per byte, below) with
+  ``e8m0_scales`` u8[K // 32, N], each a power of two stored as its exponent + 127;
+  w = fp4(code) * 2^(e - 127). gpt-oss's experts and compressed-tensors' MXFP4.
+* ``nvfp4``: the same codes in blocks of 16 with ``e4m3_scales`` float8_e4m3fn[K // 16, N]
+  and one ``global_scale`` f32[1, 1] per weight; w = fp4(code) * (scale * global_scale).
+  compressed-tensors' NVFP4 (its ``weight_global_scale`` divides: 1 / it is stored).
 
 Layout: K (the contraction axis) leads, as in a Flax `Dense` kernel [in, out]; the tied
 embedding is stored the same way ([hidden, vocab]: the LM head's layout) and looked up by
 column. In a ``q4`` block b, code row ``b * 16 + j`` holds value ``b * 32 + j`` in its
-low nibble and ``b * 32 + 16 + j`` in its high nibble (GGUF's Q4_0 byte order).
+low nibble and ``b * 32 + 16 + j`` in its high nibble (GGUF's Q4_0 byte order). An FP4
+code row ``r`` holds value ``2 * r`` in its low nibble and ``2 * r + 1`` in its high one
+(the checkpoints' own pairs, transposed); a nibble is sign (bit 3), exponent (bits 1-2)
+and mantissa (bit 0) of E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives.
 
 Host-side functions here work on the *row form* [N, K] that checkpoints use (HF Linear
 weights, GGUF rows); `to_leaves` transposes into the on-device layout.
@@ -38,6 +47,11 @@ EXPERT_MODULES = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 QUANT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                  *EXPERT_MODULES, "embed_tokens", "lm_head")
 Q4_BLOCK = 32
+# The FP4 kinds: their blocks along K and the name of their block-scale leaf.
+FP4_BLOCKS = {"mxfp4": 32, "nvfp4": 16}
+FP4_SCALES = {"mxfp4": ("e8m0_scales", "uint8"), "nvfp4": ("e4m3_scales", "float8_e4m3fn")}
+# Kinds whose codes hold two values per byte along K.
+NIBBLE_KINDS = ("q4", "mxfp4", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +59,10 @@ class QuantFormat:
     """On-device format of one quantized weight.
 
     Attributes:
-        kind: "q8", "q4" or "fp8".
+        kind: "q8", "q4", "fp8", "mxfp4" or "nvfp4".
         block: Values per scale along K (0: one scale per output channel, i.e. block = K);
-            a q4 block is a multiple of 32 (its codes pair up within 32-value sub-blocks).
+            a q4 block is a multiple of 32 (its codes pair up within 32-value sub-blocks);
+            mxfp4's is 32 and nvfp4's 16 (`FP4_BLOCKS`).
         zero_dtype: The q4 zeros' dtype: "float16", or "float32" where a checkpoint's
             zero points must stay exact (an asymmetric GPTQ/AWQ zero -z * scale needs up
             to 15 mantissa bits; the CPU panel kernel reads only float16 zeros).
@@ -80,6 +95,14 @@ class QuantFormat:
         block = self.block_for(k)
         if k % block:
             raise ValueError(f"{self.kind} block {block} does not divide the input size {k}")
+        if self.kind in FP4_BLOCKS:
+            if block != FP4_BLOCKS[self.kind]:
+                raise ValueError(f"{self.kind} block {block} must be {FP4_BLOCKS[self.kind]}")
+            scale, dtype = FP4_SCALES[self.kind]
+            shapes = {"qweight": ((k // 2, n), "uint8"), scale: ((k // block, n), dtype)}
+            if self.kind == "nvfp4":
+                shapes["global_scale"] = ((1, 1), "float32")
+            return shapes
         if self.kind == "q8":
             return {"qweight": ((k, n), "int8"), "scales": ((k // block, n), "float16")}
         if block % Q4_BLOCK:
@@ -90,7 +113,7 @@ class QuantFormat:
 
     @property
     def bits(self) -> int:
-        return 4 if self.kind == "q4" else 8
+        return 4 if self.kind in NIBBLE_KINDS else 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,12 +152,15 @@ NO_QUANT = QuantPlan()  # every weight dense
 
 
 def kind_of(leaves) -> str | None:
-    """The format kind ("q8", "q4", "fp8") of a quantized weight's leaves (a dict of them,
-    or their names), None for a float one (no "qweight")."""
+    """The format kind ("q8", "q4", "fp8", "mxfp4", "nvfp4") of a quantized weight's leaves
+    (a dict of them, or their names), None for a float one (no "qweight")."""
     if "qweight" not in leaves:
         return None
     if "block_scales" in leaves:
         return "fp8"
+    for kind, (scale, _) in FP4_SCALES.items():
+        if scale in leaves:
+            return kind
     return "q4" if "zeros" in leaves else "q8"
 
 

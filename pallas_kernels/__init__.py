@@ -11,6 +11,9 @@ One folder per kernel, each with its pure-`jnp` reference (the oracle of its tes
                              (`xla.py`)
     fp8_matmul/              matmuls against FP8 weights with block scales: Pallas
                              (`kernel.py`), XLA's widen-and-dot (`reference.py`)
+    fp4_matmul/              matmuls against FP4 E2M1 weights with block scales (MXFP4,
+                             NVFP4): Pallas (`kernel.py`), XLA's decode-and-dot
+                             (`reference.py`)
     cpu_ffi/                 the `cpu` backend's C++ kernels (XLA FFI custom calls, built
                              on first use): paged decode attention and the layer matmul
                              over packed weights; for development, CI and small deployments
@@ -24,6 +27,7 @@ from pallas_kernels.metadata import AttentionMetadata, kv_pages_shape
 from pallas_kernels.ops import (
     ATTENTION_BACKENDS,
     AttentionOps,
+    fp4_matmul,
     fp8_matmul,
     quant_matmul,
     ragged_paged_attention,
@@ -36,6 +40,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionOps",
     "AttentionMetadata",
+    "fp4_matmul",
     "fp8_matmul",
     "kv_pages_shape",
     "quant_embed",

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_ffi
+from pallas_kernels.fp4_matmul.kernel import fp4_matmul_kernel
+from pallas_kernels.fp4_matmul.reference import fp4_matmul_reference
 from pallas_kernels.fp8_matmul.kernel import fp8_matmul_kernel
 from pallas_kernels.fp8_matmul.reference import fp8_matmul_reference
 from pallas_kernels.invariant import invariant_attention
@@ -178,6 +180,16 @@ def fp8_matmul(x: jax.Array, w: dict, block: tuple[int, int], *,
                               interpret=_interpret())
         return y.reshape(*lead, y.shape[-1])
     return fp8_matmul_reference(x, w, tuple(block))
+
+
+def fp4_matmul(x: jax.Array, w: dict, kind: str, *, backend: str = "xla") -> jax.Array:
+    """x [..., K] @ an FP4 weight [K, N] of `kind` ("mxfp4", "nvfp4"; `pallas_kernels.
+    fp4_matmul`): the Pallas kernel on "pallas", else XLA's decode-and-dot."""
+    if backend == "pallas":
+        lead = x.shape[:-1]
+        y = fp4_matmul_kernel(x.reshape(-1, x.shape[-1]), w, kind, interpret=_interpret())
+        return y.reshape(*lead, y.shape[-1])
+    return fp4_matmul_reference(x, w, kind)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@ tensors become those leaves is the method's business:
                  `Embedding` modules, `STACKS` (weights read whole at the layer index)
     dense.py     `FloatLinear`, `QuantLinear` (q8/q4 through `quant_matmul`), their
                  embeddings
+    fp8.py       `Fp8Linear` (FP8 codes with block scales, through `fp8_matmul`)
+    fp4.py       `Fp4Linear` (MXFP4/NVFP4 codes with block scales, through `fp4_matmul`)
     panels.py    the `cpu` backend's packed panels (`PanelLinear`, `PanelEmbed`)
     lora.py      `LoRALinear`, a method wrapping another with per-token adapter updates
     context.py   the per-step values a method reads (real rows, LoRA slots)

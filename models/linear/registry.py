@@ -3,13 +3,13 @@
 A model is loaded as a `QuantPlan` (how the checkpoint stores each weight) and a
 `ServingChoice` (the attention backend, and the serving forms asked for). From those,
 `choose_methods` picks, once, the `Methods` the decoder is built with: each linear layer's
-method (`FloatLinear`, `QuantLinear` or `Fp8Linear` with the Pallas or XLA kernel, the
-`cpu` backend's `PanelLinear`; `LoRALinear` around the targets when adapters are served),
-the embedding's, the routed experts' (and how their grouped matmul runs), and the attention
-kernels
-(`pallas_kernels.AttentionOps`). `serving_params` and `standard_params` move a params tree
-between the standard layout (what checkpoints and `update_weights` hold) and the serving
-form those methods read. Nothing under `models/` outside this package names a backend.
+method (`FloatLinear`, `QuantLinear`, `Fp8Linear` or `Fp4Linear` with the Pallas or XLA
+kernel, the `cpu` backend's `PanelLinear`; `LoRALinear` around the targets when adapters
+are served), the embedding's, the routed experts' (and how their grouped matmul runs), and
+the attention kernels (`pallas_kernels.AttentionOps`). `serving_params` and
+`standard_params` move a params tree between the standard layout (what checkpoints and
+`update_weights` hold) and the serving form those methods read. Nothing under `models/`
+outside this package names a backend.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from models.config import LAYER_MATMULS, ArchConfig, layer_matmul_shapes
 from models.linear import panels as panel_methods
 from models.linear.base import STACKS, EmbedMethod, LinearMethod
 from models.linear.dense import FloatEmbed, FloatLinear, QuantEmbed, QuantLinear
+from models.linear.fp4 import Fp4Linear
 from models.linear.fp8 import Fp8Linear, infer_fp8_format
 from models.linear.lora import LoRALinear, scan_slices_lora
 from models.linear.panels import PanelEmbed, PanelLinear
 from models.lora import served_targets
-from models.quant import NO_QUANT, QuantFormat, QuantPlan, kind_of
+from models.quant import FP4_BLOCKS, NO_QUANT, QuantFormat, QuantPlan, kind_of
 from pallas_kernels import AttentionOps, resolve_backend
 from pallas_kernels.tuning import tuned
 
@@ -142,6 +143,8 @@ def stored_method(leaves) -> LinearMethod:
     if kind == "fp8":  # its blocks read off the scales' shape (or a default: layout only)
         arrays = isinstance(leaves, dict) and hasattr(leaves["block_scales"], "shape")
         return Fp8Linear(infer_fp8_format(leaves) if arrays else QuantFormat("fp8", 0, block_n=0))
+    if kind in FP4_BLOCKS:  # the kind fixes the block
+        return Fp4Linear(QuantFormat(kind, FP4_BLOCKS[kind]))
     block = 32
     if isinstance(leaves, dict) and hasattr(leaves["scales"], "shape"):
         k = leaves["qweight"].shape[-2] * (2 if kind == "q4" else 1)
@@ -183,6 +186,8 @@ def _linear(plan: QuantPlan, name: str, dtype, backend: str, row_tile: int) -> L
         return FloatLinear(jnp.dtype(dtype), row_tile)
     if fmt.kind == "fp8":
         return Fp8Linear(fmt, jnp.dtype(dtype), _quant_kernel(backend), row_tile)
+    if fmt.kind in FP4_BLOCKS:
+        return Fp4Linear(fmt, jnp.dtype(dtype), _quant_kernel(backend), row_tile)
     return QuantLinear(fmt, jnp.dtype(dtype), _quant_kernel(backend), row_tile)
 
 

@@ -143,7 +143,8 @@ class SplitFused:
         return f"{where} (nor is the fused {found[0]!r} there)"
 
 
-QUANT_LEAVES = ("qweight", "scales", "zeros", "block_scales")
+QUANT_LEAVES = ("qweight", "scales", "zeros", "block_scales", "e8m0_scales", "e4m3_scales",
+                "global_scale")
 
 
 def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,

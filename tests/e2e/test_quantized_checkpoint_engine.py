@@ -1,6 +1,6 @@
-"""Quantized checkpoints (FP8 blocks, GPTQ, AWQ) served by the engine with quantization="auto":
-transformers' greedy tokens on the dequantized weights, alone, batched, chunked, and split
-over two devices."""
+"""Quantized checkpoints (FP8 blocks, GPTQ, AWQ, MXFP4, NVFP4) served by the engine with
+quantization="auto": transformers' greedy tokens on the dequantized weights, alone, batched,
+chunked, and split over two devices."""
 
 from __future__ import annotations
 
@@ -67,7 +67,25 @@ def _fp8_moe(directory: str):
         attn_implementation="eager").eval()
 
 
-WRITERS = {"fp8": _fp8_moe, "gptq": _gptq, "awq": _awq}
+def _fp4(preset: str, config: dict):
+    """compressed-tensors' MXFP4 or NVFP4 (its own compressor: `tests/models/fp4_pack`)."""
+
+    def write(directory: str):
+        from tests.models.ct_pack import write_ct
+        from tests.models.fp4_pack import fp4_scheme
+
+        hf, _ = write_ct(directory, config, fp4_scheme(preset))
+        return hf
+
+    return write
+
+
+WRITERS = {"fp8": _fp8_moe, "gptq": _gptq, "awq": _awq,
+           "mxfp4": _fp4("mxfp4", LLAMA), "nvfp4": _fp4("nvfp4", dict(QWEN3_MOE,
+                                                                      model_type="qwen3_moe"))}
+# The FP4 engines (the served format: compressed-tensors) run in the slow tier: their
+# readers and methods have default-tier tests in tests/models/test_fp4_checkpoint.py.
+FP4 = ("mxfp4", "nvfp4")
 
 
 @dataclasses.dataclass
@@ -76,6 +94,7 @@ class Checkpoint:
 
     name: str
     directory: str
+    served: str  # the served format's name (compressed-tensors for MXFP4 and NVFP4)
     llm: LLM
     ids: list[list[int]]
     want: list[list[int]]
@@ -88,7 +107,9 @@ class Checkpoint:
             assert out.outputs[0].token_ids == self.want[i], (self.name, i)
 
 
-@pytest.fixture(scope="module", params=list(WRITERS))
+@pytest.fixture(scope="module", params=[
+    pytest.param(w, marks=pytest.mark.slow(reason="one engine per format: FP4 in the slow tier"))
+    if w in FP4 else w for w in WRITERS])
 def checkpoint(request, smollm2_tokenizer, tmp_path_factory) -> Checkpoint:
     """One engine per format (module-scoped: every check below shares it)."""
     directory = str(tmp_path_factory.mktemp(request.param) / "model")
@@ -116,7 +137,8 @@ def checkpoint(request, smollm2_tokenizer, tmp_path_factory) -> Checkpoint:
         logger.removeHandler(handler)
         logger.setLevel(level)
     log = [r.getMessage() for r in records]
-    return Checkpoint(request.param, directory, llm, ids, want, log)
+    served = "compressed-tensors" if request.param in FP4 else request.param
+    return Checkpoint(request.param, directory, served, llm, ids, want, log)
 
 
 def _leaves(llm: LLM) -> dict[str, jax.Array]:
@@ -127,11 +149,14 @@ def _leaves(llm: LLM) -> dict[str, jax.Array]:
 
 
 def test_served_in_the_checkpoints_format(checkpoint):
-    assert checkpoint.llm.engine.quantization == checkpoint.name
+    assert checkpoint.llm.engine.quantization == checkpoint.served
     leaves = _leaves(checkpoint.llm)
     assert not any("o_proj/kernel" in p for p in leaves)  # kept quantized on the device
     if checkpoint.name == "fp8":  # the routed experts' stacks too
         assert any("experts" in p and "down_proj" in p and p.endswith("qweight")
+                   and leaf.dtype == np.dtype("float8_e4m3fn") for p, leaf in leaves.items())
+    if checkpoint.name == "nvfp4":  # codes and scales in their stored dtypes, experts too
+        assert any("experts" in p and "down_proj" in p and p.endswith("e4m3_scales")
                    and leaf.dtype == np.dtype("float8_e4m3fn") for p, leaf in leaves.items())
 
 
@@ -142,7 +167,7 @@ def test_startup_log_names_the_format_and_its_bytes(checkpoint):
     with open(path, "rb") as f:  # safetensors: u64 header length, the JSON header, the data
         on_disk = os.path.getsize(path) - 8 - int.from_bytes(f.read(8), "little")
     (line,) = [m for m in checkpoint.log if m.startswith("jaxserve: weights ")]
-    got = re.match(rf"jaxserve: weights {checkpoint.name}: ([\d.]+) MiB on the device, "
+    got = re.match(rf"jaxserve: weights {checkpoint.served}: ([\d.]+) MiB on the device, "
                    r"([\d.]+) MiB in the checkpoint \(x([\d.]+)\);", line)
     assert got, line
     device, ckpt, ratio = map(float, got.groups())
@@ -158,8 +183,8 @@ def test_greedy_alone_then_batched(checkpoint):
     checkpoint.check(checkpoint.llm, [0, 1, 2])
 
 
-TP_FORMATS = ["gptq", pytest.param("fp8", marks=pytest.mark.slow),
-              pytest.param("awq", marks=pytest.mark.slow)]
+TP_FORMATS = ["gptq", *(pytest.param(f, marks=pytest.mark.slow)
+                       for f in ("fp8", "awq", "mxfp4", "nvfp4"))]
 
 
 # NOTE: one tensor-parallel engine in the default tier (GPTQ's groups split on K); FP8's

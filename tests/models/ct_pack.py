@@ -51,6 +51,10 @@ def compress(w, sch) -> tuple[dict, np.ndarray]:
     import torch
     from compressed_tensors.compressors.base import BaseCompressor
 
+    if sch.weights.type == "float" and sch.weights.num_bits == 4:  # MXFP4, NVFP4
+        from tests.models.fp4_pack import compress_fp4
+
+        return compress_fp4(w, sch)
     # bfloat16 scales, as llm-compressor writes them for a bfloat16 model.
     wb = torch.from_numpy(w).to(torch.bfloat16)
     s, z = _qparams(wb, sch.weights)

@@ -115,9 +115,9 @@ BAD_FILES = {  # id: (tensor edit, config edit, message)
     "zero-point-shape": (lambda t: t.update({f"{Q}.weight_zero_point":
                                             t[f"{Q}.weight_zero_point"][:4]}), None,
                          rf"'{Q}': weight_zero_point has shape \(4, 4\), expected \(16, 4\)"),
-    "nvfp4": (None, lambda qc: (qc.update(format="nvfp4-pack-quantized"),
+    "mxfp6": (None, lambda qc: (qc.update(format="mxfp6-pack-quantized"),
                                 qc["config_groups"]["group_0"].update(format=None)),
-              r"config_groups.group_0.format 'nvfp4-pack-quantized' is not supported"),
+              r"config_groups.group_0.format 'mxfp6-pack-quantized' is not supported"),
     "group-format": (None, lambda qc: qc["config_groups"]["group_0"].update(
         format="marlin-24"), r"group_0.format 'marlin-24' is not supported"),
     "bits": (None, lambda qc: _weights(qc, num_bits=3), r"group_0.weights \(num_bits=3.*bits=3"),

@@ -1,6 +1,7 @@
 """compressed-tensors checkpoints (`quant_method: "compressed-tensors"`, llm-compressor's
 output) read as they are: `pack-quantized` and `int-quantized`/`naive-quantized` integers
-onto `q4`/`q8` (`int_groups`), `float-quantized` FP8 onto `fp8` (`fp8.compressed_tensors_fp8`).
+onto `q4`/`q8` (`int_groups`), `float-quantized` FP8 onto `fp8` (`fp8.compressed_tensors_fp8`),
+`mxfp4-pack-quantized`/`nvfp4-pack-quantized` onto `mxfp4`/`nvfp4` (`fp4`).
 
 Each `config_groups` entry is a scheme: `targets` ("Linear", module names, `re:` regexes),
 `weights` args (num_bits, type int/float, symmetric, strategy, group_size, block_structure)
@@ -25,13 +26,14 @@ import numpy as np
 
 from models.config import ArchConfig
 from models.loaders.checkpoint_quant import CheckpointFormat, register
+from models.loaders.quant_formats.fp4 import FP4_FORMATS, compressed_tensors_fp4
 from models.loaders.quant_formats.fp8 import LAYER_MODULES, compressed_tensors_fp8
 from models.loaders.quant_formats.gptq import read_field
 from models.loaders.quant_formats.int_groups import check_shape, group_format, to_rows, unpack_int32
 from models.quant import EXPERT_MODULES, QuantPlan
 
 INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
-FORMATS = (*INT_FORMATS, "float-quantized")
+FORMATS = (*INT_FORMATS, "float-quantized", *FP4_FORMATS)
 INT_STRATEGIES = ("tensor", "channel", "group")
 FLOAT_SCALES = ("float16", "bfloat16", "float32")
 
@@ -160,6 +162,8 @@ def _scheme(group: dict, default_format, where: str):
                          f"{', '.join(FORMATS)})")
     if fmt_name == "float-quantized":
         return compressed_tensors_fp8(weights, f"{where}.weights")
+    if fmt_name in FP4_FORMATS:
+        return compressed_tensors_fp4(fmt_name, weights, f"{where}.weights")
     if weights.get("type", "int") != "int":
         raise ValueError(f"{where}.weights.type {weights.get('type')!r} is not supported for "
                          f"format {fmt_name!r} (supported: int)")
@@ -179,7 +183,7 @@ def compressed_tensors_format(qc: dict, path: str, cfg: ArchConfig) -> Checkpoin
     """The compressed-tensors format of `qc` (`config_groups`, `ignore`, `format`).
 
     Raises:
-        ValueError: An unsupported format (NVFP4, MXFP4, ...), strategy, bit width or
+        ValueError: An unsupported format (MXFP6, MXFP8, ...), strategy, bit width or
             target; a module quantized in some layers only or by different schemes in
             different layers; a quantized LM head or router; sparsity, transforms or a
             KV-cache scheme. The message names the field.
