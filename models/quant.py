@@ -14,6 +14,11 @@ Three on-device formats cover every mode (`QuantFormat.kind`):
   Qwen3-FP8's 128x128 `weight_scale_inv`), per output channel (bk = K, bn = 1) and per
   tensor (bk = K, bn = N) are all ``fp8`` (`models.loaders.quant_formats.fp8`).
 
+A q8/q4 weight of an act-order checkpoint (GPTQ's `desc_act`, compressed-tensors'
+`actorder`: input k in group g_idx[k], any order) is stored with its K rows sorted by group
+(`QuantFormat.act_order`) and one more leaf, ``perm`` i32[K, 1]: row j holds input
+perm[j], so y = x[..., perm] @ w (`models.linear.base.permute_inputs`).
+
 Layout: K (the contraction axis) leads, as in a Flax `Dense` kernel [in, out]; the tied
 embedding is stored the same way ([hidden, vocab]: the LM head's layout) and looked up by
 column. In a ``q4`` block b, code row ``b * 16 + j`` holds value ``b * 32 + j`` in its
@@ -38,6 +43,7 @@ EXPERT_MODULES = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
 QUANT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                  *EXPERT_MODULES, "embed_tokens", "lm_head")
 Q4_BLOCK = 32
+PERM = "perm"  # an act-order weight's input permutation leaf (`QuantFormat.act_order`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +58,15 @@ class QuantFormat:
             zero points must stay exact (an asymmetric GPTQ/AWQ zero -z * scale needs up
             to 15 mantissa bits; the CPU panel kernel reads only float16 zeros).
         block_n: ``fp8`` only: values per scale along N (0: all of N, 1: per channel).
+        act_order: q8/q4 only: the rows are sorted by group and ``perm`` i32[K, 1] says
+            which input each holds (an act-order checkpoint's groups made contiguous).
     """
 
     kind: str
     block: int = 32
     zero_dtype: str = "float16"
     block_n: int = 0
+    act_order: bool = False
 
     def blocks_for(self, k: int, n: int) -> tuple[int, int]:
         """``fp8``'s (bk, bn) block for a [k, n] weight (0 resolved to the whole axis)."""
@@ -80,13 +89,15 @@ class QuantFormat:
         block = self.block_for(k)
         if k % block:
             raise ValueError(f"{self.kind} block {block} does not divide the input size {k}")
+        perm = {PERM: ((k, 1), "int32")} if self.act_order else {}
         if self.kind == "q8":
-            return {"qweight": ((k, n), "int8"), "scales": ((k // block, n), "float16")}
+            return {"qweight": ((k, n), "int8"), "scales": ((k // block, n), "float16"),
+                    **perm}
         if block % Q4_BLOCK:
             raise ValueError(f"q4 block {block} (input size {k}) is not a multiple of "
                              f"{Q4_BLOCK}")
         return {"qweight": ((k // 2, n), "uint8"), "scales": ((k // block, n), "float16"),
-                "zeros": ((k // block, n), self.zero_dtype)}
+                "zeros": ((k // block, n), self.zero_dtype), **perm}
 
     @property
     def bits(self) -> int:
@@ -114,11 +125,7 @@ class QuantPlan:
         return bool(self.formats)
 
     def to_dict(self) -> dict:
-        return {"name": self.name,
-                "formats": {m: [f.kind, f.block]
-                            + ([f.zero_dtype] if f.zero_dtype != "float16" or f.kind == "fp8"
-                               else []) + ([f.block_n] if f.kind == "fp8" else [])
-                            for m, f in self.formats}}
+        return {"name": self.name, "formats": {m: _fields(f) for m, f in self.formats}}
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantPlan:
@@ -126,6 +133,15 @@ class QuantPlan:
 
 
 NO_QUANT = QuantPlan()  # every weight dense
+
+
+def _fields(f: QuantFormat) -> list:
+    """`f`'s fields as `QuantPlan.to_dict` stores them: the defaults at the end left out."""
+    fields = [f.kind, f.block, f.zero_dtype, f.block_n, f.act_order]
+    if f.act_order:
+        return fields
+    return fields[:4] if f.kind == "fp8" else fields[:3] if f.zero_dtype != "float16" \
+        else fields[:2]
 
 
 def kind_of(leaves) -> str | None:
@@ -177,7 +193,8 @@ def unpack_q4_rows(codes: np.ndarray) -> np.ndarray:
 
 
 def dequantize_rows(fmt: QuantFormat, rows: dict[str, np.ndarray]) -> np.ndarray:
-    """f32[N, K] from row-form leaves ({"qweight", "scales"[, "zeros"]}); the numpy oracle."""
+    """f32[N, K] from row-form leaves ({"qweight", "scales"[, "zeros"][, "perm" i32[1, K]]}:
+    columns back in input order); the numpy oracle."""
     q, scale = rows["qweight"], rows["scales"].astype(np.float32)
     if fmt.kind == "q4":
         q = unpack_q4_rows(q)
@@ -186,7 +203,12 @@ def dequantize_rows(fmt: QuantFormat, rows: dict[str, np.ndarray]) -> np.ndarray
     w = q.reshape(n, k // block, block).astype(np.float32) * scale[..., None]
     if fmt.kind == "q4":
         w = w + rows["zeros"].astype(np.float32)[..., None]
-    return w.reshape(n, k)
+    w = w.reshape(n, k)
+    if PERM in rows:  # column j holds input perm[j]
+        out = np.empty_like(w)
+        out[:, np.asarray(rows[PERM]).reshape(-1)] = w
+        return out
+    return w
 
 
 def quantize_rows(fmt: QuantFormat, w: np.ndarray) -> dict[str, np.ndarray]:

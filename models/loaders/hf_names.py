@@ -143,7 +143,7 @@ class SplitFused:
         return f"{where} (nor is the fused {found[0]!r} there)"
 
 
-QUANT_LEAVES = ("qweight", "scales", "zeros", "block_scales")
+QUANT_LEAVES = ("qweight", "scales", "zeros", "block_scales", "perm")
 
 
 def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
