@@ -143,3 +143,15 @@ def write_quantized(directory: str, config: dict, quant_config: dict, pack, bits
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(cfg, f)
     return hf, dense
+
+
+def write_gptq_act_order(directory, config: dict, act_order, bits: int = 4, group: int = 32,
+                         sym: bool = True, v1: bool = True):
+    """A GPTQ checkpoint (`desc_act: true`) whose Linears `act_order(name)` picks are
+    quantized in random act-order groups (the others' g_idx in order); returns
+    `write_quantized`'s (HF model on the dequantized weights, dense tensors)."""
+    qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
+          "desc_act": True, "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    return write_quantized(str(directory), config, qc,
+                           lambda q, z, s, g_idx=None: gptq_tensors(q, z, s, bits, v1, g_idx),
+                           bits, group, sym, min_zero=1 if v1 else 0, act_order=act_order)

@@ -23,7 +23,7 @@ from tests.models.helpers import (
     forward_logits,
     hf_logits,
 )
-from tests.models.int_packers import gptq_tensors, write_quantized
+from tests.models.int_packers import write_gptq_act_order
 
 torch = pytest.importorskip("torch")
 
@@ -35,13 +35,8 @@ def not_k_proj(base: str) -> bool:
     return "k_proj" not in base
 
 
-def write_gptq(directory, config=QUANT_LLAMA, bits=4, group=32, sym=True, v1=True,
-               act_order=not_k_proj):
-    qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
-          "desc_act": True, "checkpoint_format": "gptq" if v1 else "gptq_v2"}
-    return write_quantized(str(directory), config, qc,
-                           lambda q, z, s, g_idx=None: gptq_tensors(q, z, s, bits, v1, g_idx),
-                           bits, group, sym, min_zero=1 if v1 else 0, act_order=act_order)
+def write_gptq(directory, config=QUANT_LLAMA, act_order=not_k_proj, **kw):
+    return write_gptq_act_order(directory, config, act_order, **kw)
 
 
 def check_logits(model, hf):

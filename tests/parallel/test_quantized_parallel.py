@@ -181,10 +181,10 @@ def test_act_order_column_parallel_checkpoint_matches_one_device(smollm2_tokeniz
     import torch
 
     from tests.models.helpers import QUANT_LLAMA
-    from tests.models.test_act_order import write_gptq
+    from tests.models.int_packers import write_gptq_act_order
 
-    hf, _ = write_gptq(tmp_path, QUANT_LLAMA,
-                       act_order=lambda base: not base.endswith(("o_proj", "down_proj")))
+    hf, _ = write_gptq_act_order(tmp_path, QUANT_LLAMA,
+                                 lambda base: not base.endswith(("o_proj", "down_proj")))
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 128, n)]}
                for n in (5, 17, 9)]
