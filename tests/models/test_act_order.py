@@ -14,7 +14,7 @@ import pytest
 from models.linear import serving_form, standard_params
 from models.linear.registry import can_panel
 from models.loaders import load_model
-from models.quant import PERM
+from models.quant import PERM, QuantPlan
 from tests.models.helpers import (
     QUANT_IDS,
     QUANT_LLAMA,
@@ -62,6 +62,7 @@ def test_gptq_act_order_equals_transformers_on_xla_and_panels(gptq_act_order):
     assert all(sorted(p[:, 0]) == list(range(128)) and (p[:, 0] != np.arange(128)).any()
                for p in perm)
     check_logits(model, hf)
+    assert QuantPlan.from_dict(model.quant.to_dict()) == model.quant  # a checkpoint's plan
     # Symmetric 4-bit: the CPU kernel reads the sorted codes in place, x gathered first
     # (the engine's greedy test below serves from them); the standard leaves (the
     # permutation too) come back as loaded.
@@ -148,6 +149,24 @@ def test_compressed_tensors_actorder_group_equals_its_decompressor(tmp_path):
     model = load_model(str(tmp_path))
     assert model.quant.get("q_proj").act_order and not model.quant.get("k_proj").act_order
     check_logits(model, hf)
+
+    def actorder(value):  # the same tensors, the scheme's actorder changed
+        def edit(qc):
+            qc["config_groups"]["group_0"]["weights"]["actorder"] = value
+        return edit
+
+    # Any actorder reads weight_g_idx as it is; none with one out of order, or an unknown
+    # value, is refused naming the tensor or the field.
+    from models.loaders import read_arch_config
+    from models.loaders.checkpoint_quant import checkpoint_format
+
+    variant = checkpoint_variant(str(tmp_path), tmp_path / "weight", config=actorder("weight"))
+    assert checkpoint_format(variant, read_arch_config(variant)).plan == model.quant
+    with pytest.raises(ValueError, match=r"_proj': weight_g_idx orders groups by activation"):
+        load_model(checkpoint_variant(str(tmp_path), tmp_path / "none", config=actorder(None)))
+    with pytest.raises(ValueError, match=r"weights.actorder 'columns' is not supported"):
+        load_model(checkpoint_variant(str(tmp_path), tmp_path / "bad",
+                                      config=actorder("columns")))
 
 
 Q = "model.layers.1.self_attn.q_proj"
