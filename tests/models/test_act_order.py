@@ -63,6 +63,8 @@ def test_gptq_act_order_equals_transformers_on_xla_and_panels(gptq_act_order):
                for p in perm)
     check_logits(model, hf)
     assert QuantPlan.from_dict(model.quant.to_dict()) == model.quant  # a checkpoint's plan
+    # The permutation costs what the file's g_idx does: device bytes within 10% of its.
+    assert abs(model.weight_bytes / model.checkpoint_bytes - 1) < 0.10
     # Symmetric 4-bit: the CPU kernel reads the sorted codes in place, x gathered first
     # (the engine's greedy test below serves from them); the standard leaves (the
     # permutation too) come back as loaded.

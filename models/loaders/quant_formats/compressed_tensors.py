@@ -12,6 +12,8 @@ and a `format` (the group's, else the config's). `ignore` leaves modules float. 
   `weight_scale` [N, G] (channel: [N, 1]) and, asymmetric, `weight_zero_point` stored the
   same way along N (int32[N * bits / 32, G]).
 * int-quantized / naive-quantized: `weight` int8[N, K] holding q, and `weight_scale`.
+* with `actorder` (pack-quantized groups): `weight_g_idx` i32[K], input k's group, in any
+  order (read by `act_order`: K sorted by group, the permutation kept).
 
 w = (q - z) * scale. Activations are computed in the model's float dtype whatever the
 scheme's `input_activations` (W8A8 runs as W8A16 here; an `input_scale` is not read).
