@@ -20,6 +20,11 @@ Five on-device formats cover every mode (`QuantFormat.kind`):
   and one ``global_scale`` f32[1, 1] per weight; w = fp4(code) * (scale * global_scale).
   compressed-tensors' NVFP4 (its ``weight_global_scale`` divides: 1 / it is stored).
 
+A q8/q4 weight of an act-order checkpoint (GPTQ's `desc_act`, compressed-tensors'
+`actorder`: input k in group g_idx[k], any order) is stored with its K rows sorted by group
+(`QuantFormat.act_order`) and one more leaf, ``perm`` i32[K, 1]: row j holds input
+perm[j], so y = x[..., perm] @ w (`models.linear.base.permute_inputs`).
+
 Layout: K (the contraction axis) leads, as in a Flax `Dense` kernel [in, out]; the tied
 embedding is stored the same way ([hidden, vocab]: the LM head's layout) and looked up by
 column. In a ``q4`` block b, code row ``b * 16 + j`` holds value ``b * 32 + j`` in its
@@ -52,6 +57,7 @@ FP4_BLOCKS = {"mxfp4": 32, "nvfp4": 16}
 FP4_SCALES = {"mxfp4": ("e8m0_scales", "uint8"), "nvfp4": ("e4m3_scales", "float8_e4m3fn")}
 # Kinds whose codes hold two values per byte along K.
 NIBBLE_KINDS = ("q4", "mxfp4", "nvfp4")
+PERM = "perm"  # an act-order weight's input permutation leaf (`QuantFormat.act_order`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +73,15 @@ class QuantFormat:
             zero points must stay exact (an asymmetric GPTQ/AWQ zero -z * scale needs up
             to 15 mantissa bits; the CPU panel kernel reads only float16 zeros).
         block_n: ``fp8`` only: values per scale along N (0: all of N, 1: per channel).
+        act_order: q8/q4 only: the rows are sorted by group and ``perm`` i32[K, 1] says
+            which input each holds (an act-order checkpoint's groups made contiguous).
     """
 
     kind: str
     block: int = 32
     zero_dtype: str = "float16"
     block_n: int = 0
+    act_order: bool = False
 
     def blocks_for(self, k: int, n: int) -> tuple[int, int]:
         """``fp8``'s (bk, bn) block for a [k, n] weight (0 resolved to the whole axis)."""
@@ -103,13 +112,15 @@ class QuantFormat:
             if self.kind == "nvfp4":
                 shapes["global_scale"] = ((1, 1), "float32")
             return shapes
+        perm = {PERM: ((k, 1), "int32")} if self.act_order else {}
         if self.kind == "q8":
-            return {"qweight": ((k, n), "int8"), "scales": ((k // block, n), "float16")}
+            return {"qweight": ((k, n), "int8"), "scales": ((k // block, n), "float16"),
+                    **perm}
         if block % Q4_BLOCK:
             raise ValueError(f"q4 block {block} (input size {k}) is not a multiple of "
                              f"{Q4_BLOCK}")
         return {"qweight": ((k // 2, n), "uint8"), "scales": ((k // block, n), "float16"),
-                "zeros": ((k // block, n), self.zero_dtype)}
+                "zeros": ((k // block, n), self.zero_dtype), **perm}
 
     @property
     def bits(self) -> int:
@@ -137,11 +148,7 @@ class QuantPlan:
         return bool(self.formats)
 
     def to_dict(self) -> dict:
-        return {"name": self.name,
-                "formats": {m: [f.kind, f.block]
-                            + ([f.zero_dtype] if f.zero_dtype != "float16" or f.kind == "fp8"
-                               else []) + ([f.block_n] if f.kind == "fp8" else [])
-                            for m, f in self.formats}}
+        return {"name": self.name, "formats": {m: _fields(f) for m, f in self.formats}}
 
     @classmethod
     def from_dict(cls, d: dict) -> QuantPlan:
@@ -149,6 +156,15 @@ class QuantPlan:
 
 
 NO_QUANT = QuantPlan()  # every weight dense
+
+
+def _fields(f: QuantFormat) -> list:
+    """`f`'s fields as `QuantPlan.to_dict` stores them: the defaults at the end left out."""
+    fields = [f.kind, f.block, f.zero_dtype, f.block_n, f.act_order]
+    if f.act_order:
+        return fields
+    return fields[:4] if f.kind == "fp8" else fields[:3] if f.zero_dtype != "float16" \
+        else fields[:2]
 
 
 def kind_of(leaves) -> str | None:
@@ -203,7 +219,8 @@ def unpack_q4_rows(codes: np.ndarray) -> np.ndarray:
 
 
 def dequantize_rows(fmt: QuantFormat, rows: dict[str, np.ndarray]) -> np.ndarray:
-    """f32[N, K] from row-form leaves ({"qweight", "scales"[, "zeros"]}); the numpy oracle."""
+    """f32[N, K] from row-form leaves ({"qweight", "scales"[, "zeros"][, "perm" i32[1, K]]}:
+    columns back in input order); the numpy oracle."""
     q, scale = rows["qweight"], rows["scales"].astype(np.float32)
     if fmt.kind == "q4":
         q = unpack_q4_rows(q)
@@ -212,7 +229,12 @@ def dequantize_rows(fmt: QuantFormat, rows: dict[str, np.ndarray]) -> np.ndarray
     w = q.reshape(n, k // block, block).astype(np.float32) * scale[..., None]
     if fmt.kind == "q4":
         w = w + rows["zeros"].astype(np.float32)[..., None]
-    return w.reshape(n, k)
+    w = w.reshape(n, k)
+    if PERM in rows:  # column j holds input perm[j]
+        out = np.empty_like(w)
+        out[:, np.asarray(rows[PERM]).reshape(-1)] = w
+        return out
+    return w
 
 
 def quantize_rows(fmt: QuantFormat, w: np.ndarray) -> dict[str, np.ndarray]:

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from models.quant import PERM
+
 # The Flax collection of weights read whole at a traced layer index (stacks [L, ...]): the
 # layer scan broadcasts it to every layer instead of slicing it, so a layer reads its
 # weights in place (XLA:CPU copies every sliced leaf out of its stack).
@@ -203,6 +205,26 @@ def declare_leaves(module: nn.Module, shapes: dict, lead: tuple[int, ...] = (),
     if name is not None:
         return _Leaves(spec, init, name=name)()
     return {leaf: module.param(leaf, init, shape, jnp.dtype(dtype)) for leaf, shape, dtype in spec}
+
+
+def split_perm(w: dict) -> tuple[dict, jax.Array | None]:
+    """(the leaves without `models.quant.PERM`, the permutation i32[..., K, 1] or None): an
+    act-order weight's leaves, as every quantized method takes them apart."""
+    if PERM not in w:
+        return w, None
+    return {name: a for name, a in w.items() if name != PERM}, w[PERM]
+
+
+def permute_inputs(x: jax.Array, perm: jax.Array | None) -> jax.Array:
+    """x [T, K] with its K axis in the order of an act-order weight's sorted rows:
+    x[:, perm] (`perm` i32[K, 1]; None: x as it is). Every quantized method calls it
+    before its matmul, so y = x[:, perm] @ w_sorted = x @ w."""
+    return x if perm is None else jnp.take(x, perm[:, 0], axis=-1)
+
+
+def unpermute_rows(kernel: jax.Array, perm: jax.Array | None) -> jax.Array:
+    """A dense kernel [K, N] of sorted rows back in input order (row perm[j] = row j)."""
+    return kernel if perm is None else jnp.zeros_like(kernel).at[perm[:, 0]].set(kernel)
 
 
 def read_stacks(module: nn.Module, leaves) -> dict:

@@ -17,9 +17,17 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
-from models.linear.base import EmbedMethod, LinearMethod, declare_leaves
-from models.quant import QuantFormat
+from models.linear.base import (
+    EmbedMethod,
+    LinearMethod,
+    declare_leaves,
+    permute_inputs,
+    split_perm,
+    unpermute_rows,
+)
+from models.quant import PERM, QuantFormat
 from pallas_kernels import quant_embed, quant_matmul
 from pallas_kernels.invariant import row_tiled
 from pallas_kernels.quant_matmul.reference import dequantize
@@ -82,19 +90,30 @@ class QuantLinear(LinearMethod):
         return declare_leaves(module, self.fmt.leaf_shapes(k, n), lead, name)
 
     def apply(self, w, x, layer=None):
+        w, perm = split_perm(w)
+        x = permute_inputs(x, perm)
         return row_tiled(lambda t: quant_matmul(t.astype(self.dtype), w, self.fmt.kind,
                                                 backend=self.kernel), x, self.row_tile)
 
     def partition_spec(self, leaf, shape, split, axes, shards):
         """Splits the codes and their group scales (and zeros) together: a row-parallel
-        split of K falls on group boundaries only.
+        split of K falls on group boundaries only. An act-order permutation ([..., K, 1])
+        stays whole.
 
         Raises:
             ValueError: A K split that would cut a group of several along K (the message
                 names the weight's shape, the group and the shard count); one group per
                 output channel stays whole beside the split codes (it scales each partial
-                sum).
+                sum). A K split of an act-order weight: its sorted rows hold inputs from
+                anywhere in K, so a device's rows need other devices' activations.
         """
+        if split == "in" and shards > 1 and self.fmt.act_order:
+            raise ValueError(
+                f"an act-order {self.fmt.kind} weight (desc_act/actorder: its inputs sorted "
+                f"by group) cannot be split {shards} ways along its input axis: the sorted "
+                "rows move inputs across the shards; serve it without tensor parallelism")
+        if leaf == PERM:
+            return PartitionSpec()
         if split == "in" and leaf == "qweight" and shards > 1:
             k = shape[-2] * (2 if self.fmt.kind == "q4" else 1)
             block = self.fmt.block_for(k)
@@ -106,7 +125,10 @@ class QuantLinear(LinearMethod):
         return super().partition_spec(leaf, shape, split, axes, shards)
 
     def dense(self, w, dtype):
-        fn = lambda leaves: dequantize(leaves, self.fmt.kind, dtype)
+        def fn(leaves):  # one [K, N] weight, rows back in input order
+            leaves, perm = split_perm(leaves)
+            return unpermute_rows(dequantize(leaves, self.fmt.kind, dtype), perm)
+
         for _ in range(w["qweight"].ndim - 2):  # one vmap per leading axis
             fn = jax.vmap(fn)
         return fn(w)

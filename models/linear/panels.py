@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ArchConfig, layer_matmul_shapes
-from models.linear.base import EmbedMethod, LinearMethod, read_stacks
+from models.linear.base import EmbedMethod, LinearMethod, permute_inputs, read_stacks, split_perm
 from models.linear.context import current
-from models.quant import QuantFormat, QuantPlan
+from models.quant import PERM, QuantFormat, QuantPlan
 from pallas_kernels.cpu_ffi import gemm, qgemm
 from pallas_kernels.quant_matmul.reference import dequantize
 
@@ -34,7 +34,9 @@ KERNEL_Q4_BLOCK = 32  # the q4 block the CPU quantized kernel reads (`qgemm.supp
 
 
 def _leaf_names(fmt: QuantFormat | None, float_name: str) -> tuple[str, ...]:
-    return (float_name,) if fmt is None else qgemm.LEAVES[fmt.kind]
+    if fmt is None:
+        return (float_name,)
+    return qgemm.LEAVES[fmt.kind] + ((PERM,) if fmt.act_order else ())
 
 
 def _subblocks(fmt: QuantFormat, k: int) -> int:
@@ -54,13 +56,15 @@ def _pack(leaves: dict, fmt: QuantFormat | None, float_name: str, stacked: bool)
     if r > 1:
         for name in ("scales", "zeros"):
             arrays[name] = np.repeat(arrays[name], r, axis=-2)
-    return qgemm.pack(arrays, fmt.kind)
+    perm = {PERM: lead(leaves[PERM])} if PERM in leaves else {}  # [L, K, 1], as it is
+    return {**qgemm.pack(arrays, fmt.kind), **perm}
 
 
 def _unpack(panels: dict, fmt: QuantFormat | None, float_name: str, n: int,
             stacked: bool) -> dict:
+    panels, perm = split_perm(panels)
     out = ({float_name: gemm.unpack(panels[float_name], n)} if fmt is None
-           else qgemm.unpack(panels, n))
+           else {**qgemm.unpack(panels, n), **({} if perm is None else {PERM: perm})})
     if fmt is not None:
         r = _subblocks(fmt, out["qweight"].shape[-2] * 2)
         if r > 1:  # the repeated rows of `_pack`, once each
@@ -75,6 +79,8 @@ def _matmul(fmt: QuantFormat | None, leaves: dict, x: jax.Array, layer, n: int,
     layer = 0 if layer is None else layer
     if fmt is None:
         return gemm.stacked_gemm(x, leaves[float_name], layer, n, rows)
+    leaves, perm = split_perm(leaves)
+    x = permute_inputs(x, None if perm is None else perm[layer])
     return qgemm.stacked_qgemm(x, leaves, fmt.kind, layer, n, rows)
 
 

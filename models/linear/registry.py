@@ -29,7 +29,7 @@ from models.linear.fp8 import Fp8Linear, infer_fp8_format
 from models.linear.lora import LoRALinear, scan_slices_lora
 from models.linear.panels import PanelEmbed, PanelLinear
 from models.lora import served_targets
-from models.quant import FP4_BLOCKS, NO_QUANT, QuantFormat, QuantPlan, kind_of
+from models.quant import FP4_BLOCKS, NO_QUANT, PERM, QuantFormat, QuantPlan, kind_of
 from pallas_kernels import AttentionOps, resolve_backend
 from pallas_kernels.tuning import tuned
 
@@ -149,7 +149,7 @@ def stored_method(leaves) -> LinearMethod:
     if isinstance(leaves, dict) and hasattr(leaves["scales"], "shape"):
         k = leaves["qweight"].shape[-2] * (2 if kind == "q4" else 1)
         block = k // leaves["scales"].shape[-2]
-    return QuantLinear(QuantFormat(kind, block))
+    return QuantLinear(QuantFormat(kind, block, act_order=PERM in leaves))
 
 
 def can_panel(cfg: ArchConfig, plan: QuantPlan, dtype, backend: str,
@@ -274,7 +274,8 @@ def _panel_method(leaves: dict, fmt: QuantFormat | None = None) -> PanelLinear:
     kind = kind_of(leaves)
     if kind is None:
         return PanelLinear()
-    return PanelLinear(fmt if fmt is not None and fmt.kind == kind else QuantFormat(kind))
+    return PanelLinear(fmt if fmt is not None and fmt.kind == kind
+                       else QuantFormat(kind, act_order=PERM in leaves))
 
 
 def standard_params(params: dict, cfg: ArchConfig, plan: QuantPlan = NO_QUANT) -> dict:

@@ -144,7 +144,7 @@ class SplitFused:
 
 
 QUANT_LEAVES = ("qweight", "scales", "zeros", "block_scales", "e8m0_scales", "e4m3_scales",
-                "global_scale")
+                "global_scale", "perm")
 
 
 def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,

@@ -44,10 +44,16 @@ def _qparams(w, args):
     return calculate_qparams(mn, mx, args)
 
 
-def compress(w, sch) -> tuple[dict, np.ndarray]:
+def compress(w, sch, g_idx=None) -> tuple[dict, np.ndarray]:
     """One Linear's compressed tensors (by the scheme's format's compressor) and the
     weight its decompressor gives back, in float32 (scales widened first: the reference is
-    the exact dequantized value, not a bfloat16 rounding of it)."""
+    the exact dequantized value, not a bfloat16 rounding of it).
+
+    With `g_idx` i32[K] (pack-quantized groups, actorder "group"), input k is quantized in
+    group g_idx[k] as llm-compressor's GPTQ does: the inputs sorted by group (stable) are
+    compressed in contiguous groups, then the codes (unpacked and repacked by
+    compressed-tensors' own helpers) and the decompressed weight are put back in input
+    order beside `weight_g_idx` (the installed compressor no longer writes it itself)."""
     import torch
     from compressed_tensors.compressors.base import BaseCompressor
 
@@ -55,6 +61,23 @@ def compress(w, sch) -> tuple[dict, np.ndarray]:
         from tests.models.fp4_pack import compress_fp4
 
         return compress_fp4(w, sch)
+    if g_idx is not None:
+        from compressed_tensors.compressors.pack_quantized.helpers import (
+            pack_to_int32,
+            unpack_from_int32,
+        )
+
+        order = np.argsort(g_idx, kind="stable")  # sorted position j holds input order[j]
+        out, back_sorted = compress(np.ascontiguousarray(w[:, order]), sch)
+        bits = sch.weights.num_bits
+        codes = unpack_from_int32(out["weight_packed"], bits, torch.Size(w.shape))
+        unsorted = torch.empty_like(codes)
+        unsorted[:, torch.from_numpy(order)] = codes
+        back = np.empty_like(back_sorted)
+        back[:, order] = back_sorted
+        return {**out, "weight_packed": pack_to_int32(unsorted, bits),
+                "weight_g_idx": torch.from_numpy(np.asarray(g_idx, np.int32))}, back
+
     # bfloat16 scales, as llm-compressor writes them for a bfloat16 model.
     wb = torch.from_numpy(w).to(torch.bfloat16)
     s, z = _qparams(wb, sch.weights)
@@ -66,11 +89,13 @@ def compress(w, sch) -> tuple[dict, np.ndarray]:
     return {k: v.contiguous() for k, v in out.items()}, back
 
 
-def write_ct(directory: str, config: dict, sch, group_format: bool = True):
+def write_ct(directory: str, config: dict, sch, group_format: bool = True, act_order=None):
     """A tiny transformers model saved with every decoder Linear (experts too) compressed
     in scheme `sch`, its config.json carrying the QuantizationConfig compressed-tensors
     writes (`ignore` = lm_head and the router); returns (the HF model on the decompressed
-    weights, the checkpoint's tensors)."""
+    weights, the checkpoint's tensors). `act_order(name)` picks the Linears quantized in
+    random act-order groups (`compress`'s g_idx), and the scheme then says
+    `actorder: "group"`."""
     import torch
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import save_file
@@ -80,8 +105,14 @@ def write_ct(directory: str, config: dict, sch, group_format: bool = True):
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).float().eval()
     tensors, dense = {}, {}
 
+    rng = np.random.default_rng(0)
+
     def put(base: str, w: np.ndarray) -> np.ndarray:
-        out, back = compress(w, sch)
+        g_idx = None
+        if act_order is not None and act_order(base):
+            group = sch.weights.group_size
+            g_idx = rng.permutation(np.arange(w.shape[1]) // group).astype(np.int32)
+        out, back = compress(w, sch, g_idx)
         tensors.update({f"{base}.{k}": v for k, v in out.items()})
         return back
 
@@ -112,6 +143,8 @@ def write_ct(directory: str, config: dict, sch, group_format: bool = True):
         cfg = json.load(f)
     cfg["quantization_config"] = {"quant_method": "compressed-tensors",
                                   **qc.model_dump(mode="json", exclude={"quant_method"})}
+    if act_order is not None:  # what older compressed-tensors wrote (now refused by it)
+        cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(cfg, f)
     return hf, tensors

@@ -115,7 +115,7 @@ BAD_FILES = {  # id: (tensor edit, config edit, message)
     "qweight-shape": (lambda t: t.update({f"{Q}.qweight": t[f"{Q}.qweight"][:, :64]}), None,
                       rf"'{Q}': scales has shape \(4, 128\), expected \(4, 64\)"),
     "act-order": (lambda t: t.update({f"{Q}.g_idx": t[f"{Q}.g_idx"][::-1].copy()}), None,
-                  rf"'{Q}': g_idx orders groups by activation \(desc_act=true\)"),
+                  rf"'{Q}': g_idx orders groups by activation, but the config says"),
     "bits": (None, lambda qc: qc.update(bits=3), r"quantization_config: bits=3 is not supported"),
     "group": (None, lambda qc: qc.update(group_size=48), r"group_size=48 is not supported"),
     "asym-8bit": (None, lambda qc: qc.update(bits=8), r"asymmetric 8-bit weights \(sym=false\)"),

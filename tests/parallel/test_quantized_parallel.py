@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from models.model import Model, random_params
-from models.quant import EXPERT_MODULES, QuantFormat, uniform_plan
+from models.quant import EXPERT_MODULES, QuantFormat, QuantPlan, uniform_plan
 from tests.parallel.test_parallel_engine import SMALL, TINY, _tiny_prompts, _tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, detokenize=False)
@@ -130,3 +130,78 @@ def test_a_split_that_cuts_a_group_of_an_expert_stack_is_refused():
     plan = uniform_plan("awq", QuantFormat("q4", 32, "float32"), (*LINEARS, *EXPERT_MODULES))
     with pytest.raises(ValueError, match=r"experts/down_proj: a q4 weight of 96 inputs"):
         make_tensor_parallel(cfg, 2).param_specs(abstract_params(cfg, "float32", plan))
+
+
+def _act_order_plan(permuted):
+    """GPTQ-like int4 in groups of 32 whose `permuted` modules are act-order."""
+    return QuantPlan(tuple((m, QuantFormat("q4", 32, act_order=m in permuted))
+                           for m in (*LINEARS, *EXPERT_MODULES)), "gptq")
+
+
+@pytest.mark.parametrize("permuted, layer", [
+    (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), None),
+    (("q_proj", "o_proj"), "layers/self_attn/o_proj"),
+    (("down_proj",), "layers/mlp/shared_expert/down_proj"),
+    (("experts.down_proj",), "layers/mlp/experts/down_proj")])
+def test_an_act_order_row_parallel_split_is_refused_naming_the_layer(permuted, layer):
+    """Act-order weights under tensor parallelism 2: a column-parallel layer splits its
+    sorted codes on N and keeps its permutation whole on every device; a row-parallel one
+    (o_proj, down_proj, the experts' down_proj: split along K) would hold inputs from
+    anywhere in K on each device, and is refused naming the layer."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.parallel.sharding import make_tensor_parallel
+    from models.config import ArchConfig
+    from models.model import abstract_params
+
+    cfg = ArchConfig(architecture="Qwen2MoeForCausalLM", vocab_size=64, hidden_size=64,
+                     intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    params = abstract_params(cfg, "float32", _act_order_plan(permuted))
+    tp = make_tensor_parallel(cfg, 2)
+    if layer is None:
+        specs = tp.param_specs(params)
+        q = specs["layers"]["self_attn"]["q_proj"]
+        assert q["qweight"][-1] is not None and q["perm"] == P()
+        assert specs["layers"]["mlp"]["shared_expert"]["gate_proj"]["perm"] == P()
+        return
+    with pytest.raises(ValueError, match=rf"{layer}: an act-order q4 weight .* cannot be "
+                                         r"split 2 ways along its input axis"):
+        tp.param_specs(params)
+
+
+@pytest.mark.slow(reason="a tensor-parallel engine over a checkpoint (compiles two models)")
+def test_act_order_column_parallel_checkpoint_matches_one_device(smollm2_tokenizer, tmp_path):
+    """A GPTQ act-order checkpoint whose row-parallel o_proj/down_proj keep their groups in
+    order (no permutation) loads at tensor parallelism 2 shard by shard: the column-parallel
+    layers split their sorted codes and keep the permutation whole; greedy tokens are the
+    one-device engine's."""
+    pytest.importorskip("torch")
+    import torch
+
+    from tests.models.helpers import QUANT_LLAMA
+    from tests.models.int_packers import write_gptq_act_order
+
+    hf, _ = write_gptq_act_order(tmp_path, QUANT_LLAMA,
+                                 lambda base: not base.endswith(("o_proj", "down_proj")))
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 128, n)]}
+               for n in (5, 17, 9)]
+    with torch.no_grad():  # transformers' greedy tokens on the dequantized weights
+        want = [hf.generate(torch.tensor([p["prompt_token_ids"]]), max_new_tokens=12,
+                            min_new_tokens=12, do_sample=False, pad_token_id=0)[
+                                0, len(p["prompt_token_ids"]):].tolist() for p in prompts]
+    tokens = {}
+    for size in (1, 2):
+        llm = LLM(str(tmp_path), tokenizer=smollm2_tokenizer, tensor_parallel_size=size,
+                  warmup=False, **{**SMALL, "max_model_len": 64})
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                detokenize=False)
+        tokens[size] = _tokens(llm.generate(prompts, greedy, use_tqdm=False))
+        if size == 2:  # (one device serves from the CPU panels)
+            q = llm.engine.runner.params["layers"]["self_attn"]["q_proj"]
+            assert q["qweight"].sharding.spec[-1] is not None  # column split
+            perm = q["perm"].sharding
+            assert len(perm.device_set) == 2 and perm.is_fully_replicated
+    assert tokens[2] == tokens[1] == want

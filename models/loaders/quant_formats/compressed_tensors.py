@@ -13,6 +13,8 @@ and a `format` (the group's, else the config's). `ignore` leaves modules float. 
   `weight_scale` [N, G] (channel: [N, 1]) and, asymmetric, `weight_zero_point` stored the
   same way along N (int32[N * bits / 32, G]).
 * int-quantized / naive-quantized: `weight` int8[N, K] holding q, and `weight_scale`.
+* with `actorder` (pack-quantized groups): `weight_g_idx` i32[K], input k's group, in any
+  order (read by `act_order`: K sorted by group, the permutation kept).
 
 w = (q - z) * scale. Activations are computed in the model's float dtype whatever the
 scheme's `input_activations` (W8A8 runs as W8A16 here; an `input_scale` is not read).
@@ -20,22 +22,28 @@ scheme's `input_activations` (W8A8 runs as W8A16 here; an `input_scale` is not r
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 
 import numpy as np
 
 from models.config import ArchConfig
 from models.loaders.checkpoint_quant import CheckpointFormat, register
+from models.loaders.quant_formats.act_order import act_order_modules, group_rows, module_names
 from models.loaders.quant_formats.fp4 import FP4_FORMATS, compressed_tensors_fp4
 from models.loaders.quant_formats.fp8 import LAYER_MODULES, compressed_tensors_fp8
 from models.loaders.quant_formats.gptq import read_field
-from models.loaders.quant_formats.int_groups import check_shape, group_format, to_rows, unpack_int32
-from models.quant import EXPERT_MODULES, QuantPlan
+from models.loaders.quant_formats.int_groups import check_shape, group_format, unpack_int32
+from models.quant import QuantFormat, QuantPlan
 
 INT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 FORMATS = (*INT_FORMATS, "float-quantized", *FP4_FORMATS)
 INT_STRATEGIES = ("tensor", "channel", "group")
 FLOAT_SCALES = ("float16", "bfloat16", "float32")
+# `actorder` values (compressed-tensors' ActivationOrdering; True was "group"): each may
+# leave a `weight_g_idx` (input k in group g_idx[k]) that is read as it is (`act_order`).
+ACTORDERS = ("group", "weight", "static", "dynamic", True)
 
 
 def _matches(name: str, target: str, where: str) -> bool:
@@ -49,27 +57,6 @@ def _matches(name: str, target: str, where: str) -> bool:
         raise ValueError(f"{where}: target {target!r} (a module class) is not supported "
                          "(supported: 'Linear', module names and 're:' patterns)")
     return target == name
-
-
-def _module_names(cfg: ArchConfig) -> dict[str, list[str]]:
-    """{plan module: its checkpoint names in every layer (and expert)}, and the modules that
-    stay float whatever the config says (`lm_head`, the MoE router)."""
-    layers = range(cfg.num_layers)
-    names = {}
-    for module in LAYER_MODULES:
-        prefix = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        if prefix == "mlp" and cfg.is_moe:
-            prefix = "mlp.shared_expert" if cfg.shared_expert_intermediate_size else ""
-        if prefix:
-            names[module] = [f"model.layers.{i}.{prefix}.{module}" for i in layers]
-    if cfg.is_moe:
-        for module in EXPERT_MODULES:
-            proj = module.split(".")[1]
-            names[module] = [f"model.layers.{i}.mlp.experts.{e}.{proj}" for i in layers
-                             for e in range(cfg.num_experts)]
-        names["router"] = [f"model.layers.{i}.mlp.gate" for i in layers]
-    names["lm_head"] = ["lm_head"]
-    return names
 
 
 def _int_reader(weights: dict, fmt_name: str, where: str):
@@ -88,9 +75,13 @@ def _int_reader(weights: dict, fmt_name: str, where: str):
     if not isinstance(bits, int):
         raise ValueError(f"{where}.num_bits {bits!r} must be an integer")
     fmt = group_format(bits, group, symmetric, f"{where} (num_bits={bits}, strategy={strategy!r})")
+    actorder = weights.get("actorder")
+    if actorder not in (None, False, *ACTORDERS):
+        raise ValueError(f"{where}.actorder {actorder!r} is not supported (supported: "
+                         "'group', 'weight', 'static', 'dynamic', or none)")
     offset = 1 << (bits - 1)
 
-    def reader(source, name: str) -> dict[str, np.ndarray]:
+    def reader(source, name: str, fmt: QuantFormat = fmt) -> dict[str, np.ndarray]:
         if not name.endswith(".weight"):
             raise KeyError(name)
         base = name[:-len(".weight")]
@@ -132,21 +123,13 @@ def _int_reader(weights: dict, fmt_name: str, where: str):
             zp = read_field(source, base, "weight_zero_point")
             check_shape(zp, (n, groups), base, "weight_zero_point")
             zero_points = zp.astype(np.int32) + offset
-        _check_g_idx(source, base, k, groups)
-        return to_rows(fmt, codes, scales, zero_points)
+        try:
+            g_idx = np.asarray(source.get(f"{base}.weight_g_idx"))
+        except KeyError:
+            g_idx = None
+        return group_rows(fmt, codes, scales, zero_points, g_idx, base, "weight_g_idx")
 
     return fmt, reader
-
-
-def _check_g_idx(source, base: str, k: int, groups: int) -> None:
-    """An act-order (`actorder: group`) checkpoint's `weight_g_idx`: only the trivial one."""
-    try:
-        g_idx = np.asarray(source.get(f"{base}.weight_g_idx"))
-    except KeyError:
-        return
-    if not np.array_equal(g_idx.reshape(-1), np.arange(k) // (k // groups)):
-        raise ValueError(f"quantized tensor {base!r}: weight_g_idx orders groups by activation "
-                         "(actorder 'group'), which is not supported")
 
 
 def _scheme(group: dict, default_format, where: str):
@@ -207,8 +190,8 @@ def compressed_tensors_format(qc: dict, path: str, cfg: ArchConfig) -> Checkpoin
                 return key
         return None
 
-    formats, readers = [], {}
-    for module, names in _module_names(cfg).items():
+    formats, readers, ordered = [], {}, []
+    for module, names in module_names(cfg).items():
         keys = {group_of(name) for name in names}
         if len(keys) > 1:
             raise ValueError(f"{where}: {module!r} is quantized by groups "
@@ -224,8 +207,17 @@ def compressed_tensors_format(qc: dict, path: str, cfg: ArchConfig) -> Checkpoin
         fmt, reader = schemes[key]
         formats.append((module, fmt))
         readers[module] = reader
+        if groups[key]["weights"].get("actorder") not in (None, False) and fmt.block:
+            ordered.append(module)
     if not formats:
         raise ValueError(f"{where}: no config_groups target matches a decoder Linear")
+    # actorder: the modules whose weight_g_idx is out of order somewhere keep a permutation.
+    permuted = act_order_modules(path, cfg, ordered, "weight_g_idx") if ordered else set()
+    formats = [(m, dataclasses.replace(f, act_order=True) if m in permuted else f)
+               for m, f in formats]
+    for module, fmt in formats:
+        if fmt.act_order:
+            readers[module] = functools.partial(readers[module], fmt=fmt)
     plan = QuantPlan(tuple(formats), "compressed-tensors")
 
     def read(source, name: str) -> dict[str, np.ndarray]:

@@ -11,17 +11,20 @@ Each quantized Linear `<module>` stores (K input features, N outputs, G groups):
 * `<module>.scales` f16[G, N]; `<module>.g_idx` i32[K] (optional): each input's group.
 
 w[n, k] = (q[k, n] - z[g_idx[k], n]) * scales[g_idx[k], n]. With act-order (`desc_act`)
-the groups are not contiguous runs of K; only the trivial `g_idx` (k // group_size) is
-read (see `docs/models.md`).
+the groups are not contiguous runs of K: K is sorted by g_idx at load and the permutation
+kept beside the codes (`act_order`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from models.config import ArchConfig
 from models.loaders.checkpoint_quant import CheckpointFormat, register
-from models.loaders.quant_formats.int_groups import check_shape, group_format, to_rows, unpack_int32
+from models.loaders.quant_formats.act_order import act_order_modules, group_rows
+from models.loaders.quant_formats.int_groups import check_shape, group_format, unpack_int32
 from models.quant import EXPERT_MODULES, QuantPlan
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -78,9 +81,16 @@ def gptq_format(qc: dict, path: str, cfg: ArchConfig) -> CheckpointFormat:
     if qc.get("lm_head"):
         raise ValueError(f"{where}.lm_head=true (a quantized LM head) is not supported")
     offset = CHECKPOINT_FORMATS[ckpt_format]
+    modules = linear_modules(cfg)
+    # desc_act: the modules whose g_idx is out of order somewhere keep a permutation.
+    permuted = (act_order_modules(path, cfg, modules, "g_idx")
+                if qc.get("desc_act") and fmt.block else set())
+    formats = {m: dataclasses.replace(fmt, act_order=m in permuted) for m in modules}
 
     def reader(source, name: str) -> dict[str, np.ndarray]:
         base = name.removesuffix(".weight")
+        parts = base.split(".")
+        fmt = formats[("experts." if "experts" in parts else "") + parts[-1]]
         qweight, scales, qzeros = read_int_leaves(source, base, f"[K * {bits} / 32, N]")
         k, n = qweight.shape[0] * 32 // bits, qweight.shape[1]
         groups = 1 if fmt.block == 0 else k // group
@@ -93,17 +103,12 @@ def gptq_format(qc: dict, path: str, cfg: ArchConfig) -> CheckpointFormat:
             g_idx = np.asarray(source.get(f"{base}.g_idx"))
         except KeyError:
             g_idx = None
-        if g_idx is not None:
-            check_shape(g_idx, (k,), base, "g_idx")
-            if not np.array_equal(g_idx, np.arange(k) // (k // groups)):
-                raise ValueError(f"quantized tensor {base!r}: g_idx orders groups by activation "
-                                 f"(desc_act=true); act-order GPTQ is not supported yet")
         codes = unpack_int32(qweight, bits, axis=0).T  # u8[N, K]
         zero_points = unpack_int32(qzeros, bits, axis=1).T.astype(np.int32) + offset  # [N, G]
         if fmt.kind == "q8" and np.any(zero_points != 128):
             raise ValueError(f"quantized tensor {base!r}: qzeros hold zero points other than "
                              f"128 (asymmetric 8-bit), which are not supported")
-        return to_rows(fmt, codes, scales.T, zero_points)
+        return group_rows(fmt, codes, scales.T, zero_points, g_idx, base, "g_idx")
 
-    plan = QuantPlan(tuple((m, fmt) for m in linear_modules(cfg)), "gptq")
+    plan = QuantPlan(tuple(formats.items()), "gptq")
     return CheckpointFormat("gptq", plan, reader)
