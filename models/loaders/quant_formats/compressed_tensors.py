@@ -32,7 +32,7 @@ from models.config import ArchConfig
 from models.loaders.checkpoint_quant import CheckpointFormat, register
 from models.loaders.quant_formats.act_order import act_order_modules, group_rows, module_names
 from models.loaders.quant_formats.fp4 import FP4_FORMATS, compressed_tensors_fp4
-from models.loaders.quant_formats.fp8 import LAYER_MODULES, compressed_tensors_fp8
+from models.loaders.quant_formats.fp8 import compressed_tensors_fp8
 from models.loaders.quant_formats.gptq import read_field
 from models.loaders.quant_formats.int_groups import check_shape, group_format, unpack_int32
 from models.quant import QuantFormat, QuantPlan
