@@ -1,8 +1,9 @@
 """Model families and the registry from HF `architectures` names to them.
 
-Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3, and the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, share one Flax decoder
-(`models.decoder.Decoder`); a family only decides how its HF config maps onto `ArchConfig`.
+Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3, the mixtures of experts
+Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, and the linear-attention hybrids Qwen3-Next and
+Qwen3.5 share one Flax decoder (`models.decoder.Decoder`); a family only decides how its HF
+config maps onto `ArchConfig`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from models.config import (
     partial_rotary_factor,
     windows_from_layer_types,
 )
+from models.hybrid_config import linear_attention_fields, with_hybrid_defaults
 from models.rope import parse_rope
 
 logger = logging.getLogger(__name__)
@@ -347,9 +349,68 @@ class Olmoe(ModelFamily):
                     **sparse_fields(hf, "num_experts", "intermediate_size"))
 
 
+class Qwen3_5(ModelFamily):
+    """Qwen3.5 (text, dense): Gated DeltaNet layers (`in_proj_qkv`, `in_proj_z`,
+    `in_proj_b`, `in_proj_a`, a causal conv1d, a gated RMSNorm) and every
+    `full_attention_interval`-th layer gated full attention (q/k norms, a quarter of each
+    head rotated by default), zero-centred RMSNorms (`models.hybrid_config`)."""
+
+    architectures = ("Qwen3_5ForCausalLM",)
+    partial_rotary = True
+
+    @classmethod
+    def arch_config(cls, hf):
+        return super().arch_config(with_hybrid_defaults(hf))
+
+    @classmethod
+    def extra_fields(cls, hf):
+        return dict(linear_attention_fields(hf),
+                    partial_rotary_factor=partial_rotary_factor(hf))
+
+
+class Qwen3_5Moe(Qwen3_5):
+    """Qwen3.5-MoE (text): Qwen3.5's layers with a mixture of experts in every layer
+    (softmax then top-k, the top-k always renormalized) and a sigmoid-gated shared
+    expert."""
+
+    architectures = ("Qwen3_5MoeForCausalLM",)
+
+    @classmethod
+    def arch_config(cls, hf):
+        # NOTE: its config has no intermediate_size (no layer is dense); the field is unused.
+        return super().arch_config({"intermediate_size": hf.get("moe_intermediate_size"),
+                                    **hf})
+
+    @classmethod
+    def extra_fields(cls, hf):
+        return dict(super().extra_fields(hf), norm_topk_prob=True,
+                    shared_expert_intermediate_size=int(
+                        hf.get("shared_expert_intermediate_size") or 0),
+                    **sparse_fields(hf, "num_experts", "moe_intermediate_size"))
+
+
+class Qwen3Next(Qwen3_5):
+    """Qwen3-Next: Qwen3.5's layers with the linear projections fused per key head
+    (`in_proj_qkvz`, `in_proj_ba`: cut apart at load, `models.loaders.hf_names`), and
+    Qwen2-MoE's mixture of experts (shared expert, `norm_topk_prob`, dense layers by
+    `mlp_only_layers` / `decoder_sparse_step`); no experts: every MLP dense."""
+
+    architectures = ("Qwen3NextForCausalLM",)
+
+    @classmethod
+    def extra_fields(cls, hf):
+        fields = super().extra_fields(hf)
+        if not int(hf.get("num_experts") or 0):
+            return fields
+        return dict(fields, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                    shared_expert_intermediate_size=int(
+                        hf.get("shared_expert_intermediate_size") or 0),
+                    **sparse_fields(hf, "num_experts", "moe_intermediate_size", mixed=True))
+
+
 FAMILIES: dict[str, type[ModelFamily]] = {
     name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen3, Gemma2, Gemma3, Mixtral,
-                          Qwen2Moe, Qwen3Moe, Olmoe)
+                          Qwen2Moe, Qwen3Moe, Olmoe, Qwen3_5, Qwen3_5Moe, Qwen3Next)
     for name in fam.architectures
 }
 
