@@ -5,6 +5,8 @@ slots no row owns left alone, bad shapes; the kernel's Triton and Mosaic lowerin
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from pallas_kernels import AttentionOps, gated_delta_rule
+from pallas_kernels.gated_delta.kernel import gated_delta_rule_kernel
 from pallas_kernels.gated_delta.reference import gated_delta_rule_reference
 from pallas_kernels.gated_delta.xla import gated_delta_rule_xla
 from tests.kernels.gdn_cases import Batch, gdn_inputs
@@ -94,11 +97,43 @@ def test_state_carried_across_calls_equals_one_call():
     np.testing.assert_allclose(pool[r0], want_state[r0], atol=2e-5, rtol=1e-4)
 
 
-def test_ops_dispatch_and_attention_ops(mixed):
+# The GPU form (Triton's) with two blocks of value columns and chunks of 32 (three for the
+# long row); the TPU form (Mosaic's, its own interpreter: ~5 s) in the slow tier.
+@pytest.mark.parametrize("target,chunk,block_v", [
+    ("gpu", 32, 4),
+    pytest.param("tpu", 64, None, marks=pytest.mark.slow),
+])
+def test_kernel_matches_reference_in_interpreter(mixed, target, chunk, block_v):
     args, want = mixed
-    out, _ = gated_delta_rule(*args, backend="cpu")
+    got = gated_delta_rule_kernel(*args, chunk=chunk, block_v=block_v, interpret=True,
+                                  target=target)
+    _check_against(got, want, args[5], args[6], MIXED.q_lens)
+
+
+# The kernel in the interpreter takes ~7 s here: slow tier.
+@pytest.mark.parametrize("form", ["xla", pytest.param("kernel", marks=pytest.mark.slow)])
+def test_repeated_keys_stay_accurate(form):
+    # Three keys repeated with beta ~1 and almost no decay: the UT system's inverse is
+    # small but its Neumann series' terms are not (a forward substitution is needed).
+    batch = Batch(q_lens=(128,), kv_lens=(128,), num_tokens=128, num_rows=1, num_slots=2)
+    q, k, v, g, beta, state, slots, cu, kv = gdn_inputs(batch, hk=1, hv=1, dk=16, dv=8)
+    args = (q, jnp.tile(k[:3], (43, 1, 1))[:128], v, jnp.full_like(g, -1e-4),
+            jnp.full_like(beta, 0.999), state, slots, cu, kv)
+    want = reference(*args)
+    fn = xla if form == "xla" else functools.partial(gated_delta_rule_kernel, interpret=True,
+                                                     target="gpu")
+    out, new_state = fn(*args)
     np.testing.assert_allclose(out, want[0], atol=2e-5, rtol=1e-4)
-    out, _ = AttentionOps("xla").gated_delta_rule(*args)
+    np.testing.assert_allclose(new_state[1], want[1][1], atol=2e-5, rtol=1e-4)
+
+
+# "pallas" runs the kernel in the interpreter again (~3 s): slow tier.
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_ops_dispatch_and_attention_ops(mixed, backend):
+    args, want = mixed
+    out, state = gated_delta_rule(*args, backend=backend)
+    np.testing.assert_allclose(out, want[0], atol=2e-5, rtol=1e-4)
+    out, _ = AttentionOps(backend).gated_delta_rule(*args)
     np.testing.assert_allclose(out, want[0], atol=2e-5, rtol=1e-4)
 
 
@@ -119,6 +154,34 @@ def test_bad_shapes_name_the_argument():
         "kv_lens": (kv[:1], r"kv_lens \(1,\) must be \[num_rows\]"),
     }
     for name, (value, match) in bad.items():
-        for fn in (gated_delta_rule_reference, gated_delta_rule_xla):
+        for fn in (gated_delta_rule_reference, gated_delta_rule_xla, gated_delta_rule_kernel):
             with pytest.raises(ValueError, match=match):
                 fn(**{**ok, name: value})
+    with pytest.raises(ValueError, match=r"chunk 24 must be a multiple of 16"):
+        gated_delta_rule_kernel(**ok, chunk=24)
+    with pytest.raises(ValueError, match=r"block_v 3 must divide dv 8"):
+        gated_delta_rule_kernel(**ok, block_v=3)
+
+
+def _abstract(t=128, r=8, s=16, hk=2, hv=4, dk=128, dv=128):
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    return (f32(t, hk, dk), f32(t, hk, dk), f32(t, hv, dv), f32(t, hv), f32(t, hv),
+            f32(s, hv, dk, dv), i32(r), i32(r + 1), i32(r))
+
+
+def test_kernel_lowers_to_triton():
+    fn = functools.partial(gated_delta_rule_kernel, target="gpu")
+    lowered = jax.jit(fn).trace(*_abstract()).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text().lower()
+
+
+def test_kernel_lowers_to_mosaic(monkeypatch):
+    from jax._src.pallas.mosaic import tpu_info
+
+    kind = jax.devices()[0].device_kind
+    monkeypatch.setitem(tpu_info.registry, kind, lambda: tpu_info.get_tpu_info_for_chip(
+        tpu_info.ChipVersion.TPU_V5E, 1))
+    fn = functools.partial(gated_delta_rule_kernel, target="tpu")
+    lowered = jax.jit(fn).trace(*_abstract()).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
