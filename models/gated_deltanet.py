@@ -12,7 +12,6 @@ import jax.numpy as jnp
 from models.config import ArchConfig
 from models.linear import Linear, Methods
 from pallas_kernels import AttentionMetadata
-from pallas_kernels import ops as kernel_ops
 
 STATE_DTYPE = jnp.float32  # the kernels carry their states in float32 whatever the model's
 L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon
@@ -76,7 +75,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """One Gated DeltaNet layer over the step's packed tokens, its state in slot rows.
+    """One Gated DeltaNet layer over the step's tokens (all requests on one axis), its state in slot rows.
 
     q, k, v come from `in_proj_qkv` through a causal depthwise convolution (SiLU) whose
     last inputs are kept per request; each value head's state decays by `exp(g)`, g =
@@ -93,9 +92,10 @@ class GatedDeltaNet(nn.Module):
                  md: AttentionMetadata):
         """x [T, hidden] -> ([T, hidden], conv_state, rec_state), the states one layer's
         pools (f32[S, W - 1, C], f32[S, Hv, dk, dv]) updated at `md.state_slots`."""
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.methods.attention
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        dk, dv, width = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        width = cfg.linear_conv_kernel_dim
         t = x.shape[0]
 
         def proj(n, name, h):
@@ -113,7 +113,7 @@ class GatedDeltaNet(nn.Module):
             core = jnp.zeros((t, hv, dv), x.dtype)
         else:
             slots, cu, lens = md.state_slots, md.cu_q_lens, md.kv_lens
-            mixed, conv_state = kernel_ops.causal_conv1d(
+            mixed, conv_state = ops.causal_conv1d(
                 qkv.astype(jnp.float32), conv_w.astype(jnp.float32), None, conv_state, slots,
                 cu, lens, activation="silu")  # f32[T, C]
             kd = hk * dk
@@ -123,7 +123,7 @@ class GatedDeltaNet(nn.Module):
             beta = jax.nn.sigmoid(b.astype(jnp.float32))  # f32[T, Hv]
             g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
                 a.astype(jnp.float32) + dt_bias.astype(jnp.float32))  # f32[T, Hv], <= 0
-            core, rec_state = kernel_ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots,
+            core, rec_state = ops.gated_delta_rule(q, k, v, g, beta, rec_state, slots,
                                                           cu, lens)  # f32[T, Hv, dv]
             core = core.astype(x.dtype)
         out = GatedRMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(core, z)

@@ -173,11 +173,19 @@ def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None
 
     Raises:
         ValueError: `size` does not divide the query heads or the MLP width, KV heads and
-            `size` do not divide one another, too few devices exist, or an expert layout
-            the model does not allow (`expert_layout`).
+            `size` do not divide one another, too few devices exist, an expert layout
+            the model does not allow (`expert_layout`), or `size` > 1 for a model with
+            linear-attention layers (not split yet).
     """
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if size > 1 and cfg.has_linear_attention:
+        # NOTE: not built yet: the linear layers' heads would split as attention heads do,
+        # but `in_proj_qkv` holds every q head, then every k head, then every v head (the
+        # convolution's channel order), so a column split must first regroup it by head.
+        raise ValueError(f"tensor_parallel_size={size}: {cfg.architecture} has "
+                         f"linear_layers={list(cfg.linear_layers)} (Gated DeltaNet), which "
+                         "tensor parallelism does not split yet; serve it on one device")
     if cfg.num_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide num_heads="
                          f"{cfg.num_heads} of {cfg.architecture}")

@@ -50,10 +50,11 @@ def forward_logits(model, token_ids: Sequence[int], page_size: int = 16,
 
     The prompt's pages are a shuffled, non-contiguous pick from a pool larger than needed
     (page 0 stays the null page); a model with linear-attention layers also gets state
-    pools of a few slots and the prompt a random one of them (slot 0 stays null). Each chunk is one step whose token axis is padded to a
-    common bucket (padded tokens write the null page), beside an empty padded request, so
-    chunked prefill, decode-sized steps and padding all go through the real paths. Every
-    step has the same (padded) size, so the chunkings of one prompt share a compiled step.
+    pools of a few slots and the prompt a random one of them (slot 0 stays null). Each
+    chunk is one step whose token axis is padded to a common bucket (padded tokens write
+    the null page), beside an empty padded request (state slot 0), so chunked prefill,
+    decode-sized steps and padding all go through the real paths. Every step has the same
+    (padded) size, so the chunkings of one prompt share a compiled step.
 
     Args:
         model: A `models.model.Model`.
