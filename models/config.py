@@ -171,6 +171,12 @@ class ArchConfig:
         return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
 
     @property
+    def attention_windows(self) -> tuple[int, ...]:
+        """`layer_windows` of the layers that keep KV pages (`attention_layers`): what the
+        KV cache groups are made of (`models.kv_groups.kv_group_layout`)."""
+        return tuple(self.layer_windows[i] for i in self.attention_layers)
+
+    @property
     def linear_conv_dim(self) -> int:
         """Channels of a Gated DeltaNet layer's convolution: q, k and v side by side."""
         return (2 * self.linear_num_key_heads * self.linear_key_head_dim
@@ -355,7 +361,8 @@ def layer_matmul_shapes(cfg: ArchConfig) -> dict[tuple[str, str], tuple[int, int
     dense layer)."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     i = cfg.intermediate_size
-    return {("self_attn", "q_proj"): (h, q), ("self_attn", "k_proj"): (h, kv),
+    gated_q = 2 * q if cfg.attn_output_gate else q  # each head's query and its output gate
+    return {("self_attn", "q_proj"): (h, gated_q), ("self_attn", "k_proj"): (h, kv),
             ("self_attn", "v_proj"): (h, kv), ("self_attn", "o_proj"): (q, h),
             ("mlp", "gate_proj"): (h, i), ("mlp", "up_proj"): (h, i),
             ("mlp", "down_proj"): (i, h)}

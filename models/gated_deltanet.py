@@ -75,7 +75,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """One Gated DeltaNet layer over the step's tokens (all requests on one axis), its state in slot rows.
+    """One Gated DeltaNet layer over the step's tokens (every request's on one axis), each
+    request's state in its slot's rows.
 
     q, k, v come from `in_proj_qkv` through a causal depthwise convolution (SiLU) whose
     last inputs are kept per request; each value head's state decays by `exp(g)`, g =

@@ -173,6 +173,9 @@ class Model:
                 lora: dict | None = None, lora_slots: jax.Array | None = None,
                 routing: bool = False):
         """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size]);
+        `kv_pages` is the page pool, or with linear-attention layers a
+        `models.gated_deltanet.HybridCache` (pages and state pools; `md.state_slots` each
+        request's slot), returned updated;
         with `routing`, (kv_pages, hidden, i32[num_tokens, num_layers, top_k]): each
         token's routed experts per layer, the router's heaviest first (-1 on a mixed
         model's dense layers). `routing` is static: without it the program is unchanged.

@@ -92,6 +92,26 @@ def test_state_shapes_and_bytes(model):
     assert not plain.has_linear_attention and plain.state_shapes(5) == {}
 
 
+def test_only_full_attention_layers_get_kv(model):
+    """The serving KV layout counts the full-attention layers alone (the pool holds one)."""
+    from jaxserve.runner.serving import serving_kv_layout
+
+    assert model.cfg.attention_windows == (0,)
+    layout = serving_kv_layout(model, 64, True)
+    assert layout.num_layers == 1 and layout.num_slots == 1
+    assert Model(model.cfg, model.params, kv_layout=layout).kv_pages_shape(3, PAGE)[0] == 1
+
+
+def test_panels_are_refused(model):
+    from models.linear import serving_form
+    from pallas_kernels import cpu_ffi
+
+    if not cpu_ffi.available():
+        pytest.skip(f"no CPU kernel here: {cpu_ffi.unavailable_reason()}")
+    with pytest.raises(ValueError, match="panels needs .* Qwen3_5ForCausalLM"):
+        serving_form(model, backend="cpu", panels=True)
+
+
 def test_hybrid_needs_its_cache_and_one_kv_group(model):
     md = AttentionMetadata(jnp.zeros(8, jnp.int32), jnp.zeros((1, 2), jnp.int32),
                            jnp.ones(1, jnp.int32), jnp.asarray([0, 1], jnp.int32))
