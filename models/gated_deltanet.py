@@ -27,7 +27,8 @@ class HybridCache(NamedTuple):
         pages: The full-attention layers' page pool (`pallas_kernels.metadata`), one pool
             slot per full-attention layer (`ArchConfig.attention_layers`).
         conv: f32[L_lin, num_slots, W - 1, C]: each request's last W - 1 inputs of every
-            linear layer's convolution (C: `ArchConfig.linear_conv_dim`).
+            linear layer's convolution (C: `ArchConfig.linear_conv_dim`, grouped by key
+            head as `in_proj_qkv`'s outputs).
         recurrent: f32[L_lin, num_slots, Hv, dk, dv]: each request's delta-rule state.
     """
 
@@ -102,7 +103,8 @@ class GatedDeltaNet(nn.Module):
         def proj(n, name, h):
             return Linear(n, self.methods.linear(name), False, self.dtype, name=name)(h)
 
-        qkv = proj(cfg.linear_conv_dim, "in_proj_qkv", x)  # [T, C]: q, k, v heads
+        # [T, C]: per key head g, its q, its k and its value heads' v (`models.loaders.gdn_fused`)
+        qkv = proj(cfg.linear_conv_dim, "in_proj_qkv", x)
         z = proj(hv * dv, "in_proj_z", x).reshape(t, hv, dv)
         b = proj(hv, "in_proj_b", x)  # [T, Hv]
         a = proj(hv, "in_proj_a", x)  # [T, Hv]
@@ -117,10 +119,10 @@ class GatedDeltaNet(nn.Module):
             mixed, conv_state = ops.causal_conv1d(
                 qkv.astype(jnp.float32), conv_w.astype(jnp.float32), None, conv_state, slots,
                 cu, lens, activation="silu")  # f32[T, C]
-            kd = hk * dk
-            q = _l2norm(mixed[:, :kd].reshape(t, hk, dk)) * dk ** -0.5
-            k = _l2norm(mixed[:, kd:2 * kd].reshape(t, hk, dk))
-            v = mixed[:, 2 * kd:].reshape(t, hv, dv)
+            mixed = mixed.reshape(t, hk, -1)  # [T, Hk, 2 dk + Hv / Hk dv]: channels by key head
+            q = _l2norm(mixed[..., :dk]) * dk ** -0.5  # [T, Hk, dk]
+            k = _l2norm(mixed[..., dk:2 * dk])  # [T, Hk, dk]
+            v = mixed[..., 2 * dk:].reshape(t, hv, dv)  # each key head's value heads in turn
             beta = jax.nn.sigmoid(b.astype(jnp.float32))  # f32[T, Hv]
             g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(
                 a.astype(jnp.float32) + dt_bias.astype(jnp.float32))  # f32[T, Hv], <= 0

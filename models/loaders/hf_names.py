@@ -110,7 +110,8 @@ class SplitFused:
     checkpoint's fused `qkv_proj` and `gate_up_proj` (Phi-3: rows q, then k, then v; gate,
     then up), and a Gated DeltaNet's `in_proj_qkv/z/b/a` cut from Qwen3-Next's
     `in_proj_qkvz` and `in_proj_ba` (`models.loaders.gdn_fused`), when the unfused tensor
-    is absent.
+    is absent; a Gated DeltaNet's q/k/v channels come grouped by key head
+    (`gdn_fused.flat_to_grouped`).
 
     Args:
         source: The checkpoint's tensors.
@@ -134,7 +135,7 @@ class SplitFused:
 
     def get(self, name: str) -> np.ndarray:
         try:
-            return self.source.get(name)
+            return gdn_fused.flat_to_grouped(self.cfg, name, self.source.get(name))
         except KeyError:
             linear = gdn_fused.fused_name(name)  # Qwen3-Next's fused linear projections
             if linear is not None:

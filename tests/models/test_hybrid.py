@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.parallel.sharding import make_tensor_parallel
 from models.gated_deltanet import HybridCache
@@ -67,9 +68,9 @@ def test_fused_rows_that_do_not_match_the_heads():
         cut_piece(cfg, "x.in_proj_qkvz.weight", np.zeros((10, 32)), "z")
 
 
-def test_tensor_parallel_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match=r"linear_layers=\[0, 1, 2\]"):
-        make_tensor_parallel(arch_config_from_hf(HF), 2)
+def test_tensor_parallel_must_divide_the_key_heads():
+    with pytest.raises(ValueError, match="does not divide linear_num_key_heads=2"):
+        make_tensor_parallel(arch_config_from_hf({**HF, "num_attention_heads": 4}), 4)
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +186,32 @@ def test_batched_requests_keep_their_own_state(model):
                              recurrent=jnp.zeros_like(cache2.recurrent))
     _, (lost_a, _) = _step(model, cache2, [(a[4:], 4), (b[3:], 3)], [3, 1])
     assert np.abs(lost_a - alone_a[4:]).max() > 1e-2
+
+
+# NOTE: slow: two ~5 s compiles (one device and two).
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_one_device(model):
+    """Weights split by heads (the linear layers' by key heads), the state pools by channels
+    and value heads: a prefill then a decode step give one device's logits, and the pools
+    stay split."""
+    tp = make_tensor_parallel(model.cfg, 2)
+    specs = tp.param_specs(model.params)["layers"]["linear_attn"]
+    assert specs["in_proj_qkv"]["kernel"] == P(None, None, ("kv", "rep"))
+    assert specs["out_proj"]["kernel"] == P(None, ("kv", "rep"), None)
+    assert specs["conv1d"] == P(None, None, ("kv", "rep"))
+    sharded = Model(model.cfg, tp.shard_params(model.params))
+    fresh = model.empty_cache(8, PAGE, 5)
+    state = tp.state_shardings()
+    split = HybridCache(jax.device_put(fresh.pages, tp.kv_pages_sharding()),
+                        jax.device_put(fresh.conv, state["conv"]),
+                        jax.device_put(fresh.recurrent, state["recurrent"]))
+    a = np.random.default_rng(1).integers(0, 64, 7).tolist()
+    cache, (want_p,) = _step(model, fresh, [(a[:6], 0)], [2])
+    _, (want_d,) = _step(model, cache, [(a[6:], 6)], [2])
+    cache, (got_p,) = _step(sharded, split, [(a[:6], 0)], [2])
+    _, (got_d,) = _step(sharded, cache, [(a[6:], 6)], [2])
+    np.testing.assert_allclose(np.concatenate([got_p, got_d]),
+                               np.concatenate([want_p, want_d]), rtol=0, atol=1e-5)
+    # ("kv" has one device here: the spec may name "rep" alone)
+    assert cache.recurrent.sharding.is_equivalent_to(state["recurrent"], 5)
+    assert cache.conv.sharding.is_equivalent_to(state["conv"], 4)
