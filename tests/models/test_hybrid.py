@@ -37,6 +37,12 @@ def test_default_pattern_partial_rotary_and_gate():
     assert cfg.attn_output_gate and cfg.qk_norm and cfg.norm_offset == 1.0
     assert cfg.linear_conv_dim == 2 * 2 * 8 + 4 * 8
     assert arch_config_from_hf({**HF, "full_attention_interval": 2}).linear_layers == (0, 2)
+    # Qwen3.5's published rope parameters: its multimodal rotary sections (text positions
+    # are alike on all three axes, so text sees the plain rotary) and its own factor.
+    mrope = arch_config_from_hf({**HF, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5,
+        "mrope_section": [11, 11, 10], "mrope_interleaved": True}})
+    assert mrope.rope_theta == 1e7 and mrope.rotary_dim == 8
     moe = arch_config_from_hf({**HF, "architectures": ["Qwen3_5MoeForCausalLM"],
                                "num_experts": 4, "num_experts_per_tok": 2,
                                "moe_intermediate_size": 16,
