@@ -7,7 +7,9 @@ is a `models.linear` layer of the method its `Methods` gives it, and attention i
 `Methods.attention`'s: the decoder says what is computed, never with which kernel. With a
 hybrid KV cache (`kv_layout`, `models.kv_groups`) each layer also carries its pool slot and
 KV cache group: weights stay indexed by the layer, KV by the slot, through the group's
-block tables.
+block tables. A linear-attention hybrid (Qwen3-Next, Qwen3.5) carries a
+`models.gated_deltanet.HybridCache` instead of the pool and runs each layer's token mixer
+through `models.hybrid.HybridMixer` (gated attention or Gated DeltaNet, by the layer).
 `compute_logits` applies the LM head to whichever rows the caller wants sampled.
 """
 

@@ -221,3 +221,10 @@ def test_tensor_parallel_2_matches_one_device(model):
     # ("kv" has one device here: the spec may name "rep" alone)
     assert cache.recurrent.sharding.is_equivalent_to(state["recurrent"], 5)
     assert cache.conv.sharding.is_equivalent_to(state["conv"], 4)
+
+
+def test_truncated_draft_is_refused(model):
+    from jaxserve.spec_decode.draft import truncate_layers
+
+    with pytest.raises(ValueError, match=r"linear_layers=\[0, 1, 2\]\) is not built"):
+        truncate_layers(model, 2)
