@@ -50,7 +50,7 @@ class QuantFormat:
             a q4 block is a multiple of 32 (its codes pair up within 32-value sub-blocks).
         zero_dtype: The q4 zeros' dtype: "float16", or "float32" where a checkpoint's
             zero points must stay exact (an asymmetric GPTQ/AWQ zero -z * scale needs up
-            to 15 mantissa bits; the CPU panel kernel reads only float16 zeros).
+            to 15 mantissa bits; the CPU panel kernel reads both).
         block_n: ``fp8`` only: values per scale along N (0: all of N, 1: per channel).
     """
 
