@@ -44,6 +44,14 @@ inline vec Fp8s(const uint8_t* p) {
   const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(-16512));
   return (vec)_mm512_cvtph_ps(h);  // -16512: 0xBF80
 }
+// Two rows of a panel's FP8 codes (32 bytes: row k, then row k + 1) -> floats times 2^-8:
+// one widening, shift and mask for both (the conversion, not the memory, bounds decode).
+inline void Fp8Pair(const uint8_t* p, vec* first, vec* second) {
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(w, 7), _mm512_set1_epi16(-16512));
+  *first = (vec)_mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  *second = (vec)_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
 #else
 inline vec Int8s(const uint8_t* p) {
   return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));

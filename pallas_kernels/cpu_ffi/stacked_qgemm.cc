@@ -85,7 +85,20 @@ void Tile(const Job& j, int64_t u, int64_t col, int64_t r0) {
     vec part[RM][NV];  // this block's sums of x * q
     for (int i = 0; i < RM; ++i)
       for (int v = 0; v < NV; ++v) part[i][v] = vec{};
-    for (int64_t k = b * j.B; k < (b + 1) * j.B; ++k) {
+    int64_t k = b * j.B;
+#if defined(__AVX512F__)
+    if constexpr (FP8) {  // a vector is a whole panel: rows k and k + 1 lie side by side
+      for (; k + 2 <= (b + 1) * j.B; k += 2) {
+        vec w[NV], w1[NV];
+        for (int v = 0; v < NV; ++v) jaxserve_cpu::Fp8Pair(qp[v] + k * kPanel, &w[v], &w1[v]);
+        for (int i = 0; i < RM; ++i) {
+          const float x0 = xr[i * K + k], x1 = xr[i * K + k + 1];
+          for (int v = 0; v < NV; ++v) part[i][v] += x0 * w[v] + x1 * w1[v];
+        }
+      }
+    }
+#endif
+    for (; k < (b + 1) * j.B; ++k) {
       vec w[NV];
       for (int v = 0; v < NV; ++v) {
         w[v] = Codes8<FP8>(qp[v] + k * kPanel);
