@@ -281,6 +281,8 @@ def test_panels_keep_a_checkpoints_bytes(tmp_path):
         assert device / checkpoint <= 1.10, (name, device / checkpoint)
 
 
+@pytest.mark.slow(reason="two engines (~14 s); the default tier's GPTQ and AWQ checkpoint "
+                        "engines serve on the panels (tests/e2e/...checkpoint_engine.py)")
 def test_the_engine_serves_quantized_weights_on_the_kernel(monkeypatch):
     from jaxserve import LLM, SamplingParams
 
