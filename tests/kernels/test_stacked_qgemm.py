@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from models.linear import STACKS, ServingChoice, can_panel, serving_form
+from models.linear import STACKS, ServingChoice, can_panel, serving_form, standard_params
 from models.linear.panels import PanelLinear, plan_supported
 from models.loaders.gguf_quant import GGUF_KEPT, decode_gguf_rows
 from models.model import Model, random_params
@@ -275,10 +275,16 @@ def test_panels_keep_a_checkpoints_bytes(tmp_path):
     shape = Shape(hidden=384, intermediate=768, layers=1, vocab=96, head_dim=64, kv_heads=3)
     for name in ("gptq-int4", "awq-int4", "fp8"):
         checkpoint = write_checkpoint(str(tmp_path / name), name, shape)
-        model = serving_form(load_model(str(tmp_path / name)), backend="cpu", panels=True)
+        loaded = load_model(str(tmp_path / name))
+        model = serving_form(loaded, backend="cpu", panels=True)
         assert model.serving.panels and "q_proj" in model.params[STACKS]["layers"]["self_attn"]
         device = sum(a.nbytes for a in jax.tree_util.tree_leaves(model.params))
         assert device / checkpoint <= 1.10, (name, device / checkpoint)
+        back = standard_params(model.params, model.cfg, model.quant)  # the groups, blocks
+        want = loaded.params["layers"]["mlp"]["down_proj"]
+        for leaf, got in back["layers"]["mlp"]["down_proj"].items():
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                          np.asarray(want[leaf]).view(np.uint8), err_msg=leaf)
 
 
 @pytest.mark.slow(reason="two engines (~14 s); the default tier's GPTQ and AWQ checkpoint "
