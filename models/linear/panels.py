@@ -32,8 +32,8 @@ from models.quant import QuantFormat, QuantPlan
 from pallas_kernels.cpu_ffi import gemm, qgemm
 from pallas_kernels.quant_matmul.reference import dequantize
 
-# Most a fp8 weight's scales may grow by, as a fraction of its codes' bytes, when widened to
-# one per column (f32 per bk values: 4 / bk; the issue's bound on device weight bytes).
+# The most an fp8 weight's scales may add, as a fraction of its codes' bytes, once widened to
+# one per column (an f32 per bk codes: 4 / bk; the bound on device weight bytes, issue 62).
 FP8_SCALE_GROWTH = 0.10
 
 
@@ -158,7 +158,7 @@ def plan_supported(plan: QuantPlan, cfg: ArchConfig) -> bool:
         if fmt is None:
             continue
         block = fmt.block_for(k)
-        if fmt.kind == "fp8" and (name == "embed_tokens" or 4 > FP8_SCALE_GROWTH * block):
+        if fmt.kind == "fp8" and (name == "embed_tokens" or 4 / block > FP8_SCALE_GROWTH):
             return False
         if not qgemm.supports(fmt.kind, k, block):
             return False
