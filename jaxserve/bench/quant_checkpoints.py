@@ -19,8 +19,8 @@ import ml_dtypes
 import numpy as np
 
 # name -> (quant_method, bits, group size; 0: one scale per output channel): FP8's 128x128
-# blocks, int groups of 128 (the common published choice; `gptq-int4-g32`: the group the CPU
-# kernel's q4 reads in place), and llm-compressor's presets in compressed-tensors ("ct-"):
+# blocks, int groups of 128 (the common published choice; `gptq-int4-g32`: GGUF's block, the
+# finest group), and llm-compressor's presets in compressed-tensors ("ct-"):
 # W4A16 (pack-quantized int4, groups of 128), W8A8 int8 and FP8_DYNAMIC (per channel).
 CT = "compressed-tensors"
 FORMATS = {"float32": (None, 32, 0), "fp8": ("fp8", 8, 128), "gptq-int4": ("gptq", 4, 128),

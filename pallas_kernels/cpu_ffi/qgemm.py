@@ -1,13 +1,15 @@
 """The `cpu` backend's layer matmuls over quantized weights: a C++ custom call reading
-panel-packed q8/q4 codes in place and dequantizing them in registers (`stacked_qgemm.cc`).
+panel-packed q8/q4/FP8 codes in place and dequantizing them in registers (`stacked_qgemm.cc`).
 
 `pack` lays a stacked quantized weight (the leaves of `models.quant`, each with a leading
 layer axis: q8 {"qweight" i8[L, K, N], "scales" f16[L, K / B, N]}, q4 {"qweight"
-u8[L, K / 2, N], "scales", "zeros" f16[L, K / 32, N]}) out as 16-column panels, every leaf
-[L, P, rows, 16] (P = 3 ceil(N / 48), zero-padded: a padded column's scale is 0), once at
-load time; `stacked_qgemm(x, panels, kind, layer, n)` multiplies by layer `layer` (traced
-inside the layer loop) reading its codes in place: no float copy of the weight, in memory
-or per layer.
+u8[L, K / 2, N], "scales" f16 and "zeros" f16 or f32 [L, K / G, N], G a multiple of 32},
+fp8 {"qweight" float8_e4m3fn[L, K, N], "block_scales" f32[L, K / B, N]: one scale per
+column, `models.linear.panels` widens a checkpoint's column blocks}) out as 16-column
+panels, every leaf [L, P, rows, 16] (P = 3 ceil(N / 48), zero-padded: a padded column's
+scale is 0), once at load time; `stacked_qgemm(x, panels, kind, layer, n)` multiplies by
+layer `layer` (traced inside the layer loop) reading its codes in place: no float copy of
+the weight, in memory or per layer.
 """
 
 from __future__ import annotations
@@ -17,16 +19,21 @@ import os
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from pallas_kernels.cpu_ffi import gemm
 from pallas_kernels.cpu_ffi.gemm import num_panels
 
-TARGETS = {"q8": "jaxserve_stacked_q8_gemm_cpu", "q4": "jaxserve_stacked_q4_gemm_cpu"}
+# The q8 target reads FP8 codes too (their dtype tells them apart).
+TARGETS = {"q8": "jaxserve_stacked_q8_gemm_cpu", "q4": "jaxserve_stacked_q4_gemm_cpu",
+           "fp8": "jaxserve_stacked_q8_gemm_cpu"}
 SYMBOLS = {"q8": "StackedQ8Gemm", "q4": "StackedQ4Gemm"}
-LEAVES = {"q8": ("qweight", "scales"), "q4": ("qweight", "scales", "zeros")}
-DTYPES = {"qweight": {"q8": np.int8, "q4": np.uint8}, "scales": np.float16,
-          "zeros": np.float16}
+LEAVES = {"q8": ("qweight", "scales"), "q4": ("qweight", "scales", "zeros"),
+          "fp8": ("qweight", "block_scales")}
+DTYPES = {"q8": {"qweight": np.int8, "scales": np.float16},
+          "q4": {"qweight": np.uint8, "scales": np.float16},  # zeros: f16 or f32, kept
+          "fp8": {"qweight": ml_dtypes.float8_e4m3fn, "block_scales": np.float32}}
 SOURCE = os.path.join(os.path.dirname(__file__), "stacked_qgemm.cc")
 # Rows from which a call dequantizes each unit to float32 once (exact float products); below
 # it q4 activations are split into two int8 parts for `maddubs` (~15 bits: `DotTile`).
@@ -40,7 +47,7 @@ def _registered() -> str | None:
     it failed."""
     from pallas_kernels.cpu_ffi.build import register
 
-    for kind in ("q8", "q4"):
+    for kind in SYMBOLS:
         error = register(SOURCE, SYMBOLS[kind], TARGETS[kind],
                          "the CPU quantized matmul kernel", "quantized matmuls use XLA's")
         if error:
@@ -55,7 +62,7 @@ def available() -> bool:
 
 def _check_kind(kind: str) -> None:
     if kind not in LEAVES:
-        raise ValueError(f"unknown quantized format {kind!r}; expected 'q8' or 'q4'")
+        raise ValueError(f"unknown quantized format {kind!r}; expected 'q8', 'q4' or 'fp8'")
 
 
 def pack(leaves: dict, kind: str) -> dict[str, jax.Array]:
@@ -75,7 +82,9 @@ def pack(leaves: dict, kind: str) -> dict[str, jax.Array]:
     if any(a.ndim != 3 for a in arrays.values()) or len(lead) != 1 or len(cols) != 1:
         raise ValueError(f"pack takes stacked {kind} leaves [layers, rows, out], got "
                          f"{ {k: a.shape for k, a in arrays.items()} }")
-    out = {name: gemm.pack(a, dtype=DTYPES[name][kind] if name == "qweight" else DTYPES[name])
+    if kind == "q4" and arrays["zeros"].dtype != np.float32:
+        arrays["zeros"] = arrays["zeros"].astype(np.float16)
+    out = {name: gemm.pack(a, dtype=DTYPES[kind].get(name, a.dtype))
            for name, a in arrays.items()}
     if kind == "q4":
         out["qweight"] = jnp.asarray(_dot_order(np.asarray(out["qweight"])))
@@ -92,10 +101,11 @@ def unpack(panels: dict, n: int) -> dict[str, jax.Array]:
 
 def supports(kind: str, k: int, block: int) -> bool:
     """Whether the kernel multiplies a `kind` weight with contraction size `k` and `block`
-    values per scale (q4: blocks of 32; q8: any block dividing k)."""
+    values per scale along k (q4: a multiple of 32 dividing k; q8, fp8: any block dividing
+    k)."""
     if kind == "q4":
-        return block == 32 and k % 32 == 0
-    return kind == "q8" and block > 0 and k % block == 0
+        return block > 0 and block % 32 == 0 and k % block == 0
+    return kind in ("q8", "fp8") and block > 0 and k % block == 0
 
 
 def stacked_qgemm(x: jax.Array, panels: dict, kind: str, layer, n: int,

@@ -105,6 +105,9 @@ WRITERS = {"fp8": _fp8_moe, "gptq": _gptq, "awq": _awq,
 # readers and methods have default-tier tests in tests/models/test_fp4_checkpoint.py and
 # tests/models/test_compressed_tensors.py.
 CT = ("mxfp4", "nvfp4", "ct-w4a16", "ct-w8a8")
+# The dense int4 formats on the `cpu` backend, read in place by its quantized kernel (its
+# panels: groups as stored, AWQ's and asymmetric GPTQ's float32 zeros); the FP8 MoE on XLA.
+PANELS = {"attention_backend": "cpu"}
 
 
 @dataclasses.dataclass
@@ -152,7 +155,8 @@ def checkpoint(request, smollm2_tokenizer, tmp_path_factory) -> Checkpoint:
     level = logger.level
     logger.setLevel(logging.INFO)  # NOTE: setLevel, not `.level =`: it clears the cache
     try:
-        llm = LLM(directory, quantization="auto", **ENGINE)
+        llm = LLM(directory, quantization="auto",
+                  **(ENGINE if request.param == "fp8" else {**ENGINE, **PANELS}))
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -172,6 +176,7 @@ def test_served_in_the_checkpoints_format(checkpoint):
     assert checkpoint.llm.engine.quantization == checkpoint.served
     leaves = _leaves(checkpoint.llm)
     assert not any("o_proj/kernel" in p for p in leaves)  # kept quantized on the device
+    assert checkpoint.llm.engine.runner.model.serving.panels == (checkpoint.name != "fp8")
     if checkpoint.name == "fp8":  # the routed experts' stacks too
         assert any("experts" in p and "down_proj" in p and p.endswith("qweight")
                    and leaf.dtype == np.dtype("float8_e4m3fn") for p, leaf in leaves.items())
