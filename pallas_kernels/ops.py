@@ -30,6 +30,7 @@ from pallas_kernels.fp4_matmul.kernel import fp4_matmul_kernel
 from pallas_kernels.fp4_matmul.reference import fp4_matmul_reference
 from pallas_kernels.fp8_matmul.kernel import fp8_matmul_kernel
 from pallas_kernels.fp8_matmul.reference import fp8_matmul_reference
+from pallas_kernels.gated_delta.kernel import gated_delta_rule_kernel
 from pallas_kernels.gated_delta.xla import gated_delta_rule_xla
 from pallas_kernels.invariant import invariant_attention
 from pallas_kernels.kv_quant import kv_rotation
@@ -204,9 +205,10 @@ def gated_delta_rule(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens, *,
     chunked XLA form (`gated_delta_rule_xla`).
     """
     if backend == "pallas":
-        from pallas_kernels.gated_delta.kernel import gated_delta_rule_kernel
-
+        t, dv = tuned("gated_delta"), v.shape[-1]
+        block_v = t["block_v"] if dv % t["block_v"] == 0 else dv
         return gated_delta_rule_kernel(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens,
+                                       chunk=t["chunk"], block_v=block_v,
                                        interpret=_interpret())
     return gated_delta_rule_xla(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens)
 
