@@ -14,21 +14,29 @@ One folder per kernel, each with its pure-`jnp` reference (the oracle of its tes
     fp4_matmul/              matmuls against FP4 E2M1 weights with block scales (MXFP4,
                              NVFP4): Pallas (`kernel.py`), XLA's decode-and-dot
                              (`reference.py`)
+    gated_delta/             Gated DeltaNet's recurrence with per-request state slots: the
+                             sequential oracle (`reference.py`), the chunked XLA form
+                             (`xla.py`), the Pallas kernel (`kernel.py`)
+    causal_conv1d/           the linear layers' short causal conv with its carried state
+                             (`reference.py`, jnp on every backend)
     cpu_ffi/                 the `cpu` backend's C++ kernels (XLA FFI custom calls, built
                              on first use): paged decode attention and the layer matmul
                              over packed weights; for development, CI and small deployments
 
 Shared by them: `ops.py` (backend dispatch, the only module the model calls), `metadata.py`
-(per-step metadata, pool layout), `flash.py` (the online-softmax step), `kv_quant.py` (8-bit
-pages), `tuning.py` (tuned sizes per platform).
+(per-step metadata, pool layout), `state_slots.py` (the linear layers' per-request state
+slots), `flash.py` (the online-softmax step), `kv_quant.py` (8-bit pages), `tuning.py`
+(tuned sizes per platform).
 """
 
 from pallas_kernels.metadata import AttentionMetadata, kv_pages_shape
 from pallas_kernels.ops import (
     ATTENTION_BACKENDS,
     AttentionOps,
+    causal_conv1d,
     fp4_matmul,
     fp8_matmul,
+    gated_delta_rule,
     quant_matmul,
     ragged_paged_attention,
     resolve_backend,
@@ -40,8 +48,10 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionOps",
     "AttentionMetadata",
+    "causal_conv1d",
     "fp4_matmul",
     "fp8_matmul",
+    "gated_delta_rule",
     "kv_pages_shape",
     "quant_embed",
     "quant_matmul",

@@ -25,10 +25,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_ffi
+from pallas_kernels.causal_conv1d.reference import causal_conv1d_reference
 from pallas_kernels.fp4_matmul.kernel import fp4_matmul_kernel
 from pallas_kernels.fp4_matmul.reference import fp4_matmul_reference
 from pallas_kernels.fp8_matmul.kernel import fp8_matmul_kernel
 from pallas_kernels.fp8_matmul.reference import fp8_matmul_reference
+from pallas_kernels.gated_delta.kernel import gated_delta_rule_kernel
+from pallas_kernels.gated_delta.xla import gated_delta_rule_xla
 from pallas_kernels.invariant import invariant_attention
 from pallas_kernels.kv_quant import kv_rotation
 from pallas_kernels.kv_write.kernel import write_kv_kernel
@@ -192,6 +195,34 @@ def fp4_matmul(x: jax.Array, w: dict, kind: str, *, backend: str = "xla") -> jax
     return fp4_matmul_reference(x, w, kind)
 
 
+def gated_delta_rule(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens, *,
+                     backend: str = "xla"):
+    """The gated delta rule (Gated DeltaNet's linear attention) over the ragged batch, with
+    each row's state in its slot of the layer's pool: (out f32[T, Hv, dv], state).
+
+    The contract is `pallas_kernels.gated_delta.reference.gated_delta_rule_reference`'s;
+    "pallas" runs the Pallas kernel (the interpreter on the CPU), "xla" and "cpu" the
+    chunked XLA form (`gated_delta_rule_xla`).
+    """
+    if backend == "pallas":
+        t, dv = tuned("gated_delta"), v.shape[-1]
+        block_v = t["block_v"] if dv % t["block_v"] == 0 else dv
+        return gated_delta_rule_kernel(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens,
+                                       chunk=t["chunk"], block_v=block_v,
+                                       interpret=_interpret())
+    return gated_delta_rule_xla(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens)
+
+
+def causal_conv1d(x, weight, bias, conv_state, slots, cu_q_lens, kv_lens,
+                  activation: str | None = "silu", *, backend: str = "xla"):
+    """Causal depthwise conv1d over the ragged batch, carrying each row's last W - 1
+    inputs in its slot: (y f32[T, C], conv_state). The same jnp form on every backend
+    (`pallas_kernels.causal_conv1d.reference` says why no kernel)."""
+    del backend
+    return causal_conv1d_reference(x, weight, bias, conv_state, slots, cu_q_lens, kv_lens,
+                                   activation)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionOps:
     """The KV write and attention a model's layers call, for one resolved backend (hashable:
@@ -232,3 +263,16 @@ class AttentionOps:
                                      backend=self.backend,
                                      batch_invariant=self.batch_invariant)
         return out if rot is None else out @ rot.T
+
+    def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_q_lens, kv_lens):
+        """(out f32[T, Hv, dv], state) of a Gated DeltaNet layer's recurrence over the step
+        (`pallas_kernels.ops.gated_delta_rule`, on this backend)."""
+        return gated_delta_rule(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens,
+                                backend=self.backend)
+
+    def causal_conv1d(self, x, weight, bias, conv_state, slots, cu_q_lens, kv_lens,
+                      activation: str | None = "silu"):
+        """(y f32[T, C], conv_state) of a linear layer's short convolution over the step
+        (`pallas_kernels.ops.causal_conv1d`)."""
+        return causal_conv1d(x, weight, bias, conv_state, slots, cu_q_lens, kv_lens,
+                             activation, backend=self.backend)

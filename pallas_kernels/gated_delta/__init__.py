@@ -1,0 +1,1 @@
+"""Gated delta rule (Gated DeltaNet) over the ragged batch, with per-request state slots."""
