@@ -149,6 +149,18 @@ def test_kernel_matches_reference_in_interpreter(mixed, target, chunk, block_p):
     _check_against(got, want, args[6], args[7], MIXED.q_lens)
 
 
+def test_steep_decays_stay_finite(mixed):
+    # dt a down to ~-200 per token: exp of a chunk's cumulative decay underflows to 0 (never
+    # inf * 0); same shapes as MIXED, so both forms reuse their compilations.
+    args, _ = mixed
+    steep = (args[0], args[1] * 40, *args[2:])
+    want = reference(*steep)
+    assert np.isfinite(np.asarray(want[0])).all()
+    _check_against(xla(*steep), want, args[6], args[7], MIXED.q_lens)
+    got = ssd_kernel(*steep, chunk=32, block_p=4, interpret=True, target="gpu")
+    _check_against(got, want, args[6], args[7], MIXED.q_lens)
+
+
 # "pallas" runs the kernel in the interpreter again (~3 s): slow tier.
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_ops_dispatch_and_attention_ops(mixed, backend):
