@@ -50,7 +50,7 @@ class KVCacheManager:
     Attributes:
         pool: The device page pool.
         host_pool: The host swap slots.
-        state: The state group's slots (`StateSlots`), or None.
+        state_slots: The state group's slots (`StateSlots`), or None.
         prefix_caching_disabled_reason: Why prefix caching is off although it was asked
             for (for the startup log and `/metrics`), or None.
         tables: Every request's KV state and this step's pending moves (read it, do not
@@ -78,13 +78,13 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.group_windows = tuple(group_windows)
         self.max_chunk_tokens = max_chunk_tokens
-        self.state: StateSlots | None = None
+        self.state_slots: StateSlots | None = None
         self.prefix_caching_disabled_reason: str | None = None
         if state_group is not None:
             num_host = state_group.num_host_slots
             if num_host is None:
                 num_host = state_group.num_slots - 1 if swap_space > 0 else 0
-            self.state = StateSlots(state_group, num_host)
+            self.state_slots = StateSlots(state_group, num_host)
             if enable_prefix_caching:
                 # NOTE: a hit would skip tokens whose state no slot holds (snapshots at page
                 # boundaries are the next step: docs/design.md, "State slots").
@@ -97,8 +97,9 @@ class KVCacheManager:
         self.tables = BlockTables(self.pool, self.host_pool, page_size, self.group_windows)
         self.counters = KVCacheCounters()
         self._watermark_pages = int(watermark * self.pool.num_usable_pages)
-        self.swapper = KVSwapper(self.tables, self.counters, self._watermark_pages, self.state)
-        self.forker = KVForker(self.tables, self.state)
+        self.swapper = KVSwapper(self.tables, self.counters, self._watermark_pages,
+                                 self.state_slots)
+        self.forker = KVForker(self.tables, self.state_slots)
 
     fork = delegated("forker", KVForker.fork)
     can_fork = delegated("forker", KVForker.can_fork)
@@ -123,7 +124,8 @@ class KVCacheManager:
         Raises:
             ValueError: With a state group, the request holds no device slot.
         """
-        return NULL_STATE_SLOT if self.state is None else self.state.slot(request_id)
+        slots = self.state_slots
+        return NULL_STATE_SLOT if slots is None else slots.slot(request_id)
 
     @property
     def num_groups(self) -> int:
@@ -282,15 +284,15 @@ class KVCacheManager:
                                list(hits), num_lookahead_tokens,
                                max_model_len=self.max_model_len,
                                watermark_pages=self._watermark_pages, num_freed=num_freed)
-        if not plan.fits or (state is None and self.state is not None
-                             and not self.state.num_free_slots):
+        if not plan.fits or (state is None and self.state_slots is not None
+                             and not self.state_slots.num_free_slots):
             return None
         if drops:
             self.tables.drop_outside_window(state, request.num_computed_tokens)
         if state is None:
             state = self.tables.add(request.request_id)
-            if self.state is not None:
-                self.state.allocate(request.request_id)
+            if self.state_slots is not None:
+                self.state_slots.allocate(request.request_id)
             if self.pool.prefix_cache is not None:
                 self.counters.prefix_queries += request.num_tokens
                 self.counters.prefix_hits += num_new_computed_tokens
@@ -368,8 +370,8 @@ class KVCacheManager:
             ValueError: The request holds nothing (unknown or already freed).
         """
         self.tables.free(request.request_id)
-        if self.state is not None:
-            self.state.free(request.request_id)
+        if self.state_slots is not None:
+            self.state_slots.free(request.request_id)
 
     # ---------------------------------------------------------- step / metrics
     def take_plans(self) -> KVPlans:
@@ -382,8 +384,8 @@ class KVCacheManager:
         have hit them meanwhile.
         """
         plans = self.tables.take()
-        if self.state is not None:
-            plans.state = self.state.take()
+        if self.state_slots is not None:
+            plans.state = self.state_slots.take()
         return plans
 
     def evict_cached_pages(self, max_num_pages: int | None = None) -> int:

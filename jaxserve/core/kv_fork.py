@@ -18,13 +18,13 @@ class KVForker:
 
     Args:
         tables: The manager's `BlockTables`.
-        state: The manager's state group, if any: a child gets a slot of its own holding a
+        state_slots: The manager's state group, if any: a child gets a slot of its own holding a
             copy of the parent's state, which cannot be shared by reference.
     """
 
-    def __init__(self, tables: BlockTables, state: StateSlots | None = None):
+    def __init__(self, tables: BlockTables, state_slots: StateSlots | None = None):
         self.tables = tables
-        self.state = state
+        self.state_slots = state_slots
 
     def fork(self, parent: Request, child: Request) -> None:
         """Gives `child` the parent's pages holding the child's computed tokens, shared by
@@ -55,18 +55,18 @@ class KVForker:
             raise ValueError(f"cannot fork {child.request_id!r} from {parent.request_id!r} "
                              f"at {num_computed} tokens: the parent gave back pages a "
                              "sliding window still reads there")
-        if self.state is not None:
+        if self.state_slots is not None:
             if num_computed != parent.num_computed_tokens:
                 raise ValueError(f"cannot fork {child.request_id!r} from "
                                  f"{parent.request_id!r} at {num_computed} tokens: the "
                                  f"parent's state holds all its {parent.num_computed_tokens}")
-            if not self.state.num_free_slots:
+            if not self.state_slots.num_free_slots:
                 raise ValueError(f"cannot fork {child.request_id!r} from "
                                  f"{parent.request_id!r}: no free state slot")
         self.tables.share(parent_state, child.request_id,
                           None if num_computed == parent.num_computed_tokens else num_computed)
-        if self.state is not None:
-            self.state.fork(parent.request_id, child.request_id)
+        if self.state_slots is not None:
+            self.state_slots.fork(parent.request_id, child.request_id)
 
     def can_fork(self, parent: Request, num_tokens: int) -> bool:
         """Whether a request computed up to the parent's first `num_tokens` tokens may
@@ -74,7 +74,8 @@ class KVForker:
         group, still the ones those tokens' window reads; with a state group, the tokens
         are all the parent's computed ones (a state cannot go back) and a slot is free."""
         state = self.tables.device_state(parent.request_id)
+        slots = self.state_slots
         return (state is not None and num_tokens <= parent.num_computed_tokens
                 and self.tables.can_share(state, num_tokens)
-                and (self.state is None or (num_tokens == parent.num_computed_tokens
-                                            and self.state.num_free_slots > 0)))
+                and (slots is None or (num_tokens == parent.num_computed_tokens
+                                       and slots.num_free_slots > 0)))

@@ -24,16 +24,16 @@ class KVSwapper:
         tables: The manager's `BlockTables` (over its device pool and host slots).
         counters: The manager's counters (swaps are counted there).
         watermark_pages: Device pages a swap-in must leave free.
-        state: The manager's state group, if any: a request's state slot moves with its
+        state_slots: The manager's state group, if any: a request's state slot moves with its
             pages (a host state slot out, any free device slot back in).
     """
 
     def __init__(self, tables: BlockTables, counters: KVCacheCounters, watermark_pages: int,
-                 state: StateSlots | None = None):
+                 state_slots: StateSlots | None = None):
         self.tables = tables
         self.counters = counters
         self.watermark_pages = watermark_pages
-        self.state = state
+        self.state_slots = state_slots
 
     @property
     def pool(self) -> PagePool:
@@ -49,7 +49,8 @@ class KVSwapper:
         """Whether `swap_out` would succeed now."""
         needed = self.tables.num_swap_out_slots(self.tables.on_device(request.request_id))
         return (needed is not None and needed <= self.host_pool.num_free_slots
-                and (self.state is None or self.state.can_swap_out(request.request_id)))
+                and (self.state_slots is None
+                     or self.state_slots.can_swap_out(request.request_id)))
 
     def swap_out(self, request: Request) -> SwapPlan | None:
         """Moves a request's pages to host slots and frees the device pages.
@@ -69,8 +70,8 @@ class KVSwapper:
             self.counters.num_swap_fallbacks += 1
             return None
         pairs = self.tables.move_to_host(request)
-        if self.state is not None:
-            self.state.swap_out(request.request_id)
+        if self.state_slots is not None:
+            self.state_slots.swap_out(request.request_id)
         self.counters.num_swap_outs += 1
         self.counters.num_swapped_out_pages += len(pairs)
         return SwapPlan(pairs, to_host=True)
@@ -88,7 +89,7 @@ class KVSwapper:
         num_next = cdiv(request.num_computed_tokens + num_new_tokens, self.tables.page_size)
         return (len(slot_ids) + self.watermark_pages <= num_free and
                 num_next * self.tables.num_groups <= num_free
-                and (self.state is None or self.state.can_swap_in()))
+                and (self.state_slots is None or self.state_slots.can_swap_in()))
 
     def swap_in(self, request: Request) -> SwapPlan | None:
         """Brings a swapped-out request back into fresh device pages, same logical order.
@@ -103,8 +104,8 @@ class KVSwapper:
         if not self.can_swap_in(request):
             return None
         pairs = self.tables.move_to_device(request)
-        if self.state is not None:
-            self.state.swap_in(request.request_id)
+        if self.state_slots is not None:
+            self.state_slots.swap_in(request.request_id)
         self.counters.num_swap_ins += 1
         self.counters.num_swapped_in_pages += len(pairs)
         return SwapPlan(pairs, to_host=False)

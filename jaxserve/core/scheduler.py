@@ -54,9 +54,9 @@ class Scheduler:
                              "scheduler with jaxserve.core.baseline_schedulers."
                              "scheduler_class(scheduling_mode)")
         self.max_num_seqs = config.max_num_seqs
-        if kv.state is not None and kv.state.num_slots - 1 < self.max_num_seqs:
+        if kv.state_slots is not None and kv.state_slots.num_slots - 1 < self.max_num_seqs:
             # NOTE: fan-out children fork when their samples come back and cannot wait.
-            raise ValueError(f"the KV manager's state group has {kv.state.num_slots} slots "
+            raise ValueError(f"the KV manager's state group has {kv.state_slots.num_slots} slots "
                              f"(num_slots, the null slot included); max_num_seqs="
                              f"{self.max_num_seqs} needs {self.max_num_seqs + 1}")
         self.adapters = AdapterLimit(max_loras)
@@ -274,7 +274,7 @@ class Scheduler:
         pass max_tokens or the length cap)."""
         if not request.spec_token_ids or num_new != 1 or not request.decodes_next:
             return 0
-        if self.kv.state is not None:
+        if self.kv.state_slots is not None:
             # NOTE: a state advanced over rejected proposals cannot be trimmed back; until
             # the runner keeps each position's state, such models verify none.
             return 0
