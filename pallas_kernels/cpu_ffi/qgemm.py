@@ -1,15 +1,19 @@
 """The `cpu` backend's layer matmuls over quantized weights: a C++ custom call reading
-panel-packed q8/q4/FP8 codes in place and dequantizing them in registers (`stacked_qgemm.cc`).
+panel-packed q8/q4/FP8/FP4 codes in place and dequantizing them in registers
+(`stacked_qgemm.cc`).
 
 `pack` lays a stacked quantized weight (the leaves of `models.quant`, each with a leading
 layer axis: q8 {"qweight" i8[L, K, N], "scales" f16[L, K / B, N]}, q4 {"qweight"
 u8[L, K / 2, N], "scales" f16 and "zeros" f16 or f32 [L, K / G, N], G a multiple of 32},
 fp8 {"qweight" float8_e4m3fn[L, K, N], "block_scales" f32[L, K / B, N]: one scale per
-column, `models.linear.panels` widens a checkpoint's column blocks}) out as 16-column
-panels, every leaf [L, P, rows, 16] (P = 3 ceil(N / 48), zero-padded: a padded column's
-scale is 0), once at load time; `stacked_qgemm(x, panels, kind, layer, n)` multiplies by
-layer `layer` (traced inside the layer loop) reading its codes in place: no float copy of
-the weight, in memory or per layer.
+column, `models.linear.panels` widens a checkpoint's column blocks}, mxfp4 {"qweight"
+u8[L, K / 2, N] (`models.quant`'s FP4 pairs, moved into q4's: `fp4_to_q4_order`),
+"e8m0_scales" u8[L, K / 32, N]}, nvfp4 {"qweight", "e4m3_scales" float8_e4m3fn[L, K / 16, N],
+"global_scale" f32[L, 1, 1], kept as it is}) out as 16-column panels, every leaf
+[L, P, rows, 16] (P = 3 ceil(N / 48), zero-padded: a padded column's scale is 0), once at
+load time; `stacked_qgemm(x, panels, kind, layer, n)` multiplies by layer `layer` (traced
+inside the layer loop) reading its codes in place: no float copy of the weight, in memory
+or per layer.
 """
 
 from __future__ import annotations

@@ -3,14 +3,16 @@
 // stacked, panel-packed quantized weights (`qgemm.pack`) and dequantizing them in registers:
 // no float copy of the weight is ever written.
 //
-// Three kinds of codes (`models/quant.py`), one scale per B values along K of each column:
+// Four kinds of codes (`models/quant.py`), one scale per B values along K of each column:
 // q8, codes i8[L, P, K, 16] with scales f16[L, P, K / B, 16] (B = 32 for Q8_0, B = K for int8
 // per channel, a checkpoint's group otherwise), w = q * s; FP8 E4M3 codes [L, P, K, 16] with
 // scales f32[L, P, K / B, 16] (a checkpoint's block scales, one per column), w = q * s; q4,
 // codes u8[L, P, K / 2, 16] (packed row 16 b + j holds value 32 b + j in its low nibble and
 // 32 b + 16 + j in its high one) with scales f16 and zeros f16 or f32 [L, P, K / B, 16]
-// (B a multiple of 32: `qgemm_q4.h`), w = q * s + z (q8 and FP8 tiles: `qgemm_q8.h`). Each leaf keeps the 16-column panels
-// of `stacked_gemm.cc`, so a tile's codes, scales and zeros are contiguous streams.
+// (B a multiple of 32: `qgemm_q4.h`), w = q * s + z (q8 and FP8 tiles: `qgemm_q8.h`); FP4
+// E2M1, codes as q4's with scales u8 E8M0 per 32 (MXFP4) or E4M3 per 16 times a global f32
+// (NVFP4), w = e2m1(q) * s (`qgemm_fp4.h`). Each leaf keeps the 16-column panels of
+// `stacked_gemm.cc`, so a tile's codes, scales and zeros are contiguous streams.
 //
 // A tile of rows x columns sums x * q (codes converted to float) over one block in
 // registers, then adds block_sum * s (+ z * the block's sum of x, precomputed once per call)
