@@ -3,11 +3,13 @@
 The CPU matmul kernel (`pallas_kernels/cpu_ffi/gemm.py`) multiplies by layer `i` of a whole
 weight stack f32[L, K, N] packed into 16-column panels f32[L, P, K, 16] (P = 3 ceil(N / 48),
 zero-padded), read in place at the traced layer index: the layer scan makes no per-layer
-copy of the weights, and the panels spread over XLA's thread pool. A q8/q4/fp8 weight is
-packed leaf by leaf ("qweight", "scales"[, "zeros"], or "block_scales" as [L, P, rows, 16]
-panels, `pallas_kernels/cpu_ffi/qgemm.py`; a q4 weight's groups as the checkpoint has
-them, an fp8 weight's block scales widened to one per column) and dequantized in
-registers by the quantized kernel.
+copy of the weights, and the panels spread over XLA's thread pool. A q8/q4/fp8/mxfp4/nvfp4
+weight is packed leaf by leaf ("qweight", "scales"[, "zeros"], "block_scales",
+"e8m0_scales" or "e4m3_scales" as [L, P, rows, 16] panels, `pallas_kernels/cpu_ffi/qgemm.py`;
+a q4 weight's groups as the checkpoint has them, an fp8 weight's block scales widened to
+one per column, FP4 codes in q4's panel order with their scales in their stored dtypes and
+NVFP4's global scale [L, 1, 1] as it is) and dequantized in registers by the quantized
+kernel.
 The LM head [hidden, vocab] is packed the same way as a stack of one, [1, P, hidden, 16];
 a tied embedding looks tokens up in the head's panels (one copy of the table).
 
@@ -67,7 +69,7 @@ def _unpack(panels: dict, fmt: QuantFormat | None, float_name: str, n: int,
             stacked: bool) -> dict:
     panels, perm = split_perm(panels)
     out = ({float_name: gemm.unpack(panels[float_name], n)} if fmt is None
-           else {**qgemm.unpack(panels, n), **({} if perm is None else {PERM: perm})})
+           else {**qgemm.unpack(panels, n, fmt.kind), **({} if perm is None else {PERM: perm})})
     if fmt is not None and (bn := _column_block(fmt, out)) > 1:  # one scale per block again
         out = {**out, "block_scales": out["block_scales"][..., ::bn]}
     return out if stacked else {name: a[0] for name, a in out.items()}
@@ -86,7 +88,8 @@ def _matmul(fmt: QuantFormat | None, leaves: dict, x: jax.Array, layer, n: int,
 
 @dataclasses.dataclass(frozen=True)
 class PanelLinear(LinearMethod):
-    """A float32 ("kernel") or q8/q4/fp8 (`fmt`) weight served as panels from `STACKS`."""
+    """A float32 ("kernel") or q8/q4/fp8/mxfp4/nvfp4 (`fmt`) weight served as panels from
+    `STACKS`."""
 
     fmt: QuantFormat | None = None
     stacked = True
@@ -155,8 +158,9 @@ def plan_supported(plan: QuantPlan, cfg: ArchConfig) -> bool:
     any block dividing its input size; q4 in groups of a multiple of 32 dividing it, or
     per channel, float16 or float32 zeros: GPTQ, AWQ and compressed-tensors int4 among
     them; fp8 in blocks dividing it whose scales, widened to one per column, add at most
-    `FP8_SCALE_GROWTH` to the codes' bytes, not a tied embedding); other plans serve with
-    XLA's `QuantLinear` (`can_panel`)."""
+    `FP8_SCALE_GROWTH` to the codes' bytes, not a tied embedding; mxfp4 and nvfp4 with an
+    input size a multiple of 32, not a tied embedding); other plans serve with XLA's
+    `QuantLinear`/`Fp4Linear` (`can_panel`)."""
     head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
     shapes = {name: k for (_, name), (k, _) in layer_matmul_shapes(cfg).items()}
     for name, k in (*shapes.items(), (head, cfg.hidden_size)):
@@ -166,6 +170,8 @@ def plan_supported(plan: QuantPlan, cfg: ArchConfig) -> bool:
         block = fmt.block_for(k)
         if fmt.kind == "fp8" and (name == "embed_tokens" or 4 / block > FP8_SCALE_GROWTH):
             return False
+        if fmt.kind in qgemm.FP4_BLOCKS and name == "embed_tokens":
+            return False  # a tied FP4 table's lookups would need the codes' own order back
         if not qgemm.supports(fmt.kind, k, block):
             return False
     return True

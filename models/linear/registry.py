@@ -204,8 +204,8 @@ def choose_methods(cfg: ArchConfig, plan: QuantPlan = NO_QUANT, dtype=jnp.float3
     row_tile = tuned("batch_invariant")["row_tile"] if choice.batch_invariant else 0
     if choice.panels and not can_panel(cfg, plan, dtype, backend):
         raise ValueError("packing the weights into panels needs the 'cpu' backend with "
-                         "float32, unquantized or q8/q4/fp8 weights of a dense model on one "
-                         "device and the CPU matmul kernels (got "
+                         "float32, unquantized or q8/q4/fp8/FP4 weights of a dense model on "
+                         "one device and the CPU matmul kernels (got "
                          f"backend {backend!r}, dtype {dtype.name}, quantization "
                          f"{plan.to_dict() or None}, {cfg.architecture})")
     head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
@@ -277,6 +277,8 @@ def _panel_method(leaves: dict, fmt: QuantFormat | None = None) -> PanelLinear:
         return PanelLinear()
     if fmt is not None and fmt.kind == kind:
         return PanelLinear(fmt)
+    if kind in FP4_BLOCKS:  # the kind fixes the block
+        return PanelLinear(QuantFormat(kind, FP4_BLOCKS[kind]))
     return PanelLinear(QuantFormat(kind, block_n=1 if kind == "fp8" else 0,
                                    act_order=PERM in leaves))
 

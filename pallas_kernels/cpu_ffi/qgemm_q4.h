@@ -25,8 +25,8 @@ constexpr int64_t kUnit = 3;      // panels per unit of work (48 columns)
 constexpr int64_t kQ4Block = 32;  // values per q4 block (16 packed rows)
 
 // What a layer's codes are: q8 (i8 codes, f16 scales), FP8 E4M3 (codes, f32 scales), q4
-// with f16 or f32 zeros.
-enum class Codes { kQ8, kFp8, kQ4, kQ4Z32 };
+// with f16 or f32 zeros, FP4 E2M1 with E8M0 (MXFP4) or E4M3 (NVFP4) scales (`qgemm_fp4.h`).
+enum class Codes { kQ8, kFp8, kQ4, kQ4Z32, kMxfp4, kNvfp4 };
 
 struct Job {
   Codes codes;
@@ -34,9 +34,13 @@ struct Job {
   const float* xsum;  // f32[M, K / 32]: q4, each block's sum of x
   const int8_t* xq;   // i8[M, K]: q4, x quantized per block of 32 (`QuantizeRows`)
   const int8_t* xr;   // i8[M, K]: q4, what that rounding left, quantized again
-  const float* xd;    // f32[M, K / 32]: q4, each block's scale (max |x| / 127)
+  const float* xd;    // f32[M, K / 32]: q4, each block's scale (max |x| / 127); FP4's
+                      // times `unit`
+  const int32_t* xoff;  // i32[M, K / 16, 2]: FP4, 12 x each half-block's sum of xq and xr
+  float unit;         // FP4: what the codes' 2 v and the scales leave out (1/2, NVFP4's
+                      // 2^8 x its global scale)
   const uint8_t* q;   // this layer's codes: q8/FP8 [P, K, 16], q4 u8[P, K / 2, 16]
-  const void* s;      // scales [P, K / B, 16]: f16, FP8 f32
+  const void* s;      // scales [P, K / B, 16]: f16, FP8 f32, FP4 u8 E8M0 or E4M3
   const void* z;      // q4 zeros [P, K / B, 16]: f16 or f32
   float* y;           // f32[M, P * 16]
   int64_t M, K, N, U, B;  // rows, contraction, columns, units, values per scale

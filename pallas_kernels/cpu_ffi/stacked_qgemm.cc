@@ -3,14 +3,16 @@
 // stacked, panel-packed quantized weights (`qgemm.pack`) and dequantizing them in registers:
 // no float copy of the weight is ever written.
 //
-// Three kinds of codes (`models/quant.py`), one scale per B values along K of each column:
+// Four kinds of codes (`models/quant.py`), one scale per B values along K of each column:
 // q8, codes i8[L, P, K, 16] with scales f16[L, P, K / B, 16] (B = 32 for Q8_0, B = K for int8
 // per channel, a checkpoint's group otherwise), w = q * s; FP8 E4M3 codes [L, P, K, 16] with
 // scales f32[L, P, K / B, 16] (a checkpoint's block scales, one per column), w = q * s; q4,
 // codes u8[L, P, K / 2, 16] (packed row 16 b + j holds value 32 b + j in its low nibble and
 // 32 b + 16 + j in its high one) with scales f16 and zeros f16 or f32 [L, P, K / B, 16]
-// (B a multiple of 32: `qgemm_q4.h`), w = q * s + z (q8 and FP8 tiles: `qgemm_q8.h`). Each leaf keeps the 16-column panels
-// of `stacked_gemm.cc`, so a tile's codes, scales and zeros are contiguous streams.
+// (B a multiple of 32: `qgemm_q4.h`), w = q * s + z (q8 and FP8 tiles: `qgemm_q8.h`); FP4
+// E2M1, codes as q4's with scales u8 E8M0 per 32 (MXFP4) or E4M3 per 16 times a global f32
+// (NVFP4), w = e2m1(q) * s (`qgemm_fp4.h`). Each leaf keeps the 16-column panels of
+// `stacked_gemm.cc`, so a tile's codes, scales and zeros are contiguous streams.
 //
 // A tile of rows x columns sums x * q (codes converted to float) over one block in
 // registers, then adds block_sum * s (+ z * the block's sum of x, precomputed once per call)
@@ -29,6 +31,7 @@
 #include <vector>
 
 #include "pool.h"
+#include "qgemm_fp4.h"
 #include "qgemm_q4.h"
 #include "qgemm_q8.h"
 #include "quant_simd.h"
@@ -81,7 +84,13 @@ void StagedTile(const Job& j, const float* w, int64_t col, int64_t c0, int64_t r
 template <Codes C>
 void Dequantize(const Job& j, int64_t u, float* w) {
   const int64_t K = j.K;
-  if constexpr (C == Codes::kQ4 || C == Codes::kQ4Z32) {
+  if constexpr (C == Codes::kMxfp4 || C == Codes::kNvfp4) {
+    for (int64_t p = 0; p < kUnit; ++p) {
+      for (int64_t b = 0; b < K / kQ4Block; ++b) {
+        DequantizeFp4Block<C == Codes::kNvfp4>(j, u * kUnit + p, b, w + p * K * kPanel);
+      }
+    }
+  } else if constexpr (C == Codes::kQ4 || C == Codes::kQ4Z32) {
     using ZT = std::conditional_t<C == Codes::kQ4Z32, float, uint16_t>;
     for (int64_t p = 0; p < kUnit; ++p) {
       for (int64_t b = 0; b < K / kQ4Block; ++b) {
@@ -133,10 +142,13 @@ template <Codes C>
 void RunUnit(const Job& j, int64_t u) {
   constexpr bool kFp8 = C == Codes::kFp8;
   constexpr bool kQ4 = C == Codes::kQ4 || C == Codes::kQ4Z32;
+  constexpr bool kFp4 = C == Codes::kMxfp4 || C == Codes::kNvfp4;
   using ZT = std::conditional_t<C == Codes::kQ4Z32, float, uint16_t>;
 #if defined(__AVX512F__)
   if (j.M >= kStageRows) {
     RunUnitStaged<8, 3, C>(j, u);
+  } else if constexpr (kFp4) {
+    RunUnitFp4Dot<C == Codes::kNvfp4>(j, u);
   } else if constexpr (kQ4) {
     RunUnitDot<ZT>(j, u);
   } else if (j.M >= 2) {
@@ -150,6 +162,8 @@ void RunUnit(const Job& j, int64_t u) {
   // each conversion shared by up to 6 rows, the totals spilled (touched once a block).
   if (j.M >= kStageRows) {
     RunUnitStaged<6, 2, C>(j, u);
+  } else if constexpr (kFp4) {
+    RunUnitFp4Dot<C == Codes::kNvfp4>(j, u);
   } else if constexpr (kQ4) {
     RunUnitDot<ZT>(j, u);
   } else if (j.M >= 2) {
@@ -168,6 +182,8 @@ void Drain(Job& j) {
       case Codes::kFp8: RunUnit<Codes::kFp8>(j, u); break;
       case Codes::kQ4: RunUnit<Codes::kQ4>(j, u); break;
       case Codes::kQ4Z32: RunUnit<Codes::kQ4Z32>(j, u); break;
+      case Codes::kMxfp4: RunUnit<Codes::kMxfp4>(j, u); break;
+      case Codes::kNvfp4: RunUnit<Codes::kNvfp4>(j, u); break;
     }
   }
   jaxserve_cpu::MarkDone(j.done, finished, j.U, j.mu, j.cv);
@@ -265,6 +281,55 @@ ffi::Error StackedQ4GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// FP4 E2M1 codes u8 (two per byte, q4's order), scales u8 E8M0 per 32 (MXFP4) or E4M3 per
+// 16 (NVFP4), and a global scale f32[L, 1, 1] (MXFP4's ones).
+ffi::Error StackedFp4GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::U8> q, ffi::AnyBuffer s,
+                              ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::S32> layer,
+                              ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = s.dimensions();
+  const bool nv = s.element_type() == ffi::DataType::F8E4M3FN;
+  const int64_t per = nv ? 16 : kQ4Block;  // values per scale
+  if ((!nv && s.element_type() != ffi::DataType::U8) || xd.size() != 2 || qd.size() != 4 ||
+      sd.size() != 4 || qd[3] != kPanel || qd[1] % kUnit != 0 || xd[1] % kQ4Block != 0 ||
+      qd[2] * 2 != xd[1] || qd[0] < 1 || sd[0] != qd[0] || sd[1] != qd[1] ||
+      sd[2] * per != xd[1] || sd[3] != kPanel || g.element_count() != qd[0] ||
+      layer.element_count() < 1 || y->element_count() != xd[0] * qd[1] * kPanel) {
+    return ffi::Error::InvalidArgument("stacked_qgemm fp4: inconsistent shapes or dtypes");
+  }
+  auto job = std::make_shared<Job>();
+  const int64_t l = Layer(layer, qd[0]);
+  const int64_t M = jaxserve_cpu::RowsToCompute(layer.typed_data(), layer.element_count(),
+                                                xd[0]);
+  const int64_t K = xd[1], nb = K / kQ4Block;
+  job->codes = nv ? Codes::kNvfp4 : Codes::kMxfp4;
+  job->M = M, job->K = K, job->U = qd[1] / kUnit, job->N = qd[1] * kPanel, job->B = per;
+  job->x = x.typed_data();
+  // 1/2 for the table's 2 v; NVFP4's scales read as E4M3 x 2^-8 (`Fp4Scales8`).
+  job->unit = 0.5f * (nv ? jaxserve_cpu::kFp8Unit * g.typed_data()[l] : 1.0f);
+  thread_local std::vector<int8_t> codes, rests;  // i8[M, K]
+  thread_local std::vector<float> scales, sums;  // f32[M, K / 32]
+  thread_local std::vector<int32_t> offsets;  // i32[M, K / 16, 2]
+  if (M < kStageRows) {  // the activations split once per call for the dot path
+    codes.resize(M * K), rests.resize(M * K), scales.resize(M * nb), sums.resize(M * nb);
+    offsets.resize(M * K / 8);
+    QuantizeRows(job->x, M, K, codes.data(), rests.data(), scales.data(), sums.data());
+    Fp4Offsets(codes.data(), rests.data(), M, K, offsets.data());
+    for (int64_t i = 0; i < M * nb; ++i) scales[i] *= job->unit;
+    job->xq = codes.data(), job->xr = rests.data(), job->xd = scales.data();
+    job->xoff = offsets.data();
+  }
+  job->xsum = nullptr;
+  job->q = static_cast<const uint8_t*>(q.untyped_data()) + l * qd[1] * qd[2] * kPanel;
+  job->s = static_cast<const uint8_t*>(s.untyped_data()) + l * sd[1] * sd[2] * kPanel;
+  job->z = nullptr;
+  job->y = y->typed_data();
+  std::fill(job->y + job->M * job->N, job->y + xd[0] * job->N, 0.0f);  // padding rows
+  if (job->U == 0 || job->M == 0) return ffi::Error::Success();
+  Run(pool, job);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedQ8Gemm, StackedQ8GemmImpl,
@@ -283,5 +348,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedQ4Gemm, StackedQ4GemmImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()   // codes, two per byte
                                   .Arg<ffi::Buffer<ffi::F16>>()  // scales
                                   .Arg<ffi::AnyBuffer>()         // zeros: f16 or f32
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedFp4Gemm, StackedFp4GemmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes, two per byte
+                                  .Arg<ffi::AnyBuffer>()         // scales: E8M0 u8 or E4M3
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // global scale per layer
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y

@@ -105,8 +105,9 @@ WRITERS = {"fp8": _fp8_moe, "gptq": _gptq, "awq": _awq,
 # readers and methods have default-tier tests in tests/models/test_fp4_checkpoint.py and
 # tests/models/test_compressed_tensors.py.
 CT = ("mxfp4", "nvfp4", "ct-w4a16", "ct-w8a8")
-# The dense int4 formats on the `cpu` backend, read in place by its quantized kernel (its
-# panels: groups as stored, AWQ's and asymmetric GPTQ's float32 zeros); the FP8 MoE on XLA.
+# The dense int4 and MXFP4 formats on the `cpu` backend, read in place by its quantized kernel
+# (its panels: groups as stored, AWQ's and asymmetric GPTQ's float32 zeros, FP4 codes and
+# scales as stored); the FP8 MoE on XLA.
 PANELS = {"attention_backend": "cpu"}
 
 
@@ -176,8 +177,8 @@ def test_served_in_the_checkpoints_format(checkpoint):
     assert checkpoint.llm.engine.quantization == checkpoint.served
     leaves = _leaves(checkpoint.llm)
     assert not any("o_proj/kernel" in p for p in leaves)  # kept quantized on the device
-    # The CPU panels serve the dense int formats; FP4 codes and the MoEs' experts go to XLA.
-    panels = checkpoint.name in ("gptq", "awq", "ct-w8a8")
+    # The CPU panels serve the dense models (int, MXFP4); the MoEs (their experts) go to XLA.
+    panels = checkpoint.name in ("gptq", "awq", "ct-w8a8", "mxfp4")
     assert checkpoint.llm.engine.runner.model.serving.panels == panels
     if checkpoint.name == "fp8":  # the routed experts' stacks too
         assert any("experts" in p and "down_proj" in p and p.endswith("qweight")

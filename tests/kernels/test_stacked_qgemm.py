@@ -184,7 +184,8 @@ def test_unpack_inverts_pack_and_the_layer_is_clamped():
     leaves = quantize_stack(QuantFormat("q4", 32), w)
     panels = qgemm.pack(leaves, "q4")
     assert panels["qweight"].shape == (LAYERS, 6, 32, 16) and panels["zeros"].dtype == jnp.float16
-    jax.tree_util.tree_map(np.testing.assert_array_equal, qgemm.unpack(panels, 70), leaves)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, qgemm.unpack(panels, 70, "q4"),
+                           leaves)
     x = np.ones((2, 64), np.float32)
     for layer, want in ((7, LAYERS - 1), (-1, 0)):
         refs = _references(x, {m: a[want] for m, a in leaves.items()}, "q4")
@@ -199,7 +200,7 @@ def test_bad_inputs_are_value_errors():
         qgemm.stacked_qgemm(np.ones((1, 32), np.float32), panels, "q4", 0, 48)
     with pytest.raises(ValueError, match="do not fit q4 panels"):
         qgemm.stacked_qgemm(np.ones((1, 64), np.float32), panels, "q4", 0, 96)
-    with pytest.raises(ValueError, match="unknown quantized format 'q2'"):
+    with pytest.raises(ValueError, match="unknown quantized format 'q2'; expected one of q8"):
         qgemm.stacked_qgemm(np.ones((1, 64), np.float32), panels, "q2", 0, 48)
     with pytest.raises(ValueError, match=r"lacks leaves \['zeros'\]"):
         qgemm.pack({"qweight": leaves["qweight"], "scales": leaves["scales"]}, "q4")
@@ -268,12 +269,13 @@ def test_panels_keep_a_checkpoints_bytes(tmp_path):
     # Issue 62's bound, device weight bytes within 10% of the checkpoint's, on the cpu
     # backend's panels: sizes that need no padding columns (multiples of 48) and groups of
     # 128 (kept, not repeated: that was +17.6% on the quantized tensors). AWQ's zeros grow
-    # from 4 bits to float32 (~+5%), FP8's 128x128 block scales to one per column (~+3%).
+    # from 4 bits to float32 (~+5%), FP8's 128x128 block scales to one per column (~+3%);
+    # MXFP4's and NVFP4's codes and scales keep their bytes (1.00).
     from jaxserve.bench.quant_checkpoints import Shape, write_checkpoint
     from models.loaders import load_model
 
     shape = Shape(hidden=384, intermediate=768, layers=1, vocab=96, head_dim=64, kv_heads=3)
-    for name in ("gptq-int4", "awq-int4", "fp8"):
+    for name in ("gptq-int4", "awq-int4", "fp8", "ct-mxfp4", "ct-nvfp4"):
         checkpoint = write_checkpoint(str(tmp_path / name), name, shape)
         loaded = load_model(str(tmp_path / name))
         model = serving_form(loaded, backend="cpu", panels=True)
