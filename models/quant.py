@@ -4,10 +4,12 @@ Five on-device formats cover every mode (`QuantFormat.kind`):
 
 * ``q8``: ``qweight`` i8[K, N] with ``scales`` f16[K // block, N]; w = q * scale. Q8_0
   (block 32) and int8 weight-only (per output channel: block = K) are both ``q8``.
-* ``q4``: ``qweight`` u8[K // 2, N] (two 4-bit values per byte) with ``scales`` and
-  ``zeros`` f16[K // 32, N]; w = q * scale + zero. GGUF's Q4_0 (zero = -8 * scale), Q4_1
-  (zero = its min) and Q4_K (each 32-weight sub-block's 6-bit scale and min expanded to
-  f16) all map onto it without re-quantizing.
+* ``q4``: ``qweight`` u8[K // 2, N] (two 4-bit values per byte) with ``scales`` f16 and
+  ``zeros`` (f16, or f32: `QuantFormat.zero_dtype`) [K // block, N], block a multiple of
+  32 (GGUF's 32, a checkpoint's group of 64 or 128, or K); w = q * scale + zero. GGUF's
+  Q4_0 (zero = -8 * scale), Q4_1 (zero = its min) and Q4_K (each 32-weight sub-block's
+  6-bit scale and min expanded to f16) all map onto it without re-quantizing, as GPTQ's
+  and AWQ's groups do (zero = -z * scale).
 * ``fp8``: ``qweight`` float8_e4m3fn[K, N] with ``block_scales`` f32[ceil(K / bk),
   ceil(N / bn)]; w = q * scale of its (bk, bn) block, the last block along each axis cut
   short where bk or bn does not divide it. Block-wise FP8 checkpoints (DeepSeek-V3's and
@@ -71,7 +73,7 @@ class QuantFormat:
             mxfp4's is 32 and nvfp4's 16 (`FP4_BLOCKS`).
         zero_dtype: The q4 zeros' dtype: "float16", or "float32" where a checkpoint's
             zero points must stay exact (an asymmetric GPTQ/AWQ zero -z * scale needs up
-            to 15 mantissa bits; the CPU panel kernel reads only float16 zeros).
+            to 15 mantissa bits; the CPU panel kernel reads both).
         block_n: ``fp8`` only: values per scale along N (0: all of N, 1: per channel).
         act_order: q8/q4 only: the rows are sorted by group and ``perm`` i32[K, 1] says
             which input each holds (an act-order checkpoint's groups made contiguous).

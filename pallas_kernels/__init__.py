@@ -17,6 +17,9 @@ One folder per kernel, each with its pure-`jnp` reference (the oracle of its tes
     gated_delta/             Gated DeltaNet's recurrence with per-request state slots: the
                              sequential oracle (`reference.py`), the chunked XLA form
                              (`xla.py`), the Pallas kernel (`kernel.py`)
+    ssd/                     Mamba-2's selective state-space scan with per-request state
+                             slots: the sequential oracle (`reference.py`), the chunked
+                             XLA form (`xla.py`), the Pallas kernel (`kernel.py`)
     causal_conv1d/           the linear layers' short causal conv with its carried state
                              (`reference.py`, jnp on every backend)
     cpu_ffi/                 the `cpu` backend's C++ kernels (XLA FFI custom calls, built
@@ -40,6 +43,7 @@ from pallas_kernels.ops import (
     quant_matmul,
     ragged_paged_attention,
     resolve_backend,
+    ssd,
     write_kv,
 )
 from pallas_kernels.quant_matmul.reference import quant_embed
@@ -57,5 +61,6 @@ __all__ = [
     "quant_matmul",
     "ragged_paged_attention",
     "resolve_backend",
+    "ssd",
     "write_kv",
 ]

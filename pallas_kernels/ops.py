@@ -30,6 +30,7 @@ from pallas_kernels.fp4_matmul.kernel import fp4_matmul_kernel
 from pallas_kernels.fp4_matmul.reference import fp4_matmul_reference
 from pallas_kernels.fp8_matmul.kernel import fp8_matmul_kernel
 from pallas_kernels.fp8_matmul.reference import fp8_matmul_reference
+from pallas_kernels.gated_delta.kernel import gated_delta_rule_kernel
 from pallas_kernels.gated_delta.xla import gated_delta_rule_xla
 from pallas_kernels.invariant import invariant_attention
 from pallas_kernels.kv_quant import kv_rotation
@@ -42,6 +43,8 @@ from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_kernel
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
+from pallas_kernels.ssd.kernel import ssd_kernel
+from pallas_kernels.ssd.xla import ssd_xla
 from pallas_kernels.tuning import tuned
 
 ATTENTION_BACKENDS = ("auto", "xla", "cpu", "pallas")
@@ -204,11 +207,28 @@ def gated_delta_rule(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens, *,
     chunked XLA form (`gated_delta_rule_xla`).
     """
     if backend == "pallas":
-        from pallas_kernels.gated_delta.kernel import gated_delta_rule_kernel
-
+        t, dv = tuned("gated_delta"), v.shape[-1]
+        block_v = t["block_v"] if dv % t["block_v"] == 0 else dv
         return gated_delta_rule_kernel(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens,
+                                       chunk=t["chunk"], block_v=block_v,
                                        interpret=_interpret())
     return gated_delta_rule_xla(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens)
+
+
+def ssd(x, dt, a, b, c, d, state, slots, cu_q_lens, kv_lens, *, backend: str = "xla"):
+    """Mamba-2's selective state-space scan (SSD) over the ragged batch, with each row's
+    state in its slot of the layer's pool: (y f32[T, H, P], state), the d skip included.
+
+    The contract is `pallas_kernels.ssd.reference.ssd_reference`'s; "pallas" runs the
+    Pallas kernel (the interpreter on the CPU), "xla" and "cpu" the chunked XLA form
+    (`ssd_xla`).
+    """
+    if backend == "pallas":
+        t, head_dim = tuned("ssd"), x.shape[-1]
+        block_p = t["block_p"] if head_dim % t["block_p"] == 0 else head_dim
+        return ssd_kernel(x, dt, a, b, c, d, state, slots, cu_q_lens, kv_lens,
+                          chunk=t["chunk"], block_p=block_p, interpret=_interpret())
+    return ssd_xla(x, dt, a, b, c, d, state, slots, cu_q_lens, kv_lens)
 
 
 def causal_conv1d(x, weight, bias, conv_state, slots, cu_q_lens, kv_lens,
@@ -267,6 +287,11 @@ class AttentionOps:
         (`pallas_kernels.ops.gated_delta_rule`, on this backend)."""
         return gated_delta_rule(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens,
                                 backend=self.backend)
+
+    def ssd(self, x, dt, a, b, c, d, state, slots, cu_q_lens, kv_lens):
+        """(y f32[T, H, P], state) of a Mamba-2 layer's selective scan over the step
+        (`pallas_kernels.ops.ssd`, on this backend)."""
+        return ssd(x, dt, a, b, c, d, state, slots, cu_q_lens, kv_lens, backend=self.backend)
 
     def causal_conv1d(self, x, weight, bias, conv_state, slots, cu_q_lens, kv_lens,
                       activation: str | None = "silu"):

@@ -34,6 +34,18 @@ TUNED: dict[str, dict[str, dict[str, int]]] = {
     "ragged_tpu": {
         "*": dict(block_q=16, decode_block_q=8),
     },
+    # The Pallas gated delta rule (`gated_delta_rule_kernel`): tokens per chunk, and state
+    # value columns per program (TPU: a whole 128-lane tile). Not yet measured on a device.
+    "gated_delta": {
+        "*": dict(chunk=64, block_v=64),
+        "tpu": dict(block_v=128),
+    },
+    # The Pallas Mamba-2 scan (`ssd_kernel`): tokens per chunk, and state head-dim rows per
+    # program (TPU: a whole 128-lane x tile, else the whole head). Not yet measured on a device.
+    "ssd": {
+        "*": dict(chunk=64, block_p=64),
+        "tpu": dict(block_p=128),
+    },
     # Smallest token bucket by attention backend: padded rows cost compute on the XLA
     # path, so decode batches of 1-8 get their own buckets there (BENCHMARKS.md, "decode
     # buckets of 4 and 8 tokens on the XLA path"); a Pallas step of 1 or 16 rows costs the

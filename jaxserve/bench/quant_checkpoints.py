@@ -19,14 +19,21 @@ import ml_dtypes
 import numpy as np
 
 # name -> (quant_method, bits, group size; 0: one scale per output channel): FP8's 128x128
-# blocks, int groups of 128 (the common published choice; `gptq-int4-g32`: the group the CPU
-# kernel's q4 reads in place), and llm-compressor's presets in compressed-tensors ("ct-"):
-# W4A16 (pack-quantized int4, groups of 128), W8A8 int8 and FP8_DYNAMIC (per channel).
+# blocks, int groups of 128 (the common published choice; `gptq-int4-g32`: GGUF's block, the
+# finest group), and llm-compressor's presets in compressed-tensors ("ct-"):
+# W4A16 (pack-quantized int4, groups of 128), W8A8 int8 and FP8_DYNAMIC (per channel), and
+# the FP4 ones: MXFP4A16 (E2M1 codes, E8M0 scales per 32) and NVFP4A16 (e4m3 scales per 16
+# and a global scale).
 CT = "compressed-tensors"
 FORMATS = {"float32": (None, 32, 0), "fp8": ("fp8", 8, 128), "gptq-int4": ("gptq", 4, 128),
            "awq-int4": ("awq", 4, 128), "gptq-int8": ("gptq", 8, 128),
            "gptq-int4-g32": ("gptq", 4, 32), "ct-w4a16": (CT, 4, 128),
-           "ct-w8a8-int8": (CT, 8, 0), "ct-fp8-dynamic": (CT, 8, 0)}
+           "ct-w8a8-int8": (CT, 8, 0), "ct-fp8-dynamic": (CT, 8, 0),
+           "ct-mxfp4": (CT, 4, 32), "ct-nvfp4": (CT, 4, 16)}
+CT_FORMATS = {"ct-w4a16": "pack-quantized", "ct-w8a8-int8": "int-quantized",
+              "ct-fp8-dynamic": "float-quantized", "ct-mxfp4": "mxfp4-pack-quantized",
+              "ct-nvfp4": "nvfp4-pack-quantized"}
+FP4_STRATEGIES = {"ct-mxfp4": "group", "ct-nvfp4": "tensor_group"}
 LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
            "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -97,14 +104,13 @@ def quantization_config(fmt: str) -> dict | None:
 def compressed_tensors_config(fmt: str, bits: int, group: int) -> dict:
     """The `quantization_config` llm-compressor writes for one scheme over every Linear but
     the LM head (its W4A16, W8A8 int8 and FP8_DYNAMIC presets; activations dynamic)."""
-    kind = "float" if fmt == "ct-fp8-dynamic" else "int"
+    kind = "float" if fmt == "ct-fp8-dynamic" or fmt in FP4_STRATEGIES else "int"
     weights = {"num_bits": bits, "type": kind, "symmetric": True, "dynamic": False,
-               "strategy": "group" if group else "channel", "group_size": group or None}
+               "strategy": FP4_STRATEGIES.get(fmt, "group" if group else "channel"),
+               "group_size": group or None}
     acts = None if bits == 4 else {"num_bits": 8, "type": kind, "symmetric": True,
                                    "dynamic": True, "strategy": "token"}
-    return {"quant_method": CT, "quantization_status": "compressed",
-            "format": {"ct-w4a16": "pack-quantized", "ct-w8a8-int8": "int-quantized",
-                       "ct-fp8-dynamic": "float-quantized"}[fmt],
+    return {"quant_method": CT, "quantization_status": "compressed", "format": CT_FORMATS[fmt],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                           "input_activations": acts}},
             "ignore": ["lm_head"]}
@@ -134,6 +140,15 @@ def linear_tensors(fmt: str, out: int, inp: int, rng) -> dict[str, np.ndarray]:
         return {"weight_packed": random_words(rng, (out, inp // 8)),
                 "weight_shape": np.array([out, inp], np.int64),
                 "weight_scale": scales(out, inp // group)}
+    if fmt in FP4_STRATEGIES:  # E2M1 codes, two a byte along K: every byte is a code pair
+        codes = rng.integers(0, 256, (out, inp // 2), dtype=np.uint8)
+        if fmt == "ct-mxfp4":  # E8M0 exponents around 2^-7
+            return {"weight_packed": codes,
+                    "weight_scale": rng.integers(119, 122, (out, inp // group), dtype=np.uint8)}
+        block = (0.02 * (1 + 0.1 * rng.random((out, inp // group)))).astype(np.float32)
+        return {"weight_packed": codes,
+                "weight_scale": block.astype(ml_dtypes.float8_e4m3fn),
+                "weight_global_scale": np.array([1.0], np.float32)}
     if fmt == "ct-w8a8-int8":  # q int8[N, K], per-channel scales [N, 1]
         return {"weight": rng.integers(-128, 128, (out, inp), dtype=np.int8),
                 "weight_scale": scales(out, 1)}

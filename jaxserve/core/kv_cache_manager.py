@@ -5,12 +5,14 @@ from __future__ import annotations
 from jaxserve.core.allocation import plan_allocation
 from jaxserve.core.block_tables import BlockTables
 from jaxserve.core.group_hits import find_group_hits
+from jaxserve.core.kv_fork import KVForker
 from jaxserve.core.kv_metrics import KVCacheCounters, KVCacheStats, make_stats
 from jaxserve.core.kv_page import KVPage, group_key
 from jaxserve.core.kv_swap import KVSwapper
 from jaxserve.core.page_pool import HostPool, PagePool
 from jaxserve.core.plans import KVPlans
 from jaxserve.core.prefix_cache import update_page_hashes
+from jaxserve.core.state_slots import NULL_STATE_SLOT, StateGroupSpec, StateSlots
 from jaxserve.request import Request
 from jaxserve.utils import cdiv, delegated
 
@@ -19,8 +21,8 @@ class KVCacheManager:
     """Owns every request's block table (page ids) over one device page pool.
 
     Swap preemption (`can_swap_out`, `swap_out`, `can_swap_in`, `swap_in`) is its
-    `swapper`'s (`KVSwapper`). Call order per step (the scheduler's side):
-    `get_computed_pages` for a new request,
+    `swapper`'s (`KVSwapper`), forks (`fork`, `can_fork`) its `forker`'s (`KVForker`).
+    Call order per step (the scheduler's side): `get_computed_pages` for a new request,
     `allocate_slots` for every scheduled request (None means preempt and retry),
     `swap_out`/`swap_in`/`free` as needed, then `take_plans()` once; the runner executes
     those plans before the step. Freeing or swapping out a request scheduled earlier in
@@ -41,10 +43,16 @@ class KVCacheManager:
             back while the request runs.
         max_chunk_tokens: Most tokens one step computes for a request (the step budget):
             bounds what a sliding group holds at once (None: no bound).
+        state_group: A model with linear-attention layers (`StateGroupSpec`): every request
+            also holds one state slot, from its first allocation until it is freed (host
+            slots while swapped out; forks copy it). None: no state group (no cost).
 
     Attributes:
         pool: The device page pool.
         host_pool: The host swap slots.
+        state_slots: The state group's slots (`StateSlots`), or None.
+        prefix_caching_disabled_reason: Why prefix caching is off although it was asked
+            for (for the startup log and `/metrics`), or None.
         tables: Every request's KV state and this step's pending moves (read it, do not
             change it from outside).
         counters: Prefix, copy-on-write and swap counters.
@@ -56,7 +64,7 @@ class KVCacheManager:
     def __init__(self, num_pages: int, page_size: int = 16, *, enable_prefix_caching: bool = True,
                  watermark: float = 0.01, swap_space: float = 0.0, bytes_per_page: int = 0,
                  max_model_len: int | None = None, group_windows: tuple[int, ...] = (0,),
-                 max_chunk_tokens: int | None = None):
+                 max_chunk_tokens: int | None = None, state_group: StateGroupSpec | None = None):
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         if not 0.0 <= watermark < 1.0:
@@ -70,13 +78,31 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.group_windows = tuple(group_windows)
         self.max_chunk_tokens = max_chunk_tokens
+        self.state_slots: StateSlots | None = None
+        self.prefix_caching_disabled_reason: str | None = None
+        if state_group is not None:
+            num_host = state_group.num_host_slots
+            if num_host is None:
+                num_host = state_group.num_slots - 1 if swap_space > 0 else 0
+            self.state_slots = StateSlots(state_group, num_host)
+            if enable_prefix_caching:
+                # NOTE: a hit would skip tokens whose state no slot holds (snapshots at page
+                # boundaries are the next step: docs/design.md, "State slots").
+                enable_prefix_caching = False
+                self.prefix_caching_disabled_reason = (
+                    "prefix caching is off: the model keeps per-request linear-attention "
+                    "state, and state snapshots at page boundaries are not kept yet")
         self.pool = PagePool(num_pages, enable_caching=enable_prefix_caching)
         self.host_pool = HostPool.from_swap_space(swap_space, bytes_per_page)
         self.tables = BlockTables(self.pool, self.host_pool, page_size, self.group_windows)
         self.counters = KVCacheCounters()
         self._watermark_pages = int(watermark * self.pool.num_usable_pages)
-        self.swapper = KVSwapper(self.tables, self.counters, self._watermark_pages)
+        self.swapper = KVSwapper(self.tables, self.counters, self._watermark_pages,
+                                 self.state_slots)
+        self.forker = KVForker(self.tables, self.state_slots)
 
+    fork = delegated("forker", KVForker.fork)
+    can_fork = delegated("forker", KVForker.can_fork)
     can_swap_out = delegated("swapper", KVSwapper.can_swap_out)
     swap_out = delegated("swapper", KVSwapper.swap_out)
     can_swap_in = delegated("swapper", KVSwapper.can_swap_in)
@@ -90,6 +116,16 @@ class KVCacheManager:
     def is_swapped(self, request_id: str) -> bool:
         """Whether the request's KV sits in the host pool."""
         return self.tables.is_swapped(request_id)
+
+    def state_slot(self, request_id: str) -> int:
+        """The request's device state slot (the row of the state pools its step reads and
+        writes: `AttentionMetadata.state_slots`); 0 without a state group.
+
+        Raises:
+            ValueError: With a state group, the request holds no device slot.
+        """
+        slots = self.state_slots
+        return NULL_STATE_SLOT if slots is None else slots.slot(request_id)
 
     @property
     def num_groups(self) -> int:
@@ -223,7 +259,8 @@ class KVCacheManager:
 
         Returns:
             Page ids newly placed in the table (copy-on-write replacements, then appended
-            pages), or None when the pool is short (nothing changed; the watermark applies
+            pages), or None when the pool is short, or with a state group no state slot is
+            free for a request's first allocation (nothing changed; the watermark applies
             to a request's first allocation).
 
         Raises:
@@ -247,12 +284,15 @@ class KVCacheManager:
                                list(hits), num_lookahead_tokens,
                                max_model_len=self.max_model_len,
                                watermark_pages=self._watermark_pages, num_freed=num_freed)
-        if not plan.fits:
+        if not plan.fits or (state is None and self.state_slots is not None
+                             and not self.state_slots.num_free_slots):
             return None
         if drops:
             self.tables.drop_outside_window(state, request.num_computed_tokens)
         if state is None:
             state = self.tables.add(request.request_id)
+            if self.state_slots is not None:
+                self.state_slots.allocate(request.request_id)
             if self.pool.prefix_cache is not None:
                 self.counters.prefix_queries += request.num_tokens
                 self.counters.prefix_hits += num_new_computed_tokens
@@ -330,44 +370,8 @@ class KVCacheManager:
             ValueError: The request holds nothing (unknown or already freed).
         """
         self.tables.free(request.request_id)
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Gives `child` the parent's pages holding the child's computed tokens, shared by
-        reference count (n > 1: all of them; `Scheduler.add_request(kv_from=...)`: a
-        prefix). A shared page is copied before either writes into it.
-
-        Raises:
-            ValueError: Unknown or swapped parent, a child that already holds KV, a child
-                whose computed tokens are not the parent's first computed ones (or none of
-                a parent that has some), or a sliding group whose pages for them the parent
-                gave back (`can_fork`).
-        """
-        parent_state = self.tables.on_device(parent.request_id)
-        if self.has_request(child.request_id):
-            raise ValueError(f"cannot fork into {child.request_id!r}: it already holds KV")
-        num_computed = child.num_computed_tokens
-        # NOTE: a child behind its parent shares at least one token; one level with it (n > 1)
-        # may share none yet.
-        if (num_computed > parent.num_computed_tokens
-                or num_computed == 0 < parent.num_computed_tokens
-                or child.all_token_ids[:num_computed] != parent.all_token_ids[:num_computed]):
-            raise ValueError(f"child {child.request_id!r} must match parent "
-                             f"{parent.request_id!r} in its computed tokens, at least one "
-                             "(use Request.fork, or set them to a prefix of the parent's)")
-        if not self.tables.can_share(parent_state, num_computed):
-            raise ValueError(f"cannot fork {child.request_id!r} from {parent.request_id!r} "
-                             f"at {num_computed} tokens: the parent gave back pages a "
-                             "sliding window still reads there")
-        self.tables.share(parent_state, child.request_id,
-                          None if num_computed == parent.num_computed_tokens else num_computed)
-
-    def can_fork(self, parent: Request, num_tokens: int) -> bool:
-        """Whether a request computed up to the parent's first `num_tokens` tokens may
-        share its pages now (`fork`): the parent holds device pages and, in every sliding
-        group, still the ones those tokens' window reads."""
-        state = self.tables.device_state(parent.request_id)
-        return (state is not None and num_tokens <= parent.num_computed_tokens
-                and self.tables.can_share(state, num_tokens))
+        if self.state_slots is not None:
+            self.state_slots.free(request.request_id)
 
     # ---------------------------------------------------------- step / metrics
     def take_plans(self) -> KVPlans:
@@ -379,7 +383,10 @@ class KVCacheManager:
         out later in the same scheduling pass never computes its pages, and nobody may
         have hit them meanwhile.
         """
-        return self.tables.take()
+        plans = self.tables.take()
+        if self.state_slots is not None:
+            plans.state = self.state_slots.take()
+        return plans
 
     def evict_cached_pages(self, max_num_pages: int | None = None) -> int:
         """Forgets up to `max_num_pages` unowned cached pages (all if None), LRU first."""

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from jaxserve.core.block_tables import BlockTables
     from jaxserve.core.kv_metrics import KVCacheCounters
     from jaxserve.core.page_pool import HostPool, PagePool
+    from jaxserve.core.state_slots import StateSlots
 
 
 class KVSwapper:
@@ -23,12 +24,16 @@ class KVSwapper:
         tables: The manager's `BlockTables` (over its device pool and host slots).
         counters: The manager's counters (swaps are counted there).
         watermark_pages: Device pages a swap-in must leave free.
+        state_slots: The manager's state group, if any: a request's state slot moves with its
+            pages (a host state slot out, any free device slot back in).
     """
 
-    def __init__(self, tables: BlockTables, counters: KVCacheCounters, watermark_pages: int):
+    def __init__(self, tables: BlockTables, counters: KVCacheCounters, watermark_pages: int,
+                 state_slots: StateSlots | None = None):
         self.tables = tables
         self.counters = counters
         self.watermark_pages = watermark_pages
+        self.state_slots = state_slots
 
     @property
     def pool(self) -> PagePool:
@@ -43,15 +48,18 @@ class KVSwapper:
     def can_swap_out(self, request: Request) -> bool:
         """Whether `swap_out` would succeed now."""
         needed = self.tables.num_swap_out_slots(self.tables.on_device(request.request_id))
-        return needed is not None and needed <= self.host_pool.num_free_slots
+        return (needed is not None and needed <= self.host_pool.num_free_slots
+                and (self.state_slots is None
+                     or self.state_slots.can_swap_out(request.request_id)))
 
     def swap_out(self, request: Request) -> SwapPlan | None:
         """Moves a request's pages to host slots and frees the device pages.
 
         Returns:
             The request's (device page, host slot) pairs (also part of the next
-            `take_plans()`), or None when host slots are short: nothing changed, so the
-            caller falls back to recompute (`free` and restart from token 0).
+            `take_plans()`), or None when host slots (or host state slots) are short:
+            nothing changed, so the caller falls back to recompute (`free` and restart
+            from token 0).
 
         Raises:
             ValueError: Unknown or already swapped-out request.
@@ -62,13 +70,16 @@ class KVSwapper:
             self.counters.num_swap_fallbacks += 1
             return None
         pairs = self.tables.move_to_host(request)
+        if self.state_slots is not None:
+            self.state_slots.swap_out(request.request_id)
         self.counters.num_swap_outs += 1
         self.counters.num_swapped_out_pages += len(pairs)
         return SwapPlan(pairs, to_host=True)
 
     def can_swap_in(self, request: Request, num_new_tokens: int = 0) -> bool:
         """Whether `swap_in` would succeed now (watermark included), and the free pages
-        would also cover the request's next `num_new_tokens` tokens.
+        would also cover the request's next `num_new_tokens` tokens (with a state group, a
+        device state slot is free too).
 
         Raises:
             ValueError: The request is not swapped out.
@@ -77,7 +88,8 @@ class KVSwapper:
         num_free = self.pool.num_allocatable_pages
         num_next = cdiv(request.num_computed_tokens + num_new_tokens, self.tables.page_size)
         return (len(slot_ids) + self.watermark_pages <= num_free and
-                num_next * self.tables.num_groups <= num_free)
+                num_next * self.tables.num_groups <= num_free
+                and (self.state_slots is None or self.state_slots.can_swap_in()))
 
     def swap_in(self, request: Request) -> SwapPlan | None:
         """Brings a swapped-out request back into fresh device pages, same logical order.
@@ -92,6 +104,8 @@ class KVSwapper:
         if not self.can_swap_in(request):
             return None
         pairs = self.tables.move_to_device(request)
+        if self.state_slots is not None:
+            self.state_slots.swap_in(request.request_id)
         self.counters.num_swap_ins += 1
         self.counters.num_swapped_in_pages += len(pairs)
         return SwapPlan(pairs, to_host=False)

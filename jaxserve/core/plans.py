@@ -1,4 +1,5 @@
-"""Page copy and swap plans the manager emits and the model runner executes before a step."""
+"""Page and state copy and swap plans the manager emits and the model runner executes before
+a step."""
 
 from __future__ import annotations
 
@@ -48,22 +49,48 @@ class SwapPlan:
 
 
 @dataclass
+class StatePlans:
+    """State-slot moves of a model with a state group (`core/state_slots.py`), in this order.
+
+    1. `swap_out` (device slot -> host slot): `(slot, host_slot)` pairs.
+    2. `copy` (device slot -> device slot): forks, `(src_slot, dst_slot)` pairs. Run as one
+       gather then one scatter: a dst may be another pair's src (a slot given back this
+       step and handed out again), which must be read first.
+    3. `swap_in` (host slot -> device slot): `(host_slot, slot)` pairs; a host slot may
+       feed several slots (a request swapped in, then forked).
+    Every move reads what the previous step left, since only the last kind writes what
+    others read; the slots are rows of the state pools, slot 0 the padding rows' slot.
+    """
+
+    swap_out: SwapPlan = field(default_factory=lambda: SwapPlan(to_host=True))
+    copy: CopyPlan = field(default_factory=CopyPlan)
+    swap_in: SwapPlan = field(default_factory=lambda: SwapPlan(to_host=False))
+
+    def is_empty(self) -> bool:
+        """Whether there is nothing to move."""
+        return not (self.swap_out.pairs or self.copy.pairs or self.swap_in.pairs)
+
+
+@dataclass
 class KVPlans:
     """Everything the runner must move before one step, in this order.
 
     1. `swap_out` (device -> host): reads pages that this step may hand to others.
     2. `swap_in` (host -> device): fills pages of resumed requests.
     3. `copy` (device -> device): copy-on-write; a src may be a page just swapped in.
-    Then the step itself writes the new tokens' KV.
+    `state` (its own order: `StatePlans`) touches other arrays, so it may run before or
+    after them. Then the step itself writes the new tokens' KV and states.
     """
 
     swap_out: SwapPlan = field(default_factory=lambda: SwapPlan(to_host=True))
     swap_in: SwapPlan = field(default_factory=lambda: SwapPlan(to_host=False))
     copy: CopyPlan = field(default_factory=CopyPlan)
+    state: StatePlans = field(default_factory=StatePlans)
 
     def is_empty(self) -> bool:
         """Whether there is nothing to move."""
-        return not (self.swap_out.pairs or self.swap_in.pairs or self.copy.pairs)
+        return not (self.swap_out.pairs or self.swap_in.pairs or self.copy.pairs
+                    or not self.state.is_empty())
 
 
 class PendingPlans:

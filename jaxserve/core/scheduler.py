@@ -54,6 +54,11 @@ class Scheduler:
                              "scheduler with jaxserve.core.baseline_schedulers."
                              "scheduler_class(scheduling_mode)")
         self.max_num_seqs = config.max_num_seqs
+        if kv.state_slots is not None and kv.state_slots.num_slots - 1 < self.max_num_seqs:
+            # NOTE: fan-out children fork when their samples come back and cannot wait.
+            raise ValueError(f"the KV manager's state group has {kv.state_slots.num_slots} slots "
+                             f"(num_slots, the null slot included); max_num_seqs="
+                             f"{self.max_num_seqs} needs {self.max_num_seqs + 1}")
         self.adapters = AdapterLimit(max_loras)
         # Most tokens one request may hold in KV: what the pool gives a request running
         # alone (past the admission watermark) and, without chunking, what one step computes.
@@ -269,6 +274,10 @@ class Scheduler:
         pass max_tokens or the length cap)."""
         if not request.spec_token_ids or num_new != 1 or not request.decodes_next:
             return 0
+        if self.kv.state_slots is not None:
+            # NOTE: a state advanced over rejected proposals cannot be trimmed back; until
+            # the runner keeps each position's state, such models verify none.
+            return 0
         room = self.length_cap - request.num_tokens
         sp = request.sampling_params
         if sp.max_tokens is not None:
@@ -295,7 +304,8 @@ class Scheduler:
             num_spec_tokens=num_spec,
             pages_from=pages_from,
             group_pages=tuple(group_pages),
-            lora_id=request.lora_id)
+            lora_id=request.lora_id,
+            state_slot=self.kv.state_slot(request.request_id))
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether a token in flight surely ends the request (its length limits): it is
@@ -332,6 +342,8 @@ class Scheduler:
         adapters = self.adapters.running(self.running)
         while self.swapped and step.budget > 0 and self._num_slots() < self.max_num_seqs:
             request = self.swapped[0]
+            if self._num_slots() + request.fan_out > self.max_num_seqs:
+                break  # NOTE: its samples would fork past max_num_seqs
             num_new = self._num_new_tokens(request, step.budget)
             # NOTE: the pages for this step's tokens must be free as well; a request swapped
             # in without them would not run and would be swapped straight back out.

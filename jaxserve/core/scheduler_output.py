@@ -41,6 +41,10 @@ class ScheduledRequest:
             `page_ids` above (which are group 0's); a group's `pages_from` is 0 when
             `pages_from` is None. Empty with one group.
         lora_id: The request's LoRA adapter (`lora_int_id`), 0 for the base model.
+        state_slot: With a state group (linear-attention layers), the request's state slot:
+            the row of the state pools this step reads and writes (the runner puts it in
+            `AttentionMetadata.state_slots`; a step starting at position 0 starts the state
+            from zero). 0, the null slot, without one.
     """
 
     request_id: str
@@ -53,6 +57,7 @@ class ScheduledRequest:
     pages_from: int | None = None
     group_pages: tuple[tuple[int, list[int]], ...] = ()
     lora_id: int = 0
+    state_slot: int = 0
 
     @property
     def num_pages(self) -> int:

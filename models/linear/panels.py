@@ -3,9 +3,13 @@
 The CPU matmul kernel (`pallas_kernels/cpu_ffi/gemm.py`) multiplies by layer `i` of a whole
 weight stack f32[L, K, N] packed into 16-column panels f32[L, P, K, 16] (P = 3 ceil(N / 48),
 zero-padded), read in place at the traced layer index: the layer scan makes no per-layer
-copy of the weights, and the panels spread over XLA's thread pool. A q8/q4 weight is packed
-leaf by leaf ("qweight", "scales"[, "zeros"] as [L, P, rows, 16] panels,
-`pallas_kernels/cpu_ffi/qgemm.py`) and dequantized in registers by the quantized kernel.
+copy of the weights, and the panels spread over XLA's thread pool. A q8/q4/fp8/mxfp4/nvfp4
+weight is packed leaf by leaf ("qweight", "scales"[, "zeros"], "block_scales",
+"e8m0_scales" or "e4m3_scales" as [L, P, rows, 16] panels, `pallas_kernels/cpu_ffi/qgemm.py`;
+a q4 weight's groups as the checkpoint has them, an fp8 weight's block scales widened to
+one per column, FP4 codes in q4's panel order with their scales in their stored dtypes and
+NVFP4's global scale [L, 1, 1] as it is) and dequantized in registers by the quantized
+kernel.
 The LM head [hidden, vocab] is packed the same way as a stack of one, [1, P, hidden, 16];
 a tied embedding looks tokens up in the head's panels (one copy of the table).
 
@@ -30,7 +34,9 @@ from models.quant import PERM, QuantFormat, QuantPlan
 from pallas_kernels.cpu_ffi import gemm, qgemm
 from pallas_kernels.quant_matmul.reference import dequantize
 
-KERNEL_Q4_BLOCK = 32  # the q4 block the CPU quantized kernel reads (`qgemm.supports`)
+# The most an fp8 weight's scales may add, as a fraction of its codes' bytes, once widened to
+# one per column (an f32 per bk codes: 4 / bk; the bound on device weight bytes, issue 62).
+FP8_SCALE_GROWTH = 0.10
 
 
 def _leaf_names(fmt: QuantFormat | None, float_name: str) -> tuple[str, ...]:
@@ -39,10 +45,11 @@ def _leaf_names(fmt: QuantFormat | None, float_name: str) -> tuple[str, ...]:
     return qgemm.LEAVES[fmt.kind] + ((PERM,) if fmt.act_order else ())
 
 
-def _subblocks(fmt: QuantFormat, k: int) -> int:
-    """How many of the kernel's 32-value q4 blocks one of `fmt`'s groups spans (1 for q8,
-    whose kernel takes any block)."""
-    return fmt.block_for(k) // KERNEL_Q4_BLOCK if fmt.kind == "q4" else 1
+def _column_block(fmt: QuantFormat, leaves: dict) -> int:
+    """Columns per scale of `fmt`'s standard leaves: fp8's block along N (1 otherwise)."""
+    if fmt.kind != "fp8":
+        return 1
+    return fmt.blocks_for(*np.shape(leaves["qweight"])[-2:])[1]
 
 
 def _pack(leaves: dict, fmt: QuantFormat | None, float_name: str, stacked: bool) -> dict:
@@ -50,12 +57,10 @@ def _pack(leaves: dict, fmt: QuantFormat | None, float_name: str, stacked: bool)
     if fmt is None:
         return {float_name: gemm.pack(lead(leaves[float_name]))}
     arrays = {name: lead(leaves[name]) for name in qgemm.LEAVES[fmt.kind]}
-    # NOTE: a q4 group of 64 or 128 (GPTQ, AWQ) is that many 32-value blocks with its
-    # scale and zero repeated: what the kernel reads, a few % more bytes than the file.
-    r = _subblocks(fmt, arrays["qweight"].shape[-2] * 2)
-    if r > 1:
-        for name in ("scales", "zeros"):
-            arrays[name] = np.repeat(arrays[name], r, axis=-2)
+    bn = _column_block(fmt, arrays)
+    if bn > 1:  # the kernel reads one scale per column: an fp8 block's repeated across it
+        n = arrays["qweight"].shape[-1]
+        arrays["block_scales"] = np.repeat(arrays["block_scales"], bn, axis=-1)[..., :n]
     perm = {PERM: lead(leaves[PERM])} if PERM in leaves else {}  # [L, K, 1], as it is
     return {**qgemm.pack(arrays, fmt.kind), **perm}
 
@@ -64,12 +69,9 @@ def _unpack(panels: dict, fmt: QuantFormat | None, float_name: str, n: int,
             stacked: bool) -> dict:
     panels, perm = split_perm(panels)
     out = ({float_name: gemm.unpack(panels[float_name], n)} if fmt is None
-           else {**qgemm.unpack(panels, n), **({} if perm is None else {PERM: perm})})
-    if fmt is not None:
-        r = _subblocks(fmt, out["qweight"].shape[-2] * 2)
-        if r > 1:  # the repeated rows of `_pack`, once each
-            out = {**out, "scales": out["scales"][..., ::r, :],
-                   "zeros": out["zeros"][..., ::r, :]}
+           else {**qgemm.unpack(panels, n, fmt.kind), **({} if perm is None else {PERM: perm})})
+    if fmt is not None and (bn := _column_block(fmt, out)) > 1:  # one scale per block again
+        out = {**out, "block_scales": out["block_scales"][..., ::bn]}
     return out if stacked else {name: a[0] for name, a in out.items()}
 
 
@@ -86,7 +88,8 @@ def _matmul(fmt: QuantFormat | None, leaves: dict, x: jax.Array, layer, n: int,
 
 @dataclasses.dataclass(frozen=True)
 class PanelLinear(LinearMethod):
-    """A float32 ("kernel") or q8/q4 (`fmt`) weight served as panels from `STACKS`."""
+    """A float32 ("kernel") or q8/q4/fp8/mxfp4/nvfp4 (`fmt`) weight served as panels from
+    `STACKS`."""
 
     fmt: QuantFormat | None = None
     stacked = True
@@ -151,10 +154,13 @@ def kernels_available(quantized: bool) -> bool:
 
 def plan_supported(plan: QuantPlan, cfg: ArchConfig) -> bool:
     """Whether every layer matmul and the LM head (the tied embedding) that `plan`
-    quantizes has a format the CPU quantized kernel multiplies (q8 with any block dividing
-    its input size, q4 in groups of a multiple of 32 with float16 zeros: symmetric GPTQ and
-    compressed-tensors int4 among them); other plans serve with XLA's
-    `QuantLinear` (`can_panel`)."""
+    quantizes has a format the CPU quantized kernel multiplies (`qgemm.supports`: q8 with
+    any block dividing its input size; q4 in groups of a multiple of 32 dividing it, or
+    per channel, float16 or float32 zeros: GPTQ, AWQ and compressed-tensors int4 among
+    them; fp8 in blocks dividing it whose scales, widened to one per column, add at most
+    `FP8_SCALE_GROWTH` to the codes' bytes, not a tied embedding; mxfp4 and nvfp4 with an
+    input size a multiple of 32, not a tied embedding); other plans serve with XLA's
+    `QuantLinear`/`Fp4Linear` (`can_panel`)."""
     head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
     shapes = {name: k for (_, name), (k, _) in layer_matmul_shapes(cfg).items()}
     for name, k in (*shapes.items(), (head, cfg.hidden_size)):
@@ -162,8 +168,10 @@ def plan_supported(plan: QuantPlan, cfg: ArchConfig) -> bool:
         if fmt is None:
             continue
         block = fmt.block_for(k)
-        if fmt.kind == "q4":  # a group of several kernel blocks is repeated into them
-            block = KERNEL_Q4_BLOCK if block % KERNEL_Q4_BLOCK == 0 else block
-        if fmt.zero_dtype != "float16" or not qgemm.supports(fmt.kind, k, block):
+        if fmt.kind == "fp8" and (name == "embed_tokens" or 4 / block > FP8_SCALE_GROWTH):
+            return False
+        if fmt.kind in qgemm.FP4_BLOCKS and name == "embed_tokens":
+            return False  # a tied FP4 table's lookups would need the codes' own order back
+        if not qgemm.supports(fmt.kind, k, block):
             return False
     return True

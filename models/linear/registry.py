@@ -206,8 +206,8 @@ def choose_methods(cfg: ArchConfig, plan: QuantPlan = NO_QUANT, dtype=jnp.float3
     row_tile = tuned("batch_invariant")["row_tile"] if choice.batch_invariant else 0
     if choice.panels and not can_panel(cfg, plan, dtype, backend):
         raise ValueError("packing the weights into panels needs the 'cpu' backend with "
-                         "float32, unquantized or q8/q4 weights of a dense model on one "
-                         "device and the CPU matmul kernels (got "
+                         "float32, unquantized or q8/q4/fp8/FP4 weights of a dense model on "
+                         "one device and the CPU matmul kernels (got "
                          f"backend {backend!r}, dtype {dtype.name}, quantization "
                          f"{plan.to_dict() or None}, {cfg.architecture})")
     head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
@@ -271,19 +271,24 @@ def serving_params(params: dict, methods: Methods) -> dict:
 
 def _panel_method(leaves: dict, fmt: QuantFormat | None = None) -> PanelLinear:
     """The panel method whose serving form `leaves` are: with the stored format `fmt`
-    when known (a q4 group of more than the kernel's 32 values is repeated into its
-    blocks), else the leaves' kind with the kernel's block."""
+    when known (an fp8 weight's column blocks, which its panels widen to one scale per
+    column), else the leaves' kind (q8/q4 groups are read off the leaves' shapes; an fp8
+    weight comes back with a scale per column: the same values)."""
     kind = kind_of(leaves)
     if kind is None:
         return PanelLinear()
-    return PanelLinear(fmt if fmt is not None and fmt.kind == kind
-                       else QuantFormat(kind, act_order=PERM in leaves))
+    if fmt is not None and fmt.kind == kind:
+        return PanelLinear(fmt)
+    if kind in FP4_BLOCKS:  # the kind fixes the block
+        return PanelLinear(QuantFormat(kind, FP4_BLOCKS[kind]))
+    return PanelLinear(QuantFormat(kind, block_n=1 if kind == "fp8" else 0,
+                                   act_order=PERM in leaves))
 
 
 def standard_params(params: dict, cfg: ArchConfig, plan: QuantPlan = NO_QUANT) -> dict:
     """The standard params tree of any serving form (`serving_params`' inverse; a
     standard tree is returned as it is). Each weight's method is read off its leaves and
-    `plan` (the model's `quant`: a q4 group wider than the CPU kernel's blocks), so a
+    `plan` (the model's `quant`: an fp8 weight's column blocks), so a
     checkpoint writer needs no `Methods`."""
     if "params" not in params:
         return params

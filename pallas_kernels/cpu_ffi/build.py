@@ -10,6 +10,7 @@ building at once never load a half-written file.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -96,22 +97,32 @@ def build(source: str = SOURCE, what: str = "the CPU decode kernel") -> ctypes.C
     compiler = [found, *cxx[1:]]
     path = library_path(" ".join(compiler), source)
     if not os.path.exists(path):
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-        os.close(fd)
-        obj = tmp[:-3] + ".o"
-        try:
-            _run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HERE}", "-c", source,
-                  "-o", obj], what)
-            _run([*compiler, *LINK_FLAGS, obj, "-o", tmp], what)
-            os.replace(tmp, path)
-        finally:
-            for leftover in (tmp, obj):
-                if os.path.exists(leftover):
-                    os.remove(leftover)
-        logger.info("jaxserve: built %s: %s", what, path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # NOTE: processes starting together (test workers, data-parallel replicas) build a
+        # library once: the others wait on its lock, then load the first one's build.
+        with open(path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(path):
+                _compile(compiler, source, path, what)
     return ctypes.CDLL(path)
+
+
+def _compile(compiler: list[str], source: str, path: str, what: str) -> None:
+    """Compiles `source` into the shared library `path` (written whole, then renamed)."""
+    folder = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    obj = tmp[:-3] + ".o"
+    try:
+        _run([*compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{HERE}", "-c", source,
+              "-o", obj], what)
+        _run([*compiler, *LINK_FLAGS, obj, "-o", tmp], what)
+        os.replace(tmp, path)
+    finally:
+        for leftover in (tmp, obj):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    logger.info("jaxserve: built %s: %s", what, path)
 
 
 def register(source: str, symbol: str, target: str, what: str, fallback: str) -> str | None:

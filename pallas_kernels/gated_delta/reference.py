@@ -61,11 +61,13 @@ def delta_step(s: jax.Array, q_t, k_t, v_t, g_t, beta_t) -> tuple[jax.Array, jax
     Returns:
         (o_t f32[..., dv], the state after the token).
     """
+    # Multiply-and-reduce rather than dots: one fused pass over S each (a batch of
+    # matrix-vector dots is XLA CPU's slow path), and f32 on every platform.
     s = jnp.exp(g_t)[..., None, None] * s
-    kv_mem = jnp.einsum("...kv,...k->...v", s, k_t, precision=HI)  # S^T k_t
+    kv_mem = jnp.sum(s * k_t[..., :, None], axis=-2)  # S^T k_t
     u = beta_t[..., None] * (v_t - kv_mem)
     s = s + k_t[..., :, None] * u[..., None, :]
-    return jnp.einsum("...kv,...k->...v", s, q_t, precision=HI), s
+    return jnp.sum(s * q_t[..., :, None], axis=-2), s
 
 
 def gated_delta_rule_reference(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens):

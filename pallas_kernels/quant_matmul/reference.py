@@ -70,8 +70,9 @@ def int8_activations(x: jax.Array, block: int = 32) -> tuple[jax.Array, jax.Arra
 
 def q4_int8_matmul_reference(x: jax.Array, w: dict) -> jax.Array:
     """x f32[M, K] @ a q4 weight as the CPU q4 kernel computes it, x split into int8 parts
-    (`int8_activations`): per block, scale x d x (the integer dots of the codes with xq,
-    plus with xr over 254), plus zero x the block's (unsplit) sum of x."""
+    per 32-value block (`int8_activations`): per block, its group's scale x d x (the
+    integer dots of the codes with xq, plus with xr over 254), plus its group's zero x the
+    block's (unsplit) sum of x."""
     k, n = check_quant_weight(w, "q4")
     m, nb = x.shape[0], k // 32
     xq, xr, xd = int8_activations(x)
@@ -81,7 +82,9 @@ def q4_int8_matmul_reference(x: jax.Array, w: dict) -> jax.Array:
                                precision="highest")  # integers: exact in float32
     dots = dot(xq) + dot(xr) / 254.0  # f32[M, nb, n]
     xsum = x.astype(jnp.float32).reshape(m, nb, 32).sum(-1)  # f32[M, nb]
-    scales, zeros = (w[name].astype(jnp.float32) for name in ("scales", "zeros"))
+    # One scale and zero per group of a multiple of 32: repeated over its 32-value blocks.
+    scales, zeros = (jnp.repeat(w[name].astype(jnp.float32), nb // w[name].shape[0], axis=0)
+                     for name in ("scales", "zeros"))  # f32[nb, N]
     return (jnp.einsum("mbn,bn->mn", dots * xd[..., None], scales, precision="highest")
             + jnp.einsum("mb,bn->mn", xsum, zeros, precision="highest"))
 

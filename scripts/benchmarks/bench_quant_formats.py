@@ -3,8 +3,8 @@ people download, against the same model in float32 (issue 62's benchmark).
 
 Each format's checkpoint (`jaxserve.bench.quant_checkpoints`: float32, FP8 in 128x128
 blocks, GPTQ int4 group 128 symmetric, AWQ int4 group 128, GPTQ int8 group 128, GPTQ int4
-group 32 (the group the `cpu` backend's q4 kernel reads in place), and compressed-tensors'
-W4A16, W8A8 int8 and FP8_DYNAMIC presets) is written to a temporary directory, loaded with
+group 32 (GGUF's block, the finest group), and compressed-tensors' W4A16, W8A8 int8,
+FP8_DYNAMIC, MXFP4A16 and NVFP4A16 presets) is written to a temporary directory, loaded with
 `quantization="auto"` (the checkpoint's own format) and served in the form the engine picks
 on this machine (`jaxserve.runner.serving`: the `cpu` backend's packed panels where its
 kernels read the format, else XLA's matmuls). Each decode step (`batch` requests, one new

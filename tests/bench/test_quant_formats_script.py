@@ -21,7 +21,8 @@ SERVED = {"float32": (None, None), "fp8": ("fp8", "fp8"), "gptq-int4": ("gptq", 
           "awq-int4": ("awq", "q4"), "gptq-int8": ("gptq", "q8"),
           "gptq-int4-g32": ("gptq", "q4"), "ct-w4a16": ("compressed-tensors", "q4"),
           "ct-w8a8-int8": ("compressed-tensors", "q8"),
-          "ct-fp8-dynamic": ("compressed-tensors", "fp8")}
+          "ct-fp8-dynamic": ("compressed-tensors", "fp8"),
+          "ct-mxfp4": ("compressed-tensors", "mxfp4"), "ct-nvfp4": ("compressed-tensors", "nvfp4")}
 
 
 def test_every_format_is_checked_here():

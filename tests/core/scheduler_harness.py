@@ -17,6 +17,7 @@ from jaxserve.core.baseline_schedulers import scheduler_class as baseline_class
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import PLACEHOLDER, SchedulerOutput
+from jaxserve.core.state_slots import StateGroupSpec, default_num_state_slots
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.block_table_rows import BlockTableRows
 from jaxserve.sampling_params import SamplingParams
@@ -29,15 +30,20 @@ HOST_PAGE_BYTES = 2**30  # swap_space=N GiB then gives exactly N host slots
 def make_scheduler(*, num_pages: int = 33, page_size: int = PS, budget: int = 32,
                    max_model_len: int = 64, host_slots: int = 0, prefix: bool = True,
                    watermark: float = 0.0, group_windows: tuple[int, ...] = (0,),
-                   scheduler_class: type[Scheduler] | None = None, **config) -> Scheduler:
+                   scheduler_class: type[Scheduler] | None = None, state: bool = False,
+                   state_host_slots: int | None = None, **config) -> Scheduler:
     """A scheduler over a fresh KV manager; its class is the one `config`'s
-    `scheduling_mode` names (`scheduler_class`) unless one is given."""
+    `scheduling_mode` names (`scheduler_class`) unless one is given. `state`: the manager
+    has a state group of `max_num_seqs + 1` slots (`state_host_slots` host slots; None:
+    the manager's default)."""
     if scheduler_class is None:
         scheduler_class = baseline_class(config.get("scheduling_mode", "continuous+chunked"))
+    spec = StateGroupSpec(default_num_state_slots(SchedulerConfig(**config).max_num_seqs), 1,
+                          state_host_slots) if state else None
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix, watermark=watermark,
                         swap_space=float(host_slots), bytes_per_page=HOST_PAGE_BYTES,
                         max_model_len=max_model_len, group_windows=group_windows,
-                        max_chunk_tokens=budget)
+                        max_chunk_tokens=budget, state_group=spec)
     return scheduler_class(SchedulerConfig(**config), kv, max_model_len, budget)
 
 
@@ -87,6 +93,9 @@ class Harness:
         self.choose = choose
         self.device: dict[int, list] = {}  # page id -> fingerprints of its slots
         self.host: dict[int, list] = {}  # host slot -> fingerprints
+        # A state group's slots: the fingerprint of the last token each state has taken in.
+        self.state_device: dict[int, int | None] = {}
+        self.state_host: dict[int, int | None] = {}
         self.outputs: list[SchedulerOutput] = []
         self.seen: dict[str, Request] = {}  # every request added or forked
         self.overlap = overlap
@@ -197,6 +206,10 @@ class Harness:
         assert kv.pool.num_allocatable_pages == kv.pool.num_usable_pages
         assert kv.host_pool.num_free_slots == kv.host_pool.num_slots
         assert not kv.tables.requests and kv.tables.pending.is_empty()
+        if kv.state_slots is not None:  # every state slot free, on the device and the host
+            assert not kv.state_slots.slot_of and not kv.state_slots.host_slot_of
+            assert kv.state_slots.num_free_slots == kv.state_slots.num_slots - 1
+            assert kv.state_slots.num_free_host_slots == kv.state_slots.num_host_slots
         released = kv.take_released()  # what the next step would release
         for rows in self.group_rows:
             rows.release(released)
@@ -262,6 +275,13 @@ class Harness:
                 assert num_new <= threshold
         for rid in out.preempted_request_ids:
             assert rid not in ids and rid not in running_ids
+        slots = [entry.state_slot for entry in out.scheduled]
+        if kv.state_slots is None:
+            assert set(slots) <= {0}
+        else:
+            assert slots == [kv.state_slot(e.request_id) for e in out.scheduled] and 0 not in slots
+            assert len(set(slots)) == len(slots)
+            assert not any(entry.num_spec_tokens for entry in out.scheduled)
 
     def _check_state(self) -> None:
         sched, kv = self.sched, self.kv
@@ -298,6 +318,22 @@ class Harness:
         slots = [s for state in kv.tables.requests.values() for s in state.host_slot_ids or ()]
         assert len(slots) == len(set(slots))
         assert kv.host_pool.num_free_slots + len(slots) == kv.host_pool.num_slots
+        if kv.state_slots is not None:
+            self._check_state_slots()
+
+    def _check_state_slots(self) -> None:
+        """Each running request holds one device state slot, each swapped one a host slot
+        only, no two the same; the free ones make up the rest."""
+        sched, state = self.sched, self.kv.state_slots
+        assert set(state.slot_of) == {r.request_id for r in sched.running}
+        assert set(state.host_slot_of) == {r.request_id for r in sched.swapped}
+        held, host_held = list(state.slot_of.values()), list(state.host_slot_of.values())
+        assert len(set(held)) == len(held) and 0 not in held
+        assert all(0 < s < state.num_slots for s in held)
+        assert len(set(host_held)) == len(host_held)
+        assert all(0 <= s < state.num_host_slots for s in host_held)
+        assert state.num_free_slots + len(held) == state.num_slots - 1
+        assert state.num_free_host_slots + len(host_held) == state.num_host_slots
 
     def _run(self, out: SchedulerOutput) -> None:
         """Executes the plans, writes the step's KV, then checks what attention reads."""
@@ -309,6 +345,7 @@ class Harness:
         copies = [(dst, list(self.device[src])) for src, dst in plans.copy.pairs]
         for dst, content in copies:
             self.device[dst] = content
+        self._run_state_plans(plans.state)
         fingerprints, tables = {}, self._kept_tables(out)
         del self.tables[id(out)]
         for entry in out.scheduled:
@@ -322,6 +359,15 @@ class Harness:
                     assert table[pos // ps], f"{entry.request_id} writes into the null page"
                     page = self.device.setdefault(table[pos // ps], [None] * ps)
                     page[pos % ps] = fps[pos]
+        if self.kv.state_slots is not None:
+            for entry in out.scheduled:  # the step's state reads, then its writes
+                fps, start = fingerprints[entry.request_id], entry.start_pos
+                if start:  # a step from position 0 starts the state from zero
+                    assert self.state_device.get(entry.state_slot) == fps[start - 1], (
+                        f"{entry.request_id} reads a wrong state (slot {entry.state_slot})")
+            for entry in out.scheduled:
+                end = entry.start_pos + entry.num_new_tokens
+                self.state_device[entry.state_slot] = fingerprints[entry.request_id][end - 1]
         for entry in out.scheduled:
             fps = fingerprints[entry.request_id]
             for g, table in enumerate(tables[entry.request_id]):
@@ -333,6 +379,18 @@ class Harness:
                     assert self.device[page][pos % ps] == fps[pos], (
                         f"{entry.request_id} reads wrong KV at position {pos} (page {page}, "
                         f"group {g})")
+
+    def _run_state_plans(self, plans) -> None:
+        """A state group's moves in their order, each kind reading before it writes."""
+        for slot, host in plans.swap_out.pairs:
+            self.state_host[host] = self.state_device.get(slot)
+        assert len({dst for _, dst in plans.copy.pairs}) == len(plans.copy.pairs)
+        gathered = [self.state_device.get(src) for src, _ in plans.copy.pairs]
+        for (_, dst), value in zip(plans.copy.pairs, gathered, strict=True):
+            self.state_device[dst] = value
+        assert len({dst for _, dst in plans.swap_in.pairs}) == len(plans.swap_in.pairs)
+        for host, slot in plans.swap_in.pairs:
+            self.state_device[slot] = self.state_host.get(host)
 
 
 def scheduled(out: SchedulerOutput) -> dict[str, int]:

@@ -44,13 +44,15 @@ def hits_of(hit_ids, num_groups: int) -> list[list[int]]:
 class KVCacheMachine(RuleBasedStateMachine):
     WINDOWS: tuple[int, ...] = (0,)  # the KV cache groups' windows
 
+    STATE_GROUP = None  # a StateGroupSpec: the manager keeps state slots too
+
     def __init__(self):
         super().__init__()
         self.num_pages = (NUM_PAGES - 1) * len(self.WINDOWS) + 1
         self.manager = KVCacheManager(
             self.num_pages, PS, watermark=0.1,
             swap_space=NUM_HOST_SLOTS * BYTES_PER_PAGE / 2**30, bytes_per_page=BYTES_PER_PAGE,
-            group_windows=self.WINDOWS)
+            group_windows=self.WINDOWS, state_group=self.STATE_GROUP)
         self.device = np.full((self.num_pages, PS), -1, dtype=np.int64)
         self.host = np.full((NUM_HOST_SLOTS, PS), -2, dtype=np.int64)
         self.requests: dict[str, Request] = {}  # holding KV: running or swapped
@@ -79,7 +81,17 @@ class KVCacheMachine(RuleBasedStateMachine):
                 [p.page_id for p in pool.free_queue], list(self.manager.host_pool._free_slot_ids),
                 sorted(rid for rid, s in states.items() if s.is_swapped),
                 dict(pending.copy_src), dict(pending.pins),
-                dict(pending.swap_in_src), list(pending.swap_out_pairs))
+                dict(pending.swap_in_src), list(pending.swap_out_pairs), self.state_snapshot())
+
+    # Hooks of a machine with a state group (test_kv_state_properties.py).
+    def state_snapshot(self):
+        return ()
+
+    def run_state_moves(self, plans) -> None:
+        """Executes the step's state plans."""
+
+    def write_state(self, request: Request, num_new: int) -> None:
+        """The step's state read and write for a request computing `num_new` tokens."""
 
     def schedule(self, request: Request, num_new_tokens: int, hit_ids=(), num_hit: int = 0):
         before = self.snapshot()
@@ -124,9 +136,18 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data):
         parent = self.requests[data.draw(st.sampled_from(self.running_ids(unscheduled=True)))]
+        self.fork_child(parent)
+
+    def fork_child(self, parent: Request) -> Request | None:
+        """Forks `parent` (n > 1) if the manager can (a state group may have no free slot)."""
+        if not self.manager.can_fork(parent, parent.num_computed_tokens):
+            slots = self.manager.state_slots
+            assert slots is not None and not slots.num_free_slots
+            return None
         child = parent.fork(self.new_id())
         self.manager.fork(parent, child)
         self.requests[child.request_id] = child
+        return child
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -204,8 +225,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.host[out[:, 1]] = self.device[out[:, 0]]
         self.device[into[:, 1]] = self.host[into[:, 0]]
         self.device[cp[:, 1]] = self.device[cp[:, 0]]
+        self.run_state_moves(plans.state)
         for rid, num_new in self.scheduled.items():
             request = self.requests[rid]
+            self.write_state(request, num_new)
             for g in range(len(self.WINDOWS)):
                 page_ids = self.manager.page_ids(rid, g)
                 for pos in range(request.num_computed_tokens,
@@ -223,10 +246,8 @@ class KVCacheMachine(RuleBasedStateMachine):
                     continue
                 samples = [request]
                 if data.draw(st.integers(0, 3)) == 0:  # n > 1: samples diverge from here
-                    samples.append(request.fork(self.new_id()))
-                    self.manager.fork(request, samples[-1])
-                    self.requests[samples[-1].request_id] = samples[-1]
-                for sample in samples:
+                    samples.append(self.fork_child(request))
+                for sample in filter(None, samples):
                     sample.append_output_token_ids(data.draw(TOKENS))
         self.check_contents()
 
@@ -272,7 +293,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 == self.num_pages - 1)
         assert stats.num_cached_pages == sum(
             1 for p in pool.pages if p.ref_cnt == 0 and p.page_hash is not None)
-        index = pool.prefix_cache._pages
+        index = pool.prefix_cache._pages if pool.prefix_cache is not None else {}
         assert len(index) == sum(1 for p in pool.pages if p.page_hash is not None)
         assert all(p.page_hash == h for h, p in index.items())
         assert 0.0 <= stats.internal_fragmentation < 1.0

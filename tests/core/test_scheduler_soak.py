@@ -28,6 +28,11 @@ SOAK_CONFIGS = [
     {"preemption_mode": "swap", "host_slots": 8, "group_windows": (0, 5)},
     {"preemption_mode": "swap", "host_slots": 6, "long_prefill_token_threshold": 3,
      "group_windows": (9,)},
+    # A state group (linear-attention layers): one state slot per request beside the pages.
+    {"preemption_mode": "recompute", "state": True},
+    {"preemption_mode": "swap", "host_slots": 6, "state": True},
+    {"preemption_mode": "swap", "host_slots": 8, "state": True, "state_host_slots": 1,
+     "long_prefill_token_threshold": 3, "group_windows": (0, 5)},
 ]
 
 

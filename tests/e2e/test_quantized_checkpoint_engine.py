@@ -1,6 +1,6 @@
-"""Quantized checkpoints (FP8 blocks, GPTQ, AWQ, MXFP4, NVFP4) served by the engine with
-quantization="auto": transformers' greedy tokens on the dequantized weights, alone, batched,
-chunked, and split over two devices."""
+"""Quantized checkpoints (FP8 blocks, GPTQ, AWQ, MXFP4, NVFP4, compressed-tensors' int4 and
+int8) served by the engine with quantization="auto": transformers' greedy tokens on the
+dequantized weights, alone, batched, chunked, and split over two devices."""
 
 from __future__ import annotations
 
@@ -80,12 +80,35 @@ def _fp4(preset: str, config: dict):
     return write
 
 
+def _ct_int(bits: int, fmt: str, config: dict, activations: dict | None = None, **weights):
+    """compressed-tensors' integer schemes (its own compressor: `tests/models/ct_pack`)."""
+
+    def write(directory: str):
+        from tests.models.ct_pack import scheme, write_ct
+
+        hf, _ = write_ct(directory, config, scheme(fmt, activations, num_bits=bits, type="int",
+                                                   **weights))
+        return hf
+
+    return write
+
+
 WRITERS = {"fp8": _fp8_moe, "gptq": _gptq, "awq": _awq,
            "mxfp4": _fp4("mxfp4", LLAMA), "nvfp4": _fp4("nvfp4", dict(QWEN3_MOE,
-                                                                      model_type="qwen3_moe"))}
-# The FP4 engines (the served format: compressed-tensors) run in the slow tier: their
-# readers and methods have default-tier tests in tests/models/test_fp4_checkpoint.py.
-FP4 = ("mxfp4", "nvfp4")
+                                                                      model_type="qwen3_moe")),
+           "ct-w4a16": _ct_int(4, "pack-quantized", dict(QWEN3_MOE, model_type="qwen3_moe"),
+                               strategy="group", group_size=32, symmetric=False),
+           "ct-w8a8": _ct_int(8, "int-quantized", LLAMA,
+                              dict(num_bits=8, type="int", symmetric=True, strategy="token",
+                                   dynamic=True), strategy="channel", symmetric=True)}
+# The engines of formats served through compressed-tensors run in the slow tier: their
+# readers and methods have default-tier tests in tests/models/test_fp4_checkpoint.py and
+# tests/models/test_compressed_tensors.py.
+CT = ("mxfp4", "nvfp4", "ct-w4a16", "ct-w8a8")
+# The dense int4 and MXFP4 formats on the `cpu` backend, read in place by its quantized kernel
+# (its panels: groups as stored, AWQ's and asymmetric GPTQ's float32 zeros, FP4 codes and
+# scales as stored); the FP8 MoE on XLA.
+PANELS = {"attention_backend": "cpu"}
 
 
 @dataclasses.dataclass
@@ -94,7 +117,7 @@ class Checkpoint:
 
     name: str
     directory: str
-    served: str  # the served format's name (compressed-tensors for MXFP4 and NVFP4)
+    served: str  # the served format's name (compressed-tensors for `CT`)
     llm: LLM
     ids: list[list[int]]
     want: list[list[int]]
@@ -108,8 +131,9 @@ class Checkpoint:
 
 
 @pytest.fixture(scope="module", params=[
-    pytest.param(w, marks=pytest.mark.slow(reason="one engine per format: FP4 in the slow tier"))
-    if w in FP4 else w for w in WRITERS])
+    pytest.param(w, marks=pytest.mark.slow(reason="one engine per format: compressed-tensors' "
+                                                   "in the slow tier"))
+    if w in CT else w for w in WRITERS])
 def checkpoint(request, smollm2_tokenizer, tmp_path_factory) -> Checkpoint:
     """One engine per format (module-scoped: every check below shares it)."""
     directory = str(tmp_path_factory.mktemp(request.param) / "model")
@@ -132,12 +156,13 @@ def checkpoint(request, smollm2_tokenizer, tmp_path_factory) -> Checkpoint:
     level = logger.level
     logger.setLevel(logging.INFO)  # NOTE: setLevel, not `.level =`: it clears the cache
     try:
-        llm = LLM(directory, quantization="auto", **ENGINE)
+        llm = LLM(directory, quantization="auto",
+                  **(ENGINE if request.param == "fp8" else {**ENGINE, **PANELS}))
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
     log = [r.getMessage() for r in records]
-    served = "compressed-tensors" if request.param in FP4 else request.param
+    served = "compressed-tensors" if request.param in CT else request.param
     return Checkpoint(request.param, directory, served, llm, ids, want, log)
 
 
@@ -152,6 +177,9 @@ def test_served_in_the_checkpoints_format(checkpoint):
     assert checkpoint.llm.engine.quantization == checkpoint.served
     leaves = _leaves(checkpoint.llm)
     assert not any("o_proj/kernel" in p for p in leaves)  # kept quantized on the device
+    # The CPU panels serve the dense models (int, MXFP4); the MoEs (their experts) go to XLA.
+    panels = checkpoint.name in ("gptq", "awq", "ct-w8a8", "mxfp4")
+    assert checkpoint.llm.engine.runner.model.serving.panels == panels
     if checkpoint.name == "fp8":  # the routed experts' stacks too
         assert any("experts" in p and "down_proj" in p and p.endswith("qweight")
                    and leaf.dtype == np.dtype("float8_e4m3fn") for p, leaf in leaves.items())
@@ -184,7 +212,7 @@ def test_greedy_alone_then_batched(checkpoint):
 
 
 TP_FORMATS = ["gptq", *(pytest.param(f, marks=pytest.mark.slow)
-                       for f in ("fp8", "awq", "mxfp4", "nvfp4"))]
+                       for f in ("fp8", "awq", "mxfp4", "nvfp4", "ct-w4a16"))]
 
 
 # NOTE: one tensor-parallel engine in the default tier (GPTQ's groups split on K); FP8's

@@ -350,7 +350,46 @@ def test_failing_compile_is_reported(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "false")  # exits 1
     with pytest.raises(RuntimeError, match="building the CPU decode kernel failed"):
         build.build()
-    assert not list(tmp_path.iterdir()), "a failed build must leave no library behind"
+    left = [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")]
+    assert not left, "a failed build must leave no library behind"
+
+
+def test_processes_starting_together_build_a_library_once(monkeypatch, tmp_path):
+    """Two builders at once (test workers, replicas): one compiles, the other waits on the
+    library's lock and loads that build."""
+    import shutil
+    import threading
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fake-cxx"
+    # Logs each call; "compiles" by touching the object, "links" an empty shared library.
+    fake.write_text(f"""#!/bin/sh
+echo "$@" >> {calls}
+sleep 0.5
+out=""; prev=""
+for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
+case " $* " in *" -c "*) touch "$out" ;;
+  *) {shutil.which("g++") or "c++"} -shared -fPIC -x c++ /dev/null -o "$out" ;; esac
+""")
+    fake.chmod(0o755)
+    monkeypatch.setenv("JAXSERVE_FFI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(fake))
+    errors = []
+
+    def run():
+        try:
+            build.build()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(calls.read_text().splitlines()) == 2  # one compile and one link, not two each
+    assert len(list((tmp_path / "cache").glob("*.so"))) == 1
 
 
 def test_unavailable_kernel(monkeypatch):

@@ -81,17 +81,16 @@ def test_logits_equal_transformers_on_the_dequantized_weights(case, tmp_path):
     # Device bytes within 10% of the checkpoint's (float32 zeros of an asymmetric group of
     # 32 add 19% to its quantized tensors: diluted here by the float embedding and head).
     assert abs(_device_bytes(model) / _weight_bytes(tmp_path) - 1) < 0.10
-    if case == "gptq-4bit-g128-sym":  # read in place by the CPU kernel, its groups of 128
-        # repeated into the kernel's blocks of 32; the standard leaves come back as loaded.
-        assert can_panel(model.cfg, model.quant, model.dtype, "cpu")
+    # Dense models are read in place by the CPU kernel: groups of 32-128 or per channel as
+    # the checkpoint has them, float32 zeros (AWQ, asymmetric GPTQ) included.
+    assert can_panel(model.cfg, model.quant, model.dtype, "cpu") == ("moe" not in case)
+    if case in ("gptq-4bit-g128-sym", "awq-4bit-g128"):
         panel = serving_form(model, backend="cpu", panels=True)
         np.testing.assert_allclose(forward_logits(panel, QUANT_IDS), ref, rtol=0, atol=2e-5)
-        back = standard_params(panel.params, panel.cfg, panel.quant)
+        back = standard_params(panel.params, panel.cfg, panel.quant)  # as loaded
         for name in ("qweight", "scales", "zeros"):
             np.testing.assert_array_equal(back["layers"]["self_attn"]["q_proj"][name],
                                           q[name])
-    elif "asym" in case:  # float32 zeros: XLA's quantized matmul, not the CPU kernel
-        assert not can_panel(model.cfg, model.quant, model.dtype, "cpu")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,90 @@
+"""Stateful property test of the state group: the KV machine of test_kv_properties.py with a
+state slot per request, a simulated state pool and host copies of it.
+
+Each state slot holds the fingerprint of the last token its request's state has taken in;
+the machine executes the state plans (swap-out, copy as one gather and one scatter,
+swap-in) before each step, checks every step's state read (a step from position 0 starts
+from zero) and that every request, on the device or swapped out, holds its own state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis.stateful import invariant
+
+from jaxserve.core.state_slots import StateGroupSpec
+from jaxserve.request import Request
+from tests.core.test_kv_properties import KVCacheMachine, fingerprint
+
+NUM_STATE_SLOTS = 5  # 4 usable: fewer than the pool's pages hold requests, so slots run out
+NUM_HOST_STATE_SLOTS = 3
+
+
+class StateKVCacheMachine(KVCacheMachine):
+    STATE_GROUP = StateGroupSpec(NUM_STATE_SLOTS, 64, NUM_HOST_STATE_SLOTS)
+
+    def __init__(self):
+        super().__init__()
+        self.state = np.full(NUM_STATE_SLOTS, -1, dtype=np.int64)
+        self.host_state = np.full(NUM_HOST_STATE_SLOTS, -2, dtype=np.int64)
+        assert self.manager.pool.prefix_cache is None
+        assert self.manager.prefix_caching_disabled_reason
+
+    def state_snapshot(self):
+        slots = self.manager.state_slots
+        return (dict(slots.slot_of), dict(slots.host_slot_of), list(slots._free),
+                list(slots._host_free), dict(slots._source), list(slots._swap_out_pairs),
+                list(slots._deferred_host))
+
+    def run_state_moves(self, plans) -> None:
+        for pairs in (plans.swap_out.pairs, plans.copy.pairs, plans.swap_in.pairs):
+            assert len({dst for _, dst in pairs}) == len(pairs), "two moves into one slot"
+        out, cp, into = (p.as_array() for p in (plans.swap_out, plans.copy, plans.swap_in))
+        assert not (cp == 0).any() and not (into[:, 1] == 0).any()  # never the null slot
+        self.host_state[out[:, 1]] = self.state[out[:, 0]]
+        self.state[cp[:, 1]] = self.state[cp[:, 0]]  # NOTE: numpy gathers before it scatters
+        self.state[into[:, 1]] = self.host_state[into[:, 0]]
+
+    def write_state(self, request: Request, num_new: int) -> None:
+        slot, start = self.manager.state_slot(request.request_id), request.num_computed_tokens
+        if start:
+            assert self.state[slot] == fingerprint(request.all_token_ids, start - 1), (
+                f"{request.request_id} reads a wrong state at {start} (slot {slot})")
+        self.state[slot] = fingerprint(request.all_token_ids, start + num_new - 1)
+
+    def check_contents(self):
+        super().check_contents()
+        slots = self.manager.state_slots
+        for rid, request in self.requests.items():
+            if not request.num_computed_tokens:
+                continue  # its next step starts from zero
+            if rid in slots.host_slot_of:
+                value = self.host_state[slots.host_slot_of[rid]]
+            else:  # a fork of this step reads its parent's state at the next `take`
+                kind, index = slots._source.get(rid, ("slot", slots.slot(rid)))
+                value = (self.state if kind == "slot" else self.host_state)[index]
+            assert value == fingerprint(request.all_token_ids, request.num_computed_tokens - 1), (
+                f"{rid} lost its state")
+
+    @invariant()
+    def state_slots_are_consistent(self):
+        slots = self.manager.state_slots
+        on_device = {rid for rid in self.requests if not self.manager.is_swapped(rid)}
+        assert set(slots.slot_of) == on_device  # one slot per request holding device pages
+        assert set(slots.host_slot_of) == set(self.requests) - on_device  # host slots only
+        held = list(slots.slot_of.values())
+        assert sorted(held + slots._free) == list(range(1, NUM_STATE_SLOTS))
+        host = list(slots.host_slot_of.values()) + slots._deferred_host + slots._host_free
+        assert sorted(host) == list(range(NUM_HOST_STATE_SLOTS))
+        assert not self.manager.get_computed_pages(Request("probe", [0, 1, 2, 0, 1, 2, 0, 1, 0]))[1]
+
+    def teardown(self):
+        super().teardown()
+        slots = self.manager.state_slots
+        assert not slots.slot_of and not slots.host_slot_of
+        assert slots.num_free_slots == NUM_STATE_SLOTS - 1
+        assert slots.num_free_host_slots == NUM_HOST_STATE_SLOTS
+
+
+StateKVCacheMachine.TestCase.settings = KVCacheMachine.TestCase.settings
+TestStateKVCacheProperties = StateKVCacheMachine.TestCase
