@@ -239,7 +239,9 @@ class Model:
 
     @property
     def state_bytes_per_slot(self) -> int:
-        """Bytes one request's state slot takes over every linear layer (0 without any)."""
+        """Bytes one request's state slot takes over every linear layer (0 without any): the
+        whole slot; under tensor parallelism each device holds 1 / size of it (the pools
+        split by heads, `TensorParallel.state_shardings`)."""
         return state_bytes_per_slot(self.cfg) if self.has_linear_attention else 0
 
     def empty_cache(self, num_pages: int, page_size: int, num_state_slots: int = 0,
