@@ -12,6 +12,8 @@ from models.rope import RopeScaling, check_rope_scaling, parse_rope
 # HF activation names the gated MLP computes ("gelu_pytorch_tanh": GELU, tanh approximation).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# The layer kinds of a linear-attention hybrid's `layer_types` (Qwen3-Next, Qwen3.5).
+HYBRID_LAYER_TYPES = ("full_attention", "linear_attention")
 # How a mixture-of-experts router turns logits into weights (`models.moe.route`):
 # softmax over all experts then top-k (Qwen-MoE, OLMoE), or top-k logits then softmax (Mixtral).
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
@@ -79,6 +81,18 @@ class ArchConfig:
         dense_layers: The layers of a mixture of experts whose MLP is a dense `GatedMLP`
             of `intermediate_size` (Qwen-MoE's `mlp_only_layers` and
             `decoder_sparse_step`; `models.mixed`); () when every layer is sparse.
+        linear_layers: The layers whose token mixer is a Gated DeltaNet (linear attention
+            with a recurrent state per request, `models.gated_deltanet`); the others are
+            full attention (`models.hybrid`). (): every layer attends.
+        linear_num_key_heads: Query/key heads of a Gated DeltaNet layer.
+        linear_num_value_heads: Value heads (a multiple of the key heads: each key head
+            serves that many consecutive value heads).
+        linear_key_head_dim: Width of one query/key head.
+        linear_value_head_dim: Width of one value head.
+        linear_conv_kernel_dim: Taps of the causal depthwise convolution over q, k and v.
+        attn_output_gate: The full-attention layers' `q_proj` also gives a gate per head
+            (its rows: each head's query then its gate) that scales the attention output
+            by its sigmoid before `o_proj` (Qwen3-Next).
     """
 
     architecture: str
@@ -119,6 +133,13 @@ class ArchConfig:
     norm_topk_prob: bool = False
     router_order: str = "softmax_topk"
     dense_layers: tuple[int, ...] = ()
+    linear_layers: tuple[int, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    attn_output_gate: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -137,6 +158,29 @@ class ArchConfig:
         if not self.is_moe:
             return ()
         return tuple(i for i in range(self.num_layers) if i not in self.dense_layers)
+
+    @property
+    def has_linear_attention(self) -> bool:
+        """Whether some layers are Gated DeltaNet (a recurrent state per request)."""
+        return bool(self.linear_layers)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The full-attention layers (every layer without `linear_layers`): the only ones
+        that keep KV pages."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    @property
+    def attention_windows(self) -> tuple[int, ...]:
+        """`layer_windows` of the layers that keep KV pages (`attention_layers`): what the
+        KV cache groups are made of (`models.kv_groups.kv_group_layout`)."""
+        return tuple(self.layer_windows[i] for i in self.attention_layers)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's convolution: q, k and v side by side."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
 
     @property
     def rotary_dim(self) -> int:
@@ -166,6 +210,7 @@ class ArchConfig:
             object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
         # A list (JSON) becomes a tuple: the config is hashed as a static Flax attribute.
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+        object.__setattr__(self, "linear_layers", tuple(int(i) for i in self.linear_layers))
         if len(self.layer_windows) != self.num_layers:
             raise ValueError(
                 f"layer_windows has {len(self.layer_windows)} entries for "
@@ -181,6 +226,7 @@ class ArchConfig:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
                              f"{', '.join(SUPPORTED_ACTIVATIONS)}")
         self._check_moe()
+        self._check_linear()
         for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -213,6 +259,26 @@ class ArchConfig:
         if len(dense) == self.num_layers:
             raise ValueError(f"dense_layers={list(dense)} leaves no sparse layer; a model "
                              "without experts has num_experts=0")
+
+    def _check_linear(self) -> None:
+        lin = self.linear_layers
+        if not lin:
+            return
+        if list(lin) != sorted(set(lin)) or not all(0 <= i < self.num_layers for i in lin):
+            raise ValueError(f"linear_layers={list(lin)} must be distinct layers in "
+                             f"0..{self.num_layers - 1}, ascending")
+        if len(lin) == self.num_layers:
+            raise ValueError(f"linear_layers={list(lin)} leaves no full_attention layer; a "
+                             "hybrid needs at least one")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive for linear_attention layers, got "
+                                 f"{getattr(self, name)}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must "
+                             f"be a multiple of linear_num_key_heads "
+                             f"({self.linear_num_key_heads})")
 
     def to_json(self) -> str:
         """Serialises the config (inverse of `from_json`)."""
@@ -295,7 +361,8 @@ def layer_matmul_shapes(cfg: ArchConfig) -> dict[tuple[str, str], tuple[int, int
     dense layer)."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     i = cfg.intermediate_size
-    return {("self_attn", "q_proj"): (h, q), ("self_attn", "k_proj"): (h, kv),
+    gated_q = 2 * q if cfg.attn_output_gate else q  # each head's query and its output gate
+    return {("self_attn", "q_proj"): (h, gated_q), ("self_attn", "k_proj"): (h, kv),
             ("self_attn", "v_proj"): (h, kv), ("self_attn", "o_proj"): (q, h),
             ("mlp", "gate_proj"): (h, i), ("mlp", "up_proj"): (h, i),
             ("mlp", "down_proj"): (i, h)}

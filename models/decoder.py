@@ -7,7 +7,9 @@ is a `models.linear` layer of the method its `Methods` gives it, and attention i
 `Methods.attention`'s: the decoder says what is computed, never with which kernel. With a
 hybrid KV cache (`kv_layout`, `models.kv_groups`) each layer also carries its pool slot and
 KV cache group: weights stay indexed by the layer, KV by the slot, through the group's
-block tables.
+block tables. A linear-attention hybrid (Qwen3-Next, Qwen3.5) carries a
+`models.gated_deltanet.HybridCache` instead of the pool and runs each layer's token mixer
+through `models.hybrid.HybridMixer` (gated attention or Gated DeltaNet, by the layer).
 `compute_logits` applies the LM head to whichever rows the caller wants sampled.
 """
 
@@ -18,6 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ArchConfig
+from models.gated_deltanet import GatedDeltaNet, HybridCache
+from models.hybrid import ATTENTION, LINEAR, HybridMixer
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
 from models.linear import STACKS, Embedding, Linear, Methods
@@ -47,7 +51,13 @@ class Attention(nn.Module):
         def proj(n, bias, name, h):
             return Linear(n, self.methods.linear(name), bias, self.dtype, layer, name=name)(h)
 
-        q = proj(cfg.num_heads * cfg.head_dim, cfg.qkv_bias, "q_proj", x)
+        gated = cfg.attn_output_gate
+        q = proj(cfg.num_heads * cfg.head_dim * (2 if gated else 1), cfg.qkv_bias, "q_proj", x)
+        gate = None
+        if gated:  # each head's query then its gate (Qwen3-Next's q_proj rows)
+            q = q.reshape(num_tokens, cfg.num_heads, 2 * cfg.head_dim)
+            q, gate = q[..., :cfg.head_dim], q[..., cfg.head_dim:]  # [T, Hq, D] each
+            q = q.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
         k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj", x)
         v = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj", x)
         if cfg.qk_norm and cfg.qk_norm_full:  # OLMoE: over the whole projection
@@ -71,6 +81,8 @@ class Attention(nn.Module):
             scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
             out = ops.attend(q, kv_pages, slot, md, sm_scale=scale, sliding_window=window,
                              soft_cap=cfg.attn_logit_softcap)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.astype(out.dtype))
         out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
         return proj(cfg.hidden_size, cfg.o_bias, "o_proj", out), kv_pages
 
@@ -101,8 +113,19 @@ class DecoderLayer(nn.Module):
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset,
                                     methods.batch_invariant, name=name)
         h = norm("input_layernorm")(hidden)
-        attn_out, kv_pages = Attention(cfg, self.dtype, methods, name="self_attn")(
-            h, cos, sin, kv_pages, layer, window, md, slot)
+        if not cfg.has_linear_attention:
+            attn_out, kv_pages = Attention(cfg, self.dtype, methods, name="self_attn")(
+                h, cos, sin, kv_pages, layer, window, md, slot)
+        elif self.is_initializing():
+            # Both mixers' weights for every layer; `models.hybrid.hybrid_init` cuts each
+            # stack to its layers.
+            attn_out, _ = Attention(cfg, self.dtype, methods, name=ATTENTION)(
+                h, cos, sin, None, layer, window, md)
+            attn_out = attn_out + GatedDeltaNet(cfg, self.dtype, methods, name=LINEAR)(
+                h, None, None, md)[0]
+        else:  # linear-attention hybrid: one of two stacks per layer
+            attn_out, kv_pages = HybridMixer(cfg, self.dtype, methods, Attention, name="mixer")(
+                h, cos, sin, kv_pages, layer, window, md)
         routed = None  # i32[T, top_k] this layer's routed experts, when captured
         if cfg.is_mixed:  # sparse and dense layers: one of two stacks per layer
             mlp = MixedMLP(cfg, self.dtype, methods, sharding=self.expert_sharding,
@@ -174,15 +197,18 @@ class Decoder(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.vocab_size, methods.linear("lm_head"), dtype=self.dtype)
 
-    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_pages: jax.Array,
-                 md: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_pages,
+                 md: AttentionMetadata) -> tuple:
         """Runs one step.
 
         Args:
             input_ids: i32[num_tokens] token ids (padding: any id).
             positions: i32[num_tokens] absolute position of each token.
             kv_pages: dtype[num_slots, 2, num_kv_heads, num_pages, page_size, head_dim]
-                (num_slots: the layers, or `kv_layout.num_slots`).
+                (num_slots: the layers, or `kv_layout.num_slots`); for a model with
+                linear-attention layers a `HybridCache` (pages of the full-attention layers
+                and the state pools, `md.state_slots` saying each request's slot), returned
+                updated the same way.
             md: Attention metadata of this step (with several KV cache groups, its slot
                 mapping and block tables per group: `AttentionMetadata.for_group`).
 
@@ -192,8 +218,15 @@ class Decoder(nn.Module):
             each token's routed experts per layer, -1 on a mixed model's dense layers).
 
         Raises:
-            ValueError: `md` carries another number of KV cache groups than `kv_layout`.
+            ValueError: `md` carries another number of KV cache groups than `kv_layout`;
+                a hybrid's cache that is not a `HybridCache` or metadata without
+                `state_slots`.
         """
+        if self.cfg.has_linear_attention and not self.is_initializing():
+            if not isinstance(kv_pages, HybridCache) or md.state_slots is None:
+                raise ValueError(f"{self.cfg.architecture} has linear-attention layers: its "
+                                 "cache is a models.gated_deltanet.HybridCache and its "
+                                 "metadata carries state_slots")
         lay = self.kv_layout if self.kv_layout is not None and self.kv_layout.is_hybrid else None
         groups = 1 if lay is None else lay.num_groups
         grouped = lay is not None

@@ -12,6 +12,8 @@ Layer `l` reads and writes slot `layer_slot[l]` of the pages in its group's bloc
 A sliding group needs only the pages covering each request's last `window` tokens, so the
 host-side manager gives the others back while the request runs. With one group (every
 layer alike, or the hybrid cache disabled) the layout is the plain one: slot = layer.
+A model with linear-attention layers (Qwen3-Next, Qwen3.5: `models.hybrid`) keeps KV only
+for its full-attention layers: "layer" here counts those alone (`ArchConfig.attention_windows`).
 """
 
 from __future__ import annotations

@@ -44,7 +44,12 @@ def mlp_index(cfg: ArchConfig) -> np.ndarray:
 def stack_layers(cfg: ArchConfig, keys: tuple[str, ...]) -> list[int]:
     """The layers a stacked leaf (`keys`: its path under "layers") holds, in order: the
     sparse layers for `layers/mlp` and the dense ones for `layers/dense_mlp` of a mixed
-    model, else every layer."""
+    model, the full-attention and linear layers for a hybrid's `layers/self_attn` and
+    `layers/linear_attn` (`models.hybrid`), else every layer."""
+    if cfg.has_linear_attention and keys[1] == "self_attn":
+        return list(cfg.attention_layers)
+    if cfg.has_linear_attention and keys[1] == "linear_attn":
+        return list(cfg.linear_layers)
     if cfg.is_mixed and keys[1] == "mlp":
         return list(cfg.sparse_layers)
     if cfg.is_mixed and keys[1] == DENSE:

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 from models.config import ArchConfig
 from models.decoder import Decoder
+from models.gated_deltanet import HybridCache, state_bytes_per_slot, state_shapes
+from models.hybrid import broadcast_mixers, hybrid_init
 from models.kv_groups import KVGroupLayout, single_group
 from models.linear import Methods, ServingChoice, choose_methods, forward_context
 from models.lora import COLLECTION as LORA
@@ -60,7 +62,8 @@ def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT):
         return module.init(key, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), kv, md,
                            method=forward_and_logits)["params"]
 
-    return init
+    # A hybrid's init makes both token mixers in every layer; each stack keeps its layers.
+    return hybrid_init(cfg, init) if cfg.has_linear_attention else init
 
 
 def abstract_params(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT) -> dict:
@@ -89,8 +92,9 @@ def variables(params: dict) -> dict:
     """The Flax variables of a `Model.params`: the "params" collection's tree, or already
     the variables dict (a serving form with `STACKS`); a mixed mixture of
     experts' MLP stacks moved to the collection the layer scan broadcasts
-    (`models.mixed.broadcast_mlp`)."""
-    return broadcast_mlp(params if "params" in params else {"params": params})
+    (`models.mixed.broadcast_mlp`), and so a linear-attention hybrid's mixer stacks
+    (`models.hybrid.broadcast_mixers`)."""
+    return broadcast_mixers(broadcast_mlp(params if "params" in params else {"params": params}))
 
 
 @dataclasses.dataclass
@@ -112,7 +116,8 @@ class Model:
             (`models.linear.serving_form` moves them).
         kv_layout: Its KV cache groups (`models.kv_groups`): with several, the pool holds
             `kv_layout.num_slots` layers per page and each step carries a block table per
-            group. None: one group (the pool holds every layer, slot = layer).
+            group. None: one group (the pool holds every layer, slot = layer; with
+            linear-attention layers, every full-attention layer: `ArchConfig.attention_layers`).
         expert_sharding: How the device mesh splits the routed experts of a mixture of
             experts (`models.moe_parallel`; set by the runner from its tensor-parallel
             layout). None: one device, or the experts replicated.
@@ -121,8 +126,9 @@ class Model:
             measured (GGUF files, orbax checkpoints, models built in memory).
 
     Raises:
-        ValueError: A `kv_layout` that does not fit the model (`check_kv_layout`), or a
-            serving choice it cannot be served with (`models.linear.choose_methods`).
+        ValueError: A `kv_layout` that does not fit the model (`check_kv_layout`; several
+            groups with linear-attention layers), or a serving choice it cannot be served
+            with (`models.linear.choose_methods`).
     """
 
     cfg: ArchConfig
@@ -139,14 +145,18 @@ class Model:
         self.serving = self.serving or ServingChoice()
         if self.kv_layout is not None:
             check_kv_layout(self.kv_layout, self.cfg)
+            if self.kv_layout.is_hybrid and self.cfg.has_linear_attention:
+                raise ValueError(f"kv_layout has {self.kv_layout.num_groups} KV cache groups; "
+                                 "a model with linear-attention layers keeps one")
         self.methods: Methods = choose_methods(self.cfg, self.quant, self.dtype, self.serving)
         self.module = Decoder(self.cfg, self.dtype, self.methods,
                               self.kv_layout if self.is_hybrid else None, self.expert_sharding)
 
     @property
     def kv_groups(self) -> KVGroupLayout:
-        """The KV cache layout the model serves with (one group when none was given)."""
-        return self.kv_layout or single_group(self.cfg.num_layers)
+        """The KV cache layout the model serves with (one group when none was given; its
+        layers are the full-attention ones)."""
+        return self.kv_layout or single_group(len(self.cfg.attention_layers))
 
     @property
     def kv_dtype(self) -> jnp.dtype:
@@ -163,6 +173,9 @@ class Model:
                 lora: dict | None = None, lora_slots: jax.Array | None = None,
                 routing: bool = False):
         """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size]);
+        `kv_pages` is the page pool, or with linear-attention layers a
+        `models.gated_deltanet.HybridCache` (pages and state pools; `md.state_slots` each
+        request's slot), returned updated;
         with `routing`, (kv_pages, hidden, i32[num_tokens, num_layers, top_k]): each
         token's routed experts per layer, the router's heaviest first (-1 on a mixed
         model's dense layers). `routing` is static: without it the program is unchanged.
@@ -212,6 +225,44 @@ class Model:
                        f"(x{self.weight_bytes / self.checkpoint_bytes:.2f})")
         return report
 
+    @property
+    def has_linear_attention(self) -> bool:
+        """Whether some layers keep a recurrent state per request instead of pages (its
+        cache is a `HybridCache`; each step's metadata carries `state_slots`)."""
+        return self.cfg.has_linear_attention
+
+    def state_shapes(self, num_slots: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """The state pools of `num_slots` request slots (slot 0 the null slot), as
+        `HybridCache` holds them: {"conv": f32[L_lin, S, W - 1, C], "recurrent":
+        f32[L_lin, S, Hv, dk, dv]}; {} for a model without linear-attention layers."""
+        return state_shapes(self.cfg, num_slots) if self.has_linear_attention else {}
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """Bytes one request's state slot takes over every linear layer (0 without any): the
+        whole slot; under tensor parallelism each device holds 1 / size of it (the pools
+        split by heads, `TensorParallel.state_shardings`)."""
+        return state_bytes_per_slot(self.cfg) if self.has_linear_attention else 0
+
+    def empty_cache(self, num_pages: int, page_size: int, num_state_slots: int = 0,
+                    kv_dtype=None):
+        """A zeroed cache: the page pool (`kv_pages_shape`, in `kv_dtype`, default the
+        model's KV dtype) or, with linear-attention layers, a `HybridCache` of it and
+        `num_state_slots` state slots.
+
+        Raises:
+            ValueError: A hybrid asked for fewer than 2 state slots (slot 0 is null).
+        """
+        pages = jnp.zeros(self.kv_pages_shape(num_pages, page_size), kv_dtype or self.kv_dtype)
+        if not self.has_linear_attention:
+            return pages
+        if num_state_slots < 2:
+            raise ValueError(f"num_state_slots={num_state_slots}: a model with "
+                             "linear-attention layers needs the null slot and at least one")
+        shapes = self.state_shapes(num_state_slots)
+        return HybridCache(pages, *(jnp.zeros(s.shape, s.dtype) for s in
+                                    (shapes["conv"], shapes["recurrent"])))
+
     def kv_pages_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
         """Shape of this model's page pool for `num_pages` pages of `page_size` slots (one
         layer per slot: all layers with one KV cache group, `kv_layout.num_slots` with
@@ -228,9 +279,10 @@ def check_kv_layout(layout: KVGroupLayout, cfg: ArchConfig) -> None:
             two layers of a group on one slot, or a layer in a sliding group whose window
             is shorter than the layer's (the group would give back pages it still reads).
     """
-    n = cfg.num_layers
+    n = len(cfg.attention_layers)
     if layout.num_layers != n:
-        raise ValueError(f"kv_layout maps {layout.num_layers} layers; the model has {n}")
+        raise ValueError(f"kv_layout maps {layout.num_layers} layers; the model has {n} "
+                         "that attend")
     if not 1 <= layout.num_slots <= n:
         raise ValueError(f"kv_layout.num_slots={layout.num_slots} must be in [1, {n}]")
     seen = set()
@@ -243,7 +295,7 @@ def check_kv_layout(layout: KVGroupLayout, cfg: ArchConfig) -> None:
             raise ValueError(f"kv_layout: layer {layer} shares slot {slot} of group {group} "
                              "with another layer")
         seen.add((group, slot))
-        kept, own = layout.windows[group], cfg.layer_windows[layer]
+        kept, own = layout.windows[group], cfg.layer_windows[cfg.attention_layers[layer]]
         if kept > 0 and not 0 < own <= kept:
             raise ValueError(f"kv_layout: layer {layer} (window {own or 'none'}) is in group "
                              f"{group}, which keeps only the last {kept} tokens")

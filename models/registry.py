@@ -1,8 +1,9 @@
 """Model families and the registry from HF `architectures` names to them.
 
-Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3, and the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, share one Flax decoder
-(`models.decoder.Decoder`); a family only decides how its HF config maps onto `ArchConfig`.
+Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3, the mixtures of experts
+Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, and the linear-attention hybrids Qwen3-Next and
+Qwen3.5 share one Flax decoder (`models.decoder.Decoder`); a family only decides how its HF
+config maps onto `ArchConfig`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from models.config import (
     partial_rotary_factor,
     windows_from_layer_types,
 )
+from models.hybrid_config import linear_attention_fields, with_hybrid_defaults
+from models.moe_config import sparse_fields
 from models.rope import parse_rope
 
 logger = logging.getLogger(__name__)
@@ -230,55 +233,6 @@ class Gemma3(Gemma2):
                     local_rope_scaling=local_scaling)
 
 
-def sparse_fields(hf: dict[str, Any], num_experts_key: str, expert_size_key: str,
-                  mixed: bool = False) -> dict:
-    """The mixture-of-experts fields of an HF config (`num_experts_key`: its expert count,
-    `expert_size_key`: one expert's width).
-
-    With `mixed` (Qwen2-MoE, Qwen3-MoE), the layers whose MLP stays dense, as
-    transformers decides: layer i is sparse unless it is in `mlp_only_layers` or
-    `(i + 1) % decoder_sparse_step` is not 0 (`ArchConfig.dense_layers`). Other families'
-    transformers classes read neither field, and neither do we.
-
-    Raises:
-        ValueError: No experts; an `mlp_only_layers` entry that is not a layer, a
-            `decoder_sparse_step` below 1, or fields that leave no layer sparse (named).
-    """
-    arch = hf["architectures"][0]
-    # NOTE: transformers 5 saves some configs' `num_experts` as `num_local_experts`
-    # (its attribute map); published checkpoints spell it `num_experts`.
-    num_experts = int(hf.get(num_experts_key) or hf.get("num_local_experts") or 0)
-    if num_experts <= 0:
-        raise ValueError(f"{arch} config has {num_experts_key}={num_experts}; a mixture of "
-                         "experts needs at least one")
-    if hf.get("output_router_logits"):
-        logger.info("%s: output_router_logits is ignored (serving returns no router "
-                    "logits)", arch)
-    fields = dict(num_experts=num_experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
-                  moe_intermediate_size=int(hf[expert_size_key]))
-    if mixed:
-        fields["dense_layers"] = _dense_layers(hf, arch)
-    return fields
-
-
-def _dense_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
-    """The dense layers `mlp_only_layers` and `decoder_sparse_step` give (`sparse_fields`)."""
-    n = int(hf["num_hidden_layers"])
-    only = list(hf.get("mlp_only_layers") or [])
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in only):
-        raise ValueError(f"mlp_only_layers={only} for {arch}: every entry must be a layer "
-                         f"index in 0..{n - 1}")
-    step = hf.get("decoder_sparse_step")
-    step = 1 if step is None else step
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ValueError(f"decoder_sparse_step={step!r} for {arch} must be an integer >= 1")
-    dense = tuple(i for i in range(n) if i in only or (i + 1) % step)
-    if len(dense) == n:
-        raise ValueError(f"mlp_only_layers={only} and decoder_sparse_step={step} leave no "
-                         f"sparse layer among the {n} layers of this {arch}")
-    return dense
-
-
 class Mixtral(Mistral):
     """Mixtral: Mistral's attention (the window on every layer) with a sparse MLP of
     `num_local_experts` experts of `intermediate_size`, routed by top-k logits then a
@@ -347,9 +301,68 @@ class Olmoe(ModelFamily):
                     **sparse_fields(hf, "num_experts", "intermediate_size"))
 
 
+class Qwen3_5(ModelFamily):
+    """Qwen3.5 (text, dense): Gated DeltaNet layers (`in_proj_qkv`, `in_proj_z`,
+    `in_proj_b`, `in_proj_a`, a causal conv1d, a gated RMSNorm) and every
+    `full_attention_interval`-th layer gated full attention (q/k norms, a quarter of each
+    head rotated by default), zero-centred RMSNorms (`models.hybrid_config`)."""
+
+    architectures = ("Qwen3_5ForCausalLM",)
+    partial_rotary = True
+
+    @classmethod
+    def arch_config(cls, hf):
+        return super().arch_config(with_hybrid_defaults(hf))
+
+    @classmethod
+    def extra_fields(cls, hf):
+        return dict(linear_attention_fields(hf),
+                    partial_rotary_factor=partial_rotary_factor(hf))
+
+
+class Qwen3_5Moe(Qwen3_5):
+    """Qwen3.5-MoE (text): Qwen3.5's layers with a mixture of experts in every layer
+    (softmax then top-k, the top-k always renormalized) and a sigmoid-gated shared
+    expert."""
+
+    architectures = ("Qwen3_5MoeForCausalLM",)
+
+    @classmethod
+    def arch_config(cls, hf):
+        # NOTE: its config has no intermediate_size (no layer is dense); the field is unused.
+        return super().arch_config({"intermediate_size": hf.get("moe_intermediate_size"),
+                                    **hf})
+
+    @classmethod
+    def extra_fields(cls, hf):
+        return dict(super().extra_fields(hf), norm_topk_prob=True,
+                    shared_expert_intermediate_size=int(
+                        hf.get("shared_expert_intermediate_size") or 0),
+                    **sparse_fields(hf, "num_experts", "moe_intermediate_size"))
+
+
+class Qwen3Next(Qwen3_5):
+    """Qwen3-Next: Qwen3.5's layers with the linear projections fused per key head
+    (`in_proj_qkvz`, `in_proj_ba`: cut apart at load, `models.loaders.hf_names`), and
+    Qwen2-MoE's mixture of experts (shared expert, `norm_topk_prob`, dense layers by
+    `mlp_only_layers` / `decoder_sparse_step`); no experts: every MLP dense."""
+
+    architectures = ("Qwen3NextForCausalLM",)
+
+    @classmethod
+    def extra_fields(cls, hf):
+        fields = super().extra_fields(hf)
+        if not int(hf.get("num_experts") or 0):
+            return fields
+        return dict(fields, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                    shared_expert_intermediate_size=int(
+                        hf.get("shared_expert_intermediate_size") or 0),
+                    **sparse_fields(hf, "num_experts", "moe_intermediate_size", mixed=True))
+
+
 FAMILIES: dict[str, type[ModelFamily]] = {
     name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen3, Gemma2, Gemma3, Mixtral,
-                          Qwen2Moe, Qwen3Moe, Olmoe)
+                          Qwen2Moe, Qwen3Moe, Olmoe, Qwen3_5, Qwen3_5Moe, Qwen3Next)
     for name in fam.architectures
 }
 

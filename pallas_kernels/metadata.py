@@ -20,7 +20,7 @@ import jax
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["slot_mapping", "block_tables", "kv_lens", "cu_q_lens"],
+         data_fields=["slot_mapping", "block_tables", "kv_lens", "cu_q_lens", "state_slots"],
          meta_fields=["decode_only", "short_tiles"])
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
@@ -39,6 +39,10 @@ class AttentionMetadata:
             sliding group gave back reads as 0, the null page, masked by the window).
         kv_lens: i32[max_num_seqs] context length of each request after this step.
         cu_q_lens: i32[max_num_seqs + 1] cumulative query lengths.
+        state_slots: i32[max_num_seqs] each request's row of the state pools of a model
+            with linear-attention layers (`models.gated_deltanet.HybridCache`; slot 0 is
+            the null slot padded requests use); None for models without such layers. A
+            request whose `kv_lens` equals its query length starts from a zero state.
         decode_only: Static. Every request has exactly one query and token i belongs to
             request i (num_tokens == max_num_seqs), so the decode kernel serves the step.
         short_tiles: Static. Steps may hold requests of a few new tokens after a context
@@ -53,6 +57,8 @@ class AttentionMetadata:
     cu_q_lens: jax.Array
     decode_only: bool = False
     short_tiles: bool = False
+    # NOTE: last, so the positional constructions (the runner's) stay as they are.
+    state_slots: jax.Array | None = None
 
     @property
     def num_real_tokens(self) -> jax.Array:

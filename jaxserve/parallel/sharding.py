@@ -21,6 +21,9 @@ split on their expert axis E and each expert's width I (`models.moe_parallel`): 
 tensor parallelism splits I over ("kv", "rep") (vLLM's default); `enable_expert_parallel`
 splits E over ("kv", "rep") instead, whole experts per device (vLLM's: EP size = TP size);
 an `expert_parallel_size` splits E over "expert" as well.
+
+A linear-attention hybrid's Gated DeltaNet layers split over ("kv", "rep") by key heads and
+the value heads each serves, their state pools likewise (`TensorParallel.state_shardings`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,13 @@ ALL = (KV, REP)  # head- and unit-parallel dimensions split over the tensor-para
 # are replicated (the LM head splits its vocabulary where the devices divide it).
 _ROLES = {"q_proj": ("out", ALL), "gate_proj": ("out", ALL), "up_proj": ("out", ALL),
           "k_proj": ("out", KV), "v_proj": ("out", KV), "o_proj": ("in", ALL),
-          "down_proj": ("in", ALL), "lm_head": ("out", ALL)}
+          "down_proj": ("in", ALL), "lm_head": ("out", ALL),
+          # Gated DeltaNet (`models.gated_deltanet`): split by key heads and the value heads
+          # each serves (`in_proj_qkv`'s channels are grouped by key head at load).
+          "in_proj_qkv": ("out", ALL), "in_proj_z": ("out", ALL), "in_proj_b": ("out", ALL),
+          "in_proj_a": ("out", ALL), "out_proj": ("in", ALL)}
+# A Gated DeltaNet layer's own leaves [L_lin, ...], split on their channel or head axis.
+_LINEAR_LEAVES = {"conv1d": P(None, None, ALL), "A_log": P(None, ALL), "dt_bias": P(None, ALL)}
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,8 @@ class TensorParallel:
                         "qweight", np.shape(leaf), "in" if name == "down_proj" else "out",
                         None, self.experts.num_width_shards))
                 return self.experts.leaf_spec(name, np.shape(leaf), keys[0] == "layers")
+            if len(keys) >= 2 and keys[-2] == "linear_attn" and keys[-1] in _LINEAR_LEAVES:
+                return _LINEAR_LEAVES[keys[-1]]
             if "experts" in keys or len(keys) < 2 or keys[-2] not in _ROLES:
                 return P()  # replicated (experts without an expert layout included)
             split, axes = _ROLES[keys[-2]]
@@ -141,6 +152,14 @@ class TensorParallel:
         over "expert")."""
         return NamedSharding(self.mesh, P(None, None, KV))
 
+    def state_shardings(self) -> dict[str, NamedSharding]:
+        """The state pools of a model with linear-attention layers
+        (`models.gated_deltanet.HybridCache`): "conv" [L_lin, S, W - 1, C] split on its
+        channels, "recurrent" [L_lin, S, Hv, dk, dv] on its value heads, as the layers'
+        weights are."""
+        return {"conv": NamedSharding(self.mesh, P(None, None, None, ALL)),
+                "recurrent": NamedSharding(self.mesh, P(None, None, ALL))}
+
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
@@ -173,11 +192,16 @@ def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None
 
     Raises:
         ValueError: `size` does not divide the query heads or the MLP width, KV heads and
-            `size` do not divide one another, too few devices exist, or an expert layout
-            the model does not allow (`expert_layout`).
+            `size` do not divide one another, too few devices exist, an expert layout
+            the model does not allow (`expert_layout`), or `size` does not divide a
+            linear-attention model's `linear_num_key_heads`.
     """
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if cfg.has_linear_attention and cfg.linear_num_key_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide linear_num_key_heads="
+                         f"{cfg.linear_num_key_heads} of {cfg.architecture} (its Gated "
+                         "DeltaNet layers split by key heads)")
     if cfg.num_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide num_heads="
                          f"{cfg.num_heads} of {cfg.architecture}")

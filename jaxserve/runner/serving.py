@@ -183,7 +183,8 @@ def serving_kv_layout(model: Model, max_model_len: int,
         max_model_len: The longest sequence served (windows this long or longer never
             give a page back: such layers count as full attention).
         kv_layout: True: the model's own groups by window (`kv_group_layout` of its
-            `layer_windows`; one group when every layer is alike); False: one group; a
+            full-attention layers' windows, `ArchConfig.attention_windows`; one group when
+            every layer is alike); False: one group; a
             `KVGroupLayout`: that one; None: the model's `kv_layout` (one group unless
             the model was given one).
 
@@ -199,4 +200,4 @@ def serving_kv_layout(model: Model, max_model_len: int,
         return None
     # NOTE: one group of sliding layers (Mistral) keeps its window here: the KV cache
     # manager gives its pages back too; the device serves it as the plain pool.
-    return kv_group_layout(model.cfg.layer_windows, max_model_len)
+    return kv_group_layout(model.cfg.attention_windows, max_model_len)

@@ -55,13 +55,17 @@ def truncate_layers(model, num_layers: int):
     benchmark or a test.
 
     Raises:
-        ValueError: `num_layers` not in [1, the model's layers].
+        ValueError: `num_layers` not in [1, the model's layers], or a model with
+            linear-attention layers.
     """
     from models.mixed import first_layers
     from models.model import Model
 
     if not 1 <= num_layers <= model.cfg.num_layers:
         raise ValueError(f"num_layers must be in [1, {model.cfg.num_layers}], got {num_layers}")
+    if model.cfg.has_linear_attention:  # NOTE: its mixer stacks would need cutting by kind
+        raise ValueError(f"a truncated draft of {model.cfg.architecture} (linear_layers="
+                         f"{list(model.cfg.linear_layers)}) is not built")
     if model.cfg.is_mixed:  # sparse and dense MLP stacks of their own lengths
         cfg, params = first_layers(model.cfg, model.params, num_layers)
     else:

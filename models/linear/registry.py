@@ -155,12 +155,14 @@ def stored_method(leaves) -> LinearMethod:
 def can_panel(cfg: ArchConfig, plan: QuantPlan, dtype, backend: str,
               one_device: bool = True) -> bool:
     """Whether a model serves from packed panels: the `cpu` backend, float32 compute on
-    one device, a dense model (not a mixture of experts: its experts are grouped matmuls),
+    one device, a dense model (not a mixture of experts: its experts are grouped matmuls;
+    nor a linear-attention hybrid, whose mixer stacks are read at their own indices),
     every quantized layer matmul in a format the quantized kernel reads, and the kernels
     built here."""
     if resolve_backend(backend) != "cpu" or jnp.dtype(dtype) != jnp.float32 or not one_device:
         return False
-    if cfg.is_moe or (plan and not panel_methods.plan_supported(plan, cfg)):
+    if (cfg.is_moe or cfg.has_linear_attention
+            or (plan and not panel_methods.plan_supported(plan, cfg))):
         return False
     return panel_methods.kernels_available(bool(plan))
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ArchConfig
+from models.loaders import gdn_fused
 from models.mixed import DENSE, stack_layers
 from models.quant import to_leaves
 
@@ -27,6 +28,19 @@ class TensorSource(Protocol):
 
     def where(self, name: str) -> str:
         """Describes where `name` lives (the file), for error messages."""
+
+
+# Gated DeltaNet leaves (`models.gated_deltanet`) that are parameters of the layer itself:
+# the HF name after the layer's module. The convolution is stored [C, 1, W] (`unfold_conv`).
+_BARE_LEAVES = {"A_log": "A_log", "dt_bias": "dt_bias", "conv1d": "conv1d.weight"}
+
+
+def unfold_conv(name: str, arr: np.ndarray) -> np.ndarray:
+    """A depthwise conv1d weight [C, 1, W] as [C, W] (`hf_name` transposes it to the
+    decoder's [W, C], oldest tap first); other tensors as they are."""
+    if name.endswith("conv1d.weight") and arr.ndim == 3 and arr.shape[1] == 1:
+        return arr[:, 0, :]
+    return arr
 
 
 def hf_name(path: tuple[str, ...], layer: int | None) -> tuple[str, bool]:
@@ -46,6 +60,8 @@ def hf_name(path: tuple[str, ...], layer: int | None) -> tuple[str, bool]:
         return "lm_head.weight", True
     prefix = "model." + (f"layers.{layer}." if mods[0] == "layers" else "")
     mods = mods[1:] if mods[0] == "layers" else mods
+    if leaf in _BARE_LEAVES:  # a linear layer's own parameters, no module around them
+        return prefix + ".".join(mods) + "." + _BARE_LEAVES[leaf], leaf == "conv1d"
     suffix = "bias" if leaf == "bias" else "weight"
     return prefix + ".".join(mods) + "." + suffix, leaf == "kernel"
 
@@ -92,7 +108,10 @@ _FUSED = {"self_attn.q_proj": ("self_attn.qkv_proj", 0),
 class SplitFused:
     """A `TensorSource` that also serves q/k/v and gate/up projections cut from a
     checkpoint's fused `qkv_proj` and `gate_up_proj` (Phi-3: rows q, then k, then v; gate,
-    then up), when the unfused tensor is absent.
+    then up), and a Gated DeltaNet's `in_proj_qkv/z/b/a` cut from Qwen3-Next's
+    `in_proj_qkvz` and `in_proj_ba` (`models.loaders.gdn_fused`), when the unfused tensor
+    is absent; a Gated DeltaNet's q/k/v channels come grouped by key head
+    (`gdn_fused.flat_to_grouped`).
 
     Args:
         source: The checkpoint's tensors.
@@ -116,8 +135,12 @@ class SplitFused:
 
     def get(self, name: str) -> np.ndarray:
         try:
-            return self.source.get(name)
+            return gdn_fused.flat_to_grouped(self.cfg, name, self.source.get(name))
         except KeyError:
+            linear = gdn_fused.fused_name(name)  # Qwen3-Next's fused linear projections
+            if linear is not None:
+                return gdn_fused.cut_piece(self.cfg, linear[0], self.source.get(linear[0]),
+                                           linear[1])
             found = self._fused(name)
             if found is None:
                 raise
@@ -177,6 +200,7 @@ def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
             raise ValueError(f"tensor {name!r} is missing from {source.where(name)}") from None
         if transform is not None:
             arr = transform(name, arr)
+        arr = unfold_conv(name, arr)
         if transpose:
             arr = arr.T
         if tuple(arr.shape) != tuple(want):

@@ -49,10 +49,12 @@ def forward_logits(model, token_ids: Sequence[int], page_size: int = 16,
     """Teacher-forced logits of a prompt, run through the paged KV cache.
 
     The prompt's pages are a shuffled, non-contiguous pick from a pool larger than needed
-    (page 0 stays the null page). Each chunk is one step whose token axis is padded to a
-    common bucket (padded tokens write the null page), beside an empty padded request, so
-    chunked prefill, decode-sized steps and padding all go through the real paths. Every
-    step has the same (padded) size, so the chunkings of one prompt share a compiled step.
+    (page 0 stays the null page); a model with linear-attention layers also gets state
+    pools of a few slots and the prompt a random one of them (slot 0 stays null). Each
+    chunk is one step whose token axis is padded to a common bucket (padded tokens write
+    the null page), beside an empty padded request (state slot 0), so chunked prefill,
+    decode-sized steps and padding all go through the real paths. Every step has the same
+    (padded) size, so the chunkings of one prompt share a compiled step.
 
     Args:
         model: A `models.model.Model`.
@@ -85,6 +87,11 @@ def forward_logits(model, token_ids: Sequence[int], page_size: int = 16,
 
     step = _step_fn(model)
     kv_pages = jnp.zeros(model.kv_pages_shape(num_pages, page_size), model.dtype)
+    state_slots = None
+    if model.has_linear_attention:  # the state pools, the prompt's slot a random one
+        num_slots = 5  # slot 0 is null; the others stay zero
+        kv_pages = model.empty_cache(num_pages, page_size, num_slots, model.dtype)
+        state_slots = jnp.asarray([rng.integers(1, num_slots), 0], jnp.int32)
     out = []
     start = 0
     for n in chunks:
@@ -100,6 +107,7 @@ def forward_logits(model, token_ids: Sequence[int], page_size: int = 16,
             block_tables=jnp.asarray(block_tables),
             kv_lens=jnp.asarray([end, 0], jnp.int32),
             cu_q_lens=jnp.asarray([0, n, n], jnp.int32),
+            state_slots=state_slots,
         )
         kv_pages, logits = step(model.params, jnp.asarray(input_ids), jnp.asarray(positions),
                                 kv_pages, md)

@@ -48,6 +48,14 @@ YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
              "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 1.0}
 
 
+# Gated DeltaNet shapes (2 key heads, each serving 2 of the 4 value heads). NOTE: with the
+# other cases' initializer_range (0.15) these models are chaotic: weights moved by one float32
+# ulp move transformers' own logits by up to 1e-3. At 0.05 that stays below 1e-5.
+HYBRID = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+              initializer_range=0.05, num_hidden_layers=3)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One tiny model: its transformers classes, config overrides, and what must matter.
@@ -193,6 +201,28 @@ CASES = [
               moe_intermediate_size=32, shared_expert_intermediate_size=48,
               norm_topk_prob=False, mlp_only_layers=[2], decoder_sparse_step=1),
          dict(dense_layers=(2,), shared_expert_intermediate_size=48)),
+    # Linear-attention hybrids (`models.hybrid`): Gated DeltaNet layers (their state carried
+    # in a shuffled slot from chunk to chunk) beside gated full attention, a quarter of each
+    # head rotated (transformers' default), zero-centred norms.
+    Case("qwen3_5_hybrid", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+         dict(HYBRID, layer_types=["linear_attention", "full_attention", "linear_attention"]),
+         dict(linear_layers=(0, 2), attn_output_gate=True, partial_rotary_factor=0.25,
+              rotary_dim=4, norm_offset=1.0, qk_norm=True, linear_num_value_heads=4),
+         ablate=dict(norm_offset=0.0, partial_rotary_factor=0.5)),
+    Case("qwen3_next_moe_fused", "Qwen3NextConfig", "Qwen3NextForCausalLM",
+         dict(HYBRID, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=32, shared_expert_intermediate_size=48,
+              mlp_only_layers=[1]),
+         dict(linear_layers=(0, 1, 2), dense_layers=(1,), norm_topk_prob=True,
+              shared_expert_intermediate_size=48, attn_output_gate=True),
+         ablate=dict(norm_topk_prob=False, partial_rotary_factor=0.5)),
+    Case("qwen3_5_moe_hybrid", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+         dict(HYBRID, num_hidden_layers=4, full_attention_interval=2, num_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=32,
+              shared_expert_intermediate_size=48),
+         dict(linear_layers=(0, 2), num_experts=4, norm_topk_prob=True,
+              shared_expert_intermediate_size=48, dense_layers=()),
+         ablate=dict(norm_topk_prob=False)),
 ]
 
 
@@ -216,9 +246,12 @@ CASES = [
 # - qwen3_moe_sparse_step and qwen2_moe_mixed (dense layers from decoder_sparse_step; a
 #   shared expert beside dense layers): qwen3_moe_mlp_only runs the mixed layers, and
 #   tests/e2e/test_moe_greedy.py serves the Qwen2-MoE one against transformers.
+# - qwen3_5_moe_hybrid (Qwen3.5's layers with experts in every layer): qwen3_5_hybrid has its
+#   layers and tensor names, qwen3_next_moe_fused the experts and shared expert beside linear
+#   layers. (A hybrid's first compile is ~7 s here, most of it the chunked delta rule's.)
 SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen3_qknorm_headdim",
               "gemma2_global_first", "gemma3_pattern2_softcap", "mixtral_moe",
-              "qwen3_moe_sparse_step", "qwen2_moe_mixed")
+              "qwen3_moe_sparse_step", "qwen2_moe_mixed", "qwen3_5_moe_hybrid")
 
 
 # Cases whose first ablation is left to the slow tier (test_tiny_every_feature_is_exercised
