@@ -188,7 +188,7 @@ def _pages_from_memory(config: EngineConfig, per_device_page: int,
         states: The state group (`state_group`; `bytes_per_slot` on one device), or None.
 
     Raises:
-        ValueError: The state slots alone outgrow the budget.
+        ValueError: The state slots alone outgrow the budget (naming the settings to change).
     """
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
@@ -205,6 +205,11 @@ def _pages_from_memory(config: EngineConfig, per_device_page: int,
         budget = config.cache.kv_cache_memory_gib * 2**30
     if states is None:
         return max(2, int(budget // per_device_page))
+    if states.num_slots * per_slot > budget:
+        knob = "gpu_memory_utilization" if limit else "kv_cache_memory_gib"
+        raise ValueError(f"{states.num_slots} linear-attention state slots of {per_slot} bytes "
+                         f"outgrow the KV memory budget ({budget / 2**20:.1f} MiB): lower "
+                         f"max_num_seqs (one slot each, plus the null slot) or raise {knob}")
     return max(2, num_pages_after_state(int(budget), per_device_page, states.num_slots,
                                         per_slot))
 

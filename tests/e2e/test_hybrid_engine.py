@@ -41,7 +41,7 @@ MAX_TOKENS = 16
 # 7 pages of 16 tokens (6 usable) for one full-attention layer: SWAP_BATCH's 4 running
 # requests need 12, so requests are preempted. Swap space for the pages; the host state
 # slots come with it.
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128, num_kv_blocks=7,
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=4, max_model_len=128, num_kv_blocks=7,
               attention_backend="xla", preemption_mode="swap", swap_space=0.05,
               enable_prefix_caching=True, warmup=True)
 SWAP_BATCH = [*PROMPTS, "Sliding windows keep only the most recent keys, so old pages can "
