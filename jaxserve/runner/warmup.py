@@ -2,15 +2,15 @@
 
 A step runs one of a few programs per token bucket (the model step, the decode-only step
 on Pallas, prompt logprobs, three sampler variants; with a `max_logprobs` above 20, a wide
-prompt-logprobs and "full" sampler program too), and three KV plan programs run
-page copies and swaps. Compiled one after another, they leave the other cores of a
-many-core host idle. So warm-up first *lowers* every program on this thread (tracing holds
-the GIL) and hands each lowered program to a thread pool that compiles it (compiling
-releases the GIL); a program compiles while the next one is traced. (On this project's
-2-vCPU machine the gain is small: two compiles side by side each take ~2x as long.)
-`jit(f).lower(args).compile()` fills the cache that `jit(f)(args)` reads, so the second
-pass, which runs every program once on dummy inputs (as warm-up always did), compiles
-nothing it does not have to.
+prompt-logprobs and "full" sampler program too), and three KV plan programs run page
+copies and swaps (two more move a linear-attention model's state rows). Compiled one after
+another, they leave the other cores of a many-core host idle. So warm-up first *lowers*
+every program on this thread (tracing holds the GIL) and hands each lowered program to a
+thread pool that compiles it (compiling releases the GIL); a program compiles while the
+next one is traced. (On this project's 2-vCPU machine the gain is small: two compiles side
+by side each take ~2x as long.) `jit(f).lower(args).compile()` fills the cache that
+`jit(f)(args)` reads, so the second pass, which runs every program once on dummy inputs
+(as warm-up always did), compiles nothing it does not have to.
 """
 
 from __future__ import annotations
