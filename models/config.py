@@ -14,6 +14,9 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The layer kinds of a linear-attention hybrid's `layer_types` (Qwen3-Next, Qwen3.5).
 HYBRID_LAYER_TYPES = ("full_attention", "linear_attention")
+# What a hybrid's linear layers are: Gated DeltaNet (`models.gated_deltanet`) or Mamba-2
+# (`models.mamba2`, Granite 4.0).
+LINEAR_KINDS = ("gated_deltanet", "mamba2")
 # How a mixture-of-experts router turns logits into weights (`models.moe.route`):
 # softmax over all experts then top-k (Qwen-MoE, OLMoE), or top-k logits then softmax (Mixtral).
 ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
@@ -81,8 +84,8 @@ class ArchConfig:
         dense_layers: The layers of a mixture of experts whose MLP is a dense `GatedMLP`
             of `intermediate_size` (Qwen-MoE's `mlp_only_layers` and
             `decoder_sparse_step`; `models.mixed`); () when every layer is sparse.
-        linear_layers: The layers whose token mixer is a Gated DeltaNet (linear attention
-            with a recurrent state per request, `models.gated_deltanet`); the others are
+        linear_layers: The layers whose token mixer is linear (`linear_kind`: a Gated DeltaNet
+            or Mamba-2, with a recurrent state per request); the others are
             full attention (`models.hybrid`). (): every layer attends.
         linear_num_key_heads: Query/key heads of a Gated DeltaNet layer.
         linear_num_value_heads: Value heads (a multiple of the key heads: each key head
@@ -90,6 +93,19 @@ class ArchConfig:
         linear_key_head_dim: Width of one query/key head.
         linear_value_head_dim: Width of one value head.
         linear_conv_kernel_dim: Taps of the causal depthwise convolution over q, k and v.
+        linear_kind: One of `LINEAR_KINDS`: the linear layers' mixer. For "mamba2" the
+            key heads are the B/C groups, their width the state size, the value heads and
+            their width Mamba's heads and head channels (`models.mamba2`).
+        linear_conv_bias: The linear layers' convolution has a bias (Mamba-2).
+        linear_proj_bias: Their in and out projections have biases (Mamba-2).
+        embedding_multiplier: Token embeddings are multiplied by it (Granite).
+        residual_multiplier: Each block's output is multiplied by it before its residual
+            add (Granite).
+        logits_scaling: The LM head's logits are divided by it (Granite).
+        attention_multiplier: The attention softmax scale itself (Granite); None: from
+            `query_pre_attn_scalar` or `head_dim`.
+        use_rope: Whether attention rotates q and k (False: no position embedding, Granite
+            4.0-H's "nope").
         attn_output_gate: The full-attention layers' `q_proj` also gives a gate per head
             (its rows: each head's query then its gate) that scales the attention output
             by its sigmoid before `o_proj` (Qwen3-Next).
@@ -140,6 +156,14 @@ class ArchConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     attn_output_gate: bool = False
+    linear_kind: str = "gated_deltanet"
+    linear_conv_bias: bool = False
+    linear_proj_bias: bool = False
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
+    use_rope: bool = True
 
     @property
     def is_moe(self) -> bool:
@@ -161,7 +185,8 @@ class ArchConfig:
 
     @property
     def has_linear_attention(self) -> bool:
-        """Whether some layers are Gated DeltaNet (a recurrent state per request)."""
+        """Whether some layers are linear (Gated DeltaNet or Mamba-2: a recurrent state per
+        request)."""
         return bool(self.linear_layers)
 
     @property
@@ -178,7 +203,8 @@ class ArchConfig:
 
     @property
     def linear_conv_dim(self) -> int:
-        """Channels of a Gated DeltaNet layer's convolution: q, k and v side by side."""
+        """Channels of a linear layer's convolution: q, k and v side by side (Mamba-2: x, B
+        and C)."""
         return (2 * self.linear_num_key_heads * self.linear_key_head_dim
                 + self.linear_num_value_heads * self.linear_value_head_dim)
 
@@ -227,7 +253,8 @@ class ArchConfig:
                              f"{', '.join(SUPPORTED_ACTIVATIONS)}")
         self._check_moe()
         self._check_linear()
-        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
+                     "attention_multiplier", "logits_scaling"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive (or None), got {value}")
@@ -262,6 +289,9 @@ class ArchConfig:
 
     def _check_linear(self) -> None:
         lin = self.linear_layers
+        if self.linear_kind not in LINEAR_KINDS:
+            raise ValueError(f"unsupported linear_kind {self.linear_kind!r}; supported: "
+                             f"{', '.join(LINEAR_KINDS)}")
         if not lin:
             return
         if list(lin) != sorted(set(lin)) or not all(0 <= i < self.num_layers for i in lin):

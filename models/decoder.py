@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ArchConfig
-from models.gated_deltanet import GatedDeltaNet, HybridCache
-from models.hybrid import ATTENTION, LINEAR, HybridMixer
+from models.gated_deltanet import HybridCache
+from models.hybrid import ATTENTION, LINEAR, HybridMixer, linear_mixer
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
 from models.linear import STACKS, Embedding, Linear, Methods
@@ -70,15 +70,17 @@ class Attention(nn.Module):
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, inv, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, inv, name="k_norm")(k)
         cos, sin = layer_cos_sin(cos, sin, window)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if cfg.use_rope:
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
         if self.is_initializing():
             # NOTE: `init` only makes the parameters (`abstract_params` traces it on every
             # load) and attention has none: its trace was most of init's.
             out = q  # [T, Hq, D]
         else:
             kv_pages = ops.write_kv(kv_pages, slot, k, v, md.slot_mapping)
-            scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+            scale = (cfg.attention_multiplier  # Granite gives the scale itself
+                     or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5)
             out = ops.attend(q, kv_pages, slot, md, sm_scale=scale, sliding_window=window,
                              soft_cap=cfg.attn_logit_softcap)
         if gate is not None:
@@ -112,6 +114,9 @@ class DecoderLayer(nn.Module):
         cfg, methods = self.cfg, self.methods
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset,
                                     methods.batch_invariant, name=name)
+        # Granite scales each block's output before its residual add (static: others unchanged).
+        residual = ((lambda y: y) if cfg.residual_multiplier == 1.0
+                    else (lambda y: y * cfg.residual_multiplier))
         h = norm("input_layernorm")(hidden)
         if not cfg.has_linear_attention:
             attn_out, kv_pages = Attention(cfg, self.dtype, methods, name="self_attn")(
@@ -121,7 +126,7 @@ class DecoderLayer(nn.Module):
             # stack to its layers.
             attn_out, _ = Attention(cfg, self.dtype, methods, name=ATTENTION)(
                 h, cos, sin, None, layer, window, md)
-            attn_out = attn_out + GatedDeltaNet(cfg, self.dtype, methods, name=LINEAR)(
+            attn_out = attn_out + linear_mixer(cfg)(cfg, self.dtype, methods, name=LINEAR)(
                 h, None, None, md)[0]
         else:  # linear-attention hybrid: one of two stacks per layer
             attn_out, kv_pages = HybridMixer(cfg, self.dtype, methods, Attention, name="mixer")(
@@ -139,14 +144,14 @@ class DecoderLayer(nn.Module):
             hidden = hidden + norm("post_attention_layernorm")(attn_out)
             h = norm("pre_feedforward_layernorm")(hidden)
         else:
-            hidden = hidden + attn_out
+            hidden = hidden + residual(attn_out)
             h = norm("post_attention_layernorm")(hidden)
         mlp_out = mlp(h, layer)
         if self.capture_routing:
             mlp_out, routed = mlp_out
         if cfg.sandwich_norms:
             mlp_out = norm("post_feedforward_layernorm")(mlp_out)
-        hidden = hidden + mlp_out
+        hidden = hidden + residual(mlp_out)
         return (hidden, kv_pages), routed
 
 
@@ -239,6 +244,8 @@ class Decoder(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         if self.cfg.embed_scale:  # the factor rounded to the dtype first, as transformers
             hidden = hidden * jnp.asarray(self.cfg.hidden_size ** 0.5, hidden.dtype)
+        if self.cfg.embedding_multiplier != 1.0:  # Granite
+            hidden = hidden * self.cfg.embedding_multiplier
         xs = (jnp.arange(self.cfg.num_layers, dtype=jnp.int32),
               jnp.asarray(self.cfg.layer_windows, dtype=jnp.int32))
         if lay is not None:  # NOTE: the window stays the layer's (masking never changes)
@@ -249,12 +256,14 @@ class Decoder(nn.Module):
         return kv_pages, self.norm(hidden)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """LM head: f32[num_rows, vocab_size] logits from final hidden states (soft-capped
-        where the family caps them)."""
+        """LM head: f32[num_rows, vocab_size] logits from final hidden states (divided by
+        `logits_scaling`, soft-capped where the family caps them)."""
         if self.cfg.tie_word_embeddings:
             logits = self.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden)
         logits = logits.astype(jnp.float32)
+        if self.cfg.logits_scaling != 1.0:  # Granite divides them
+            logits = logits / self.cfg.logits_scaling
         cap = self.cfg.final_logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -28,8 +28,10 @@ class HybridCache(NamedTuple):
             slot per full-attention layer (`ArchConfig.attention_layers`).
         conv: f32[L_lin, num_slots, W - 1, C]: each request's last W - 1 inputs of every
             linear layer's convolution (C: `ArchConfig.linear_conv_dim`, grouped by key
-            head as `in_proj_qkv`'s outputs).
-        recurrent: f32[L_lin, num_slots, Hv, dk, dv]: each request's delta-rule state.
+            head as `in_proj_qkv`'s outputs; Mamba-2: x, B, C).
+        recurrent: each request's recurrent state, its shape the layers' kind's
+            (`state_shapes`): f32[L_lin, num_slots, Hv, dk, dv] for the delta rule,
+            f32[L_lin, num_slots, H, P, N] for Mamba-2's SSD.
     """
 
     pages: jax.Array
@@ -39,11 +41,13 @@ class HybridCache(NamedTuple):
 
 def state_shapes(cfg: ArchConfig, num_slots: int) -> dict[str, jax.ShapeDtypeStruct]:
     """The state pools of `num_slots` slots (slot 0 null): {"conv", "recurrent"} as
-    `HybridCache` holds them."""
+    `HybridCache` holds them; the recurrent one per `cfg.linear_kind` (Gated DeltaNet:
+    [Hv, dk, dv]; Mamba-2: [H, P, N], `pallas_kernels.ops.ssd`'s)."""
     n = len(cfg.linear_layers)
     conv = (n, num_slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim)
-    rec = (n, num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-           cfg.linear_value_head_dim)
+    heads, dk, dv = (cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                     cfg.linear_value_head_dim)
+    rec = (n, num_slots, heads, *((dv, dk) if cfg.linear_kind == "mamba2" else (dk, dv)))
     return {"conv": jax.ShapeDtypeStruct(conv, STATE_DTYPE),
             "recurrent": jax.ShapeDtypeStruct(rec, STATE_DTYPE)}
 

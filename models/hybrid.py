@@ -1,17 +1,19 @@
-"""Linear-attention hybrids (Qwen3-Next, Qwen3.5): full-attention and Gated DeltaNet layers
-inside the one layer scan, as `models.mixed` does for sparse and dense MLPs.
+"""Linear-attention hybrids (Qwen3-Next, Qwen3.5; Granite 4.0): full-attention and Gated
+DeltaNet (or Mamba-2) layers inside the one layer scan, as `models.mixed` does for sparse
+and dense MLPs.
 
 The scan slices every "params" leaf per layer, so it needs one parameter structure for all
 layers. A hybrid's token mixers are therefore two stacks of their own lengths in the params
-tree (what loads, saves and shards): the full-attention layers' `Attention` weights
-[L_attn, ...] at `layers/self_attn` and the linear layers' `GatedDeltaNet` weights
-[L_lin, ...] at `layers/linear_attn` (`hybrid_init` cuts them from an init that made both
-for every layer). At apply time `broadcast_mixers` moves both into the collection the scan
-broadcasts whole (`models.linear.STACKS`, `layers/mixer/{attention,linear}`), and
-`HybridMixer` runs one of them per layer under `jax.lax.cond` on the traced layer's kind,
-at the layer's index in its stack (`mixer_index`). That index is also where the layer
-keeps its cache: a full-attention layer's pool slot in the pages, a linear layer's row of
-the state pools (`models.gated_deltanet.HybridCache`).
+tree (what loads, saves and shards): the full-attention layers' `Attention` weights [L_attn,
+...] at `layers/self_attn` and the linear layers' weights (`linear_mixer`: `GatedDeltaNet`
+or `Mamba2Mixer`) [L_lin, ...] at `layers/linear_attn` (`hybrid_init` cuts them from an init
+that made both for every layer). At apply time `broadcast_mixers` moves both into the
+collection the scan broadcasts whole (`models.linear.STACKS`,
+`layers/mixer/{attention,linear}`), and `HybridMixer` runs one of them per layer under
+`jax.lax.cond` on the traced layer's kind, at the layer's index in its stack
+(`mixer_index`). That index is also where the layer keeps its cache: a full-attention
+layer's pool slot in the pages, a linear layer's row of the state pools
+(`models.gated_deltanet.HybridCache`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,16 @@ import numpy as np
 from models.config import ArchConfig
 from models.gated_deltanet import GatedDeltaNet, HybridCache
 from models.linear import STACKS, Methods
+from models.mamba2 import Mamba2Mixer
 from pallas_kernels import AttentionMetadata
 
 ATTENTION, LINEAR = "self_attn", "linear_attn"  # the two mixer stacks in the params tree
+
+
+def linear_mixer(cfg: ArchConfig) -> type[nn.Module]:
+    """The linear layers' module class for `cfg.linear_kind`: called as
+    `(cfg, dtype, methods)(x, conv_state, rec_state, md) -> (out, conv_state, rec_state)`."""
+    return Mamba2Mixer if cfg.linear_kind == "mamba2" else GatedDeltaNet
 
 
 def mixer_index(cfg: ArchConfig) -> np.ndarray:
@@ -71,7 +80,7 @@ def broadcast_mixers(variables: dict) -> dict:
 
 class HybridMixer(nn.Module):
     """A hybrid's token mixer in the layer scan: the layer's gated `Attention` over its
-    pool slot of the pages when it is a full-attention layer, its `GatedDeltaNet` over its
+    pool slot of the pages when it is a full-attention layer, its linear mixer over its
     row of the state pools otherwise, as a `jax.lax.cond` on the (traced) layer.
 
     Attributes:
@@ -111,7 +120,7 @@ class HybridMixer(nn.Module):
             return out, cache._replace(pages=pages)
 
         def run_linear(x, cache):
-            out, conv, rec = GatedDeltaNet(*args, parent=None).apply(
+            out, conv, rec = linear_mixer(cfg)(*args, parent=None).apply(
                 {"params": at(lin)}, x, cache.conv[index], cache.recurrent[index], md)
             return out, cache._replace(conv=cache.conv.at[index].set(conv),
                                        recurrent=cache.recurrent.at[index].set(rec))

@@ -1,9 +1,9 @@
 """Model families and the registry from HF `architectures` names to them.
 
 Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3, the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, and the linear-attention hybrids Qwen3-Next and
-Qwen3.5 share one Flax decoder (`models.decoder.Decoder`); a family only decides how its HF
-config maps onto `ArchConfig`.
+Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, and the linear-attention hybrids Qwen3-Next,
+Qwen3.5 and Granite 4.0 (Mamba-2) share one Flax decoder (`models.decoder.Decoder`); a
+family only decides how its HF config maps onto `ArchConfig`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from models.config import (
     windows_from_layer_types,
 )
 from models.hybrid_config import linear_attention_fields, with_hybrid_defaults
+from models.mamba_config import granite_fields
 from models.moe_config import sparse_fields
 from models.rope import parse_rope
 
@@ -360,9 +361,23 @@ class Qwen3Next(Qwen3_5):
                     **sparse_fields(hf, "num_experts", "moe_intermediate_size", mixed=True))
 
 
+class GraniteMoeHybrid(ModelFamily):
+    """IBM Granite 4.0 (hybrid and dense): Mamba-2 layers (`models.mamba2`) beside plain
+    attention with rotary or none, Granite's multipliers, and the shared MLP
+    (`shared_mlp.input_linear` fused gate and up) as every layer's dense MLP
+    (`models.mamba_config`; routed experts refused)."""
+
+    architectures = ("GraniteMoeHybridForCausalLM",)
+
+    @classmethod
+    def extra_fields(cls, hf):
+        return granite_fields(hf)
+
+
 FAMILIES: dict[str, type[ModelFamily]] = {
     name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen3, Gemma2, Gemma3, Mixtral,
-                          Qwen2Moe, Qwen3Moe, Olmoe, Qwen3_5, Qwen3_5Moe, Qwen3Next)
+                          Qwen2Moe, Qwen3Moe, Olmoe, Qwen3_5, Qwen3_5Moe, Qwen3Next,
+                          GraniteMoeHybrid)
     for name in fam.architectures
 }
 

@@ -193,11 +193,17 @@ def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None
     Raises:
         ValueError: `size` does not divide the query heads or the MLP width, KV heads and
             `size` do not divide one another, too few devices exist, an expert layout
-            the model does not allow (`expert_layout`), or `size` does not divide a
-            linear-attention model's `linear_num_key_heads`.
+            the model does not allow (`expert_layout`), `size` does not divide a
+            linear-attention model's `linear_num_key_heads`, or a `size` above 1 for
+            Mamba-2 layers (`linear_kind`, not split).
     """
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if size > 1 and cfg.has_linear_attention and cfg.linear_kind == "mamba2":
+        # NOTE: their in_proj mixes z, x, B, C and dt rows, and the gated norm spans a group:
+        # a split needs per-piece layouts the Gated DeltaNet's leaves do not describe.
+        raise ValueError(f"tensor_parallel_size={size}: {cfg.architecture}'s Mamba-2 layers "
+                         "(linear_kind='mamba2') are not split by tensor parallelism")
     if cfg.has_linear_attention and cfg.linear_num_key_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide linear_num_key_heads="
                          f"{cfg.linear_num_key_heads} of {cfg.architecture} (its Gated "

@@ -16,6 +16,7 @@ import numpy as np
 
 from models.config import ArchConfig
 from models.loaders import gdn_fused
+from models.loaders.granite_names import get_granite, granite_name, is_granite
 from models.mixed import DENSE, stack_layers
 from models.quant import to_leaves
 
@@ -30,9 +31,11 @@ class TensorSource(Protocol):
         """Describes where `name` lives (the file), for error messages."""
 
 
-# Gated DeltaNet leaves (`models.gated_deltanet`) that are parameters of the layer itself:
-# the HF name after the layer's module. The convolution is stored [C, 1, W] (`unfold_conv`).
-_BARE_LEAVES = {"A_log": "A_log", "dt_bias": "dt_bias", "conv1d": "conv1d.weight"}
+# Linear layers' leaves (`models.gated_deltanet`, `models.mamba2`) that are parameters of the
+# layer itself: the HF name after the layer's module. The convolution is stored [C, 1, W]
+# (`unfold_conv`).
+_BARE_LEAVES = {"A_log": "A_log", "dt_bias": "dt_bias", "D": "D", "conv1d": "conv1d.weight",
+                "conv1d_bias": "conv1d.bias"}
 
 
 def unfold_conv(name: str, arr: np.ndarray) -> np.ndarray:
@@ -111,7 +114,8 @@ class SplitFused:
     then up), and a Gated DeltaNet's `in_proj_qkv/z/b/a` cut from Qwen3-Next's
     `in_proj_qkvz` and `in_proj_ba` (`models.loaders.gdn_fused`), when the unfused tensor
     is absent; a Gated DeltaNet's q/k/v channels come grouped by key head
-    (`gdn_fused.flat_to_grouped`).
+    (`gdn_fused.flat_to_grouped`). A Granite 4.0 checkpoint is read under its own module
+    names (`models.loaders.granite_names`).
 
     Args:
         source: The checkpoint's tensors.
@@ -134,6 +138,8 @@ class SplitFused:
         return None
 
     def get(self, name: str) -> np.ndarray:
+        if is_granite(self.cfg):  # its own module names (`models.loaders.granite_names`)
+            return get_granite(self.source, self.cfg, name)
         try:
             return gdn_fused.flat_to_grouped(self.cfg, name, self.source.get(name))
         except KeyError:
@@ -156,6 +162,8 @@ class SplitFused:
         return arr[start:start + sizes[index]]
 
     def where(self, name: str) -> str:
+        if is_granite(self.cfg):
+            return self.source.where(granite_name(name)[0])
         where = self.source.where(name)
         found = self._fused(name)
         names = getattr(self.source, "names", None)

@@ -55,6 +55,15 @@ HYBRID = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
               initializer_range=0.05, num_hidden_layers=3)
 
+# Granite 4.0's Mamba-2 layers: 8 heads of 16 channels (the trap: heads x d_head must be
+# mamba_expand x hidden_size = 128), B and C in 2 groups of state size 8, no routed experts;
+# its multipliers apart from 1 (logits_scaling below 1 keeps the logits' spread above 0.5).
+GRANITE = dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+               shared_intermediate_size=96, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+               mamba_d_state=8, mamba_d_conv=4, num_local_experts=0, embedding_multiplier=3.0,
+               residual_multiplier=0.5, logits_scaling=0.25, attention_multiplier=0.2,
+               initializer_range=0.05)
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -223,6 +232,21 @@ CASES = [
          dict(linear_layers=(0, 2), num_experts=4, norm_topk_prob=True,
               shared_expert_intermediate_size=48, dense_layers=()),
          ablate=dict(norm_topk_prob=False)),
+    # Granite 4.0 (`models.mamba2`): Mamba-2 layers (conv and SSD state carried in a shuffled
+    # slot) beside plain attention, rotary or none, Granite's four multipliers.
+    Case("granite_mamba2_rope", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+         dict(GRANITE, position_embedding_type="rope"),
+         dict(linear_layers=(0, 2), linear_kind="mamba2", linear_num_value_heads=8,
+              linear_value_head_dim=16, linear_num_key_heads=2, linear_key_head_dim=8,
+              linear_conv_bias=True, intermediate_size=96, use_rope=True,
+              attention_multiplier=0.2),
+         ablate=dict(residual_multiplier=1.0, attention_multiplier=None, use_rope=False,
+                     embedding_multiplier=1.0)),
+    Case("granite_mamba2_nope", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+         dict(GRANITE, position_embedding_type="nope", layer_types=["attention", "mamba", "mamba"],
+              mamba_n_groups=1, mamba_proj_bias=True, attention_bias=True),
+         dict(linear_layers=(1, 2), use_rope=False, linear_proj_bias=True, qkv_bias=True),
+         ablate=dict(linear_proj_bias=False)),
 ]
 
 
@@ -249,9 +273,12 @@ CASES = [
 # - qwen3_5_moe_hybrid (Qwen3.5's layers with experts in every layer): qwen3_5_hybrid has its
 #   layers and tensor names, qwen3_next_moe_fused the experts and shared expert beside linear
 #   layers. (A hybrid's first compile is ~7 s here, most of it the chunked delta rule's.)
+# - granite_mamba2_nope (no rotary, one group, projection and attention biases, attention
+#   first): granite_mamba2_rope has Granite's layers, names and multipliers.
 SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen3_qknorm_headdim",
               "gemma2_global_first", "gemma3_pattern2_softcap", "mixtral_moe",
-              "qwen3_moe_sparse_step", "qwen2_moe_mixed", "qwen3_5_moe_hybrid")
+              "qwen3_moe_sparse_step", "qwen2_moe_mixed", "qwen3_5_moe_hybrid",
+              "granite_mamba2_nope")
 
 
 # Cases whose first ablation is left to the slow tier (test_tiny_every_feature_is_exercised
@@ -260,10 +287,13 @@ SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen3_qknorm_headdim",
 #   gemma3_two_ropes (windows undone): the default tier covers this in mistral_sliding
 #   (every layer windowed) and gemma2_softcap (windowed and global layers); the windows
 #   each family's config gives are checked by its `expect`.
+# - granite_mamba2_rope (residual_multiplier undone: a ~6 s recompile): its agreement with
+#   transformers at multipliers apart from 1 (each parsed, `expect`) already needs them.
 # - olmoe_full_qknorm (softmax-then-top-k routing undone): the default tier covers this in
 #   qwen2_moe_shared, the same router order without norm_topk_prob.
 SLOW_FIRST_ABLATIONS = ("qwen2_window_layers", "qwen2_layer_types_linear_rope",
-                        "qwen3_bias_sliding", "gemma3_two_ropes", "olmoe_full_qknorm")
+                        "qwen3_bias_sliding", "gemma3_two_ropes", "olmoe_full_qknorm",
+                        "granite_mamba2_rope")
 
 
 def _params(cases: list[Case], slow: tuple[str, ...] = SLOW_CASES) -> list:
