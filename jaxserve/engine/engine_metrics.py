@@ -65,12 +65,28 @@ class EngineMetrics:
         return self.worker.runner.warmup_progress
 
     def cache_config_info(self) -> dict[str, object]:
-        """The KV cache's settings, labelled as vLLM's `cache_config_info`."""
+        """The KV cache's settings, labelled as vLLM's `cache_config_info`
+        (`enable_prefix_caching` as served: vLLM turns it off in the config for a model it
+        cannot cache, as the KV manager does here: `prefix_caching_enabled`)."""
         cache = self.worker.config.cache
         return {"block_size": cache.block_size, "num_gpu_blocks": self.worker.limits.num_pages,
-                "enable_prefix_caching": cache.enable_prefix_caching,
+                "enable_prefix_caching": cache.enable_prefix_caching
+                and self.scheduler.kv.prefix_caching_disabled_reason is None,
                 "gpu_memory_utilization": cache.gpu_memory_utilization,
                 "swap_space": cache.swap_space, "cache_dtype": cache.kv_cache_dtype}
+
+    def prefix_caching_enabled(self) -> dict[str, float]:
+        """The gauge `prefix_caching_enabled`: 1 when prefix caching serves, else 0 with
+        why in its `reason` label (the KV manager's `prefix_caching_disabled_reason`, e.g.
+        a model with linear-attention layers; or the setting), commas made semicolons
+        (the snapshot's label syntax splits on commas)."""
+        kv = self.scheduler.kv
+        on = kv.pool.prefix_cache is not None
+        reason = "" if on else kv.prefix_caching_disabled_reason or (
+            "enable_prefix_caching is False" if not self.worker.config.cache.enable_prefix_caching
+            else "off for this pooling type")  # a pooler that reads every token (`Pooler`)
+        return {f"jaxserve:prefix_caching_enabled{{reason={reason.replace(',', ';')}}}":
+                float(on)}
 
     def get_metrics(self) -> dict[str, float]:
         """Counters and gauges, named like vLLM's with a `jaxserve:` prefix."""
@@ -101,6 +117,7 @@ class EngineMetrics:
             "jaxserve:num_cow_copies": stats.num_cow_copies,
             "jaxserve:num_swap_outs": stats.num_swap_outs,
             "jaxserve:num_swap_ins": stats.num_swap_ins,
+            **self.prefix_caching_enabled(),
         }
         if self.speculator is not None:
             metrics.update(self.speculator.metrics())

@@ -41,6 +41,25 @@ class _InFlight:
     failed: dict[str, BaseException]
 
 
+def check_linear_attention(config: EngineConfig, model) -> None:
+    """Refuses what a model with linear-attention layers cannot be served with yet.
+
+    Speculative decoding: the scheduler verifies no proposals for such a model (a state
+    advanced over rejected proposals cannot be trimmed back), so a `speculative_config`
+    would only cost proposals never checked; vLLM refuses what a model cannot speculate
+    with rather than ignore it, and so does this.
+
+    Raises:
+        ValueError: `speculative_config` set for such a model.
+    """
+    if not model.has_linear_attention or config.speculative_config is None:
+        return
+    raise ValueError(f"speculative_config: {model.cfg.architecture} has linear-attention "
+                     "layers, whose per-request state cannot yet be rolled back past "
+                     "rejected proposals; speculative decoding is not served for it (leave "
+                     "speculative_config unset)")
+
+
 class LLMEngine:
     """Continuous-batching engine over one model.
 
@@ -63,6 +82,7 @@ class LLMEngine:
         self.worker = Worker(config, model, tokenizer,
                              kv_layout=not config.cache.disable_hybrid_kv_cache_manager)
         lim, cache = self.limits, config.cache
+        check_linear_attention(config, self.model)
         # The pooling runner (embeddings) or None (generation); see `engine/pooling.py`.
         self.pooler = Pooler(config.model.pooler_config or sentence_transformers_pooler(
             self.model.source) or PoolerConfig(), self.model.cfg.hidden_size) \
@@ -73,7 +93,9 @@ class LLMEngine:
             watermark=cache.watermark, swap_space=cache.swap_space,
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len,
             group_windows=self.worker.kv_layout.windows,
-            max_chunk_tokens=lim.max_num_batched_tokens)
+            max_chunk_tokens=lim.max_num_batched_tokens, state_group=self.worker.state_group)
+        if self.kv.prefix_caching_disabled_reason:  # asked for, but off (also on /metrics)
+            logger.warning("jaxserve: %s", self.kv.prefix_caching_disabled_reason)
         # NOTE: "static" and "naive" are the benchmarks' baselines (core/baseline_schedulers.py).
         self.scheduler = scheduler_class(config.scheduler.scheduling_mode)(
             config.scheduler, self.kv, lim.max_model_len, lim.max_num_batched_tokens,

@@ -15,6 +15,12 @@ import jax
 import numpy as np
 
 from jaxserve.core.plans import KVPlans
+from jaxserve.runner.state_pool import (
+    HostStateSpace,
+    cache_pages,
+    run_state_plans,
+    with_pages,
+)
 
 # Pairs of every compiled page-plan program.
 PLAN_PAIRS = 8
@@ -60,19 +66,32 @@ def copy_page_pairs(kv_pages, pairs: np.ndarray):
     return kv_pages
 
 
-def run_plans(kv_pages, swap: HostSwapSpace, plans: KVPlans):
-    """Runs a step's page plans on the pool: swap-outs first (their pages may be reused
-    this step), then swap-ins, then copies. Returns the new pool.
+def run_plans(kv_pages, swap: HostSwapSpace, plans: KVPlans,
+              state_host: HostStateSpace | None = None):
+    """Runs a step's plans on the runner's cache: the page plans on its page pool (swap-outs
+    first, as their pages may be reused this step, then swap-ins, then copies), and with a
+    state group (`kv_pages` a `HybridCache`) the state plans on its state pools
+    (`state_pool.run_state_plans`, host rows in `state_host`). Returns the new cache.
 
-    NOTE: plans run in pieces of PLAN_PAIRS pairs, the one size warm-up compiled, so a
-    step that swaps or copies many pages compiles nothing.
+    NOTE: plans run in pieces of PLAN_PAIRS pairs (STATE_PAIRS rows), the one size warm-up
+    compiled, so a step that swaps or copies many pages compiles nothing.
+
+    Raises:
+        ValueError: State plans without a state group, or without `state_host`.
     """
+    pages = cache_pages(kv_pages)
     if plans.swap_out.pairs:
-        swap.swap_out(kv_pages, plans.swap_out.as_array())
+        swap.swap_out(pages, plans.swap_out.as_array())
     if plans.swap_in.pairs:
-        kv_pages = swap.swap_in(kv_pages, plans.swap_in.as_array())
+        pages = swap.swap_in(pages, plans.swap_in.as_array())
     if plans.copy.pairs:
-        kv_pages = copy_page_pairs(kv_pages, plans.copy.as_array())
+        pages = copy_page_pairs(pages, plans.copy.as_array())
+    kv_pages = with_pages(kv_pages, pages)
+    if not plans.state.is_empty():
+        if pages is kv_pages or state_host is None:
+            raise ValueError("state plans for a cache without state pools (a model without "
+                             "linear-attention layers) or without a host state space")
+        kv_pages = run_state_plans(kv_pages, state_host, plans.state)
     return kv_pages
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import LoRAConfig
 from jaxserve.core.plans import KVPlans
 from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.core.state_slots import default_num_state_slots
 from jaxserve.parallel.sharding import TensorParallel
 from jaxserve.runner import compile_counter
 from jaxserve.runner.block_table_rows import BlockTableRows
@@ -28,6 +28,7 @@ from jaxserve.runner.kv_ops import HostSwapSpace, run_plans
 from jaxserve.runner.lora_slots import LoRASlots
 from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.sampling_rows import SamplingRows
+from jaxserve.runner.state_pool import HostStateSpace, cache_pages, cache_shardings, empty_cache
 from jaxserve.runner.step_input import build_step_arrays
 from jaxserve.runner.step_io import ModelStep, PendingStep, StepInputs, StepResult
 from jaxserve.runner.step_programs import StepPrograms, result_on_host, runner_model
@@ -47,8 +48,9 @@ from pallas_kernels.tuning import tuned
 
 
 class ModelRunner:
-    """Owns the device page pool and the compiled step programs (`programs`, a
-    `StepPrograms`).
+    """Owns the device page pool (with a model's linear-attention layers, its state pools
+    too: `kv_pages` is then a `HybridCache`, `runner/state_pool.py`) and the compiled step
+    programs (`programs`, a `StepPrograms`).
 
     Besides serving steps (`dispatch`, `fetch`), it prepares one step's model program
     with its inputs on the device for warm-up and benchmarks (`prepare_model_step`,
@@ -85,6 +87,9 @@ class ModelRunner:
             MAX_LOGPROBS the sampler and prompt-logprobs programs get a second, wide
             top-logprobs width (`logprobs_widths`), which warm-up compiles too.
         logprobs_mode: What sample logprobs hold (`jaxserve.sampling_params.LOGPROBS_MODES`).
+        num_state_slots: For a model with linear-attention layers, the rows of its state
+            pools, the null slot 0 included (the KV manager's `StateGroupSpec.num_slots`);
+            None: `default_num_state_slots(max_num_seqs)`. Ignored for other models.
 
     Raises:
         ValueError: A `kv_layout` that does not fit the model (`models.model.check_kv_layout`),
@@ -98,7 +103,8 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", short_tiles: bool | None = None,
                  eos_token_id: int | None = None, kv_layout: KVGroupLayout | None = None,
                  lora: LoRAConfig | None = None, max_logprobs: int = MAX_LOGPROBS,
-                 logprobs_mode: str = "raw_logprobs", routed_experts: bool = False):
+                 logprobs_mode: str = "raw_logprobs", routed_experts: bool = False,
+                 num_state_slots: int | None = None):
         compile_counter.install()
         if routed_experts and not model.cfg.is_moe:
             raise ValueError("enable_return_routed_experts needs a mixture-of-experts model; "
@@ -139,6 +145,12 @@ class ModelRunner:
         pool_shape, pool_dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size),
                                                 model.kv_dtype, kv_cache_dtype)
         self._pool_layout = (pool_shape, pool_dtype)
+        # The state pools' rows (0: no state group); host copies of swapped-out states.
+        self.num_state_slots = 0
+        self.state_swap = None
+        if model.has_linear_attention:
+            self.num_state_slots = num_state_slots or default_num_state_slots(max_num_seqs)
+            self.state_swap = HostStateSpace()
         self._inputs_on = None if layout is None else layout.replicated()  # None: default
         self.set_params(model.params)
         self.alloc_kv_pool()
@@ -180,22 +192,30 @@ class ModelRunner:
         self.model.params = self.params
 
     def alloc_kv_pool(self) -> None:
-        """Allocates the page pool (zeros), already split over the layout's mesh."""
+        """Allocates the page pool (zeros) and any state pools (`state_pool.empty_cache`),
+        already split over the layout's mesh."""
         shape, dtype = self._pool_layout
+        make = lambda: empty_cache(self.model, shape, dtype, self.num_state_slots)  # noqa: E731
         if self.layout is None:
-            self.kv_pages = jnp.zeros(shape, dtype)
+            self.kv_pages = make()
         else:
-            self.kv_pages = jax.jit(lambda: jnp.zeros(shape, dtype),
-                                    out_shardings=self.layout.kv_pages_sharding())()
+            self.kv_pages = jax.jit(make, out_shardings=cache_shardings(self.layout,
+                                                                        self.model))()
 
     def free_kv_pool(self) -> int:
-        """Frees the page pool's device memory (`alloc_kv_pool` gives it back); returns
-        the bytes freed."""
-        freed = self.kv_pages.nbytes if self.kv_pages is not None else 0
-        if self.kv_pages is not None:
-            self.kv_pages.delete()
+        """Frees the page pool's device memory, state pools included (`alloc_kv_pool`
+        gives it back); returns the bytes freed."""
+        leaves = jax.tree_util.tree_leaves(self.kv_pages)
+        for leaf in leaves:
+            leaf.delete()
         self.kv_pages = None
-        return freed
+        return sum(leaf.nbytes for leaf in leaves)
+
+    @property
+    def page_pool(self) -> jax.Array | None:
+        """The page pool alone (`kv_pages` is it, or a `HybridCache` holding it); None
+        while asleep."""
+        return None if self.kv_pages is None else cache_pages(self.kv_pages)
 
     # --------------------------------------------------------------- step
     def sample_rows(self, num_tokens: int) -> int:
@@ -348,7 +368,8 @@ class ModelRunner:
             req_id: row for row, req_id in reversed(list(enumerate(prev.row_request_ids)))}
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
                                    self.max_pages_per_seq, prev_rows, num_sample_rows,
-                                   self.group_tables)
+                                   self.group_tables,
+                                   state_slots=self.model.has_linear_attention)
         if lora_slots is not None:
             arrays.lora_slots = np.asarray(lora_slots, np.int32)
         elif self.lora is not None:
@@ -398,13 +419,13 @@ class ModelRunner:
 
     # -------------------------------------------------------------- plans
     def execute_plans(self, plans: KVPlans | None) -> None:
-        """Runs a step's page plans on the pool (`kv_ops.run_plans`), after sending them to
-        the other processes of a multi-host leader."""
+        """Runs a step's page and state plans on the pools (`kv_ops.run_plans`), after
+        sending them to the other processes of a multi-host leader."""
         if plans is None or plans.is_empty():
             return
         if self.channel is not None:
             self.channel.send("plans", plans)
-        self.kv_pages = run_plans(self.kv_pages, self.swap, plans)
+        self.kv_pages = run_plans(self.kv_pages, self.swap, plans, self.state_swap)
 
     # ------------------------------------------------------------- warmup
     def warmup(self, make_dummy_sampling) -> float:

@@ -9,6 +9,11 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.state_slots import (
+    StateGroupSpec,
+    default_num_state_slots,
+    num_pages_after_state,
+)
 from jaxserve.utils import cdiv
 from pallas_kernels.kv_quant import kv_pool_layout
 
@@ -96,7 +101,21 @@ def pool_pages(config: EngineConfig, model, per_page: int | None = None) -> int:
         per_page = page_bytes(model, cc.page_size, cc.kv_cache_dtype)
     # NOTE: under tensor parallelism each device holds its KV heads' share of a page.
     kv_shards = min(config.parallel.tensor_parallel_size, model.cfg.num_kv_heads)
-    return agree_across_processes(_pages_from_memory(config, per_page // kv_shards))
+    return agree_across_processes(_pages_from_memory(config, per_page // kv_shards,
+                                                     state_group(config, model)))
+
+
+def state_group(config: EngineConfig, model) -> StateGroupSpec | None:
+    """The state group of a model with linear-attention layers (None for others): one slot
+    per sequence the scheduler runs plus the null slot (`default_num_state_slots`), each of
+    `Model.state_bytes_per_slot` split over the tensor-parallel devices as the state pools
+    are (`TensorParallel.state_shardings`: by the layers' heads, which the size divides).
+    The KV manager's host slots follow `swap_space` (`KVCacheManager`)."""
+    if not model.has_linear_attention:
+        return None
+    shards = config.parallel.tensor_parallel_size
+    return StateGroupSpec(default_num_state_slots(config.scheduler.max_num_seqs),
+                          model.state_bytes_per_slot // shards)
 
 
 def resolve_max_model_len(config: EngineConfig, model) -> int:
@@ -158,24 +177,41 @@ def pages_per_sequence(layout, max_model_len: int, page_size: int) -> int:
                for window in layout.windows)
 
 
-def _pages_from_memory(config: EngineConfig, per_device_page: int) -> int:
+def _pages_from_memory(config: EngineConfig, per_device_page: int,
+                       states: StateGroupSpec | None = None) -> int:
     """Pages that fit the memory budget: a fraction of each accelerator's memory, or a
-    fixed `kv_cache_memory_gib` of host memory where the device reports no limit (the CPU).
+    fixed `kv_cache_memory_gib` of host memory where the device reports no limit (the CPU),
+    less the state group's slots when there is one (`num_pages_after_state`).
 
     Args:
         per_device_page: Bytes of one page on one device (its KV heads' share).
+        states: The state group (`state_group`; `bytes_per_slot` on one device), or None.
+
+    Raises:
+        ValueError: The state slots alone outgrow the budget (naming the settings to change).
     """
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
+    per_slot = 0 if states is None else states.bytes_per_slot
     if limit:
         free = limit * config.cache.gpu_memory_utilization - stats.get("bytes_in_use", 0)
         budget = max(free * 0.9, 0)  # NOTE: 10% of it left for activations and logits
+    else:
+        # NOTE: CPU "devices" all live in host memory, so the budget covers every shard of
+        # the replica together (KV heads replicated across shards, and the pool's copy on
+        # each expert-parallel group, count once per copy).
+        copies = config.parallel.devices_per_replica
+        per_device_page, per_slot = per_device_page * copies, per_slot * copies
+        budget = config.cache.kv_cache_memory_gib * 2**30
+    if states is None:
         return max(2, int(budget // per_device_page))
-    # NOTE: CPU "devices" all live in host memory, so the budget covers every shard of the
-    # replica together (KV heads replicated across shards, and the pool's copy on each
-    # expert-parallel group, count once per copy).
-    host_page = per_device_page * config.parallel.devices_per_replica
-    return max(2, int(config.cache.kv_cache_memory_gib * 2**30 // host_page))
+    if states.num_slots * per_slot > budget:
+        knob = "gpu_memory_utilization" if limit else "kv_cache_memory_gib"
+        raise ValueError(f"{states.num_slots} linear-attention state slots of {per_slot} bytes "
+                         f"outgrow the KV memory budget ({budget / 2**20:.1f} MiB): lower "
+                         f"max_num_seqs (one slot each, plus the null slot) or raise {knob}")
+    return max(2, num_pages_after_state(int(budget), per_device_page, states.num_slots,
+                                        per_slot))
 
 
 def agree_across_processes(num_pages: int) -> int:

@@ -33,6 +33,9 @@ class StepArrays:
         row_request_ids: Request id of each real sampling row (host only, not sent).
         lora_slots: i32[num_tokens] each token's LoRA adapter slot (-1: none; padding -1),
             set by the runner when it serves adapters; None: not sent.
+        state_slots: i32[num_rows] each request's row of the state pools
+            (`ScheduledRequest.state_slot`; padding rows 0, the null slot), for a model with
+            linear-attention layers (`AttentionMetadata.state_slots`); None: not sent.
     """
 
     input_ids: np.ndarray
@@ -45,6 +48,7 @@ class StepArrays:
     logits_indices: np.ndarray
     row_request_ids: list[str]
     lora_slots: np.ndarray | None = None
+    state_slots: np.ndarray | None = None
 
     def device_tree(self) -> dict:
         """The arrays the jitted step receives."""
@@ -54,7 +58,8 @@ class StepArrays:
                 "kv_lens": self.kv_lens, "cu_q_lens": self.cu_q_lens,
                 "logits_indices": self.logits_indices,
                 "sample_rows": np.array([len(self.row_request_ids)], np.int32),
-                **({} if self.lora_slots is None else {"lora_slots": self.lora_slots})}
+                **({} if self.lora_slots is None else {"lora_slots": self.lora_slots}),
+                **({} if self.state_slots is None else {"state_slots": self.state_slots})}
 
 
 def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page_size: int,
@@ -62,7 +67,7 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
                       prev_rows: dict[str, int] | None = None,
                       num_sample_rows: int | None = None,
                       tables: BlockTableRows | Sequence[BlockTableRows] | None = None,
-                      num_groups: int = 1) -> StepArrays:
+                      num_groups: int = 1, state_slots: bool = False) -> StepArrays:
     """Packs the scheduled requests' tokens in order and pads everything to the bucket.
 
     Requests occupy attention rows 0..len(scheduled)-1. Sampling rows list each request
@@ -86,6 +91,8 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
             cache one per KV cache group (group g's applies `group_pages[g - 1]`); None:
             fresh ones (whole tables only).
         num_groups: KV cache groups when `tables` is None.
+        state_slots: Also fill `StepArrays.state_slots` (a model with linear-attention
+            layers): each request's `ScheduledRequest.state_slot`, padding rows 0.
 
     Returns:
         The step's host arrays; padding tokens and rows point at the null page 0. With
@@ -167,5 +174,9 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
         slot_mapping, block_tables = slots[0], per_group[0][0]
     else:
         slot_mapping, block_tables = slots, np.stack([table for table, _ in per_group])
+    slots_of_rows = None
+    if state_slots:
+        slots_of_rows = np.zeros(num_rows, np.int32)  # i32[num_rows]; padding: null slot 0
+        slots_of_rows[:r] = np.fromiter((s.state_slot for s in sched), np.int32, r)
     return StepArrays(input_ids, src, positions, slot_mapping, block_tables, kv_lens, cu,
-                      logits_indices, row_ids)
+                      logits_indices, row_ids, state_slots=slots_of_rows)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import LoRAConfig
+from jaxserve.runner.state_pool import cache_shardings
 from jaxserve.runner.step_io import PendingStep, StepResult
 from jaxserve.runner.transfer import Layout, unpack
 from jaxserve.sample.logprobs import compute_prompt_logprobs
@@ -33,8 +34,10 @@ def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: boo
     i32[num_tokens, num_layers, top_k] each token's routed experts when `routing` (a
     mixture of experts' routing capture), else None."""
     x = unpack(buf, layout)
+    # NOTE: `state_slots` (i32[num_rows]) travels only for models with linear-attention
+    # layers, whose `kv_pages` is then a `HybridCache` (page pool and state pools).
     md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"],
-                           decode_only, short_tiles)
+                           decode_only, short_tiles, state_slots=x.get("state_slots"))
     src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
     input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
     kv_pages, hidden, *routed = model.forward(params, input_ids, x["positions"], kv_pages, md,
@@ -174,7 +177,7 @@ class StepPrograms:
         fn = self._steps.get((layout, decode_only))
         if fn is None:
             shardings = {} if self.parallel is None else {"out_shardings": (
-                self.parallel.kv_pages_sharding(), self.parallel.replicated(),
+                cache_shardings(self.parallel, self.model), self.parallel.replicated(),
                 self.parallel.replicated(), self.parallel.replicated())}
             fn = jax.jit(functools.partial(model_step, self.model, layout, decode_only,
                                            self.short_tiles, self.routing),

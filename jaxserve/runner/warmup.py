@@ -2,15 +2,15 @@
 
 A step runs one of a few programs per token bucket (the model step, the decode-only step
 on Pallas, prompt logprobs, three sampler variants; with a `max_logprobs` above 20, a wide
-prompt-logprobs and "full" sampler program too), and three KV plan programs run
-page copies and swaps. Compiled one after another, they leave the other cores of a
-many-core host idle. So warm-up first *lowers* every program on this thread (tracing holds
-the GIL) and hands each lowered program to a thread pool that compiles it (compiling
-releases the GIL); a program compiles while the next one is traced. (On this project's
-2-vCPU machine the gain is small: two compiles side by side each take ~2x as long.)
-`jit(f).lower(args).compile()` fills the cache that `jit(f)(args)` reads, so the second
-pass, which runs every program once on dummy inputs (as warm-up always did), compiles
-nothing it does not have to.
+prompt-logprobs and "full" sampler program too), and three KV plan programs run page
+copies and swaps (two more move a linear-attention model's state rows). Compiled one after
+another, they leave the other cores of a many-core host idle. So warm-up first *lowers*
+every program on this thread (tracing holds the GIL) and hands each lowered program to a
+thread pool that compiles it (compiling releases the GIL); a program compiles while the
+next one is traced. (On this project's 2-vCPU machine the gain is small: two compiles side
+by side each take ~2x as long.) `jit(f).lower(args).compile()` fills the cache that
+`jit(f)(args)` reads, so the second pass, which runs every program once on dummy inputs
+(as warm-up always did), compiles nothing it does not have to.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jaxserve.core.plans import CopyPlan, KVPlans, SwapPlan
+from jaxserve.core.plans import CopyPlan, KVPlans, StatePlans, SwapPlan
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.runner.buckets import rows_for_bucket
 from jaxserve.runner.kv_ops import PLAN_PAIRS, copy_pages, gather_pages, scatter_pages
 from jaxserve.runner.sampler_variants import VARIANTS
+from jaxserve.runner.state_pool import STATE_PAIRS, gather_rows, scatter_rows, state_arrays
 from jaxserve.utils import cdiv
 
 # Most compiler threads: beyond a few, programs wait on memory bandwidth and each other.
@@ -108,11 +109,17 @@ def sampler_variants(runner, dummy) -> list[tuple]:
 
 
 def _lower_plans(runner) -> list:
-    lowered = [copy_pages.lower(runner.kv_pages, jax.device_put(NULL_PAIRS))]
+    pages = runner.page_pool
+    lowered = [copy_pages.lower(pages, jax.device_put(NULL_PAIRS))]
     if runner.swap.num_slots:
         ids = jax.device_put(NULL_PAIRS[:, 0])  # i32[PLAN_PAIRS]
-        gather = gather_pages.lower(runner.kv_pages, ids)
-        lowered += [gather, scatter_pages.lower(runner.kv_pages, ids, gather.out_info)]
+        gather = gather_pages.lower(pages, ids)
+        lowered += [gather, scatter_pages.lower(pages, ids, gather.out_info)]
+    states = state_arrays(runner.kv_pages)
+    if states:  # the state plans' two programs (copies and swaps share them)
+        rows = jax.device_put(np.zeros(STATE_PAIRS, np.int32))  # i32[STATE_PAIRS]
+        gather = gather_rows.lower(states, rows)
+        lowered += [gather, scatter_rows.lower(states, rows, gather.out_info)]
     return lowered
 
 
@@ -148,17 +155,22 @@ def compile_ahead(runner, make_dummy_sampling, threads: int,
             f.result()  # re-raises a compile error here
 
 
-def plan_warmup(num_swap_slots: int) -> KVPlans:
+def plan_warmup(num_swap_slots: int, state_slots: bool = False) -> KVPlans:
     """KV plans that run every plan program once on the null page: a copy of it onto
     itself and, with swap slots, the real swap path out to scratch slots -1..-n and back
-    in."""
+    in; with `state_slots` (a state group) the same on the null state slot."""
     copy = CopyPlan([(0, 0)] * PLAN_PAIRS)
+    state = StatePlans(copy=CopyPlan([(0, 0)] * STATE_PAIRS)) if state_slots else StatePlans()
     if not num_swap_slots:
-        return KVPlans(copy=copy)
+        return KVPlans(copy=copy, state=state)
     scratch = [(0, -1 - i) for i in range(PLAN_PAIRS)]
+    if state_slots:
+        rows = [(0, -1 - i) for i in range(STATE_PAIRS)]
+        state = StatePlans(swap_out=SwapPlan(rows, to_host=True), copy=state.copy,
+                           swap_in=SwapPlan([(h, s) for s, h in rows], to_host=False))
     return KVPlans(swap_out=SwapPlan(scratch, to_host=True),
                    swap_in=SwapPlan([(slot, page) for page, slot in scratch], to_host=False),
-                   copy=copy)
+                   copy=copy, state=state)
 
 
 def run_warmup(runner, make_dummy_sampling, threads: int | None = None,
@@ -187,7 +199,7 @@ def run_warmup(runner, make_dummy_sampling, threads: int | None = None,
         if threads == 1:
             progress(done, total)
         run_bucket(runner, num_tokens, make_dummy_sampling)
-    runner.execute_plans(plan_warmup(runner.swap.num_slots))
+    runner.execute_plans(plan_warmup(runner.swap.num_slots, runner.num_state_slots > 0))
     if runner.lora is not None:  # the slot-writing program, on an empty slot
         runner.lora.write(0, None)
     progress(total, total)

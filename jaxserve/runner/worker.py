@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxserve.compilation_cache import enable_compilation_cache
 from jaxserve.config import EngineConfig
+from jaxserve.core.state_slots import StateGroupSpec
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.serving import (
     local_model_config,
@@ -35,6 +36,7 @@ from jaxserve.runner.sizing import (
     fit_max_model_len,
     resolve_limits,
     resolve_max_model_len,
+    state_group,
 )
 from models.kv_groups import KVGroupLayout
 from models.model import Model
@@ -141,16 +143,23 @@ class Worker:
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=lim.max_num_batched_tokens,
                     target_params=self.model.weight_bytes)
 
+    @property
+    def state_group(self) -> StateGroupSpec | None:
+        """The state group the KV manager keeps for a model with linear-attention layers
+        (`sizing.state_group`: the page pool was sized after it), or None."""
+        return state_group(self.config, self.model)
+
     def init_device(self, max_num_seqs: int, num_swap_slots: int,
                     num_spec_tokens: int = 0) -> ModelRunner:
-        """Allocates the page pool and builds the runner (its programs compile on first use
-        or in `ModelRunner.warmup`).
+        """Allocates the page pool (and a state group's state pools: `state_group`) and
+        builds the runner (its programs compile on first use or in `ModelRunner.warmup`).
 
         Args:
             max_num_seqs: Most requests per step (the scheduler's).
             num_swap_slots: Host pages for swapped-out requests (the KV manager's).
             num_spec_tokens: Most proposals a request verifies per step.
         """
+        states = self.state_group
         lim, cache = self.limits, self.config.cache
         self.runner = ModelRunner(self.model, lim.num_pages, cache.page_size, lim.max_model_len,
                                   max_num_seqs, lim.max_num_batched_tokens, num_swap_slots,
@@ -160,13 +169,21 @@ class Worker:
                                   kv_layout=self.model.kv_layout, lora=self.config.lora,
                                   max_logprobs=self.config.model.max_logprobs,
                                   logprobs_mode=self.config.model.logprobs_mode,
-                                  routed_experts=self.config.model.enable_return_routed_experts)
+                                  routed_experts=self.config.model.enable_return_routed_experts,
+                                  num_state_slots=states.num_slots if states else None)
         logger.info("jaxserve: weights %s; KV cache %s: %d pages of %d tokens = "
                     "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
                     self.model.weights_report(),
-                    np.dtype(self.runner.kv_pages.dtype).name, lim.num_pages, cache.page_size,
+                    np.dtype(self.runner.page_pool.dtype).name, lim.num_pages, cache.page_size,
                     self.kv_capacity_tokens, lim.num_pages * lim.bytes_per_page / 2**20,
                     lim.max_model_len, self.runner.buckets)
+        if states is not None:
+            logger.info("jaxserve: linear-attention state pools: %d slots (the null slot "
+                        "included) of %.2f MiB each, %d of %d layers; the page pool holds "
+                        "the other %d", states.num_slots,
+                        self.model.state_bytes_per_slot / 2**20,
+                        len(self.model.cfg.linear_layers), self.model.cfg.num_layers,
+                        len(self.model.cfg.attention_layers))
         if self.model.is_hybrid:
             kv = self.kv_layout
             logger.info("jaxserve: hybrid KV cache: %d groups (windows %s), %d of %d layers "

@@ -1,0 +1,243 @@
+"""The linear-attention hybrids served end to end: greedy tokens of a tiny Qwen3.5 (and, slow,
+Qwen3-Next and Granite 4.0's Mamba-2 hybrid) through `LLM` equal transformers' `generate`
+alone, batched and chunked, under swap and recompute preemption and with n > 1 (forked state
+slots); an abort frees its slot; nothing compiles after warm-up; prefix caching is off and
+the log and metrics say why.
+
+The model side (numerics per step, state contract) is tests/models/test_hybrid.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.e2e.hf_family import PROMPTS, SMALL
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# Gated DeltaNet shapes as tests/models/test_numerics.py's (2 key heads, each serving 2 of the
+# 4 value heads); NOTE: at its initializer_range 0.05 the tiny models are not chaotic (one
+# float32 ulp in the weights stays below 1e-5 in the logits), so greedy ties do not flip.
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, initializer_range=0.05,
+              tie_word_embeddings=False)
+FAMILIES = {
+    # linear, full attention, linear: the state carried beside one layer's pages.
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(SMALL, **LINEAR, num_hidden_layers=3,
+                     layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    # Its fused projections, experts and shared expert; full attention every second layer.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(SMALL, **LINEAR, num_hidden_layers=2, full_attention_interval=2,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=48)),
+    # Granite 4.0's Mamba-2 layers (the SSD state in the same pools) beside rotary attention,
+    # its multipliers apart from 1 (tests/models/test_numerics.py's shapes, hidden 64).
+    "granite": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                dict(SMALL, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                     shared_intermediate_size=96, mamba_n_heads=8, mamba_d_head=16,
+                     mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, num_local_experts=0,
+                     embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=0.25,
+                     attention_multiplier=0.2, position_embedding_type="rope",
+                     initializer_range=0.05, tie_word_embeddings=False)),
+}
+# Families whose RMSNorms scale by `1 + weight` (the gated norms of their linear layers by
+# the weight itself); Granite's all scale by the weight.
+ZERO_CENTRED = ("qwen3_5", "qwen3_next")
+MAX_TOKENS = 16
+# 4 sequences, an 8-token budget (buckets 4 and 8: two model programs; every prompt chunks),
+# 7 pages of 16 tokens (6 usable) for one full-attention layer: SWAP_BATCH's 4 running
+# requests need 12, so requests are preempted. Swap space for the pages; the host state
+# slots come with it.
+ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=4, max_model_len=128, num_kv_blocks=7,
+              attention_backend="xla", preemption_mode="swap", swap_space=0.05,
+              enable_prefix_caching=True, warmup=True)
+SWAP_BATCH = [*PROMPTS, "Sliding windows keep only the most recent keys, so old pages can "
+              "be given back", "Once upon a time there was a small engine that served many "
+              "requests", "def fibonacci(n): return n if n < 2 else"]
+
+
+def _build_hf(name: str, tokenizer, directory: str):
+    """The float32 transformers model (eager attention), its norms drawn at random around
+    their identity (zero-centred `1 + weight` RMSNorms at 0, the gated norm of the linear
+    layers at 1) so they matter, saved with `tokenizer`."""
+    config_cls, model_cls, config = FAMILIES[name]
+    cfg = getattr(transformers, config_cls)(**config, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(cfg).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param_name, p in hf.named_parameters():
+            if "norm" in param_name:
+                zero = name in ZERO_CENTRED and "linear_attn.norm" not in param_name
+                center = 0.0 if zero else 1.0
+                p.copy_(center + 0.3 * torch.randn(p.shape, generator=gen))
+    hf.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return hf
+
+
+def _hf_greedy(hf, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          min_new_tokens=MAX_TOKENS, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@dataclasses.dataclass
+class Served:
+    """A family's warmed-up engine, its prompts' ids, transformers' greedy tokens for each,
+    and what the engine logged while it started."""
+
+    llm: LLM
+    ids: dict[str, list[int]]
+    want: dict[str, list[int]]
+    startup_log: str
+    warm: bool = True  # warmed up: nothing may compile while serving
+
+    def check(self, prompts: list[str], n: int = 1) -> dict[str, float]:
+        """Serves `prompts` batched (`n` greedy completions each), asserts transformers'
+        tokens for every completion, that every page and state slot came back and that
+        nothing compiled; returns what the engine's counters gained."""
+        before = self.llm.get_metrics()
+        params = SamplingParams(n=n, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": self.ids[p]} for p in prompts], params,
+                                 use_tqdm=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert len(out.outputs) == n
+            for completion in out.outputs:
+                assert completion.token_ids == self.want[prompt], prompt
+        after = self.llm.get_metrics()
+        assert after["jaxserve:kv_cache_usage_perc"] == 0.0
+        slots = self.llm.engine.scheduler.kv.state_slots
+        assert slots.num_free_slots == slots.num_slots - 1  # every slot but the null one
+        gained = {k.removeprefix("jaxserve:"): after[k] - before[k] for k in before}
+        if self.warm:
+            assert gained["num_compilations"] == 0  # warm-up compiled every program
+        return gained
+
+
+# Slow: the same engine paths with experts (Qwen3-Next), or Mamba-2 layers (Granite 4.0).
+@pytest.fixture(scope="module", params=["qwen3_5", *(pytest.param(name, marks=pytest.mark.slow)
+                                                     for name in ("qwen3_next", "granite"))])
+def served(request, smollm2_tokenizer, tmp_path_factory):
+    """The family's engine, built and warmed up once for every check of this file."""
+    name = request.param
+    directory = str(tmp_path_factory.mktemp(name))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hf = _build_hf(name, smollm2_tokenizer, directory)
+        ids = {p: smollm2_tokenizer(p).input_ids for p in SWAP_BATCH}
+        want = {p: _hf_greedy(hf, ids[p]) for p in SWAP_BATCH}
+    finally:
+        torch.set_num_threads(threads)
+    assert all(len(set(w)) > 1 for w in want.values())  # not a degenerate repeat
+    assert min(len(x) for x in ids.values()) > ENGINE["max_num_batched_tokens"]  # chunked
+    records = _LogRecords()
+    logger = logging.getLogger("jaxserve")
+    logger.addHandler(records)
+    try:
+        llm = LLM(directory, **ENGINE)
+    finally:
+        logger.removeHandler(records)
+    assert llm.engine.model.has_linear_attention
+    return Served(llm, ids, want, "\n".join(records.messages))
+
+
+class _LogRecords(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_greedy_alone_and_batched_chunked(served):
+    """Each prompt alone, then all batched; every prompt is longer than the 8-token budget,
+    so its state is carried from chunk to chunk."""
+    served.check(PROMPTS[1:2])
+    served.check(PROMPTS)
+
+
+def test_swap_then_recompute_preemption(served):
+    """A batch whose pages do not fit the pool: requests are swapped out (pages and state
+    rows to the host) and back in; then the same batch preempted by recompute (the state
+    starts again from zero in whatever slot comes next)."""
+    gained = served.check(SWAP_BATCH)
+    assert gained["num_preemptions"] > 0
+    assert gained["num_swap_outs"] > 0 and gained["num_swap_ins"] > 0
+    scheduler = served.llm.engine.scheduler
+    swap_config = scheduler.config
+    scheduler.config = dataclasses.replace(swap_config, preemption_mode="recompute")
+    try:
+        gained = served.check(SWAP_BATCH)
+    finally:
+        scheduler.config = swap_config
+    assert gained["num_preemptions"] > 0 and gained["num_swap_outs"] == 0
+
+
+def test_fan_out_children_copy_the_state(served):
+    """n = 3 greedy completions: the children fork after the prompt's sample, each into a
+    slot holding a copy of the parent's state, and all go on as transformers does."""
+    served.check(PROMPTS[:2], n=3)
+
+
+def test_abort_frees_the_slot(served):
+    engine = served.llm.engine
+    slots = engine.scheduler.kv.state_slots
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("to-abort", {"prompt_token_ids": served.ids[PROMPTS[0]]}, params)
+    for _ in range(3):  # past the first chunk: the request holds a slot
+        engine.step()
+    assert slots.num_free_slots < slots.num_slots - 1
+    engine.abort_request("to-abort")
+    engine.flush()
+    assert slots.num_free_slots == slots.num_slots - 1
+    served.check(PROMPTS[1:2])  # and the next request is served as before
+
+
+def test_prefix_caching_off_said_in_the_log_and_metrics(served):
+    reason = served.llm.engine.scheduler.kv.prefix_caching_disabled_reason
+    assert reason and "linear-attention" in reason
+    assert reason in served.startup_log
+    assert served.llm.engine.cache_config_info()["enable_prefix_caching"] is False
+    gauge = [k for k in served.llm.get_metrics() if k.startswith(
+        "jaxserve:prefix_caching_enabled")]
+    assert len(gauge) == 1 and "linear-attention" in gauge[0]
+    assert served.llm.get_metrics()[gauge[0]] == 0.0
+    # A prompt sent twice is computed twice: no hit.
+    served.check([PROMPTS[0]])
+    assert served.check([PROMPTS[0]])["prefix_cache_hits"] == 0
+
+
+def test_speculative_decoding_is_refused(served):
+    directory = served.llm.engine.model.source
+    with pytest.raises(ValueError, match="speculative_config: .* linear-attention"):
+        LLM(directory, **{**ENGINE, "warmup": False},
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow  # its own engine over two virtual CPU devices (a second compile, ~20 s)
+def test_tensor_parallel_2_serves_transformers_tokens(served):
+    """The linear layers split by key heads and the state pools with them
+    (`TensorParallel.state_shardings`), swap and fork copies included; Mamba-2 layers are
+    not split yet, which the engine refuses naming the setting."""
+    directory = served.llm.engine.model.source
+    if served.llm.engine.model.cfg.linear_kind == "mamba2":
+        with pytest.raises(ValueError, match="tensor_parallel_size=2: .* Mamba-2 layers"):
+            LLM(directory, **{**ENGINE, "warmup": False}, tensor_parallel_size=2)
+        return
+    llm = LLM(directory, **{**ENGINE, "warmup": False}, tensor_parallel_size=2)
+    state = llm.engine.runner.kv_pages
+    assert len(state.recurrent.sharding.device_set) == 2
+    tp = Served(llm, served.ids, served.want, "", warm=False)
+    gained = tp.check(SWAP_BATCH)
+    assert gained["num_swap_outs"] > 0
+    tp.check(PROMPTS[:1], n=2)
