@@ -19,12 +19,12 @@ down to `--hidden`: hidden / 128 q heads and hidden / 512 kv heads of 128, hidde
 linear key heads and twice that value heads of 128, MLP 3 x hidden. Each decode step (`batch`
 requests, one new token each after `context` computed tokens, each request on pages of its own
 and in its own state slot) is compiled once per (model, context, batch) in an engine whose
-`max_model_len` is that context (so the block tables are as wide as the context needs) and
+`max_model_len` is that context plus the new token (block tables as wide as it needs) and
 timed interleaved (A B C, C B A, ...: machine drift hits all alike, `bench_moe.interleaved_ms`).
 The page pool holds just the pages the step reads (plus the null page; `--num-kv-blocks`
 sets another size: a served engine fills its memory with pages). The pages hold zeros and
-the state pools start at zero (the work does not depend on the
-values; the states fill as the timed steps run). All serve on the `xla` backend (the `cpu`
+the state pools start at zero (the work does not depend on the values; the states fill as
+the timed steps run). All serve on the `xla` backend (the `cpu`
 backend's packed panels do not serve the hybrids: that would compare matmul kernels).
 
 Usage: python -m scripts.benchmarks.bench_hybrid_decode [--contexts 1024,16384] [--batches 1,8]
