@@ -24,10 +24,11 @@ SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def build_hf_model(config_cls: str, model_cls: str, config: dict, tokenizer, directory: str,
-                   norm_center: float):
+                   norm_center):
     """A float32 transformers model of `config` (eager attention), its norms drawn around
-    `norm_center` (0 for Gemma's `1 + weight`, 1 elsewhere) so they matter, saved as
-    safetensors into `directory` with `tokenizer`."""
+    `norm_center` (0 for Gemma's `1 + weight`, 1 elsewhere; or a function of the norm
+    parameter's name, for models mixing both kinds) so they matter, saved as safetensors
+    into `directory` with `tokenizer`."""
     import torch
     import transformers
 
@@ -38,7 +39,8 @@ def build_hf_model(config_cls: str, model_cls: str, config: dict, tokenizer, dir
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
-                p.copy_(norm_center + 0.3 * torch.randn(p.shape, generator=gen))
+                center = norm_center(name) if callable(norm_center) else norm_center
+                p.copy_(center + 0.3 * torch.randn(p.shape, generator=gen))
     hf.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return hf

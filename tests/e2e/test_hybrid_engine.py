@@ -15,7 +15,7 @@ import logging
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.e2e.hf_family import PROMPTS, SMALL
+from tests.e2e.hf_family import PROMPTS, SMALL, build_hf_model, hf_greedy
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -62,31 +62,12 @@ SWAP_BATCH = [*PROMPTS, "Sliding windows keep only the most recent keys, so old 
               "requests", "def fibonacci(n): return n if n < 2 else"]
 
 
-def _build_hf(name: str, tokenizer, directory: str):
-    """The float32 transformers model (eager attention), its norms drawn at random around
-    their identity (zero-centred `1 + weight` RMSNorms at 0, the gated norm of the linear
-    layers at 1) so they matter, saved with `tokenizer`."""
-    config_cls, model_cls, config = FAMILIES[name]
-    cfg = getattr(transformers, config_cls)(**config, attn_implementation="eager")
-    torch.manual_seed(0)
-    hf = getattr(transformers, model_cls)(cfg).to(torch.float32).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param_name, p in hf.named_parameters():
-            if "norm" in param_name:
-                zero = name in ZERO_CENTRED and "linear_attn.norm" not in param_name
-                center = 0.0 if zero else 1.0
-                p.copy_(center + 0.3 * torch.randn(p.shape, generator=gen))
-    hf.save_pretrained(directory, safe_serialization=True)
-    tokenizer.save_pretrained(directory)
-    return hf
-
-
-def _hf_greedy(hf, ids: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                          min_new_tokens=MAX_TOKENS, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+def _norm_center(name: str):
+    """Where a family's norms are drawn around (`build_hf_model`): the zero-centred
+    `1 + weight` RMSNorms at 0, the gated norm of the linear layers (and other families'
+    norms) at 1."""
+    zero = name in ZERO_CENTRED
+    return lambda param: 0.0 if zero and "linear_attn.norm" not in param else 1.0
 
 
 @dataclasses.dataclass
@@ -132,9 +113,11 @@ def served(request, smollm2_tokenizer, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        hf = _build_hf(name, smollm2_tokenizer, directory)
+        config_cls, model_cls, config = FAMILIES[name]
+        hf = build_hf_model(config_cls, model_cls, config, smollm2_tokenizer, directory,
+                            _norm_center(name))
         ids = {p: smollm2_tokenizer(p).input_ids for p in SWAP_BATCH}
-        want = {p: _hf_greedy(hf, ids[p]) for p in SWAP_BATCH}
+        want = {p: hf_greedy(hf, ids[p], MAX_TOKENS) for p in SWAP_BATCH}
     finally:
         torch.set_num_threads(threads)
     assert all(len(set(w)) > 1 for w in want.values())  # not a degenerate repeat
