@@ -14,12 +14,11 @@ to token i and D[i, j] = exp(c_i - c_j) for j <= i (0 above the diagonal):
 
 A row of one token (a decode) takes the recurrent step instead, all such rows at once. The
 chunks of all rows run in one loop whose trip count is the step's real chunk count (static
-shapes: the buffers are sized by the bound `max_chunks`).
+shapes: the buffers are sized by the bound `pallas_kernels.state_slots.max_chunks`).
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -29,40 +28,9 @@ from pallas_kernels.gated_delta.reference import (
     delta_step,
     expand_heads,
 )
-from pallas_kernels.state_slots import initial_states, q_lens_of, write_back
+from pallas_kernels.state_slots import initial_states, q_lens_of, run_chunks, write_back
 
 CHUNK = 64
-
-
-def max_chunks(num_tokens: int, num_rows: int, chunk: int = CHUNK) -> int:
-    """Static bound on the chunks of a step: rows of 2+ tokens are at most min(R, T // 2),
-    and their chunks beyond the first of each number at most T // chunk."""
-    return min(num_rows, num_tokens // 2) + num_tokens // chunk
-
-
-def chunk_layout(cu_q_lens: jax.Array, num_tokens: int, chunk: int = CHUNK):
-    """The chunks of the rows with two or more tokens, in row order.
-
-    Returns:
-        row: i32[C] each chunk's row (clamped for unused chunks).
-        start: i32[C] its first token on the packed axis.
-        length: i32[C] its tokens (0 for unused chunks).
-        first: bool[C] the row's first chunk; last: bool[C] its last.
-        count: i32[] chunks in use (they come first).
-    """
-    num_rows = cu_q_lens.shape[0] - 1
-    q_lens = q_lens_of(cu_q_lens)  # i32[R]
-    per_row = jnp.where(q_lens >= 2, (q_lens + chunk - 1) // chunk, 0)  # i32[R]
-    cu_chunks = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(per_row)])
-    c = jnp.arange(max_chunks(num_tokens, num_rows, chunk), dtype=jnp.int32)
-    row = jnp.searchsorted(cu_chunks[1:], c, side="right").astype(jnp.int32)
-    used = row < num_rows
-    row = jnp.minimum(row, num_rows - 1)
-    j = c - cu_chunks[row]  # the chunk's index within its row
-    start = cu_q_lens[row] + j * chunk
-    length = jnp.where(used, jnp.clip(q_lens[row] - j * chunk, 0, chunk), 0)
-    return (row, start, length, used & (j == 0), used & (j == per_row[row] - 1),
-            cu_chunks[-1])
 
 
 def chunk_step(s, q, k, v, g, beta):
@@ -103,7 +71,6 @@ def gated_delta_rule_xla(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens, *,
     `gated_delta_rule_reference` (up to float rounding)."""
     check_gated_delta_shapes(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens)
     num_tokens, num_v_heads, dv = v.shape
-    dk = q.shape[-1]
     f32 = lambda x: x.astype(jnp.float32)
     qe, ke = (expand_heads(f32(x), num_v_heads) for x in (q, k))  # f32[T, Hv, dk]
     v, g, beta = f32(v), f32(g), f32(beta)
@@ -119,36 +86,7 @@ def gated_delta_rule_xla(q, k, v, g, beta, state, slots, cu_q_lens, kv_lens, *,
     out = out.at[jnp.where(decode, first_tok, num_tokens)].set(o1, mode="drop")
     final = jnp.where(decode[:, None, None, None], s1, init)
 
-    row, start, length, first, last, count = chunk_layout(cu_q_lens, num_tokens, chunk)
-    if row.shape[0]:
-        out, final = _chunks(qe, ke, v, g, beta, init, out, final,
-                             (row, start, length, first, last, count), chunk, dk)
+    out, final = run_chunks((qe, ke, v, g, beta), chunk_step, init, out, final, cu_q_lens,
+                            chunk)
     return out, write_back(state, slots, cu_q_lens, final)
 
-
-def _chunks(qe, ke, v, g, beta, init, out, final, layout, chunk, dk):
-    """The rows of two or more tokens: a loop over the step's chunks carrying one row's
-    state, reset at each row's first chunk and stored at its last."""
-    row, start, length, first, last, count = layout
-    num_tokens, num_v_heads, dv = v.shape
-    pos = jnp.arange(chunk, dtype=jnp.int32)
-
-    def gather(x, idx, inside):  # [T, Hv, ...] -> [Hv, L, ...], zeros past the chunk
-        rows = jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
-        mask = inside.reshape(inside.shape + (1,) * (rows.ndim - 1))
-        return jnp.moveaxis(jnp.where(mask, rows, 0.0), 0, 1)
-
-    def body(i, carry):
-        s, out, final = carry
-        r = row[i]
-        inside = pos < length[i]  # bool[L]
-        idx = jnp.where(inside, start[i] + pos, num_tokens)  # i32[L]
-        s = jnp.where(first[i], lax.dynamic_index_in_dim(init, r, keepdims=False), s)
-        o, s = chunk_step(s, *(gather(x, idx, inside) for x in (qe, ke, v, g, beta)))
-        out = out.at[idx].set(jnp.moveaxis(o, 0, 1), mode="drop")
-        stored = jnp.where(last[i], s, lax.dynamic_index_in_dim(final, r, keepdims=False))
-        return s, out, lax.dynamic_update_index_in_dim(final, stored, r, 0)
-
-    s0 = jnp.zeros((num_v_heads, dk, dv), jnp.float32)
-    _, out, final = lax.fori_loop(0, count, body, (s0, out, final))
-    return out, final

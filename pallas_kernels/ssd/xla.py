@@ -1,7 +1,7 @@
 """Mamba-2's selective scan in plain XLA, chunked (what the "xla" and "cpu" backends serve with).
 
 Each row with two or more tokens is cut into chunks of `CHUNK` tokens aligned to its first
-token (the layout of `pallas_kernels.gated_delta.xla.chunk_layout`); a chunk's tokens are
+token (`pallas_kernels.state_slots.chunk_layout`); a chunk's tokens are
 folded into the state with a few matmuls, the state space duality of transformers'
 `mamba2_chunk_scan` (and mamba_ssm's `mamba_chunk_scan_combined`). Within a chunk, per head,
 with c_i the cumulative log decay (dt a) up to token i and D[i, j] = exp(c_i - c_j) for
@@ -12,7 +12,7 @@ j <= i (0 above the diagonal), X = dt x (the discretized input):
 
 and y = Y + d x. A row of one token (a decode) takes the recurrent step instead, all such
 rows at once. The chunks of all rows run in one loop whose trip count is the step's real
-chunk count (static shapes: the buffers are sized by the bound `max_chunks`).
+chunk count (`pallas_kernels.state_slots.run_chunks`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.gated_delta.xla import chunk_layout
 from pallas_kernels.ssd.reference import check_ssd_shapes, expand_groups, ssd_step
-from pallas_kernels.state_slots import initial_states, q_lens_of, token_rows, write_back
+from pallas_kernels.state_slots import (
+    initial_states,
+    q_lens_of,
+    run_chunks,
+    token_rows,
+    write_back,
+)
 
 CHUNK = 64
 # f32 dots stay f32 (TPU's default would round their inputs to bf16).
@@ -82,38 +87,9 @@ def ssd_xla(x, dt, a, b, c, d, state, slots, cu_q_lens, kv_lens, *, chunk: int =
     y = y.at[jnp.where(decode, first, num_tokens)].set(y1, mode="drop")
     final = jnp.where(decode[:, None, None, None], s1, init)
 
-    layout = chunk_layout(cu_q_lens, num_tokens, chunk)
-    if layout[0].shape[0]:
-        y, final = _chunks(x, dt, a, b, c, init, y, final, layout, chunk)
+    step = lambda s, xc, dtc, bc, cc: chunk_step(s, xc, dtc, a, bc, cc)  # noqa: E731
+    y, final = run_chunks((x, dt, b, c), step, init, y, final, cu_q_lens, chunk)
     _, valid = token_rows(cu_q_lens, num_tokens)  # bool[T]
     y = jnp.where(valid[:, None, None], y + d[:, None] * x, 0.0)
     return y, write_back(state, slots, cu_q_lens, final)
 
-
-def _chunks(x, dt, a, b, c, init, y, final, layout, chunk):
-    """The rows of two or more tokens: a loop over the step's chunks carrying one row's
-    state, reset at each row's first chunk and stored at its last."""
-    row, start, length, first, last, count = layout
-    num_tokens = x.shape[0]
-    pos = jnp.arange(chunk, dtype=jnp.int32)
-
-    def gather(v, idx, inside):  # [T, H or G, ...] -> [H or G, L, ...], zeros past the chunk
-        rows = jnp.take(v, idx, axis=0, mode="fill", fill_value=0)
-        mask = inside.reshape(inside.shape + (1,) * (rows.ndim - 1))
-        return jnp.moveaxis(jnp.where(mask, rows, 0.0), 0, 1)
-
-    def body(i, carry):
-        s, y, final = carry
-        r = row[i]
-        inside = pos < length[i]  # bool[L]
-        idx = jnp.where(inside, start[i] + pos, num_tokens)  # i32[L]
-        s = jnp.where(first[i], lax.dynamic_index_in_dim(init, r, keepdims=False), s)
-        xc, dtc, bc, cc = (gather(v, idx, inside) for v in (x, dt, b, c))
-        yc, s = chunk_step(s, xc, dtc, a, bc, cc)
-        y = y.at[idx].set(jnp.moveaxis(yc, 0, 1), mode="drop")
-        stored = jnp.where(last[i], s, lax.dynamic_index_in_dim(final, r, keepdims=False))
-        return s, y, lax.dynamic_update_index_in_dim(final, stored, r, 0)
-
-    s0 = jnp.zeros(init.shape[1:], jnp.float32)
-    _, y, final = lax.fori_loop(0, count, body, (s0, y, final))
-    return y, final
