@@ -129,12 +129,7 @@ def test_kernel_lowers_to_triton(kind):
 
 
 @pytest.mark.parametrize("kind", ["mxfp4", "nvfp4"])
-def test_kernel_lowers_to_mosaic(monkeypatch, kind):
-    from jax._src.pallas.mosaic import tpu_info
-
-    dev = jax.devices()[0].device_kind
-    monkeypatch.setitem(tpu_info.registry, dev, lambda: tpu_info.get_tpu_info_for_chip(
-        tpu_info.ChipVersion.TPU_V5E, 1))
+def test_kernel_lowers_to_mosaic(fake_tpu_info, kind):
     x, w = _abstract(kind, 256, 256, jnp.bfloat16)
     fn = functools.partial(fp4_matmul_kernel, kind=kind, target="tpu")
     lowered = jax.jit(fn).trace(x, w).lower(lowering_platforms=("tpu",))

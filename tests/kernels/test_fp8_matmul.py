@@ -80,12 +80,7 @@ def test_kernel_lowers_to_triton(block):
     assert "triton" in lowered.as_text().lower()
 
 
-def test_kernel_lowers_to_mosaic(monkeypatch):
-    from jax._src.pallas.mosaic import tpu_info
-
-    kind = jax.devices()[0].device_kind
-    monkeypatch.setitem(tpu_info.registry, kind, lambda: tpu_info.get_tpu_info_for_chip(
-        tpu_info.ChipVersion.TPU_V5E, 1))
+def test_kernel_lowers_to_mosaic(fake_tpu_info):
     x, w = _abstract(256, 256, (128, 128), jnp.bfloat16)
     fn = functools.partial(fp8_matmul_kernel, block=(128, 128), target="tpu")
     lowered = jax.jit(fn).trace(x, w).lower(lowering_platforms=("tpu",))

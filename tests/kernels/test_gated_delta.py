@@ -176,12 +176,7 @@ def test_kernel_lowers_to_triton():
     assert "triton" in lowered.as_text().lower()
 
 
-def test_kernel_lowers_to_mosaic(monkeypatch):
-    from jax._src.pallas.mosaic import tpu_info
-
-    kind = jax.devices()[0].device_kind
-    monkeypatch.setitem(tpu_info.registry, kind, lambda: tpu_info.get_tpu_info_for_chip(
-        tpu_info.ChipVersion.TPU_V5E, 1))
+def test_kernel_lowers_to_mosaic(fake_tpu_info):
     fn = functools.partial(gated_delta_rule_kernel, target="tpu")
     lowered = jax.jit(fn).trace(*_abstract()).lower(lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()

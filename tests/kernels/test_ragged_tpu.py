@@ -45,16 +45,6 @@ def test_tpu_kernel_matches_reference_in_interpreter(g, q_lens, kv_lens, window,
     np.testing.assert_allclose(got, want, atol=tolerance(g.dtype), rtol=0)
 
 
-@pytest.fixture
-def fake_tpu_info(monkeypatch):
-    """Lets Mosaic lowering run on a CPU host by describing a TPU v5e for this device kind."""
-    from jax._src.pallas.mosaic import tpu_info
-
-    kind = jax.devices()[0].device_kind
-    monkeypatch.setitem(tpu_info.registry, kind, lambda: tpu_info.get_tpu_info_for_chip(
-        tpu_info.ChipVersion.TPU_V5E, 1))
-
-
 @pytest.mark.parametrize("dtype,page_size,head_dim", [("bfloat16", 16, 128),
                                                       ("float32", 8, 64)])
 def test_tpu_kernel_lowers_to_mosaic(fake_tpu_info, dtype, page_size, head_dim):
