@@ -4,10 +4,11 @@ and the reference weights from its own `decompress`: the oracle's side of the te
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
+
+from tests.models.helpers import set_quantization_config
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 IGNORE = ["lm_head", "re:.*mlp.gate$"]
@@ -139,12 +140,9 @@ def write_ct(directory: str, config: dict, sch, group_format: bool = True, act_o
     qc = QuantizationConfig(config_groups={"group_0": sch}, ignore=IGNORE,
                             format=sch.format if group_format else None,
                             quantization_status="compressed")
-    with open(os.path.join(directory, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors",
-                                  **qc.model_dump(mode="json", exclude={"quant_method"})}
+    quant_config = {"quant_method": "compressed-tensors",
+                    **qc.model_dump(mode="json", exclude={"quant_method"})}
     if act_order is not None:  # what older compressed-tensors wrote (now refused by it)
-        cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(cfg, f)
+        quant_config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    set_quantization_config(directory, quant_config)
     return hf, tensors

@@ -15,6 +15,8 @@ import os
 import ml_dtypes
 import numpy as np
 
+from tests.models.helpers import set_quantization_config
+
 E4M3_MAX = 448.0
 
 
@@ -77,11 +79,7 @@ def write_fp8_dir(directory: str, hf_model, block, quant_config: dict,
             tensors[name], tensors[name + scale_suffix] = q, s
             dense[name] = unpack_fp8(q, s, block)
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(directory, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = quant_config
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
+    set_quantization_config(directory, quant_config)
     return dense
 
 

@@ -196,6 +196,22 @@ def forward_routing(model, token_ids: Sequence[int], page_size: int = 16) -> np.
     return np.asarray(routed)
 
 
+def set_quantization_config(directory: str, quant_config: dict | None) -> None:
+    """Writes `quant_config` as the `quantization_config` of `directory`'s config.json (a
+    saved transformers model's; None leaves it as it is)."""
+    import json
+    import os
+
+    if quant_config is None:
+        return
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = quant_config
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+
+
 def checkpoint_variant(src: str, dst, tensors=None, config=None, lib: str = "numpy") -> str:
     """A copy of quantized checkpoint `src` at `dst` with `tensors(dict)` applied to its
     tensors (NumPy arrays, or torch tensors with `lib="torch"`: bfloat16 files) and

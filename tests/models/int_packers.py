@@ -5,10 +5,11 @@ and a tiny transformers model saved with its Linear weights replaced by the pack
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
+
+from tests.models.helpers import set_quantization_config
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: nibble i of a word holds value AWQ_ORDER[i]
@@ -137,11 +138,7 @@ def write_quantized(directory: str, config: dict, quant_config: dict, pack, bits
     hf.save_pretrained(directory, safe_serialization=True)
     os.remove(os.path.join(directory, "model.safetensors"))
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(directory, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = quant_config
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    set_quantization_config(directory, quant_config)
     return hf, dense
 
 

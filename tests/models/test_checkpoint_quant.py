@@ -17,7 +17,7 @@ from models.loaders.checkpoint_quant import (
     register,
 )
 from models.quant import QuantFormat, QuantPlan, dequantize_rows, quantize_rows
-from tests.models.helpers import forward_logits
+from tests.models.helpers import forward_logits, set_quantization_config
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -57,12 +57,7 @@ def _write(directory: str, quant_config: dict | None) -> tuple[str, dict]:
             tensors[name], tensors[name + "_scale"] = rows["qweight"], rows["scales"]
             dense[name] = dequantize_rows(PER_CHANNEL, rows)
     save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(directory, "config.json")) as f:
-        config = json.load(f)
-    if quant_config is not None:
-        config["quantization_config"] = quant_config
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f)
+    set_quantization_config(directory, quant_config)
     return directory, dense
 
 
