@@ -86,14 +86,8 @@ void Fp4DotTile(const Job& j, int64_t panel, int64_t r0) {
         hi[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(w, 4), low));
       }
       for (int i = 0; i < RM; ++i) {
-        const int64_t at = (r0 + i) * K + b * kQ4Block + 4 * g;
-        int32_t v[4];
-        std::memcpy(&v[0], j.xq + at, 4);
-        std::memcpy(&v[1], j.xq + at + kQ4Block / 2, 4);
-        std::memcpy(&v[2], j.xr + at, 4);
-        std::memcpy(&v[3], j.xr + at + kQ4Block / 2, 4);
-        const __m256i xl = _mm256_set1_epi32(v[0]), xh = _mm256_set1_epi32(v[1]);
-        const __m256i el = _mm256_set1_epi32(v[2]), eh = _mm256_set1_epi32(v[3]);
+        const auto [xl, xh, el, eh] =
+            BroadcastActivations(j, (r0 + i) * K + b * kQ4Block + 4 * g);
         for (int c = 0; c < 2; ++c) {
           ql[i][c] = _mm256_add_epi16(ql[i][c], _mm256_maddubs_epi16(lo[c], xl));
           qh[i][c] = _mm256_add_epi16(qh[i][c], _mm256_maddubs_epi16(hi[c], xh));

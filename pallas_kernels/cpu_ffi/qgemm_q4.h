@@ -55,6 +55,21 @@ inline __m256 Zeros8(const uint16_t* p) {
 }
 inline __m256 Zeros8(const float* p) { return _mm256_loadu_ps(p); }
 
+// The 4 activations of a dot step broadcast to every 32-bit lane: {xq, xq + 16, xr, xr + 16}
+// at `at` (value `at` of a 32-value block and the 4 values 16 further on, of both parts).
+struct Broadcast4 {
+  __m256i ql, qh, rl, rh;
+};
+inline Broadcast4 BroadcastActivations(const Job& j, int64_t at) {
+  int32_t v[4];
+  std::memcpy(&v[0], j.xq + at, 4);
+  std::memcpy(&v[1], j.xq + at + kQ4Block / 2, 4);
+  std::memcpy(&v[2], j.xr + at, 4);
+  std::memcpy(&v[3], j.xr + at + kQ4Block / 2, 4);
+  return {_mm256_set1_epi32(v[0]), _mm256_set1_epi32(v[1]), _mm256_set1_epi32(v[2]),
+          _mm256_set1_epi32(v[3])};
+}
+
 // q4 times activations split into two int8 parts, x = d (xq + xr / 254) + O(d / 508), d =
 // max |x| / 127 over a block of 32 (`QuantizeRows`): rows [r0, r0 + RM) x panel `panel` of
 // y. The codes of a panel's block (32 values x 16 columns, 256 bytes, `qgemm.pack`) lie as
@@ -97,14 +112,8 @@ void DotTile(const Job& j, int64_t panel, int64_t r0) {
           hi[c] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
         }
         for (int i = 0; i < RM; ++i) {
-          const int64_t off = (r0 + i) * K + b * kQ4Block + 4 * g;
-          int32_t v[4];
-          std::memcpy(&v[0], j.xq + off, 4);
-          std::memcpy(&v[1], j.xq + off + kQ4Block / 2, 4);
-          std::memcpy(&v[2], j.xr + off, 4);
-          std::memcpy(&v[3], j.xr + off + kQ4Block / 2, 4);
-          const __m256i xl = _mm256_set1_epi32(v[0]), xh = _mm256_set1_epi32(v[1]);
-          const __m256i rl = _mm256_set1_epi32(v[2]), rh = _mm256_set1_epi32(v[3]);
+          const auto [xl, xh, rl, rh] =
+              BroadcastActivations(j, (r0 + i) * K + b * kQ4Block + 4 * g);
           for (int c = 0; c < 2; ++c) {
             coarse[i][c] = _mm256_add_epi16(
                 coarse[i][c], _mm256_add_epi16(_mm256_maddubs_epi16(lo[c], xl),
