@@ -28,11 +28,22 @@ def hybrid_layer_types(hf: dict[str, Any]) -> list[str]:
             raise ValueError(f"full_attention_interval={interval!r} must be an integer >= 1")
         return ["linear_attention" if (i + 1) % interval else "full_attention"
                 for i in range(n)]
+    return check_layer_types(hf, types, HYBRID_LAYER_TYPES)
+
+
+def check_layer_types(hf: dict[str, Any], types: list[str], supported) -> list[str]:
+    """`types` (a config's `layer_types`) as a list, each entry one of `supported` (names, or
+    a mapping from a family's names to the decoder's).
+
+    Raises:
+        ValueError: An entry not in `supported`, or another count than `num_hidden_layers`.
+    """
+    n = int(hf["num_hidden_layers"])
     for t in types:
-        if t not in HYBRID_LAYER_TYPES:
+        if t not in supported:
             raise ValueError(f"unsupported layer_types entry {t!r} for "
                              f"{hf['architectures'][0]}; supported: "
-                             f"{', '.join(HYBRID_LAYER_TYPES)}")
+                             f"{', '.join(supported)}")
     if len(types) != n:
         raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n}")
     return list(types)

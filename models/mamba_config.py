@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from models.hybrid_config import check_layer_types
+
 # transformers' `GraniteMoeHybridConfig` defaults for the fields a checkpoint may omit.
 MAMBA_DEFAULTS = dict(mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256,
                       mamba_d_conv=4, mamba_expand=2)
@@ -39,14 +41,7 @@ def granite_layer_types(hf: dict[str, Any]) -> list[str]:
     """
     n = int(hf["num_hidden_layers"])
     types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * n
-    for t in types:
-        if t not in GRANITE_LAYER_TYPES:
-            raise ValueError(f"unsupported layer_types entry {t!r} for "
-                             f"{hf['architectures'][0]}; supported: "
-                             f"{', '.join(GRANITE_LAYER_TYPES)}")
-    if len(types) != n:
-        raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n}")
-    return [GRANITE_LAYER_TYPES[t] for t in types]
+    return [GRANITE_LAYER_TYPES[t] for t in check_layer_types(hf, types, GRANITE_LAYER_TYPES)]
 
 
 def mamba_fields(hf: dict[str, Any]) -> dict[str, Any]:
