@@ -33,11 +33,22 @@ from pallas_kernels import AttentionMetadata
 
 
 class Attention(nn.Module):
-    """GQA self-attention writing K/V into the page pool and reading it back paged."""
+    """GQA self-attention writing K/V into the page pool and reading it back paged.
+
+    Attributes:
+        cfg: Architecture config.
+        dtype: Parameter dtype.
+        methods: The model's methods.
+        phase: "whole" (write K/V, attend, project out); "qkv" returns (q, gate, k, v)
+            after norms and rotary, and "attend" takes that (q, gate) as `x` and attends
+            over pages that already hold the step's K/V: `models.hybrid.HybridMixer` splits
+            a layer so no `lax.cond` branch carries the page pool (XLA copied it).
+    """
 
     cfg: ArchConfig
     dtype: jnp.dtype
     methods: Methods
+    phase: str = "whole"
 
     @nn.compact
     def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata, slot=None):
@@ -45,12 +56,15 @@ class Attention(nn.Module):
         is the layer's group's (2-D block tables)."""
         cfg, ops = self.cfg, self.methods.attention
         slot = layer if slot is None else slot
-        num_tokens = x.shape[0]
         inv = self.methods.batch_invariant
 
         def proj(n, bias, name, h):
             return Linear(n, self.methods.linear(name), bias, self.dtype, layer, name=name)(h)
 
+        if self.phase == "attend":
+            q, gate = x
+            return self._attend(q, gate, kv_pages, slot, window, md, proj)
+        num_tokens = x.shape[0]
         gated = cfg.attn_output_gate
         q = proj(cfg.num_heads * cfg.head_dim * (2 if gated else 1), cfg.qkv_bias, "q_proj", x)
         gate = None
@@ -73,20 +87,30 @@ class Attention(nn.Module):
         if cfg.use_rope:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
+        if self.phase == "qkv":
+            return q, gate, k, v
+        if not self.is_initializing():
+            kv_pages = ops.write_kv(kv_pages, slot, k, v, md.slot_mapping)
+        return self._attend(q, gate, kv_pages, slot, window, md, proj), kv_pages
+
+    def _attend(self, q, gate, kv_pages, slot, window, md: AttentionMetadata, proj):
+        """[T, hidden] output of queries q [T, Hq, D] (gated by `gate` [T, Hq, D] or None)
+        over the pages, which already hold this step's K/V."""
+        cfg = self.cfg
         if self.is_initializing():
             # NOTE: `init` only makes the parameters (`abstract_params` traces it on every
             # load) and attention has none: its trace was most of init's.
             out = q  # [T, Hq, D]
         else:
-            kv_pages = ops.write_kv(kv_pages, slot, k, v, md.slot_mapping)
             scale = (cfg.attention_multiplier  # Granite gives the scale itself
                      or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5)
-            out = ops.attend(q, kv_pages, slot, md, sm_scale=scale, sliding_window=window,
-                             soft_cap=cfg.attn_logit_softcap)
+            out = self.methods.attention.attend(
+                q, kv_pages, slot, md, sm_scale=scale, sliding_window=window,
+                soft_cap=cfg.attn_logit_softcap)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.astype(out.dtype))
-        out = out.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
-        return proj(cfg.hidden_size, cfg.o_bias, "o_proj", out), kv_pages
+        out = out.reshape(q.shape[0], cfg.num_heads * cfg.head_dim)
+        return proj(cfg.hidden_size, cfg.o_bias, "o_proj", out)
 
 
 class DecoderLayer(nn.Module):

@@ -18,6 +18,7 @@ layer's pool slot in the pages, a linear layer's row of the state pools
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -81,7 +82,16 @@ def broadcast_mixers(variables: dict) -> dict:
 class HybridMixer(nn.Module):
     """A hybrid's token mixer in the layer scan: the layer's gated `Attention` over its
     pool slot of the pages when it is a full-attention layer, its linear mixer over its
-    row of the state pools otherwise, as a `jax.lax.cond` on the (traced) layer.
+    row of the state pools otherwise.
+
+    The kind is traced (the layer scan's index), so each layer picks its branch with
+    `jax.lax.cond`; but no branch carries the page pool or the state pools: XLA copied a
+    buffer that one branch updates and the other passes through, the whole page pool every
+    layer. The first cond gives either the linear mixer's output and its requests' new
+    state rows, or the attention's (q, gate, k, v); then K/V are written (nowhere on a
+    linear layer: every token's slot is the null page's) and the state rows scattered
+    (dropped on an attention layer), both in place outside the cond; the second cond attends
+    over the pages (read only) on an attention layer.
 
     Attributes:
         cfg: Architecture config with `linear_layers`.
@@ -113,16 +123,41 @@ class HybridMixer(nn.Module):
         is_linear = jnp.asarray(kinds)[layer]  # bool[]
         index = jnp.asarray(mixer_index(cfg))[layer]  # i32[]: the layer in its kind's stack
         at = lambda tree: jax.tree_util.tree_map(lambda a: a[index], tree)
+        attention = lambda phase: self.attention_cls(*args, phase=phase, parent=None)
+        slots = md.state_slots  # i32[R]: each request's state slot (0: the null slot)
+        rows = jnp.arange(slots.shape[0], dtype=jnp.int32)  # the kernels' slots in the rows
+        qkv_shapes = jax.eval_shape(
+            lambda: attention("qkv").apply({"params": at(attn)}, x, cos, sin, None, index,
+                                           window, md))
 
-        def run_attention(x, cache):
-            out, pages = self.attention_cls(*args, parent=None).apply(
-                {"params": at(attn)}, x, cos, sin, cache.pages, None, window, md, index)
-            return out, cache._replace(pages=pages)
+        def run_linear(x, conv, rec):
+            # f32[R, W - 1, C] and the recurrent state's [R, ...]: the step's requests' rows
+            conv_rows, rec_rows = conv[index][slots], rec[index][slots]
+            out, conv_rows, rec_rows = linear_mixer(cfg)(*args, parent=None).apply(
+                {"params": at(lin)}, x, conv_rows, rec_rows,
+                dataclasses.replace(md, state_slots=rows))
+            qkv = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), qkv_shapes)
+            return out, conv_rows, rec_rows, qkv
 
-        def run_linear(x, cache):
-            out, conv, rec = linear_mixer(cfg)(*args, parent=None).apply(
-                {"params": at(lin)}, x, cache.conv[index], cache.recurrent[index], md)
-            return out, cache._replace(conv=cache.conv.at[index].set(conv),
-                                       recurrent=cache.recurrent.at[index].set(rec))
+        def run_qkv(x, conv, rec):
+            qkv = attention("qkv").apply({"params": at(attn)}, x, cos, sin, None, index,
+                                         window, md)
+            zeros = lambda a: jnp.zeros((slots.shape[0], *a.shape[2:]), a.dtype)
+            return jnp.zeros_like(x), zeros(conv), zeros(rec), qkv
 
-        return jax.lax.cond(is_linear, run_linear, run_attention, x, cache)
+        out, conv_rows, rec_rows, (q, gate, k, v) = jax.lax.cond(
+            is_linear, run_linear, run_qkv, x, cache.conv, cache.recurrent)
+        ops = self.methods.attention
+        pages = ops.write_kv(cache.pages, jnp.where(is_linear, 0, index), k, v,
+                             jnp.where(is_linear, 0, md.slot_mapping))
+        # An attention layer's rows go out of range and are dropped.
+        put = jnp.where(is_linear, slots, cache.conv.shape[1])  # i32[R]
+        layer_at = jnp.minimum(index, cache.conv.shape[0] - 1)
+        conv = cache.conv.at[layer_at, put].set(conv_rows, mode="drop")
+        rec = cache.recurrent.at[layer_at, put].set(rec_rows, mode="drop")
+        out = jax.lax.cond(
+            is_linear, lambda q, gate, pages: out,
+            lambda q, gate, pages: attention("attend").apply(
+                {"params": at(attn)}, (q, gate), cos, sin, pages, index, window, md),
+            q, gate, pages)
+        return out, HybridCache(pages, conv, rec)
