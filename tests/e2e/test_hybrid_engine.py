@@ -253,3 +253,29 @@ def test_expert_parallel_2_serves_transformers_tokens(served):
     gained = ep.check(SWAP_BATCH)
     assert gained["num_swap_outs"] > 0
     ep.check(PROMPTS[:1], n=2)
+
+
+@pytest.mark.slow  # its own model and two engines over two virtual CPU devices (~30 s)
+def test_all_attention_granite_with_experts_splits_by_tensor_parallelism(smollm2_tokenizer,
+                                                                          tmp_path):
+    """A Granite 4.0 without Mamba-2 layers (every layer attends) is refused nothing: its
+    experts split by width (tensor parallelism 2) or whole (`enable_expert_parallel`), the
+    ungated shared MLP by columns and rows, and the tokens stay transformers'."""
+    config_cls, model_cls, config = FAMILIES["granite_moe"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hf = build_hf_model(config_cls, model_cls, dict(config, layer_types=["attention"] * 3),
+                            smollm2_tokenizer, str(tmp_path), 1.0)
+        ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
+        want = [hf_greedy(hf, x, MAX_TOKENS) for x in ids]
+    finally:
+        torch.set_num_threads(threads)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for split in (dict(), dict(enable_expert_parallel=True)):
+        llm = LLM(str(tmp_path), max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128,
+                  num_kv_blocks=16, attention_backend="xla", warmup=False,
+                  tensor_parallel_size=2, **split)
+        assert llm.engine.model.cfg.is_moe and not llm.engine.model.has_linear_attention
+        outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, split
