@@ -78,6 +78,9 @@ class ArchConfig:
         moe_intermediate_size: Hidden width of one routed expert.
         shared_expert_intermediate_size: Width of the shared expert every token also
             runs, gated by a sigmoid (Qwen2-MoE); 0: none.
+        shared_expert_gated: Whether the shared expert's output is scaled by
+            `sigmoid(shared_expert_gate(x))` (Qwen2-MoE, Qwen3-Next); False: added as it is
+            (Granite 4.0's `shared_mlp`).
         norm_topk_prob: Whether the top-k probabilities are divided by their sum
             (`router_order` "softmax_topk").
         router_order: One of `ROUTER_ORDERS`.
@@ -146,6 +149,7 @@ class ArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True
     norm_topk_prob: bool = False
     router_order: str = "softmax_topk"
     dense_layers: tuple[int, ...] = ()

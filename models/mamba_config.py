@@ -10,7 +10,8 @@ from models.hybrid_config import check_layer_types
 
 # transformers' `GraniteMoeHybridConfig` defaults for the fields a checkpoint may omit.
 MAMBA_DEFAULTS = dict(mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256,
-                      mamba_d_conv=4, mamba_expand=2)
+                      mamba_d_conv=4, mamba_expand=2, shared_intermediate_size=1024,
+                      num_local_experts=8, num_experts_per_tok=2)
 # Each `layer_types` entry's kind: transformers 5 names, and the names Granite's published
 # configs use (transformers remaps them, `configuration_utils._LEGACY_LAYER_TYPE_REMAP`).
 GRANITE_LAYER_TYPES = {"mamba": "linear_attention", "linear_attention": "linear_attention",
@@ -78,21 +79,46 @@ def mamba_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 linear_proj_bias=bool(hf.get("mamba_proj_bias", False)))
 
 
-def granite_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """Every `ArchConfig` field Granite 4.0 sets apart from `common_fields`: the Mamba-2
-    layers, the shared MLP as the dense MLP, attention biases, rotary or none, and the
-    embedding, attention, residual and logits multipliers.
+def expert_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The MLP fields of Granite 4.0: with `num_local_experts` > 0 (4.0-H Tiny, Small) routed
+    experts of `intermediate_size` (`block_sparse_moe`: the top-k router logits, then a
+    softmax over those k) plus the shared MLP as an ungated shared expert of
+    `shared_intermediate_size`; with none (4.0-H Micro), the shared MLP as every layer's
+    dense MLP.
 
     Raises:
-        ValueError: The Mamba fields' errors (`mamba_fields`), routed experts
-            (`num_local_experts` > 0: not built), an unknown `position_embedding_type`, or a
-            `hidden_act` other than silu (the conv's activation too).
+        ValueError: A negative or non-integer `num_local_experts`, a non-positive
+            `shared_intermediate_size`, and with experts a non-positive
+            `intermediate_size` or `num_experts_per_tok` (above the experts:
+            `ArchConfig`'s check names it).
+    """
+    shared = _int(hf, "shared_intermediate_size")
+    experts = hf.get("num_local_experts", MAMBA_DEFAULTS["num_local_experts"]) or 0
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
+        raise ValueError(f"num_local_experts={experts!r} for {hf['architectures'][0]} must be "
+                         "an integer >= 0 (0: the shared MLP alone)")
+    if not experts:
+        return dict(intermediate_size=shared)
+    # NOTE: `intermediate_size` is the routed experts' width here; no layer is dense, so the
+    # decoder's dense width is left the shared MLP's (unused).
+    return dict(intermediate_size=shared, num_experts=experts,
+                num_experts_per_tok=_int(hf, "num_experts_per_tok"),
+                moe_intermediate_size=_int(hf, "intermediate_size"),
+                router_order="topk_softmax", shared_expert_intermediate_size=shared,
+                shared_expert_gated=False)
+
+
+def granite_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Every `ArchConfig` field Granite 4.0 sets apart from `common_fields`: the Mamba-2
+    layers, the routed experts and shared MLP (`expert_fields`), attention biases, rotary
+    or none, and the embedding, attention, residual and logits multipliers.
+
+    Raises:
+        ValueError: The Mamba fields' errors (`mamba_fields`), the MLP fields' errors
+            (`expert_fields`), an unknown `position_embedding_type`, or a `hidden_act`
+            other than silu (the conv's activation too).
     """
     arch = hf["architectures"][0]
-    experts = int(hf.get("num_local_experts", 8) or 0)
-    if experts:
-        raise ValueError(f"num_local_experts={experts} for {arch}: Granite's routed experts "
-                         "are not served (only the shared MLP, num_local_experts=0)")
     kind = hf.get("position_embedding_type")
     if kind not in POSITION_EMBEDDINGS:
         raise ValueError(f"unsupported position_embedding_type {kind!r} for {arch}; "
@@ -101,8 +127,7 @@ def granite_fields(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"hidden_act={hf['hidden_act']!r} for {arch}: its Mamba-2 conv and "
                          "MLP are served with silu only")
     bias = bool(hf.get("attention_bias", False))
-    return dict(mamba_fields(hf), qkv_bias=bias, o_bias=bias,
-                intermediate_size=int(hf.get("shared_intermediate_size", 1024)),
+    return dict(mamba_fields(hf), **expert_fields(hf), qkv_bias=bias, o_bias=bias,
                 use_rope=POSITION_EMBEDDINGS[kind],
                 embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
                 residual_multiplier=float(hf.get("residual_multiplier", 1.0)),

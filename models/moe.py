@@ -253,7 +253,8 @@ class MoEMLP(nn.Module):
     """A sparse MLP layer: router `gate` [H, E], experts stacked in `experts`
     ({gate,up,down}_proj: [E, H, I], [E, H, I], [E, I, H]), and, when
     `cfg.shared_expert_intermediate_size`, Qwen2-MoE's shared expert (a `GatedMLP`)
-    scaled by `sigmoid(shared_expert_gate(x))`.
+    scaled by `sigmoid(shared_expert_gate(x))` (`cfg.shared_expert_gated`; Granite 4.0's
+    shared MLP is added ungated).
 
     Attributes:
         cfg: Architecture config (`num_experts`, `num_experts_per_tok`,
@@ -308,9 +309,11 @@ class MoEMLP(nn.Module):
             shared = GatedMLP(cfg, self.dtype, methods,
                               intermediate_size=cfg.shared_expert_intermediate_size,
                               name="shared_expert")(x, layer)
-            gate = Linear(1, methods.linear("shared_expert_gate"), dtype=self.dtype,
-                          layer=layer, name="shared_expert_gate")(x)  # [T, 1]
-            out = out + jax.nn.sigmoid(gate) * shared
+            if cfg.shared_expert_gated:
+                gate = Linear(1, methods.linear("shared_expert_gate"), dtype=self.dtype,
+                              layer=layer, name="shared_expert_gate")(x)  # [T, 1]
+                shared = jax.nn.sigmoid(gate) * shared
+            out = out + shared
         return (out, ids) if self.return_ids else out
 
 

@@ -1,5 +1,6 @@
 """The linear-attention hybrids served end to end: greedy tokens of a tiny Qwen3.5 (and, slow,
-Qwen3-Next and Granite 4.0's Mamba-2 hybrid) through `LLM` equal transformers' `generate`
+Qwen3-Next and Granite 4.0's Mamba-2 hybrid, dense and with routed experts) through `LLM`
+equal transformers' `generate`
 alone, batched and chunked, under swap and recompute preemption and with n > 1 (forked state
 slots); an abort frees its slot; nothing compiles after warm-up; prefix caching is off and
 the log and metrics say why.
@@ -46,6 +47,12 @@ FAMILIES = {
                      attention_multiplier=0.2, position_embedding_type="rope",
                      initializer_range=0.05, tie_word_embeddings=False)),
 }
+# Granite 4.0-H Tiny's layers: routed experts (`block_sparse_moe`) beside the shared MLP,
+# attention without rotary.
+FAMILIES["granite_moe"] = (*FAMILIES["granite"][:2],
+                           dict(FAMILIES["granite"][2], num_local_experts=4,
+                                num_experts_per_tok=2, intermediate_size=32,
+                                position_embedding_type="nope"))
 # Families whose RMSNorms scale by `1 + weight` (the gated norms of their linear layers by
 # the weight itself); Granite's all scale by the weight.
 ZERO_CENTRED = ("qwen3_5", "qwen3_next")
@@ -103,9 +110,11 @@ class Served:
         return gained
 
 
-# Slow: the same engine paths with experts (Qwen3-Next), or Mamba-2 layers (Granite 4.0).
-@pytest.fixture(scope="module", params=["qwen3_5", *(pytest.param(name, marks=pytest.mark.slow)
-                                                     for name in ("qwen3_next", "granite"))])
+# Slow: the same engine paths with experts (Qwen3-Next), or Mamba-2 layers (Granite 4.0, with
+# and without experts).
+@pytest.fixture(scope="module", params=["qwen3_5", *(
+    pytest.param(name, marks=pytest.mark.slow)
+    for name in ("qwen3_next", "granite", "granite_moe"))])
 def served(request, smollm2_tokenizer, tmp_path_factory):
     """The family's engine, built and warmed up once for every check of this file."""
     name = request.param
@@ -224,3 +233,49 @@ def test_tensor_parallel_2_serves_transformers_tokens(served):
     gained = tp.check(SWAP_BATCH)
     assert gained["num_swap_outs"] > 0
     tp.check(PROMPTS[:1], n=2)
+
+
+@pytest.mark.slow  # its own engine over two virtual CPU devices (a second compile)
+def test_expert_parallel_2_serves_transformers_tokens(served):
+    """A hybrid's routed experts split over an expert axis of 2 (half the experts on each
+    device, the partial outputs summed; the linear layers, attention and state pools
+    replicated), swap and forks included: how Granite's experts spread, since its Mamba-2
+    layers refuse tensor parallelism."""
+    if not served.llm.engine.model.cfg.is_moe:
+        pytest.skip("a dense model has no experts to split")
+    directory = served.llm.engine.model.source
+    llm = LLM(directory, **{**ENGINE, "warmup": False}, expert_parallel_size=2)
+    params = llm.engine.runner.params
+    experts = params.get("params", params)["layers"]["mlp"]["experts"]["gate_proj"]
+    assert len(experts.sharding.device_set) == 2
+    assert experts.addressable_shards[0].data.shape[1] == experts.shape[1] // 2  # [L, E/2, ...]
+    ep = Served(llm, served.ids, served.want, "", warm=False)
+    gained = ep.check(SWAP_BATCH)
+    assert gained["num_swap_outs"] > 0
+    ep.check(PROMPTS[:1], n=2)
+
+
+@pytest.mark.slow  # its own model and two engines over two virtual CPU devices (~30 s)
+def test_all_attention_granite_with_experts_splits_by_tensor_parallelism(smollm2_tokenizer,
+                                                                          tmp_path):
+    """A Granite 4.0 without Mamba-2 layers (every layer attends) is refused nothing: its
+    experts split by width (tensor parallelism 2) or whole (`enable_expert_parallel`), the
+    ungated shared MLP by columns and rows, and the tokens stay transformers'."""
+    config_cls, model_cls, config = FAMILIES["granite_moe"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hf = build_hf_model(config_cls, model_cls, dict(config, layer_types=["attention"] * 3),
+                            smollm2_tokenizer, str(tmp_path), 1.0)
+        ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
+        want = [hf_greedy(hf, x, MAX_TOKENS) for x in ids]
+    finally:
+        torch.set_num_threads(threads)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for split in (dict(), dict(enable_expert_parallel=True)):
+        llm = LLM(str(tmp_path), max_num_seqs=4, max_num_batched_tokens=8, max_model_len=128,
+                  num_kv_blocks=16, attention_backend="xla", warmup=False,
+                  tensor_parallel_size=2, **split)
+        assert llm.engine.model.cfg.is_moe and not llm.engine.model.has_linear_attention
+        outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want, split

@@ -1,7 +1,9 @@
 """Granite 4.0 (`GraniteMoeHybridForCausalLM`): config parsing and its errors, the Mamba-2 state
-pools' shapes, the checkpoint names, and tensor parallelism refused.
+pools' shapes, the checkpoint names (the routed experts' stacked tensors too), and tensor
+parallelism refused.
 
-Numerics against transformers: the granite cases of tests/models/test_numerics.py.
+Numerics against transformers: the granite cases of tests/models/test_numerics.py (routed
+experts: granite_moe_nope).
 """
 
 from __future__ import annotations
@@ -44,6 +46,20 @@ def test_fields_and_state_shapes():
     assert same.linear_layers == (0, 2) and same.use_rope and same.linear_value_head_dim == 16
     dense = arch_config_from_hf({**HF, "layer_types": ["attention"] * 3})
     assert not dense.has_linear_attention  # Granite 4.0 micro: every layer attends
+    assert not cfg.is_moe and not cfg.shared_expert_intermediate_size
+
+
+def test_routed_expert_fields():
+    """Granite 4.0-H Tiny and Small: experts of `intermediate_size` routed top-k then
+    softmax, the shared MLP an ungated shared expert; transformers' defaults (8 experts,
+    top 2) when the config omits them."""
+    cfg = arch_config_from_hf({**HF, "num_local_experts": 4, "num_experts_per_tok": 3})
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 3, 48)
+    assert cfg.router_order == "topk_softmax" and cfg.sparse_layers == (0, 1, 2)
+    assert cfg.shared_expert_intermediate_size == 40 and not cfg.shared_expert_gated
+    defaults = {k: v for k, v in HF.items() if k != "num_local_experts"}
+    cfg = arch_config_from_hf(defaults)
+    assert (cfg.num_experts, cfg.num_experts_per_tok) == (8, 2)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -57,7 +73,13 @@ def test_fields_and_state_shapes():
     (dict(mamba_n_groups=3), r"mamba_n_heads \(4\) must be a multiple of mamba_n_groups"),
     (dict(mamba_d_state=0), "mamba_d_state=0"),
     (dict(mamba_d_conv="4"), "mamba_d_conv='4'"),
-    (dict(num_local_experts=4), "num_local_experts=4"),
+    (dict(num_local_experts=-1), "num_local_experts=-1 .* must be an integer >= 0"),
+    (dict(num_local_experts=2.5), "num_local_experts=2.5"),
+    (dict(num_local_experts=4, num_experts_per_tok=5),
+     r"num_experts_per_tok=5 must be in 1..num_experts \(4\)"),
+    (dict(num_local_experts=4, num_experts_per_tok=0), "num_experts_per_tok=0"),
+    (dict(num_local_experts=4, intermediate_size=0), "intermediate_size=0"),
+    (dict(shared_intermediate_size=0), "shared_intermediate_size=0"),
     (dict(position_embedding_type="alibi"), "position_embedding_type 'alibi'"),
     (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act='gelu_pytorch_tanh'"),
     (dict(time_step_limit=[0.001, 0.1]), "time_step_limit"),
@@ -77,9 +99,9 @@ def test_unknown_linear_kind():
 
 def test_checkpoint_names():
     assert granite_name("model.layers.0.linear_attn.conv1d.weight") == (
-        "model.layers.0.mamba.conv1d.weight", None)
+        "model.layers.0.mamba.conv1d.weight", None, None)
     assert granite_name("model.layers.1.mlp.up_proj.weight") == (
-        "model.layers.1.shared_mlp.input_linear.weight", 1)
+        "model.layers.1.shared_mlp.input_linear.weight", 1, None)
     assert granite_name("model.layers.1.self_attn.q_proj.weight")[0] == (
         "model.layers.1.self_attn.q_proj.weight")
     cfg = arch_config_from_hf(HF)
@@ -94,6 +116,51 @@ def test_checkpoint_names():
     with pytest.raises(ValueError, match="has 80 rows, expected 2 x shared_intermediate_size"):
         get_granite(Source(), arch_config_from_hf({**HF, "shared_intermediate_size": 16}),
                     "model.layers.0.mlp.gate_proj.weight")
+
+
+def test_routed_expert_checkpoint_names():
+    """Each expert's gate, up and down are cut from its layer's stacks (`input_linear`
+    [E, 2 I, H]: gate rows then up; `output_linear` [E, H, I]); the router is
+    `router.layer`; the shared MLP is the MoE layer's shared expert."""
+    assert granite_name("model.layers.2.mlp.experts.3.up_proj.weight") == (
+        "model.layers.2.block_sparse_moe.input_linear.weight", 1, 3)
+    assert granite_name("model.layers.0.mlp.experts.1.down_proj.weight") == (
+        "model.layers.0.block_sparse_moe.output_linear.weight", None, 1)
+    assert granite_name("model.layers.0.mlp.gate.weight") == (
+        "model.layers.0.block_sparse_moe.router.layer.weight", None, None)
+    assert granite_name("model.layers.1.mlp.shared_expert.gate_proj.weight") == (
+        "model.layers.1.shared_mlp.input_linear.weight", 0, None)
+    cfg = arch_config_from_hf({**HF, "num_local_experts": 3})
+    rng = np.random.default_rng(0)
+    stacks = {"model.layers.0.block_sparse_moe.input_linear.weight": rng.random((3, 96, 32)),
+              "model.layers.0.block_sparse_moe.output_linear.weight": rng.random((3, 32, 48)),
+              "model.layers.0.shared_mlp.input_linear.weight": rng.random((80, 32))}
+
+    class Source:
+        def get(self, name):
+            return stacks[name]
+
+    fused = stacks["model.layers.0.block_sparse_moe.input_linear.weight"]
+    np.testing.assert_array_equal(
+        get_granite(Source(), cfg, "model.layers.0.mlp.experts.2.gate_proj.weight"),
+        fused[2, :48])
+    np.testing.assert_array_equal(
+        get_granite(Source(), cfg, "model.layers.0.mlp.experts.2.up_proj.weight"),
+        fused[2, 48:])
+    np.testing.assert_array_equal(
+        get_granite(Source(), cfg, "model.layers.0.mlp.experts.0.down_proj.weight"),
+        stacks["model.layers.0.block_sparse_moe.output_linear.weight"][0])
+    np.testing.assert_array_equal(
+        get_granite(Source(), cfg, "model.layers.0.mlp.shared_expert.up_proj.weight"),
+        stacks["model.layers.0.shared_mlp.input_linear.weight"][40:])
+    with pytest.raises(ValueError, match=r"input_linear.weight' has shape \(3, 96, 32\), "
+                                         "expected num_local_experts = 4"):
+        get_granite(Source(), arch_config_from_hf({**HF, "num_local_experts": 4}),
+                    "model.layers.0.mlp.experts.0.gate_proj.weight")
+    with pytest.raises(ValueError, match="has 96 rows, expected 2 x intermediate_size = 64"):
+        get_granite(Source(), arch_config_from_hf({**HF, "num_local_experts": 3,
+                                                   "intermediate_size": 32}),
+                    "model.layers.0.mlp.experts.0.up_proj.weight")
 
 
 def test_tensor_parallel_is_refused_for_mamba_layers():

@@ -56,7 +56,8 @@ HYBRID = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
               initializer_range=0.05, num_hidden_layers=3)
 
 # Granite 4.0's Mamba-2 layers: 8 heads of 16 channels (the trap: heads x d_head must be
-# mamba_expand x hidden_size = 128), B and C in 2 groups of state size 8, no routed experts;
+# mamba_expand x hidden_size = 128), B and C in 2 groups of state size 8, no routed experts
+# (granite_moe_nope adds them);
 # its multipliers apart from 1 (logits_scaling below 1 keeps the logits' spread above 0.5).
 GRANITE = dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
                shared_intermediate_size=96, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
@@ -242,6 +243,16 @@ CASES = [
               attention_multiplier=0.2),
          ablate=dict(residual_multiplier=1.0, attention_multiplier=None, use_rope=False,
                      embedding_multiplier=1.0)),
+    # Granite 4.0-H Tiny's MLP: routed experts (top-k logits, then a softmax over those k;
+    # each layer's experts stacked in one `block_sparse_moe` tensor) plus the ungated shared
+    # MLP, beside Mamba-2 layers and attention without rotary.
+    Case("granite_moe_nope", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+         dict(GRANITE, position_embedding_type="nope", num_local_experts=4,
+              num_experts_per_tok=2, intermediate_size=32),
+         dict(linear_layers=(0, 2), use_rope=False, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=32, shared_expert_intermediate_size=96,
+              shared_expert_gated=False, router_order="topk_softmax", dense_layers=()),
+         ablate=dict(router_order="softmax_topk")),
     Case("granite_mamba2_nope", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
          dict(GRANITE, position_embedding_type="nope", layer_types=["attention", "mamba", "mamba"],
               mamba_n_groups=1, mamba_proj_bias=True, attention_bias=True),
@@ -274,7 +285,8 @@ CASES = [
 #   layers and tensor names, qwen3_next_moe_fused the experts and shared expert beside linear
 #   layers. (A hybrid's first compile is ~7 s here, most of it the chunked delta rule's.)
 # - granite_mamba2_nope (no rotary, one group, projection and attention biases, attention
-#   first): granite_mamba2_rope has Granite's layers, names and multipliers.
+#   first): granite_mamba2_rope has Granite's layers, names and multipliers, granite_moe_nope
+#   attention without rotary.
 SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen3_qknorm_headdim",
               "gemma2_global_first", "gemma3_pattern2_softcap", "mixtral_moe",
               "qwen3_moe_sparse_step", "qwen2_moe_mixed", "qwen3_5_moe_hybrid",
