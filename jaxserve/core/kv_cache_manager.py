@@ -287,8 +287,9 @@ class KVCacheManager:
         if not plan.fits or (state is None and self.state_slots is not None
                              and not self.state_slots.num_free_slots):
             return None
-        copy_from = (self.snapshots.source(request, num_new_computed_tokens)  # raises first
-                     if state is None and num_new_computed_tokens and self.snapshots else None)
+        copy_from = None  # NOTE: looked up before anything changes, as it may raise
+        if state is None and num_new_computed_tokens and self.snapshots is not None:
+            copy_from = self.snapshots.source(request, num_new_computed_tokens)
         if drops:
             self.tables.drop_outside_window(state, request.num_computed_tokens)
         if state is None:

@@ -76,7 +76,7 @@ class StateSnapshots:
             ValueError: No snapshot of that prefix (not page-aligned, or none kept).
         """
         index = num_tokens // self.page_size - 1
-        hashes = request.page_hashes
+        hashes = update_page_hashes(request, self.page_size)
         snap = (self._index.get(hashes[index]) if num_tokens % self.page_size == 0
                 and 0 <= index < len(hashes) else None)
         if snap is None:
