@@ -170,6 +170,11 @@ class CacheConfig:
             memory for one replica's whole pool, all tensor-parallel shards together.
         swap_space: Host swap pool per engine in GiB (preemption_mode="swap").
         enable_prefix_caching: Reuse full pages across requests by content hash.
+        num_state_snapshots: For a model with linear-attention layers and prefix caching,
+            the state slots kept for snapshots of page-aligned prefixes' states (a hit
+            resumes one; least recently used evicted), taken out of the KV memory budget
+            like the requests' slots. None: `max_num_seqs`; 0: prefix caching off for such
+            models.
         watermark: Fraction of pages kept free when admitting new requests.
         kv_cache_dtype: "auto" (the model dtype; float16 for a GGUF file's blocks served
             in place on the CPU, `Model.kv_dtype`), "float32", "float16" or "bfloat16"
@@ -190,6 +195,7 @@ class CacheConfig:
     kv_cache_memory_gib: float = 1.0
     swap_space: float = 4.0
     enable_prefix_caching: bool = True
+    num_state_snapshots: int | None = None
     watermark: float = 0.01
     kv_cache_dtype: str = "auto"
     disable_hybrid_kv_cache_manager: bool = False
@@ -212,6 +218,8 @@ class CacheConfig:
                "positive")
         _check(self.swap_space >= 0, "swap_space", self.swap_space, "non-negative (GiB)")
         _check(0 <= self.watermark < 1, "watermark", self.watermark, "in [0, 1)")
+        _check(self.num_state_snapshots is None or self.num_state_snapshots >= 0,
+               "num_state_snapshots", self.num_state_snapshots, "None or >= 0")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
                f"one of {KV_CACHE_DTYPES}")
 

@@ -21,7 +21,8 @@ def window_start(num_pages: int, window: int, page_size: int) -> int:
 
 
 def find_group_hits(lookup: Callable[[int, int], KVPage | None], windows: tuple[int, ...],
-                    max_pages: int, page_size: int) -> tuple[int, list[list[KVPage | None]]]:
+                    max_pages: int, page_size: int, bound: Callable[[int], int] | None = None
+                    ) -> tuple[int, list[list[KVPage | None]]]:
     """The longest prefix hit every group serves.
 
     Args:
@@ -30,6 +31,8 @@ def find_group_hits(lookup: Callable[[int, int], KVPage | None], windows: tuple[
         windows: Per group, its sliding window (0: full attention).
         max_pages: Most pages a hit may cover.
         page_size: Tokens per page.
+        bound: `bound(k)` is the longest hit of at most k pages something besides the
+            pages allows (a state group's snapshots: `StateSnapshots.longest`); None: k.
 
     Returns:
         (k, pages): the hit's page count and, per group, its k table entries (None where
@@ -49,6 +52,8 @@ def find_group_hits(lookup: Callable[[int, int], KVPage | None], windows: tuple[
     changed = True
     while changed and k > 0:
         changed = False
+        if bound is not None:
+            k = bound(k)
         for g, w in enumerate(windows):
             if w == 0:
                 continue

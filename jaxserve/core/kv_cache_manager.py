@@ -13,6 +13,7 @@ from jaxserve.core.page_pool import HostPool, PagePool
 from jaxserve.core.plans import KVPlans
 from jaxserve.core.prefix_cache import update_page_hashes
 from jaxserve.core.state_slots import NULL_STATE_SLOT, StateGroupSpec, StateSlots
+from jaxserve.core.state_snapshots import StateSnapshots, build_state_group
 from jaxserve.request import Request
 from jaxserve.utils import cdiv, delegated
 
@@ -45,12 +46,14 @@ class KVCacheManager:
             bounds what a sliding group holds at once (None: no bound).
         state_group: A model with linear-attention layers (`StateGroupSpec`): every request
             also holds one state slot, from its first allocation until it is freed (host
-            slots while swapped out; forks copy it). None: no state group (no cost).
+            slots while swapped out; forks copy it). None: no state group (no cost). Prefix
+            caching then needs its snapshot slots (`StateGroupSpec.num_snapshot_slots`).
 
     Attributes:
         pool: The device page pool.
         host_pool: The host swap slots.
         state_slots: The state group's slots (`StateSlots`), or None.
+        snapshots: The state group's prefix-caching snapshots (`StateSnapshots`), or None.
         prefix_caching_disabled_reason: Why prefix caching is off although it was asked
             for (for the startup log and `/metrics`), or None.
         tables: Every request's KV state and this step's pending moves (read it, do not
@@ -79,19 +82,12 @@ class KVCacheManager:
         self.group_windows = tuple(group_windows)
         self.max_chunk_tokens = max_chunk_tokens
         self.state_slots: StateSlots | None = None
+        self.snapshots: StateSnapshots | None = None
         self.prefix_caching_disabled_reason: str | None = None
         if state_group is not None:
-            num_host = state_group.num_host_slots
-            if num_host is None:
-                num_host = state_group.num_slots - 1 if swap_space > 0 else 0
-            self.state_slots = StateSlots(state_group, num_host)
-            if enable_prefix_caching:
-                # NOTE: a hit would skip tokens whose state no slot holds (snapshots at page
-                # boundaries are the next step: docs/design.md, "State slots").
-                enable_prefix_caching = False
-                self.prefix_caching_disabled_reason = (
-                    "prefix caching is off: the model keeps per-request linear-attention "
-                    "state, and state snapshots at page boundaries are not kept yet")
+            self.state_slots, self.snapshots, self.prefix_caching_disabled_reason = (
+                build_state_group(state_group, swap_space, enable_prefix_caching, page_size))
+            enable_prefix_caching = enable_prefix_caching and self.snapshots is not None
         self.pool = PagePool(num_pages, enable_caching=enable_prefix_caching)
         self.host_pool = HostPool.from_swap_space(swap_space, bytes_per_page)
         self.tables = BlockTables(self.pool, self.host_pool, page_size, self.group_windows)
@@ -168,6 +164,8 @@ class KVCacheManager:
         state = self.tables.requests.get(request_id)
         if state is not None:
             state.resend()
+        if self.snapshots is not None:  # NOTE: also its state never reached a snapshot
+            self.snapshots.cancel_step(request_id)
 
     def take_released(self) -> list[str]:
         """Requests whose device block table was dropped (freed, swapped out) since the
@@ -233,8 +231,10 @@ class KVCacheManager:
             return self.pool.get_cached_page(group_key(hashes[index], group),
                                              token_ids[index * ps:(index + 1) * ps])
 
+        # NOTE: with a state group a hit also needs a snapshot of its prefix's state.
+        bound = None if self.snapshots is None else lambda k: self.snapshots.longest(hashes, k)
         num_pages, pages = find_group_hits(lookup, self.group_windows,
-                                           (request.num_tokens - 1) // ps, ps)
+                                           (request.num_tokens - 1) // ps, ps, bound)
         ids = [[0 if page is None else page.page_id for page in group] for group in pages]
         return (ids[0] if self.num_groups == 1 else tuple(ids)), num_pages * ps
 
@@ -287,12 +287,15 @@ class KVCacheManager:
         if not plan.fits or (state is None and self.state_slots is not None
                              and not self.state_slots.num_free_slots):
             return None
+        copy_from = None  # NOTE: looked up before anything changes, as it may raise
+        if state is None and num_new_computed_tokens and self.snapshots is not None:
+            copy_from = self.snapshots.source(request, num_new_computed_tokens)
         if drops:
             self.tables.drop_outside_window(state, request.num_computed_tokens)
         if state is None:
             state = self.tables.add(request.request_id)
             if self.state_slots is not None:
-                self.state_slots.allocate(request.request_id)
+                self.state_slots.allocate(request.request_id, copy_from)
             if self.pool.prefix_cache is not None:
                 self.counters.prefix_queries += request.num_tokens
                 self.counters.prefix_hits += num_new_computed_tokens
@@ -311,6 +314,8 @@ class KVCacheManager:
             new_pages.extend(appended)
         state.num_slot_tokens = plan.num_tokens_after
         self.tables.queue_for_cache(request, plan.num_tokens_after)
+        if self.snapshots is not None and not num_lookahead_tokens:
+            self.snapshots.note_step(request, plan.num_tokens_after)
         return [page.page_id for page in new_pages]
 
     def _fill_in_place(self, request: Request, num_new_tokens: int) -> bool:
@@ -333,6 +338,8 @@ class KVCacheManager:
         if self.tables.sliding:
             self.tables.drop_outside_window(state, request.num_computed_tokens)
         state.num_slot_tokens = num_after
+        if self.snapshots is not None:
+            self.snapshots.note_step(request, num_after)
         # NOTE: most decodes fill no page: offering nothing is what the offer would do.
         if min(num_after, request.num_tokens) // ps > state.num_cached_pages:
             self.tables.queue_for_cache(request, num_after)
@@ -386,10 +393,15 @@ class KVCacheManager:
         plans = self.tables.take()
         if self.state_slots is not None:
             plans.state = self.state_slots.take()
+        if self.snapshots is not None:
+            plans.state.copy.pairs += self.snapshots.take(self.state_slots.slot)
         return plans
 
     def evict_cached_pages(self, max_num_pages: int | None = None) -> int:
-        """Forgets up to `max_num_pages` unowned cached pages (all if None), LRU first."""
+        """Forgets up to `max_num_pages` unowned cached pages (all if None, and then every
+        state snapshot too), LRU first."""
+        if max_num_pages is None and self.snapshots is not None:
+            self.snapshots.clear()
         return self.pool.evict_cached_pages(max_num_pages)
 
     def stats(self) -> KVCacheStats:

@@ -265,7 +265,10 @@ class Scheduler:
             threshold = self.config.long_prefill_token_threshold
             if threshold:
                 num_new = min(num_new, threshold)
-            return min(num_new, budget)
+            num_new, snapshots = min(num_new, budget), self.kv.snapshots
+            # NOTE: a hybrid's chunks end on page boundaries, where its state is kept.
+            return num_new if snapshots is None else snapshots.align_chunk(request, num_new,
+                                                                           num_cached)
         return num_new if num_new <= budget else 0
 
     def _num_spec(self, request: Request, num_new: int, budget: int) -> int:

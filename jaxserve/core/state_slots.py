@@ -3,6 +3,7 @@ copies for swap, and this step's state moves."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxserve.core.plans import CopyPlan, StatePlans, SwapPlan
@@ -22,6 +23,8 @@ class StateGroupSpec:
         num_host_slots: Host slots for swap preemption; None: `num_slots - 1` when swapping
             is on (the manager's `swap_space` > 0), else 0. Their bytes come on top of
             `swap_space`, which sizes the host pages.
+        num_snapshot_slots: Device rows after the requests' slots for prefix caching's
+            state snapshots (`StateSnapshots`); 0: none, and no prefix caching.
 
     Raises:
         ValueError: A size out of range (the message names the field).
@@ -30,6 +33,13 @@ class StateGroupSpec:
     num_slots: int
     bytes_per_slot: int
     num_host_slots: int | None = None
+    num_snapshot_slots: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the device state pools: the requests' slots (the null slot included),
+        then the snapshot slots."""
+        return self.num_slots + self.num_snapshot_slots
 
     def __post_init__(self):
         if self.num_slots < 2:
@@ -39,6 +49,8 @@ class StateGroupSpec:
             raise ValueError(f"bytes_per_slot must be positive, got {self.bytes_per_slot}")
         if self.num_host_slots is not None and self.num_host_slots < 0:
             raise ValueError(f"num_host_slots must be >= 0, got {self.num_host_slots}")
+        if self.num_snapshot_slots < 0:
+            raise ValueError(f"num_snapshot_slots must be >= 0, got {self.num_snapshot_slots}")
 
 
 def default_num_state_slots(max_num_seqs: int) -> int:
@@ -99,6 +111,8 @@ class StateSlots:
         self._source: dict[str, tuple[str, int]] = {}
         self._swap_out_pairs: list[tuple[int, int]] = []
         self._deferred_host: list[int] = []  # read by this step's swap-ins
+        # Called with a request that gives back its device slot (`free`, `swap_out`).
+        self.on_release: Callable[[str], None] | None = None
 
     # ----------------------------------------------------------------- lookups
     @property
@@ -132,16 +146,20 @@ class StateSlots:
         return self.slot_of[request_id]
 
     # --------------------------------------------------------------- lifecycle
-    def allocate(self, request_id: str) -> int:
+    def allocate(self, request_id: str, copy_from: int | None = None) -> int:
         """Gives a new (or recompute-restarted) request a slot; its first step starts the
-        state from zero (the step's first chunk has kv_len == q_len).
+        state from zero (the step's first chunk has kv_len == q_len), or, with `copy_from`
+        (a prefix hit: `StateSnapshots.source`), from a copy of that slot's state.
 
         Raises:
             ValueError: The request already holds a slot, or none is free.
         """
         if self.holds(request_id):
             raise ValueError(f"request {request_id!r} already holds a state slot")
-        return self._take_slot(request_id)
+        slot = self._take_slot(request_id)
+        if copy_from is not None:
+            self._source[request_id] = ("slot", copy_from)
+        return slot
 
     def _take_slot(self, request_id: str) -> int:
         if not self._free:
@@ -159,6 +177,7 @@ class StateSlots:
         if request_id in self.slot_of:
             self._free.append(self.slot_of.pop(request_id))
             self._source.pop(request_id, None)
+            self._released(request_id)
         elif request_id in self.host_slot_of:
             host = self.host_slot_of.pop(request_id)
             # NOTE: a swap-out into it this step would land after a later reuse's.
@@ -216,7 +235,12 @@ class StateSlots:
         del self.slot_of[request_id]
         self._free.append(slot)
         self.host_slot_of[request_id] = host
+        self._released(request_id)
         return host
+
+    def _released(self, request_id: str) -> None:
+        if self.on_release is not None:
+            self.on_release(request_id)
 
     def can_swap_in(self) -> bool:
         """Whether a device slot is free for a swap-in."""

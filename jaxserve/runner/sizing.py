@@ -110,12 +110,18 @@ def state_group(config: EngineConfig, model) -> StateGroupSpec | None:
     per sequence the scheduler runs plus the null slot (`default_num_state_slots`), each of
     `Model.state_bytes_per_slot` split over the tensor-parallel devices as the state pools
     are (`TensorParallel.state_shardings`: by the layers' heads, which the size divides).
-    The KV manager's host slots follow `swap_space` (`KVCacheManager`)."""
+    With prefix caching, `num_state_snapshots` more rows (None: `max_num_seqs`) hold its
+    state snapshots (`StateSnapshots`). The KV manager's host slots follow `swap_space`
+    (`KVCacheManager`)."""
     if not model.has_linear_attention:
         return None
     shards = config.parallel.tensor_parallel_size
-    return StateGroupSpec(default_num_state_slots(config.scheduler.max_num_seqs),
-                          model.state_bytes_per_slot // shards)
+    max_num_seqs, cc = config.scheduler.max_num_seqs, config.cache
+    snapshots = 0
+    if cc.enable_prefix_caching:
+        snapshots = max_num_seqs if cc.num_state_snapshots is None else cc.num_state_snapshots
+    return StateGroupSpec(default_num_state_slots(max_num_seqs),
+                          model.state_bytes_per_slot // shards, num_snapshot_slots=snapshots)
 
 
 def resolve_max_model_len(config: EngineConfig, model) -> int:
@@ -205,12 +211,14 @@ def _pages_from_memory(config: EngineConfig, per_device_page: int,
         budget = config.cache.kv_cache_memory_gib * 2**30
     if states is None:
         return max(2, int(budget // per_device_page))
-    if states.num_slots * per_slot > budget:
+    if states.num_rows * per_slot > budget:
         knob = "gpu_memory_utilization" if limit else "kv_cache_memory_gib"
-        raise ValueError(f"{states.num_slots} linear-attention state slots of {per_slot} bytes "
+        raise ValueError(f"{states.num_rows} linear-attention state slots of {per_slot} bytes "
                          f"outgrow the KV memory budget ({budget / 2**20:.1f} MiB): lower "
-                         f"max_num_seqs (one slot each, plus the null slot) or raise {knob}")
-    return max(2, num_pages_after_state(int(budget), per_device_page, states.num_slots,
+                         f"max_num_seqs (one slot each, plus the null slot) or "
+                         f"num_state_snapshots ({states.num_snapshot_slots} prefix-caching "
+                         f"snapshots), or raise {knob}")
+    return max(2, num_pages_after_state(int(budget), per_device_page, states.num_rows,
                                         per_slot))
 
 

@@ -170,7 +170,7 @@ class Worker:
                                   max_logprobs=self.config.model.max_logprobs,
                                   logprobs_mode=self.config.model.logprobs_mode,
                                   routed_experts=self.config.model.enable_return_routed_experts,
-                                  num_state_slots=states.num_slots if states else None)
+                                  num_state_slots=states.num_rows if states else None)
         logger.info("jaxserve: weights %s; KV cache %s: %d pages of %d tokens = "
                     "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
                     self.model.weights_report(),
@@ -179,8 +179,9 @@ class Worker:
                     lim.max_model_len, self.runner.buckets)
         if states is not None:
             logger.info("jaxserve: linear-attention state pools: %d slots (the null slot "
-                        "included) of %.2f MiB each, %d of %d layers; the page pool holds "
-                        "the other %d", states.num_slots,
+                        "and %d prefix-caching snapshots included) of %.2f MiB each, %d of "
+                        "%d layers; the page pool holds the other %d", states.num_rows,
+                        states.num_snapshot_slots,
                         self.model.state_bytes_per_slot / 2**20,
                         len(self.model.cfg.linear_layers), self.model.cfg.num_layers,
                         len(self.model.cfg.attention_layers))

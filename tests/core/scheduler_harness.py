@@ -31,15 +31,16 @@ def make_scheduler(*, num_pages: int = 33, page_size: int = PS, budget: int = 32
                    max_model_len: int = 64, host_slots: int = 0, prefix: bool = True,
                    watermark: float = 0.0, group_windows: tuple[int, ...] = (0,),
                    scheduler_class: type[Scheduler] | None = None, state: bool = False,
-                   state_host_slots: int | None = None, **config) -> Scheduler:
+                   state_host_slots: int | None = None, state_snapshots: int = 0,
+                   **config) -> Scheduler:
     """A scheduler over a fresh KV manager; its class is the one `config`'s
     `scheduling_mode` names (`scheduler_class`) unless one is given. `state`: the manager
     has a state group of `max_num_seqs + 1` slots (`state_host_slots` host slots; None:
-    the manager's default)."""
+    the manager's default) and `state_snapshots` snapshot slots (prefix caching's)."""
     if scheduler_class is None:
         scheduler_class = baseline_class(config.get("scheduling_mode", "continuous+chunked"))
     spec = StateGroupSpec(default_num_state_slots(SchedulerConfig(**config).max_num_seqs), 1,
-                          state_host_slots) if state else None
+                          state_host_slots, state_snapshots) if state else None
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix, watermark=watermark,
                         swap_space=float(host_slots), bytes_per_page=HOST_PAGE_BYTES,
                         max_model_len=max_model_len, group_windows=group_windows,
@@ -210,6 +211,10 @@ class Harness:
             assert not kv.state_slots.slot_of and not kv.state_slots.host_slot_of
             assert kv.state_slots.num_free_slots == kv.state_slots.num_slots - 1
             assert kv.state_slots.num_free_host_slots == kv.state_slots.num_host_slots
+        if kv.snapshots is not None:  # the other rows: held by a snapshot, or free
+            snaps, spec = kv.snapshots, kv.state_slots.spec
+            assert sorted(snaps.held_slots() + snaps._free) == list(
+                range(spec.num_slots, spec.num_rows))
         released = kv.take_released()  # what the next step would release
         for rows in self.group_rows:
             rows.release(released)

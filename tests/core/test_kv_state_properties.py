@@ -4,7 +4,9 @@ state slot per request, a simulated state pool and host copies of it.
 Each state slot holds the fingerprint of the last token its request's state has taken in;
 the machine executes the state plans (swap-out, copy as one gather and one scatter,
 swap-in) before each step, checks every step's state read (a step from position 0 starts
-from zero) and that every request, on the device or swapped out, holds its own state.
+from zero) and that every request, on the device or swapped out, holds its own state. With
+snapshot slots (`SnapshotKVCacheMachine`) prefix caching is on: a hit resumes a snapshot,
+which the hit's first state read checks like any other.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tests.core.test_kv_properties import KVCacheMachine, fingerprint
 
 NUM_STATE_SLOTS = 5  # 4 usable: fewer than the pool's pages hold requests, so slots run out
 NUM_HOST_STATE_SLOTS = 3
+NUM_SNAPSHOTS = 2
 
 
 class StateKVCacheMachine(KVCacheMachine):
@@ -25,16 +28,19 @@ class StateKVCacheMachine(KVCacheMachine):
 
     def __init__(self):
         super().__init__()
-        self.state = np.full(NUM_STATE_SLOTS, -1, dtype=np.int64)
+        self.state = np.full(self.STATE_GROUP.num_rows, -1, dtype=np.int64)
         self.host_state = np.full(NUM_HOST_STATE_SLOTS, -2, dtype=np.int64)
-        assert self.manager.pool.prefix_cache is None
-        assert self.manager.prefix_caching_disabled_reason
+        self.caching = bool(self.STATE_GROUP.num_snapshot_slots)
+        assert (self.manager.pool.prefix_cache is not None) == self.caching
+        assert bool(self.manager.prefix_caching_disabled_reason) != self.caching
 
     def state_snapshot(self):
         slots = self.manager.state_slots
+        snaps = self.manager.snapshots
         return (dict(slots.slot_of), dict(slots.host_slot_of), list(slots._free),
                 list(slots._host_free), dict(slots._source), list(slots._swap_out_pairs),
-                list(slots._deferred_host))
+                list(slots._deferred_host),
+                snaps and (list(snaps._index), list(snaps._free), dict(snaps._noted)))
 
     def run_state_moves(self, plans) -> None:
         for pairs in (plans.swap_out.pairs, plans.copy.pairs, plans.swap_in.pairs):
@@ -76,7 +82,13 @@ class StateKVCacheMachine(KVCacheMachine):
         assert sorted(held + slots._free) == list(range(1, NUM_STATE_SLOTS))
         host = list(slots.host_slot_of.values()) + slots._deferred_host + slots._host_free
         assert sorted(host) == list(range(NUM_HOST_STATE_SLOTS))
-        assert not self.manager.get_computed_pages(Request("probe", [0, 1, 2, 0, 1, 2, 0, 1, 0]))[1]
+        if not self.caching:
+            probe = Request("probe", [0, 1, 2, 0, 1, 2, 0, 1, 0])
+            assert not self.manager.get_computed_pages(probe)[1]
+            return
+        snaps = self.manager.snapshots  # every snapshot slot held by one snapshot or free
+        assert sorted(snaps.held_slots() + snaps._free) == list(
+            range(NUM_STATE_SLOTS, NUM_STATE_SLOTS + NUM_SNAPSHOTS))
 
     def teardown(self):
         super().teardown()
@@ -84,7 +96,21 @@ class StateKVCacheMachine(KVCacheMachine):
         assert not slots.slot_of and not slots.host_slot_of
         assert slots.num_free_slots == NUM_STATE_SLOTS - 1
         assert slots.num_free_host_slots == NUM_HOST_STATE_SLOTS
+        if self.caching:  # apart from the request slots, only snapshots hold rows
+            snaps = self.manager.snapshots
+            assert len(snaps.held_slots()) + snaps.num_free_slots == NUM_SNAPSHOTS
 
 
 StateKVCacheMachine.TestCase.settings = KVCacheMachine.TestCase.settings
 TestStateKVCacheProperties = StateKVCacheMachine.TestCase
+
+
+class SnapshotKVCacheMachine(StateKVCacheMachine):
+    """The same with prefix caching on: two snapshot slots after the requests' slots."""
+
+    STATE_GROUP = StateGroupSpec(NUM_STATE_SLOTS, 64, NUM_HOST_STATE_SLOTS,
+                                 num_snapshot_slots=NUM_SNAPSHOTS)
+
+
+SnapshotKVCacheMachine.TestCase.settings = KVCacheMachine.TestCase.settings
+TestSnapshotKVCacheProperties = SnapshotKVCacheMachine.TestCase

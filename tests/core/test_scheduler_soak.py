@@ -33,6 +33,10 @@ SOAK_CONFIGS = [
     {"preemption_mode": "swap", "host_slots": 6, "state": True},
     {"preemption_mode": "swap", "host_slots": 8, "state": True, "state_host_slots": 1,
      "long_prefill_token_threshold": 3, "group_windows": (0, 5)},
+    # Prefix caching with a state group: snapshots at page boundaries, aligned chunks.
+    {"preemption_mode": "swap", "host_slots": 6, "state": True, "state_snapshots": 3},
+    {"preemption_mode": "recompute", "state": True, "state_snapshots": 1,
+     "long_prefill_token_threshold": 3},
 ]
 
 

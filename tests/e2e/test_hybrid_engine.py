@@ -2,8 +2,8 @@
 Qwen3-Next and Granite 4.0's Mamba-2 hybrid, dense and with routed experts) through `LLM`
 equal transformers' `generate`
 alone, batched and chunked, under swap and recompute preemption and with n > 1 (forked state
-slots); an abort frees its slot; nothing compiles after warm-up; prefix caching is off and
-the log and metrics say why.
+slots); an abort frees its slot; nothing compiles after warm-up; prefix caching is on: a
+hit resumes a state snapshot, skips the cached tokens' compute and gives the miss's tokens.
 
 The model side (numerics per step, state contract) is tests/models/test_hybrid.py's.
 """
@@ -67,6 +67,7 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=4, max_model_len=128, num_k
 SWAP_BATCH = [*PROMPTS, "Sliding windows keep only the most recent keys, so old pages can "
               "be given back", "Once upon a time there was a small engine that served many "
               "requests", "def fibonacci(n): return n if n < 2 else"]
+SHARED = "PROMPTS[0] and five tokens of PROMPTS[1]"  # its ids share PROMPTS[0]'s beyond a page
 
 
 def _norm_center(name: str):
@@ -126,7 +127,8 @@ def served(request, smollm2_tokenizer, tmp_path_factory):
         hf = build_hf_model(config_cls, model_cls, config, smollm2_tokenizer, directory,
                             _norm_center(name))
         ids = {p: smollm2_tokenizer(p).input_ids for p in SWAP_BATCH}
-        want = {p: hf_greedy(hf, ids[p], MAX_TOKENS) for p in SWAP_BATCH}
+        ids[SHARED] = ids[PROMPTS[0]] + ids[PROMPTS[1]][:5]
+        want = {p: hf_greedy(hf, ids[p], MAX_TOKENS) for p in ids}
     finally:
         torch.set_num_threads(threads)
     assert all(len(set(w)) > 1 for w in want.values())  # not a degenerate repeat
@@ -195,18 +197,28 @@ def test_abort_frees_the_slot(served):
     served.check(PROMPTS[1:2])  # and the next request is served as before
 
 
-def test_prefix_caching_off_said_in_the_log_and_metrics(served):
-    reason = served.llm.engine.scheduler.kv.prefix_caching_disabled_reason
-    assert reason and "linear-attention" in reason
-    assert reason in served.startup_log
-    assert served.llm.engine.cache_config_info()["enable_prefix_caching"] is False
-    gauge = [k for k in served.llm.get_metrics() if k.startswith(
-        "jaxserve:prefix_caching_enabled")]
-    assert len(gauge) == 1 and "linear-attention" in gauge[0]
-    assert served.llm.get_metrics()[gauge[0]] == 0.0
-    # A prompt sent twice is computed twice: no hit.
+def test_prefix_hit_resumes_a_state_snapshot(served):
+    """A, then B sharing A's prompt beyond a page: B's page-aligned prefix resumes the
+    snapshot A's aligned chunks left at its last full page (counted as hits, not computed)
+    and B's tokens are transformers'; after a reset B misses and gives the same tokens."""
+    engine = served.llm.engine
+    kv, runner = engine.scheduler.kv, engine.runner
+    assert kv.prefix_caching_disabled_reason is None and kv.snapshots is not None
+    assert "prefix caching is off" not in served.startup_log
+    assert engine.cache_config_info()["enable_prefix_caching"] is True
+    assert served.llm.get_metrics()["jaxserve:prefix_caching_enabled{reason=}"] == 1.0
+    page = kv.page_size
+    num_hit = len(served.ids[PROMPTS[0]]) // page * page
+    assert num_hit >= page
+    assert engine.reset_prefix_cache()
     served.check([PROMPTS[0]])
-    assert served.check([PROMPTS[0]])["prefix_cache_hits"] == 0
+    computed = runner.num_scheduled_tokens
+    assert served.check([SHARED])["prefix_cache_hits"] == num_hit
+    num_computed_hit = runner.num_scheduled_tokens - computed
+    assert engine.reset_prefix_cache() and not len(kv.snapshots)
+    computed = runner.num_scheduled_tokens
+    assert served.check([SHARED])["prefix_cache_hits"] == 0
+    assert runner.num_scheduled_tokens - computed == num_computed_hit + num_hit
 
 
 def test_speculative_decoding_is_refused(served):

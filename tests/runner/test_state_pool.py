@@ -130,8 +130,10 @@ def test_page_pool_is_sized_after_the_state_slots():
     config = EngineConfig.from_kwargs(kv_cache_memory_gib=budget_pages * per_page / 2**30,
                                       max_num_seqs=max_num_seqs, attention_backend="xla")
     group = state_group(config, model)
-    assert group == StateGroupSpec(max_num_seqs + 1, model.state_bytes_per_slot)
-    state_bytes = group.num_slots * group.bytes_per_slot
+    # With prefix caching (the default) max_num_seqs more rows hold its state snapshots.
+    assert group == StateGroupSpec(max_num_seqs + 1, model.state_bytes_per_slot,
+                                   num_snapshot_slots=max_num_seqs)
+    state_bytes = group.num_rows * group.bytes_per_slot
     assert pool_pages(config, model) == (budget_pages * per_page - state_bytes) // per_page
     assert pool_pages(config, model) < budget_pages
     # An explicit num_kv_blocks is kept as given.
@@ -140,7 +142,15 @@ def test_page_pool_is_sized_after_the_state_slots():
     # State slots that outgrow the budget are an error naming what to change.
     short = EngineConfig.from_kwargs(kv_cache_memory_gib=state_bytes / 2 / 2**30,
                                      max_num_seqs=max_num_seqs)
-    with pytest.raises(ValueError, match="7 linear-attention state slots .* outgrow the KV "
-                                         "memory budget .* lower max_num_seqs .* raise "
-                                         "kv_cache_memory_gib"):
+    with pytest.raises(ValueError, match="13 linear-attention state slots .* outgrow the KV "
+                                         "memory budget .* lower max_num_seqs .* or "
+                                         "num_state_snapshots .* raise kv_cache_memory_gib"):
         pool_pages(short, model)
+    # The snapshot rows follow num_state_snapshots, and none without prefix caching.
+    some = EngineConfig.from_kwargs(max_num_seqs=max_num_seqs, num_state_snapshots=2)
+    assert state_group(some, model).num_rows == max_num_seqs + 1 + 2
+    off = EngineConfig.from_kwargs(max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+                                   num_state_snapshots=2)
+    assert state_group(off, model).num_snapshot_slots == 0
+    with pytest.raises(ValueError, match="num_state_snapshots must be None or >= 0"):
+        EngineConfig.from_kwargs(num_state_snapshots=-1)

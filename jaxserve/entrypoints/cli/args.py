@@ -53,6 +53,9 @@ ENGINE_ARGS = [
      "KV budget in GiB where the device reports no memory (the CPU)"),
     ("--swap-space", float, None, "4", "host swap space in GiB for --preemption-mode swap"),
     ("--enable-prefix-caching", "bool", None, "on", "reuse KV pages of shared prefixes"),
+    ("--num-state-snapshots", int, None, "--max-num-seqs",
+     "linear-attention models: state slots kept for prefix caching's snapshots (0: no prefix "
+     "caching for them)"),
     ("--disable-hybrid-kv-cache-manager", "bool", None, "off",
      "one block table for sliding-window and full-attention layers alike (Gemma 2/3: "
      "sliding layers then keep their whole context)"),
