@@ -11,12 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from models.config import (
-    ArchConfig,
-    common_fields,
-    partial_rotary_factor,
-    windows_from_layer_types,
-)
+from models.config import ArchConfig
+from models.hf_fields import common_fields, partial_rotary_factor, windows_from_layer_types
 from models.hybrid_config import linear_attention_fields, with_hybrid_defaults
 from models.mamba_config import granite_fields
 from models.moe_config import sparse_fields
