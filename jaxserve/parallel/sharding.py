@@ -69,10 +69,13 @@ class TensorParallel:
         mesh: Mesh with axes ("expert", "kv", "rep").
         experts: How the mesh splits the routed experts (a mixture of experts' layout);
             None for a dense model.
+        split_linear: Whether the linear-attention layers (and their state pools) split by
+            heads; False for Mamba-2 layers, which every device runs whole (replicated).
     """
 
     mesh: Mesh
     experts: ExpertSharding | None = None
+    split_linear: bool = True
 
     @property
     def shard_kv_heads(self) -> bool:
@@ -109,6 +112,8 @@ class TensorParallel:
                         "qweight", np.shape(leaf), "in" if name == "down_proj" else "out",
                         None, self.experts.num_width_shards))
                 return self.experts.leaf_spec(name, np.shape(leaf), keys[0] == "layers")
+            if not self.split_linear and "linear_attn" in keys:
+                return P()
             if len(keys) >= 2 and keys[-2] == "linear_attn" and keys[-1] in _LINEAR_LEAVES:
                 return _LINEAR_LEAVES[keys[-1]]
             if "experts" in keys or len(keys) < 2 or keys[-2] not in _ROLES:
@@ -156,7 +161,9 @@ class TensorParallel:
         """The state pools of a model with linear-attention layers
         (`models.gated_deltanet.HybridCache`): "conv" [L_lin, S, W - 1, C] split on its
         channels, "recurrent" [L_lin, S, Hv, dk, dv] on its value heads, as the layers'
-        weights are."""
+        weights are (replicated with `split_linear` off)."""
+        if not self.split_linear:
+            return {"conv": self.replicated(), "recurrent": self.replicated()}
         return {"conv": NamedSharding(self.mesh, P(None, None, None, ALL)),
                 "recurrent": NamedSharding(self.mesh, P(None, None, ALL))}
 
@@ -174,6 +181,15 @@ def _checked(keys: tuple, spec):
         return spec()
     except ValueError as e:
         raise ValueError(f"{'/'.join(map(str, keys[:-1]))}: {e}") from None
+
+
+def splits_linear_layers(cfg: ArchConfig) -> bool:
+    """Whether tensor parallelism splits `cfg`'s linear-attention layers by heads (Gated
+    DeltaNet; a model without them too) or runs them whole on every device (Mamba-2)."""
+    # NOTE: a Mamba-2 layer's in_proj mixes z, x, B, C and dt rows and Granite's G = 1
+    # group spans every head (B, C and the gated norm): a split by heads needs in_proj
+    # regrouped per shard with B and C copied.
+    return not (cfg.has_linear_attention and cfg.linear_kind == "mamba2")
 
 
 def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None,
@@ -194,17 +210,12 @@ def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None
         ValueError: `size` does not divide the query heads or the MLP width, KV heads and
             `size` do not divide one another, too few devices exist, an expert layout
             the model does not allow (`expert_layout`), `size` does not divide a
-            linear-attention model's `linear_num_key_heads`, or a `size` above 1 for
-            Mamba-2 layers (`linear_kind`, not split).
+            Gated DeltaNet model's `linear_num_key_heads`.
     """
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
-    if size > 1 and cfg.has_linear_attention and cfg.linear_kind == "mamba2":
-        # NOTE: their in_proj mixes z, x, B, C and dt rows, and the gated norm spans a group:
-        # a split needs per-piece layouts the Gated DeltaNet's leaves do not describe.
-        raise ValueError(f"tensor_parallel_size={size}: {cfg.architecture}'s Mamba-2 layers "
-                         "(linear_kind='mamba2') are not split by tensor parallelism")
-    if cfg.has_linear_attention and cfg.linear_num_key_heads % size:
+    split_linear = splits_linear_layers(cfg)
+    if split_linear and cfg.has_linear_attention and cfg.linear_num_key_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide linear_num_key_heads="
                          f"{cfg.linear_num_key_heads} of {cfg.architecture} (its Gated "
                          "DeltaNet layers split by key heads)")
@@ -233,7 +244,11 @@ def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None
                        "pages) is replicated on %d devices", cfg.num_kv_heads, size,
                        size // num_kv)
     experts = ExpertSharding(mesh, expert_axes, width_axes) if cfg.is_moe else None
-    return TensorParallel(mesh, experts)
+    if not split_linear and size > 1:
+        logger.warning("jaxserve: %s's Mamba-2 layers and their state are replicated on the "
+                       "%d tensor-parallel devices (attention and MLPs split)",
+                       cfg.architecture, size)
+    return TensorParallel(mesh, experts, split_linear)
 
 
 def expert_layout(cfg: ArchConfig, size: int, expert_parallel_size: int = 1,

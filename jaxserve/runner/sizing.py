@@ -14,6 +14,7 @@ from jaxserve.core.state_slots import (
     default_num_state_slots,
     num_pages_after_state,
 )
+from jaxserve.parallel.sharding import splits_linear_layers
 from jaxserve.utils import cdiv
 from pallas_kernels.kv_quant import kv_pool_layout
 
@@ -109,13 +110,14 @@ def state_group(config: EngineConfig, model) -> StateGroupSpec | None:
     """The state group of a model with linear-attention layers (None for others): one slot
     per sequence the scheduler runs plus the null slot (`default_num_state_slots`), each of
     `Model.state_bytes_per_slot` split over the tensor-parallel devices as the state pools
-    are (`TensorParallel.state_shardings`: by the layers' heads, which the size divides).
+    are (`TensorParallel.state_shardings`: by the layers' heads, which the size divides; whole on
+    every device for Mamba-2 layers, `splits_linear_layers`).
     With prefix caching, `num_state_snapshots` more rows (None: `max_num_seqs`) hold its
     state snapshots (`StateSnapshots`). The KV manager's host slots follow `swap_space`
     (`KVCacheManager`)."""
     if not model.has_linear_attention:
         return None
-    shards = config.parallel.tensor_parallel_size
+    shards = config.parallel.tensor_parallel_size if splits_linear_layers(model.cfg) else 1
     max_num_seqs, cc = config.scheduler.max_num_seqs, config.cache
     snapshots = 0
     if cc.enable_prefix_caching:

@@ -230,17 +230,16 @@ def test_speculative_decoding_is_refused(served):
 
 @pytest.mark.slow  # its own engine over two virtual CPU devices (a second compile, ~20 s)
 def test_tensor_parallel_2_serves_transformers_tokens(served):
-    """The linear layers split by key heads and the state pools with them
-    (`TensorParallel.state_shardings`), swap and fork copies included; Mamba-2 layers are
-    not split yet, which the engine refuses naming the setting."""
+    """The Gated DeltaNet layers split by key heads and the state pools with them
+    (`TensorParallel.state_shardings`), swap and fork copies included; Mamba-2 layers and
+    their pools run whole on each device (`splits_linear_layers`), attention and MLPs
+    split."""
     directory = served.llm.engine.model.source
-    if served.llm.engine.model.cfg.linear_kind == "mamba2":
-        with pytest.raises(ValueError, match="tensor_parallel_size=2: .* Mamba-2 layers"):
-            LLM(directory, **{**ENGINE, "warmup": False}, tensor_parallel_size=2)
-        return
     llm = LLM(directory, **{**ENGINE, "warmup": False}, tensor_parallel_size=2)
     state = llm.engine.runner.kv_pages
     assert len(state.recurrent.sharding.device_set) == 2
+    assert state.recurrent.sharding.is_fully_replicated == (
+        served.llm.engine.model.cfg.linear_kind == "mamba2")
     tp = Served(llm, served.ids, served.want, "", warm=False)
     gained = tp.check(SWAP_BATCH)
     assert gained["num_swap_outs"] > 0
