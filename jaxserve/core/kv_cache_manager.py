@@ -83,7 +83,7 @@ class KVCacheManager:
         if state_group is not None:
             num_host = state_group.num_host_slots
             if num_host is None:
-                num_host = state_group.num_slots - 1 if swap_space > 0 else 0
+                num_host = state_group.num_request_slots - 1 if swap_space > 0 else 0
             self.state_slots = StateSlots(state_group, num_host)
             if enable_prefix_caching:
                 # NOTE: a hit would skip tokens whose state no slot holds (snapshots at page

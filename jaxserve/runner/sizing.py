@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.state_backups import default_num_backup_slots
 from jaxserve.core.state_slots import (
     StateGroupSpec,
     default_num_state_slots,
@@ -110,12 +111,16 @@ def state_group(config: EngineConfig, model) -> StateGroupSpec | None:
     per sequence the scheduler runs plus the null slot (`default_num_state_slots`), each of
     `Model.state_bytes_per_slot` split over the tensor-parallel devices as the state pools
     are (`TensorParallel.state_shardings`: by the layers' heads, which the size divides).
-    The KV manager's host slots follow `swap_space` (`KVCacheManager`)."""
+    The KV manager's host slots follow `swap_space` (`KVCacheManager`). With a
+    `speculative_config`, backup slots come on top (`default_num_backup_slots`: one per
+    sequence), into which a verifying request's state is copied before its step."""
     if not model.has_linear_attention:
         return None
     shards = config.parallel.tensor_parallel_size
-    return StateGroupSpec(default_num_state_slots(config.scheduler.max_num_seqs),
-                          model.state_bytes_per_slot // shards)
+    max_num_seqs = config.scheduler.max_num_seqs
+    backups = default_num_backup_slots(max_num_seqs, config.speculative_config is not None)
+    return StateGroupSpec(default_num_state_slots(max_num_seqs) + backups,
+                          model.state_bytes_per_slot // shards, num_backup_slots=backups)
 
 
 def resolve_max_model_len(config: EngineConfig, model) -> int:
@@ -209,7 +214,8 @@ def _pages_from_memory(config: EngineConfig, per_device_page: int,
         knob = "gpu_memory_utilization" if limit else "kv_cache_memory_gib"
         raise ValueError(f"{states.num_slots} linear-attention state slots of {per_slot} bytes "
                          f"outgrow the KV memory budget ({budget / 2**20:.1f} MiB): lower "
-                         f"max_num_seqs (one slot each, plus the null slot) or raise {knob}")
+                         f"max_num_seqs (one slot each, two with speculative decoding, plus "
+                         f"the null slot) or raise {knob}")
     return max(2, num_pages_after_state(int(budget), per_device_page, states.num_slots,
                                         per_slot))
 

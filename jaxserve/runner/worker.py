@@ -179,8 +179,9 @@ class Worker:
                     lim.max_model_len, self.runner.buckets)
         if states is not None:
             logger.info("jaxserve: linear-attention state pools: %d slots (the null slot "
-                        "included) of %.2f MiB each, %d of %d layers; the page pool holds "
-                        "the other %d", states.num_slots,
+                        "and %d speculative-decoding backups included) of %.2f MiB each, %d "
+                        "of %d layers; the page pool holds the other %d", states.num_slots,
+                        states.num_backup_slots,
                         self.model.state_bytes_per_slot / 2**20,
                         len(self.model.cfg.linear_layers), self.model.cfg.num_layers,
                         len(self.model.cfg.attention_layers))
