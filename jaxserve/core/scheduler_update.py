@@ -56,7 +56,7 @@ class OutputUpdater:
         """
         sched = self.scheduler
         results: list[tuple[Request, list[int]]] = []
-        verified: list[tuple[Request, int]] = []  # requests that verified, with the entry
+        verified: list[tuple[Request, ScheduledRequest]] = []  # requests that verified
         for entry in out.scheduled:
             request = self.scheduled_request(out, entry.request_id)
             if request is None or request.is_finished():
@@ -110,8 +110,8 @@ class OutputUpdater:
         proposals and the new one. Their K/V is rewritten as computed (same tokens, same
         positions); the tokens themselves and the step's counts stand."""
         slots = self.scheduler.kv.state_slots
-        if slots is None:
-            return
+        if slots is None or not slots.backups.holds(request.request_id):
+            return  # NOTE: no state group, or preempted since (its backup went with it)
         num_accepted = request.num_computed_tokens - entry.start_pos - 1
         if num_accepted == entry.num_spec_tokens:
             slots.drop_backup(request.request_id)
