@@ -1,5 +1,7 @@
 """Stateful property test of the state group: the KV machine of test_kv_properties.py with a
-state slot per request, a simulated state pool and host copies of it.
+state slot per request, a simulated state pool and host copies of it, and speculative
+decoding's backups (a verify step backs the state up; a rejection poisons the state, reads
+the backup back and takes the step's progress back).
 
 Each state slot holds the fingerprint of the last token its request's state has taken in;
 the machine executes the state plans (swap-out, copy as one gather and one scatter,
@@ -10,21 +12,27 @@ from zero) and that every request, on the device or swapped out, holds its own s
 from __future__ import annotations
 
 import numpy as np
-from hypothesis.stateful import invariant
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule
 
 from jaxserve.core.state_slots import StateGroupSpec
 from jaxserve.request import Request
 from tests.core.test_kv_properties import KVCacheMachine, fingerprint
 
-NUM_STATE_SLOTS = 5  # 4 usable: fewer than the pool's pages hold requests, so slots run out
+NUM_REQUEST_SLOTS = 5  # 4 usable: fewer than the pool's pages hold requests, so slots run out
+NUM_BACKUP_SLOTS = 2  # fewer than the requests: a verify may find none
+NUM_STATE_SLOTS = NUM_REQUEST_SLOTS + NUM_BACKUP_SLOTS
 NUM_HOST_STATE_SLOTS = 3
+POISON = -99  # a state advanced over rejected proposals
 
 
 class StateKVCacheMachine(KVCacheMachine):
-    STATE_GROUP = StateGroupSpec(NUM_STATE_SLOTS, 64, NUM_HOST_STATE_SLOTS)
+    STATE_GROUP = StateGroupSpec(NUM_STATE_SLOTS, 64, NUM_HOST_STATE_SLOTS,
+                                 num_backup_slots=NUM_BACKUP_SLOTS)
 
     def __init__(self):
         super().__init__()
+        self.verifying: dict[str, bool] = {}  # scheduled verify steps -> every proposal held
         self.state = np.full(NUM_STATE_SLOTS, -1, dtype=np.int64)
         self.host_state = np.full(NUM_HOST_STATE_SLOTS, -2, dtype=np.int64)
         assert self.manager.pool.prefix_cache is None
@@ -34,7 +42,40 @@ class StateKVCacheMachine(KVCacheMachine):
         slots = self.manager.state_slots
         return (dict(slots.slot_of), dict(slots.host_slot_of), list(slots._free),
                 list(slots._host_free), dict(slots._source), list(slots._swap_out_pairs),
-                list(slots._deferred_host))
+                list(slots._deferred_host), dict(slots.backups.backup_of),
+                list(slots.backups._free))
+
+    def verifiable_ids(self) -> list[str]:
+        slots = self.manager.state_slots
+        return [rid for rid in self.running_ids(unscheduled=True) if slots.can_back_up(rid)
+                and self.requests[rid].num_computed_tokens < self.requests[rid].num_tokens]
+
+    @precondition(lambda self: self.verifiable_ids())
+    @rule(data=st.data())
+    def verify(self, data):
+        """A verify step: the state is backed up, then the step runs its tokens."""
+        rid = data.draw(st.sampled_from(self.verifiable_ids()))
+        request = self.requests[rid]
+        if self.schedule(request, request.num_tokens - request.num_computed_tokens):
+            self.manager.state_slots.back_up(rid)
+            self.verifying[rid] = data.draw(st.booleans())
+
+    def settle(self, request: Request, num_new: int) -> None:
+        held = self.verifying.pop(request.request_id, None)
+        if held is None:
+            return
+        slots = self.manager.state_slots
+        if held:
+            slots.drop_backup(request.request_id)
+            return
+        self.state[slots.slot(request.request_id)] = POISON  # it took rejected proposals
+        assert slots.restore_backup(request.request_id)
+        request.num_computed_tokens -= num_new  # computed again from the backup's state
+
+    @rule(data=st.data(), schedule_everyone=st.booleans())
+    def step(self, data, schedule_everyone):
+        super().step(data, schedule_everyone)
+        self.verifying.clear()  # verify steps of requests preempted or freed before they ran
 
     def run_state_moves(self, plans) -> None:
         for pairs in (plans.swap_out.pairs, plans.copy.pairs, plans.swap_in.pairs):
@@ -73,7 +114,11 @@ class StateKVCacheMachine(KVCacheMachine):
         assert set(slots.slot_of) == on_device  # one slot per request holding device pages
         assert set(slots.host_slot_of) == set(self.requests) - on_device  # host slots only
         held = list(slots.slot_of.values())
-        assert sorted(held + slots._free) == list(range(1, NUM_STATE_SLOTS))
+        assert sorted(held + slots._free) == list(range(1, NUM_REQUEST_SLOTS))
+        backups = slots.backups.backup_of  # only running requests', between a verify and its step
+        assert set(backups) <= set(slots.slot_of) and set(backups) <= set(self.verifying)
+        assert sorted([*backups.values(), *slots.backups._free]) == list(
+            range(NUM_REQUEST_SLOTS, NUM_STATE_SLOTS))
         host = list(slots.host_slot_of.values()) + slots._deferred_host + slots._host_free
         assert sorted(host) == list(range(NUM_HOST_STATE_SLOTS))
         assert not self.manager.get_computed_pages(Request("probe", [0, 1, 2, 0, 1, 2, 0, 1, 0]))[1]
@@ -82,7 +127,8 @@ class StateKVCacheMachine(KVCacheMachine):
         super().teardown()
         slots = self.manager.state_slots
         assert not slots.slot_of and not slots.host_slot_of
-        assert slots.num_free_slots == NUM_STATE_SLOTS - 1
+        assert slots.num_free_slots == NUM_REQUEST_SLOTS - 1
+        assert slots.backups.num_free == NUM_BACKUP_SLOTS
         assert slots.num_free_host_slots == NUM_HOST_STATE_SLOTS
 
 
