@@ -54,11 +54,11 @@ class Scheduler:
                              "scheduler with jaxserve.core.baseline_schedulers."
                              "scheduler_class(scheduling_mode)")
         self.max_num_seqs = config.max_num_seqs
-        if kv.state_slots is not None and kv.state_slots.num_slots - 1 < self.max_num_seqs:
+        if kv.state_slots is not None and kv.state_slots.num_request_slots - 1 < self.max_num_seqs:
             # NOTE: fan-out children fork when their samples come back and cannot wait.
-            raise ValueError(f"the KV manager's state group has {kv.state_slots.num_slots} slots "
-                             f"(num_slots, the null slot included); max_num_seqs="
-                             f"{self.max_num_seqs} needs {self.max_num_seqs + 1}")
+            raise ValueError(f"the KV manager's state group has {kv.state_slots.num_request_slots}"
+                             " slots (num_slots, the null slot included, less num_backup_slots);"
+                             f" max_num_seqs={self.max_num_seqs} needs {self.max_num_seqs + 1}")
         self.adapters = AdapterLimit(max_loras)
         # Most tokens one request may hold in KV: what the pool gives a request running
         # alone (past the admission watermark) and, without chunking, what one step computes.
@@ -244,6 +244,8 @@ class Scheduler:
                                                    num_lookahead_tokens=num_spec) is None:
                 num_spec = 0  # no room for proposals: never preempt anyone for them
             elif num_spec:
+                if self.kv.state_slots is not None:  # the state goes past rejected proposals
+                    self.kv.state_slots.back_up(request.request_id)
                 step.add(self._entry(request, num_new, num_spec))
                 index += 1
                 continue
@@ -277,10 +279,9 @@ class Scheduler:
         pass max_tokens or the length cap)."""
         if not request.spec_token_ids or num_new != 1 or not request.decodes_next:
             return 0
-        if self.kv.state_slots is not None:
-            # NOTE: a state advanced over rejected proposals cannot be trimmed back; until
-            # the runner keeps each position's state, such models verify none.
-            return 0
+        slots = self.kv.state_slots
+        if slots is not None and not slots.can_back_up(request.request_id):
+            return 0  # NOTE: no backup slot free: its state could not go back past a rejection
         room = self.length_cap - request.num_tokens
         sp = request.sampling_params
         if sp.max_tokens is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
-from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.core.stop_checker import check_stop
 from jaxserve.request import Request, RequestStatus
 
@@ -56,7 +56,7 @@ class OutputUpdater:
         """
         sched = self.scheduler
         results: list[tuple[Request, list[int]]] = []
-        verified: list[Request] = []  # requests that verified proposals
+        verified: list[tuple[Request, ScheduledRequest]] = []  # requests that verified
         for entry in out.scheduled:
             request = self.scheduled_request(out, entry.request_id)
             if request is None or request.is_finished():
@@ -67,13 +67,15 @@ class OutputUpdater:
             # still takes its token: recompute restarts from the prompt plus outputs.
             tokens = sampled.get(entry.request_id, [])
             if not tokens:
+                if entry.num_spec_tokens:  # NOTE: no verdict, yet the state took every proposal
+                    self.settle_state(request, entry)
                 continue
             if entry.num_spec_tokens:
                 # Accepted proposals and the token after them: their KV is computed.
                 tokens = tokens[:entry.num_spec_tokens + 1]
                 request.num_computed_tokens += len(tokens) - 1
                 results.append((request, tokens))
-                verified.append(request)
+                verified.append((request, entry))
                 continue
             results.append((request, tokens[:1]))
             for i, token in enumerate(tokens[1:], start=1):
@@ -94,10 +96,27 @@ class OutputUpdater:
                     tokens = tokens[:i + 1]
                     break
             kept.append((request, tokens))
-        for request in verified:  # pages only rejected proposals were written into
+        for request, entry in verified:  # pages only rejected proposals were written into
             if not request.is_finished():
                 sched.kv.trim(request)
+                self.settle_state(request, entry)
         return kept
+
+    def settle_state(self, request: Request, entry: ScheduledRequest) -> None:
+        """After a verify step, a state group's backup of `request`: dropped when every
+        proposal held (the state is the request's), else read back, and the request's
+        progress taken back to before the step (`entry.start_pos`), so its next step
+        recomputes the tokens the state must take in: the step's first token, the accepted
+        proposals and the new one. Their K/V is rewritten as computed (same tokens, same
+        positions); the tokens themselves and the step's counts stand."""
+        slots = self.scheduler.kv.state_slots
+        if slots is None or not slots.backups.holds(request.request_id):
+            return  # NOTE: no state group, or preempted since (its backup went with it)
+        num_accepted = request.num_computed_tokens - entry.start_pos - 1
+        if num_accepted == entry.num_spec_tokens:
+            slots.drop_backup(request.request_id)
+        elif slots.restore_backup(request.request_id):
+            request.num_computed_tokens = entry.start_pos
 
     def check_stop(self, request: Request) -> None:
         """Finishes `request` (stopped or length-capped) if its newest token ends it."""
@@ -124,6 +143,8 @@ class OutputUpdater:
             if request is not None and not request.is_finished():
                 request.num_computed_tokens -= entry.num_new_tokens - entry.num_spec_tokens
                 request.num_output_placeholders -= bool(entry.num_samples)
+                if entry.num_spec_tokens and self.scheduler.kv.state_slots is not None:
+                    self.scheduler.kv.state_slots.drop_backup(entry.request_id)  # state unchanged
                 # NOTE: the runner may have kept part of this step's table deltas.
                 self.scheduler.kv.resend_pages(entry.request_id)
 

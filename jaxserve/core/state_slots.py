@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxserve.core.plans import CopyPlan, StatePlans, SwapPlan
+from jaxserve.core.state_backups import StateBackups
 
 NULL_STATE_SLOT = 0  # padding rows' slot: never handed out
 
@@ -16,14 +17,18 @@ class StateGroupSpec:
     """Sizes of a model's state group (Gated DeltaNet, Mamba-2 layers).
 
     Attributes:
-        num_slots: Device state slots, the null slot 0 included (at least 2; the scheduler
-            needs `max_num_seqs + 1`: `default_num_state_slots`).
+        num_slots: Device state slots (rows of the state pools), the null slot 0 and the
+            backup slots included (at least 2 besides the backups; the scheduler needs
+            `max_num_seqs + 1` besides them: `default_num_state_slots`).
         bytes_per_slot: Bytes of one slot across all the group's layers (each layer's
             convolution and recurrent state), on one device.
-        num_host_slots: Host slots for swap preemption; None: `num_slots - 1` when swapping
-            is on (the manager's `swap_space` > 0), else 0. Their bytes come on top of
-            `swap_space`, which sizes the host pages.
-        num_snapshot_slots: Device rows after the requests' slots for prefix caching's
+        num_host_slots: Host slots for swap preemption; None: `num_request_slots - 1` when
+            swapping is on (the manager's `swap_space` > 0), else 0. Their bytes come on top
+            of `swap_space`, which sizes the host pages.
+        num_backup_slots: The last this many of the `num_slots` rows hold backups of the
+            states of requests verifying proposals (speculative decoding:
+            `core/state_backups.py`); 0 without speculation.
+        num_snapshot_slots: Device rows after the `num_slots` rows for prefix caching's
             state snapshots (`StateSnapshots`); 0: none, and no prefix caching.
 
     Raises:
@@ -33,24 +38,32 @@ class StateGroupSpec:
     num_slots: int
     bytes_per_slot: int
     num_host_slots: int | None = None
+    num_backup_slots: int = 0
     num_snapshot_slots: int = 0
 
     @property
     def num_rows(self) -> int:
         """Rows of the device state pools: the requests' slots (the null slot included),
-        then the snapshot slots."""
+        the backup slots, then the snapshot slots."""
         return self.num_slots + self.num_snapshot_slots
 
     def __post_init__(self):
-        if self.num_slots < 2:
-            raise ValueError(f"num_slots must be >= 2 (the null slot plus one), got "
-                             f"{self.num_slots}")
+        if self.num_backup_slots < 0:
+            raise ValueError(f"num_backup_slots must be >= 0, got {self.num_backup_slots}")
+        if self.num_slots - self.num_backup_slots < 2:
+            raise ValueError(f"num_slots must be >= 2 (the null slot plus one) besides "
+                             f"num_backup_slots={self.num_backup_slots}, got {self.num_slots}")
         if self.bytes_per_slot <= 0:
             raise ValueError(f"bytes_per_slot must be positive, got {self.bytes_per_slot}")
         if self.num_host_slots is not None and self.num_host_slots < 0:
             raise ValueError(f"num_host_slots must be >= 0, got {self.num_host_slots}")
         if self.num_snapshot_slots < 0:
             raise ValueError(f"num_snapshot_slots must be >= 0, got {self.num_snapshot_slots}")
+
+    @property
+    def num_request_slots(self) -> int:
+        """Rows requests hold (the null slot included): all but the backup slots."""
+        return self.num_slots - self.num_backup_slots
 
 
 def default_num_state_slots(max_num_seqs: int) -> int:
@@ -102,7 +115,9 @@ class StateSlots:
         self.spec = spec
         self.num_host_slots = num_host_slots
         # NOTE: stacks, lowest ids on top first: recently freed (warm) slots reused first.
-        self._free = list(range(spec.num_slots - 1, 0, -1))
+        self._free = list(range(spec.num_request_slots - 1, 0, -1))
+        # Speculative decoding's backups, rows past the requests' own.
+        self.backups = StateBackups(spec.num_request_slots, spec.num_backup_slots)
         self._host_free = list(range(num_host_slots - 1, -1, -1))
         self.slot_of: dict[str, int] = {}  # requests on device -> slot
         self.host_slot_of: dict[str, int] = {}  # swapped-out requests -> host slot
@@ -117,12 +132,17 @@ class StateSlots:
     # ----------------------------------------------------------------- lookups
     @property
     def num_slots(self) -> int:
-        """Device slots, the null slot included."""
+        """Device slots, the null slot and the backup slots included."""
         return self.spec.num_slots
 
     @property
+    def num_request_slots(self) -> int:
+        """Device slots requests hold, the null slot included (not the backup slots)."""
+        return self.spec.num_request_slots
+
+    @property
     def num_free_slots(self) -> int:
-        """Device slots no request holds."""
+        """Device slots (not backup slots) no request holds."""
         return len(self._free)
 
     @property
@@ -164,7 +184,7 @@ class StateSlots:
     def _take_slot(self, request_id: str) -> int:
         if not self._free:
             raise ValueError(f"no free state slot for request {request_id!r} (all "
-                             f"{self.num_slots - 1} held)")
+                             f"{self.num_request_slots - 1} held)")
         slot = self.slot_of[request_id] = self._free.pop()
         return slot
 
@@ -178,6 +198,7 @@ class StateSlots:
             self._free.append(self.slot_of.pop(request_id))
             self._source.pop(request_id, None)
             self._released(request_id)
+            self.backups.release(request_id)
         elif request_id in self.host_slot_of:
             host = self.host_slot_of.pop(request_id)
             # NOTE: a swap-out into it this step would land after a later reuse's.
@@ -225,6 +246,7 @@ class StateSlots:
         slot = self.slot(request_id)
         if not self.can_swap_out(request_id):
             raise ValueError(f"cannot swap out request {request_id!r}: no host state slot")
+        self.backups.release(request_id)  # the step it was for does not run
         source = self._source.pop(request_id, ("slot", slot))
         if source[0] == "host":  # swapped in this very step: the host slot still holds it
             host = source[1]
@@ -261,6 +283,49 @@ class StateSlots:
         self._deferred_host.append(host)
         return slot
 
+    # ----------------------------------------------------------------- backups
+    def can_back_up(self, request_id: str) -> bool:
+        """Whether `back_up` would succeed now: the request holds a device slot whose state
+        is on the device (not swapped in this pass) and no backup, and a backup slot is free."""
+        source = self._source.get(request_id)
+        return (request_id in self.slot_of and not self.backups.holds(request_id)
+                and bool(self.backups.num_free) and (source is None or source[0] == "slot"))
+
+    def back_up(self, request_id: str) -> int:
+        """Copies the request's state (where this step reads it from) into a backup slot
+        before the step: it is about to verify proposals. Returns the backup slot.
+
+        Raises:
+            ValueError: `can_back_up` is False (the message says why).
+        """
+        kind, source = self._source.get(request_id, ("slot", self.slot(request_id)))
+        if kind != "slot":
+            raise ValueError(f"cannot back up request {request_id!r}: its state is swapped "
+                             "in this step")
+        return self.backups.take_slot(request_id, source)
+
+    def drop_backup(self, request_id: str) -> None:
+        """Gives back the request's backup slot, if any: its state is right as it stands (every
+        proposal held, or the step it was taken for never ran)."""
+        self.backups.release(request_id)
+
+    def restore_backup(self, request_id: str) -> bool:
+        """Reads the request's state back from its backup slot (a copy in the next plans) and
+        gives the backup slot back: a proposal was rejected, so the state went past the
+        request's tokens. Returns False, moving nothing, when the backup's copy never ran.
+
+        Raises:
+            ValueError: The request holds no device slot or no backup.
+        """
+        self.slot(request_id)
+        if not self.backups.holds(request_id):
+            raise ValueError(f"request {request_id!r} holds no backup state slot")
+        backup = self.backups.restore(request_id)
+        if backup is None:
+            return False
+        self._source[request_id] = ("slot", backup)
+        return True
+
     # -------------------------------------------------------------------- step
     def take(self) -> StatePlans:
         """Drains this step's state moves for the runner; call once per step (with
@@ -272,6 +337,7 @@ class StateSlots:
                 swap_ins.append((src, dst))
             elif src != dst:  # NOTE: a child may get back its parent's slot, freed meanwhile
                 copies.append((src, dst))
+        copies += self.backups.take()  # NOTE: all copies gather before any scatters
         plans = StatePlans(swap_out=SwapPlan(self._swap_out_pairs, to_host=True),
                            copy=CopyPlan(copies), swap_in=SwapPlan(swap_ins, to_host=False))
         self._host_free.extend(self._deferred_host)

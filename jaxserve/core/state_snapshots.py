@@ -179,7 +179,7 @@ def build_state_group(spec: StateGroupSpec, swap_space: float, enable_prefix_cac
     asked for)."""
     num_host = spec.num_host_slots
     if num_host is None:
-        num_host = spec.num_slots - 1 if swap_space > 0 else 0
+        num_host = spec.num_request_slots - 1 if swap_space > 0 else 0
     slots = StateSlots(spec, num_host)
     if not enable_prefix_caching:
         return slots, None, None

@@ -41,25 +41,6 @@ class _InFlight:
     failed: dict[str, BaseException]
 
 
-def check_linear_attention(config: EngineConfig, model) -> None:
-    """Refuses what a model with linear-attention layers cannot be served with yet.
-
-    Speculative decoding: the scheduler verifies no proposals for such a model (a state
-    advanced over rejected proposals cannot be trimmed back), so a `speculative_config`
-    would only cost proposals never checked; vLLM refuses what a model cannot speculate
-    with rather than ignore it, and so does this.
-
-    Raises:
-        ValueError: `speculative_config` set for such a model.
-    """
-    if not model.has_linear_attention or config.speculative_config is None:
-        return
-    raise ValueError(f"speculative_config: {model.cfg.architecture} has linear-attention "
-                     "layers, whose per-request state cannot yet be rolled back past "
-                     "rejected proposals; speculative decoding is not served for it (leave "
-                     "speculative_config unset)")
-
-
 class LLMEngine:
     """Continuous-batching engine over one model.
 
@@ -82,7 +63,6 @@ class LLMEngine:
         self.worker = Worker(config, model, tokenizer,
                              kv_layout=not config.cache.disable_hybrid_kv_cache_manager)
         lim, cache = self.limits, config.cache
-        check_linear_attention(config, self.model)
         # The pooling runner (embeddings) or None (generation); see `engine/pooling.py`.
         self.pooler = Pooler(config.model.pooler_config or sentence_transformers_pooler(
             self.model.source) or PoolerConfig(), self.model.cfg.hidden_size) \

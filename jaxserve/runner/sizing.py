@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.state_backups import default_num_backup_slots
 from jaxserve.core.state_slots import (
     StateGroupSpec,
     default_num_state_slots,
@@ -111,19 +112,22 @@ def state_group(config: EngineConfig, model) -> StateGroupSpec | None:
     per sequence the scheduler runs plus the null slot (`default_num_state_slots`), each of
     `Model.state_bytes_per_slot` split over the tensor-parallel devices as the state pools
     are (`TensorParallel.state_shardings`: by the layers' heads, which the size divides; whole on
-    every device for Mamba-2 layers, `splits_linear_layers`).
-    With prefix caching, `num_state_snapshots` more rows (None: `max_num_seqs`) hold its
-    state snapshots (`StateSnapshots`). The KV manager's host slots follow `swap_space`
-    (`KVCacheManager`)."""
+    every device for Mamba-2 layers, `splits_linear_layers`). With a `speculative_config`,
+    backup slots come on top (`default_num_backup_slots`: one per sequence), into which a
+    verifying request's state is copied before its step. With prefix caching,
+    `num_state_snapshots` more rows (None: `max_num_seqs`) hold its state snapshots
+    (`StateSnapshots`). The KV manager's host slots follow `swap_space` (`KVCacheManager`)."""
     if not model.has_linear_attention:
         return None
     shards = config.parallel.tensor_parallel_size if splits_linear_layers(model.cfg) else 1
     max_num_seqs, cc = config.scheduler.max_num_seqs, config.cache
+    backups = default_num_backup_slots(max_num_seqs, config.speculative_config is not None)
     snapshots = 0
     if cc.enable_prefix_caching:
         snapshots = max_num_seqs if cc.num_state_snapshots is None else cc.num_state_snapshots
-    return StateGroupSpec(default_num_state_slots(max_num_seqs),
-                          model.state_bytes_per_slot // shards, num_snapshot_slots=snapshots)
+    return StateGroupSpec(default_num_state_slots(max_num_seqs) + backups,
+                          model.state_bytes_per_slot // shards, num_backup_slots=backups,
+                          num_snapshot_slots=snapshots)
 
 
 def resolve_max_model_len(config: EngineConfig, model) -> int:
@@ -217,9 +221,9 @@ def _pages_from_memory(config: EngineConfig, per_device_page: int,
         knob = "gpu_memory_utilization" if limit else "kv_cache_memory_gib"
         raise ValueError(f"{states.num_rows} linear-attention state slots of {per_slot} bytes "
                          f"outgrow the KV memory budget ({budget / 2**20:.1f} MiB): lower "
-                         f"max_num_seqs (one slot each, plus the null slot) or "
-                         f"num_state_snapshots ({states.num_snapshot_slots} prefix-caching "
-                         f"snapshots), or raise {knob}")
+                         f"max_num_seqs (one slot each, two with speculative decoding, plus "
+                         f"the null slot) or num_state_snapshots ({states.num_snapshot_slots} "
+                         f"prefix-caching snapshots), or raise {knob}")
     return max(2, num_pages_after_state(int(budget), per_device_page, states.num_rows,
                                         per_slot))
 

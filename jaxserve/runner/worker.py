@@ -179,8 +179,9 @@ class Worker:
                     lim.max_model_len, self.runner.buckets)
         if states is not None:
             logger.info("jaxserve: linear-attention state pools: %d slots (the null slot "
-                        "and %d prefix-caching snapshots included) of %.2f MiB each, %d of "
-                        "%d layers; the page pool holds the other %d", states.num_rows,
+                        ", %d speculative-decoding backups and %d prefix-caching snapshots "
+                        "included) of %.2f MiB each, %d of %d layers; the page pool holds the "
+                        "other %d", states.num_rows, states.num_backup_slots,
                         states.num_snapshot_slots,
                         self.model.state_bytes_per_slot / 2**20,
                         len(self.model.cfg.linear_layers), self.model.cfg.num_layers,

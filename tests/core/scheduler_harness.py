@@ -32,15 +32,18 @@ def make_scheduler(*, num_pages: int = 33, page_size: int = PS, budget: int = 32
                    watermark: float = 0.0, group_windows: tuple[int, ...] = (0,),
                    scheduler_class: type[Scheduler] | None = None, state: bool = False,
                    state_host_slots: int | None = None, state_snapshots: int = 0,
+                   state_backups: int = 0,
                    **config) -> Scheduler:
     """A scheduler over a fresh KV manager; its class is the one `config`'s
     `scheduling_mode` names (`scheduler_class`) unless one is given. `state`: the manager
     has a state group of `max_num_seqs + 1` slots (`state_host_slots` host slots; None:
-    the manager's default) and `state_snapshots` snapshot slots (prefix caching's)."""
+    the manager's default), `state_snapshots` snapshot slots (prefix caching's) and
+    `state_backups` backup slots besides (speculation)."""
     if scheduler_class is None:
         scheduler_class = baseline_class(config.get("scheduling_mode", "continuous+chunked"))
-    spec = StateGroupSpec(default_num_state_slots(SchedulerConfig(**config).max_num_seqs), 1,
-                          state_host_slots, state_snapshots) if state else None
+    num_state = default_num_state_slots(SchedulerConfig(**config).max_num_seqs) + state_backups
+    spec = StateGroupSpec(num_state, 1, state_host_slots, num_backup_slots=state_backups,
+                          num_snapshot_slots=state_snapshots) if state else None
     kv = KVCacheManager(num_pages, page_size, enable_prefix_caching=prefix, watermark=watermark,
                         swap_space=float(host_slots), bytes_per_page=HOST_PAGE_BYTES,
                         max_model_len=max_model_len, group_windows=group_windows,
@@ -176,6 +179,8 @@ class Harness:
                         sampled[entry.request_id][0] + len(accepted)]
         results = self.sched.update_from_output(out, sampled)
         self.seen.update((r.request_id, r) for r, _ in results)
+        if self.kv.state_slots is not None and not self.overlap:  # every verify step settled
+            assert not self.kv.state_slots.backups.backup_of
         self._check_state()
         return results
 
@@ -209,7 +214,9 @@ class Harness:
         assert not kv.tables.requests and kv.tables.pending.is_empty()
         if kv.state_slots is not None:  # every state slot free, on the device and the host
             assert not kv.state_slots.slot_of and not kv.state_slots.host_slot_of
-            assert kv.state_slots.num_free_slots == kv.state_slots.num_slots - 1
+            assert kv.state_slots.num_free_slots == kv.state_slots.num_request_slots - 1
+            backups = kv.state_slots.backups
+            assert not backups.backup_of and backups.num_free == backups.num_slots
             assert kv.state_slots.num_free_host_slots == kv.state_slots.num_host_slots
         if kv.snapshots is not None:  # the other rows: held by a snapshot, or free
             snaps, spec = kv.snapshots, kv.state_slots.spec
@@ -286,7 +293,9 @@ class Harness:
         else:
             assert slots == [kv.state_slot(e.request_id) for e in out.scheduled] and 0 not in slots
             assert len(set(slots)) == len(slots)
-            assert not any(entry.num_spec_tokens for entry in out.scheduled)
+            for entry in out.scheduled:  # a verifying request's state is backed up first
+                assert bool(entry.num_spec_tokens) == kv.state_slots.backups.holds(
+                    entry.request_id)
 
     def _check_state(self) -> None:
         sched, kv = self.sched, self.kv
@@ -334,10 +343,16 @@ class Harness:
         assert set(state.host_slot_of) == {r.request_id for r in sched.swapped}
         held, host_held = list(state.slot_of.values()), list(state.host_slot_of.values())
         assert len(set(held)) == len(held) and 0 not in held
-        assert all(0 < s < state.num_slots for s in held)
+        assert all(0 < s < state.num_request_slots for s in held)
         assert len(set(host_held)) == len(host_held)
         assert all(0 <= s < state.num_host_slots for s in host_held)
-        assert state.num_free_slots + len(held) == state.num_slots - 1
+        assert state.num_free_slots + len(held) == state.num_request_slots - 1
+        # Backups: only running requests' (a verify step's, until its update), each its own.
+        backups = state.backups.backup_of
+        assert set(backups) <= set(state.slot_of)
+        assert len(set(backups.values())) == len(backups)
+        assert all(state.num_request_slots <= s < state.num_slots for s in backups.values())
+        assert state.backups.num_free + len(backups) == state.backups.num_slots
         assert state.num_free_host_slots + len(host_held) == state.num_host_slots
 
     def _run(self, out: SchedulerOutput) -> None:

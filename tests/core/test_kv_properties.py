@@ -93,6 +93,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def write_state(self, request: Request, num_new: int) -> None:
         """The step's state read and write for a request computing `num_new` tokens."""
 
+    def settle(self, request: Request, num_new: int) -> None:
+        """After the step computed `num_new` tokens of `request` (a verify step's outcome)."""
+
     def schedule(self, request: Request, num_new_tokens: int, hit_ids=(), num_hit: int = 0):
         before = self.snapshot()
         new_ids = self.manager.allocate_slots(request, num_new_tokens, num_hit, list(hit_ids))
@@ -237,6 +240,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                     value = fingerprint(request.all_token_ids, pos)
                     self.device[page_ids[pos // PS], pos % PS] = value
             request.num_computed_tokens += num_new
+            self.settle(request, num_new)
         self.scheduled.clear()
         for rid in self.running_ids():
             request = self.requests[rid]

@@ -194,7 +194,7 @@ def test_a_request_started_from_another_shares_only_the_whole_state():
     h.run()
 
 
-def test_proposals_are_not_verified_with_a_state_group():
+def test_without_backup_slots_proposals_are_not_verified():
     h = Harness(make_scheduler(budget=64, state=True), propose=lambda r: [20, 21],
                 accept=lambda r, p: len(p))
     h.add(make_request("a", 5, max_tokens=6))

@@ -1,5 +1,7 @@
 """Stateful property test of the state group: the KV machine of test_kv_properties.py with a
-state slot per request, a simulated state pool and host copies of it.
+state slot per request, a simulated state pool and host copies of it, and speculative
+decoding's backups (a verify step backs the state up; a rejection poisons the state, reads
+the backup back and takes the step's progress back).
 
 Each state slot holds the fingerprint of the last token its request's state has taken in;
 the machine executes the state plans (swap-out, copy as one gather and one scatter,
@@ -12,22 +14,28 @@ which the hit's first state read checks like any other.
 from __future__ import annotations
 
 import numpy as np
-from hypothesis.stateful import invariant
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule
 
 from jaxserve.core.state_slots import StateGroupSpec
 from jaxserve.request import Request
 from tests.core.test_kv_properties import KVCacheMachine, fingerprint
 
-NUM_STATE_SLOTS = 5  # 4 usable: fewer than the pool's pages hold requests, so slots run out
+NUM_REQUEST_SLOTS = 5  # 4 usable: fewer than the pool's pages hold requests, so slots run out
+NUM_BACKUP_SLOTS = 2  # fewer than the requests: a verify may find none
+NUM_STATE_SLOTS = NUM_REQUEST_SLOTS + NUM_BACKUP_SLOTS
 NUM_HOST_STATE_SLOTS = 3
 NUM_SNAPSHOTS = 2
+POISON = -99  # a state advanced over rejected proposals
 
 
 class StateKVCacheMachine(KVCacheMachine):
-    STATE_GROUP = StateGroupSpec(NUM_STATE_SLOTS, 64, NUM_HOST_STATE_SLOTS)
+    STATE_GROUP = StateGroupSpec(NUM_STATE_SLOTS, 64, NUM_HOST_STATE_SLOTS,
+                                 num_backup_slots=NUM_BACKUP_SLOTS)
 
     def __init__(self):
         super().__init__()
+        self.verifying: dict[str, bool] = {}  # scheduled verify steps -> every proposal held
         self.state = np.full(self.STATE_GROUP.num_rows, -1, dtype=np.int64)
         self.host_state = np.full(NUM_HOST_STATE_SLOTS, -2, dtype=np.int64)
         self.caching = bool(self.STATE_GROUP.num_snapshot_slots)
@@ -39,8 +47,41 @@ class StateKVCacheMachine(KVCacheMachine):
         snaps = self.manager.snapshots
         return (dict(slots.slot_of), dict(slots.host_slot_of), list(slots._free),
                 list(slots._host_free), dict(slots._source), list(slots._swap_out_pairs),
-                list(slots._deferred_host),
+                list(slots._deferred_host), dict(slots.backups.backup_of),
+                list(slots.backups._free),
                 snaps and (list(snaps._index), list(snaps._free), dict(snaps._noted)))
+
+    def verifiable_ids(self) -> list[str]:
+        slots = self.manager.state_slots
+        return [rid for rid in self.running_ids(unscheduled=True) if slots.can_back_up(rid)
+                and self.requests[rid].num_computed_tokens < self.requests[rid].num_tokens]
+
+    @precondition(lambda self: self.verifiable_ids())
+    @rule(data=st.data())
+    def verify(self, data):
+        """A verify step: the state is backed up, then the step runs its tokens."""
+        rid = data.draw(st.sampled_from(self.verifiable_ids()))
+        request = self.requests[rid]
+        if self.schedule(request, request.num_tokens - request.num_computed_tokens):
+            self.manager.state_slots.back_up(rid)
+            self.verifying[rid] = data.draw(st.booleans())
+
+    def settle(self, request: Request, num_new: int) -> None:
+        held = self.verifying.pop(request.request_id, None)
+        slots = self.manager.state_slots
+        if held is None or not slots.backups.holds(request.request_id):
+            return  # no verify step, or its backup went with a preemption (as settle_state)
+        if held:
+            slots.drop_backup(request.request_id)
+            return
+        self.state[slots.slot(request.request_id)] = POISON  # it took rejected proposals
+        assert slots.restore_backup(request.request_id)
+        request.num_computed_tokens -= num_new  # computed again from the backup's state
+
+    @rule(data=st.data(), schedule_everyone=st.booleans())
+    def step(self, data, schedule_everyone):
+        super().step(data, schedule_everyone)
+        self.verifying.clear()  # verify steps of requests preempted or freed before they ran
 
     def run_state_moves(self, plans) -> None:
         for pairs in (plans.swap_out.pairs, plans.copy.pairs, plans.swap_in.pairs):
@@ -79,7 +120,12 @@ class StateKVCacheMachine(KVCacheMachine):
         assert set(slots.slot_of) == on_device  # one slot per request holding device pages
         assert set(slots.host_slot_of) == set(self.requests) - on_device  # host slots only
         held = list(slots.slot_of.values())
-        assert sorted(held + slots._free) == list(range(1, NUM_STATE_SLOTS))
+        group = self.STATE_GROUP
+        assert sorted(held + slots._free) == list(range(1, group.num_request_slots))
+        backups = slots.backups.backup_of  # only running requests', between a verify and its step
+        assert set(backups) <= set(slots.slot_of) and set(backups) <= set(self.verifying)
+        assert sorted([*backups.values(), *slots.backups._free]) == list(
+            range(group.num_request_slots, group.num_slots))
         host = list(slots.host_slot_of.values()) + slots._deferred_host + slots._host_free
         assert sorted(host) == list(range(NUM_HOST_STATE_SLOTS))
         if not self.caching:
@@ -88,13 +134,14 @@ class StateKVCacheMachine(KVCacheMachine):
             return
         snaps = self.manager.snapshots  # every snapshot slot held by one snapshot or free
         assert sorted(snaps.held_slots() + snaps._free) == list(
-            range(NUM_STATE_SLOTS, NUM_STATE_SLOTS + NUM_SNAPSHOTS))
+            range(group.num_slots, group.num_rows))
 
     def teardown(self):
         super().teardown()
         slots = self.manager.state_slots
         assert not slots.slot_of and not slots.host_slot_of
-        assert slots.num_free_slots == NUM_STATE_SLOTS - 1
+        assert slots.num_free_slots == self.STATE_GROUP.num_request_slots - 1
+        assert slots.backups.num_free == self.STATE_GROUP.num_backup_slots
         assert slots.num_free_host_slots == NUM_HOST_STATE_SLOTS
         if self.caching:  # apart from the request slots, only snapshots hold rows
             snaps = self.manager.snapshots
@@ -106,9 +153,10 @@ TestStateKVCacheProperties = StateKVCacheMachine.TestCase
 
 
 class SnapshotKVCacheMachine(StateKVCacheMachine):
-    """The same with prefix caching on: two snapshot slots after the requests' slots."""
+    """The same with prefix caching on: two snapshot slots after the requests' slots (no
+    backups: this machine's verify steps carry no proposals, which a snapshot must not see)."""
 
-    STATE_GROUP = StateGroupSpec(NUM_STATE_SLOTS, 64, NUM_HOST_STATE_SLOTS,
+    STATE_GROUP = StateGroupSpec(NUM_REQUEST_SLOTS, 64, NUM_HOST_STATE_SLOTS,
                                  num_snapshot_slots=NUM_SNAPSHOTS)
 
 

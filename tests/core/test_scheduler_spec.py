@@ -26,21 +26,36 @@ def proposer(k: int):
     return propose
 
 
-@pytest.mark.parametrize("windows", [(0,), (0, 5, 5)], ids=["one-group", "hybrid"])
+# A state group (linear-attention layers): verifying requests' states backed up first, read
+# back on a rejection; 2 backup slots for up to 6 requests, so some verify nothing.
+STATE = dict(state=True, state_backups=2)
+
+
+@pytest.mark.parametrize(("windows", "extra"), [((0,), {}), ((0, 5, 5), {}), ((0,), STATE)],
+                         ids=["one-group", "hybrid", "state"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("seed", range(6))
-def test_soak_with_random_acceptance_and_preemption(mode, seed, windows):
+def test_soak_with_random_acceptance_and_preemption(mode, seed, windows, extra):
     rng = random.Random(seed)
     h = Harness(make_scheduler(num_pages=13 * len(windows) + 1, budget=16, host_slots=16,
-                               preemption_mode=mode, group_windows=windows),
+                               preemption_mode=mode, group_windows=windows, **extra),
                 propose=proposer(3), accept=lambda r, p: rng.randint(0, len(p)))
     lengths = {}
     for i in range(6):
         max_tokens = rng.randint(1, 14)
         h.add(make_request(f"r{i}", rng.randint(1, 12), max_tokens=max_tokens, arrival=i))
         lengths[f"r{i}"] = max_tokens
-    h.run()
+    for step in range(500):
+        h.step()
+        if step == 6:  # an abort, maybe of a request holding a backup
+            h.sched.finish_request("r0", RequestStatus.FINISHED_ABORTED)
+            lengths.pop("r0")
+        if step > 6 and not h.sched.has_unfinished_requests():
+            break
+    h.check_drained()
     assert sum(o.num_spec_tokens for out in h.outputs for o in out.scheduled) > 0
+    if extra:
+        assert h.kv.state_slots.backups.num_restores > 0
     for rid, max_tokens in lengths.items():
         request = h.seen[rid]
         assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED

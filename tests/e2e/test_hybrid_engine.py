@@ -1,9 +1,10 @@
 """The linear-attention hybrids served end to end: greedy tokens of a tiny Qwen3.5 (and, slow,
 Qwen3-Next and Granite 4.0's Mamba-2 hybrid, dense and with routed experts) through `LLM`
-equal transformers' `generate`
-alone, batched and chunked, under swap and recompute preemption and with n > 1 (forked state
-slots); an abort frees its slot; nothing compiles after warm-up; prefix caching is on: a
-hit resumes a state snapshot, skips the cached tokens' compute and gives the miss's tokens.
+equal transformers' `generate` alone, batched and chunked, under swap and recompute
+preemption, with n > 1 (forked state slots) and with n-gram speculation (states backed up
+before a verify step and read back on a rejection); an abort frees its slot; nothing compiles
+after warm-up; prefix caching is on: a hit resumes a state snapshot, skips the cached tokens'
+compute and gives the miss's tokens.
 
 The model side (numerics per step, state contract) is tests/models/test_hybrid.py's.
 """
@@ -60,14 +61,27 @@ MAX_TOKENS = 16
 # 4 sequences, an 8-token budget (buckets 4 and 8: two model programs; every prompt chunks),
 # 7 pages of 16 tokens (6 usable) for one full-attention layer: SWAP_BATCH's 4 running
 # requests need 12, so requests are preempted. Swap space for the pages; the host state
-# slots come with it.
+# slots come with it. N-gram speculation (backup state slots, one per sequence); its gate
+# pauses proposals that do not pay, so the other checks also step with async scheduling.
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2}
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=4, max_model_len=128, num_kv_blocks=7,
               attention_backend="xla", preemption_mode="swap", swap_space=0.05,
-              enable_prefix_caching=True, warmup=True)
+              enable_prefix_caching=True, warmup=True, speculative_config=SPEC)
 SWAP_BATCH = [*PROMPTS, "Sliding windows keep only the most recent keys, so old pages can "
               "be given back", "Once upon a time there was a small engine that served many "
               "requests", "def fibonacci(n): return n if n < 2 else"]
 SHARED = "PROMPTS[0] and five tokens of PROMPTS[1]"  # its ids share PROMPTS[0]'s beyond a page
+# Prompts whose text repeats: a prompt, 8 tokens of transformers' greedy continuation of it,
+# then the prompt again. Its end recurs in the text, so n-gram lookup proposes the earlier
+# continuation, which the tiny models partly follow: proposals accepted and rejected (Granite
+# follows the first two whole; the third rejects).
+REPEATED = [PROMPTS[0], SWAP_BATCH[3], PROMPTS[2]]
+
+
+def repeated(prompt: str) -> str:
+    """The key of `prompt`'s repeated form (`REPEATED`) in `Served.ids` and `Served.want`."""
+    return f"repeated: {prompt}"
 
 
 def _norm_center(name: str):
@@ -104,7 +118,9 @@ class Served:
         after = self.llm.get_metrics()
         assert after["jaxserve:kv_cache_usage_perc"] == 0.0
         slots = self.llm.engine.scheduler.kv.state_slots
-        assert slots.num_free_slots == slots.num_slots - 1  # every slot but the null one
+        assert slots.num_free_slots == slots.num_request_slots - 1  # every slot but the null one
+        assert slots.backups.num_slots == ENGINE["max_num_seqs"]
+        assert slots.backups.num_free == slots.backups.num_slots  # and every backup
         gained = {k.removeprefix("jaxserve:"): after[k] - before[k] for k in before}
         if self.warm:
             assert gained["num_compilations"] == 0  # warm-up compiled every program
@@ -127,8 +143,12 @@ def served(request, smollm2_tokenizer, tmp_path_factory):
         hf = build_hf_model(config_cls, model_cls, config, smollm2_tokenizer, directory,
                             _norm_center(name))
         ids = {p: smollm2_tokenizer(p).input_ids for p in SWAP_BATCH}
+        want = {p: hf_greedy(hf, ids[p], MAX_TOKENS) for p in SWAP_BATCH}
         ids[SHARED] = ids[PROMPTS[0]] + ids[PROMPTS[1]][:5]
-        want = {p: hf_greedy(hf, ids[p], MAX_TOKENS) for p in ids}
+        want[SHARED] = hf_greedy(hf, ids[SHARED], MAX_TOKENS)
+        for p in REPEATED:
+            ids[repeated(p)] = ids[p] + want[p][:8] + ids[p]
+            want[repeated(p)] = hf_greedy(hf, ids[repeated(p)], MAX_TOKENS)
     finally:
         torch.set_num_threads(threads)
     assert all(len(set(w)) > 1 for w in want.values())  # not a degenerate repeat
@@ -190,10 +210,10 @@ def test_abort_frees_the_slot(served):
     engine.add_request("to-abort", {"prompt_token_ids": served.ids[PROMPTS[0]]}, params)
     for _ in range(3):  # past the first chunk: the request holds a slot
         engine.step()
-    assert slots.num_free_slots < slots.num_slots - 1
+    assert slots.num_free_slots < slots.num_request_slots - 1
     engine.abort_request("to-abort")
     engine.flush()
-    assert slots.num_free_slots == slots.num_slots - 1
+    assert slots.num_free_slots == slots.num_request_slots - 1
     served.check(PROMPTS[1:2])  # and the next request is served as before
 
 
@@ -221,11 +241,25 @@ def test_prefix_hit_resumes_a_state_snapshot(served):
     assert runner.num_scheduled_tokens - computed == num_computed_hit + num_hit
 
 
-def test_speculative_decoding_is_refused(served):
-    directory = served.llm.engine.model.source
-    with pytest.raises(ValueError, match="speculative_config: .* linear-attention"):
-        LLM(directory, **{**ENGINE, "warmup": False},
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+def test_ngram_speculation_backs_up_and_restores_the_state(served):
+    """Proposals every step (the gate never pauses): a verifying request's state is copied
+    to a backup slot first; where a proposal is rejected it is read back and the accepted
+    tokens are computed again. Batched with a prompt whose text never recurs (no proposals),
+    under the pool's preemption: the tokens stay transformers'."""
+    engine = served.llm.engine
+    gate, backups = engine.speculator.gate, engine.scheduler.kv.state_slots.backups
+    saved = gate.min_acceptance
+    gate.min_acceptance, gate.paused_for = 0.0, 0
+    restores = backups.num_restores
+    try:
+        gained = served.check([*map(repeated, REPEATED), PROMPTS[1]])
+    finally:
+        gate.min_acceptance = saved
+    accepted, drafted = (gained[f"spec_decode_num_{k}_tokens"] for k in ("accepted", "draft"))
+    assert 0 < accepted < drafted  # proposals held, and some were rejected
+    assert backups.num_restores > restores  # a rejection read the state back
+    # A generation token is counted once, however often its state was recomputed.
+    assert gained["generation_tokens"] == (len(REPEATED) + 1) * MAX_TOKENS
 
 
 @pytest.mark.slow  # its own engine over two virtual CPU devices (a second compile, ~20 s)

@@ -154,3 +154,15 @@ def test_page_pool_is_sized_after_the_state_slots():
     assert state_group(off, model).num_snapshot_slots == 0
     with pytest.raises(ValueError, match="num_state_snapshots must be None or >= 0"):
         EngineConfig.from_kwargs(num_state_snapshots=-1)
+    # Speculative decoding adds a backup slot per sequence, which the pages make room for.
+    spec = EngineConfig.from_kwargs(kv_cache_memory_gib=budget_pages * per_page / 2**30,
+                                    max_num_seqs=max_num_seqs, attention_backend="xla",
+                                    speculative_config={"method": "ngram",
+                                                        "num_speculative_tokens": 2})
+    backed = state_group(spec, model)
+    assert backed == StateGroupSpec(2 * max_num_seqs + 1, model.state_bytes_per_slot,
+                                    num_backup_slots=max_num_seqs,
+                                    num_snapshot_slots=max_num_seqs)
+    assert backed.num_request_slots == group.num_slots
+    assert pool_pages(spec, model) == (budget_pages * per_page
+                                       - backed.num_rows * group.bytes_per_slot) // per_page
