@@ -56,6 +56,9 @@ def check_mla_shapes(q_latent: jax.Array, q_pe: jax.Array, pool: jax.Array,
     if md.cu_q_lens.shape != (num_seqs + 1,):
         raise ValueError(f"md.cu_q_lens {md.cu_q_lens.shape} must be [num_seqs + 1 = "
                          f"{num_seqs + 1}] for md.kv_lens {md.kv_lens.shape}")
+    if md.slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"md.slot_mapping {md.slot_mapping.shape} must be [num_tokens = "
+                         f"{num_tokens}] for q_latent {q_latent.shape}")
     for name in ("slot_mapping", "block_tables", "kv_lens", "cu_q_lens"):
         if getattr(md, name).dtype != jnp.int32:
             raise ValueError(f"md.{name} must be int32, got {getattr(md, name).dtype}")

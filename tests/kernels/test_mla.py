@@ -203,6 +203,8 @@ BAD = {  # argument named in the error -> how it is broken
     "kv_lora_rank": lambda a: dict(q_latent=a["q_latent"][..., :RANK - 1]),
     "pool": lambda a: dict(pool=jnp.concatenate([a["pool"]] * 2, axis=1)),
     "q_pe dtype": lambda a: dict(q_pe=a["q_pe"].astype(jnp.bfloat16)),
+    "md.slot_mapping": lambda a: dict(md=AttentionMetadata(
+        a["md"].slot_mapping[:3], a["md"].block_tables, a["md"].kv_lens, a["md"].cu_q_lens)),
     "md.cu_q_lens": lambda a: dict(md=AttentionMetadata(
         a["md"].slot_mapping, a["md"].block_tables, a["md"].kv_lens, a["md"].cu_q_lens[:-1])),
 }
