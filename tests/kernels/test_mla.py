@@ -14,6 +14,7 @@ import pytest
 from jaxserve.runner.kv_ops import HostSwapSpace, copy_page_pairs
 from pallas_kernels import AttentionMetadata, AttentionOps, write_latent
 from pallas_kernels.kv_quant import kv_pool_layout
+from pallas_kernels.metadata import latent_pages_shape
 from pallas_kernels.mla.kernel import mla_attention_kernel
 from pallas_kernels.mla.kernel_tpu import mla_attention_tpu
 from pallas_kernels.mla.reference import (
@@ -42,6 +43,7 @@ def inputs(g: Geometry, poison=np.nan, seed=0, q_lens=Q_LENS, kv_lens=KV_LENS):
     rng = np.random.default_rng(seed)
     pool, tables = make_pool(g, kv_lens, rng, poison)  # [L, 2, 1, P, ps, W]
     pool = pool[:, :1]  # a latent pool: one K/V entry, one head
+    assert pool.shape == latent_pages_shape(g.num_layers, g.num_pages, g.page_size, g.head_dim)
     md = make_metadata(g, q_lens, kv_lens, tables)
     q_latent = jnp.asarray(rng.standard_normal((g.num_tokens, HEADS, RANK)), g.dtype)
     q_pe = jnp.asarray(rng.standard_normal((g.num_tokens, HEADS, ROPE)), g.dtype)
