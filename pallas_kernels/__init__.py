@@ -6,6 +6,10 @@ One folder per kernel, each with its pure-`jnp` reference (the oracle of its tes
                              kernels (`kernel.py` Triton/interpreter, `kernel_tpu.py`
                              Mosaic) and `xla.py`, the plain-XLA path the CPU serves with
     paged_decode_attention/  the Pallas decode kernel (one query token per request)
+    mla/                     multi-head latent attention (DeepSeek) over latent pages (one
+                             latent row per token): the oracle and the latent write
+                             (`reference.py`), XLA (`xla.py`), Pallas (`kernel.py`
+                             Triton/interpreter, `kernel_tpu.py` Mosaic)
     kv_write/                the Pallas KV write (a step's K/V into the page pool)
     quant_matmul/            matmuls against quantized weights: Pallas (`kernel.py`), XLA
                              (`xla.py`)
@@ -40,11 +44,13 @@ from pallas_kernels.ops import (
     fp4_matmul,
     fp8_matmul,
     gated_delta_rule,
+    mla_attention,
     quant_matmul,
     ragged_paged_attention,
     resolve_backend,
     ssd,
     write_kv,
+    write_latent,
 )
 from pallas_kernels.quant_matmul.reference import quant_embed
 
@@ -57,10 +63,12 @@ __all__ = [
     "fp8_matmul",
     "gated_delta_rule",
     "kv_pages_shape",
+    "mla_attention",
     "quant_embed",
     "quant_matmul",
     "ragged_paged_attention",
     "resolve_backend",
     "ssd",
     "write_kv",
+    "write_latent",
 ]

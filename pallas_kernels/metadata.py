@@ -86,3 +86,11 @@ def kv_pages_shape(num_slots: int, num_kv_heads: int, num_pages: int, page_size:
     """Shape of the page pool for a model (see the module docstring): `num_slots` is the
     model's layer count with one KV cache group, `KVGroupLayout.num_slots` with several."""
     return (num_slots, 2, num_kv_heads, num_pages, page_size, head_dim)
+
+
+def latent_pages_shape(num_slots: int, num_pages: int, page_size: int,
+                       latent_dim: int) -> tuple[int, ...]:
+    """Shape of an MLA model's latent pool (`pallas_kernels.mla`): the page pool's layout
+    with one K/V entry and one head whose row is `latent_dim` = kv_lora_rank +
+    qk_rope_head_dim values (c_kv, then k_pe), so page plans and sizing treat it as any."""
+    return (num_slots, 1, 1, num_pages, page_size, latent_dim)

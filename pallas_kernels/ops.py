@@ -37,6 +37,10 @@ from pallas_kernels.kv_quant import kv_rotation
 from pallas_kernels.kv_write.kernel import write_kv_kernel
 from pallas_kernels.kv_write.reference import write_kv_reference
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.mla.kernel import mla_attention_kernel
+from pallas_kernels.mla.kernel_tpu import mla_attention_tpu
+from pallas_kernels.mla.reference import write_latent_reference
+from pallas_kernels.mla.xla import mla_attention_xla
 from pallas_kernels.paged_decode_attention.kernel import paged_decode_attention_kernel
 from pallas_kernels.quant_matmul.kernel import quant_matmul_kernel
 from pallas_kernels.quant_matmul.xla import quant_matmul_xla
@@ -166,6 +170,38 @@ def _invariant(q, kv_pages, layer, md, backend, common):
                                token_tile=t["token_tile"], **common)
 
 
+def write_latent(pool: jax.Array, slot, latent: jax.Array, slot_mapping: jax.Array, *,
+                 backend: str = "xla") -> jax.Array:
+    """Scatters this step's MLA latents f32/bf16[T, R + Dr] into slot `slot` of a latent
+    pool (`pallas_kernels.mla.reference.write_latent_reference`: the null page's slots
+    dropped, 8-bit pools quantized per token row). XLA's scatter on every backend: one
+    row per token, in place under donation (the TPU's GQA write is the same scatter)."""
+    del backend
+    return write_latent_reference(pool, slot, latent, slot_mapping)
+
+
+def mla_attention(q_latent: jax.Array, q_pe: jax.Array, pool: jax.Array, slot,
+                  md: AttentionMetadata, *, sm_scale: float, backend: str = "xla") -> jax.Array:
+    """Absorbed-form multi-head latent attention over latent pages: [T, H, R] outputs in
+    latent space (the caller applies W_UV); `mla_attention_reference` defines the result.
+
+    "pallas" runs the Pallas MLA kernel (Mosaic on TPU, Triton on GPU, the interpreter on
+    the CPU; decode steps are query blocks of one token, so `md.decode_only` needs no
+    program of its own), "xla" and "cpu" the XLA path (`mla_attention_xla`: the C++ decode
+    kernel reads GQA pages only).
+    """
+    if backend == "pallas":
+        ppb, _ = kernel_tiles(pool.shape[4], md.block_tables.shape[1])
+        block_q = tuned("mla_pallas")["block_q"]
+        if _on_tpu():
+            return mla_attention_tpu(q_latent, q_pe, pool, slot, md, sm_scale=sm_scale,
+                                     block_q=block_q, pages_per_block=ppb)
+        return mla_attention_kernel(q_latent, q_pe, pool, slot, md, sm_scale=sm_scale,
+                                    block_q=block_q, pages_per_block=ppb,
+                                    interpret=_interpret())
+    return mla_attention_xla(q_latent, q_pe, pool, slot, md, sm_scale=sm_scale)
+
+
 def quant_matmul(x: jax.Array, w: dict, kind: str, *, backend: str = "xla") -> jax.Array:
     """x [..., K] @ a quantized weight [K, N] (see `pallas_kernels.quant_matmul`)."""
     if backend == "pallas":
@@ -281,6 +317,30 @@ class AttentionOps:
                                      backend=self.backend,
                                      batch_invariant=self.batch_invariant)
         return out if rot is None else out @ rot.T
+
+    def write_latent(self, pool: jax.Array, slot, latent: jax.Array,
+                     slot_mapping: jax.Array) -> jax.Array:
+        """The latent pool with this step's MLA latents [T, R + Dr] written into slot `slot`
+        (`pallas_kernels.ops.write_latent`).
+
+        NOTE: 8-bit latent pages are not rotated (`kv_rotation`): the rotation would mix
+        c_kv with k_pe, so the output (the c_kv part alone) could not be rotated back
+        without the kernels returning whole rows."""
+        return write_latent(pool, slot, latent, slot_mapping, backend=self.backend)
+
+    def mla_attend(self, q_latent: jax.Array, q_pe: jax.Array, pool: jax.Array, slot,
+                   md: AttentionMetadata, *, sm_scale: float) -> jax.Array:
+        """[T, H, R] absorbed-form MLA output of q_latent [T, H, R] and q_pe [T, H, Dr] over
+        slot `slot` of a latent pool (`pallas_kernels.ops.mla_attention`).
+
+        Raises:
+            ValueError: In batch-invariant mode (not built for MLA: the XLA path merges a
+                token's key blocks in an order that follows the step's other requests).
+        """
+        if self.batch_invariant:
+            raise ValueError("batch_invariant is not built for MLA attention (mla_attend)")
+        return mla_attention(q_latent, q_pe, pool, slot, md, sm_scale=sm_scale,
+                             backend=self.backend)
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_q_lens, kv_lens):
         """(out f32[T, Hv, dv], state) of a Gated DeltaNet layer's recurrence over the step

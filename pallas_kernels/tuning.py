@@ -20,6 +20,17 @@ TUNED: dict[str, dict[str, dict[str, int]]] = {
         "*": dict(block_kv=128, block_q=64, block_q_short=8, decode_block_kv=64,
                   decode_rows=32, cpu_decode_min_rows=1, cpu_context_max_len=768),
     },
+    # The MLA XLA path (`mla_attention_xla`): the context pass's key blocks and query tiles,
+    # the decode pass's key blocks and rows per iteration. Not yet measured (the GQA path's
+    # sizes, its decode rows halved: a latent row is 576 values, a GQA head's 128).
+    "mla_xla": {
+        "*": dict(block_kv=128, block_q=32, decode_block_kv=64, decode_rows=16),
+    },
+    # The Pallas MLA kernels (`mla_attention_kernel`, `mla_attention_tpu`): query tokens per
+    # program (its rows are these x the heads). Not yet measured on a device.
+    "mla_pallas": {
+        "*": dict(block_q=8),
+    },
     # Batch-invariant mode (`pallas_kernels.invariant`): rows per matmul tile, and the
     # per-token attention's key block and token tile (BENCHMARKS.md, "batch-invariant mode").
     "batch_invariant": {
