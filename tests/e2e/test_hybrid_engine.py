@@ -72,11 +72,19 @@ SWAP_BATCH = [*PROMPTS, "Sliding windows keep only the most recent keys, so old 
               "be given back", "Once upon a time there was a small engine that served many "
               "requests", "def fibonacci(n): return n if n < 2 else"]
 SHARED = "PROMPTS[0] and five tokens of PROMPTS[1]"  # its ids share PROMPTS[0]'s beyond a page
-# Prompts whose text repeats: a prompt, 8 tokens of transformers' greedy continuation of it,
-# then the prompt again. Its end recurs in the text, so n-gram lookup proposes the earlier
-# continuation, which the tiny models partly follow: proposals accepted and rejected (Granite
-# follows the first two whole; the third rejects).
-REPEATED = [PROMPTS[0], SWAP_BATCH[3], PROMPTS[2]]
+# Prompts whose text repeats: a prompt, 8 tokens of a greedy continuation, then the prompt
+# again. Its end recurs in the text, so n-gram lookup proposes the earlier continuation, which
+# the tiny models partly follow (Granite follows the first two whole; the third rejects). The
+# last one's earlier continuation turns into another prompt's after 2 tokens (`SPLICED`), so
+# a model that follows its own (Granite with experts follows every one) rejects there.
+REPEATED = [PROMPTS[0], SWAP_BATCH[3], PROMPTS[2], SWAP_BATCH[4]]
+SPLICED = {SWAP_BATCH[4]: SWAP_BATCH[5]}
+
+
+def continuation(want: dict[str, list[int]], prompt: str) -> list[int]:
+    """The 8 tokens `prompt`'s repeated form puts between its two copies."""
+    other = SPLICED.get(prompt)
+    return want[prompt][:8] if other is None else want[prompt][:2] + want[other][:6]
 
 
 def repeated(prompt: str) -> str:
@@ -147,7 +155,7 @@ def served(request, smollm2_tokenizer, tmp_path_factory):
         ids[SHARED] = ids[PROMPTS[0]] + ids[PROMPTS[1]][:5]
         want[SHARED] = hf_greedy(hf, ids[SHARED], MAX_TOKENS)
         for p in REPEATED:
-            ids[repeated(p)] = ids[p] + want[p][:8] + ids[p]
+            ids[repeated(p)] = ids[p] + continuation(want, p) + ids[p]
             want[repeated(p)] = hf_greedy(hf, ids[repeated(p)], MAX_TOKENS)
     finally:
         torch.set_num_threads(threads)
