@@ -1,10 +1,10 @@
 """The linear-attention hybrids served end to end: greedy tokens of a tiny Qwen3.5 (and, slow,
-Qwen3-Next and Granite 4.0's Mamba-2 hybrid, dense and with routed experts) through `LLM`
-equal transformers' `generate` alone, batched and chunked, under swap and recompute
-preemption, with n > 1 (forked state slots) and with n-gram speculation (states backed up
-before a verify step and read back on a rejection); an abort frees its slot; nothing compiles
-after warm-up; prefix caching is on: a hit resumes a state snapshot, skips the cached tokens'
-compute and gives the miss's tokens.
+Qwen3-Next, Qwen3.5-MoE and Granite 4.0's Mamba-2 hybrid, dense and with routed experts)
+through `LLM` equal transformers' `generate` alone, batched and chunked, under swap and
+recompute preemption, with n > 1 (forked state slots) and with n-gram speculation (states
+backed up before a verify step and read back on a rejection); an abort frees its slot;
+nothing compiles after warm-up; prefix caching is on: a hit resumes a state snapshot, skips
+the cached tokens' compute and gives the miss's tokens.
 
 The model side (numerics per step, state contract) is tests/models/test_hybrid.py's.
 """
@@ -38,6 +38,11 @@ FAMILIES = {
                    dict(SMALL, **LINEAR, num_hidden_layers=2, full_attention_interval=2,
                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                         shared_expert_intermediate_size=48)),
+    # Qwen3.5's layers with experts in every layer (the text model of Qwen3.5-MoE).
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    dict(SMALL, **LINEAR, num_hidden_layers=2, full_attention_interval=2,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=48)),
     # Granite 4.0's Mamba-2 layers (the SSD state in the same pools) beside rotary attention,
     # its multipliers apart from 1 (tests/models/test_numerics.py's shapes, hidden 64).
     "granite": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
@@ -56,7 +61,7 @@ FAMILIES["granite_moe"] = (*FAMILIES["granite"][:2],
                                 position_embedding_type="nope"))
 # Families whose RMSNorms scale by `1 + weight` (the gated norms of their linear layers by
 # the weight itself); Granite's all scale by the weight.
-ZERO_CENTRED = ("qwen3_5", "qwen3_next")
+ZERO_CENTRED = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 MAX_TOKENS = 16
 # 4 sequences, an 8-token budget (buckets 4 and 8: two model programs; every prompt chunks),
 # 7 pages of 16 tokens (6 usable) for one full-attention layer: SWAP_BATCH's 4 running
@@ -139,7 +144,7 @@ class Served:
 # and without experts).
 @pytest.fixture(scope="module", params=["qwen3_5", *(
     pytest.param(name, marks=pytest.mark.slow)
-    for name in ("qwen3_next", "granite", "granite_moe"))])
+    for name in ("qwen3_next", "qwen3_5_moe", "granite", "granite_moe"))])
 def served(request, smollm2_tokenizer, tmp_path_factory):
     """The family's engine, built and warmed up once for every check of this file."""
     name = request.param
