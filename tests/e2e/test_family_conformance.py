@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -28,9 +29,12 @@ class Family:
         expect: `ArchConfig` fields the loader must have parsed (dotted for nested ones):
             the family's features are served, not defaulted away.
         norm_center: Where the random norm weights are drawn around (0 for Gemma's
-            `1 + weight`, 1 elsewhere), so the norms matter.
+            `1 + weight`, 1 elsewhere), so the norms matter; or a function of the
+            parameter's name (Qwen3.5's `1 + weight` norms beside its plain gated norm).
         engine: Engine arguments of its own, over `ENGINE`. With `warmup=True` every check
             also asserts that nothing compiled after warm-up.
+        slow: The row runs in the slow tier only (its family's default-tier engine tests
+            are elsewhere).
     """
 
     name: str
@@ -38,8 +42,9 @@ class Family:
     model_cls: str
     config: dict
     expect: dict = dataclasses.field(default_factory=dict)
-    norm_center: float = 1.0
+    norm_center: float | Callable[[str], float] = 1.0
     engine: dict = dataclasses.field(default_factory=dict)
+    slow: bool = False
 
 
 DENSE = dict(TINY, num_hidden_layers=2)
@@ -57,6 +62,11 @@ WINDOWED_POOL = dict(num_kv_blocks=6)
 PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
              "short_factor": [1.0, 1.2, 1.9, 3.0], "long_factor": [1.3, 3.5, 8.0, 24.0]}
 ROUTED = dict(enable_return_routed_experts=True)
+# Gated DeltaNet layers of 2 key heads, each serving 2 of the 4 value heads (at its
+# initializer_range the tiny models are not chaotic: greedy ties do not flip).
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, initializer_range=0.05,
+              tie_word_embeddings=False)
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 
@@ -113,6 +123,27 @@ FAMILIES = [
     Family("olmoe", "OlmoeConfig", "OlmoeForCausalLM",
            dict(MOE, num_experts=8, intermediate_size=32),
            dict(num_experts=8, qk_norm=True, qk_norm_full=True)),
+    # Linear-attention hybrids (slow: tests/e2e/test_hybrid_engine.py serves Qwen3.5 in the
+    # default tier): per-request state slots, snapshots for the prefix hits and backups for
+    # speculation. Gated DeltaNet beside gated attention with `1 + weight` norms (the linear
+    # layers' gated norm plain), and Granite 4.0's Mamba-2 beside plain attention.
+    Family("qwen3_5", "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+           dict(DENSE, **LINEAR, num_hidden_layers=3,
+                layer_types=["linear_attention", "full_attention", "linear_attention"]),
+           dict(linear_layers=(0, 2), linear_kind="gated_deltanet", attn_output_gate=True),
+           norm_center=lambda name: 1.0 if "linear_attn.norm" in name else 0.0, slow=True),
+    Family("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM",
+           dict(MOE, **LINEAR, num_experts=4, moe_intermediate_size=32,
+                shared_expert_intermediate_size=48, full_attention_interval=2),
+           dict(linear_layers=(0,), num_experts=4, shared_expert_intermediate_size=48),
+           norm_center=lambda name: 1.0 if "linear_attn.norm" in name else 0.0, slow=True),
+    Family("granite_hybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+           dict(MOE, layer_types=["mamba", "attention"], num_local_experts=4,
+                intermediate_size=32, shared_intermediate_size=48, mamba_n_heads=8,
+                mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                position_embedding_type="nope", initializer_range=0.02,
+                tie_word_embeddings=False),
+           dict(linear_layers=(0,), linear_kind="mamba2", num_experts=4), slow=True),
 ]
 
 
@@ -155,7 +186,8 @@ def _build_hf(row: Family, tokenizer, directory: str):
         for name, p in hf.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             if "norm" in name:
-                p.copy_(row.norm_center + 0.3 * noise)
+                center = row.norm_center
+                p.copy_((center(name) if callable(center) else center) + 0.3 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.1 * noise)
     hf.save_pretrained(directory, safe_serialization=True)
@@ -216,7 +248,8 @@ class Served:
         return gained
 
 
-@pytest.fixture(scope="module", params=FAMILIES, ids=lambda f: f.name)
+@pytest.fixture(scope="module", ids=lambda f: f.name, params=[
+    pytest.param(f, marks=pytest.mark.slow) if f.slow else f for f in FAMILIES])
 def served(request, smollm2_tokenizer, tmp_path_factory):
     """The row's engine (built once for its four checks) and transformers' tokens, on one
     torch thread."""
