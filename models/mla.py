@@ -111,3 +111,16 @@ class MLAttention(nn.Module):
                                                     pool, slot, md, sm_scale=scale)
         v = jnp.einsum("thr,rhv->thv", out.astype(x.dtype), w_uv.astype(x.dtype))  # [T, H, Dv]
         return proj(cfg.hidden_size, "o_proj", v.reshape(num_tokens, h * dv)), pool
+
+
+def kv_bytes_report(cfg: ArchConfig, itemsize: int) -> str:
+    """A line on what one token costs in the pool, its latents over every layer, beside the
+    GQA-equivalent layout (each head's key, `qk_nope_head_dim + qk_rope_head_dim`, and
+    value, `v_head_dim`) and their ratio: the tokens the latent pool holds for each token
+    that layout would."""
+    latent = cfg.num_layers * cfg.latent_dim * itemsize
+    gqa = cfg.num_layers * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.head_dim
+                                            + cfg.v_head_dim) * itemsize
+    return (f"latent KV {latent} bytes per token ({cfg.num_layers} layers x "
+            f"{cfg.kv_lora_rank} + {cfg.head_dim} values); the GQA-equivalent layout "
+            f"{gqa} bytes (x{gqa / latent:.1f} the tokens in the same bytes)")
