@@ -6,6 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from models.deepseek_config import check_groups, check_mla
 from models.rope import RopeScaling, check_rope_scaling
 
 # HF activation names the gated MLP computes ("gelu_pytorch_tanh": GELU, tanh approximation).
@@ -17,8 +18,9 @@ HYBRID_LAYER_TYPES = ("full_attention", "linear_attention")
 # (`models.mamba2`, Granite 4.0).
 LINEAR_KINDS = ("gated_deltanet", "mamba2")
 # How a mixture-of-experts router turns logits into weights (`models.moe.route`):
-# softmax over all experts then top-k (Qwen-MoE, OLMoE), or top-k logits then softmax (Mixtral).
-ROUTER_ORDERS = ("softmax_topk", "topk_softmax")
+# softmax over all experts then top-k (Qwen-MoE, OLMoE, DeepSeek-V2), top-k logits then softmax
+# (Mixtral), or sigmoid scores, top-k by score plus a correction bias (DeepSeek-V3).
+ROUTER_ORDERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
 # Every decoder layer's dense linear modules, as (block, module).
 LAYER_MATMULS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                  ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
@@ -111,6 +113,19 @@ class ArchConfig:
         attn_output_gate: The full-attention layers' `q_proj` also gives a gate per head
             (its rows: each head's query then its gate) that scales the attention output
             by its sigmoid before `o_proj` (Qwen3-Next).
+        kv_lora_rank: Multi-head latent attention (`models.mla`, DeepSeek) when positive:
+            the width R of the compressed KV each token keeps in the page pool (with its
+            roped key part, `head_dim` wide: `qk_rope_head_dim`). 0: GQA attention.
+        q_lora_rank: MLA's query low-rank width (`q_a_proj`, `q_a_layernorm`, `q_b_proj`);
+            0: one `q_proj`.
+        qk_nope_head_dim: MLA: the unroped part of each query/key head.
+        v_head_dim: MLA: each value head's width.
+        rope_interleave: The rotary turns interleaved channel pairs (DeepSeek) rather than
+            the two halves of the rotated channels.
+        n_group: Expert groups of the router (DeepSeek); top-k picks experts of the
+            `topk_group` best groups only (1: no groups).
+        topk_group: Groups each token's experts come from.
+        routed_scaling_factor: The routing weights are multiplied by it (DeepSeek).
     """
 
     architecture: str
@@ -167,6 +182,25 @@ class ArchConfig:
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
     use_rope: bool = True
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (one latent per token in the
+        page pool, `models.mla`)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token keeps per MLA layer: c_kv (`kv_lora_rank`) then k_pe."""
+        return self.kv_lora_rank + self.head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -256,6 +290,7 @@ class ArchConfig:
                              f"{', '.join(SUPPORTED_ACTIVATIONS)}")
         self._check_moe()
         self._check_linear()
+        check_mla(self)
         for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                      "attention_multiplier", "logits_scaling"):
             value = getattr(self, name)
@@ -281,6 +316,7 @@ class ArchConfig:
         if self.router_order not in ROUTER_ORDERS:
             raise ValueError(f"unsupported router_order {self.router_order!r}; supported: "
                              f"{', '.join(ROUTER_ORDERS)}")
+        check_groups(self)
         dense = self.dense_layers
         if list(dense) != sorted(set(dense)) or not all(0 <= i < self.num_layers
                                                         for i in dense):

@@ -27,6 +27,7 @@ from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos
 from models.linear import STACKS, Embedding, Linear, Methods
 from models.lora import COLLECTION as LORA
 from models.mixed import MixedMLP
+from models.mla import MLAttention
 from models.moe import MoEMLP
 from models.moe_parallel import ExpertSharding
 from pallas_kernels import AttentionMetadata
@@ -142,7 +143,10 @@ class DecoderLayer(nn.Module):
         residual = ((lambda y: y) if cfg.residual_multiplier == 1.0
                     else (lambda y: y * cfg.residual_multiplier))
         h = norm("input_layernorm")(hidden)
-        if not cfg.has_linear_attention:
+        if cfg.is_mla:  # DeepSeek: one latent per token in the pool (`models.mla`)
+            attn_out, kv_pages = MLAttention(cfg, self.dtype, methods, name="self_attn")(
+                h, cos, sin, kv_pages, layer, md, slot)
+        elif not cfg.has_linear_attention:
             attn_out, kv_pages = Attention(cfg, self.dtype, methods, name="self_attn")(
                 h, cos, sin, kv_pages, layer, window, md, slot)
         elif self.is_initializing():

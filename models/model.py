@@ -19,6 +19,7 @@ from models.mixed import broadcast_mlp, mixed_init
 from models.moe_parallel import ExpertSharding
 from models.quant import NO_QUANT, QuantPlan, quantize_params
 from pallas_kernels import AttentionMetadata, kv_pages_shape
+from pallas_kernels.metadata import latent_pages_shape
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _INIT_CHOICE = ServingChoice("xla")  # init makes the standard leaves, whatever serves them
@@ -34,6 +35,15 @@ def parse_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
         raise ValueError(f"unsupported dtype {jnp.dtype(dtype).name}; choose one of "
                          f"{', '.join(DTYPES)}")
     return jnp.dtype(dtype)
+
+
+def pool_shape(cfg: ArchConfig, num_slots: int, num_pages: int, page_size: int
+               ) -> tuple[int, ...]:
+    """The page pool's shape for `cfg`: K and V per head (`kv_pages_shape`), or one latent
+    row per token with multi-head latent attention (`latent_pages_shape`, `models.mla`)."""
+    if cfg.is_mla:
+        return latent_pages_shape(num_slots, num_pages, page_size, cfg.latent_dim)
+    return kv_pages_shape(num_slots, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
 
 def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT):
@@ -57,8 +67,7 @@ def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT):
                                block_tables=jnp.zeros((1, 1), jnp.int32),
                                kv_lens=jnp.ones(1, jnp.int32),
                                cu_q_lens=jnp.arange(2, dtype=jnp.int32))
-        kv = jnp.zeros(kv_pages_shape(cfg.num_layers, cfg.num_kv_heads, 2, 1, cfg.head_dim),
-                       dtype)
+        kv = jnp.zeros(pool_shape(cfg, cfg.num_layers, 2, 1), dtype)
         return module.init(key, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), kv, md,
                            method=forward_and_logits)["params"]
 
@@ -266,9 +275,9 @@ class Model:
     def kv_pages_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
         """Shape of this model's page pool for `num_pages` pages of `page_size` slots (one
         layer per slot: all layers with one KV cache group, `kv_layout.num_slots` with
-        several)."""
-        return kv_pages_shape(self.kv_groups.num_slots, self.cfg.num_kv_heads, num_pages,
-                              page_size, self.cfg.head_dim)
+        several); with latent attention (`ArchConfig.is_mla`) the latent pool, one row of
+        `latent_dim` values per token and layer (`latent_pages_shape`)."""
+        return pool_shape(self.cfg, self.kv_groups.num_slots, num_pages, page_size)
 
 
 def check_kv_layout(layout: KVGroupLayout, cfg: ArchConfig) -> None:

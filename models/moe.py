@@ -37,16 +37,27 @@ from pallas_kernels.tuning import tuned
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool):
+def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool, *,
+          n_group: int = 1, topk_group: int = 1, scale: float = 1.0,
+          bias: jax.Array | None = None):
     """Each token's experts and their weights.
 
     Args:
         logits: f32[T, E] router logits.
         top_k: Experts per token.
-        order: "topk_softmax" (Mixtral: the k largest logits, softmax over those k) or
-            "softmax_topk" (Qwen-MoE, OLMoE: softmax over all experts, the k largest
-            probabilities, divided by their sum when `norm_topk_prob`).
+        order: "topk_softmax" (Mixtral: the k largest logits, softmax over those k),
+            "softmax_topk" (Qwen-MoE, OLMoE, DeepSeek-V2: softmax over all experts, the k
+            largest probabilities, divided by their sum when `norm_topk_prob`) or
+            "sigmoid_topk" (DeepSeek-V3: sigmoid scores; the k largest of score + `bias`
+            chosen, weighted by their scores, divided by their sum when `norm_topk_prob`).
         norm_topk_prob: See `order`; "topk_softmax" weights always sum to one.
+        n_group: Expert groups (consecutive ids); with more than one, a token's experts
+            come from its `topk_group` best groups only, a group scored by its best
+            probability ("softmax_topk", DeepSeek-V2's group_limited_greedy) or the sum of
+            its two best biased scores ("sigmoid_topk").
+        topk_group: See `n_group`.
+        scale: The weights are multiplied by it (DeepSeek's `routed_scaling_factor`).
+        bias: f32[E] "sigmoid_topk"'s correction bias (selection only); None: zeros.
 
     Returns:
         (weights f32[T, top_k], ids i32[T, top_k]).
@@ -62,10 +73,29 @@ def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool):
     if order == "topk_softmax":
         top, ids = jax.lax.top_k(logits, top_k)
         return jax.nn.softmax(top, axis=-1), ids
-    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+    sigmoid = order == "sigmoid_topk"
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)  # f32[T, E]
+    choice = scores + bias.astype(jnp.float32) if sigmoid and bias is not None else scores
+    if n_group > 1:
+        choice = _group_limited(choice, n_group, topk_group, sigmoid)
+    _, ids = jax.lax.top_k(choice, top_k)  # i32[T, k]
+    weights = jnp.take_along_axis(scores, ids, axis=-1)  # f32[T, k]
     if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids
+        # NOTE: DeepSeek-V3 adds 1e-20 to the sum (sigmoid weights need not sum to one).
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if sigmoid else 0))
+    return weights * scale if scale != 1.0 else weights, ids
+
+
+def _group_limited(choice: jax.Array, n_group: int, topk_group: int, top2: bool) -> jax.Array:
+    """f32[T, E] `choice` with the experts outside each token's `topk_group` best groups at
+    -inf (a group scored by its best entry, or by its two best summed when `top2`)."""
+    t, e = choice.shape
+    grouped = choice.reshape(t, n_group, e // n_group)  # f32[T, G, E / G]
+    score = (jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1) if top2
+             else jnp.max(grouped, axis=-1))  # f32[T, G]
+    _, best = jax.lax.top_k(score, topk_group)  # i32[T, topk_group]
+    keep = jnp.any(jnp.arange(n_group)[None, :, None] == best[:, None, :], axis=-1)  # [T, G]
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
 
 
 def expert_kind(w) -> str | None:
@@ -286,8 +316,14 @@ class MoEMLP(nn.Module):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         logits = Linear(e, methods.linear("gate"), dtype=self.dtype, layer=layer,
                         name="gate")(x)  # [T, E]
+        bias = None  # DeepSeek-V3's selection bias, `gate.e_score_correction_bias` in HF
+        if cfg.router_order == "sigmoid_topk":
+            bias = self.param("e_score_correction_bias", nn.initializers.zeros, (e,),
+                              jnp.float32)  # f32[E]
         weights, ids = route(logits, cfg.num_experts_per_tok, cfg.router_order,
-                             cfg.norm_topk_prob)
+                             cfg.norm_topk_prob, n_group=cfg.n_group,
+                             topk_group=cfg.topk_group, scale=cfg.routed_scaling_factor,
+                             bias=bias)
         experts, stacked = Experts(e, h, i, methods, name="experts")()
         stack_methods = {n: methods.expert(n) for n in PROJECTIONS}
         if self.reference:

@@ -1,9 +1,9 @@
 """Model families and the registry from HF `architectures` names to them.
 
 Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3, the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, and the linear-attention hybrids Qwen3-Next,
-Qwen3.5 and Granite 4.0 (Mamba-2) share one Flax decoder (`models.decoder.Decoder`); a
-family only decides how its HF config maps onto `ArchConfig`.
+Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, the linear-attention hybrids Qwen3-Next, Qwen3.5
+and Granite 4.0 (Mamba-2), and DeepSeek-V2/V3 (latent attention) share one Flax decoder
+(`models.decoder.Decoder`); a family only decides how its HF config maps onto `ArchConfig`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from models.config import ArchConfig
+from models.deepseek_config import deepseek_fields
 from models.hf_fields import common_fields, partial_rotary_factor, windows_from_layer_types
 from models.hybrid_config import linear_attention_fields, with_hybrid_defaults
 from models.mamba_config import granite_fields
@@ -370,10 +371,31 @@ class GraniteMoeHybrid(ModelFamily):
         return granite_fields(hf)
 
 
+class DeepseekV3(ModelFamily):
+    """DeepSeek-V3/R1 and Kimi K2: multi-head latent attention (`models.mla`: one latent per
+    token in the pool, the rotary on interleaved pairs), sigmoid routing with a selection
+    bias over expert groups, shared experts, dense first layers (`models.deepseek_config`)."""
+
+    architectures = ("DeepseekV3ForCausalLM",)
+    version = "v3"
+
+    @classmethod
+    def extra_fields(cls, hf):
+        return deepseek_fields(hf, cls.version)
+
+
+class DeepseekV2(DeepseekV3):
+    """DeepSeek-V2 (and V2-Lite): V3's attention with softmax routing (`greedy` or
+    `group_limited_greedy`), no renormalization."""
+
+    architectures = ("DeepseekV2ForCausalLM",)
+    version = "v2"
+
+
 FAMILIES: dict[str, type[ModelFamily]] = {
     name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen3, Gemma2, Gemma3, Mixtral,
                           Qwen2Moe, Qwen3Moe, Olmoe, Qwen3_5, Qwen3_5Moe, Qwen3Next,
-                          GraniteMoeHybrid)
+                          GraniteMoeHybrid, DeepseekV2, DeepseekV3)
     for name in fam.architectures
 }
 

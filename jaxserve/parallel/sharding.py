@@ -210,10 +210,17 @@ def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None
         ValueError: `size` does not divide the query heads or the MLP width, KV heads and
             `size` do not divide one another, too few devices exist, an expert layout
             the model does not allow (`expert_layout`), `size` does not divide a
-            Gated DeltaNet model's `linear_num_key_heads`.
+            Gated DeltaNet model's `linear_num_key_heads`, a `size` over 1 for a model
+            with multi-head latent attention (`models.mla`).
     """
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    if cfg.is_mla and size > 1:
+        # NOTE: the one latent "head" would be copied onto every device; the anchors spread
+        # requests over devices for attention instead (issue 64 part 4, not built).
+        raise ValueError(f"tensor_parallel_size={size} is not served for {cfg.architecture}: "
+                         "its latent attention keeps one latent per token (no heads to "
+                         "split); data-parallel attention is not built")
     split_linear = splits_linear_layers(cfg)
     if split_linear and cfg.has_linear_attention and cfg.linear_num_key_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide linear_num_key_heads="

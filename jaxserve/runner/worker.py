@@ -39,6 +39,7 @@ from jaxserve.runner.sizing import (
     state_group,
 )
 from models.kv_groups import KVGroupLayout
+from models.mla import kv_bytes_report
 from models.model import Model
 
 logger = logging.getLogger("jaxserve")
@@ -177,6 +178,9 @@ class Worker:
                     np.dtype(self.runner.page_pool.dtype).name, lim.num_pages, cache.page_size,
                     self.kv_capacity_tokens, lim.num_pages * lim.bytes_per_page / 2**20,
                     lim.max_model_len, self.runner.buckets)
+        if self.model.cfg.is_mla:
+            itemsize = np.dtype(self.runner.page_pool.dtype).itemsize
+            logger.info("jaxserve: %s", kv_bytes_report(self.model.cfg, itemsize))
         if states is not None:
             logger.info("jaxserve: linear-attention state pools: %d slots (the null slot "
                         ", %d speculative-decoding backups and %d prefix-caching snapshots "

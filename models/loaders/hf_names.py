@@ -35,7 +35,13 @@ class TensorSource(Protocol):
 # layer itself: the HF name after the layer's module. The convolution is stored [C, 1, W]
 # (`unfold_conv`).
 _BARE_LEAVES = {"A_log": "A_log", "dt_bias": "dt_bias", "D": "D", "conv1d": "conv1d.weight",
-                "conv1d_bias": "conv1d.bias"}
+                "conv1d_bias": "conv1d.bias",
+                # DeepSeek-V3's router bias (`models.moe.MoEMLP`), a buffer of its `gate`
+                "e_score_correction_bias": "gate.e_score_correction_bias"}
+# Leaves kept in float32 whatever the model's dtype (transformers keeps them so too).
+_F32_LEAVES = ("e_score_correction_bias",)
+# Families whose shared experts are `mlp.shared_experts` (the decoder's `shared_expert`).
+_SHARED_EXPERTS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 def unfold_conv(name: str, arr: np.ndarray) -> np.ndarray:
@@ -90,6 +96,8 @@ def family_hf_name(cfg: ArchConfig, path: tuple[str, ...], layer: int | None,
     name, transpose = hf_name(path, layer)
     if mixtral and path[:2] == ("layers", "mlp"):
         name = name.replace(".mlp.", ".block_sparse_moe.", 1)
+    if cfg.architecture in _SHARED_EXPERTS:
+        name = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.", 1)
     return name, transpose
 
 
@@ -263,6 +271,8 @@ def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
             out = np.stack(arrays).astype(np.float32)
         else:
             out = fetch(*family_hf_name(cfg, keys, None), spec.shape).astype(np.float32)
+        if keys[-1] in _F32_LEAVES:
+            return out
         return out.astype(jnp.dtype(dtype))  # stays on the host; the caller places it
 
     return jax.tree_util.tree_map_with_path(leaf, expected)

@@ -144,6 +144,17 @@ FAMILIES = [
                 position_embedding_type="nope", initializer_range=0.02,
                 tie_word_embeddings=False),
            dict(linear_layers=(0,), linear_kind="mamba2", num_experts=4), slow=True),
+    # DeepSeek-V3 (slow: tests/models/test_numerics.py compares its logits in the default
+    # tier): latent pages (one latent per token and layer), grouped sigmoid routing with the
+    # correction bias, shared experts, the first layer dense. (Its routing is not captured:
+    # the check compares transformers' top-k router logits, which DeepSeek's groups and
+    # bias do not follow.)
+    Family("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+           dict(MOE, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
+                qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+                n_group=2, topk_group=1, moe_intermediate_size=32, n_shared_experts=1,
+                first_k_dense_replace=1),
+           dict(kv_lora_rank=16, router_order="sigmoid_topk", dense_layers=(0,)), slow=True),
 ]
 
 

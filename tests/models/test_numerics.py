@@ -66,6 +66,17 @@ GRANITE = dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
                initializer_range=0.05)
 
 
+# DeepSeek's multi-head latent attention (a latent of 16 + 8 per token, a query low rank or
+# none, value heads apart from the key heads) and routing: 8 experts in 2 groups, one group
+# per token, shared experts, the first layer dense.
+DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+                n_group=2, topk_group=1, moe_intermediate_size=32, first_k_dense_replace=1,
+                num_hidden_layers=3)
+# YaRN with `mscale_all_dim`: DeepSeek scales the softmax by mscale(factor) squared too.
+DEEPSEEK_YARN = dict(YARN_ROPE, mscale=1.0, mscale_all_dim=1.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One tiny model: its transformers classes, config overrides, and what must matter.
@@ -258,6 +269,23 @@ CASES = [
               mamba_n_groups=1, mamba_proj_bias=True, attention_bias=True),
          dict(linear_layers=(1, 2), use_rope=False, linear_proj_bias=True, qkv_bias=True),
          ablate=dict(linear_proj_bias=False)),
+    # DeepSeek (`models.mla`): latents in the pool, attention in the absorbed form.
+    Case("deepseek_v3_mla", "DeepseekV3Config", "DeepseekV3ForCausalLM",
+         dict(DEEPSEEK, n_shared_experts=1, routed_scaling_factor=2.5,
+              rope_parameters=DEEPSEEK_YARN),
+         dict(kv_lora_rank=16, q_lora_rank=24, head_dim=8, v_head_dim=12, dense_layers=(0,),
+              router_order="sigmoid_topk", n_group=2, topk_group=1, norm_topk_prob=True,
+              rope_interleave=True, shared_expert_intermediate_size=32,
+              shared_expert_gated=False, routed_scaling_factor=2.5),
+         ablate=dict(rope_interleave=False, n_group=1, attention_multiplier=None,
+                     routed_scaling_factor=1.0)),
+    Case("deepseek_v2_mla", "DeepseekV2Config", "DeepseekV2ForCausalLM",
+         dict(DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy",
+              n_shared_experts=2, routed_scaling_factor=1.5),
+         dict(kv_lora_rank=16, q_lora_rank=0, router_order="softmax_topk", n_group=2,
+              norm_topk_prob=False, shared_expert_intermediate_size=64,
+              routed_scaling_factor=1.5),
+         ablate=dict(n_group=1, routed_scaling_factor=1.0)),
 ]
 
 
@@ -287,10 +315,13 @@ CASES = [
 # - granite_mamba2_nope (no rotary, one group, projection and attention biases, attention
 #   first): granite_mamba2_rope has Granite's layers, names and multipliers, granite_moe_nope
 #   attention without rotary.
+# - deepseek_v2_mla (softmax routing over groups, no query low rank): deepseek_v3_mla has
+#   the latent attention, names and routing machinery; tests/models/test_deepseek.py checks
+#   V2's config parsing.
 SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen3_qknorm_headdim",
               "gemma2_global_first", "gemma3_pattern2_softcap", "mixtral_moe",
               "qwen3_moe_sparse_step", "qwen2_moe_mixed", "qwen3_5_moe_hybrid",
-              "granite_mamba2_nope")
+              "granite_mamba2_nope", "deepseek_v2_mla")
 
 
 # Cases whose first ablation is left to the slow tier (test_tiny_every_feature_is_exercised
@@ -323,6 +354,9 @@ def _perturb(model, seed: int) -> None:
                 p.copy_(1.0 + 0.3 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.3 * noise)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias: selection only
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def build_hf(case: Case, path: str, seed: int = 0):
