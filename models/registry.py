@@ -12,40 +12,20 @@ import logging
 from typing import Any
 
 from models.config import ArchConfig
-from models.deepseek_config import deepseek_fields
-from models.hf_fields import common_fields, partial_rotary_factor, windows_from_layer_types
-from models.hybrid_config import linear_attention_fields, with_hybrid_defaults
-from models.mamba_config import granite_fields
+from models.family_base import ModelFamily
+from models.hf_fields import partial_rotary_factor, windows_from_layer_types
 from models.moe_config import sparse_fields
+from models.registry_mixers import (
+    DeepseekV2,
+    DeepseekV3,
+    GraniteMoeHybrid,
+    Qwen3_5,
+    Qwen3_5Moe,
+    Qwen3Next,
+)
 from models.rope import parse_rope
 
 logger = logging.getLogger(__name__)
-
-
-class ModelFamily:
-    """Base of a decoder family: turns an HF config dict into an `ArchConfig`."""
-
-    architectures: tuple[str, ...] = ()
-    partial_rotary = False  # whether its transformers class reads `partial_rotary_factor`
-
-    @classmethod
-    def arch_config(cls, hf: dict[str, Any]) -> ArchConfig:
-        """Builds the architecture config from a parsed HF `config.json`.
-
-        Raises:
-            ValueError: A field the family does not serve, named (as `partial_rotary_factor`
-                below 1 for a family whose transformers class rotates the whole head).
-        """
-        factor = partial_rotary_factor(hf)
-        if factor != 1.0 and not cls.partial_rotary:
-            raise ValueError(f"unsupported partial_rotary_factor={factor} for "
-                             f"{hf['architectures'][0]}: it rotates whole heads")
-        return ArchConfig(**{**common_fields(hf), **cls.extra_fields(hf)})
-
-    @classmethod
-    def extra_fields(cls, hf: dict[str, Any]) -> dict[str, Any]:
-        """The `ArchConfig` fields this family sets apart from (or over) `common_fields`."""
-        return {}
 
 
 class Llama(ModelFamily):
@@ -297,99 +277,6 @@ class Olmoe(ModelFamily):
         return dict(qkv_bias=bias, o_bias=bias, qk_norm=True, qk_norm_full=True,
                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                     **sparse_fields(hf, "num_experts", "intermediate_size"))
-
-
-class Qwen3_5(ModelFamily):
-    """Qwen3.5 (text, dense): Gated DeltaNet layers (`in_proj_qkv`, `in_proj_z`,
-    `in_proj_b`, `in_proj_a`, a causal conv1d, a gated RMSNorm) and every
-    `full_attention_interval`-th layer gated full attention (q/k norms, a quarter of each
-    head rotated by default), zero-centred RMSNorms (`models.hybrid_config`)."""
-
-    architectures = ("Qwen3_5ForCausalLM",)
-    partial_rotary = True
-
-    @classmethod
-    def arch_config(cls, hf):
-        return super().arch_config(with_hybrid_defaults(hf))
-
-    @classmethod
-    def extra_fields(cls, hf):
-        return dict(linear_attention_fields(hf),
-                    partial_rotary_factor=partial_rotary_factor(hf))
-
-
-class Qwen3_5Moe(Qwen3_5):
-    """Qwen3.5-MoE (text): Qwen3.5's layers with a mixture of experts in every layer
-    (softmax then top-k, the top-k always renormalized) and a sigmoid-gated shared
-    expert."""
-
-    architectures = ("Qwen3_5MoeForCausalLM",)
-
-    @classmethod
-    def arch_config(cls, hf):
-        # NOTE: its config has no intermediate_size (no layer is dense); the field is unused.
-        return super().arch_config({"intermediate_size": hf.get("moe_intermediate_size"),
-                                    **hf})
-
-    @classmethod
-    def extra_fields(cls, hf):
-        return dict(super().extra_fields(hf), norm_topk_prob=True,
-                    shared_expert_intermediate_size=int(
-                        hf.get("shared_expert_intermediate_size") or 0),
-                    **sparse_fields(hf, "num_experts", "moe_intermediate_size"))
-
-
-class Qwen3Next(Qwen3_5):
-    """Qwen3-Next: Qwen3.5's layers with the linear projections fused per key head
-    (`in_proj_qkvz`, `in_proj_ba`: cut apart at load, `models.loaders.hf_names`), and
-    Qwen2-MoE's mixture of experts (shared expert, `norm_topk_prob`, dense layers by
-    `mlp_only_layers` / `decoder_sparse_step`); no experts: every MLP dense."""
-
-    architectures = ("Qwen3NextForCausalLM",)
-
-    @classmethod
-    def extra_fields(cls, hf):
-        fields = super().extra_fields(hf)
-        if not int(hf.get("num_experts") or 0):
-            return fields
-        return dict(fields, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                    shared_expert_intermediate_size=int(
-                        hf.get("shared_expert_intermediate_size") or 0),
-                    **sparse_fields(hf, "num_experts", "moe_intermediate_size", mixed=True))
-
-
-class GraniteMoeHybrid(ModelFamily):
-    """IBM Granite 4.0 (hybrid and dense): Mamba-2 layers (`models.mamba2`) beside plain
-    attention with rotary or none, Granite's multipliers, and the shared MLP
-    (`shared_mlp.input_linear` fused gate and up) as every layer's dense MLP
-    (`models.mamba_config`; routed experts refused)."""
-
-    architectures = ("GraniteMoeHybridForCausalLM",)
-
-    @classmethod
-    def extra_fields(cls, hf):
-        return granite_fields(hf)
-
-
-class DeepseekV3(ModelFamily):
-    """DeepSeek-V3/R1 and Kimi K2: multi-head latent attention (`models.mla`: one latent per
-    token in the pool, the rotary on interleaved pairs), sigmoid routing with a selection
-    bias over expert groups, shared experts, dense first layers (`models.deepseek_config`)."""
-
-    architectures = ("DeepseekV3ForCausalLM",)
-    version = "v3"
-
-    @classmethod
-    def extra_fields(cls, hf):
-        return deepseek_fields(hf, cls.version)
-
-
-class DeepseekV2(DeepseekV3):
-    """DeepSeek-V2 (and V2-Lite): V3's attention with softmax routing (`greedy` or
-    `group_limited_greedy`), no renormalization."""
-
-    architectures = ("DeepseekV2ForCausalLM",)
-    version = "v2"
 
 
 FAMILIES: dict[str, type[ModelFamily]] = {

@@ -8,6 +8,7 @@ experts: granite_moe_nope).
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -163,6 +164,19 @@ def test_routed_expert_checkpoint_names():
                     "model.layers.0.mlp.experts.0.up_proj.weight")
 
 
-def test_tensor_parallel_is_refused_for_mamba_layers():
-    with pytest.raises(ValueError, match="linear_kind='mamba2'"):
-        make_tensor_parallel(arch_config_from_hf(HF), 2)
+def test_tensor_parallel_keeps_mamba_layers_whole(caplog):
+    """Tensor parallelism replicates the Mamba-2 layers' weights and state pools (the
+    engine's TP 2 tokens: tests/e2e/test_hybrid_engine.py) and says so; attention splits."""
+    from jax.sharding import PartitionSpec as P
+
+    from models.model import random_params
+
+    cfg = arch_config_from_hf(HF)
+    with caplog.at_level("WARNING", logger="jaxserve"):
+        tp = make_tensor_parallel(cfg, 2)
+    assert not tp.split_linear and "Mamba-2 layers and their state are replicated" in caplog.text
+    specs = tp.param_specs(random_params(cfg, seed=0))["layers"]
+    assert all(s == P() for s in jax.tree_util.tree_leaves(
+        specs["linear_attn"], is_leaf=lambda x: isinstance(x, P)))
+    assert specs["self_attn"]["q_proj"]["kernel"] != P()
+    assert all(s.is_fully_replicated for s in tp.state_shardings().values())

@@ -1,0 +1,35 @@
+"""The base of a model family: how an HF `config.json` maps onto `ArchConfig`
+(`models.registry` holds the families)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.config import ArchConfig
+from models.hf_fields import common_fields, partial_rotary_factor
+
+
+class ModelFamily:
+    """Base of a decoder family: turns an HF config dict into an `ArchConfig`."""
+
+    architectures: tuple[str, ...] = ()
+    partial_rotary = False  # whether its transformers class reads `partial_rotary_factor`
+
+    @classmethod
+    def arch_config(cls, hf: dict[str, Any]) -> ArchConfig:
+        """Builds the architecture config from a parsed HF `config.json`.
+
+        Raises:
+            ValueError: A field the family does not serve, named (as `partial_rotary_factor`
+                below 1 for a family whose transformers class rotates the whole head).
+        """
+        factor = partial_rotary_factor(hf)
+        if factor != 1.0 and not cls.partial_rotary:
+            raise ValueError(f"unsupported partial_rotary_factor={factor} for "
+                             f"{hf['architectures'][0]}: it rotates whole heads")
+        return ArchConfig(**{**common_fields(hf), **cls.extra_fields(hf)})
+
+    @classmethod
+    def extra_fields(cls, hf: dict[str, Any]) -> dict[str, Any]:
+        """The `ArchConfig` fields this family sets apart from (or over) `common_fields`."""
+        return {}
