@@ -116,6 +116,36 @@ FAMILIES = [
 ]
 
 
+# Rows left to the slow tier (`pytest -m slow`; each row is an engine's compiles, ~7-11 s):
+# the default tier keeps one row per engine mechanism (llama: a dense model with GQA; phi3:
+# a window on every layer, fused weights, partial rotary; gemma3: the hybrid KV cache's
+# groups and Gemma's norms; mixtral and qwen3_moe: routing captured, both router orders,
+# qwen3_moe warmed up), and each family's own features stay in the default tier's numerics
+# (tests/models/test_numerics.py) through the paged cache, chunked and whole:
+SLOW_ROWS = {
+    # q/k/v bias: qwen2_moe's attention has the same layout, served in the default tier by
+    # tests/e2e/test_moe_mixed_greedy.py; numerics: qwen2_window_layers.
+    "qwen2": "Qwen2's bias layout is the default tier's Qwen2-MoE engine's",
+    # q/k norm with a head_dim of its own: the qwen3_moe row.
+    "qwen3": "q/k norm and head_dim 16 are the qwen3_moe row's",
+    # a window on every layer (the windowed pool): the phi3 row; numerics: mistral_sliding.
+    "mistral": "a window on every layer is the phi3 row's",
+    # the hybrid KV cache: the gemma3 row (three groups) and Gemma 2's own engine in
+    # tests/e2e/test_gemma_hybrid_kv.py; the attention soft cap: numerics gemma2_softcap.
+    "gemma2": "the hybrid KV cache is the gemma3 row's",
+    # softmax-then-top-k routing: qwen3_moe; full q/k norm: numerics olmoe_full_qknorm.
+    "olmoe": "its router order is the qwen3_moe row's",
+    # the shared expert through the engine: tests/e2e/test_moe_mixed_greedy.py's Qwen2-MoE
+    # (default tier); numerics: qwen2_moe_shared.
+    "qwen2_moe": "its shared expert is served by tests/e2e/test_moe_mixed_greedy.py",
+}
+
+
+def _rows() -> list:
+    return [pytest.param(f, id=f.name, marks=[pytest.mark.slow(reason=SLOW_ROWS[f.name])]
+                         if f.name in SLOW_ROWS else []) for f in FAMILIES]
+
+
 def family(name: str) -> Family:
     """The table's row of that name (other files serve the same tiny models other ways)."""
     return next(f for f in FAMILIES if f.name == name)
@@ -216,7 +246,7 @@ class Served:
         return gained
 
 
-@pytest.fixture(scope="module", params=FAMILIES, ids=lambda f: f.name)
+@pytest.fixture(scope="module", params=_rows())
 def served(request, smollm2_tokenizer, tmp_path_factory):
     """The row's engine (built once for its four checks) and transformers' tokens, on one
     torch thread."""
