@@ -123,9 +123,9 @@ FAMILIES = [
 # qwen3_moe warmed up), and each family's own features stay in the default tier's numerics
 # (tests/models/test_numerics.py) through the paged cache, chunked and whole:
 SLOW_ROWS = {
-    # q/k/v bias: qwen2_moe's attention has the same layout, served in the default tier by
-    # tests/e2e/test_moe_mixed_greedy.py; numerics: qwen2_window_layers.
-    "qwen2": "Qwen2's bias layout is the default tier's Qwen2-MoE engine's",
+    # q/k/v bias (model code, no engine path of its own): the default tier's numerics
+    # (qwen2_window_layers: Qwen2's layout, llama_bias), drawn apart from zero.
+    "qwen2": "a dense model with GQA is the llama row's; Qwen2's biases are numerics'",
     # q/k norm with a head_dim of its own: the qwen3_moe row.
     "qwen3": "q/k norm and head_dim 16 are the qwen3_moe row's",
     # a window on every layer (the windowed pool): the phi3 row; numerics: mistral_sliding.
