@@ -33,11 +33,8 @@ PROMPTS = [
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 # The tiny model's engines run on a 9-page pool (requests are preempted and recomputed), the
 # size of the truncated draft's "recompute" case: its target programs are then the ones the
-# reference and self-draft engines compiled (the persistent compilation cache). NOTE: a
-# 16-token budget (the longest prompt chunks): three token buckets to compile for the target
-# and for the draft, where 64 tokens make five each.
-TINY_ARGS = {**ENGINE_ARGS, "max_num_batched_tokens": 16, "num_kv_blocks": 9,
-             "preemption_mode": "recompute"}
+# reference and self-draft engines compiled (the persistent compilation cache).
+TINY_ARGS = {**ENGINE_ARGS, "num_kv_blocks": 9, "preemption_mode": "recompute"}
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:
