@@ -22,18 +22,25 @@ def tiny(smollm2_tokenizer):
     return tiny_model(max_position_embeddings=256), smollm2_tokenizer
 
 
-def _run(tiny, mode: str) -> dict:
-    """The trace through a warmed-up engine in `mode`."""
+# NOTE: one warmed-up chunked engine for the module (the trace, the sampled run, the
+# overhead, roofline and pipeline probes): each probe leaves it idle (asserted), and a
+# warm-up per test, even from the compilation cache, traced and ran every bucket again.
+@pytest.fixture(scope="module")
+def llm(tiny):
     model, tok = tiny
-    llm = make_llm(model, tok, mode, **ARGS)
+    return make_llm(model, tok, **ARGS)
+
+
+def _run(llm, mode: str) -> dict:
+    """The trace through a warmed-up engine in `mode`."""
     res = run_trace(llm.engine, TRACE, prefix=mode)
     return {"summary": res.summary, "breakdown": breakdown(res.steps), "run": res.to_json(),
             "steps": res.steps}
 
 
 @pytest.fixture(scope="module")
-def chunked(tiny):
-    return _run(tiny, "continuous+chunked")
+def chunked(llm):
+    return _run(llm, "continuous+chunked")
 
 
 # NOTE: the static mode is a second warmed-up engine (its budget adds a bucket): the tests
@@ -41,7 +48,9 @@ def chunked(tiny):
 # static mode's admission in tests/core/test_baseline_schedulers.py).
 @pytest.fixture(scope="module")
 def runs(tiny, chunked):
-    return {"static": _run(tiny, "static"), "continuous+chunked": chunked}
+    model, tok = tiny
+    return {"static": _run(make_llm(model, tok, "static", **ARGS), "static"),
+            "continuous+chunked": chunked}
 
 
 @pytest.mark.parametrize("mode", ["continuous+chunked",
@@ -58,9 +67,7 @@ def test_every_request_gets_its_tokens_and_steps_add_up(request, mode):
     assert 0 < s["max_kv_usage"] <= 1 and s["num_compilations"] == 0
 
 
-def test_a_sampled_run_seeds_each_request(tiny):
-    model, tok = tiny
-    llm = make_llm(model, tok, "continuous+chunked", **ARGS)
+def test_a_sampled_run_seeds_each_request(llm, chunked, monkeypatch):
     engine, seen = llm.engine, []
     add = engine.add_request
 
@@ -68,7 +75,7 @@ def test_a_sampled_run_seeds_each_request(tiny):
         seen.append(params)
         return add(request_id, prompt, params, *a, **kw)
 
-    engine.add_request = recording
+    monkeypatch.setattr(engine, "add_request", recording)
     res = run_trace(engine, TRACE, prefix="sampled",
                     sampling={"temperature": 0.8, "top_p": 0.9, "top_k": 20})
     assert res.summary["completed"] == len(TRACE)
@@ -108,22 +115,20 @@ def test_plots_are_written(chunked, tmp_path):
     assert len(paths) == 3 and all(os.path.getsize(p) > 1000 for p in paths)
 
 
-def test_overhead_probes(tiny):
-    model, tok = tiny
+def test_overhead_probes(llm):
     comp = component_overhead(16, num_steps=3)
     assert comp["total"] > 0 and comp["scheduling"] > 0
     # long block tables: each request's table is sent whole once, then as deltas
     assert component_overhead(4, prompt_len=300, num_steps=3)["step_arrays"] > 0
-    llm = make_llm(model, tok, **ARGS)
     res = engine_overhead(llm, 4, prompt_len=8, num_steps=3)
     assert res["host"] > 0 and res["device"] > 0 and 0 < res["host_share"] < 1
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_roofline_rows(tiny):
+def test_roofline_rows(tiny, llm):
     from jaxserve.bench.roofline import decode_step_figures, model_costs, roofline_rows
 
-    model, tok = tiny
+    model, _ = tiny
     costs = model_costs(model)
     cfg = model.cfg
     per_token = 2 * (cfg.hidden_size * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
@@ -133,21 +138,18 @@ def test_roofline_rows(tiny):
     flops, nbytes = decode_step_figures(costs, 4, 100)
     assert flops == 4 * (per_token + 4 * cfg.num_heads * cfg.head_dim * 100)
     assert nbytes > costs["weight_bytes"]
-    llm = make_llm(model, tok, **ARGS)
     peaks = {"flops": 1e11, "bytes_per_s": 1e10}
     rows = roofline_rows(llm.engine, [1, 4], 8, peaks, num_steps=3)
     assert [r["batch"] for r in rows] == [1, 4]
     assert all(r["mfu"] > 0 and r["bw_util"] > 0 and r["step_ms"] > 0 for r in rows)
 
 
-def test_simulated_device_idle_between_steps(tiny):
+def test_simulated_device_idle_between_steps(llm):
     """The pipeline probe: with a slow simulated device (200 ms a step) the host's work
     between synchronous steps leaves the device idle, and async scheduling dispatches each
     step before the one before it ends, so the device never waits."""
     from jaxserve.bench.pipeline import pipeline_run
 
-    model, tok = tiny
-    llm = make_llm(model, tok, **ARGS)
     seconds = []
 
     def cost(out):
@@ -216,7 +218,7 @@ def test_measured_device_stamps_when_each_step_really_ends():
     assert sys.getswitchinterval() == switch and "dispatch" not in vars(runner)
 
 
-def test_pipeline_on_the_measured_device(tiny):
+def test_pipeline_on_the_measured_device(llm):
     """`pipeline_run` without a cost model times the engine's real steps: every step is
     stamped, the synchronous engine leaves the device idle while the host works, and the
     runner and the interpreter are left as they were."""
@@ -224,8 +226,6 @@ def test_pipeline_on_the_measured_device(tiny):
 
     from jaxserve.bench.pipeline import pipeline_run
 
-    model, tok = tiny
-    llm = make_llm(model, tok, **ARGS)
     dispatch = llm.engine.runner.dispatch
     switch = sys.getswitchinterval()
     rows = [pipeline_run(llm, 4, None, overlap=overlap, prompt_len=8, num_steps=4)

@@ -160,7 +160,11 @@ def test_chunk_512_with_longer_prompt(chunk_512_llm, smollm2_tokenizer, prompts,
     assert_same_as_alone(llm, batch, token_ids(llm, batch), ref, "chunk 512, long prompt")
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+# NOTE: swap beside recompute in the slow tier: the default tier's swap runs against
+# transformers' tokens in every row of tests/e2e/test_family_conformance.py, and on SmolLM2
+# under a mixed sampled load in tests/e2e/test_engine_sampling.py (its warmed-up engine).
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow(
+    reason="swap's tokens are the conformance table's in the default tier"))])
 def test_preemption(smollm2, smollm2_tokenizer, ref_llm, prompts, alone, mode):
     """A pool of 15 usable pages cannot hold the batch (~26 pages): requests are preempted.
     (tests/e2e/test_async_scheduling.py's pool size: the steps come from the compilation
@@ -192,6 +196,12 @@ def test_prefix_caching(smollm2, smollm2_tokenizer, ref_llm, prompts, alone):
     assert [o.num_cached_tokens for o in outs] == expected
 
 
+# NOTE: the Pallas engine on SmolLM2 (interpreted kernels: ~11 s) in the slow tier; the
+# default tier serves the Pallas backend through the engine on a tiny model
+# (tests/kernels/test_model_backends.py: the same tokens as xla and cpu, chunked prefill and
+# the paged decode kernel), and checks its kernels against the jnp references on ragged
+# batches of several sequences (tests/kernels/).
+@pytest.mark.slow(reason="the tiny model's Pallas engine and the kernel tests stay")
 def test_pallas_backend(smollm2, smollm2_tokenizer, ref_llm, prompts, alone):
     """The Pallas kernels (interpreted on the CPU) against XLA-attention alone runs."""
     llm = make_llm(smollm2, smollm2_tokenizer, attention_backend="pallas")

@@ -33,8 +33,6 @@ class Family:
             parameter's name (Qwen3.5's `1 + weight` norms beside its plain gated norm).
         engine: Engine arguments of its own, over `ENGINE`. With `warmup=True` every check
             also asserts that nothing compiled after warm-up.
-        slow: The row runs in the slow tier only (its family's default-tier engine tests
-            are elsewhere).
     """
 
     name: str
@@ -44,7 +42,6 @@ class Family:
     expect: dict = dataclasses.field(default_factory=dict)
     norm_center: float | Callable[[str], float] = 1.0
     engine: dict = dataclasses.field(default_factory=dict)
-    slow: bool = False
 
 
 DENSE = dict(TINY, num_hidden_layers=2)
@@ -131,19 +128,19 @@ FAMILIES = [
            dict(DENSE, **LINEAR, num_hidden_layers=3,
                 layer_types=["linear_attention", "full_attention", "linear_attention"]),
            dict(linear_layers=(0, 2), linear_kind="gated_deltanet", attn_output_gate=True),
-           norm_center=lambda name: 1.0 if "linear_attn.norm" in name else 0.0, slow=True),
+           norm_center=lambda name: 1.0 if "linear_attn.norm" in name else 0.0),
     Family("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM",
            dict(MOE, **LINEAR, num_experts=4, moe_intermediate_size=32,
                 shared_expert_intermediate_size=48, full_attention_interval=2),
            dict(linear_layers=(0,), num_experts=4, shared_expert_intermediate_size=48),
-           norm_center=lambda name: 1.0 if "linear_attn.norm" in name else 0.0, slow=True),
+           norm_center=lambda name: 1.0 if "linear_attn.norm" in name else 0.0),
     Family("granite_hybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
            dict(MOE, layer_types=["mamba", "attention"], num_local_experts=4,
                 intermediate_size=32, shared_intermediate_size=48, mamba_n_heads=8,
                 mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
                 position_embedding_type="nope", initializer_range=0.02,
                 tie_word_embeddings=False),
-           dict(linear_layers=(0,), linear_kind="mamba2", num_experts=4), slow=True),
+           dict(linear_layers=(0,), linear_kind="mamba2", num_experts=4)),
     # DeepSeek-V3 (slow: tests/models/test_numerics.py compares its logits in the default
     # tier): latent pages (one latent per token and layer), grouped sigmoid routing with the
     # correction bias, shared experts, the first layer dense. (Its routing is not captured:
@@ -154,8 +151,45 @@ FAMILIES = [
                 qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
                 n_group=2, topk_group=1, moe_intermediate_size=32, n_shared_experts=1,
                 first_k_dense_replace=1),
-           dict(kv_lora_rank=16, router_order="sigmoid_topk", dense_layers=(0,)), slow=True),
+           dict(kv_lora_rank=16, router_order="sigmoid_topk", dense_layers=(0,))),
 ]
+
+
+# Rows left to the slow tier (`pytest -m slow`; each row is an engine's compiles, ~7-11 s):
+# the default tier keeps one row per engine mechanism (llama: a dense model with GQA; phi3:
+# a window on every layer, fused weights, partial rotary; gemma3: the hybrid KV cache's
+# groups and Gemma's norms; mixtral and qwen3_moe: routing captured, both router orders,
+# qwen3_moe warmed up), and each family's own features stay in the default tier's numerics
+# (tests/models/test_numerics.py) through the paged cache, chunked and whole:
+SLOW_ROWS = {
+    # q/k/v bias (model code, no engine path of its own): the default tier's numerics
+    # (qwen2_window_layers: Qwen2's layout, llama_bias), drawn apart from zero.
+    "qwen2": "a dense model with GQA is the llama row's; Qwen2's biases are numerics'",
+    # q/k norm with a head_dim of its own: the qwen3_moe row.
+    "qwen3": "q/k norm and head_dim 16 are the qwen3_moe row's",
+    # a window on every layer (the windowed pool): the phi3 row; numerics: mistral_sliding.
+    "mistral": "a window on every layer is the phi3 row's",
+    # the hybrid KV cache: the gemma3 row (three groups) and Gemma 2's own engine in
+    # tests/e2e/test_gemma_hybrid_kv.py; the attention soft cap: numerics gemma2_softcap.
+    "gemma2": "the hybrid KV cache is the gemma3 row's",
+    # softmax-then-top-k routing: qwen3_moe; full q/k norm: numerics olmoe_full_qknorm.
+    "olmoe": "its router order is the qwen3_moe row's",
+    # the shared expert through the engine: tests/e2e/test_moe_mixed_greedy.py's Qwen2-MoE
+    # (default tier); numerics: qwen2_moe_shared.
+    "qwen2_moe": "its shared expert is served by tests/e2e/test_moe_mixed_greedy.py",
+    # the state group (slots, snapshots, backups): tests/e2e/test_hybrid_engine.py's Qwen3.5
+    # through the same checks; numerics: qwen3_5_hybrid, qwen3_next_moe_fused, granite_*.
+    "qwen3_5": "its state group is tests/e2e/test_hybrid_engine.py's (default tier)",
+    "qwen3_next": "its state group is tests/e2e/test_hybrid_engine.py's (default tier)",
+    "granite_hybrid": "its state group is tests/e2e/test_hybrid_engine.py's (default tier)",
+    # the latent pool's engine paths; numerics: deepseek_v3_mla (default tier).
+    "deepseek_v3": "latent pages: numerics deepseek_v3_mla and tests/models/test_deepseek.py",
+}
+
+
+def _rows() -> list:
+    return [pytest.param(f, id=f.name, marks=[pytest.mark.slow(reason=SLOW_ROWS[f.name])]
+                         if f.name in SLOW_ROWS else []) for f in FAMILIES]
 
 
 def family(name: str) -> Family:
@@ -259,8 +293,7 @@ class Served:
         return gained
 
 
-@pytest.fixture(scope="module", ids=lambda f: f.name, params=[
-    pytest.param(f, marks=pytest.mark.slow) if f.slow else f for f in FAMILIES])
+@pytest.fixture(scope="module", params=_rows())
 def served(request, smollm2_tokenizer, tmp_path_factory):
     """The row's engine (built once for its four checks) and transformers' tokens, on one
     torch thread."""

@@ -81,9 +81,9 @@ def _gained(llm: LLM, before: dict, name: str) -> float:
 
 
 # The default tier runs the pages test here; swap preemption, prefix hits and chunks at once
-# on Gemma 2 and on Gemma 3's three groups (pages of 16, a 16-token budget) are the gemma2
-# and gemma3 rows of tests/e2e/test_family_conformance.py. Every layout and mode (pages of 8,
-# the window's size), and n-gram speculation, in the slow tier.
+# on Gemma 3's three groups (pages of 16, an 8-token budget) are the gemma3 row of
+# tests/e2e/test_family_conformance.py (its gemma2 row runs in the slow tier). Every layout
+# and mode (pages of 8, the window's size), and n-gram speculation, in the slow tier.
 @pytest.mark.slow
 @pytest.mark.parametrize("name,mode", [(f, m) for f in FAMILIES for m in ("recompute", "swap")])
 def test_chunks_prefix_hits_and_preemption(families, name, mode):
