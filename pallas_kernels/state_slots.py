@@ -100,7 +100,10 @@ def chunk_layout(cu_q_lens: jax.Array, num_tokens: int, chunk: int):
     q_lens = q_lens_of(cu_q_lens)  # i32[R]
     per_row = jnp.where(q_lens >= 2, (q_lens + chunk - 1) // chunk, 0)  # i32[R]
     cu_chunks = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(per_row)])
-    c = jnp.arange(max_chunks(num_tokens, num_rows, chunk), dtype=jnp.int32)
+    # NOTE: never fewer than 2 entries: with one, the loop's index into them is a constant
+    # and XLA hoists the chunk's gathers and solve out of the loop, run even when no chunk
+    # is in use (a decode step of one row paid them: ~6x its step).
+    c = jnp.arange(max(2, max_chunks(num_tokens, num_rows, chunk)), dtype=jnp.int32)
     row = jnp.searchsorted(cu_chunks[1:], c, side="right").astype(jnp.int32)
     used = row < num_rows
     row = jnp.minimum(row, num_rows - 1)
