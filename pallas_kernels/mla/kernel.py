@@ -36,6 +36,15 @@ def check_kernel_pool(pool: jax.Array) -> None:
                          f"{pool.dtype}; use kv_cache_dtype='auto' or attention_backend='xla'")
 
 
+def query_rows(rows: int, block_k: int, hp: int, n_valid, num_heads: int):
+    """(row_tok i32[rows, block_k], row_ok bool[rows, block_k]): a query block's rows are its
+    tokens x `hp` padded heads; each row's token in the block, and whether it is a real token
+    (of the `n_valid`) and head (of the `num_heads`)."""
+    row = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
+    row_tok = row // hp
+    return row_tok, (row_tok < n_valid) & (row % hp < num_heads)
+
+
 def _kernel(slot_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, tables_ref,
             ql_ref, qp_ref, kv_ref, o_ref, *, num_pages, page_size, pages_per_block, num_heads,
             sm_scale):
@@ -45,9 +54,7 @@ def _kernel(slot_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_r
     rows, block_k = block_q * hp, pages_per_block * page_size
     seq, n_valid, kv_len, first_pos, first_blk, num_blk = block_span(
         b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, 0, block_k)
-    row_tok = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) // hp
-    row_head = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) % hp
-    row_ok = (row_tok < n_valid) & (row_head < num_heads)  # bool[rows, block_k]
+    row_tok, row_ok = query_rows(rows, block_k, hp, n_valid, num_heads)
     q_lat = ql_ref[0].reshape(rows, rank).astype(jnp.float32)
     q_pe = qp_ref[0].reshape(rows, rope).astype(jnp.float32)
     page_base = slot_ref[0] * num_pages  # pages of the layer's slot

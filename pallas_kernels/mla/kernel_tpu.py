@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.flash import MASK
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.mla.kernel import check_kernel_pool, query_tiles
+from pallas_kernels.mla.kernel import check_kernel_pool, query_rows, query_tiles
 from pallas_kernels.mla.reference import check_mla_shapes
 from pallas_kernels.ragged_paged_attention.kernel import block_span, query_blocks, scatter_rows
 
@@ -38,9 +38,7 @@ def _kernel(slot_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_r
     rows, block_k = block_q * hp, pages_per_block * page_size
     seq, n_valid, kv_len, first_pos, first_blk, num_blk = block_span(
         b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, 0, block_k)
-    row_tok = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) // hp
-    row_head = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) % hp
-    row_ok = (row_tok < n_valid) & (row_head < num_heads)  # bool[rows, block_k]
+    row_tok, row_ok = query_rows(rows, block_k, hp, n_valid, num_heads)
     q = q_ref[0].reshape(rows, width).astype(jnp.float32)
     page_base = slot_ref[0] * num_pages
 
