@@ -120,6 +120,11 @@ class ArchConfig:
             0: one `q_proj`.
         qk_nope_head_dim: MLA: the unroped part of each query/key head.
         v_head_dim: MLA: each value head's width.
+        mla_form: How MLA attends (`models.mla`), one of `models.deepseek_config.MLA_FORMS`:
+            "absorbed" (queries into the latent space, attention over the latents),
+            "expanded" (per-head keys and values rebuilt from the latents),
+            "prefill_expanded" (expanded for requests of several new tokens, absorbed for
+            decode rows). A serving choice: the same weights, pool and results.
         rope_interleave: The rotary turns interleaved channel pairs (DeepSeek) rather than
             the two halves of the rotated channels.
         n_group: Expert groups of the router (DeepSeek); top-k picks experts of the
@@ -186,6 +191,7 @@ class ArchConfig:
     q_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    mla_form: str = "absorbed"
     rope_interleave: bool = False
     n_group: int = 1
     topk_group: int = 1

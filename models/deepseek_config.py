@@ -131,14 +131,24 @@ def check_groups(cfg) -> None:
                          f"{cfg.routed_scaling_factor}")
 
 
+# How multi-head latent attention attends (`ArchConfig.mla_form`, `models.mla`).
+MLA_FORMS = ("absorbed", "expanded", "prefill_expanded")
+
+
 def check_mla(cfg) -> None:
     """Raises ValueError unless `cfg`'s (an `ArchConfig`) latent-attention fields fit: all
     zero without `kv_lora_rank`; with it, positive widths, no GQA-only feature, and a
     roped key part (`head_dim`) rotated whole."""
     dims = ("q_lora_rank", "qk_nope_head_dim", "v_head_dim")
+    if cfg.mla_form not in MLA_FORMS:
+        raise ValueError(f"unknown mla_form {cfg.mla_form!r}; choose one of "
+                         f"{', '.join(MLA_FORMS)}")
     if not cfg.is_mla:
         if cfg.kv_lora_rank < 0 or any(getattr(cfg, n) for n in dims):
             raise ValueError(f"{', '.join(dims)} need multi-head latent attention "
+                             f"(kv_lora_rank > 0, got {cfg.kv_lora_rank})")
+        if cfg.mla_form != "absorbed":
+            raise ValueError(f"mla_form={cfg.mla_form!r} needs multi-head latent attention "
                              f"(kv_lora_rank > 0, got {cfg.kv_lora_rank})")
         return
     for name in dims:

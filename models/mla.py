@@ -8,8 +8,10 @@ every head). Keys and values are never expanded: `kv_b_proj` [R, H * (Dn + Dv)] 
 per head into W_UK [R, H, Dn] and W_UV [R, H, Dv]; each query's unroped part q_nope [H, Dn]
 is projected into the latent space (q_latent = q_nope W_UK^T, [H, R]), attention runs over
 the latents (`AttentionOps.mla_attend`: q_latent . c_kv + q_pe . k_pe), and its [H, R]
-output goes through W_UV then `o_proj`. Prefill takes the same absorbed path; the expanded
-form (keys and values per head, cheaper for long prefills) is not built.
+output goes through W_UV then `o_proj`. `ArchConfig.mla_form` "expanded" instead rebuilds
+per-head keys [c_kv W_UK, k_pe] and values c_kv W_UV from each request's gathered latents
+(`AttentionOps.mla_attend_expanded`, output [H, Dv]); "prefill_expanded" does so for
+requests of several new tokens and keeps decode rows absorbed (vLLM's split).
 """
 
 from __future__ import annotations
@@ -99,18 +101,27 @@ class MLAttention(nn.Module):
         w_kv = LinearWeight(rank, h * (nope + dv), self.methods.linear("kv_b_proj"), self.dtype,
                             name="kv_b_proj")().reshape(rank, h, nope + dv)  # [R, H, Dn + Dv]
         w_uk, w_uv = w_kv[..., :nope], w_kv[..., nope:]  # [R, H, Dn], [R, H, Dv]
-        q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_uk.astype(q_nope.dtype))  # [T, H, R]
         if self.is_initializing():
             # `init` makes the parameters only (attention has none).
-            out = q_latent
+            v = jnp.zeros((num_tokens, h, dv), x.dtype)
         else:
             latent = jnp.concatenate([c_kv, k_pe[:, 0]], axis=-1)  # [T, R + Dr]
             pool = self.methods.attention.write_latent(pool, slot, latent, md.slot_mapping)
             scale = cfg.attention_multiplier or (nope + rope) ** -0.5
-            out = self.methods.attention.mla_attend(q_latent, q_pe.astype(q_latent.dtype),
-                                                    pool, slot, md, sm_scale=scale)
-        v = jnp.einsum("thr,rhv->thv", out.astype(x.dtype), w_uv.astype(x.dtype))  # [T, H, Dv]
+            v = self._attend(q_nope, q_pe, pool, slot, md, w_uk, w_uv, scale).astype(x.dtype)
         return proj(cfg.hidden_size, "o_proj", v.reshape(num_tokens, h * dv)), pool
+
+    def _attend(self, q_nope, q_pe, pool, slot, md, w_uk, w_uv, scale):
+        """[T, H, Dv] attention output in `cfg.mla_form` (module docstring)."""
+        ops = self.methods.attention
+        if self.cfg.mla_form != "absorbed":
+            return ops.mla_attend_expanded(
+                q_nope, q_pe.astype(q_nope.dtype), pool, slot, md, w_uk, w_uv,
+                sm_scale=scale, absorbed_decode=self.cfg.mla_form == "prefill_expanded")
+        q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_uk.astype(q_nope.dtype))  # [T, H, R]
+        out = ops.mla_attend(q_latent, q_pe.astype(q_latent.dtype), pool, slot, md,
+                             sm_scale=scale)  # [T, H, R]
+        return jnp.einsum("thr,rhv->thv", out, w_uv.astype(out.dtype))  # [T, H, Dv]
 
 
 def kv_bytes_report(cfg: ArchConfig, itemsize: int) -> str:

@@ -40,7 +40,7 @@ from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.mla.kernel import mla_attention_kernel
 from pallas_kernels.mla.kernel_tpu import mla_attention_tpu
 from pallas_kernels.mla.reference import write_latent_reference
-from pallas_kernels.mla.xla import mla_attention_xla
+from pallas_kernels.mla.xla import mla_attention_expanded_xla, mla_attention_xla
 from pallas_kernels.paged_decode_attention.kernel import paged_decode_attention_kernel
 from pallas_kernels.quant_matmul.kernel import quant_matmul_kernel
 from pallas_kernels.quant_matmul.xla import quant_matmul_xla
@@ -202,6 +202,22 @@ def mla_attention(q_latent: jax.Array, q_pe: jax.Array, pool: jax.Array, slot,
     return mla_attention_xla(q_latent, q_pe, pool, slot, md, sm_scale=sm_scale)
 
 
+def mla_attention_expanded(q_nope: jax.Array, q_pe: jax.Array, pool: jax.Array, slot,
+                           md: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array, *,
+                           sm_scale: float, absorbed_decode: bool = False,
+                           backend: str = "xla") -> jax.Array:
+    """Expanded-form MLA over latent pages: [T, H, Dv] outputs (W_UV applied; keys and values
+    rebuilt per head from the gathered latents, `mla_expanded_reference` defines the
+    result); `absorbed_decode` keeps requests of one new token in the absorbed form.
+
+    The XLA path (`mla_attention_expanded_xla`) on every backend: no Pallas kernel of this
+    form is built (on "pallas" the absorbed form runs through the MLA kernel).
+    """
+    del backend
+    return mla_attention_expanded_xla(q_nope, q_pe, pool, slot, md, w_uk, w_uv,
+                                      sm_scale=sm_scale, absorbed_decode=absorbed_decode)
+
+
 def quant_matmul(x: jax.Array, w: dict, kind: str, *, backend: str = "xla") -> jax.Array:
     """x [..., K] @ a quantized weight [K, N] (see `pallas_kernels.quant_matmul`)."""
     if backend == "pallas":
@@ -341,6 +357,23 @@ class AttentionOps:
             raise ValueError("batch_invariant is not built for MLA attention (mla_attend)")
         return mla_attention(q_latent, q_pe, pool, slot, md, sm_scale=sm_scale,
                              backend=self.backend)
+
+    def mla_attend_expanded(self, q_nope: jax.Array, q_pe: jax.Array, pool: jax.Array, slot,
+                            md: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array, *,
+                            sm_scale: float, absorbed_decode: bool = False) -> jax.Array:
+        """[T, H, Dv] expanded-form MLA output of q_nope [T, H, Dn] and q_pe [T, H, Dr] over
+        slot `slot` of a latent pool, with w_uk [R, H, Dn] and w_uv [R, H, Dv]
+        (`pallas_kernels.ops.mla_attention_expanded`).
+
+        Raises:
+            ValueError: In batch-invariant mode (as `mla_attend`).
+        """
+        if self.batch_invariant:
+            raise ValueError("batch_invariant is not built for MLA attention "
+                             "(mla_attend_expanded)")
+        return mla_attention_expanded(q_nope, q_pe, pool, slot, md, w_uk, w_uv,
+                                      sm_scale=sm_scale, absorbed_decode=absorbed_decode,
+                                      backend=self.backend)
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_q_lens, kv_lens):
         """(out f32[T, Hv, dv], state) of a Gated DeltaNet layer's recurrence over the step

@@ -67,6 +67,24 @@ def check_mla_shapes(q_latent: jax.Array, q_pe: jax.Array, pool: jax.Array,
         raise ValueError(f"q_latent dtype {q_latent.dtype} differs from pool dtype {pool.dtype}")
 
 
+def check_expanded_shapes(q_nope: jax.Array, q_pe: jax.Array, pool: jax.Array,
+                          md: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array) -> None:
+    """Raises ValueError naming the argument of the expanded form whose shape does not fit
+    (then `check_mla_shapes` on the absorbed queries it stands for, q_nope W_UK^T)."""
+    if q_nope.ndim != 3:
+        raise ValueError(f"q_nope must be [num_tokens, num_heads, qk_nope_head_dim], got "
+                         f"shape {q_nope.shape}")
+    num_heads, dn = q_nope.shape[1:]
+    if w_uk.ndim != 3 or w_uk.shape[1:] != (num_heads, dn):
+        raise ValueError(f"w_uk must be [kv_lora_rank, num_heads={num_heads}, "
+                         f"qk_nope_head_dim={dn}], got shape {w_uk.shape}")
+    if w_uv.ndim != 3 or w_uv.shape[:2] != w_uk.shape[:2]:
+        raise ValueError(f"w_uv must be [kv_lora_rank={w_uk.shape[0]}, num_heads={num_heads}, "
+                         f"v_head_dim], got shape {w_uv.shape}")
+    q_latent = jax.ShapeDtypeStruct((q_nope.shape[0], num_heads, w_uk.shape[0]), q_nope.dtype)
+    check_mla_shapes(q_latent, q_pe, pool, md, widens=True)
+
+
 def latent_rows(pool: jax.Array, latent: jax.Array) -> jax.Array:
     """This step's latents [T, R + Dr] as the pool stores them: cast, or quantized rows
     (codes then the f32 scale bytes, one scale for the token's whole row) in an 8-bit pool.

@@ -93,6 +93,12 @@ def test_arch_config_checks_mla_fields():
         dataclasses.replace(cfg, kv_lora_rank=0)  # the other widths need MLA
     with pytest.raises(ValueError, match="qk_norm"):
         dataclasses.replace(cfg, qk_norm=True)
+    with pytest.raises(ValueError, match="mla_form"):
+        dataclasses.replace(cfg, mla_form="latent")
+    assert dataclasses.replace(cfg, mla_form="prefill_expanded").mla_form == "prefill_expanded"
+    with pytest.raises(ValueError, match="mla_form='expanded' needs multi-head latent"):
+        dataclasses.replace(cfg, kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0,
+                            v_head_dim=0, mla_form="expanded")
 
 
 def test_grouped_sigmoid_routing_picks_within_the_best_group():

@@ -16,6 +16,7 @@ from models.linear import ServingChoice
 from models.loaders import load_model
 from models.model import Model
 from models.rope import RopeScaling
+from tests.kernels.cases import slow_except
 from tests.models.helpers import forward_logits, forward_routing, hf_logits
 
 torch = pytest.importorskip("torch")
@@ -458,6 +459,24 @@ def test_routed_experts_are_transformers_routers(tiny):
         dense = Model(dataclasses.replace(model.cfg, num_experts=0, dense_layers=()),
                       model.params, model.dtype)
         dense.forward(model.params, None, None, None, None, routing=True)
+
+
+@pytest.mark.parametrize("tiny", _params([c for c in CASES if c.name == "deepseek_v3_mla"]),
+                         indirect=True)
+# NOTE: the default tier keeps the expanded form over both passes (~3 s a form here);
+# tests/kernels/test_mla_expanded.py checks the absorbed decode rows of "prefill_expanded".
+@pytest.mark.parametrize("form, chunking", slow_except([
+    ("expanded", "prefill_decode"), ("prefill_expanded", "prefill_decode"),
+    ("expanded", "chunked"), ("prefill_expanded", "chunked")], 0))
+def test_mla_forms_match_transformers(tiny, form, chunking):
+    """DeepSeek's attention in the expanded form, and expanded prefill with absorbed decode
+    (`ArchConfig.mla_form`): the same weights and pool give transformers' logits. The
+    prefill then single-token steps run both passes (a prefill chunk, then decode rows)."""
+    case, model, ids, ref, _ = tiny
+    formed = Model(dataclasses.replace(model.cfg, mla_form=form), model.params, model.dtype,
+                   serving=model.serving)
+    ours = forward_logits(formed, ids, page_size=PAGE_SIZE, chunks=CHUNKINGS[chunking])
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=F32_ATOL)
 
 
 def test_bfloat16_close_to_float32(tmp_path):
