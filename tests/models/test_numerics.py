@@ -295,12 +295,16 @@ CASES = [
 
 
 # Cases left to the slow tier (`pytest -m slow`); the default tier keeps one case per
-# family and per feature:
+# family and per feature, and parses every slow case's config (test_slow_cases_configs_parse):
 # - llama_tied (tied embeddings, 3 layers): tied logits are compared with transformers by
 #   test_smollm2_gguf_matches_transformers (SmolLM2 ties them); tests/conftest.py's tiny
 #   engine model is a tied Hugging Face directory.
 # - qwen2_bias (plain Qwen2: q/k/v bias, no o bias, rope_theta): qwen2_window_layers has the
-#   same bias layout (its `expect` checks it), qwen2_layer_types_linear_rope a rope_theta.
+#   same bias layout (its `expect` checks it), gemma3_two_ropes rope_theta apart from the
+#   default.
+# - qwen2_layer_types_linear_rope (Qwen2's windows from `layer_types`, linear rope scaling):
+#   gemma2_softcap and gemma3_two_ropes run windows per layer (gemma3_two_ropes linear
+#   scaling too) through whole models; test_slow_cases_configs_parse checks Qwen2's parse.
 # - qwen3_qknorm_headdim (q/k norm, head_dim 24 apart from hidden / heads): qwen3_bias_sliding
 #   is Qwen3 with q/k norm and a head_dim of its own (8) too, and biases before the norm.
 # - llama_yarn (YaRN through a whole model): tests/models/test_rope_scaling.py checks its
@@ -330,7 +334,8 @@ CASES = [
 # - deepseek_v2_mla (softmax routing over groups, no query low rank): deepseek_v3_mla has
 #   the latent attention, names and routing machinery; tests/models/test_deepseek.py checks
 #   V2's config parsing.
-SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen3_qknorm_headdim",
+SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen2_layer_types_linear_rope",
+              "qwen3_qknorm_headdim",
               "gemma2_global_first", "gemma3_pattern2_softcap", "mixtral_moe",
               "qwen3_moe_norm_topk", "qwen3_moe_sparse_step", "qwen2_moe_mixed",
               "qwen3_5_moe_hybrid", "granite_mamba2_rope", "granite_mamba2_nope",
@@ -410,6 +415,18 @@ def test_tiny_family_matches_transformers(tiny, chunking):
     ours = forward_logits(model, ids, page_size=PAGE_SIZE, chunks=CHUNKINGS[chunking])
     assert ours.shape == ref.shape
     np.testing.assert_allclose(ours, ref, rtol=0, atol=F32_ATOL)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in SLOW_CASES], ids=lambda c: c.name)
+def test_slow_cases_configs_parse(case):
+    """The slow tier's cases' configs (transformers' own, no weights) parse to their `expect`
+    in the default tier: each family's parsing stays checked where its model runs slow."""
+    from models.registry import arch_config_from_hf
+
+    config = getattr(transformers, case.config_cls)(**{**TINY, **case.overrides})
+    cfg = arch_config_from_hf({**config.to_dict(), "architectures": [case.model_cls]})
+    for field, want in case.expect.items():
+        assert getattr(cfg, field) == want, field
 
 
 def _check_ablations(tiny, fields: slice):
