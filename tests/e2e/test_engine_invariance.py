@@ -161,8 +161,7 @@ def test_chunk_512_with_longer_prompt(chunk_512_llm, smollm2_tokenizer, prompts,
 
 
 # NOTE: swap beside recompute in the slow tier: the default tier's swap runs against
-# transformers' tokens in every row of tests/e2e/test_family_conformance.py, and on SmolLM2
-# under a mixed sampled load in tests/e2e/test_engine_sampling.py (its warmed-up engine).
+# transformers' tokens in each default row of tests/e2e/test_family_conformance.py.
 @pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow(
     reason="swap's tokens are the conformance table's in the default tier"))])
 def test_preemption(smollm2, smollm2_tokenizer, ref_llm, prompts, alone, mode):

@@ -247,6 +247,14 @@ def test_n4_generate(llm, smollm2_tokenizer):
     assert [c.token_ids for c in batch[1].outputs] == [c.token_ids for c in out.outputs]
 
 
+# NOTE: slow (a warmed-up SmolLM2 engine of its own pool size, ~13 s): the default tier
+# asserts nothing compiles after warm-up with every sampler variant
+# (tests/e2e/test_logprobs_modes.py: top-k/p, min-p, penalties, whole-vocabulary logprobs;
+# tests/e2e/test_logit_controls.py), with n > 1, penalties and logprobs under speculation
+# (tests/spec_decode/test_engine_spec.py), under swap preemption and prefix hits (the family
+# conformance table's warmed Qwen3-MoE row), and for plans in pieces, padding waste and
+# another engine's compilations (tests/runner/test_warmup.py).
+@pytest.mark.slow(reason="a warmed SmolLM2 engine; each part has a default-tier test")
 def test_no_compilation_after_warmup(smollm2, smollm2_tokenizer):
     """A warmed engine serves a mixed workload with zero compilations."""
     # NOTE: 15 usable pages: the workload below does not fit. (tests/e2e/test_async_scheduling.py

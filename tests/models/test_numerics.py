@@ -213,7 +213,8 @@ CASES = [
     Case("qwen3_moe_mlp_only", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
          dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
               norm_topk_prob=True, mlp_only_layers=[1]),
-         dict(num_experts=4, dense_layers=(1,))),
+         dict(num_experts=4, dense_layers=(1,), norm_topk_prob=True, qk_norm=True,
+              qk_norm_full=False)),
     Case("qwen3_moe_sparse_step", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
          dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
               moe_intermediate_size=32, head_dim=16, decoder_sparse_step=2),
@@ -261,9 +262,12 @@ CASES = [
     Case("granite_moe_nope", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
          dict(GRANITE, position_embedding_type="nope", num_local_experts=4,
               num_experts_per_tok=2, intermediate_size=32),
-         dict(linear_layers=(0, 2), use_rope=False, num_experts=4, num_experts_per_tok=2,
-              moe_intermediate_size=32, shared_expert_intermediate_size=96,
-              shared_expert_gated=False, router_order="topk_softmax", dense_layers=()),
+         dict(linear_layers=(0, 2), linear_kind="mamba2", linear_num_value_heads=8,
+              linear_value_head_dim=16, linear_num_key_heads=2, linear_key_head_dim=8,
+              linear_conv_bias=True, attention_multiplier=0.2, use_rope=False, num_experts=4,
+              num_experts_per_tok=2, moe_intermediate_size=32,
+              shared_expert_intermediate_size=96, shared_expert_gated=False,
+              router_order="topk_softmax", dense_layers=()),
          ablate=dict(router_order="softmax_topk")),
     Case("granite_mamba2_nope", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
          dict(GRANITE, position_embedding_type="nope", layer_types=["attention", "mamba", "mamba"],
@@ -291,12 +295,16 @@ CASES = [
 
 
 # Cases left to the slow tier (`pytest -m slow`); the default tier keeps one case per
-# family and per feature:
+# family and per feature, and parses every slow case's config (test_slow_cases_configs_parse):
 # - llama_tied (tied embeddings, 3 layers): tied logits are compared with transformers by
 #   test_smollm2_gguf_matches_transformers (SmolLM2 ties them); tests/conftest.py's tiny
 #   engine model is a tied Hugging Face directory.
 # - qwen2_bias (plain Qwen2: q/k/v bias, no o bias, rope_theta): qwen2_window_layers has the
-#   same bias layout (its `expect` checks it), qwen2_layer_types_linear_rope a rope_theta.
+#   same bias layout (its `expect` checks it), gemma3_two_ropes rope_theta apart from the
+#   default.
+# - qwen2_layer_types_linear_rope (Qwen2's windows from `layer_types`, linear rope scaling):
+#   gemma2_softcap and gemma3_two_ropes run windows per layer (gemma3_two_ropes linear
+#   scaling too) through whole models; test_slow_cases_configs_parse checks Qwen2's parse.
 # - qwen3_qknorm_headdim (q/k norm, head_dim 24 apart from hidden / heads): qwen3_bias_sliding
 #   is Qwen3 with q/k norm and a head_dim of its own (8) too, and biases before the norm.
 # - llama_yarn (YaRN through a whole model): tests/models/test_rope_scaling.py checks its
@@ -307,22 +315,31 @@ CASES = [
 # - mixtral_moe (top-k then softmax routing, experts named w1/w2/w3): its router is compared
 #   with transformers' by tests/models/test_moe.py; qwen2_moe_shared and qwen3_moe_norm_topk
 #   run the MoE layer through whole models.
+# - qwen3_moe_norm_topk (Qwen3-MoE with norm_topk_prob, 6 experts): qwen3_moe_mlp_only is
+#   Qwen3-MoE with norm_topk_prob and q/k norm too (its `expect` checks both), beside a dense
+#   layer; qwen3_next_moe_fused renormalises its top-k as well.
 # - qwen3_moe_sparse_step and qwen2_moe_mixed (dense layers from decoder_sparse_step; a
 #   shared expert beside dense layers): qwen3_moe_mlp_only runs the mixed layers, and
 #   tests/e2e/test_moe_greedy.py serves the Qwen2-MoE one against transformers.
 # - qwen3_5_moe_hybrid (Qwen3.5's layers with experts in every layer): qwen3_5_hybrid has its
 #   layers and tensor names, qwen3_next_moe_fused the experts and shared expert beside linear
 #   layers. (A hybrid's first compile is ~7 s here, most of it the chunked delta rule's.)
+# - granite_mamba2_rope (Granite 4.0 with rotary, dense): granite_moe_nope has the same
+#   Mamba-2 layers, tensor names and four multipliers (its `expect` checks the Mamba-2 fields
+#   this case checked), with routed experts; tests/models/test_granite.py parses
+#   position_embedding_type "rope", and rotary attention is every other family's.
 # - granite_mamba2_nope (no rotary, one group, projection and attention biases, attention
 #   first): granite_mamba2_rope has Granite's layers, names and multipliers, granite_moe_nope
 #   attention without rotary.
 # - deepseek_v2_mla (softmax routing over groups, no query low rank): deepseek_v3_mla has
 #   the latent attention, names and routing machinery; tests/models/test_deepseek.py checks
 #   V2's config parsing.
-SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen3_qknorm_headdim",
+SLOW_CASES = ("llama_yarn", "llama_tied", "qwen2_bias", "qwen2_layer_types_linear_rope",
+              "qwen3_qknorm_headdim",
               "gemma2_global_first", "gemma3_pattern2_softcap", "mixtral_moe",
-              "qwen3_moe_sparse_step", "qwen2_moe_mixed", "qwen3_5_moe_hybrid",
-              "granite_mamba2_nope", "deepseek_v2_mla")
+              "qwen3_moe_norm_topk", "qwen3_moe_sparse_step", "qwen2_moe_mixed",
+              "qwen3_5_moe_hybrid", "granite_mamba2_rope", "granite_mamba2_nope",
+              "deepseek_v2_mla")
 
 
 # Cases whose first ablation is left to the slow tier (test_tiny_every_feature_is_exercised
@@ -398,6 +415,18 @@ def test_tiny_family_matches_transformers(tiny, chunking):
     ours = forward_logits(model, ids, page_size=PAGE_SIZE, chunks=CHUNKINGS[chunking])
     assert ours.shape == ref.shape
     np.testing.assert_allclose(ours, ref, rtol=0, atol=F32_ATOL)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in SLOW_CASES], ids=lambda c: c.name)
+def test_slow_cases_configs_parse(case):
+    """The slow tier's cases' configs (transformers' own, no weights) parse to their `expect`
+    in the default tier: each family's parsing stays checked where its model runs slow."""
+    from models.registry import arch_config_from_hf
+
+    config = getattr(transformers, case.config_cls)(**{**TINY, **case.overrides})
+    cfg = arch_config_from_hf({**config.to_dict(), "architectures": [case.model_cls]})
+    for field, want in case.expect.items():
+        assert getattr(cfg, field) == want, field
 
 
 def _check_ablations(tiny, fields: slice):

@@ -3,6 +3,8 @@ thread count's setting, and progress for `/health`."""
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -48,13 +50,20 @@ def test_warmup_pass_finds_every_program_compiled_ahead(tiny_model_dir, monkeypa
     # Serving afterwards compiles nothing; nor do plans of several pieces.
     out = llm.generate(["a b c"] * 3, SamplingParams(max_tokens=4, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
-    assert llm.get_metrics()["jaxserve:num_compilations"] == 0
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:num_compilations"] == 0
+    assert 0 < metrics["jaxserve:padding_waste_ratio"] < 1  # 3-token rows padded to buckets
     n = 2 * PLAN_PAIRS + 1
     before = compile_counter.num_compilations()
     runner.execute_plans(KVPlans(swap_out=SwapPlan([(0, s) for s in range(n)], to_host=True),
                                  swap_in=SwapPlan([(s, 0) for s in range(n)], to_host=False),
                                  copy=CopyPlan([(0, 0)] * n)))
     assert compile_counter.num_compilations() == before
+    # A compilation elsewhere in the process (another engine, user code) is not this
+    # engine's.
+    jax.jit(lambda x: x * 3 + 1)(np.arange(5.0))
+    assert compile_counter.num_compilations() > before
+    assert llm.get_metrics()["jaxserve:num_compilations"] == 0
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
@@ -74,9 +83,7 @@ def test_compile_threads_default_and_override(monkeypatch):
 def test_dropping_staging_caches_keeps_compiled_programs():
     # What `LLMEngine.warmup` does last: the jaxprs and MLIR modules go, each jitted
     # function's own dispatch cache stays, so a warmed program runs without tracing again.
-    import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from jaxserve.compilation_cache import drop_staging_caches
 
