@@ -21,6 +21,18 @@ SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
              initializer_range=0.1)
+# Gated DeltaNet layers as tests/models/test_numerics.py's (2 key heads, each serving 2 of the
+# 4 value heads); NOTE: at its initializer_range 0.05 the tiny models are not chaotic (one
+# float32 ulp in the weights stays below 1e-5 in the logits), so greedy ties do not flip.
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4, initializer_range=0.05,
+              tie_word_embeddings=False)
+
+
+def qwen_hybrid_norm_center(name: str) -> float:
+    """Where Qwen3.5's and Qwen3-Next's norms are drawn around (`build_hf_model`): their
+    `1 + weight` RMSNorms at 0, the linear layers' plain gated norm at 1."""
+    return 1.0 if "linear_attn.norm" in name else 0.0
 
 
 def build_hf_model(config_cls: str, model_cls: str, config: dict, tokenizer, directory: str,

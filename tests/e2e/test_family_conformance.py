@@ -10,7 +10,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from tests.conftest import TINY_ENGINE
-from tests.e2e.hf_family import PROMPTS, TINY
+from tests.e2e.hf_family import LINEAR, PROMPTS, TINY, qwen_hybrid_norm_center
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -59,11 +59,6 @@ WINDOWED_POOL = dict(num_kv_blocks=6)
 PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
              "short_factor": [1.0, 1.2, 1.9, 3.0], "long_factor": [1.3, 3.5, 8.0, 24.0]}
 ROUTED = dict(enable_return_routed_experts=True)
-# Gated DeltaNet layers of 2 key heads, each serving 2 of the 4 value heads (at its
-# initializer_range the tiny models are not chaotic: greedy ties do not flip).
-LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-              linear_value_head_dim=8, linear_conv_kernel_dim=4, initializer_range=0.05,
-              tie_word_embeddings=False)
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 
@@ -128,12 +123,12 @@ FAMILIES = [
            dict(DENSE, **LINEAR, num_hidden_layers=3,
                 layer_types=["linear_attention", "full_attention", "linear_attention"]),
            dict(linear_layers=(0, 2), linear_kind="gated_deltanet", attn_output_gate=True),
-           norm_center=lambda name: 1.0 if "linear_attn.norm" in name else 0.0),
+           norm_center=qwen_hybrid_norm_center),
     Family("qwen3_next", "Qwen3NextConfig", "Qwen3NextForCausalLM",
            dict(MOE, **LINEAR, num_experts=4, moe_intermediate_size=32,
                 shared_expert_intermediate_size=48, full_attention_interval=2),
            dict(linear_layers=(0,), num_experts=4, shared_expert_intermediate_size=48),
-           norm_center=lambda name: 1.0 if "linear_attn.norm" in name else 0.0),
+           norm_center=qwen_hybrid_norm_center),
     Family("granite_hybrid", "GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
            dict(MOE, layer_types=["mamba", "attention"], num_local_experts=4,
                 intermediate_size=32, shared_intermediate_size=48, mamba_n_heads=8,

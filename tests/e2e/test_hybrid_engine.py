@@ -17,17 +17,18 @@ import logging
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from tests.e2e.hf_family import PROMPTS, SMALL, build_hf_model, hf_greedy
+from tests.e2e.hf_family import (
+    LINEAR,
+    PROMPTS,
+    SMALL,
+    build_hf_model,
+    hf_greedy,
+    qwen_hybrid_norm_center,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-# Gated DeltaNet shapes as tests/models/test_numerics.py's (2 key heads, each serving 2 of the
-# 4 value heads); NOTE: at its initializer_range 0.05 the tiny models are not chaotic (one
-# float32 ulp in the weights stays below 1e-5 in the logits), so greedy ties do not flip.
-LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-              linear_value_head_dim=8, linear_conv_kernel_dim=4, initializer_range=0.05,
-              tie_word_embeddings=False)
 FAMILIES = {
     # linear, full attention, linear: the state carried beside one layer's pages.
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
@@ -98,11 +99,9 @@ def repeated(prompt: str) -> str:
 
 
 def _norm_center(name: str):
-    """Where a family's norms are drawn around (`build_hf_model`): the zero-centred
-    `1 + weight` RMSNorms at 0, the gated norm of the linear layers (and other families'
-    norms) at 1."""
-    zero = name in ZERO_CENTRED
-    return lambda param: 0.0 if zero and "linear_attn.norm" not in param else 1.0
+    """Where a family's norms are drawn around (`build_hf_model`): Qwen's zero-centred
+    `1 + weight` RMSNorms at 0 beside their plain gated norms, Granite's all at 1."""
+    return qwen_hybrid_norm_center if name in ZERO_CENTRED else 1.0
 
 
 @dataclasses.dataclass
