@@ -132,7 +132,7 @@ class HybridMixer(nn.Module):
 
         def run_linear(x, conv, rec):
             # f32[R, W - 1, C] and the recurrent state's [R, ...]: the step's requests' rows
-            conv_rows, rec_rows = conv[index][slots], rec[index][slots]
+            conv_rows, rec_rows = conv[index, slots], rec[index, slots]
             out, conv_rows, rec_rows = linear_mixer(cfg)(*args, parent=None).apply(
                 {"params": at(lin)}, x, conv_rows, rec_rows,
                 dataclasses.replace(md, state_slots=rows))
