@@ -9,9 +9,9 @@ device already holds every token and its routing; a device maps the (token, expe
 routed to other devices' experts to a virtual expert past its own (sorted last, counted by
 no group, weight 0), runs its local experts on its local pairs only, and one `psum` over
 the splitting axes adds the devices' partial outputs (an all-reduce: the all-gather +
-reduce-scatter family, which needs no token exchange because no device lacks a token;
-an all-to-all pays only where tokens are sharded across devices, which one engine
-without data-parallel attention never does).
+reduce-scatter family, which needs no token exchange because no device lacks a token).
+Under data-parallel attention the tokens arrive split over the ranks
+(`ExpertSharding.token_axes`): they are all-gathered first and the sum reduce-scattered.
 """
 
 from __future__ import annotations

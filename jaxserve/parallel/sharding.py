@@ -390,6 +390,8 @@ def tensor_parallel_layout(config, cfg: ArchConfig) -> TensorParallel | None:
         raise ValueError("LLMEngine serves one replica; data_parallel_size > 1 needs "
                          "jaxserve.engine.data_parallel.DataParallelEngine (LLM picks it)")
     ep = par.expert_parallel_size or 1
+    if par.enable_dp_attention:
+        check_dp_attention(cfg, par.tensor_parallel_size, ep)
     # NOTE: checked even where no mesh is built (expert parallelism of a dense model).
     expert_layout(cfg, par.tensor_parallel_size, ep, par.enable_expert_parallel)
     if jax.process_count() > 1 and par.device_ids is None:
