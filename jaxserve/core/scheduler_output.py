@@ -45,6 +45,9 @@ class ScheduledRequest:
             the row of the state pools this step reads and writes (the runner puts it in
             `AttentionMetadata.state_slots`; a step starting at position 0 starts the state
             from zero). 0, the null slot, without one.
+        rank: The attention rank holding the request's KV (data-parallel attention:
+            `RankedKVCacheManager.rank_of`); its page ids lie in that rank's range. 0
+            with one rank.
     """
 
     request_id: str
@@ -58,6 +61,7 @@ class ScheduledRequest:
     group_pages: tuple[tuple[int, list[int]], ...] = ()
     lora_id: int = 0
     state_slot: int = 0
+    rank: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -128,6 +132,16 @@ class SchedulerOutput:
         """
         self.scheduled = ([s for s in self.scheduled if s.num_new_tokens == 1]
                           + [s for s in self.scheduled if s.num_new_tokens != 1])
+        return self
+
+    def by_rank(self) -> SchedulerOutput:
+        """Reorders `scheduled` (in place) rank by rank, each rank's entries decodes first
+        (as `decodes_first`), each group in its scheduling order; returns self.
+
+        NOTE: under data-parallel attention each rank attends only its own rows, so the
+        runner needs each rank's entries contiguous; with one rank this is `decodes_first`.
+        """
+        self.scheduled.sort(key=lambda s: (s.rank, s.num_new_tokens != 1))
         return self
 
 
