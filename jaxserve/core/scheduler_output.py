@@ -45,8 +45,9 @@ class ScheduledRequest:
             the row of the state pools this step reads and writes (the runner puts it in
             `AttentionMetadata.state_slots`; a step starting at position 0 starts the state
             from zero). 0, the null slot, without one.
-        rank: Under data-parallel attention, the attention rank holding the request's pages
-            (`KVCacheManager.rank_of`); 0 otherwise.
+        rank: The attention rank holding the request's KV (data-parallel attention:
+            `RankedKVCacheManager.rank_of`); its page ids lie in that rank's range. 0
+            with one rank.
     """
 
     request_id: str
