@@ -21,9 +21,10 @@ torch = pytest.importorskip("torch")
 FAMILIES = {name: family(name)
             for name in ("mixtral", "qwen2_moe", "olmoe", "phi3", "deepseek_v3")}
 # A prompt of the family's own, after the others, whose greedy text repeats itself: the random
-# DeepSeek-V3's continuations of PROMPTS and LONG never repeat a bigram (the n-gram
-# speculator, two tokens at least, proposes nothing), while after this one transformers' text
-# loops (" content ATP better" three times), so proposals are made and some accepted.
+# DeepSeek-V3's continuations of PROMPTS and LONG end on a bigram seen before once in all (the
+# n-gram speculator matches two tokens at least; its engine verified no proposal), while after
+# this one transformers' text loops (" content ATP better" three times): proposals are made
+# and some accepted.
 REPEATING = {"deepseek_v3": "more and more and more"}
 LONG = " ".join(["The three primary colors are red, yellow and blue; mixing two of them "
                  "gives a secondary color, and the painter knows"] * 4)
