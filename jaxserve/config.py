@@ -291,6 +291,11 @@ class ParallelConfig:
         expert_parallel_size: Devices of an "expert" mesh axis in front of the
             tensor-parallel ones (a mixture of experts only): the experts are split over
             it, attention and dense weights replicated over it (None or 1: no such axis).
+        enable_dp_attention: Data-parallel attention over the "expert" axis (sglang's
+            `enable_dp_attention`; vLLM's data parallelism with expert parallelism): each
+            of its `expert_parallel_size` devices holds 1/n of the page pool and attends
+            only the requests the scheduler gives its rank; tokens meet at the experts
+            (`jaxserve.parallel.dp_attention`). Needs an `expert_parallel_size` over 1.
     """
 
     tensor_parallel_size: int = 1
@@ -298,6 +303,7 @@ class ParallelConfig:
     device_ids: tuple[int, ...] | None = None
     enable_expert_parallel: bool = False
     expert_parallel_size: int | None = None
+    enable_dp_attention: bool = False
 
     def __post_init__(self):
         _check_types(self)
@@ -310,6 +316,19 @@ class ParallelConfig:
         _check(self.device_ids is None or len(self.device_ids) == self.devices_per_replica,
                "device_ids", self.device_ids,
                "one id per device of the replica (expert_parallel_size x tensor_parallel_size)")
+        _check(not self.enable_dp_attention or (self.expert_parallel_size or 1) > 1,
+               "enable_dp_attention", self.enable_dp_attention,
+               "used with an expert_parallel_size over 1 (its devices are the attention ranks)")
+        _check(not self.enable_dp_attention or self.tensor_parallel_size == 1,
+               "enable_dp_attention", self.enable_dp_attention,
+               "used with tensor_parallel_size=1 (ranks split over tensor-parallel devices "
+               "are not built)")
+
+    @property
+    def attention_ranks(self) -> int:
+        """Ranks the requests' attention is spread over (1: every device attends every
+        request)."""
+        return (self.expert_parallel_size or 1) if self.enable_dp_attention else 1
 
     @property
     def devices_per_replica(self) -> int:

@@ -9,9 +9,9 @@ device already holds every token and its routing; a device maps the (token, expe
 routed to other devices' experts to a virtual expert past its own (sorted last, counted by
 no group, weight 0), runs its local experts on its local pairs only, and one `psum` over
 the splitting axes adds the devices' partial outputs (an all-reduce: the all-gather +
-reduce-scatter family, which needs no token exchange because no device lacks a token;
-an all-to-all pays only where tokens are sharded across devices, which one engine
-without data-parallel attention never does).
+reduce-scatter family, which needs no token exchange because no device lacks a token).
+Under data-parallel attention the tokens arrive split over the ranks
+(`ExpertSharding.token_axes`): they are all-gathered first and the sum reduce-scattered.
 """
 
 from __future__ import annotations
@@ -37,11 +37,14 @@ class ExpertSharding:
         expert_axes: Mesh axes that split the expert axis E (empty: every device holds
             every expert).
         width_axes: Mesh axes that split each expert's width I (empty: experts whole).
+        token_axes: Mesh axes the step's tokens arrive split over (data-parallel attention:
+            each attention rank holds its own requests' tokens); empty: replicated.
     """
 
     mesh: Mesh
     expert_axes: tuple[str, ...] = ()
     width_axes: tuple[str, ...] = ()
+    token_axes: tuple[str, ...] = ()
 
     def axis_size(self, axes: tuple[str, ...]) -> int:
         """Devices along `axes` together (1 for none)."""
@@ -122,14 +125,17 @@ def sharded_experts(grouped: Callable, x: jax.Array, weights: jax.Array, ids: ja
                     layer=None) -> jax.Array:
     """`grouped` (`models.moe.grouped_experts`) over the mesh of `sharding`: each device
     runs its experts (and its slice of their width) on the pairs routed to them, and the
-    partial outputs are summed with one `psum`.
+    partial outputs are summed with one `psum`. With tokens split over
+    `sharding.token_axes` (data-parallel attention) each device first gathers every rank's
+    tokens (an all-gather of [T, H], never of any page) and the sum comes back split the
+    same way (a reduce-scatter): the tokens travel to the experts and back.
 
     Args:
         grouped: The one-device grouped experts function, called as
             `grouped(x, weights, ids, experts, act, layer=layer)`.
-        x: [T, H] tokens (replicated).
-        weights: f32[T, k] routing weights (replicated).
-        ids: i32[T, k] global expert of each pair (replicated).
+        x: [T, H] tokens (replicated, or split over `sharding.token_axes`).
+        weights: f32[T, k] routing weights (as x).
+        ids: i32[T, k] global expert of each pair (as x).
         experts: The expert leaves, laid out by `sharding.leaf_spec` ([E, ...] per layer,
             or the whole [L, E, ...] stacks with `layer`).
         act: The gated MLP's activation.
@@ -137,7 +143,7 @@ def sharded_experts(grouped: Callable, x: jax.Array, weights: jax.Array, ids: ja
         layer: i32[] the layer to read from whole stacks, or None.
 
     Returns:
-        [T, H] in x's dtype, replicated.
+        [T, H] in x's dtype, laid out as x.
     """
     stacked = layer is not None
     e_axis = 1 if stacked else 0
@@ -147,19 +153,27 @@ def sharded_experts(grouped: Callable, x: jax.Array, weights: jax.Array, ids: ja
     reduce_over = tuple(a for a in (*sharding.expert_axes, *sharding.width_axes)
                         if sharding.mesh.shape[a] > 1)
 
+    tokens = sharding.token_axes
+    reduce_over = tuple(a for a in reduce_over if a not in tokens)
+
     def local(x, weights, ids, experts, layer):
+        if tokens:  # every rank's tokens: [T, ...] from [T / ranks, ...]
+            x, weights, ids = (jax.lax.all_gather(a, tokens, tiled=True)
+                               for a in (x, weights, ids))
         first = (jax.lax.axis_index(sharding.expert_axes) * num_local
                  if sharding.expert_axes else jnp.int32(0))
         w, i = local_routing(weights, ids, first, num_local)
         y = grouped(x, w, i, experts, act, layer=layer)  # [T, H]: this device's part
-        return jax.lax.psum(y, reduce_over) if reduce_over else y
+        y = jax.lax.psum(y, reduce_over) if reduce_over else y
+        return jax.lax.psum_scatter(y, tokens, tiled=True) if tokens else y
 
     layer_arg = jnp.int32(0) if layer is None else layer
+    split = P(tokens) if tokens else P()
     run = jax.shard_map(
         lambda x, w, i, e, lay: local(x, w, i, e, lay if stacked else None),
         mesh=sharding.mesh,
-        in_specs=(P(), P(), P(), sharding.tree_specs(experts, stacked), P()),
-        out_specs=P(),
+        in_specs=(split, split, split, sharding.tree_specs(experts, stacked), P()),
+        out_specs=split,
         # NOTE: the expert loop's carry starts replicated and becomes device-varying.
         check_vma=False)
     return run(x, weights, ids, experts, layer_arg)

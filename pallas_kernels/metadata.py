@@ -17,11 +17,12 @@ import dataclasses
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["slot_mapping", "block_tables", "kv_lens", "cu_q_lens", "state_slots"],
-         meta_fields=["decode_only", "short_tiles"])
+         meta_fields=["decode_only", "short_tiles", "num_ranks"])
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
     """Where this step's tokens go and what each request attends to.
@@ -49,6 +50,10 @@ class AttentionMetadata:
             (speculative proposals being verified): the XLA path gives them a pass of
             small query tiles. Off, that pass is not compiled (it was ~25% of a model
             step's compile time) and such requests share the ordinary tiles.
+        num_ranks: Static. Data-parallel attention's ranks (`pallas_kernels.rank_split`):
+            above 1 the step is laid out rank by rank, each rank's rows and tokens a block
+            of equal size and its `cu_q_lens` a block of R + 1 counted from its own first
+            token; the kernels then run per rank.
     """
 
     slot_mapping: jax.Array
@@ -59,10 +64,14 @@ class AttentionMetadata:
     short_tiles: bool = False
     # NOTE: last, so the positional constructions (the runner's) stay as they are.
     state_slots: jax.Array | None = None
+    num_ranks: int = 1
 
     @property
     def num_real_tokens(self) -> jax.Array:
-        """i32[]: the step's real tokens (they come first; the rest is padding)."""
+        """i32[]: the step's real tokens (they come first; the rest is padding). Laid out
+        by ranks, every token counts (each rank's padding lies between the ranks)."""
+        if self.num_ranks > 1:
+            return jnp.int32(self.slot_mapping.shape[-1])
         return self.cu_q_lens[-1]
 
     @property

@@ -47,6 +47,7 @@ from pallas_kernels.quant_matmul.xla import quant_matmul_xla
 from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_kernel
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
+from pallas_kernels.rank_split import AttentionRanks, per_rank
 from pallas_kernels.ssd.kernel import ssd_kernel
 from pallas_kernels.ssd.xla import ssd_xla
 from pallas_kernels.tuning import tuned
@@ -302,10 +303,13 @@ class AttentionOps:
         backend: A concrete backend ("xla", "cpu" or "pallas"; `resolve_backend`).
         batch_invariant: Every token's attention computed alone (see
             `ragged_paged_attention`).
+        ranks: Data-parallel attention's ranks (`pallas_kernels.rank_split`): every KV
+            write and attention runs per rank on its share of the pool; None: one step.
     """
 
     backend: str = "xla"
     batch_invariant: bool = False
+    ranks: AttentionRanks | None = None
 
     @staticmethod
     def _rotation(kv_pages: jax.Array, head_dim: int, dtype) -> jax.Array | None:
@@ -319,6 +323,10 @@ class AttentionOps:
         rot = self._rotation(kv_pages, k.shape[-1], k.dtype)
         if rot is not None:
             k, v = k @ rot, v @ rot
+        if self.ranks is not None:
+            return per_rank(self.ranks, lambda k, v, sm, pool, _, slot: write_kv(
+                pool, slot, k, v, sm, backend=self.backend), (k, v, slot_mapping), kv_pages,
+                replicated=(slot,), slots_arg=2)
         return write_kv(kv_pages, slot, k, v, slot_mapping, backend=self.backend)
 
     def attend(self, q: jax.Array, kv_pages: jax.Array, slot, md: AttentionMetadata, *,
@@ -328,10 +336,18 @@ class AttentionOps:
         rot = self._rotation(kv_pages, q.shape[-1], q.dtype)
         if rot is not None:
             q = q @ rot
-        out = ragged_paged_attention(q, kv_pages, slot, md, sm_scale=sm_scale,
-                                     sliding_window=sliding_window, soft_cap=soft_cap,
-                                     backend=self.backend,
-                                     batch_invariant=self.batch_invariant)
+
+        def attend(q, pool, md, slot, window):
+            return ragged_paged_attention(q, pool, slot, md, sm_scale=sm_scale,
+                                          sliding_window=window, soft_cap=soft_cap,
+                                          backend=self.backend,
+                                          batch_invariant=self.batch_invariant)
+
+        if self.ranks is not None:
+            out = per_rank(self.ranks, attend, (q,), kv_pages, md, returns="tokens",
+                           replicated=(slot, jnp.asarray(sliding_window, jnp.int32)))
+        else:
+            out = attend(q, kv_pages, md, slot, sliding_window)
         return out if rot is None else out @ rot.T
 
     def write_latent(self, pool: jax.Array, slot, latent: jax.Array,
@@ -342,6 +358,10 @@ class AttentionOps:
         NOTE: 8-bit latent pages are not rotated (`kv_rotation`): the rotation would mix
         c_kv with k_pe, so the output (the c_kv part alone) could not be rotated back
         without the kernels returning whole rows."""
+        if self.ranks is not None:
+            return per_rank(self.ranks, lambda lat, sm, pool, _, slot: write_latent(
+                pool, slot, lat, sm, backend=self.backend), (latent, slot_mapping), pool,
+                replicated=(slot,), slots_arg=1)
         return write_latent(pool, slot, latent, slot_mapping, backend=self.backend)
 
     def mla_attend(self, q_latent: jax.Array, q_pe: jax.Array, pool: jax.Array, slot,
@@ -355,8 +375,12 @@ class AttentionOps:
         """
         if self.batch_invariant:
             raise ValueError("batch_invariant is not built for MLA attention (mla_attend)")
-        return mla_attention(q_latent, q_pe, pool, slot, md, sm_scale=sm_scale,
-                             backend=self.backend)
+        attend = lambda q, pe, pool, md, slot: mla_attention(  # noqa: E731
+            q, pe, pool, slot, md, sm_scale=sm_scale, backend=self.backend)
+        if self.ranks is not None:
+            return per_rank(self.ranks, attend, (q_latent, q_pe), pool, md, returns="tokens",
+                            replicated=(slot,))
+        return attend(q_latent, q_pe, pool, md, slot)
 
     def mla_attend_expanded(self, q_nope: jax.Array, q_pe: jax.Array, pool: jax.Array, slot,
                             md: AttentionMetadata, w_uk: jax.Array, w_uv: jax.Array, *,
@@ -371,9 +395,15 @@ class AttentionOps:
         if self.batch_invariant:
             raise ValueError("batch_invariant is not built for MLA attention "
                              "(mla_attend_expanded)")
-        return mla_attention_expanded(q_nope, q_pe, pool, slot, md, w_uk, w_uv,
-                                      sm_scale=sm_scale, absorbed_decode=absorbed_decode,
-                                      backend=self.backend)
+        def attend(q, pe, pool, md, slot, w_uk, w_uv):
+            return mla_attention_expanded(q, pe, pool, slot, md, w_uk, w_uv, sm_scale=sm_scale,
+                                          absorbed_decode=absorbed_decode,
+                                          backend=self.backend)
+
+        if self.ranks is not None:
+            return per_rank(self.ranks, attend, (q_nope, q_pe), pool, md, returns="tokens",
+                            replicated=(slot, w_uk, w_uv))
+        return attend(q_nope, q_pe, pool, md, slot, w_uk, w_uv)
 
     def gated_delta_rule(self, q, k, v, g, beta, state, slots, cu_q_lens, kv_lens):
         """(out f32[T, Hv, dv], state) of a Gated DeltaNet layer's recurrence over the step

@@ -21,6 +21,7 @@ from jaxserve.core.kv_page import NULL_PAGE_ID, KVPage
 from jaxserve.core.page_pool import FreePageQueue, HostPool, PagePool
 from jaxserve.core.plans import CopyPlan, KVPlans, SwapPlan
 from jaxserve.core.prefix_cache import PrefixCache, hash_page_tokens
+from jaxserve.core.ranked_kv import RankedKVCacheManager
 
 __all__ = [
     "NULL_PAGE_ID",
@@ -35,6 +36,7 @@ __all__ = [
     "KVPlans",
     "PagePool",
     "PrefixCache",
+    "RankedKVCacheManager",
     "RequestKV",
     "SwapPlan",
     "hash_page_tokens",

@@ -104,7 +104,14 @@ class KVCacheManager:
     can_swap_in = delegated("swapper", KVSwapper.can_swap_in)
     swap_in = delegated("swapper", KVSwapper.swap_in)
 
+    # NOTE: one pool, one attention rank; `RankedKVCacheManager` splits it into several.
+    num_ranks = 1  # attention ranks (data-parallel attention)
+
     # ----------------------------------------------------------------- lookups
+    def rank_of(self, request_id: str) -> int:
+        """The request's attention rank: always 0 (`RankedKVCacheManager` has several)."""
+        return 0
+
     def has_request(self, request_id: str) -> bool:
         """Whether the request holds device pages or host slots."""
         return request_id in self.tables.requests

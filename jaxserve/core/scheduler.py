@@ -2,7 +2,8 @@
 
 Each `schedule()` decides `{request_id: num_new_tokens}`: running requests first (a decode
 token or the next prefill chunk), then swapped requests back in, then waiting ones. When
-pages run out, the lowest-priority running request is preempted (recompute or swap).
+pages run out, the lowest-priority running request is preempted (recompute or swap); under
+data-parallel attention, one on the attention rank that ran out.
 `update_from_output()` then advances every request by what the step computed.
 """
 
@@ -13,6 +14,7 @@ from collections import deque
 from jaxserve.config import SchedulerConfig
 from jaxserve.core.adapter_limit import AdapterLimit
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.ranked_kv import RankedKVCacheManager
 from jaxserve.core.scheduler_output import (
     PLACEHOLDER,
     ScheduledRequest,
@@ -32,7 +34,8 @@ class Scheduler:
 
     Args:
         config: Scheduler settings.
-        kv: The KV cache manager (page allocation, prefix cache, swap).
+        kv: The KV cache manager (page allocation, prefix cache, swap); under data-parallel
+            attention a `RankedKVCacheManager`, whose ranks the entries' `rank` names.
         max_model_len: Longest prompt + output.
         max_num_batched_tokens: Token budget of a step (already resolved).
         max_loras: Most distinct LoRA adapters among the running requests (the device's
@@ -42,8 +45,8 @@ class Scheduler:
 
     MODES = ("continuous+chunked", "continuous")  # the `scheduling_mode`s it serves
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 max_num_batched_tokens: int, max_loras: int | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | RankedKVCacheManager,
+                 max_model_len: int, max_num_batched_tokens: int, max_loras: int | None = None):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -250,7 +253,7 @@ class Scheduler:
                 index += 1
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
-                victim = self._pick_victim()
+                victim = self._pick_victim(request)
                 if step.drop(victim.request_id):
                     index -= 1
                 self._preempt(victim, out)
@@ -309,7 +312,8 @@ class Scheduler:
             pages_from=pages_from,
             group_pages=tuple(group_pages),
             lora_id=request.lora_id,
-            state_slot=self.kv.state_slot(request.request_id))
+            state_slot=self.kv.state_slot(request.request_id),
+            rank=self.kv.rank_of(request.request_id))
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether a token in flight surely ends the request (its length limits): it is
@@ -321,12 +325,18 @@ class Scheduler:
         return ((sp.max_tokens is not None and num_out >= sp.max_tokens)
                 or request.num_tokens_with_placeholders >= self.length_cap)
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self, request: Request) -> Request:
+        """The running request to preempt so that `request` gets pages: one on its attention
+        rank (freeing another rank's pages does not help), `request` itself at worst."""
+        running = self.running
+        if self.kv.num_ranks > 1:
+            rank = self.kv.rank_of(request.request_id)
+            running = [r for r in running if self.kv.rank_of(r.request_id) == rank]
         if self.config.scheduling_policy == "priority":
             # NOTE: reversed, so that among equal keys (fan-out siblings) the most recently
             # admitted goes, as under fcfs.
-            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]  # the most recently admitted
+            return max(reversed(running), key=lambda r: (r.priority, r.arrival_time))
+        return running[-1]  # the most recently admitted
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)

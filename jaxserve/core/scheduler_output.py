@@ -45,6 +45,9 @@ class ScheduledRequest:
             the row of the state pools this step reads and writes (the runner puts it in
             `AttentionMetadata.state_slots`; a step starting at position 0 starts the state
             from zero). 0, the null slot, without one.
+        rank: The attention rank holding the request's KV (data-parallel attention:
+            `RankedKVCacheManager.rank_of`); its page ids lie in that rank's range. 0
+            with one rank.
     """
 
     request_id: str
@@ -58,6 +61,7 @@ class ScheduledRequest:
     group_pages: tuple[tuple[int, list[int]], ...] = ()
     lora_id: int = 0
     state_slot: int = 0
+    rank: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -119,7 +123,8 @@ class SchedulerOutput:
 
     def decodes_first(self) -> SchedulerOutput:
         """Reorders `scheduled` (in place): single-token entries first, each group in its
-        scheduling order; returns self.
+        scheduling order, and under data-parallel attention each rank's entries together
+        (rank 0's first, that order kept within each rank); returns self.
 
         NOTE: the runner packs rows in this order, so decode row i holds token i and
         attention reads each decode row's context once per row, not once per token
@@ -128,6 +133,7 @@ class SchedulerOutput:
         """
         self.scheduled = ([s for s in self.scheduled if s.num_new_tokens == 1]
                           + [s for s in self.scheduled if s.num_new_tokens != 1])
+        self.scheduled.sort(key=lambda s: s.rank)  # stable: a no-op with one rank
         return self
 
 

@@ -8,7 +8,6 @@ import logging
 from jaxserve.compilation_cache import drop_staging_caches
 from jaxserve.config import EngineConfig
 from jaxserve.core.baseline_schedulers import scheduler_class
-from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.engine_metrics import EngineMetrics
 from jaxserve.engine.input_processor import InputProcessor
@@ -19,6 +18,8 @@ from jaxserve.engine.routed_experts import RoutedExperts
 from jaxserve.engine.sampling_inputs import SamplingInputs
 from jaxserve.engine.weight_control import WeightControl
 from jaxserve.outputs import RequestOutput
+from jaxserve.parallel.dp_attention import check_engine_config as check_dp_attention_config
+from jaxserve.parallel.dp_attention import make_kv_cache_manager
 from jaxserve.pooling_params import PoolerConfig, PoolingParams, sentence_transformers_pooler
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_io import PendingStep
@@ -58,6 +59,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
         self.config = config
+        check_dp_attention_config(config)
         # The model, its sizes, its devices; its KV cache groups by window (Gemma 2/3) unless
         # the hybrid KV cache is off.
         self.worker = Worker(config, model, tokenizer,
@@ -67,8 +69,9 @@ class LLMEngine:
         self.pooler = Pooler(config.model.pooler_config or sentence_transformers_pooler(
             self.model.source) or PoolerConfig(), self.model.cfg.hidden_size) \
             if config.model.runner == "pooling" else None
-        self.kv = KVCacheManager(
-            lim.num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching
+        ranks = 1 if self.layout is None else self.layout.num_attention_ranks
+        self.kv = make_kv_cache_manager(
+            ranks, lim.num_pages, cache.page_size, enable_prefix_caching=cache.enable_prefix_caching
             and (self.pooler is None or self.pooler.prefix_caching_allowed),
             watermark=cache.watermark, swap_space=cache.swap_space,
             bytes_per_page=lim.bytes_per_page, max_model_len=lim.max_model_len,

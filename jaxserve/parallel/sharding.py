@@ -22,6 +22,14 @@ tensor parallelism splits I over ("kv", "rep") (vLLM's default); `enable_expert_
 splits E over ("kv", "rep") instead, whole experts per device (vLLM's: EP size = TP size);
 an `expert_parallel_size` splits E over "expert" as well.
 
+Data-parallel attention (`ParallelConfig.enable_dp_attention`, tensor parallelism 1) makes
+the "expert" devices attention ranks instead (`attention_ranks`): the page pool is split on
+its page axis over "expert", each rank attends only its own requests
+(`pallas_kernels.rank_split`), the step's tokens are split over "expert" rank by rank, and
+the experts gather them and hand them back (`ExpertSharding.token_axes`). The latent pool
+of multi-head latent attention, one "head" that tensor parallelism would copy onto every
+device, is never replicated.
+
 A linear-attention hybrid's Gated DeltaNet layers split over ("kv", "rep") by key heads and
 the value heads each serves, their state pools likewise (`TensorParallel.state_shardings`).
 """
@@ -40,6 +48,7 @@ from models.config import ArchConfig
 from models.linear import STACKS
 from models.linear.registry import stored_method
 from models.moe_parallel import ExpertSharding
+from pallas_kernels.rank_split import AttentionRanks
 
 logger = logging.getLogger("jaxserve")
 EXPERT, KV, REP = "expert", "kv", "rep"
@@ -71,11 +80,26 @@ class TensorParallel:
             None for a dense model.
         split_linear: Whether the linear-attention layers (and their state pools) split by
             heads; False for Mamba-2 layers, which every device runs whole (replicated).
+        attention_ranks: Data-parallel attention over "expert" (the pool split by pages,
+            the tokens by ranks); None: every device attends every request.
     """
 
     mesh: Mesh
     experts: ExpertSharding | None = None
     split_linear: bool = True
+    attention_ranks: AttentionRanks | None = None
+
+    @property
+    def num_attention_ranks(self) -> int:
+        """Ranks the requests' attention is spread over (1: none)."""
+        return 1 if self.attention_ranks is None else self.attention_ranks.num_ranks
+
+    def tokens_sharding(self) -> NamedSharding:
+        """How a step's token axis lies: split rank by rank under data-parallel attention,
+        else replicated."""
+        if self.attention_ranks is None:
+            return self.replicated()
+        return NamedSharding(self.mesh, P(EXPERT))
 
     @property
     def shard_kv_heads(self) -> bool:
@@ -154,7 +178,9 @@ class TensorParallel:
 
     def kv_pages_sharding(self) -> NamedSharding:
         """The pool [L, 2, Hkv, pages, page_size, D] split on its KV-head axis (replicated
-        over "expert")."""
+        over "expert"), or under data-parallel attention on its page axis over "expert"."""
+        if self.attention_ranks is not None:
+            return NamedSharding(self.mesh, self.attention_ranks.pool_spec())
         return NamedSharding(self.mesh, P(None, None, KV))
 
     def state_shardings(self) -> dict[str, NamedSharding]:
@@ -194,7 +220,8 @@ def splits_linear_layers(cfg: ArchConfig) -> bool:
 
 def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None,
                          expert_parallel_size: int = 1,
-                         enable_expert_parallel: bool = False) -> TensorParallel:
+                         enable_expert_parallel: bool = False,
+                         dp_attention: bool = False) -> TensorParallel:
     """Builds the layout for `expert_parallel_size` x `size` devices (default: the first
     local devices; expert groups of `size` consecutive devices).
 
@@ -205,22 +232,24 @@ def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None
         expert_parallel_size: Devices of the "expert" axis (a mixture of experts only).
         enable_expert_parallel: Split the experts over the tensor-parallel devices (whole
             experts per device) instead of each expert's width (a mixture of experts only).
+        dp_attention: Data-parallel attention over the "expert" axis (`attention_ranks`).
 
     Raises:
         ValueError: `size` does not divide the query heads or the MLP width, KV heads and
             `size` do not divide one another, too few devices exist, an expert layout
             the model does not allow (`expert_layout`), `size` does not divide a
             Gated DeltaNet model's `linear_num_key_heads`, a `size` over 1 for a model
-            with multi-head latent attention (`models.mla`).
+            with multi-head latent attention (`models.mla`), data-parallel attention for
+            a dense model, a linear-attention hybrid or `size` over 1.
     """
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
     if cfg.is_mla and size > 1:
-        # NOTE: the one latent "head" would be copied onto every device; the anchors spread
-        # requests over devices for attention instead (issue 64 part 4, not built).
+        # NOTE: the one latent "head" would be copied onto every device; requests are spread
+        # over devices for attention instead (data-parallel attention).
         raise ValueError(f"tensor_parallel_size={size} is not served for {cfg.architecture}: "
                          "its latent attention keeps one latent per token (no heads to "
-                         "split); data-parallel attention is not built")
+                         "split); use expert_parallel_size with enable_dp_attention")
     split_linear = splits_linear_layers(cfg)
     if split_linear and cfg.has_linear_attention and cfg.linear_num_key_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide linear_num_key_heads="
@@ -250,12 +279,36 @@ def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None
         logger.warning("jaxserve: %d KV heads < tensor_parallel_size %d: each KV head (and its "
                        "pages) is replicated on %d devices", cfg.num_kv_heads, size,
                        size // num_kv)
-    experts = ExpertSharding(mesh, expert_axes, width_axes) if cfg.is_moe else None
+    ranks = None
+    if dp_attention:
+        check_dp_attention(cfg, size, expert_parallel_size)
+        ranks = AttentionRanks(mesh, EXPERT)
+    experts = ExpertSharding(mesh, expert_axes, width_axes,
+                             (EXPERT,) if ranks is not None else ()) if cfg.is_moe else None
     if not split_linear and size > 1:
         logger.warning("jaxserve: %s's Mamba-2 layers and their state are replicated on the "
                        "%d tensor-parallel devices (attention and MLPs split)",
                        cfg.architecture, size)
-    return TensorParallel(mesh, experts, split_linear)
+    return TensorParallel(mesh, experts, split_linear, ranks)
+
+
+def check_dp_attention(cfg: ArchConfig, size: int, expert_parallel_size: int) -> None:
+    """Refuses data-parallel attention where it is not built.
+
+    Raises:
+        ValueError: A dense model (no experts for the tokens to meet at), a model with
+            linear-attention layers (their state pools are not split by ranks), a
+            tensor_parallel_size over 1, or an expert_parallel_size of 1.
+    """
+    if not cfg.is_moe:
+        raise ValueError(f"enable_dp_attention needs a mixture-of-experts model; "
+                         f"{cfg.architecture} is dense (use data_parallel_size for replicas)")
+    if cfg.has_linear_attention:
+        raise ValueError(f"enable_dp_attention is not built for {cfg.architecture}'s "
+                         "linear-attention layers (their state pools are not split by ranks)")
+    if size != 1 or expert_parallel_size < 2:
+        raise ValueError(f"enable_dp_attention needs tensor_parallel_size=1 and an "
+                         f"expert_parallel_size over 1; got {size} and {expert_parallel_size}")
 
 
 def expert_layout(cfg: ArchConfig, size: int, expert_parallel_size: int = 1,
@@ -337,6 +390,8 @@ def tensor_parallel_layout(config, cfg: ArchConfig) -> TensorParallel | None:
         raise ValueError("LLMEngine serves one replica; data_parallel_size > 1 needs "
                          "jaxserve.engine.data_parallel.DataParallelEngine (LLM picks it)")
     ep = par.expert_parallel_size or 1
+    if par.enable_dp_attention:
+        check_dp_attention(cfg, par.tensor_parallel_size, ep)
     # NOTE: checked even where no mesh is built (expert parallelism of a dense model).
     expert_layout(cfg, par.tensor_parallel_size, ep, par.enable_expert_parallel)
     if jax.process_count() > 1 and par.device_ids is None:
@@ -352,7 +407,7 @@ def tensor_parallel_layout(config, cfg: ArchConfig) -> TensorParallel | None:
             raise ValueError(f"device_ids {missing} do not exist; devices: {sorted(by_id)}")
         devices = [by_id[i] for i in par.device_ids]
     layout = make_tensor_parallel(cfg, par.tensor_parallel_size, devices, ep,
-                                  par.enable_expert_parallel)
+                                  par.enable_expert_parallel, par.enable_dp_attention)
     logger.info("jaxserve: tensor parallel over %s (mesh %s)",
                 [d.id for d in layout.mesh.devices.flat], dict(layout.mesh.shape))
     if layout.experts is not None:

@@ -26,6 +26,7 @@ from jaxserve.runner.block_table_rows import BlockTableRows
 from jaxserve.runner.buckets import pick_bucket, rows_for_bucket, token_buckets
 from jaxserve.runner.kv_ops import HostSwapSpace, run_plans
 from jaxserve.runner.lora_slots import LoRASlots
+from jaxserve.runner.rank_steps import build_rank_step_arrays, rank_bucket
 from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.sampling_rows import SamplingRows
 from jaxserve.runner.state_pool import HostStateSpace, cache_pages, cache_shardings, empty_cache
@@ -140,7 +141,12 @@ class ModelRunner:
         # rows cost compute on the XLA path, not in the Pallas kernels.
         self.buckets = token_buckets(max_num_batched_tokens,
                                      min_bucket=tuned("min_bucket")[model.methods.backend])
-        self.max_rows = self.sample_rows(self.buckets[-1])
+        # Data-parallel attention's ranks: each step holds a block of tokens per rank.
+        self.num_ranks = 1 if layout is None else layout.num_attention_ranks
+        if num_pages % self.num_ranks:
+            raise ValueError(f"num_pages={num_pages} must split evenly over the "
+                             f"{self.num_ranks} attention ranks")
+        self.max_rows = self.sample_rows(self.num_ranks * self.buckets[-1])
         check_kv_cache_dtype(kv_cache_dtype, model.methods.backend, model.dtype)
         pool_shape, pool_dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size),
                                                 model.kv_dtype, kv_cache_dtype)
@@ -225,6 +231,9 @@ class ModelRunner:
 
     def step_shape(self, out: SchedulerOutput) -> tuple[int, int]:
         """(num_tokens, num_rows) bucket of a step: the sampling rows must be num_rows."""
+        if self.num_ranks > 1:  # a block of tokens per rank (`rank_steps`)
+            per_rank, _ = rank_bucket(out, self.num_ranks, self.buckets, self.max_num_seqs)
+            return self.num_ranks * per_rank, self.sample_rows(self.num_ranks * per_rank)
         num_tokens = pick_bucket(self.buckets, max(out.total_num_scheduled_tokens,
                                                    out.num_rows))
         return num_tokens, self.sample_rows(num_tokens)
@@ -366,6 +375,13 @@ class ModelRunner:
         num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)
         prev_rows = None if prev is None else {
             req_id: row for row, req_id in reversed(list(enumerate(prev.row_request_ids)))}
+        if self.num_ranks > 1:
+            tokens, rows = rank_bucket(out, self.num_ranks, self.buckets, self.max_num_seqs)
+            arrays = build_rank_step_arrays(out, self.num_ranks, tokens, rows, self.page_size,
+                                            self.max_pages_per_seq, prev_rows,
+                                            num_sample_rows, self.group_tables)
+            model_buf, model_layout = pack(arrays.device_tree())
+            return arrays, model_buf, model_layout, num_tokens, self.num_ranks * rows
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
                                    self.max_pages_per_seq, prev_rows, num_sample_rows,
                                    self.group_tables,

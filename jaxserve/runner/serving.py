@@ -107,6 +107,9 @@ def serving_model(config: EngineConfig, model: Model | None
         backend = "xla"
     if backend != model.serving.backend:  # panels serve one backend: their form is undone
         model = serving_form(model, backend=backend, panels=False)
+    ranks = None if layout is None else layout.attention_ranks
+    if ranks != model.serving.attention_ranks:  # data-parallel attention's per-rank kernels
+        model = serving_form(model, attention_ranks=ranks)
     if mc.batch_invariant or model.serving.batch_invariant:
         check_batch_invariant(config, model, layout)
         model = serving_form(model, batch_invariant=mc.batch_invariant)

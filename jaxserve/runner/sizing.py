@@ -96,15 +96,20 @@ def pool_pages(config: EngineConfig, model, per_page: int | None = None) -> int:
     Args:
         per_page: Bytes of one page (`page_bytes`; computed when None).
     """
-    cc = config.cache
+    cc, ranks = config.cache, config.parallel.attention_ranks
     if cc.num_kv_blocks is not None:
+        if cc.num_kv_blocks % ranks:
+            raise ValueError(f"num_kv_blocks={cc.num_kv_blocks} must be a multiple of the "
+                             f"{ranks} attention ranks (enable_dp_attention: each holds an "
+                             "equal share of the pool)")
         return cc.num_kv_blocks
     if per_page is None:
         per_page = page_bytes(model, cc.page_size, cc.kv_cache_dtype)
     # NOTE: under tensor parallelism each device holds its KV heads' share of a page.
     kv_shards = min(config.parallel.tensor_parallel_size, model.cfg.num_kv_heads)
-    return agree_across_processes(_pages_from_memory(config, per_page // kv_shards,
-                                                     state_group(config, model)))
+    pages = agree_across_processes(_pages_from_memory(config, per_page // kv_shards,
+                                                      state_group(config, model)))
+    return max(pages // ranks * ranks, 2 * ranks)
 
 
 def state_group(config: EngineConfig, model) -> StateGroupSpec | None:
@@ -205,14 +210,17 @@ def _pages_from_memory(config: EngineConfig, per_device_page: int,
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     per_slot = 0 if states is None else states.bytes_per_slot
+    # NOTE: data-parallel attention splits the pool by pages over its ranks (each device
+    # holds 1/ranks of the pages), where expert parallelism alone copies it on each.
+    ranks = config.parallel.attention_ranks
     if limit:
         free = limit * config.cache.gpu_memory_utilization - stats.get("bytes_in_use", 0)
-        budget = max(free * 0.9, 0)  # NOTE: 10% of it left for activations and logits
+        budget = max(free * 0.9, 0) * ranks  # NOTE: 10% left for activations and logits
     else:
         # NOTE: CPU "devices" all live in host memory, so the budget covers every shard of
         # the replica together (KV heads replicated across shards, and the pool's copy on
         # each expert-parallel group, count once per copy).
-        copies = config.parallel.devices_per_replica
+        copies = config.parallel.devices_per_replica // ranks
         per_device_page, per_slot = per_device_page * copies, per_slot * copies
         budget = config.cache.kv_cache_memory_gib * 2**30
     if states is None:

@@ -10,6 +10,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.config import LoRAConfig
 from jaxserve.runner.state_pool import cache_shardings
@@ -34,13 +36,20 @@ def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: boo
     i32[num_tokens, num_layers, top_k] each token's routed experts when `routing` (a
     mixture of experts' routing capture), else None."""
     x = unpack(buf, layout)
+    ranks = model.methods.attention.ranks  # data-parallel attention: the step by ranks
     # NOTE: `state_slots` (i32[num_rows]) travels only for models with linear-attention
     # layers, whose `kv_pages` is then a `HybridCache` (page pool and state pools).
     md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"],
-                           decode_only, short_tiles, state_slots=x.get("state_slots"))
+                           decode_only, short_tiles, state_slots=x.get("state_slots"),
+                           num_ranks=1 if ranks is None else ranks.num_ranks)
     src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
     input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
-    kv_pages, hidden, *routed = model.forward(params, input_ids, x["positions"], kv_pages, md,
+    positions = x["positions"]
+    if ranks is not None:  # each rank's tokens on its device, from the embedding on
+        split = NamedSharding(ranks.mesh, P(ranks.axis))
+        input_ids, positions = (jax.lax.with_sharding_constraint(a, split)
+                                for a in (input_ids, positions))
+    kv_pages, hidden, *routed = model.forward(params, input_ids, positions, kv_pages, md,
                                               lora, x.get("lora_slots"), routing=routing)
     # NOTE: the sampled rows are padded to the step's row count: methods that can skip the
     # padding rows (the CPU kernels) multiply only the real ones (`models.linear.context`).

@@ -32,6 +32,7 @@ from models.linear.panels import PanelEmbed, PanelLinear
 from models.lora import served_targets
 from models.quant import FP4_BLOCKS, NO_QUANT, PERM, QuantFormat, QuantPlan, kind_of
 from pallas_kernels import AttentionOps, resolve_backend
+from pallas_kernels.rank_split import AttentionRanks
 from pallas_kernels.tuning import tuned
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -65,6 +66,8 @@ class ServingChoice:
             step: matmuls in fixed row tiles, attention per token in fixed key blocks.
         lora_impl: How adapters' updates are computed (`models.linear.lora.LORA_IMPLS`,
             resolved), or None: no adapters served.
+        attention_ranks: Data-parallel attention's ranks (`pallas_kernels.rank_split`,
+            set by the runner from its layout); None: one step attends every request.
 
     Raises:
         ValueError: An unknown backend, or "cpu" where its kernel does not build.
@@ -75,6 +78,7 @@ class ServingChoice:
     whole_experts: bool = False
     batch_invariant: bool = False
     lora_impl: str | None = None
+    attention_ranks: AttentionRanks | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "backend", resolve_backend(self.backend))
@@ -231,7 +235,7 @@ def choose_methods(cfg: ArchConfig, plan: QuantPlan = NO_QUANT, dtype=jnp.float3
                     for proj in EXPERT_PROJECTIONS)
     kv_dtype = jnp.dtype(jnp.float16 if plan.name == "gguf" and backend == "cpu" else dtype)
     return Methods(
-        attention=AttentionOps(backend, choice.batch_invariant),
+        attention=AttentionOps(backend, choice.batch_invariant, choice.attention_ranks),
         linears=tuple(sorted(linears.items())), default=FloatLinear(dtype),
         embedding=embedding, experts=experts,
         grouped=grouped_impl(),

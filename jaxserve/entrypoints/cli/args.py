@@ -93,6 +93,9 @@ ENGINE_ARGS = [
     ("--expert-parallel-size", int, None, "1",
      "mixture of experts: devices of an expert axis in front of the tensor-parallel ones "
      "(experts split over it; attention replicated over it)"),
+    ("--enable-dp-attention", "bool", None, "off",
+     "mixture of experts: the expert axis's devices also split the requests' attention and "
+     "the page pool (data-parallel attention; needs --expert-parallel-size > 1)"),
     ("--data-parallel-size", int, None, "1", "engine replicas on disjoint devices"),
     ("--warmup", "bool", None, "on",
      "precompile every bucket at start-up (--no-warmup: compile on first use instead)"),

@@ -1,0 +1,148 @@
+"""Data-parallel attention with expert parallelism on 8 CPU devices: a tiny DeepSeek-V3
+(latent attention, grouped sigmoid routing, a shared expert, a dense first layer) under
+EP 2 and EP 4 with `enable_dp_attention` gives transformers' greedy tokens batched, chunked,
+with a prefix hit, through recompute and swap preemption and with n-gram speculation; the
+requests spread over the ranks; the compiled step never gathers the latent pool; every
+setting it does not serve is a clear error.
+
+The oracle is transformers' `DeepseekV3ForCausalLM` (`hf_greedy`), the one-device engine's
+(`tests/e2e/test_family_conformance.py`'s deepseek_v3 row holds it to the same).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from tests.e2e.hf_family import PROMPTS, TINY, build_hf_model, hf_greedy
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
+torch = pytest.importorskip("torch")
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                        detokenize=False)
+DEEPSEEK = dict(TINY, num_hidden_layers=2, num_experts_per_tok=2, num_key_value_heads=4,
+                kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                v_head_dim=12, n_routed_experts=8, n_group=2, topk_group=1,
+                moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1)
+# Chunks of 16 tokens (every prompt is longer); 12 pages per rank (11 usable, pages of 16
+# tokens): the three prompts with their outputs need more than one rank holds at once, so
+# requests are preempted.
+SMALL = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, num_kv_blocks=24,
+             attention_backend="xla", warmup=False, enable_dp_attention=True)
+
+
+@pytest.fixture(scope="module")
+def deepseek(smollm2_tokenizer, tmp_path_factory):
+    """(path, prompts' token ids, transformers' greedy tokens of each)."""
+    path = str(tmp_path_factory.mktemp("deepseek_dp"))
+    hf = build_hf_model("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK,
+                        smollm2_tokenizer, path, 1.0)
+    ids = [smollm2_tokenizer.encode(p) for p in PROMPTS]
+    # The third prompt again with more text: its first pages are a prefix hit.
+    ids.append(ids[2] + smollm2_tokenizer.encode(" and the third one is")[1:])
+    torch.set_num_threads(1)
+    return path, ids, [hf_greedy(hf, x, MAX_TOKENS) for x in ids]
+
+
+@pytest.fixture(scope="module")
+def ep2(deepseek):
+    return LLM(deepseek[0], expert_parallel_size=2, **SMALL)
+
+
+def _generate(llm, ids):
+    outs = llm.generate([{"prompt_token_ids": x} for x in ids], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_ep2_spreads_requests_and_equals_transformers(ep2, deepseek):
+    _, ids, expected = deepseek
+    engine = ep2.engine
+    for i, x in enumerate(ids[:3]):
+        engine.add_request(str(i), {"prompt_token_ids": x}, GREEDY)
+    engine.step()
+    assert {engine.kv.rank_of(str(i)) for i in range(3)} == {0, 1}  # balanced: both used
+    while engine.has_unfinished_requests():
+        engine.step()
+    before = ep2.get_metrics()
+    # Batched, chunked (16-token chunks), preempted (a rank's 11 pages hold fewer requests).
+    assert _generate(ep2, ids[:3]) == expected[:3]
+    metrics = ep2.get_metrics()
+    assert metrics["jaxserve:num_preemptions"] > before["jaxserve:num_preemptions"]
+    # Alone, after its prefix's request ran on the same idle engine: a prefix hit.
+    assert _generate(ep2, ids[2:3]) == expected[2:3]
+    hits = ep2.get_metrics()["jaxserve:prefix_cache_hits"]
+    assert _generate(ep2, ids[3:]) == expected[3:]
+    assert ep2.get_metrics()["jaxserve:prefix_cache_hits"] > hits
+
+
+def test_the_latent_pool_is_split_and_never_gathered(ep2):
+    runner = ep2.engine.runner
+    pool = runner.page_pool  # [L, 1, 1, pages, page_size, R + Dr]
+    assert pool.sharding.spec[3] == "expert"
+    assert {s.data.shape[3] for s in pool.addressable_shards} == {pool.shape[3] // 2}
+    (layout, _), step = next(iter(runner.programs.model_steps().items()))
+    buf = jax.device_put(np.zeros(layout.size, np.int32), ep2.engine.layout.replicated())
+    hlo = step.lower(runner.params, runner.kv_pages, buf,
+                     runner.no_prev_ids).compile().as_text()
+    shapes = {",".join(map(str, pool.shape)), ",".join(map(str, pool.shape[1:]))}
+    gathers = [line for line in hlo.splitlines() if re.search(r"all-gather(-start)?\(", line)]
+    assert gathers  # the tokens travel to the experts
+    for line in gathers:
+        assert not any(f"[{s}]" in line for s in shapes), line
+
+
+@pytest.mark.slow  # two more engines' programs (EP 4 over 4 ranks; swap preemption)
+@pytest.mark.parametrize("args", [dict(expert_parallel_size=4, num_kv_blocks=48),
+                                  dict(expert_parallel_size=2, preemption_mode="swap")],
+                         ids=["ep4", "ep2_swap"])
+def test_other_layouts_equal_transformers(deepseek, args):
+    path, ids, expected = deepseek
+    llm = LLM(path, **{**SMALL, **args})
+    assert _generate(llm, ids[:3]) == expected[:3]
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:num_preemptions"] > 0
+    if args.get("preemption_mode") == "swap":
+        assert metrics["jaxserve:num_swap_outs"] > 0
+
+
+@pytest.mark.slow  # another engine's programs (verification steps)
+def test_ngram_speculation_equals_transformers(deepseek):
+    path, ids, expected = deepseek
+    # Prompts whose continuation repeats their own text: proposals are made and checked.
+    rep = [x + x[1:] for x in ids[:2]]
+    llm = LLM(path, expert_parallel_size=2, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+        **{**SMALL, "num_kv_blocks": 48, "max_model_len": 256})
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    assert _generate(llm, rep) == [hf_greedy(hf.eval(), x, MAX_TOKENS) for x in rep]
+    assert llm.get_metrics()["jaxserve:spec_decode_num_draft_tokens"] > 0
+
+
+def test_unserved_settings_are_clear_errors(deepseek, tiny_model_dir):
+    path = deepseek[0]
+    cases = [
+        (dict(enable_dp_attention=True), "used with an expert_parallel_size over 1"),
+        (dict(enable_dp_attention=True, expert_parallel_size=2, tensor_parallel_size=2),
+         "used with tensor_parallel_size=1"),
+        (dict(enable_dp_attention=True, expert_parallel_size=2, enable_lora=True),
+         "does not serve enable_lora"),
+        (dict(enable_dp_attention=True, expert_parallel_size=2,
+              enable_return_routed_experts=True), "does not serve enable_return_routed_experts"),
+        (dict(enable_dp_attention=True, expert_parallel_size=2, num_kv_blocks=25),
+         "num_kv_blocks=25 must be a multiple of the 2 attention ranks"),
+    ]
+    base = {k: v for k, v in SMALL.items() if k not in ("enable_dp_attention", "num_kv_blocks")}
+    for args, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            LLM(path, **{"num_kv_blocks": 24, **base, **args})
+    with pytest.raises(ValueError, match="enable_dp_attention needs a mixture-of-experts"):
+        LLM(tiny_model_dir, enable_dp_attention=True, expert_parallel_size=2,
+            **{k: v for k, v in base.items()})
