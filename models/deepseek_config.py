@@ -131,6 +131,11 @@ def check_groups(cfg) -> None:
                          f"{cfg.routed_scaling_factor}")
 
 
+# MLA's plain linear projections besides `LAYER_MATMULS`' q_proj and o_proj (`models.mla`),
+# each served by its name's method (an FP8 checkpoint's blocks as stored). `kv_b_proj` is not
+# one: its kernel is read whole and split per head (`models.mla.LinearWeight`).
+MLA_MATMULS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+
 # How multi-head latent attention attends (`ArchConfig.mla_form`, `models.mla`).
 MLA_FORMS = ("absorbed", "expanded", "prefill_expanded")
 

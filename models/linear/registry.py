@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import LAYER_MATMULS, ArchConfig, layer_matmul_shapes
+from models.deepseek_config import MLA_MATMULS
 from models.linear import panels as panel_methods
 from models.linear.base import STACKS, EmbedMethod, LinearMethod
 from models.linear.dense import FloatEmbed, FloatLinear, QuantEmbed, QuantLinear
@@ -216,7 +217,8 @@ def choose_methods(cfg: ArchConfig, plan: QuantPlan = NO_QUANT, dtype=jnp.float3
                          f"{plan.to_dict() or None}, {cfg.architecture})")
     head = "embed_tokens" if cfg.tie_word_embeddings else "lm_head"
     names = (*(name for _, name in LAYER_MATMULS), "lm_head")
-    linears = {name: _linear(plan, name, dtype, backend, row_tile) for name in names}
+    mla = MLA_MATMULS if cfg.is_mla else ()
+    linears = {name: _linear(plan, name, dtype, backend, row_tile) for name in (*names, *mla)}
     if choice.panels:
         linears.update({name: PanelLinear(plan.get(name)) for name in names
                         if name != "lm_head" or head == "lm_head"})

@@ -36,11 +36,15 @@ class CheckpointFormat:
         reader: `(source, weight name) -> {leaf: row-form array}`: the quantized leaves
             of a weight the plan keeps (`source` is the checkpoint's `TensorSource`; the
             name is the weight's, e.g. `model.layers.0.self_attn.q_proj.weight`).
+        dense_reader: `(source, tensor name) -> array`: a tensor the model reads as float,
+            dequantized where the checkpoint stores it quantized (DeepSeek's `kv_b_proj`
+            in an FP8 checkpoint, `models.mla`), else as stored; None: read as stored.
     """
 
     name: str
     plan: QuantPlan
     reader: Callable[[object, str], dict[str, np.ndarray]]
+    dense_reader: Callable[[object, str], np.ndarray] | None = None
 
 
 Builder = Callable[[dict, str, ArchConfig], CheckpointFormat]
@@ -121,7 +125,8 @@ def _load_builders() -> None:
 
 class QuantizedSource:
     """A `TensorSource` over a quantized checkpoint that also gives the kept weights'
-    quantized leaves (`get_quant_rows`, read by `hf_names.build_params`).
+    quantized leaves (`get_quant_rows`, read by `hf_names.build_params`); the float leaves'
+    tensors come through the format's `dense_reader`.
 
     Args:
         source: The checkpoint's tensors.
@@ -133,7 +138,10 @@ class QuantizedSource:
         self.fmt = fmt
 
     def get(self, name: str) -> np.ndarray:
-        return self.source.get(name)
+        """Tensor `name` as the model's float leaves read it (the format's `dense_reader`)."""
+        if self.fmt.dense_reader is None:
+            return self.source.get(name)
+        return self.fmt.dense_reader(self.source, name)
 
     def where(self, name: str) -> str:
         return self.source.where(name)

@@ -254,7 +254,8 @@ def build_params(cfg: ArchConfig, expected, source: TensorSource, dtype,
                                 spec.shape[2:]) for e in range(spec.shape[1])])
                     for i in stack_layers(cfg, keys)])
             if keys[0] == "layers":
-                return np.stack([fetch_quant(hf_name(_dense_as_mlp(keys), i)[0], keys[-1],
+                # NOTE: the family's names (DeepSeek's `shared_experts`), as float leaves.
+                return np.stack([fetch_quant(family_hf_name(cfg, keys, i)[0], keys[-1],
                                              spec.shape[1:])
                                  for i in stack_layers(cfg, keys)])
             return fetch_quant(hf_name(keys, None)[0], keys[-1], spec.shape)

@@ -57,8 +57,9 @@ def unpack_fp8(q: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
 
 def is_fp8_linear(name: str) -> bool:
     """The tensors an FP8 checkpoint stores in FP8: every `*_proj.weight` (attention, MLP,
-    routed and shared experts); not the router `gate`, norms, embedding or LM head."""
-    return name.endswith("_proj.weight")
+    routed and shared experts; DeepSeek's `kv_a_proj_with_mqa` too); not the router `gate`,
+    norms, embedding or LM head."""
+    return name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 
 def write_fp8_dir(directory: str, hf_model, block, quant_config: dict,

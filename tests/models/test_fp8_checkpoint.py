@@ -1,6 +1,7 @@
 """FP8 checkpoints (`quant_method: "fp8"`, `models.loaders.quant_formats.fp8`) served as
 stored: block-wise (with edge blocks), per tensor, per channel (compressed-tensors), dense
-layers and routed experts, against transformers on the dequantized weights."""
+layers, routed experts and DeepSeek-V3's latent attention, against transformers on the
+dequantized weights."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import pytest
 from models.linear import serving_form
 from models.linear.fp8 import Fp8Linear
 from models.loaders import load_model
-from models.loaders.quant_formats.fp8 import compressed_tensors_fp8
+from models.loaders.quant_formats.fp8 import compressed_tensors_fp8, fp8_format
 from models.loaders.safetensors_dir import SafetensorsDir, read_safetensors_header
 from models.quant import QuantFormat, QuantPlan
+from models.registry import arch_config_from_hf
 from tests.models.fp8_pack import pack_fp8, unpack_fp8, write_dense_dir, write_fp8_dir
 from tests.models.helpers import forward_logits, hf_logits
 
@@ -235,3 +237,125 @@ def test_tensor_parallel_splits_fp8_on_block_boundaries():
                                          r" in blocks of 32x32 cannot be split 2 ways.*"
                                          r"a shard of 48 would cut a block of 32"):
         make_tensor_parallel(bad, 2).param_specs(abstract_params(bad, "float32", plan))
+
+
+# DeepSeek-V3 as its FP8 checkpoints ship (`models.mla`): q_a_proj, q_b_proj,
+# kv_a_proj_with_mqa, kv_b_proj, o_proj, the dense MLP, the routed and shared experts in FP8
+# blocks. Blocks of 16 cut q_a's and kv_a's 24 outputs, q_b's 24 inputs and the experts' 24
+# (edge blocks of 8), as DeepSeek-V3's 128 cut kv_a's 576 outputs.
+# NOTE: a vocabulary of 10240 (IDS and their continuations fit) halves the model's writing
+# and loading; the engine test (tests/e2e/test_deepseek_fp8_engine.py) takes SmolLM2's.
+DEEPSEEK_V3 = dict(vocab_size=10240, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                   q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                   n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                   moe_intermediate_size=24, first_k_dense_replace=1, n_shared_experts=1,
+                   max_position_embeddings=128, initializer_range=0.1,
+                   tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+DS_BLOCK = [16, 16]
+
+
+def write_deepseek_fp8(directory: str, block=DS_BLOCK, seed: int = 0, **config):
+    """A tiny random DeepSeek-V3 (`DEEPSEEK_V3` with `config` over it) saved in FP8 blocks
+    `block` (its norms drawn around 1 so they matter) into `directory`; returns
+    (transformers' model of the dequantized weights: the oracle, the dequantized tensors)."""
+    torch.manual_seed(seed)
+    cfg = transformers.DeepseekV3Config(**{**DEEPSEEK_V3, **config},
+                                        attn_implementation="eager")
+    hf = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+    qc = {**FP8, "weight_block_size": list(block)}
+    dense = write_fp8_dir(directory, hf, tuple(block), qc)
+    return _dense_hf(directory + "-dense", directory, dense), dense
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("fp8_deepseek") / "model")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        hf, dense = write_deepseek_fp8(directory)
+    finally:
+        torch.set_num_threads(threads)
+    return directory, hf, dense
+
+
+def test_deepseek_v3_fp8_loads_as_stored(deepseek_dir):
+    """MLA's projections kept in their FP8 blocks (edge blocks included), kv_b_proj
+    dequantized at load to the packer's inverse, the experts, shared experts and dense MLP
+    in FP8, the router float."""
+    directory, _, dense = deepseek_dir
+    model = load_model(directory, quantization="auto")
+    fmt = QuantFormat("fp8", 16, block_n=16)
+    for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "experts.down_proj"):
+        assert model.quant.get(name) == fmt, name
+    assert model.quant.get("kv_b_proj") is None
+    attn = model.params["layers"]["self_attn"]
+    kv_a = attn["kv_a_proj_with_mqa"]
+    assert kv_a["qweight"].dtype == np.dtype("float8_e4m3fn")
+    assert kv_a["block_scales"].shape == (2, 4, 2)  # [L, 64 / 16, ceil(24 / 16)]
+    assert attn["q_a_proj"]["block_scales"].shape == (2, 4, 2)
+    assert attn["q_b_proj"]["block_scales"].shape == (2, 2, 4)  # ceil(24 / 16) input blocks
+    for layer in range(2):  # kv_b_proj: the dequantized float kernel [R, H * (Dn + Dv)]
+        np.testing.assert_array_equal(
+            np.asarray(attn["kv_b_proj"]["kernel"][layer]),
+            dense[f"model.layers.{layer}.self_attn.kv_b_proj.weight"].T)
+    mlp = model.params["layers"]["mlp"]
+    assert mlp["shared_expert"]["gate_proj"]["qweight"].dtype == np.dtype("float8_e4m3fn")
+    assert mlp["experts"]["down_proj"]["block_scales"].shape == (1, 4, 2, 4)  # 24 = 16 + 8
+    assert "qweight" in model.params["layers"]["dense_mlp"]["down_proj"]
+    assert "qweight" not in mlp["gate"]  # the router stays float
+
+
+@pytest.mark.slow(reason="a DeepSeek step's compile (~4 s); the default tier loads the same "
+                         "checkpoint (test_deepseek_v3_fp8_loads_as_stored) and the FP8 "
+                         "method's numerics are the other models' here")
+def test_deepseek_v3_fp8_equals_the_dequantized_model(deepseek_dir):
+    """Served from those leaves: transformers' teacher-forced logits of the dequantized
+    model (to float32 tolerance) and its greedy tokens."""
+    directory, hf, _ = deepseek_dir
+    _check_against(load_model(directory, quantization="auto"), hf, directory)
+
+
+def test_deepseek_kv_a_in_128_blocks_reads_its_edge_block(tmp_path):
+    """DeepSeek-V3's kv_a_proj_with_mqa [576, K] in 128x128 blocks: scales [5, K / 128], the
+    last row block 64 rows; read as stored (the method's dense weight) and, as kv_b_proj,
+    dequantized at load, both the packer's inverse."""
+    from safetensors.numpy import save_file
+
+    w = np.random.default_rng(4).normal(size=(576, 256)).astype(np.float32)
+    q, s = pack_fp8(w, (128, 128))
+    assert s.shape == (5, 2)
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    save_file({name: q, name + "_scale_inv": s}, str(tmp_path / "model.safetensors"))
+    cfg = arch_config_from_hf(dict(DEEPSEEK_V3, architectures=["DeepseekV3ForCausalLM"]))
+    fmt = fp8_format({**FP8, "weight_block_size": [128, 128]}, str(tmp_path), cfg)
+    assert fmt.plan.get("kv_a_proj_with_mqa") == QuantFormat("fp8", 128, block_n=128)
+    source = SafetensorsDir(str(tmp_path))
+    leaves = {k: v.T for k, v in fmt.reader(source, name).items()}
+    want = unpack_fp8(q, s, (128, 128))
+    got = Fp8Linear(QuantFormat("fp8", 128, block_n=128)).dense(leaves, np.float32)
+    np.testing.assert_array_equal(np.asarray(got).T, want)
+    np.testing.assert_array_equal(fmt.dense_reader(source, name), want)
+
+
+KV_B = "model.layers.1.self_attn.kv_b_proj.weight"
+KV_A = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+
+
+@pytest.mark.parametrize("tensors,match", [
+    ({KV_B + "_scale_inv": None}, rf"{KV_B}_scale_inv' is missing .*needs its 'scale_inv'"),
+    # floor(24 / 16) row blocks: the edge block's scale is missing.
+    ({KV_A + "_scale_inv": np.ones((1, 4), np.float32)},
+     rf"{KV_A}_scale_inv'.*float32\[1, 4\], expected float scales \[2, 4\]"),
+    ({KV_A: np.zeros((24, 64), np.float32)}, rf"{KV_A}'.*float32\[24, 64\].*float8_e4m3fn"),
+])
+def test_bad_deepseek_fp8_files_name_the_tensor(deepseek_dir, tmp_path, tensors, match):
+    directory = _broken(deepseek_dir[0], str(tmp_path / "bad"), tensors)
+    with pytest.raises(ValueError, match=match):
+        load_model(directory)

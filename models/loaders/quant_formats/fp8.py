@@ -5,10 +5,14 @@ block `weight_scale`).
 
 Each layer matmul (and each routed expert) is `weight` float8_e4m3fn[N, K] and its f32
 scales over [ceil(N / bn), ceil(K / bk)] blocks (w = q * scale), kept on the device as
-`models.quant`'s ``fp8`` leaves. The embedding, the LM head, the norms and the MoE router
-(`gate`) stay float, as the format leaves them. Activations are computed in the model's
-float dtype under either `activation_scheme` (a static checkpoint's `input_scale` is not
-read): the served model is the dequantized one.
+`models.quant`'s ``fp8`` leaves; so are DeepSeek's MLA projections (`MLA_MATMULS`), edge
+blocks included (kv_a_proj_with_mqa's 576 outputs are four blocks of 128 and one of 64).
+The embedding, the LM head, the norms and the MoE router (`gate`) stay float, as the format
+leaves them. A weight the model reads as float but the checkpoint stores in FP8 (DeepSeek's
+`kv_b_proj`, whose kernel MLA splits per head: ~1B of DeepSeek-V3's 671B values, 2 GB in
+bfloat16) is dequantized at load (`dequantize_fp8_rows`), then cast to the model's dtype.
+Activations are computed in the model's float dtype under either `activation_scheme` (a
+static checkpoint's `input_scale` is not read): the served model is the dequantized one.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from models.config import LAYER_MATMULS
+from models.deepseek_config import MLA_MATMULS
 from models.loaders.checkpoint_quant import CheckpointFormat, register
 from models.quant import EXPERT_MODULES, QuantFormat, QuantPlan
 
@@ -68,6 +73,16 @@ def read_fp8(source, name: str, fmt: QuantFormat, scale_suffix: str) -> dict[str
     return {"qweight": q, "block_scales": np.asarray(s, np.float32).reshape(want)}
 
 
+def dequantize_fp8_rows(leaves: dict[str, np.ndarray], fmt: QuantFormat) -> np.ndarray:
+    """f32[N, K] of `read_fp8`'s row-form leaves (codes [N, K], scales [Nb, Kb]): each
+    code times its block's scale, the last block along each axis cut short."""
+    q, scales = leaves["qweight"], leaves["block_scales"]
+    n, k = q.shape
+    bk, bn = fmt.blocks_for(k, n)
+    per_value = np.repeat(np.repeat(scales, bn, axis=0)[:n], bk, axis=1)[:, :k]  # f32[N, K]
+    return q.astype(np.float32) * per_value
+
+
 def _block_format(block, field: str) -> QuantFormat:
     """``fp8`` in blocks `block` = [bn, bk] (out, in), as the config's `field` gives it."""
     if (not isinstance(block, (list, tuple)) or len(block) != 2
@@ -80,7 +95,8 @@ def _block_format(block, field: str) -> QuantFormat:
 def _modules(qc: dict, cfg, path: str) -> tuple[str, ...]:
     """The modules kept in FP8: every layer matmul (and routed expert stack) except those
     `modules_to_not_convert` (or MiniMax's `ignored_layers`) names for every layer."""
-    planned = (*LAYER_MODULES, *(EXPERT_MODULES if cfg is not None and cfg.is_moe else ()))
+    planned = (*LAYER_MODULES, *(EXPERT_MODULES if cfg is not None and cfg.is_moe else ()),
+               *(MLA_MATMULS if cfg is not None and cfg.is_mla else ()))
     skip = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
     if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
         raise ValueError(f"{path}: quantization_config.modules_to_not_convert {skip!r} must "
@@ -131,7 +147,14 @@ def fp8_format(qc: dict, path: str, cfg) -> CheckpointFormat:
             raise KeyError(name)
         return read_fp8(source, name, fmt, suffix)
 
-    return CheckpointFormat("fp8", QuantPlan(tuple((m, fmt) for m in modules), "fp8"), reader)
+    def dense_reader(source, name):
+        arr = source.get(name)
+        if arr.dtype != FP8_DTYPE:
+            return arr
+        return dequantize_fp8_rows(read_fp8(source, name, fmt, suffix), fmt)
+
+    return CheckpointFormat("fp8", QuantPlan(tuple((m, fmt) for m in modules), "fp8"), reader,
+                            dense_reader)
 
 
 def compressed_tensors_fp8(weights: dict, where: str = "weights") -> tuple[QuantFormat,
