@@ -64,7 +64,10 @@ _ROLES = {"q_proj": ("out", ALL), "gate_proj": ("out", ALL), "up_proj": ("out", 
           # Gated DeltaNet (`models.gated_deltanet`): split by key heads and the value heads
           # each serves (`in_proj_qkv`'s channels are grouped by key head at load).
           "in_proj_qkv": ("out", ALL), "in_proj_z": ("out", ALL), "in_proj_b": ("out", ALL),
-          "in_proj_a": ("out", ALL), "out_proj": ("in", ALL)}
+          "in_proj_a": ("out", ALL), "out_proj": ("in", ALL),
+          # Multi-head latent attention (`models.mla`): the query's and kv_b's heads split,
+          # q_a and kv_a (one latent per token, the same on every device) replicated.
+          "q_b_proj": ("out", ALL), "kv_b_proj": ("out", ALL)}
 # A Gated DeltaNet layer's own leaves [L_lin, ...], split on their channel or head axis.
 _LINEAR_LEAVES = {"conv1d": P(None, None, ALL), "A_log": P(None, ALL), "dt_bias": P(None, ALL)}
 
@@ -82,12 +85,15 @@ class TensorParallel:
             heads; False for Mamba-2 layers, which every device runs whole (replicated).
         attention_ranks: Data-parallel attention over "expert" (the pool split by pages,
             the tokens by ranks); None: every device attends every request.
+        whole_pool: The pool is replicated, not split by KV heads (a latent pool's one
+            "head" under plain tensor parallelism).
     """
 
     mesh: Mesh
     experts: ExpertSharding | None = None
     split_linear: bool = True
     attention_ranks: AttentionRanks | None = None
+    whole_pool: bool = False
 
     @property
     def num_attention_ranks(self) -> int:
@@ -181,6 +187,8 @@ class TensorParallel:
         over "expert"), or under data-parallel attention on its page axis over "expert"."""
         if self.attention_ranks is not None:
             return NamedSharding(self.mesh, self.attention_ranks.pool_spec())
+        if self.whole_pool:
+            return self.replicated()
         return NamedSharding(self.mesh, P(None, None, KV))
 
     def state_shardings(self) -> dict[str, NamedSharding]:
@@ -238,18 +246,17 @@ def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None
         ValueError: `size` does not divide the query heads or the MLP width, KV heads and
             `size` do not divide one another, too few devices exist, an expert layout
             the model does not allow (`expert_layout`), `size` does not divide a
-            Gated DeltaNet model's `linear_num_key_heads`, a `size` over 1 for a model
-            with multi-head latent attention (`models.mla`), data-parallel attention for
+            Gated DeltaNet model's `linear_num_key_heads`, data-parallel attention for
             a dense model, a linear-attention hybrid or `size` over 1.
     """
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
     if cfg.is_mla and size > 1:
-        # NOTE: the one latent "head" would be copied onto every device; requests are spread
-        # over devices for attention instead (data-parallel attention).
-        raise ValueError(f"tensor_parallel_size={size} is not served for {cfg.architecture}: "
-                         "its latent attention keeps one latent per token (no heads to "
-                         "split); use expert_parallel_size with enable_dp_attention")
+        # NOTE: the one latent "head" is copied onto every device (each attends its query
+        # heads over all of it); data-parallel attention splits the pool instead.
+        logger.warning("jaxserve: %s keeps one latent per token: under tensor_parallel_size "
+                       "%d every device holds the whole latent pool (enable_dp_attention "
+                       "with expert_parallel_size splits it)", cfg.architecture, size)
     split_linear = splits_linear_layers(cfg)
     if split_linear and cfg.has_linear_attention and cfg.linear_num_key_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide linear_num_key_heads="
@@ -289,7 +296,7 @@ def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None
         logger.warning("jaxserve: %s's Mamba-2 layers and their state are replicated on the "
                        "%d tensor-parallel devices (attention and MLPs split)",
                        cfg.architecture, size)
-    return TensorParallel(mesh, experts, split_linear, ranks)
+    return TensorParallel(mesh, experts, split_linear, ranks, whole_pool=cfg.is_mla)
 
 
 def check_dp_attention(cfg: ArchConfig, size: int, expert_parallel_size: int) -> None:

@@ -106,7 +106,9 @@ def pool_pages(config: EngineConfig, model, per_page: int | None = None) -> int:
     if per_page is None:
         per_page = page_bytes(model, cc.page_size, cc.kv_cache_dtype)
     # NOTE: under tensor parallelism each device holds its KV heads' share of a page.
-    kv_shards = min(config.parallel.tensor_parallel_size, model.cfg.num_kv_heads)
+    # A latent pool (multi-head latent attention) is whole on every device.
+    kv_shards = 1 if model.cfg.is_mla else min(config.parallel.tensor_parallel_size,
+                                               model.cfg.num_kv_heads)
     pages = agree_across_processes(_pages_from_memory(config, per_page // kv_shards,
                                                       state_group(config, model)))
     return max(pages // ranks * ranks, 2 * ranks)

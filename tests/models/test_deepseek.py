@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,6 +137,21 @@ def test_latent_pool_holds_more_tokens():
     assert "x4.7 the tokens" in kv_bytes_report(cfg, 4)
 
 
-def test_tensor_parallelism_is_refused():
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        make_tensor_parallel(arch_config_from_hf(V3), 2)
+def test_tensor_parallelism_splits_heads_and_keeps_the_latent_pool_whole():
+    """Plain tensor parallelism: q_b and kv_b split by heads, o_proj by its input, q_a
+    and kv_a (the latent, the same on every device) and the latent pool replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 (CPU) devices")
+    layout = make_tensor_parallel(arch_config_from_hf(V3), 2)
+    assert layout.kv_pages_sharding().spec == P()
+    attn = {"q_a_proj": {"kernel": np.zeros((64, 24))}, "q_b_proj": {"kernel": np.zeros((24, 64))},
+            "kv_a_proj_with_mqa": {"kernel": np.zeros((64, 24))},
+            "kv_b_proj": {"kernel": np.zeros((16, 80))}, "o_proj": {"kernel": np.zeros((48, 64))}}
+    specs = layout.param_specs({"layers": {"self_attn": attn}})["layers"]["self_attn"]
+    split = ("kv", "rep")
+    assert specs["q_b_proj"]["kernel"] == P(None, split)
+    assert specs["kv_b_proj"]["kernel"] == P(None, split)
+    assert specs["o_proj"]["kernel"] == P(split, None)
+    assert specs["q_a_proj"]["kernel"] == P() and specs["kv_a_proj_with_mqa"]["kernel"] == P()

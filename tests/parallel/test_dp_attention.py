@@ -3,7 +3,8 @@
 EP 2 and EP 4 with `enable_dp_attention` gives transformers' greedy tokens batched, chunked,
 with a prefix hit, through recompute and swap preemption and with n-gram speculation; the
 requests spread over the ranks; the compiled step never gathers the latent pool; every
-setting it does not serve is a clear error.
+setting it does not serve is a clear error. Plain tensor parallelism 2 (the latent pool on
+both devices) gives the same tokens.
 
 The oracle is transformers' `DeepseekV3ForCausalLM` (`hf_greedy`), the one-device engine's
 (`tests/e2e/test_family_conformance.py`'s deepseek_v3 row holds it to the same).
@@ -109,6 +110,19 @@ def test_other_layouts_equal_transformers(deepseek, args):
         metrics = llm.get_metrics()
         assert metrics["jaxserve:num_preemptions"] > 0
         assert metrics["jaxserve:num_swap_outs"] > 0
+
+
+@pytest.mark.slow  # another engine's programs (default tier: the layout's specs in
+# tests/models/test_deepseek.py)
+def test_plain_tensor_parallel_2_replicates_the_latents(deepseek):
+    """Plain tensor parallelism stays available: query heads split, the latent pool whole
+    on both devices."""
+    path, ids, expected = deepseek
+    args = {k: v for k, v in SMALL.items() if k != "enable_dp_attention"}
+    llm = LLM(path, tensor_parallel_size=2, **{**args, "num_kv_blocks": 16})
+    assert _generate(llm, ids) == expected
+    pool = llm.engine.runner.page_pool
+    assert {s.data.shape for s in pool.addressable_shards} == {pool.shape}
 
 
 @pytest.mark.slow  # another engine's programs (verification steps)
