@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 # NOTE: 8 CPU devices for the multi-device tests (tensor/data parallel); must be set
@@ -129,9 +131,32 @@ def hf_smollm2(smollm2_path):
     # 16-token generate was 5-7x slower.
     torch.set_num_threads(1)
     directory, name = os.path.split(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    with memoized_gguf_parsing():
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name,
+                                                     dtype=torch.float32)
     model.eval()
     return model
+
+
+@contextlib.contextmanager
+def memoized_gguf_parsing():
+    """transformers' GGUF loading with gguf-py's two slow pure functions memoized: the file
+    parsed once (`GGUFReader`, by path; transformers parses it for the config and again for
+    the weights) and one tensor-name map per (architecture, layers) (`get_tensor_name_map`,
+    which `get_gguf_hf_weights_map` builds anew for each of its ~400 modules). The same
+    objects come out, so the model is the one transformers loads without it.
+
+    NOTE: SmolLM2's load took 20 s of one core, 12 s of it the name maps and 6 s the second
+    parse (transformers 5.25, gguf 0.19); it is the oracle of ~9 test files.
+    """
+    from unittest import mock
+
+    import gguf
+
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map",
+                              functools.cache(gguf.get_tensor_name_map)):
+        yield
 
 
 # A tiny random Llama with SmolLM2's tokenizer and vocabulary, as a Hugging Face directory

@@ -33,9 +33,21 @@ def source_files() -> list[pathlib.Path]:
 
 
 @functools.cache
-def code_text() -> str:
-    return "\n".join(p.read_text() for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")
-                     if p.resolve() != pathlib.Path(__file__).resolve())
+def code_words() -> frozenset[str]:
+    """Every word (a maximal run of `\\w`) of the source files but this one: an identifier is
+    named in the code when it is one of them, as `\\bname\\b` would find it.
+
+    NOTE: a set rather than a regex search per identifier over the ~3.7 MB of code: ~850 searches
+    took 12-17 s of the default tier."""
+    return frozenset(word for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")
+                     if p.resolve() != pathlib.Path(__file__).resolve()
+                     for word in re.findall(r"\w+", p.read_text()))
+
+
+@functools.cache
+def parsed(path: pathlib.Path) -> ast.Module:
+    """A source file's syntax tree, parsed once however many names it is asked for."""
+    return ast.parse(path.read_text())
 
 
 @functools.cache
@@ -44,7 +56,7 @@ def classes() -> dict[str, list[ast.ClassDef]]:
     found: dict[str, list[ast.ClassDef]] = {}
     for d in CODE_DIRS:
         for p in (ROOT / d).rglob("*.py"):
-            for node in ast.walk(ast.parse(p.read_text())):
+            for node in ast.walk(parsed(p)):
                 if isinstance(node, ast.ClassDef):
                     found.setdefault(node.name, []).append(node)
     return found
@@ -78,8 +90,7 @@ def module_path(dotted: str) -> pathlib.Path | None:
 
 
 def module_defines(path: pathlib.Path, name: str) -> bool:
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
                 and node.name == name:
             return True
@@ -118,7 +129,7 @@ def problem(span: str) -> str | None:
                 return f"{mod.relative_to(ROOT)} defines no {rest[i]!r}"
         return None  # a variable's attribute (`config.cache`), or another library's
     m = IDENT.match(span)
-    if m and not re.search(rf"\b{re.escape(m.group(1))}\b", code_text()):
+    if m and m.group(1) not in code_words():
         return "named nowhere in the code"
     return None
 

@@ -160,14 +160,18 @@ def test_chunk_512_with_longer_prompt(chunk_512_llm, smollm2_tokenizer, prompts,
     assert_same_as_alone(llm, batch, token_ids(llm, batch), ref, "chunk 512, long prompt")
 
 
-# NOTE: swap beside recompute in the slow tier: the default tier's swap runs against
-# transformers' tokens in each default row of tests/e2e/test_family_conformance.py.
-@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow(
-    reason="swap's tokens are the conformance table's in the default tier"))])
+# NOTE: both modes in the slow tier (a pool of its own: every SmolLM2 step compiles again,
+# ~17 s). The default tier's recompute runs against unpreempted tokens in
+# tests/structured/test_engine_constraints.py (`test_json_schema_outputs_validate`, one
+# device), tests/e2e/test_hybrid_engine.py (against transformers) and
+# tests/parallel/test_parallel_engine.py (tensor parallel 2); its swap against transformers'
+# tokens in each default row of tests/e2e/test_family_conformance.py.
+@pytest.mark.slow(reason="default tier: recompute in test_engine_constraints.py's, "
+                  "test_hybrid_engine.py's and test_parallel_engine.py's preempted runs, "
+                  "swap in the conformance table's rows")
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption(smollm2, smollm2_tokenizer, ref_llm, prompts, alone, mode):
-    """A pool of 15 usable pages cannot hold the batch (~26 pages): requests are preempted.
-    (tests/e2e/test_async_scheduling.py's pool size: the steps come from the compilation
-    cache.)"""
+    """A pool of 15 usable pages cannot hold the batch (~26 pages): requests are preempted."""
     llm = make_llm(smollm2, smollm2_tokenizer, num_kv_blocks=16, preemption_mode=mode)
     assert_same_as_alone(ref_llm, prompts, token_ids(llm, prompts), alone, f"preempt {mode}")
     metrics = llm.get_metrics()
