@@ -20,6 +20,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_ffi
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import token_positions
 from pallas_kernels.ragged_paged_attention.xla import _tiles_by_head
@@ -170,3 +171,30 @@ def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
     out = out.reshape(num_tokens, num_q_heads, head_dim)
     out = jnp.where(valid[:, None, None], out, 0.0)
     return out.astype(q.dtype)
+
+
+def invariant_attention_cpu(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,
+                            sm_scale: float, sliding_window=0, soft_cap: float | None = None,
+                            sinks: jax.Array | None = None) -> jax.Array:
+    """`invariant_attention`'s contract on the C++ decode kernel (the "cpu" backend, pools
+    `cpu_ffi.supports`): every token is a kernel row of one query whose length is its
+    position + 1, so its result depends on its own query and keys only. The sinks scale the
+    (acc, max, denominator) state the kernel returns, outside the C++ code.
+
+    Returns:
+        [num_tokens, num_q_heads, head_dim] in q's dtype; padded tokens are zero.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    check_sinks(sinks, num_q_heads)
+    kv_heads = kv_pages.shape[2]
+    seq_ids, q_pos, valid = token_positions(md, num_tokens)
+    lens = jnp.where(valid, q_pos + 1, 0)  # i32[T]: every token a row of one query
+    qg = q.astype(jnp.float32).reshape(num_tokens, kv_heads, num_q_heads // kv_heads, head_dim)
+    acc, m, denom = cpu_ffi.paged_decode_cpu(
+        qg, kv_pages, layer, md.block_tables[seq_ids], lens,
+        jnp.asarray(sliding_window, jnp.int32), sm_scale=sm_scale, soft_cap=soft_cap)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # f32[T, k, g, d]
+    if sinks is not None:
+        out = out * sink_factor(m, denom, grouped_sinks(sinks, kv_heads))[..., None]
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

@@ -32,7 +32,7 @@ from pallas_kernels.fp8_matmul.kernel import fp8_matmul_kernel
 from pallas_kernels.fp8_matmul.reference import fp8_matmul_reference
 from pallas_kernels.gated_delta.kernel import gated_delta_rule_kernel
 from pallas_kernels.gated_delta.xla import gated_delta_rule_xla
-from pallas_kernels.invariant import invariant_attention
+from pallas_kernels.invariant import invariant_attention, invariant_attention_cpu
 from pallas_kernels.kv_quant import kv_rotation
 from pallas_kernels.kv_write.kernel import write_kv_kernel
 from pallas_kernels.kv_write.reference import write_kv_reference
@@ -48,7 +48,7 @@ from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 from pallas_kernels.rank_split import AttentionRanks, per_rank
-from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
+from pallas_kernels.sinks import check_sinks
 from pallas_kernels.ssd.kernel import ssd_kernel
 from pallas_kernels.ssd.xla import ssd_xla
 from pallas_kernels.tuning import tuned
@@ -159,24 +159,7 @@ def _invariant(q, kv_pages, layer, md, backend, common):
                          "(it needs kernels whose splits and tiles do not follow the step)")
     t = tuned("batch_invariant")
     if backend == "cpu" and cpu_ffi.supports(kv_pages):
-        from pallas_kernels.ragged_paged_attention.reference import token_positions
-
-        num_tokens, num_q_heads, head_dim = q.shape
-        kv_heads = kv_pages.shape[2]
-        seq_ids, q_pos, valid = token_positions(md, num_tokens)
-        lens = jnp.where(valid, q_pos + 1, 0)  # i32[T]: every token a row of one query
-        qg = q.astype(jnp.float32).reshape(num_tokens, kv_heads, num_q_heads // kv_heads,
-                                           head_dim)
-        acc, m, denom = cpu_ffi.paged_decode_cpu(
-            qg, kv_pages, layer, md.block_tables[seq_ids], lens,
-            jnp.asarray(common["sliding_window"], jnp.int32), sm_scale=common["sm_scale"],
-            soft_cap=common["soft_cap"])
-        out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-        if common["sinks"] is not None:  # the sink applied to the kernel's state, here
-            sk = grouped_sinks(common["sinks"], kv_heads)  # f32[k, g]
-            out = out * sink_factor(m, denom, sk)[..., None]
-        out = jnp.where(valid[:, None, None, None], out, 0.0)
-        return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+        return invariant_attention_cpu(q, kv_pages, layer, md, **common)
     return invariant_attention(q, kv_pages, layer, md, block_kv=t["block_kv"],
                                token_tile=t["token_tile"], **common)
 
