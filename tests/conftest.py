@@ -7,9 +7,14 @@ import functools
 import os
 
 # NOTE: 8 CPU devices for the multi-device tests (tensor/data parallel); must be set
-# before JAX initialises. Single-device code runs on device 0 as before.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+# before JAX initialises. Single-device code runs on device 0 as before. The tests' programs
+# are compiled with LLVM's optimisations off (`--xla_backend_optimization_level=0`): the tiny
+# models' steps run in microseconds either way, and compiling is most of the default tier's
+# time (docs/development.md: half the CPU time of a test file). Set XLA_FLAGS to override.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 # NOTE: the CPU kernels' helpers spin 200 us after each call by default (`SpinPool`,
 # pallas_kernels/cpu_ffi/pool.h), which with two test workers on two cores takes the core
