@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import token_positions
 from pallas_kernels.ragged_paged_attention.xla import _tiles_by_head
+from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
 
 _NEG = -1e30  # running max of a row that has seen no key yet (exp(_NEG - m) == 0)
 
@@ -91,7 +92,8 @@ def row_tiled(fn: Callable[[jax.Array], jax.Array], x: jax.Array, tile: int) -> 
 
 def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,
                         sm_scale: float, sliding_window=0, soft_cap: float | None = None,
-                        block_kv: int = 64, token_tile: int = 16) -> jax.Array:
+                        sinks: jax.Array | None = None, block_kv: int = 64,
+                        token_tile: int = 16) -> jax.Array:
     """Causal paged attention, every token alone: keys [0, position] of its request in
     blocks of `block_kv`, tokens in tiles of `token_tile`; the result of a token depends on
     its query, position and its request's K/V only.
@@ -105,6 +107,9 @@ def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
         sm_scale: Scale applied to q.k.
         sliding_window: Keys older than `window` positions are masked; 0 means none.
         soft_cap: If set, logits become `soft_cap * tanh(logits / soft_cap)`.
+        sinks: f32[num_q_heads] sink logits (`pallas_kernels.sinks`), applied per token
+            after its last key block (elementwise: the token's result still depends on its
+            own state only); None: no sinks.
         block_kv: Keys per block (rounded to whole pages).
         token_tile: Query tokens per tile.
 
@@ -112,6 +117,7 @@ def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
         [num_tokens, num_q_heads, head_dim] in q's dtype; padded tokens are zero.
     """
     num_tokens, num_q_heads, head_dim = q.shape
+    check_sinks(sinks, num_q_heads)
     _, _, kv_heads, _, page_size, _ = kv_pages.shape
     group = num_q_heads // kv_heads
     ppb = max(1, block_kv // page_size)
@@ -154,8 +160,11 @@ def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
                 jnp.full((t, kv_heads, group), _NEG, jnp.float32),
                 jnp.zeros((t, kv_heads, group), jnp.float32))
         num_blocks = (jnp.max(ln) + block_kv - 1) // block_kv
-        acc, _, denom = jax.lax.fori_loop(0, num_blocks, block, init)
-        return acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+        acc, m, denom = jax.lax.fori_loop(0, num_blocks, block, init)
+        out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+        if sinks is not None:  # [t, k, g] factor of each token's rows
+            out = out * sink_factor(m, denom, grouped_sinks(sinks, kv_heads))[..., None]
+        return out
 
     out = tile_loop(one_tile, (qg, seq_ids, q_pos, lens), num_tokens, token_tile)
     out = out.reshape(num_tokens, num_q_heads, head_dim)

@@ -48,6 +48,7 @@ from pallas_kernels.ragged_paged_attention.kernel import ragged_paged_attention_
 from pallas_kernels.ragged_paged_attention.kernel_tpu import ragged_paged_attention_tpu
 from pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 from pallas_kernels.rank_split import AttentionRanks, per_rank
+from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
 from pallas_kernels.ssd.kernel import ssd_kernel
 from pallas_kernels.ssd.xla import ssd_xla
 from pallas_kernels.tuning import tuned
@@ -104,7 +105,8 @@ def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mappin
 
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,
                            sm_scale: float, sliding_window=0, soft_cap: float | None = None,
-                           backend: str = "xla", batch_invariant: bool = False) -> jax.Array:
+                           sinks: jax.Array | None = None, backend: str = "xla",
+                           batch_invariant: bool = False) -> jax.Array:
     """Packed causal attention through block tables (the references in
     `pallas_kernels/*/reference.py` define the result).
 
@@ -114,8 +116,13 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
     alone (its result the same whatever shares the step): on "cpu" every token is a row of
     the C++ kernel, on "xla" (and "cpu" with a pool the kernel does not read) it goes
     through `invariant_attention`; "pallas" has no such mode (a ValueError).
+
+    `sinks` (f32[num_q_heads] or None) are gpt-oss's learned sink logits, one more softmax
+    column per query head (`pallas_kernels.sinks`); every path takes them.
     """
-    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    check_sinks(sinks, q.shape[1] if q.ndim == 3 else -1)
+    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  sinks=sinks)
     if batch_invariant:
         return _invariant(q, kv_pages, layer, md, backend, common)
     page_size, width = kv_pages.shape[4], md.block_tables.shape[1]
@@ -160,11 +167,14 @@ def _invariant(q, kv_pages, layer, md, backend, common):
         lens = jnp.where(valid, q_pos + 1, 0)  # i32[T]: every token a row of one query
         qg = q.astype(jnp.float32).reshape(num_tokens, kv_heads, num_q_heads // kv_heads,
                                            head_dim)
-        acc, _, denom = cpu_ffi.paged_decode_cpu(
+        acc, m, denom = cpu_ffi.paged_decode_cpu(
             qg, kv_pages, layer, md.block_tables[seq_ids], lens,
             jnp.asarray(common["sliding_window"], jnp.int32), sm_scale=common["sm_scale"],
             soft_cap=common["soft_cap"])
         out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+        if common["sinks"] is not None:  # the sink applied to the kernel's state, here
+            sk = grouped_sinks(common["sinks"], kv_heads)  # f32[k, g]
+            out = out * sink_factor(m, denom, sk)[..., None]
         out = jnp.where(valid[:, None, None, None], out, 0.0)
         return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
     return invariant_attention(q, kv_pages, layer, md, block_kv=t["block_kv"],
@@ -330,24 +340,31 @@ class AttentionOps:
         return write_kv(kv_pages, slot, k, v, slot_mapping, backend=self.backend)
 
     def attend(self, q: jax.Array, kv_pages: jax.Array, slot, md: AttentionMetadata, *,
-               sm_scale: float, sliding_window=0, soft_cap: float | None = None) -> jax.Array:
+               sm_scale: float, sliding_window=0, soft_cap: float | None = None,
+               sinks: jax.Array | None = None) -> jax.Array:
         """[T, Hq, D] attention output of queries q [T, Hq, D] over slot `slot` of the
-        pool (`ragged_paged_attention`; rotated pages: q rotated in, the output back)."""
+        pool (`ragged_paged_attention`; rotated pages: q rotated in, the output back).
+
+        `sinks`: f32[Hq] learned sink logits (gpt-oss; may be traced, a layer's parameter
+        in the layer scan), or None. Under data-parallel attention every rank takes them
+        whole.
+        """
         rot = self._rotation(kv_pages, q.shape[-1], q.dtype)
         if rot is not None:
             q = q @ rot
 
-        def attend(q, pool, md, slot, window):
+        def attend(q, pool, md, slot, window, sinks=None):
             return ragged_paged_attention(q, pool, slot, md, sm_scale=sm_scale,
                                           sliding_window=window, soft_cap=soft_cap,
-                                          backend=self.backend,
+                                          sinks=sinks, backend=self.backend,
                                           batch_invariant=self.batch_invariant)
 
         if self.ranks is not None:
+            rep = (slot, jnp.asarray(sliding_window, jnp.int32))
             out = per_rank(self.ranks, attend, (q,), kv_pages, md, returns="tokens",
-                           replicated=(slot, jnp.asarray(sliding_window, jnp.int32)))
+                           replicated=rep if sinks is None else (*rep, sinks))
         else:
-            out = attend(q, kv_pages, md, slot, sliding_window)
+            out = attend(q, kv_pages, md, slot, sliding_window, sinks)
         return out if rot is None else out @ rot.T
 
     def write_latent(self, pool: jax.Array, slot, latent: jax.Array,

@@ -20,6 +20,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.flash import init_carry, load_pages, online_softmax_step
 from pallas_kernels.paged_decode_attention.reference import check_decode_shapes
+from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
 
 
 def _kernel(scalars_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
@@ -64,16 +65,20 @@ def _kernel(scalars_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, o_ref, m_ref, l
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "pages_per_block",
                                              "num_splits", "interpret"))
 def paged_decode_attention_kernel(q, kv_pages, layer, block_tables, kv_lens, *, sm_scale,
-                                  sliding_window=0, soft_cap=None, pages_per_block=2,
-                                  num_splits=2, interpret=False):
+                                  sliding_window=0, soft_cap=None, sinks=None,
+                                  pages_per_block=2, num_splits=2, interpret=False):
     """Pallas decode attention; same contract as `paged_decode_attention_reference`.
 
     Args:
+        sinks: f32[num_q_heads] sink logits (`pallas_kernels.sinks`; the ragged reference's
+            semantics), applied in the wrapper to the splits' combined state: the kernel
+            is the same program with or without them. None: no sinks.
         pages_per_block: Pages per inner iteration (block_k = pages * page_size).
         num_splits: Programs sharing one request's context (split-K), combined by LSE.
         interpret: Run in the Pallas interpreter (the CPU's only option).
     """
     check_decode_shapes(q, kv_pages, block_tables, kv_lens)
+    check_sinks(sinks, q.shape[1])
     num_seqs, num_q_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_q_heads // num_kv_heads
@@ -118,5 +123,9 @@ def paged_decode_attention_kernel(q, kv_pages, layer, block_tables, kv_lens, *, 
     scale = jnp.where(lsum > 0, jnp.exp(m - m_all), 0.0)  # [num_seqs, Hkv, splits, gp]
     num = jnp.sum(o * scale[..., None], axis=2)  # [num_seqs, Hkv, gp, head_dim]
     den = jnp.sum(lsum * scale, axis=2)[..., None]
-    out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)[:, :, :group]
+    out = jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
+    if sinks is not None:  # [Hkv, gp] sinks (padded heads' outputs are dropped below)
+        sk = jnp.pad(grouped_sinks(sinks, num_kv_heads), ((0, 0), (0, gp - group)))
+        out = out * sink_factor(m_all[:, :, 0], den[..., 0], sk)[..., None]
+    out = out[:, :, :group]
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.flash import init_carry, load_pages, online_softmax_step
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import check_shapes
+from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
 
 
 def query_blocks(cu_q_lens: jax.Array, num_tokens: int, block_q: int):
@@ -106,8 +107,10 @@ def program(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
 
 
 def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref,
-            tables_ref, q_ref, kv_ref, o_ref, *, num_pages, num_kv_heads, page_size,
+            tables_ref, q_ref, kv_ref, *refs, num_pages, num_kv_heads, page_size,
             pages_per_block, group, sm_scale, soft_cap):
+    # refs: (sinks_ref f32[1, rows] of this KV head, o_ref) with sinks, else (o_ref,)
+    sinks_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     (h, layer, window, block_q, gp, head_dim, rows, block_k, seq, n_valid, kv_len, first_pos,
      first_blk, num_blk) = program(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref,
                                    cu_ref, kv_lens_ref, q_ref, page_size, pages_per_block)
@@ -133,24 +136,30 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
                                    sm_scale=sm_scale, soft_cap=soft_cap)
 
     init = init_carry(rows, head_dim)
-    o, _, lsum = lax.fori_loop(0, num_blk, body, init)
+    o, m, lsum = lax.fori_loop(0, num_blk, body, init)
     o = jnp.where(lsum[:, None] > 0, o / jnp.where(lsum > 0, lsum, 1.0)[:, None], 0.0)
+    if sinks_ref is not None:
+        o = o * sink_factor(m, lsum, sinks_ref[0])[:, None]
     o_ref[0, :, 0, :, :] = o.reshape(block_q, gp, head_dim).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q",
                                              "pages_per_block", "interpret"))
 def ragged_paged_attention_kernel(q, kv_pages, layer, md: AttentionMetadata, *, sm_scale,
-                                  sliding_window=0, soft_cap=None, block_q=16,
+                                  sliding_window=0, soft_cap=None, sinks=None, block_q=16,
                                   pages_per_block=2, interpret=False):
     """Pallas ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:
+        sinks: f32[num_q_heads] sink logits or None; with them each program also reads
+            its KV head's row of `sink_rows` and scales its outputs once, after the
+            last key block (the program without sinks is unchanged).
         block_q: Query tokens per program.
         pages_per_block: Pages loaded per inner iteration (block_k = pages * page_size).
         interpret: Run the kernel in the Pallas interpreter (the CPU's only option).
     """
     check_shapes(q, kv_pages, md)
+    check_sinks(sinks, q.shape[1])
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_q_heads // num_kv_heads
@@ -175,10 +184,14 @@ def ragged_paged_attention_kernel(q, kv_pages, layer, md: AttentionMetadata, *, 
         pages_per_block=pages_per_block, group=group, sm_scale=sm_scale, soft_cap=soft_cap)
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
     block = pl.BlockSpec((1, block_q, 1, gp, head_dim), lambda b, h: (b, 0, h, 0, 0))
+    extra, extra_specs = (), []
+    if sinks is not None:  # f32[Hkv, block_q * gp]: row r of a program is head r % gp
+        extra = (sink_rows(sinks, num_kv_heads, gp, block_q),)
+        extra_specs = [pl.BlockSpec((1, block_q * gp), lambda b, h: (h, 0))]
     out = pl.pallas_call(
         kernel,
         grid=(num_blocks, num_kv_heads),
-        in_specs=[whole] * 7 + [block, whole],
+        in_specs=[whole] * 7 + [block, whole] + extra_specs,
         out_specs=block,
         out_shape=jax.ShapeDtypeStruct(q_blocks.shape, q.dtype),
         interpret=interpret,
@@ -187,9 +200,18 @@ def ragged_paged_attention_kernel(q, kv_pages, layer, md: AttentionMetadata, *, 
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         name=f"ragged_paged_attention_bq{block_q}_ppb{pages_per_block}",
     )(scalars, blk_seq, blk_start, blk_len, md.cu_q_lens, md.kv_lens, tables, q_blocks,
-      kv_flat)
+      kv_flat, *extra)
 
     return scatter_rows(out, blk_start, blk_len, num_tokens, group).astype(q.dtype)
+
+
+def sink_rows(sinks: jax.Array, num_kv_heads: int, gp: int, block_q: int) -> jax.Array:
+    """Sinks f32[Hq] laid out as a ragged program's rows: f32[num_kv_heads, block_q * gp]
+    (query token major, then its `gp` padded heads; padded heads get 0, their rows are
+    dropped)."""
+    sk = grouped_sinks(sinks, num_kv_heads)  # f32[Hkv, group]
+    sk = jnp.pad(sk, ((0, 0), (0, gp - sk.shape[1])))  # f32[Hkv, gp]
+    return jnp.tile(sk, (1, block_q))
 
 
 def scatter_rows(out: jax.Array, blk_start: jax.Array, blk_len: jax.Array, num_tokens: int,

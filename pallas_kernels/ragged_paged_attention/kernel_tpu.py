@@ -28,14 +28,19 @@ from pallas_kernels.ragged_paged_attention.kernel import (
     program,
     query_blocks,
     scatter_rows,
+    sink_rows,
     value_slots,
 )
 from pallas_kernels.ragged_paged_attention.reference import check_shapes
+from pallas_kernels.sinks import check_sinks, sink_factor
 
 
 def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref,
-            tables_ref, q_ref, kv_hbm, o_ref, k_buf, v_buf, sems, *, num_pages, num_kv_heads,
-            page_size, pages_per_block, table_width, group, sm_scale, soft_cap):
+            tables_ref, q_ref, kv_hbm, *refs, num_pages, num_kv_heads, page_size,
+            pages_per_block, table_width, group, sm_scale, soft_cap):
+    # refs: sinks_ref f32[1, rows, 1] of this KV head (with sinks only), o_ref, scratch
+    sinks_ref, (o_ref, k_buf, v_buf, sems) = (
+        (refs[0], refs[1:]) if len(refs) == 5 else (None, refs))
     (h, layer, window, block_q, gp, head_dim, rows, block_k, seq, n_valid, kv_len, first_pos,
      first_blk, num_blk) = program(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref,
                                    cu_ref, kv_lens_ref, q_ref, page_size, pages_per_block)
@@ -85,24 +90,30 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows, 1), MASK, jnp.float32),
             jnp.zeros((rows, 1), jnp.float32))
-    o, _, lsum = lax.fori_loop(0, num_blk, body, init)
+    o, m, lsum = lax.fori_loop(0, num_blk, body, init)
     o = jnp.where(lsum > 0, o / jnp.where(lsum > 0, lsum, 1.0), 0.0)
+    if sinks_ref is not None:  # [rows, 1], as m and lsum: no relayout
+        o = o * sink_factor(m, lsum, sinks_ref[0])
     o_ref[0, :, 0, :, :] = o.reshape(block_q, gp, head_dim).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q",
                                              "pages_per_block", "interpret"))
 def ragged_paged_attention_tpu(q, kv_pages, layer, md: AttentionMetadata, *, sm_scale,
-                               sliding_window=0, soft_cap=None, block_q=16, pages_per_block=2,
-                               interpret=False):
+                               sliding_window=0, soft_cap=None, sinks=None, block_q=16,
+                               pages_per_block=2, interpret=False):
     """TPU ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:
+        sinks: f32[num_q_heads] sink logits or None; with them each program reads its KV
+            head's rows of sinks (f32[rows, 1], the layout of its running max) as one more
+            VMEM block and scales its outputs after the last key block.
         block_q: Query tokens per program.
         pages_per_block: Pages DMA'd per inner iteration.
         interpret: Run under the TPU interpreter (`pltpu.InterpretParams`) on the CPU.
     """
     check_shapes(q, kv_pages, md)
+    check_sinks(sinks, q.shape[1])
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_q_heads // num_kv_heads
@@ -125,10 +136,14 @@ def ragged_paged_attention_tpu(q, kv_pages, layer, md: AttentionMetadata, *, sm_
         pages_per_block=pages_per_block, table_width=width_padded, group=group,
         sm_scale=sm_scale, soft_cap=soft_cap)
     block = pl.BlockSpec((1, block_q, 1, gp, head_dim), lambda b, h, *_: (b, 0, h, 0, 0))
+    extra, extra_specs = (), []
+    if sinks is not None:  # f32[Hkv, rows, 1]: the last two axes whole, as Mosaic wants
+        extra = (sink_rows(sinks, num_kv_heads, gp, block_q)[..., None],)
+        extra_specs = [pl.BlockSpec((1, block_q * gp, 1), lambda b, h, *_: (h, 0, 0))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=7,
         grid=(blk_seq.shape[0], num_kv_heads),
-        in_specs=[block, pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[block, pl.BlockSpec(memory_space=pl.ANY)] + extra_specs,
         out_specs=block,
         scratch_shapes=[pltpu.VMEM((pages_per_block, page_size, kv_pages.shape[-1]),
                                    kv_pages.dtype),
@@ -144,5 +159,5 @@ def ragged_paged_attention_tpu(q, kv_pages, layer, md: AttentionMetadata, *, sm_
             dimension_semantics=("arbitrary", "arbitrary")),
         name=f"ragged_paged_attention_tpu_bq{block_q}_ppb{pages_per_block}",
     )(scalars, blk_seq, blk_start, blk_len, md.cu_q_lens, md.kv_lens, tables, q_blocks,
-      kv_flat)
+      kv_flat, *extra)
     return scatter_rows(out, blk_start, blk_len, num_tokens, group).astype(q.dtype)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kv_quant import KV_CACHE_FLOATS, dequantize_kv, is_quantized, kv_head_dim
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
 
 # Float pools any query may read where every gathered page is widened to float32 (this
 # reference and the XLA path): the float `kv_cache_dtype`s' pools. The Pallas kernels read
@@ -84,6 +85,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of packed queries over each request's paged K/V.
 
@@ -95,11 +97,15 @@ def ragged_paged_attention_reference(
         sm_scale: Scale applied to q.k.
         sliding_window: Keys older than `window` positions are masked; 0 means none.
         soft_cap: If set, logits become `soft_cap * tanh(logits / soft_cap)`.
+        sinks: f32[num_q_heads] learned sink logits (`pallas_kernels.sinks`): each row's
+            softmax gets one more column holding its head's sink, which takes mass but adds
+            no value. None: no sinks.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
     """
     check_shapes(q, kv_pages, md, widens=True)
+    check_sinks(sinks, q.shape[1])
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_pages.shape[2], kv_pages.shape[4]
     group = num_q_heads // num_kv_heads
@@ -129,6 +135,9 @@ def ragged_paged_attention_reference(
     probs = jnp.where(mask[:, None, None, :], jnp.exp(logits - row_max), 0.0)
     denom = jnp.sum(probs, axis=-1, keepdims=True)
     probs = probs / jnp.where(denom > 0, denom, 1.0)
+    if sinks is not None:  # [1, k, g, 1] sink of each query head
+        probs = probs * sink_factor(row_max, denom,
+                                    grouped_sinks(sinks, num_kv_heads)[None, :, :, None])
     # NaN in a masked slot must not leak through 0 * NaN: zero masked values first.
     v = jnp.where(mask[None, :, :, None], v, 0.0)
     out = jnp.einsum("tkgc,ktcd->tkgd", probs, v)

@@ -38,6 +38,7 @@ from pallas_kernels.cpu_ffi import paged_decode_cpu, supports
 from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import check_shapes, token_positions
+from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
 from pallas_kernels.tuning import tuned
 
 _NEG = -1e30  # running max of a row that has seen no key yet (finite: exp(_NEG - m) == 0)
@@ -262,6 +263,7 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
     block_kv: int | None = None,
     block_q: int | None = None,
     block_q_short: int | None = None,
@@ -282,6 +284,9 @@ def ragged_paged_attention_xla(
         sm_scale: Scale applied to q.k.
         sliding_window: Keys older than `window` positions are masked; 0 means none.
         soft_cap: If set, logits become `soft_cap * tanh(logits / soft_cap)`.
+        sinks: f32[num_q_heads] sink logits (`pallas_kernels.sinks`), applied to the merged
+            state of the decode and context parts (the C++ kernel's rows included); None:
+            no sinks.
         The sizes and thresholds below default to the platform's row of
         `pallas_kernels.tuning` ("ragged_xla"); BENCHMARKS.md has the measurements.
         block_kv: Keys per gathered block (rounded to whole pages).
@@ -310,6 +315,7 @@ def ragged_paged_attention_xla(
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
     """
     check_shapes(q, kv_pages, md, widens=True)
+    check_sinks(sinks, q.shape[1])
     t = tuned("ragged_xla")
     block_kv = t["block_kv"] if block_kv is None else block_kv
     block_q = t["block_q"] if block_q is None else block_q
@@ -374,7 +380,9 @@ def ragged_paged_attention_xla(
     # "the batch-1 step's attention").
     state = jax.lax.cond(jnp.any(ctx_lens > 0), context,
                          lambda _: _init((num_tokens, num_kv_heads, group), head_dim), ctx_lens)
-    acc, _, denom = _merge(state, decode)
+    acc, m, denom = _merge(state, decode)
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    if sinks is not None:  # [t, k, g] factor of each row
+        out = out * sink_factor(m, denom, grouped_sinks(sinks, num_kv_heads))[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
