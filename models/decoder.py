@@ -109,10 +109,9 @@ class Attention(nn.Module):
         else:
             scale = (cfg.attention_multiplier  # Granite gives the scale itself
                      or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5)
-            extra = {} if sinks is None else {"sinks": sinks}
             out = self.methods.attention.attend(
                 q, kv_pages, slot, md, sm_scale=scale, sliding_window=window,
-                soft_cap=cfg.attn_logit_softcap, **extra)
+                soft_cap=cfg.attn_logit_softcap, sinks=sinks)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.astype(out.dtype))
         out = out.reshape(q.shape[0], cfg.num_heads * cfg.head_dim)
