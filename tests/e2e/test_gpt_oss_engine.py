@@ -112,3 +112,17 @@ def test_pages_go_back_during_a_long_decode(float_dir, smollm2_tokenizer):
     assert most[full] >= (length - 1) // 8  # every token's page kept
     assert used <= most[full] + 3  # the pool: the full group's pages, the window's few more
     assert kv.usage == 0.0 and kv.pool.num_used_pages == 0
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
+def test_tensor_parallel_equals_transformers(float_dir, smollm2_tokenizer):
+    """TP 2 (query heads split, the sinks whole on each device and sliced with them; each
+    expert's width split, its gate/up biases with it, the down bias added once) gives
+    transformers' float tokens."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        float_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
+    llm = LLM(float_dir, **ENGINE, tensor_parallel_size=2)
+    assert _greedy(llm, ids) == [hf_greedy(hf, x, MAX_TOKENS) for x in ids]
