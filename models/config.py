@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from models.deepseek_config import check_groups, check_mla
+from models.moe_config import check_expert_act
 from models.rope import RopeScaling, check_rope_scaling
 
 # HF activation names the gated MLP computes ("gelu_pytorch_tanh": GELU, tanh approximation).
@@ -131,6 +132,14 @@ class ArchConfig:
             `topk_group` best groups only (1: no groups).
         topk_group: Groups each token's experts come from.
         routed_scaling_factor: The routing weights are multiplied by it (DeepSeek).
+        moe_bias: The router and the routed experts' gate, up and down projections have
+            biases (gpt-oss).
+        swiglu_limit: Set: the routed experts' activation is gpt-oss's clamped SwiGLU
+            (`models.moe_act.ClampedSwiGLU`: gate clamped above at it, up to +-it), not
+            `hidden_act`. None: `hidden_act`.
+        swiglu_alpha: The clamped SwiGLU's sigmoid gain.
+        attention_sinks: Every attention layer has a learned logit per query head
+            (`sinks` f32[num_heads]) in its softmax's denominator (gpt-oss).
     """
 
     architecture: str
@@ -196,6 +205,10 @@ class ArchConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False
 
     @property
     def is_mla(self) -> bool:
@@ -309,6 +322,7 @@ class ArchConfig:
                              f"shared_expert_intermediate_size "
                              f"({self.shared_expert_intermediate_size}) must be >= 0")
         if not self.num_experts:
+            check_expert_act(self)
             if self.dense_layers:
                 raise ValueError(f"dense_layers={list(self.dense_layers)} needs a mixture "
                                  "of experts (num_experts > 0)")
@@ -323,6 +337,7 @@ class ArchConfig:
             raise ValueError(f"unsupported router_order {self.router_order!r}; supported: "
                              f"{', '.join(ROUTER_ORDERS)}")
         check_groups(self)
+        check_expert_act(self)
         dense = self.dense_layers
         if list(dense) != sorted(set(dense)) or not all(0 <= i < self.num_layers
                                                         for i in dense):

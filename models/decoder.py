@@ -62,9 +62,12 @@ class Attention(nn.Module):
         def proj(n, bias, name, h):
             return Linear(n, self.methods.linear(name), bias, self.dtype, layer, name=name)(h)
 
+        # gpt-oss's learned sinks: one more logit per query head in the softmax.
+        sinks = (self.param("sinks", nn.initializers.zeros, (cfg.num_heads,), jnp.float32)
+                 if cfg.attention_sinks else None)  # f32[Hq]
         if self.phase == "attend":
             q, gate = x
-            return self._attend(q, gate, kv_pages, slot, window, md, proj)
+            return self._attend(q, gate, kv_pages, slot, window, md, proj, sinks)
         num_tokens = x.shape[0]
         gated = cfg.attn_output_gate
         q = proj(cfg.num_heads * cfg.head_dim * (2 if gated else 1), cfg.qkv_bias, "q_proj", x)
@@ -92,11 +95,12 @@ class Attention(nn.Module):
             return q, gate, k, v
         if not self.is_initializing():
             kv_pages = ops.write_kv(kv_pages, slot, k, v, md.slot_mapping)
-        return self._attend(q, gate, kv_pages, slot, window, md, proj), kv_pages
+        return self._attend(q, gate, kv_pages, slot, window, md, proj, sinks), kv_pages
 
-    def _attend(self, q, gate, kv_pages, slot, window, md: AttentionMetadata, proj):
+    def _attend(self, q, gate, kv_pages, slot, window, md: AttentionMetadata, proj,
+                sinks=None):
         """[T, hidden] output of queries q [T, Hq, D] (gated by `gate` [T, Hq, D] or None)
-        over the pages, which already hold this step's K/V."""
+        over the pages, which already hold this step's K/V (`sinks` f32[Hq] or None)."""
         cfg = self.cfg
         if self.is_initializing():
             # NOTE: `init` only makes the parameters (`abstract_params` traces it on every
@@ -107,7 +111,7 @@ class Attention(nn.Module):
                      or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5)
             out = self.methods.attention.attend(
                 q, kv_pages, slot, md, sm_scale=scale, sliding_window=window,
-                soft_cap=cfg.attn_logit_softcap)
+                soft_cap=cfg.attn_logit_softcap, sinks=sinks)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.astype(out.dtype))
         out = out.reshape(q.shape[0], cfg.num_heads * cfg.head_dim)

@@ -26,76 +26,21 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.config import ROUTER_ORDERS, ArchConfig
-from models.layers import ACTIVATIONS, GatedMLP
+from models.config import ArchConfig
+from models.layers import GatedMLP
 from models.linear import STACKS, Linear, LinearMethod, Methods
 from models.linear.registry import grouped_impl, stored_method
+from models.moe_act import ExpertAct, expert_act, glu
 from models.moe_parallel import ExpertSharding, sharded_experts
+from models.moe_route import route
 from models.quant import NIBBLE_KINDS, kind_of
 from pallas_kernels.tuning import tuned
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool, *,
-          n_group: int = 1, topk_group: int = 1, scale: float = 1.0,
-          bias: jax.Array | None = None):
-    """Each token's experts and their weights.
-
-    Args:
-        logits: f32[T, E] router logits.
-        top_k: Experts per token.
-        order: "topk_softmax" (Mixtral: the k largest logits, softmax over those k),
-            "softmax_topk" (Qwen-MoE, OLMoE, DeepSeek-V2: softmax over all experts, the k
-            largest probabilities, divided by their sum when `norm_topk_prob`) or
-            "sigmoid_topk" (DeepSeek-V3: sigmoid scores; the k largest of score + `bias`
-            chosen, weighted by their scores, divided by their sum when `norm_topk_prob`).
-        norm_topk_prob: See `order`; "topk_softmax" weights always sum to one.
-        n_group: Expert groups (consecutive ids); with more than one, a token's experts
-            come from its `topk_group` best groups only, a group scored by its best
-            probability ("softmax_topk", DeepSeek-V2's group_limited_greedy) or the sum of
-            its two best biased scores ("sigmoid_topk").
-        topk_group: See `n_group`.
-        scale: The weights are multiplied by it (DeepSeek's `routed_scaling_factor`).
-        bias: f32[E] "sigmoid_topk"'s correction bias (selection only); None: zeros.
-
-    Returns:
-        (weights f32[T, top_k], ids i32[T, top_k]).
-
-    Raises:
-        ValueError: An unknown `order`, or `top_k` outside 1..E.
-    """
-    if order not in ROUTER_ORDERS:
-        raise ValueError(f"unknown router order {order!r}; supported: {', '.join(ROUTER_ORDERS)}")
-    if not 0 < top_k <= logits.shape[-1]:
-        raise ValueError(f"top_k={top_k} must be in 1..{logits.shape[-1]} (the experts)")
-    logits = logits.astype(jnp.float32)
-    if order == "topk_softmax":
-        top, ids = jax.lax.top_k(logits, top_k)
-        return jax.nn.softmax(top, axis=-1), ids
-    sigmoid = order == "sigmoid_topk"
-    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)  # f32[T, E]
-    choice = scores + bias.astype(jnp.float32) if sigmoid and bias is not None else scores
-    if n_group > 1:
-        choice = _group_limited(choice, n_group, topk_group, sigmoid)
-    _, ids = jax.lax.top_k(choice, top_k)  # i32[T, k]
-    weights = jnp.take_along_axis(scores, ids, axis=-1)  # f32[T, k]
-    if norm_topk_prob:
-        # NOTE: DeepSeek-V3 adds 1e-20 to the sum (sigmoid weights need not sum to one).
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + (1e-20 if sigmoid else 0))
-    return weights * scale if scale != 1.0 else weights, ids
-
-
-def _group_limited(choice: jax.Array, n_group: int, topk_group: int, top2: bool) -> jax.Array:
-    """f32[T, E] `choice` with the experts outside each token's `topk_group` best groups at
-    -inf (a group scored by its best entry, or by its two best summed when `top2`)."""
-    t, e = choice.shape
-    grouped = choice.reshape(t, n_group, e // n_group)  # f32[T, G, E / G]
-    score = (jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1) if top2
-             else jnp.max(grouped, axis=-1))  # f32[T, G]
-    _, best = jax.lax.top_k(score, topk_group)  # i32[T, topk_group]
-    keep = jnp.any(jnp.arange(n_group)[None, :, None] == best[:, None, :], axis=-1)  # [T, G]
-    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
+# gpt-oss's expert biases (`ArchConfig.moe_bias`): gate and up f32[E, I] added inside the
+# grouped experts, down f32[E, H] added by `MoEMLP` after them (with the routing weights).
+GATE_UP_BIASES = ("gate_bias", "up_bias")
+DOWN_BIAS = "down_bias"
 
 
 def expert_kind(w) -> str | None:
@@ -131,7 +76,8 @@ def dequantize_experts(experts: dict, dtype=jnp.float32, methods: dict | None = 
     """The experts' float stacks dtype[..., E, K, N]: quantized ones ([..., E, K', N]
     leaves) dequantized by their method, float ones cast."""
     methods = _methods(experts, methods)
-    return {name: methods[name].dense(w, dtype) for name, w in experts.items()}
+    return {name: methods[name].dense(w, dtype) if name in PROJECTIONS else w.astype(dtype)
+            for name, w in experts.items()}
 
 
 def _check(x, experts, layer=None):
@@ -147,7 +93,17 @@ def _check(x, experts, layer=None):
 GROUPED_IMPLS = ("ragged_dot", "loop")
 
 
-def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
+def _gate_up(gate: jax.Array, up: jax.Array, experts: dict, at) -> tuple:
+    """The gate and up outputs [rows, I] plus their biases (`GATE_UP_BIASES`) where the
+    experts have them: `at` indexes the bias stacks ([E, I] or [L, E, I]) to one expert's
+    [I] or every row's [rows, I]."""
+    if "gate_bias" not in experts:
+        return gate, up
+    return (gate + experts["gate_bias"][at].astype(gate.dtype),
+            up + experts["up_bias"][at].astype(up.dtype))
+
+
+def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: ExpertAct,
                  methods: dict[str, LinearMethod], layer=None) -> jax.Array:
     """The experts' gated MLPs over rows sorted by expert (`sizes[e]` rows each), expert by
     expert in chunks of `chunk` rows: a routed expert's weights are read once,
@@ -189,7 +145,8 @@ def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
         def step(c, out):
             row = start + c * chunk
             rows = jax.lax.dynamic_slice_in_dim(xs, row, chunk)  # [chunk, H]
-            h = ACTIVATIONS[act](matmul(rows, "gate_proj")) * matmul(rows, "up_proj")
+            h = glu(act, *_gate_up(matmul(rows, "gate_proj"), matmul(rows, "up_proj"),
+                                   experts, at))
             y = matmul(h, "down_proj")  # [chunk, H]
             keep = (row + jnp.arange(chunk) < end)[:, None]
             old = jax.lax.dynamic_slice_in_dim(out, row, chunk)
@@ -203,7 +160,7 @@ def _expert_loop(xs: jax.Array, sizes: jax.Array, experts: dict, act: str,
 
 
 def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: dict,
-                    act: str = "silu", impl: str | None = None, layer=None,
+                    act: ExpertAct = "silu", impl: str | None = None, layer=None,
                     methods: dict[str, LinearMethod] | None = None) -> jax.Array:
     """The routed experts' outputs combined by the routing weights, computing only the
     (token, expert) pairs routed: pairs sorted by expert, each projection one grouped
@@ -216,8 +173,10 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
             output is zero), so a caller can drop pairs by mapping them past E.
         experts: {"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]},
             each a float stack or the quantized leaves of one (`models.quant`: codes,
-            scales, zeros with the same leading axes).
-        act: The gated MLP's activation (`models.layers.ACTIVATIONS`).
+            scales, zeros with the same leading axes); optionally "gate_bias" and
+            "up_bias" [E, I] (`GATE_UP_BIASES`; the down bias is the caller's).
+        act: The gated MLP's activation (`models.layers.ACTIVATIONS` name, or
+            `models.moe_act.ClampedSwiGLU`).
         impl: One of `GROUPED_IMPLS`; None: the platform's
             (`models.linear.registry.grouped_impl`).
         layer: i32[] when `experts` are the layer scan's whole stacks [L, E, ...] (the
@@ -253,7 +212,8 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
         experts = dequantize_experts(experts, xs.dtype, methods)
         gate = jax.lax.ragged_dot(xs, experts["gate_proj"], sizes)  # [T*k, I]
         up = jax.lax.ragged_dot(xs, experts["up_proj"], sizes)
-        h = ACTIVATIONS[act](gate) * up
+        row_expert = jnp.minimum(flat[order], num_experts - 1)  # i32[T*k]: past E masked below
+        h = glu(act, *_gate_up(gate, up, experts, row_expert))
         y_sorted = jax.lax.ragged_dot(h, experts["down_proj"], sizes)  # [T*k, H]
         # NOTE: rows past the groups (pairs of another device's experts under expert
         # parallelism) are zero on XLA's CPU path; ragged_dot does not promise it elsewhere.
@@ -266,7 +226,7 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: d
 
 
 def dense_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: dict,
-                  act: str = "silu") -> jax.Array:
+                  act: ExpertAct = "silu") -> jax.Array:
     """Reference of `grouped_experts`: every expert on every token, each output scaled by
     the token's weight for that expert (0 where not routed). Cost: all experts."""
     _check(x, experts)
@@ -275,7 +235,8 @@ def dense_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: dic
     per_expert = jnp.einsum("tk,tke->te", weights.astype(jnp.float32), mask)  # f32[T, E]
     gate = jnp.einsum("th,ehi->tei", x, experts["gate_proj"])
     up = jnp.einsum("th,ehi->tei", x, experts["up_proj"])
-    y = jnp.einsum("tei,eih->teh", ACTIVATIONS[act](gate) * up, experts["down_proj"])
+    gate, up = _gate_up(gate, up, experts, slice(None))  # biases [E, I] broadcast over T
+    y = jnp.einsum("tei,eih->teh", glu(act, gate, up), experts["down_proj"])
     return jnp.einsum("teh,te->th", y, per_expert.astype(y.dtype)).astype(x.dtype)
 
 
@@ -314,7 +275,7 @@ class MoEMLP(nn.Module):
         experts in the router's order, the heaviest first)."""
         cfg, methods = self.cfg, self.methods
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        logits = Linear(e, methods.linear("gate"), dtype=self.dtype, layer=layer,
+        logits = Linear(e, methods.linear("gate"), cfg.moe_bias, self.dtype, layer,
                         name="gate")(x)  # [T, E]
         bias = None  # DeepSeek-V3's selection bias, `gate.e_score_correction_bias` in HF
         if cfg.router_order == "sigmoid_topk":
@@ -324,23 +285,31 @@ class MoEMLP(nn.Module):
                              cfg.norm_topk_prob, n_group=cfg.n_group,
                              topk_group=cfg.topk_group, scale=cfg.routed_scaling_factor,
                              bias=bias)
-        experts, stacked = Experts(e, h, i, methods, name="experts")()
+        experts, stacked = Experts(e, h, i, methods, cfg.moe_bias, self.dtype,
+                                   name="experts")()
+        down_bias = experts.pop(DOWN_BIAS, None)  # [(L,) E, H]: added below, once per pair
+        act = expert_act(cfg)
         stack_methods = {n: methods.expert(n) for n in PROJECTIONS}
         if self.reference:
             if stacked:
                 experts = {k: _at(v, layer) for k, v in experts.items()}
             out = dense_experts(x, weights, ids,
-                                dequantize_experts(experts, x.dtype, stack_methods),
-                                cfg.hidden_act)
+                                dequantize_experts(experts, x.dtype, stack_methods), act)
         else:
             grouped = functools.partial(grouped_experts, impl=methods.grouped,
                                         methods=stack_methods)
             layer_arg = layer if stacked else None
             if self.sharding is not None:
-                out = sharded_experts(grouped, x, weights, ids, experts, cfg.hidden_act,
+                out = sharded_experts(grouped, x, weights, ids, experts, act,
                                       self.sharding, layer=layer_arg)
             else:
-                out = grouped(x, weights, ids, experts, cfg.hidden_act, layer=layer_arg)
+                out = grouped(x, weights, ids, experts, act, layer=layer_arg)
+        if down_bias is not None:
+            # NOTE: outside the grouped experts: a width-split expert (tensor parallelism)
+            # would add it once per device before their partial sums are added.
+            table = down_bias[layer] if stacked else down_bias  # [E, H]
+            out = out + jnp.einsum("tk,tkh->th", weights.astype(jnp.float32),
+                                   table[ids].astype(jnp.float32)).astype(out.dtype)
         if cfg.shared_expert_intermediate_size:
             shared = GatedMLP(cfg, self.dtype, methods,
                               intermediate_size=cfg.shared_expert_intermediate_size,
@@ -367,15 +336,22 @@ class Experts(nn.Module):
     hidden_size: int
     intermediate_size: int
     methods: Methods
+    bias: bool = False
+    dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self) -> tuple[dict, bool]:
         """({"gate_proj": [E, H, I], "up_proj": [E, H, I], "down_proj": [E, I, H]}, False)
-        (a quantized projection: its dict of leaves), or in the serving form the same
-        names' [L, E, ...] stacks and True."""
-        if self.has_variable(STACKS, "gate_proj"):
-            return {n: self.get_variable(STACKS, n) for n in PROJECTIONS}, True
+        (a quantized projection: its dict of leaves; with `bias`, also "gate_bias" and
+        "up_bias" [E, I] and "down_bias" [E, H]), or in the serving form the same names'
+        [L, E, ...] stacks and True."""
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
-        return {name: self.methods.expert(name).weights(self, k, n, lead=(e,), name=name)
-                for name, (k, n) in zip(PROJECTIONS, ((h, i), (h, i), (i, h)), strict=True)
-                }, False
+        widths = dict(zip((*GATE_UP_BIASES, DOWN_BIAS), (i, i, h), strict=True))
+        biases = widths if self.bias else {}
+        if self.has_variable(STACKS, "gate_proj"):
+            return {n: self.get_variable(STACKS, n) for n in (*PROJECTIONS, *biases)}, True
+        out = {name: self.methods.expert(name).weights(self, k, n, lead=(e,), name=name)
+               for name, (k, n) in zip(PROJECTIONS, ((h, i), (h, i), (i, h)), strict=True)}
+        for name, width in biases.items():
+            out[name] = self.param(name, nn.initializers.zeros, (e, width), self.dtype)
+        return out, False

@@ -56,3 +56,22 @@ def _dense_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
         raise ValueError(f"mlp_only_layers={only} and decoder_sparse_step={step} leave no "
                          f"sparse layer among the {n} layers of this {arch}")
     return dense
+
+
+def check_expert_act(cfg) -> None:
+    """Checks an `ArchConfig`'s expert activation and bias fields.
+
+    Raises:
+        ValueError: A `swiglu_limit` or `swiglu_alpha` that is not positive, or
+            `swiglu_limit`/`moe_bias` on a model without routed experts (named).
+    """
+    if cfg.swiglu_limit is not None and not cfg.swiglu_limit > 0:
+        raise ValueError(f"swiglu_limit must be positive (or None), got {cfg.swiglu_limit}")
+    if not cfg.swiglu_alpha > 0:
+        raise ValueError(f"swiglu_alpha must be positive, got {cfg.swiglu_alpha}")
+    if not cfg.num_experts:
+        for name in ("swiglu_limit", "moe_bias"):
+            if getattr(cfg, name) not in (None, False):
+                raise ValueError(f"{name}={getattr(cfg, name)} needs routed experts "
+                                 "(num_experts > 0)")
+

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-# Projections whose width I is their last axis ([E, H, I]); down's is its input axis.
-_WIDTH_LAST = ("gate_proj", "up_proj")
+# Leaves whose width I is their last axis ([E, H, I], gpt-oss's biases [E, I]); down's is
+# its input axis (its bias [E, H] has no width axis: whole on every width shard).
+_WIDTH_LAST = ("gate_proj", "up_proj", "gate_bias", "up_bias")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3, the mixtures of experts
 Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, the linear-attention hybrids Qwen3-Next, Qwen3.5
-and Granite 4.0 (Mamba-2), and DeepSeek-V2/V3 (latent attention) share one Flax decoder
+and Granite 4.0 (Mamba-2), DeepSeek-V2/V3 (latent attention) and gpt-oss share one Flax decoder
 (`models.decoder.Decoder`); a family only decides how its HF config maps onto `ArchConfig`.
 """
 
@@ -279,10 +279,50 @@ class Olmoe(ModelFamily):
                     **sparse_fields(hf, "num_experts", "intermediate_size"))
 
 
+class GptOss(ModelFamily):
+    """gpt-oss (20B, 120B): attention with biases and learned sinks, sliding and full
+    layers alternating (`layer_types`, sliding first by default), YaRN, and routed experts
+    in every layer with biases (the router's too), routed by top-k logits then a softmax
+    over those k, through gpt-oss's clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`). Its
+    experts are stacked per layer in the checkpoint (`models.loaders.gpt_oss_names`), in
+    MXFP4 in the published ones (`models.loaders.quant_formats.gpt_oss`)."""
+
+    architectures = ("GptOssForCausalLM",)
+    # transformers' `GptOssConfig` defaults where a config leaves a field out.
+    DEFAULTS = {"rms_norm_eps": 1e-5, "attention_bias": True, "sliding_window": 128,
+                "swiglu_limit": 7.0, "swiglu_alpha": 1.702, "rope_theta": 150000.0,
+                "max_position_embeddings": 131072, "head_dim": 64}
+    DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "truncate": False, "original_max_position_embeddings": 4096}
+
+    @classmethod
+    def arch_config(cls, hf):
+        hf = {**cls.DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+        if not hf.get("rope_parameters") and not hf.get("rope_scaling"):
+            hf["rope_parameters"] = {**cls.DEFAULT_ROPE, "rope_theta": hf["rope_theta"]}
+        if not hf.get("layer_types"):
+            hf["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                 for i in range(int(hf["num_hidden_layers"]))]
+        return super().arch_config(hf)
+
+    @classmethod
+    def extra_fields(cls, hf):
+        if "sliding_attention" in hf["layer_types"] and not int(hf["sliding_window"]) > 0:
+            raise ValueError(f"sliding_window={hf['sliding_window']} for "
+                             f"{hf['architectures'][0]}: its sliding_attention layers need a "
+                             "positive window")
+        bias = bool(hf["attention_bias"])
+        return dict(qkv_bias=bias, o_bias=bias, attention_sinks=True, moe_bias=True,
+                    layer_windows=windows_from_layer_types(hf), router_order="topk_softmax",
+                    swiglu_limit=float(hf["swiglu_limit"]),
+                    swiglu_alpha=float(hf["swiglu_alpha"]),
+                    **sparse_fields(hf, "num_local_experts", "intermediate_size"))
+
+
 FAMILIES: dict[str, type[ModelFamily]] = {
     name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen3, Gemma2, Gemma3, Mixtral,
                           Qwen2Moe, Qwen3Moe, Olmoe, Qwen3_5, Qwen3_5Moe, Qwen3Next,
-                          GraniteMoeHybrid, DeepseekV2, DeepseekV3)
+                          GraniteMoeHybrid, DeepseekV2, DeepseekV3, GptOss)
     for name in fam.architectures
 }
 

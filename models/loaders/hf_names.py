@@ -16,6 +16,7 @@ import numpy as np
 
 from models.config import ArchConfig
 from models.loaders import gdn_fused
+from models.loaders.gpt_oss_names import GptOssSource, is_gpt_oss
 from models.loaders.granite_names import get_granite, granite_name, is_granite
 from models.mixed import DENSE, stack_layers
 from models.quant import to_leaves
@@ -37,9 +38,10 @@ class TensorSource(Protocol):
 _BARE_LEAVES = {"A_log": "A_log", "dt_bias": "dt_bias", "D": "D", "conv1d": "conv1d.weight",
                 "conv1d_bias": "conv1d.bias",
                 # DeepSeek-V3's router bias (`models.moe.MoEMLP`), a buffer of its `gate`
-                "e_score_correction_bias": "gate.e_score_correction_bias"}
+                "e_score_correction_bias": "gate.e_score_correction_bias",
+                "sinks": "sinks"}  # gpt-oss's attention sinks
 # Leaves kept in float32 whatever the model's dtype (transformers keeps them so too).
-_F32_LEAVES = ("e_score_correction_bias",)
+_F32_LEAVES = ("e_score_correction_bias", "sinks")
 # Families whose shared experts are `mlp.shared_experts` (the decoder's `shared_expert`).
 _SHARED_EXPERTS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
@@ -88,6 +90,9 @@ def family_hf_name(cfg: ArchConfig, path: tuple[str, ...], layer: int | None,
     mixtral = cfg.architecture == "MixtralForCausalLM"
     if "experts" in path:
         leaf = path[-1]
+        if leaf.endswith("_bias"):  # gpt-oss's expert biases (`models.moe.Experts`)
+            proj = leaf.removesuffix("_bias") + "_proj"
+            return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.bias", False
         if mixtral:
             return (f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
                     f"{MIXTRAL_EXPERTS[leaf]}.weight", True)
@@ -131,7 +136,8 @@ class SplitFused:
     """
 
     def __init__(self, source: TensorSource, cfg: ArchConfig):
-        self.source = source
+        # gpt-oss's stacked experts and router (`models.loaders.gpt_oss_names`).
+        self.source = GptOssSource(source) if is_gpt_oss(cfg) else source
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self._rows = {"self_attn.qkv_proj": (q, kv, kv),

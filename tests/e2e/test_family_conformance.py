@@ -59,6 +59,9 @@ WINDOWED_POOL = dict(num_kv_blocks=6)
 PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
              "short_factor": [1.0, 1.2, 1.9, 3.0], "long_factor": [1.3, 3.5, 8.0, 24.0]}
 ROUTED = dict(enable_return_routed_experts=True)
+# gpt-oss's YaRN (untruncated) over a quarter of the tiny context.
+GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 
@@ -147,6 +150,14 @@ FAMILIES = [
                 n_group=2, topk_group=1, moe_intermediate_size=32, n_shared_experts=1,
                 first_k_dense_replace=1),
            dict(kv_lora_rank=16, router_order="sigmoid_topk", dense_layers=(0,))),
+    # gpt-oss: attention sinks, sliding then full layers (the hybrid KV cache), biased router
+    # and experts with the clamped SwiGLU, YaRN; routing captured (top-k then softmax).
+    Family("gpt_oss", "GptOssConfig", "GptOssForCausalLM",
+           dict(MOE, num_local_experts=4, intermediate_size=32, head_dim=16,
+                sliding_window=WINDOW, rope_parameters=GPT_OSS_ROPE),
+           dict(layer_windows=(WINDOW, 0), attention_sinks=True, moe_bias=True,
+                swiglu_limit=7.0, router_order="topk_softmax"),
+           engine=dict(HYBRID_POOL, **ROUTED)),
 ]
 
 
@@ -186,6 +197,9 @@ SLOW_ROWS = {
     "granite_hybrid": "its state group is tests/e2e/test_hybrid_engine.py's (default tier)",
     # the latent pool's engine paths; numerics: deepseek_v3_mla (default tier).
     "deepseek_v3": "latent pages: numerics deepseek_v3_mla and tests/models/test_deepseek.py",
+    # the hybrid KV cache and routing capture: the gemma3 and qwen3_moe rows; sinks, biases,
+    # the clamp: numerics gpt_oss (default tier).
+    "gpt_oss": "its engine paths are the gemma3 and qwen3_moe rows'; numerics gpt_oss",
 }
 
 

@@ -76,6 +76,11 @@ DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_
                 num_hidden_layers=3)
 # YaRN with `mscale_all_dim`: DeepSeek scales the softmax by mscale(factor) squared too.
 DEEPSEEK_YARN = dict(YARN_ROPE, mscale=1.0, mscale_all_dim=1.0)
+# gpt-oss: 4 experts of 32, top 2, sliding (5) then full layers, YaRN without truncation, and a
+# SwiGLU clamp of 1 (the tiny experts' outputs pass it; gpt-oss's 7 would never bind here).
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+               sliding_window=5, swiglu_limit=1.0,
+               rope_parameters=dict(YARN_ROPE, truncate=False))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +296,16 @@ CASES = [
               norm_topk_prob=False, shared_expert_intermediate_size=64,
               routed_scaling_factor=1.5),
          ablate=dict(n_group=1, routed_scaling_factor=1.0)),
+    # gpt-oss: learned attention sinks, biases on the router and experts, the clamped
+    # SwiGLU (a limit far above every value undoes the clamp alone).
+    Case("gpt_oss", "GptOssConfig", "GptOssForCausalLM", GPT_OSS,
+         dict(layer_windows=(5, 0), qkv_bias=True, o_bias=True, attention_sinks=True,
+              moe_bias=True, swiglu_limit=1.0, swiglu_alpha=1.702, num_experts=4,
+              moe_intermediate_size=32, router_order="topk_softmax",
+              rope_scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=16,
+                                       beta_fast=8.0, truncate=False)),
+         ablate=dict(attention_sinks=False, moe_bias=False, swiglu_limit=1e9,
+                     layer_windows=(0, 0), rope_scaling=RopeScaling())),
 ]
 
 
@@ -370,8 +385,10 @@ def _perturb(model, seed: int) -> None:
             noise = torch.randn(p.shape, generator=gen)
             if "norm" in name:
                 p.copy_(1.0 + 0.3 * noise)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_proj_bias")):  # gpt-oss's expert biases too
                 p.copy_(0.3 * noise)
+            elif name.endswith(".sinks"):  # gpt-oss: logits near the attention's own
+                p.copy_(noise)
         for name, b in model.named_buffers():  # DeepSeek-V3's router bias: selection only
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn(b.shape, generator=gen))

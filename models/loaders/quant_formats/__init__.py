@@ -4,5 +4,6 @@ from models.loaders.quant_formats import (
     awq,  # noqa: F401
     compressed_tensors,  # noqa: F401
     fp8,  # noqa: F401
+    gpt_oss,  # noqa: F401
     gptq,  # noqa: F401
 )
