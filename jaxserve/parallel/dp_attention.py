@@ -8,7 +8,7 @@ the runner lays each step out rank by rank (`jaxserve.runner.rank_steps`), each 
 attends its rank's requests on its share of the pool (`pallas_kernels.rank_split`), and
 the tokens meet at the experts (`models.moe_parallel.sharded_experts`). The model-side
 conditions (a mixture of experts, no linear-attention layers, tensor parallelism 1) are
-`jaxserve.parallel.sharding.check_dp_attention`'s.
+`jaxserve.parallel.layouts.check_dp_attention`'s.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ import os
 import jax
 
 from jaxserve.config import EngineConfig
-from jaxserve.parallel.sharding import TensorParallel, tensor_parallel_layout
+from jaxserve.parallel.layouts import tensor_parallel_layout
+from jaxserve.parallel.sharding import TensorParallel
 from jaxserve.utils import trim_memory
 from models.kv_groups import KVGroupLayout, kv_group_layout
 from models.model import Model

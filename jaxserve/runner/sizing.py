@@ -15,7 +15,7 @@ from jaxserve.core.state_slots import (
     default_num_state_slots,
     num_pages_after_state,
 )
-from jaxserve.parallel.sharding import splits_linear_layers
+from jaxserve.parallel.layouts import splits_linear_layers
 from jaxserve.utils import cdiv
 from pallas_kernels.kv_quant import kv_pool_layout
 

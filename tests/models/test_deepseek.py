@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.parallel.sharding import make_tensor_parallel
+from jaxserve.parallel.layouts import make_tensor_parallel
 from jaxserve.runner.sizing import page_bytes
 from models.deepseek_config import yarn_mscale
 from models.mla import deinterleave, kv_bytes_report

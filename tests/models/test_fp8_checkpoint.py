@@ -218,7 +218,7 @@ def test_tensor_parallel_splits_fp8_on_block_boundaries():
     (intermediate 96 = three blocks over 2 devices) is refused naming the layer."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxserve.parallel.sharding import make_tensor_parallel
+    from jaxserve.parallel.layouts import make_tensor_parallel
     from models.config import ArchConfig
     from models.model import abstract_params
 

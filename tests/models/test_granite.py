@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.parallel.sharding import make_tensor_parallel
+from jaxserve.parallel.layouts import make_tensor_parallel
 from models.gated_deltanet import state_bytes_per_slot, state_shapes
 from models.loaders.granite_names import get_granite, granite_name
 from models.registry import arch_config_from_hf

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.parallel.sharding import make_tensor_parallel
+from jaxserve.parallel.layouts import make_tensor_parallel
 from models.gated_deltanet import HybridCache
 from models.kv_groups import KVGroupLayout
 from models.loaders.gdn_fused import cut_piece

@@ -197,7 +197,7 @@ def test_bad_expert_parallel_sizes_are_clear_errors(moe_dir, tiny_model_dir):
 
 def test_expert_layout_errors():
     """Sizes the tiny engine cannot reach: experts or widths the split does not divide."""
-    from jaxserve.parallel.sharding import expert_layout, make_tensor_parallel
+    from jaxserve.parallel.layouts import expert_layout, make_tensor_parallel
     from models.config import ArchConfig
 
     cfg = ArchConfig("Qwen3MoeForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.parallel.sharding import make_tensor_parallel
+from jaxserve.parallel.layouts import make_tensor_parallel
 from models.config import ArchConfig
 from models.model import Model, random_params
 from pallas_kernels import cpu_ffi

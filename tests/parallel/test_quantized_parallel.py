@@ -71,7 +71,7 @@ def test_quantized_expert_stacks_split_as_their_float_stacks():
     MLP does."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxserve.parallel.sharding import make_tensor_parallel
+    from jaxserve.parallel.layouts import make_tensor_parallel
     from models.config import ArchConfig
     from models.model import abstract_params
 
@@ -98,7 +98,7 @@ def test_a_split_that_cuts_a_group_is_refused_naming_the_layer(group, size, laye
     """A checkpoint's int4 groups (GPTQ/AWQ) under tensor parallelism: row-parallel
     o_proj/down_proj split K on group boundaries only; one group per output channel (0)
     stays whole beside the split codes. Here o_proj's K is 128, down_proj's 192."""
-    from jaxserve.parallel.sharding import make_tensor_parallel
+    from jaxserve.parallel.layouts import make_tensor_parallel
     from models.config import ArchConfig
     from models.model import abstract_params
 
@@ -119,7 +119,7 @@ def test_a_split_that_cuts_a_group_is_refused_naming_the_layer(group, size, laye
 def test_a_split_that_cuts_a_group_of_an_expert_stack_is_refused():
     """The routed experts' down_proj splits its K (each expert's width) on group
     boundaries too: a width of 48 in groups of 32 over two devices is refused."""
-    from jaxserve.parallel.sharding import make_tensor_parallel
+    from jaxserve.parallel.layouts import make_tensor_parallel
     from models.config import ArchConfig
     from models.model import abstract_params
 
@@ -150,7 +150,7 @@ def test_an_act_order_row_parallel_split_is_refused_naming_the_layer(permuted, l
     anywhere in K on each device, and is refused naming the layer."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxserve.parallel.sharding import make_tensor_parallel
+    from jaxserve.parallel.layouts import make_tensor_parallel
     from models.config import ArchConfig
     from models.model import abstract_params
 
