@@ -23,15 +23,14 @@ from jaxserve.core.state_slots import default_num_state_slots
 from jaxserve.parallel.sharding import TensorParallel
 from jaxserve.runner import compile_counter
 from jaxserve.runner.block_table_rows import BlockTableRows
-from jaxserve.runner.buckets import pick_bucket, rows_for_bucket, token_buckets
+from jaxserve.runner.buckets import token_buckets
 from jaxserve.runner.kv_ops import HostSwapSpace, run_plans
 from jaxserve.runner.lora_slots import LoRASlots
-from jaxserve.runner.rank_steps import build_rank_step_arrays, rank_bucket
 from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.sampling_rows import SamplingRows
 from jaxserve.runner.state_pool import HostStateSpace, cache_pages, cache_shardings, empty_cache
-from jaxserve.runner.step_input import build_step_arrays
 from jaxserve.runner.step_io import ModelStep, PendingStep, StepInputs, StepResult
+from jaxserve.runner.step_packing import StepPacking
 from jaxserve.runner.step_programs import StepPrograms, result_on_host, runner_model
 from jaxserve.runner.transfer import Layout, pack
 from jaxserve.runner.warmup import run_warmup
@@ -146,6 +145,9 @@ class ModelRunner:
         if num_pages % self.num_ranks:
             raise ValueError(f"num_pages={num_pages} must split evenly over the "
                              f"{self.num_ranks} attention ranks")
+        self.packing = StepPacking(self.buckets, max_num_seqs, num_spec_tokens, page_size,
+                                   self.max_pages_per_seq, self.group_tables,
+                                   model.has_linear_attention, self.num_ranks)
         self.max_rows = self.sample_rows(self.num_ranks * self.buckets[-1])
         check_kv_cache_dtype(kv_cache_dtype, model.methods.backend, model.dtype)
         pool_shape, pool_dtype = kv_pool_layout(model.kv_pages_shape(num_pages, page_size),
@@ -225,18 +227,12 @@ class ModelRunner:
 
     # --------------------------------------------------------------- step
     def sample_rows(self, num_tokens: int) -> int:
-        """Sampling rows of a token bucket (its attention rows are
-        `rows_for_bucket(num_tokens, max_num_seqs)`)."""
-        return rows_for_bucket(num_tokens, self.max_num_seqs * (1 + self.num_spec_tokens))
+        """Sampling rows of a token bucket (`StepPacking.sample_rows`)."""
+        return self.packing.sample_rows(num_tokens)
 
     def step_shape(self, out: SchedulerOutput) -> tuple[int, int]:
         """(num_tokens, num_rows) bucket of a step: the sampling rows must be num_rows."""
-        if self.num_ranks > 1:  # a block of tokens per rank (`rank_steps`)
-            per_rank, _ = rank_bucket(out, self.num_ranks, self.buckets, self.max_num_seqs)
-            return self.num_ranks * per_rank, self.sample_rows(self.num_ranks * per_rank)
-        num_tokens = pick_bucket(self.buckets, max(out.total_num_scheduled_tokens,
-                                                   out.num_rows))
-        return num_tokens, self.sample_rows(num_tokens)
+        return self.packing.shape(out)
 
     def execute(self, out: SchedulerOutput, sampling: SamplingMetadata,
                 variant: str | None = None) -> StepResult:
@@ -371,21 +367,9 @@ class ModelRunner:
     def _model_inputs(self, out: SchedulerOutput, prev: PendingStep | None,
                       lora_slots: np.ndarray | None = None):
         """(host arrays, packed buffer, its layout, token bucket, row bucket) of a step."""
-        num_tokens, num_sample_rows = self.step_shape(out)
-        num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)
         prev_rows = None if prev is None else {
             req_id: row for row, req_id in reversed(list(enumerate(prev.row_request_ids)))}
-        if self.num_ranks > 1:
-            tokens, rows = rank_bucket(out, self.num_ranks, self.buckets, self.max_num_seqs)
-            arrays = build_rank_step_arrays(out, self.num_ranks, tokens, rows, self.page_size,
-                                            self.max_pages_per_seq, prev_rows,
-                                            num_sample_rows, self.group_tables)
-            model_buf, model_layout = pack(arrays.device_tree())
-            return arrays, model_buf, model_layout, num_tokens, self.num_ranks * rows
-        arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
-                                   self.max_pages_per_seq, prev_rows, num_sample_rows,
-                                   self.group_tables,
-                                   state_slots=self.model.has_linear_attention)
+        arrays, num_tokens, num_rows = self.packing.arrays(out, prev_rows)
         if lora_slots is not None:
             arrays.lora_slots = np.asarray(lora_slots, np.int32)
         elif self.lora is not None:
