@@ -124,8 +124,11 @@ class HarmonyStream:
         text, self.held, events = self.held + delta, "", []
         while text:
             if self.state == "header":
+                # NOTE: searched from where the tag could begin: a long header (a reply
+                # with no markup) costs O(1) per token.
+                start = max(0, len(self.header) - len(MESSAGE) + 1)
                 self.header += text
-                at = self.header.find(MESSAGE)
+                at = self.header.find(MESSAGE, start)
                 if at < 0:
                     break
                 text = self.header[at + len(MESSAGE):]
