@@ -4,41 +4,16 @@ as vLLM serves gpt-oss."""
 
 from __future__ import annotations
 
-import json
-
-from jaxserve.entrypoints.openai.harmony import HarmonyMessage, HarmonyStream, parse_harmony
+from jaxserve.entrypoints.openai.harmony import HarmonyMessage, HarmonyStream, split_messages
 from jaxserve.entrypoints.openai.tool_parsers import call_json
-
-
-def call_arguments(message: HarmonyMessage) -> str:
-    """A call's `arguments`: its JSON re-dumped (tidied, as vLLM) when the content type is
-    JSON or not given; text that is not JSON is passed on as written (vLLM logs it)."""
-    if message.content_type and "json" not in message.content_type:
-        return message.text
-    try:
-        return json.dumps(json.loads(message.text), ensure_ascii=False)
-    except ValueError:
-        return message.text
 
 
 def split_reply(text: str, reasoning: bool = True, calls: bool = True
                 ) -> tuple[str | None, str | None, list[dict]]:
-    """(reasoning, content, tool calls) of a whole harmony reply.
-
-    Messages of one kind are joined by a newline (vLLM's `parse_chat_output`). Without
-    `reasoning` the analysis is dropped (not content); without `calls` the calls are.
-
-    Args:
-        text: The reply, special tokens kept.
-        reasoning: Split the reasoning off (else None).
-        calls: Read the function calls (else none).
-    """
-    messages = parse_harmony(text)
-    joined = {kind: "\n".join(m.text for m in messages if m.kind == kind and m.text) or None
-              for kind in ("reasoning", "content")}
-    found = [call_json(m.function_name, call_arguments(m)) for m in messages
-             if m.kind == "call"] if calls else []
-    return joined["reasoning"] if reasoning else None, joined["content"], found
+    """(reasoning, content, tool calls) of a whole harmony reply (`split_messages`), the
+    calls OpenAI tool call objects."""
+    thought, content, found = split_messages(text, reasoning, calls)
+    return thought, content, [call_json(name, arguments) for name, arguments in found]
 
 
 class HarmonyReply:

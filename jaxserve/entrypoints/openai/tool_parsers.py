@@ -15,6 +15,7 @@ import re
 import string
 import uuid
 
+from jaxserve.entrypoints.openai.harmony import split_messages
 from jaxserve.utils import named_choice
 
 
@@ -314,11 +315,8 @@ class OpenAIToolParser(ToolParser):
     harmony = True
 
     def parse(self, text, tools=None):
-        # NOTE: imported here: harmony_chat builds its calls with this module's call_json.
-        from jaxserve.entrypoints.openai.harmony_chat import split_reply
-
-        _, content, calls = split_reply(text, reasoning=False)
-        return content, calls
+        _, content, calls = split_messages(text, reasoning=False)
+        return content, [call_json(name, arguments) for name, arguments in calls]
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
