@@ -205,3 +205,25 @@ def test_responses_reasoning_message_and_function_call_items(served):
     assert final["output"][0]["content"] == [{"type": "reasoning_text",
                                               "text": REPLIES["answer"][1]}]
     assert final["output"][1]["content"][0]["text"] == REPLIES["answer"][2]
+
+
+def test_a_responses_tool_loop_sends_the_reasoning_back(served):
+    """The client's tool loop with gpt-oss: the first response's output (a reasoning item, a
+    function call) and the call's result as the next input; the reasoning is rendered as
+    the analysis before the call (what gpt-oss's template does for a tool call)."""
+    client, engine, _ = served
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    question = {"role": "user", "content": "[call] Weather?"}
+    first = client.responses.create(model="fake", input=[question], tools=tools)
+    assert [item.type for item in first.output] == ["reasoning", "function_call"]
+    call = first.output[1]
+    client.responses.create(model="fake", tools=tools, input=[
+        question, *first.output,
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert engine.prompts[-1].endswith(
+        "<|start|>user<|message|>[call] Weather?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>Need the weather tool.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Paris", "days": 3}<|call|>'
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny"
+        "<|end|><|start|>assistant")

@@ -113,7 +113,8 @@ class OpenAIServingChat(OpenAIServing):
         if self.tool_mode(req) == "auto" and \
                 get_tool_parser(self.limits.tool_call_parser).keep_special_tokens \
                 or self.harmony(req, params) is not None:
-            params = params.clone(skip_special_tokens=False)  # the call marker is one
+            # the call marker (harmony's markers) is a special token the text must keep
+            params = params.clone(skip_special_tokens=False)
         chars = sum(len(m.as_template_message()["content"] or "") for m in req.messages
                     if isinstance(m.content, str))
         per_token = self.limits.max_chars_per_token
