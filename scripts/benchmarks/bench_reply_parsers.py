@@ -10,9 +10,10 @@ import argparse
 import json
 import time
 
+from jaxserve.entrypoints.openai.harmony_chat import HarmonyReplyStream
 from jaxserve.entrypoints.openai.reasoning import get_reasoning_parser
 from jaxserve.entrypoints.openai.tool_calls import ToolCallStream
-from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from jaxserve.entrypoints.openai.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 
 def replies(words: int) -> dict[str, str]:
@@ -23,6 +24,8 @@ def replies(words: int) -> dict[str, str]:
         "hermes": f'<tool_call>{{"name": "f", "arguments": {args}}}</tool_call>',
         "llama3_json": f'{{"name": "f", "parameters": {args}}}',
         "mistral": f'[TOOL_CALLS] [{{"name": "f", "arguments": {args}}}]',
+        "openai": f"<|channel|>commentary to=functions.f <|constrain|>json<|message|>{args}"
+                  "<|call|>",
         "pythonic": f"[f(text={value!r})]",
         "qwen3_coder": f"<tool_call><function=f><parameter=text>{value}</parameter>"
                        "</function></tool_call>",
@@ -34,8 +37,11 @@ def per_token_us(text: str, parser: str | None, size: int, rounds: int) -> float
     pieces = [text[i:i + size] for i in range(0, len(text), size)]
     best = float("inf")
     for _ in range(rounds):
-        split = get_reasoning_parser("qwen3").stream() if parser else None
-        stream = ToolCallStream("auto" if parser else None, "auto", parser)
+        harmony = parser is not None and get_tool_parser(parser).harmony
+        split = get_reasoning_parser("qwen3").stream() if parser and not harmony else None
+        # gpt-oss replies are read as the server reads them: one harmony parse for both
+        stream = HarmonyReplyStream(True, True) if harmony else \
+            ToolCallStream("auto" if parser else None, "auto", parser)
         start = time.perf_counter()
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1

@@ -208,9 +208,9 @@ def test_thinking_is_off_when_the_template_kwargs_turn_it_off():
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"tool_call_parser": "llama3"}, "unknown tool call parser 'llama3': choose from hermes, "
-                                     "llama3_json, mistral, pythonic, qwen3_coder"),
+                                     "llama3_json, mistral, openai, pythonic, qwen3_coder"),
     ({"reasoning_parser": "deepseek"}, "unknown reasoning parser 'deepseek': choose from "
-                                       "deepseek_r1, qwen3"),
+                                       "deepseek_r1, openai_gptoss, qwen3"),
 ])
 def test_an_unknown_parser_name_is_an_error_naming_the_choices(kwargs, words):
     with pytest.raises(ValueError, match=re.escape(words)):

@@ -283,7 +283,8 @@ def test_text_format_json_schema_and_logprobs(canned):
 
 @pytest.mark.parametrize("body, param, words", [
     ({"input": 5}, "input", "valid string"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "input items are"),
+    ({"input": [{"type": "item_reference", "id": "rs_1"}]}, "input", "input items are"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "at least one item"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input", "only input_text"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input", "'developer'"),

@@ -82,15 +82,17 @@ def add_parser(sub) -> None:
                    choices=[*TOOL_PARSER_NAMES, "none"],
                    help="how chat replies to requests with tools (tool_choice 'auto') are "
                         "read for tool calls, vLLM's names: 'hermes' (<tool_call>{json}"
-                        "</tool_call>), 'llama3_json', 'mistral', 'pythonic', 'qwen3_coder', "
-                        "or 'none' (the reply stays content) (default: hermes)")
+                        "</tool_call>), 'llama3_json', 'mistral', 'openai' (gpt-oss's harmony "
+                        "calls), 'pythonic', 'qwen3_coder', or 'none' (the reply stays content) "
+                        "(default: hermes)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice 'auto' is read by "
                         "--tool-call-parser whenever one is set")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSER_NAMES,
                    help="split a chat reply's <think>...</think> into the message's "
-                        "reasoning (and reasoning_content), vLLM's names: 'qwen3' or "
-                        "'deepseek_r1' (default: no split)")
+                        "reasoning (and reasoning_content), vLLM's names: 'qwen3', "
+                        "'deepseek_r1', or 'openai_gptoss' (gpt-oss's harmony analysis "
+                        "channel) (default: no split)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens (prefix-cache hits) in "
                         "responses whose prompts hit the cache, as vLLM's flag (null otherwise)")

@@ -76,14 +76,34 @@ class FunctionCallOutputItem(OpenAIBaseModel):
     output: str | list[ContentPart]
 
 
+class ReasoningText(OpenAIBaseModel):
+    """A reasoning item's text part."""
+
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(OpenAIBaseModel):
+    """The reasoning of an earlier response, sent back: it reaches the chat template as the
+    next assistant message's `reasoning_content` (gpt-oss's template renders it before a
+    tool call); `summary` and `encrypted_content` are ignored."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or [])
+
+
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_type_of("message"), custom_error_type="input_item_type",
-                  custom_error_message="input items are messages, function_call or "
-                                       "function_call_output items (other types are not "
-                                       "supported)")]
+                  custom_error_message="input items are messages, function_call, "
+                                       "function_call_output or reasoning items (other types "
+                                       "are not supported)")]
 
 
 class FunctionTool(OpenAIBaseModel):
@@ -209,21 +229,25 @@ class ResponsesRequest(OpenAIBaseModel):
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as chat messages: `instructions` as the system message, then
         `input` (developer messages as system ones, function calls as the assistant's
-        `tool_calls`, their outputs as `tool` messages)."""
+        `tool_calls`, their outputs as `tool` messages, reasoning as the next assistant
+        message's `reasoning_content`; reasoning no assistant item follows is dropped)."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
+        reasoning = None  # a reasoning item's text, for the next assistant message
         for item in self.input:
-            if isinstance(item, MessageItem):
+            if isinstance(item, ReasoningItem):
+                reasoning = (reasoning or "") + item.text()
+            elif isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
                 messages.append({"role": role, "content": _joined(item.content)})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant":
+                if last is not None and last["role"] == "assistant" and reasoning is None:
                     last.setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None,
@@ -231,6 +255,10 @@ class ResponsesRequest(OpenAIBaseModel):
             else:
                 messages.append({"role": "tool", "content": _joined(item.output),
                                  "tool_call_id": item.call_id})
+            if not isinstance(item, ReasoningItem):
+                if reasoning is not None and messages[-1]["role"] == "assistant":
+                    messages[-1]["reasoning_content"] = reasoning
+                reasoning = None
         if not messages:
             raise ValueError("input must hold at least one item")
         return messages

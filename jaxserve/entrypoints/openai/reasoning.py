@@ -1,8 +1,9 @@
 """Reasoning parsers (`--reasoning-parser`, vLLM's names): a reply's `<think>...</think>`
-block split off as `reasoning`, whole and streamed."""
+block (or gpt-oss's harmony `analysis` channel) split off as `reasoning`, whole and streamed."""
 
 from __future__ import annotations
 
+from jaxserve.entrypoints.openai.harmony_chat import HarmonyReply, split_reply
 from jaxserve.utils import named_choice
 
 START, END = "<think>", "</think>"
@@ -18,6 +19,7 @@ class ReasoningParser:
 
     name = ""
     thinking_first = False
+    harmony = False  # the reply is harmony (its special tokens kept in the text)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole reply, as the stream of it would send them.
@@ -51,6 +53,42 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
     name = "deepseek_r1"
     thinking_first = True
+
+
+class GptOssReasoningParser(ReasoningParser):
+    """vLLM's `openai_gptoss`: a harmony reply (gpt-oss) whose `analysis` messages are the
+    reasoning and whose `final` messages and `commentary` preambles are the content; its
+    function calls are left out (`--tool-call-parser openai` reads them). The reply's
+    special tokens must be kept in its text (`harmony`)."""
+
+    name = "openai_gptoss"
+    harmony = True
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        reasoning, content, _ = split_reply(text, calls=False)
+        return reasoning, content
+
+    def stream(self) -> HarmonyReasoningStream:
+        return HarmonyReasoningStream()
+
+
+class HarmonyReasoningStream:
+    """`ReasoningStream`'s interface over a harmony reply (its calls dropped)."""
+
+    def __init__(self):
+        self.reply = HarmonyReply(calls=False)
+
+    def feed(self, delta: str) -> list[tuple[str, str]]:
+        """The pieces `delta` completes."""
+        return self._pieces(self.reply.feed(delta))
+
+    def flush(self) -> list[tuple[str, str]]:
+        """The held-back text, once the reply has ended."""
+        return self._pieces(self.reply.feed("", finished=True))
+
+    @staticmethod
+    def _pieces(parts: dict) -> list[tuple[str, str]]:
+        return [(k, parts[k]) for k in ("reasoning", "content") if parts.get(k)]
 
 
 class ReasoningStream:
@@ -113,6 +151,7 @@ def _partial(text: str, tag: str) -> int:
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,
     "qwen3": Qwen3ReasoningParser,
 }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from jaxserve.entrypoints.chat_template import ChatTemplateError, render_chat
+from jaxserve.entrypoints.openai.harmony_chat import HarmonyReplyStream, split_reply
 from jaxserve.entrypoints.openai.protocol import REQUEST_FIELDS, ChatCompletionRequest, ChatMessage
 from jaxserve.entrypoints.openai.reasoning import (
     ReasoningParser,
@@ -110,8 +111,10 @@ class OpenAIServingChat(OpenAIServing):
             raise from_value_error(e, _FIELDS, {"max_tokens": limit_name}) from None
         self.check_constraint(req, params)
         if self.tool_mode(req) == "auto" and \
-                get_tool_parser(self.limits.tool_call_parser).keep_special_tokens:
-            params = params.clone(skip_special_tokens=False)  # the call marker is one
+                get_tool_parser(self.limits.tool_call_parser).keep_special_tokens \
+                or self.harmony(req, params) is not None:
+            # the call marker (harmony's markers) is a special token the text must keep
+            params = params.clone(skip_special_tokens=False)
         chars = sum(len(m.as_template_message()["content"] or "") for m in req.messages
                     if isinstance(m.content, str))
         per_token = self.limits.max_chars_per_token
@@ -146,6 +149,22 @@ class OpenAIServingChat(OpenAIServing):
             return None
         return get_reasoning_parser(name)
 
+    def harmony(self, req, params) -> tuple[bool, bool] | None:
+        """(split reasoning, read calls) when this request's reply is read as harmony
+        (gpt-oss: `--reasoning-parser openai_gptoss` or `--tool-call-parser openai`); None
+        otherwise, and when the output is constrained from its first token (a schema or a
+        forced call: the reply is that JSON, not harmony)."""
+        if params.structured_outputs is not None:
+            return None
+        name = self.limits.reasoning_parser
+        reasoning = name is not None and get_reasoning_parser(name).harmony \
+            and not thinking_disabled(req.chat_template_kwargs)
+        tools = self.limits.tool_call_parser is not None \
+            and get_tool_parser(self.limits.tool_call_parser).harmony
+        if not (reasoning or tools):
+            return None
+        return reasoning, tools and self.tool_mode(req) == "auto"
+
     def shows_token_ids(self, req, prep: Prepared) -> bool:
         """`return_token_ids`, unless reasoning is split off and left out
         (`include_reasoning: false`): its ids would show it, so vLLM sends none."""
@@ -156,17 +175,15 @@ class OpenAIServingChat(OpenAIServing):
         params, final = prep.params, finals[0]
         mode = self.tool_mode(req)
         splitter = self.reasoning_parser(req, prep)
+        harmony = self.harmony(req, params)
         as_ids, show_ids = self.tokens_as_ids(req), self.shows_token_ids(req, prep)
         choices = []
         for comp in final.outputs:
-            reasoning, text = splitter.split(comp.text) if splitter else (None, comp.text)
-            # NOTE: a forced call's arguments are the generated text alone (no echo).
-            if mode not in ("named", "required") and prep.extra["echo"]:
-                text = prep.extra["echo"] + (text or "")
-            message, finish_reason = reply_message(
-                mode, text, req.tool_choice, comp.finish_reason,
-                parser=self.limits.tool_call_parser, tools=req.tools,
-                reasoning=reasoning if req.include_reasoning else None)
+            if harmony is not None:  # gpt-oss: reasoning, content and calls from one parse
+                message, finish_reason = harmony_message(comp.text, comp.finish_reason,
+                                                         *harmony, req.include_reasoning)
+            else:
+                message, finish_reason = self._message(req, prep, comp, mode, splitter)
             choices.append({
                 "index": comp.index, "message": message,
                 "logprobs": chat_logprobs(comp, 0, params.logprobs, self.tokenizer, as_ids)
@@ -182,6 +199,17 @@ class OpenAIServingChat(OpenAIServing):
                 if req.prompt_logprobs is not None else None,
                 "prompt_token_ids": list(final.prompt_token_ids) if req.return_token_ids
                 else None, "kv_transfer_params": None}
+
+    def _message(self, req, prep, comp, mode, splitter) -> tuple[dict, str | None]:
+        """A completion's assistant message and finish_reason: reasoning split off, then
+        tool calls read by `mode`."""
+        reasoning, text = splitter.split(comp.text) if splitter else (None, comp.text)
+        # NOTE: a forced call's arguments are the generated text alone (no echo).
+        if mode not in ("named", "required") and prep.extra["echo"]:
+            text = prep.extra["echo"] + (text or "")
+        return reply_message(mode, text, req.tool_choice, comp.finish_reason,
+                             parser=self.limits.tool_call_parser, tools=req.tools,
+                             reasoning=reasoning if req.include_reasoning else None)
 
     async def stream_events(self, req, prep, request_id, streams) -> AsyncIterator[dict]:
         params = prep.params
@@ -200,9 +228,12 @@ class OpenAIServingChat(OpenAIServing):
                 **chunk_usage(req, prep, [None], chat=True)}
         finals = [None]
         mode, splitter = self.tool_mode(req), self.reasoning_parser(req, prep)
-        replies = [ReplyStream(ToolCallStream(mode, req.tool_choice,
-                                              self.limits.tool_call_parser, req.tools),
-                               splitter.stream() if splitter else None, req.include_reasoning)
+        harmony = self.harmony(req, params)
+        replies = [HarmonyReplyStream(*harmony, req.include_reasoning) if harmony is not None
+                   else ReplyStream(ToolCallStream(mode, req.tool_choice,
+                                                   self.limits.tool_call_parser, req.tools),
+                                    splitter.stream() if splitter else None,
+                                    req.include_reasoning)
                    for _ in range(params.n)]
         as_ids, show_ids = self.tokens_as_ids(req), self.shows_token_ids(req, prep)
         async for d in deltas(streams, params, finals):
@@ -220,6 +251,19 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream_options is not None and req.stream_options.include_usage:
             yield {**head, "choices": [], "usage": final_usage(
                 finals, details=self.limits.enable_prompt_tokens_details)}
+
+
+def harmony_message(text: str, finish_reason: str | None, reasoning: bool, calls: bool,
+                    include_reasoning: bool = True) -> tuple[dict, str | None]:
+    """(assistant message, finish_reason) of a whole harmony reply (`harmony_chat`), with
+    `reply_message`'s keys; "tool_calls" for a reply that stopped after calls."""
+    thought, content, found = split_reply(text, reasoning and include_reasoning, calls)
+    message, finish_reason = reply_message(None, content, None, finish_reason,
+                                           reasoning=thought)
+    if found:
+        message["tool_calls"] = found
+        finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return message, finish_reason
 
 
 class ReplyStream:

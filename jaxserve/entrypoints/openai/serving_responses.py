@@ -51,12 +51,23 @@ def call_item(item_id: str, call: dict, status: str) -> dict:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
 
+def reasoning_item(item_id: str, text: str, status: str | None) -> dict:
+    """A `reasoning` output item holding the reply's reasoning as one `reasoning_text` part
+    (vLLM's, for gpt-oss's analysis and for `--reasoning-parser` replies)."""
+    return {"id": item_id, "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None,
+            "status": status}
+
+
 def output_items(message: dict, logprobs: list | None) -> list[dict]:
-    """The output items of a whole chat reply: its text as a message (also when there is
-    neither text nor a call), then one `function_call` per tool call."""
+    """The output items of a whole chat reply: its reasoning (if any), its text as a message
+    (also when there is neither text nor a call), then one `function_call` per tool call."""
     calls = message.get("tool_calls") or []
-    items = [message_item(_item_id("msg"), message.get("content") or "", logprobs, "completed")] \
-        if message.get("content") or not calls else []
+    items = [reasoning_item(_item_id("rs"), message["reasoning"], None)] \
+        if message.get("reasoning") else []
+    if message.get("content") or not calls:
+        items.append(message_item(_item_id("msg"), message.get("content") or "", logprobs,
+                                  "completed"))
     return items + [call_item(_item_id("fc"), c, "completed") for c in calls]
 
 
@@ -118,9 +129,22 @@ class ResponseEvents:
         return {"item_id": self.item["id"], "output_index": len(self.output)}
 
     def delta(self, delta: dict, logprobs: list | None) -> list[dict]:
-        """The events of one chat delta (`content`, `tool_calls`) and its tokens' logprobs."""
+        """The events of one chat delta (`reasoning`, `content`, `tool_calls`) and its
+        tokens' logprobs."""
         events = []
         self.pending += logprobs or []
+        if delta.get("reasoning"):
+            if self.item is None or self.item["type"] != "reasoning":
+                events += self.close()
+                self.item = reasoning_item(_item_id("rs"), "", "in_progress")
+                events.append(self.event("response.output_item.added",
+                                         output_index=len(self.output), item=self.item))
+                events.append(self.event("response.content_part.added", **self._at(),
+                                         content_index=0, part=self.item["content"][0]))
+            self.text += delta["reasoning"]
+            self.pending = []  # reasoning tokens: no output_text logprobs
+            events.append(self.event("response.reasoning_text.delta", **self._at(),
+                                     content_index=0, delta=delta["reasoning"]))
         if delta.get("content"):
             if self.item is None or self.item["type"] != "message":
                 events += self.close()
@@ -157,7 +181,14 @@ class ResponseEvents:
         item, events = self.item, []
         if item is None:
             return events
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            done = reasoning_item(item["id"], self.text, "completed")
+            events.append(self.event("response.reasoning_text.done", **self._at(),
+                                     content_index=0, text=self.text))
+            events.append(self.event("response.content_part.done", **self._at(),
+                                     content_index=0, part=done["content"][0]))
+            self.text = ""
+        elif item["type"] == "message":
             logprobs = self.logprobs if self.with_logprobs else None
             events.append(self.event("response.output_text.done", **self._at(),
                                      content_index=0, text=self.text,

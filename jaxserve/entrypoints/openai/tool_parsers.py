@@ -15,6 +15,7 @@ import re
 import string
 import uuid
 
+from jaxserve.entrypoints.openai.harmony import split_messages
 from jaxserve.utils import named_choice
 
 
@@ -41,6 +42,7 @@ class ToolParser:
     at_start = False
     # The marker is a special token the detokenizer would drop (vLLM's `adjust_request`).
     keep_special_tokens = False
+    harmony = False  # the reply is harmony, read by `harmony_chat` (gpt-oss)
 
     def parse(self, text: str, tools: list[dict] | None = None
               ) -> tuple[str | None, list[dict]]:
@@ -298,10 +300,30 @@ def _typed(value: str, schema) -> object:
             return value
 
 
+class OpenAIToolParser(ToolParser):
+    """vLLM's `openai`, for gpt-oss: harmony messages to `functions.NAME` (in the commentary
+    channel, or the analysis one) are the calls, their bodies the arguments (JSON re-dumped;
+    text that is not JSON passed on as written, and a function the request did not declare
+    called all the same, as vLLM); `final` messages and `commentary` preambles are the
+    content, and the analysis is left out. The harmony markers are special tokens: such
+    requests keep them in the text (`harmony`: serving_chat reads these replies with
+    `harmony_chat`, which also streams the calls' arguments)."""
+
+    name = "openai"
+    markers = ("<|channel|>", "<|start|>")
+    keep_special_tokens = True
+    harmony = True
+
+    def parse(self, text, tools=None):
+        _, content, calls = split_messages(text, reasoning=False)
+        return content, [call_json(name, arguments) for name, arguments in calls]
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "openai": OpenAIToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
 }
