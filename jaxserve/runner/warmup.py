@@ -87,10 +87,13 @@ def lower_bucket(runner, num_tokens: int, make_dummy_sampling) -> list:
     if runner.pooling_type is not None:  # a pooling runner's program, per step layout
         lowered += [programs.pool(step.layout, runner.pooling_type).lower(hidden, step.buf)
                     for step in steps]
-    targets = runner.to_device(np.zeros(num_tokens, np.int32))
+    # NOTE: the step's tokens: the bucket, or every rank's block of it (data-parallel
+    # attention).
+    total = steps[0].num_tokens
+    targets = runner.to_device(np.zeros(total, np.int32))
     lowered += [programs.prompt_logprobs(width).lower(runner.params, hidden, targets)
                 for width in runner.logprobs_widths]
-    dummy = make_dummy_sampling(runner.sample_rows(num_tokens))
+    dummy = make_dummy_sampling(runner.sample_rows(total))
     for md, variant in sampler_variants(runner, dummy):
         buf, layout = runner.sampling_inputs(md, variant)
         lowered.append(programs.sampler(layout).lower(logits, runner.to_device(buf)))
@@ -211,9 +214,10 @@ def run_bucket(runner, num_tokens: int, make_dummy_sampling) -> None:
     prompt-logprobs program and every sampler variant on its outputs (running the model
     once per variant cost ~7 s more cold); the bucket's decode program, if it has one."""
     (out, decode_only), *decodes = dummy_steps(runner, num_tokens)
-    num_sample_rows = runner.sample_rows(num_tokens)
     programs = runner.programs
     step = runner.prepare_model_step(out, decode_only)
+    num_tokens = step.num_tokens  # every rank's block under data-parallel attention
+    num_sample_rows = runner.sample_rows(num_tokens)
     logits, hidden = runner.run_model_step(step)
     if runner.pooling_type is not None:
         jax.block_until_ready(programs.pool(step.layout, runner.pooling_type)(hidden,

@@ -98,14 +98,17 @@ def test_the_latent_pool_is_split_and_never_gathered(ep2):
         assert not any(f"[{s}]" in line for s in shapes), line
 
 
-@pytest.mark.slow  # two more engines' programs (EP 4 over 4 ranks; swap preemption)
-@pytest.mark.parametrize("args", [dict(expert_parallel_size=4, num_kv_blocks=16),
+@pytest.mark.slow  # two more engines' programs (EP 4 over 4 ranks, warmed up; swap)
+@pytest.mark.parametrize("args", [dict(expert_parallel_size=4, num_kv_blocks=16, warmup=True),
                                   dict(expert_parallel_size=2, preemption_mode="swap")],
                          ids=["ep4", "ep2_swap"])
 def test_other_layouts_equal_transformers(deepseek, args):
     path, ids, expected = deepseek
     llm = LLM(path, **{**SMALL, **args})
+    compiled = llm.get_metrics()["jaxserve:num_compilations"]
     assert _generate(llm, ids) == expected  # EP 4: a request per rank
+    if args.get("warmup"):  # warm-up compiled every rank-blocked bucket's programs
+        assert llm.get_metrics()["jaxserve:num_compilations"] == compiled
     if args.get("preemption_mode") == "swap":
         metrics = llm.get_metrics()
         assert metrics["jaxserve:num_preemptions"] > 0
