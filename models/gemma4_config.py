@@ -48,9 +48,10 @@ def check_gemma4(cfg) -> None:
     """Checks Gemma 4's fields of an `ArchConfig` (no-ops for other families).
 
     Raises:
-        ValueError: A negative per-layer input size or one without a table, `kv_shared_layers` outside [0, num_layers) or a shared layer without
-            a source, KV sharing with linear-attention layers, or a double-wide MLP
-            of an odd width; each names the HF field.
+        ValueError: A negative per-layer input size or one without a table,
+            `kv_shared_layers` outside [0, num_layers) or a shared layer without a source,
+            KV sharing with linear-attention layers, or a double-wide MLP of an odd width;
+            each names the HF field.
     """
     if cfg.per_layer_input_size < 0 or cfg.per_layer_vocab_size < 0:
         raise ValueError(f"hidden_size_per_layer_input ({cfg.per_layer_input_size}) and "

@@ -14,9 +14,10 @@ from models.rope import parse_rope
 logger = logging.getLogger(__name__)
 
 # `Gemma4TextConfig`'s defaults for the fields the family reads.
-DEFAULTS = dict(hidden_activation="gelu_pytorch_tanh", head_dim=256, num_key_value_heads=4, rms_norm_eps=1e-6,
-                tie_word_embeddings=True, sliding_window=512, vocab_size_per_layer_input=262_144,
-                hidden_size_per_layer_input=256, max_position_embeddings=131_072)
+DEFAULTS = dict(hidden_activation="gelu_pytorch_tanh", head_dim=256, num_key_value_heads=4,
+                rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=512,
+                vocab_size_per_layer_input=262_144, hidden_size_per_layer_input=256,
+                max_position_embeddings=131_072)
 DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                    "rope_theta": 1_000_000.0}}
