@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from models.deepseek_config import check_groups, check_mla
+from models.gemma4_config import check_gemma4
 from models.moe_config import check_expert_act
 from models.rope import RopeScaling, check_rope_scaling
 
@@ -140,6 +141,17 @@ class ArchConfig:
         swiglu_alpha: The clamped SwiGLU's sigmoid gain.
         attention_sinks: Every attention layer has a learned logit per query head
             (`sinks` f32[num_heads]) in its softmax's denominator (gpt-oss).
+        per_layer_input_size: Gemma 4's per-layer input embeddings (`models.gemma4`): each
+            layer's small input per token (0: none); `per_layer_vocab_size` rows.
+        per_layer_vocab_size: Rows of the per-layer embedding table.
+        kv_shared_layers: The last this many layers compute no K/V: each reads the pool slot
+            of the last earlier layer of its kind (Gemma 4's `num_kv_shared_layers`).
+        attention_k_eq_v: The full-attention layers' values are their keys' projection
+            (before the key norm and rotary; Gemma 4).
+        v_norm: Values get an RMSNorm without a scale (Gemma 4).
+        layer_scalar: Each layer's output is multiplied by its own learned scalar (Gemma 4).
+        double_wide_mlp: The KV-shared layers' MLPs are twice `intermediate_size / 2`; the
+            others are stored zero-padded to that width (Gemma 4's `use_double_wide_mlp`).
     """
 
     architecture: str
@@ -209,6 +221,13 @@ class ArchConfig:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
     attention_sinks: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    kv_shared_layers: int = 0
+    attention_k_eq_v: bool = False
+    v_norm: bool = False
+    layer_scalar: bool = False
+    double_wide_mlp: bool = False
 
     @property
     def is_mla(self) -> bool:
@@ -247,9 +266,10 @@ class ArchConfig:
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The full-attention layers (every layer without `linear_layers`): the only ones
-        that keep KV pages."""
-        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+        """The full-attention layers (every layer without `linear_layers`) that keep KV
+        pages of their own (not Gemma 4's last `kv_shared_layers`)."""
+        last = self.num_layers - self.kv_shared_layers
+        return tuple(i for i in range(last) if i not in self.linear_layers)
 
     @property
     def attention_windows(self) -> tuple[int, ...]:
@@ -310,6 +330,7 @@ class ArchConfig:
         self._check_moe()
         self._check_linear()
         check_mla(self)
+        check_gemma4(self)
         for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                      "attention_multiplier", "logits_scaling"):
             value = getattr(self, name)

@@ -21,6 +21,15 @@ import jax.numpy as jnp
 
 from models.config import ArchConfig
 from models.gated_deltanet import HybridCache
+from models.gemma4 import (
+    per_layer_inputs,
+    per_layer_modules,
+    per_layer_residual,
+    plain_rms,
+    values_of,
+    writes_kv,
+)
+from models.gemma4_config import kv_slot_index
 from models.hybrid import ATTENTION, LINEAR, HybridMixer, linear_mixer
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
@@ -52,9 +61,11 @@ class Attention(nn.Module):
     phase: str = "whole"
 
     @nn.compact
-    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata, slot=None):
+    def __call__(self, x, cos, sin, kv_pages, layer, window, md: AttentionMetadata, slot=None,
+                 writes=None):
         """`layer` indexes the weights, `slot` (default: the layer) the pool's axis 0; `md`
-        is the layer's group's (2-D block tables)."""
+        is the layer's group's (2-D block tables); `writes` (bool[] or None: yes) whether
+        the layer writes its K/V (not a Gemma 4 KV-shared layer, which reads its source's)."""
         cfg, ops = self.cfg, self.methods.attention
         slot = layer if slot is None else slot
         inv = self.methods.batch_invariant
@@ -78,6 +89,7 @@ class Attention(nn.Module):
             q = q.reshape(num_tokens, cfg.num_heads * cfg.head_dim)
         k = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "k_proj", x)
         v = proj(cfg.num_kv_heads * cfg.head_dim, cfg.qkv_bias, "v_proj", x)
+        v = values_of(cfg, k, v, window)  # Gemma 4's attention_k_eq_v
         if cfg.qk_norm and cfg.qk_norm_full:  # OLMoE: over the whole projection
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, inv, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, inv, name="k_norm")(k)
@@ -87,6 +99,8 @@ class Attention(nn.Module):
         if cfg.qk_norm and not cfg.qk_norm_full:
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, inv, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, inv, name="k_norm")(k)
+        if cfg.v_norm:
+            v = plain_rms(v, cfg.rms_norm_eps)
         cos, sin = layer_cos_sin(cos, sin, window)
         if cfg.use_rope:
             q = apply_rope(q, cos, sin)
@@ -94,7 +108,9 @@ class Attention(nn.Module):
         if self.phase == "qkv":
             return q, gate, k, v
         if not self.is_initializing():
-            kv_pages = ops.write_kv(kv_pages, slot, k, v, md.slot_mapping)
+            # A layer that writes nothing writes to the null page's first slot.
+            mapping = md.slot_mapping if writes is None else jnp.where(writes, md.slot_mapping, 0)
+            kv_pages = ops.write_kv(kv_pages, slot, k, v, mapping)
         return self._attend(q, gate, kv_pages, slot, window, md, proj, sinks), kv_pages
 
     def _attend(self, q, gate, kv_pages, slot, window, md: AttentionMetadata, proj,
@@ -134,13 +150,17 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
         hidden, kv_pages = carry
-        # (layer, window) with one KV cache group; (layer, window, slot, group) with several.
+        # (layer, window) with one KV cache group; (layer, window, slot, group) with several;
+        # (layer, window, slot) when layers share KV in one group; then the per-layer input.
+        cfg, methods = self.cfg, self.methods
         layer, window, *grouped = xs
+        ple = grouped.pop() if cfg.per_layer_input_size else None  # [T, P]
         slot = None
-        if grouped:
+        if len(grouped) == 2:
             slot, group = grouped
             md = md.for_group(group)
-        cfg, methods = self.cfg, self.methods
+        elif grouped:
+            (slot,) = grouped
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset,
                                     methods.batch_invariant, name=name)
         # Granite scales each block's output before its residual add (static: others unchanged).
@@ -152,7 +172,7 @@ class DecoderLayer(nn.Module):
                 h, cos, sin, kv_pages, layer, md, slot)
         elif not cfg.has_linear_attention:
             attn_out, kv_pages = Attention(cfg, self.dtype, methods, name="self_attn")(
-                h, cos, sin, kv_pages, layer, window, md, slot)
+                h, cos, sin, kv_pages, layer, window, md, slot, writes_kv(cfg, layer))
         elif self.is_initializing():
             # Both mixers' weights for every layer; `models.hybrid.hybrid_init` cuts each
             # stack to its layers.
@@ -184,6 +204,8 @@ class DecoderLayer(nn.Module):
         if cfg.sandwich_norms:
             mlp_out = norm("post_feedforward_layernorm")(mlp_out)
         hidden = hidden + residual(mlp_out)
+        if cfg.per_layer_input_size or cfg.layer_scalar:  # Gemma 4
+            hidden = per_layer_residual(self, hidden, ple, layer)
         return (hidden, kv_pages), routed
 
 
@@ -233,6 +255,9 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_offset, methods.batch_invariant)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.vocab_size, methods.linear("lm_head"), dtype=self.dtype)
+        if cfg.per_layer_input_size:  # Gemma 4's per-layer inputs (`models.gemma4`)
+            (self.embed_tokens_per_layer, self.per_layer_model_projection,
+             self.per_layer_projection_norm) = per_layer_modules(cfg, self.dtype, methods)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_pages,
                  md: AttentionMetadata) -> tuple:
@@ -280,8 +305,19 @@ class Decoder(nn.Module):
             hidden = hidden * self.cfg.embedding_multiplier
         xs = (jnp.arange(self.cfg.num_layers, dtype=jnp.int32),
               jnp.asarray(self.cfg.layer_windows, dtype=jnp.int32))
+        # A KV-shared layer (Gemma 4) takes its source's slot and group.
+        kv = kv_slot_index(self.cfg) if self.cfg.kv_shared_layers else None
         if lay is not None:  # NOTE: the window stays the layer's (masking never changes)
-            xs += (jnp.asarray(lay.layer_slot, jnp.int32), jnp.asarray(lay.layer_group, jnp.int32))
+            slots, groups = lay.layer_slot, lay.layer_group
+            if kv is not None:
+                slots, groups = [slots[k] for k in kv], [groups[k] for k in kv]
+            xs += (jnp.asarray(slots, jnp.int32), jnp.asarray(groups, jnp.int32))
+        elif kv is not None:
+            xs += (jnp.asarray(kv, jnp.int32),)
+        if self.cfg.per_layer_input_size:
+            modules = (self.embed_tokens_per_layer, self.per_layer_model_projection,
+                       self.per_layer_projection_norm)
+            xs += (per_layer_inputs(self.cfg, modules, input_ids, hidden),)
         (hidden, kv_pages), routed = self.layers((hidden, kv_pages), xs, cos, sin, md)
         if self.capture_routing:  # routed: i32[L, T, k] from the scan
             return kv_pages, self.norm(hidden), jnp.swapaxes(routed, 0, 1)

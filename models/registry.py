@@ -15,6 +15,7 @@ from models.config import ArchConfig
 from models.family_base import ModelFamily
 from models.hf_fields import partial_rotary_factor, windows_from_layer_types
 from models.moe_config import sparse_fields
+from models.registry_gemma4 import Gemma4
 from models.registry_mixers import (
     DeepseekV2,
     DeepseekV3,
@@ -322,7 +323,7 @@ class GptOss(ModelFamily):
 FAMILIES: dict[str, type[ModelFamily]] = {
     name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen3, Gemma2, Gemma3, Mixtral,
                           Qwen2Moe, Qwen3Moe, Olmoe, Qwen3_5, Qwen3_5Moe, Qwen3Next,
-                          GraniteMoeHybrid, DeepseekV2, DeepseekV3, GptOss)
+                          GraniteMoeHybrid, DeepseekV2, DeepseekV3, GptOss, Gemma4)
     for name in fam.architectures
 }
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -46,6 +46,8 @@ class RopeScaling:
         short_factor: LongRoPE: per-frequency divisors f32[rotary_dim // 2] within the
             original context.
         long_factor: LongRoPE: the divisors past it.
+        partial_rotary_factor: Proportional (Gemma 4): the share of the head's frequencies
+            that turn (exponents over the whole head); the others are 0 (cos 1, sin 0).
         use_long_factors: LongRoPE: which set the tables use, for every position. transformers
             picks by the sequence's length and recomputes the KV cache when a sequence
             crosses `original_max_position_embeddings`; a paged server cannot rewrite a
@@ -67,6 +69,7 @@ class RopeScaling:
     truncate: bool = True
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    partial_rotary_factor: float = 1.0
     use_long_factors: bool = True
 
     def __post_init__(self):
@@ -106,7 +109,7 @@ def check_rope_scaling(name: str, scaling: RopeScaling, rotary_dim: int) -> None
     if scaling.rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {scaling.rope_type!r}; supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-    if scaling.rope_type in ("linear", "llama3", "yarn") and not scaling.factor > 0:
+    if scaling.rope_type in ("linear", "llama3", "yarn", "proportional") and not scaling.factor > 0:
         raise ValueError(f"{name}.factor must be positive, got {scaling.factor}")
     if scaling.rope_type == "longrope":
         for f in ("short_factor", "long_factor"):
@@ -128,6 +131,7 @@ _ROPE_KEYS = {
              "beta_slow", "mscale", "mscale_all_dim", "truncate"),
     "longrope": ("factor", "original_max_position_embeddings", "attention_factor",
                  "short_factor", "long_factor"),
+    "proportional": ("factor", "partial_rotary_factor"),
 }
 _ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor",),
                   "longrope": ("short_factor", "long_factor")}
@@ -158,7 +162,7 @@ def parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
         if key not in scaling:
             raise ValueError(f"rope_scaling of type {rope_type!r} lacks {key}")
     kwargs = {k: scaling[k] for k in _ROPE_KEYS[rope_type] if k in scaling}
-    if rope_type != "linear":  # the types that know a pre-training length
+    if rope_type not in ("linear", "proportional"):  # the types that know a pre-training length
         max_len = int(hf.get("max_position_embeddings") or 2048)
         original = int(hf.get("original_max_position_embeddings")
                        or kwargs.get("original_max_position_embeddings") or max_len)
@@ -168,6 +172,7 @@ def parse_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
         if rope_type == "longrope":
             kwargs["use_long_factors"] = max_len > original
     for key in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor",
+                "partial_rotary_factor",
                 "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
         if key in kwargs:
             kwargs[key] = float(kwargs[key])
@@ -198,10 +203,23 @@ def _yarn_inv_freq(pos_freqs: np.ndarray, dim: int, theta: float,
     return interpolated * (1 - keep) + extrapolated * keep
 
 
+def _proportional_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """Proportional rotary: the first `partial_rotary_factor` of the frequencies as the
+    default's over the whole head (exponents over `dim`), the rest 0, all divided by
+    `factor` (transformers' `_compute_proportional_rope_parameters`)."""
+    angles = int(scaling.partial_rotary_factor * dim // 2)
+    exponents = np.arange(0, 2 * angles, 2, dtype=np.int64).astype(np.float32) / dim
+    turned = (1.0 / (theta ** exponents).astype(np.float32)).astype(np.float32)
+    inv_freq = np.concatenate([turned, np.zeros(dim // 2 - angles, np.float32)])
+    return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+
+
 def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
     """Inverse rotary frequencies f32[dim // 2] of a `dim`-channel rotary (the head, or its
     rotated part), scaled as `scaling.rope_type` says; computed in float32 in
     transformers' order of operations, so the tables match it to the last bit or two."""
+    if scaling.rope_type == "proportional":  # Gemma 4's full-attention layers
+        return _proportional_inv_freq(dim, theta, scaling)
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
     pos_freqs = (theta ** exponents).astype(np.float32)  # f32[dim // 2]
     if scaling.rope_type == "longrope":  # divisors per frequency (`ext_factors`)

@@ -16,6 +16,7 @@ import numpy as np
 
 from models.config import ArchConfig
 from models.loaders import gdn_fused
+from models.loaders.gemma4_names import Gemma4Source, is_gemma4
 from models.loaders.gpt_oss_names import GptOssSource, is_gpt_oss
 from models.loaders.granite_names import get_granite, granite_name, is_granite
 from models.mixed import DENSE, stack_layers
@@ -71,6 +72,8 @@ def hf_name(path: tuple[str, ...], layer: int | None) -> tuple[str, bool]:
         return "lm_head.weight", True
     prefix = "model." + (f"layers.{layer}." if mods[0] == "layers" else "")
     mods = mods[1:] if mods[0] == "layers" else mods
+    if not mods:  # a parameter of the layer itself (Gemma 4's `layer_scalar`)
+        return prefix + leaf, False
     if leaf in _BARE_LEAVES:  # a linear layer's own parameters, no module around them
         return prefix + ".".join(mods) + "." + _BARE_LEAVES[leaf], leaf == "conv1d"
     suffix = "bias" if leaf == "bias" else "weight"
@@ -138,6 +141,8 @@ class SplitFused:
     def __init__(self, source: TensorSource, cfg: ArchConfig):
         # gpt-oss's stacked experts and router (`models.loaders.gpt_oss_names`).
         self.source = GptOssSource(source) if is_gpt_oss(cfg) else source
+        if is_gemma4(cfg):  # tensors the layer scan needs that the checkpoint lacks
+            self.source = Gemma4Source(source, cfg)
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self._rows = {"self_attn.qkv_proj": (q, kv, kv),

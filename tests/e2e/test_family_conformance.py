@@ -62,6 +62,14 @@ ROUTED = dict(enable_return_routed_experts=True)
 # gpt-oss's YaRN (untruncated) over a quarter of the tiny context.
 GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0,
                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
+# Gemma 4: four layers (sliding, full, twice), the last two sharing the first two's KV; its
+# tied LM head (Gemma 4's default; untied, its greedy text never repeats a token, so n-gram
+# speculation would propose nothing).
+GEMMA4 = dict(TINY, tie_word_embeddings=True, num_hidden_layers=4, head_dim=16,
+              global_head_dim=16, sliding_window=WINDOW,
+              layer_types=["sliding_attention", "full_attention"] * 2,
+              hidden_size_per_layer_input=8, vocab_size_per_layer_input=49152,
+              num_kv_shared_layers=2, attention_k_eq_v=True, use_double_wide_mlp=True)
 GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10000.0},
                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}
 
@@ -158,6 +166,14 @@ FAMILIES = [
            dict(layer_windows=(WINDOW, 0), attention_sinks=True, moe_bias=True,
                 swiglu_limit=7.0, router_order="topk_softmax"),
            engine=dict(HYBRID_POOL, **ROUTED)),
+    # Gemma 4: per-layer inputs, the last two layers reading layers 0 and 1's KV (no pool
+    # slot of their own: one slot per group), keys as values on the full layers, the
+    # double-wide MLP, proportional rotary; sliding then full layers (the hybrid KV cache).
+    Family("gemma4", "Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4,
+           dict(layer_windows=(WINDOW, 0, WINDOW, 0), per_layer_input_size=8,
+                kv_shared_layers=2, attention_k_eq_v=True, double_wide_mlp=True,
+                **{"rope_scaling.rope_type": "proportional"}),
+           engine=HYBRID_POOL),
 ]
 
 
@@ -200,6 +216,9 @@ SLOW_ROWS = {
     # the hybrid KV cache and routing capture: the gemma3 and qwen3_moe rows; sinks, biases,
     # the clamp: numerics gpt_oss (default tier).
     "gpt_oss": "its engine paths are the gemma3 and qwen3_moe rows'; numerics gpt_oss",
+    # the hybrid KV cache: the gemma3 row; per-layer inputs, shared KV, keys as values:
+    # numerics gemma4_ple_shared_kv (default tier, through the paged cache).
+    "gemma4": "its engine paths are the gemma3 row's; numerics gemma4_ple_shared_kv",
 }
 
 

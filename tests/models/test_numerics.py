@@ -76,6 +76,13 @@ DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_
                 num_hidden_layers=3)
 # YaRN with `mscale_all_dim`: DeepSeek scales the softmax by mscale(factor) squared too.
 DEEPSEEK_YARN = dict(YARN_ROPE, mscale=1.0, mscale_all_dim=1.0)
+# Gemma 4: sliding (5) and full layers, per-layer inputs of 8 (a table of the whole
+# vocabulary, as the real models'), the last two layers reading layers 0 and 1's KV (twice as
+# wide MLPs), keys as values on the full layers, proportional rotary there (2 of 8 frequencies).
+GEMMA4 = dict(num_hidden_layers=4, head_dim=16, global_head_dim=16, sliding_window=5,
+              layer_types=["sliding_attention", "full_attention"] * 2,
+              hidden_size_per_layer_input=8, vocab_size_per_layer_input=160,
+              num_kv_shared_layers=2, attention_k_eq_v=True, use_double_wide_mlp=True)
 # gpt-oss: 4 experts of 32, top 2, sliding (5) then full layers, YaRN without truncation, and a
 # SwiGLU clamp of 1 (the tiny experts' outputs pass it; gpt-oss's 7 would never bind here).
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
@@ -306,6 +313,15 @@ CASES = [
                                        beta_fast=8.0, truncate=False)),
          ablate=dict(attention_sinks=False, moe_bias=False, swiglu_limit=1e9,
                      layer_windows=(0, 0), rope_scaling=RopeScaling())),
+    # Gemma 4 (`models.gemma4`): each mechanism undone alone breaks agreement.
+    Case("gemma4_ple_shared_kv", "Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4,
+         dict(layer_windows=(5, 0, 5, 0), per_layer_input_size=8, per_layer_vocab_size=160,
+              kv_shared_layers=2, attention_k_eq_v=True, double_wide_mlp=True,
+              intermediate_size=192, norm_offset=0.0, attention_multiplier=1.0,
+              rope_scaling=RopeScaling("proportional", partial_rotary_factor=0.25),
+              rope_theta=1e6, local_rope_theta=10000.0),
+         ablate=dict(kv_shared_layers=0, per_layer_input_size=0, attention_k_eq_v=False,
+                     layer_scalar=False, v_norm=False, rope_scaling=RopeScaling())),
 ]
 
 
@@ -392,6 +408,8 @@ def _perturb(model, seed: int) -> None:
         for name, b in model.named_buffers():  # DeepSeek-V3's router bias: selection only
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+            if name.endswith("layer_scalar"):  # Gemma 4's scalar per layer (ones at init)
+                b.copy_(1.0 + 0.3 * torch.randn(b.shape, generator=gen))
 
 
 def build_hf(case: Case, path: str, seed: int = 0):

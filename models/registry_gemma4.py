@@ -1,0 +1,121 @@
+"""The Gemma 4 text family: `Gemma4ForCausalLM` and the language model of a
+`Gemma4ForConditionalGeneration` checkpoint, mapped onto `ArchConfig` as transformers'
+`Gemma4TextConfig` reads its fields (its defaults filling what a config leaves out)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from models.family_base import ModelFamily
+from models.hf_fields import windows_from_layer_types
+from models.rope import parse_rope
+
+logger = logging.getLogger(__name__)
+
+# `Gemma4TextConfig`'s defaults for the fields the family reads.
+DEFAULTS = dict(hidden_activation="gelu_pytorch_tanh", head_dim=256, num_key_value_heads=4,
+                rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=512,
+                vocab_size_per_layer_input=262_144, hidden_size_per_layer_input=256,
+                max_position_embeddings=131_072)
+DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+GLOBAL_HEAD_DIM = 512  # `Gemma4TextConfig`'s full-attention head width when not given
+
+
+def layer_types(hf: dict[str, Any]) -> list[str]:
+    """`layer_types`, or transformers' default (every 6th layer full); the last layer is
+    full attention whatever the config says (transformers forces it, with a warning)."""
+    n = int(hf["num_hidden_layers"])
+    types = list(hf.get("layer_types") or
+                 ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)])
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n}")
+    types[-1] = "full_attention"
+    return types
+
+
+def _check_uniform_heads(hf: dict[str, Any], types: list[str]) -> None:
+    """Full-attention layers may have their own head width (`global_head_dim`, default 512)
+    and, with `attention_k_eq_v`, KV head count (`num_global_key_value_heads`): the one
+    layer scan needs every layer alike, so another value than the sliding layers' is an
+    error naming the field (a saved config's `per_layer_config` overrides both)."""
+    head_dim, kv_heads = int(hf["head_dim"]), int(hf["num_key_value_heads"])
+    per_layer = hf.get("per_layer_config")
+    if per_layer is not None:  # transformers then takes these entries and no defaults
+        for key, entry in per_layer.items():
+            for field, want in (("head_dim", head_dim), ("num_key_value_heads", kv_heads)):
+                if (entry or {}).get(field, want) != want:
+                    raise ValueError(f"per_layer_config[{key}].{field}={entry[field]} differs "
+                                     f"from {field}={want}: layers of different head shapes "
+                                     "are not served")
+        return
+    if "full_attention" not in types:
+        return
+    global_dim = int(hf.get("global_head_dim") or GLOBAL_HEAD_DIM)
+    if global_dim != head_dim:
+        raise ValueError(f"global_head_dim={global_dim} differs from head_dim={head_dim}: "
+                         "layers of different head widths are not served")
+    global_kv = hf.get("num_global_key_value_heads")
+    if hf.get("attention_k_eq_v") and global_kv is not None and int(global_kv) != kv_heads:
+        raise ValueError(f"num_global_key_value_heads={global_kv} differs from "
+                         f"num_key_value_heads={kv_heads}: layers of different KV head counts "
+                         "are not served")
+
+
+class Gemma4(ModelFamily):
+    """Gemma 4 (text): Gemma 3's sandwich norms and embedding scale with plain-weight
+    RMSNorms, q/k norms and a scale-free value norm, an attention scale of 1, proportional
+    rotary on the full layers, per-layer input embeddings, KV shared by the last
+    `num_kv_shared_layers` layers, `attention_k_eq_v`, a learned scalar per layer and the
+    double-wide MLP (`models.gemma4`). Its MoE block is not served (a `ValueError`)."""
+
+    architectures = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+
+    @classmethod
+    def arch_config(cls, hf):
+        if "text_config" in hf:  # a ForConditionalGeneration checkpoint
+            logger.info("%s: serving its language model only; the vision and audio towers "
+                        "are ignored", hf["architectures"][0])
+            hf = {**hf["text_config"], "architectures": hf["architectures"]}
+        return super().arch_config({**DEFAULTS, **{k: v for k, v in hf.items()
+                                                  if v is not None}})
+
+    @classmethod
+    def extra_fields(cls, hf):
+        if hf.get("enable_moe_block"):
+            raise ValueError("unsupported enable_moe_block=True for Gemma 4: its MoE block "
+                             "(router and experts beside the dense MLP) is not served")
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError(f"unsupported use_bidirectional_attention="
+                             f"{hf['use_bidirectional_attention']!r}: only causal attention "
+                             "is served")
+        types = layer_types(hf)
+        if "sliding_attention" in types and not int(hf.get("sliding_window") or 0) > 0:
+            raise ValueError(f"sliding_window={hf.get('sliding_window')} must be positive for "
+                             "sliding_attention layers")
+        _check_uniform_heads(hf, types)
+        rp = {**DEFAULT_ROPE, **(hf.get("rope_parameters") or {})}
+        max_len = {"max_position_embeddings": hf.get("max_position_embeddings")}
+        theta, scaling = parse_rope({"rope_parameters": rp.get("full_attention") or {}, **max_len})
+        local_theta, local_scaling = parse_rope(
+            {"rope_parameters": rp.get("sliding_attention") or {}, **max_len})
+        shared = int(hf.get("num_kv_shared_layers") or 0)
+        double = bool(hf.get("use_double_wide_mlp")) and shared > 0
+        ple = int(hf.get("hidden_size_per_layer_input") or 0)
+        bias = bool(hf.get("attention_bias", False))
+        cap = hf.get("final_logit_softcapping")
+        return dict(qkv_bias=bias, o_bias=bias, embed_scale=True, sandwich_norms=True,
+                    qk_norm=True, v_norm=True, layer_scalar=True, attention_multiplier=1.0,
+                    final_logit_softcap=None if cap is None else float(cap),
+                    layer_windows=windows_from_layer_types({**hf, "layer_types": types}),
+                    rope_theta=theta, rope_scaling=scaling, local_rope_theta=local_theta,
+                    local_rope_scaling=local_scaling,
+                    per_layer_input_size=ple,
+                    per_layer_vocab_size=int(hf.get("vocab_size_per_layer_input") or 0)
+                    if ple else 0,
+                    kv_shared_layers=shared,
+                    attention_k_eq_v=bool(hf.get("attention_k_eq_v")),
+                    double_wide_mlp=double,
+                    intermediate_size=int(hf["intermediate_size"]) * (2 if double else 1))

@@ -1,0 +1,84 @@
+"""Gemma 4's config parsing (`models.registry_gemma4`, `models.gemma4_config`): transformers'
+defaults, the KV-shared layers' sources and pool slots, and each bad config a `ValueError`
+naming its field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from models.gemma4_config import kv_slot_index, kv_sources
+from models.registry import arch_config_from_hf
+
+BASE = dict(architectures=["Gemma4ForCausalLM"], vocab_size=160, hidden_size=64,
+            intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, global_head_dim=16, sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            hidden_size_per_layer_input=8, vocab_size_per_layer_input=160)
+
+
+def parse(**changes):
+    return arch_config_from_hf({**BASE, **changes})
+
+
+def test_fields_and_defaults():
+    cfg = parse()
+    assert cfg.layer_windows == (5, 0, 5, 0) and cfg.tie_word_embeddings
+    assert cfg.rope_scaling.rope_type == "proportional"
+    assert cfg.rope_scaling.partial_rotary_factor == 0.25 and cfg.rope_theta == 1e6
+    assert cfg.local_rope_theta == 10000.0 and cfg.attention_multiplier == 1.0
+    assert (cfg.per_layer_input_size, cfg.per_layer_vocab_size) == (8, 160)
+    assert cfg.kv_shared_layers == 0 and cfg.attention_layers == (0, 1, 2, 3)
+    # transformers forces the last layer to full attention
+    assert parse(layer_types=["sliding_attention"] * 4).layer_windows == (5, 5, 5, 0)
+
+
+def test_shared_layers_read_the_last_earlier_layer_of_their_kind():
+    cfg = parse(num_kv_shared_layers=2, use_double_wide_mlp=True)
+    assert kv_sources(cfg) == (0, 1, 0, 1)
+    assert cfg.attention_layers == (0, 1) and kv_slot_index(cfg) == (0, 1, 0, 1)
+    assert cfg.double_wide_mlp and cfg.intermediate_size == 192
+    three = parse(num_hidden_layers=5, num_kv_shared_layers=1,
+                  layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                               "sliding_attention", "full_attention"])
+    assert kv_sources(three) == (0, 1, 2, 3, 2)
+    # no shared layers: the double-wide MLP stays as wide as the config says
+    assert not parse(use_double_wide_mlp=True).double_wide_mlp
+
+
+def test_multimodal_checkpoint_serves_its_text_config():
+    text = {k: v for k, v in BASE.items() if k != "architectures"}
+    cfg = arch_config_from_hf({"architectures": ["Gemma4ForConditionalGeneration"],
+                               "text_config": text, "vision_config": {}})
+    assert cfg.layer_windows == (5, 0, 5, 0) and cfg.per_layer_input_size == 8
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(enable_moe_block=True), "enable_moe_block"),
+    (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(global_head_dim=None), "global_head_dim"),  # transformers' default 512
+    (dict(global_head_dim=32), "global_head_dim"),
+    (dict(attention_k_eq_v=True, num_global_key_value_heads=1), "num_global_key_value_heads"),
+    (dict(per_layer_config={"1": {"head_dim": 32}}), "per_layer_config"),
+    (dict(layer_types=["full_attention"] * 3), "layer_types"),
+    (dict(num_kv_shared_layers=4), "num_kv_shared_layers"),
+    (dict(num_kv_shared_layers=3), "num_kv_shared_layers"),  # layer 1 full: none for 2
+    (dict(hidden_size_per_layer_input=-1), "hidden_size_per_layer_input"),
+    (dict(vocab_size_per_layer_input=0), "vocab_size_per_layer_input"),
+    (dict(hidden_activation="relu"), "hidden_activation"),
+])
+def test_bad_configs_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        parse(**changes)
+
+
+def test_bad_arch_fields_name_the_field():
+    cfg = parse(num_kv_shared_layers=2, use_double_wide_mlp=True)
+    with pytest.raises(ValueError, match="use_double_wide_mlp"):
+        dataclasses.replace(cfg, intermediate_size=97)
+    with pytest.raises(ValueError, match="num_kv_shared_layers"):
+        dataclasses.replace(cfg, linear_layers=(0,), linear_num_key_heads=1,
+                            linear_num_value_heads=1, linear_key_head_dim=8,
+                            linear_value_head_dim=8, linear_conv_kernel_dim=4)
