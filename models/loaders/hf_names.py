@@ -17,6 +17,7 @@ import numpy as np
 from models.config import ArchConfig
 from models.loaders import gdn_fused
 from models.loaders.gpt_oss_names import GptOssSource, is_gpt_oss
+from models.loaders.llama4_names import Llama4Source, is_llama4
 from models.loaders.granite_names import get_granite, granite_name, is_granite
 from models.mixed import DENSE, stack_layers
 from models.quant import to_leaves
@@ -138,6 +139,8 @@ class SplitFused:
     def __init__(self, source: TensorSource, cfg: ArchConfig):
         # gpt-oss's stacked experts and router (`models.loaders.gpt_oss_names`).
         self.source = GptOssSource(source) if is_gpt_oss(cfg) else source
+        if is_llama4(cfg):  # its `feed_forward` names and stacked experts
+            self.source = Llama4Source(source)
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self._rows = {"self_attn.qkv_proj": (q, kv, kv),
