@@ -17,8 +17,8 @@ import numpy as np
 from models.config import ArchConfig
 from models.loaders import gdn_fused
 from models.loaders.gpt_oss_names import GptOssSource, is_gpt_oss
-from models.loaders.llama4_names import Llama4Source, is_llama4
 from models.loaders.granite_names import get_granite, granite_name, is_granite
+from models.loaders.llama4_names import Llama4Source, is_llama4
 from models.mixed import DENSE, stack_layers
 from models.quant import to_leaves
 
