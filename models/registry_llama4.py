@@ -44,7 +44,9 @@ class Llama4(ModelFamily):
             logger.info("%s: serving its language model only; the vision tower is ignored",
                         hf["architectures"][0])
             hf = {**hf["text_config"], "architectures": hf["architectures"]}
-        hf = {**DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}
+        # NOTE: a null `attention_chunk_size` is no chunking (transformers' None), not a default.
+        hf = {**DEFAULTS, **{k: v for k, v in hf.items()
+                             if v is not None or k == "attention_chunk_size"}}
         if not hf.get("rope_parameters") and not hf.get("rope_scaling"):
             hf["rope_parameters"] = {"rope_type": "default", "rope_theta": hf["rope_theta"]}
         return super().arch_config(hf)
