@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from models.deepseek_config import check_groups, check_mla
 from models.gemma4_config import check_gemma4
+from models.llama4_config import check_llama4
 from models.moe_config import check_expert_act
 from models.rope import RopeScaling, check_rope_scaling
 
@@ -22,7 +23,9 @@ LINEAR_KINDS = ("gated_deltanet", "mamba2")
 # How a mixture-of-experts router turns logits into weights (`models.moe.route`):
 # softmax over all experts then top-k (Qwen-MoE, OLMoE, DeepSeek-V2), top-k logits then softmax
 # (Mixtral), or sigmoid scores, top-k by score plus a correction bias (DeepSeek-V3).
-ROUTER_ORDERS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
+# Llama 4's "topk_sigmoid": the top-k logits through a sigmoid, each weight scaling its
+# expert's INPUT (`models.moe.MoEMLP`).
+ROUTER_ORDERS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "topk_sigmoid")
 # Every decoder layer's dense linear modules, as (block, module).
 LAYER_MATMULS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                  ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
@@ -52,7 +55,8 @@ class ArchConfig:
         mlp_bias: Whether the MLP projections have biases.
         qk_norm: Whether q and k get a per-head RMSNorm before rotary (Qwen3).
         layer_windows: Per-layer sliding window (0 = full attention); a query at position p
-            sees keys at positions p - window + 1 .. p.
+            sees keys at positions p - window + 1 .. p. A negative entry -C is chunked local
+            attention (Llama 4's `attention_chunk_size` C): keys floor(p / C) * C .. p.
         bos_token_id: Beginning-of-sequence id, if any.
         eos_token_ids: End-of-sequence ids.
         hidden_act: The gated MLP's activation, one of `SUPPORTED_ACTIVATIONS`.
@@ -152,6 +156,14 @@ class ArchConfig:
         layer_scalar: Each layer's output is multiplied by its own learned scalar (Gemma 4).
         double_wide_mlp: The KV-shared layers' MLPs are twice `intermediate_size / 2`; the
             others are stored zero-padded to that width (Gemma 4's `use_double_wide_mlp`).
+        nope_layers: Layers whose attention has no rotary (Llama 4's NoPE layers, where
+            `no_rope_layers` is 0); the others rotate as `use_rope` says.
+        qk_l2_norm: q and k of the rotary layers get a weightless RMS norm after the
+            rotary (Llama 4's `use_qk_norm`).
+        attn_temperature_tuning: The queries of `nope_layers` are scaled per token by
+            `log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1` (Llama 4).
+        floor_scale: See `attn_temperature_tuning`.
+        attn_scale: See `attn_temperature_tuning`.
     """
 
     architecture: str
@@ -228,6 +240,11 @@ class ArchConfig:
     v_norm: bool = False
     layer_scalar: bool = False
     double_wide_mlp: bool = False
+    nope_layers: tuple[int, ...] = ()
+    qk_l2_norm: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
 
     @property
     def is_mla(self) -> bool:
@@ -313,6 +330,7 @@ class ArchConfig:
         # A list (JSON) becomes a tuple: the config is hashed as a static Flax attribute.
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
         object.__setattr__(self, "linear_layers", tuple(int(i) for i in self.linear_layers))
+        object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
         if len(self.layer_windows) != self.num_layers:
             raise ValueError(
                 f"layer_windows has {len(self.layer_windows)} entries for "
@@ -331,6 +349,7 @@ class ArchConfig:
         self._check_linear()
         check_mla(self)
         check_gemma4(self)
+        check_llama4(self)
         for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                      "attention_multiplier", "logits_scaling"):
             value = getattr(self, name)
@@ -403,6 +422,7 @@ class ArchConfig:
         if "local_rope_scaling" in d:
             d["local_rope_scaling"] = RopeScaling(**d["local_rope_scaling"])
         d["layer_windows"] = tuple(d["layer_windows"])
+        d["nope_layers"] = tuple(d.get("nope_layers", ()))
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         return cls(**d)
 

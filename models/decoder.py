@@ -34,6 +34,7 @@ from models.hybrid import ATTENTION, LINEAR, HybridMixer, linear_mixer
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
 from models.linear import STACKS, Embedding, Linear, Methods
+from models.llama4_attn import per_layer_rope, rope_qk, window_args
 from models.lora import COLLECTION as LORA
 from models.mixed import MixedMLP
 from models.mla import MLAttention
@@ -102,7 +103,9 @@ class Attention(nn.Module):
         if cfg.v_norm:
             v = plain_rms(v, cfg.rms_norm_eps)
         cos, sin = layer_cos_sin(cos, sin, window)
-        if cfg.use_rope:
+        if per_layer_rope(cfg):  # Llama 4: NoPE layers, q/k norm, temperature
+            q, k = rope_qk(cfg, q, k, cos, sin, layer, md)
+        elif cfg.use_rope:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         if self.phase == "qkv":
@@ -126,7 +129,7 @@ class Attention(nn.Module):
             scale = (cfg.attention_multiplier  # Granite gives the scale itself
                      or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5)
             out = self.methods.attention.attend(
-                q, kv_pages, slot, md, sm_scale=scale, sliding_window=window,
+                q, kv_pages, slot, md, sm_scale=scale, **window_args(cfg, window),
                 soft_cap=cfg.attn_logit_softcap, sinks=sinks)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate.astype(out.dtype))

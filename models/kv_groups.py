@@ -26,7 +26,8 @@ class KVGroupLayout:
     """How a model's layers map onto KV cache groups and pool slots.
 
     Attributes:
-        windows: Per group: its sliding window in tokens (0: full attention, every page kept).
+        windows: Per group: its sliding window in tokens (0: full attention, every page kept;
+            -C: chunked local attention, pages before the current chunk of C go back).
         layer_group: Per model layer: the group whose block table it reads.
         layer_slot: Per model layer: its index on the pool's axis 0.
         num_slots: Layers a page holds (the pool's axis 0).
@@ -75,7 +76,8 @@ def kv_group_layout(layer_windows: tuple[int, ...], max_model_len: int | None = 
     (full attention first); a kind whose count does not divide leaves slots unused.
 
     Args:
-        layer_windows: Per-layer sliding window (0: full attention).
+        layer_windows: Per-layer sliding window (0: full attention; -C: chunks of C tokens,
+            Llama 4's `attention_chunk_size`).
         max_model_len: Longest sequence served (None: no cap on windows).
         enabled: False keeps one group (every page kept; windows only mask).
 
@@ -83,16 +85,15 @@ def kv_group_layout(layer_windows: tuple[int, ...], max_model_len: int | None = 
         The layout.
 
     Raises:
-        ValueError: No layers, or a negative window.
+        ValueError: No layers.
     """
     if not layer_windows:
         raise ValueError("layer_windows is empty: a model needs at least one layer")
-    if min(layer_windows) < 0:
-        raise ValueError(f"layer_windows holds a negative window: {min(layer_windows)}")
     cap = max_model_len or 0
-    windows = [0 if cap and w >= cap else w for w in layer_windows]
+    # NOTE: a chunk of max_model_len or more is full attention too (no query leaves chunk 0).
+    windows = [0 if cap and abs(w) >= cap else w for w in layer_windows]
     n = len(windows)
-    kinds = sorted(set(windows))  # 0 (full) first
+    kinds = sorted(set(windows), key=lambda w: (w != 0, w))  # 0 (full) first
     if len(kinds) == 1:
         return single_group(n, kinds[0])
     if not enabled:

@@ -305,6 +305,9 @@ def check_kv_layout(layout: KVGroupLayout, cfg: ArchConfig) -> None:
                              "with another layer")
         seen.add((group, slot))
         kept, own = layout.windows[group], cfg.layer_windows[cfg.attention_layers[layer]]
+        if kept < 0 and own != kept:
+            raise ValueError(f"kv_layout: layer {layer} (window {own}) is in group {group}, "
+                             f"which keeps only chunks of {-kept} tokens")
         if kept > 0 and not 0 < own <= kept:
             raise ValueError(f"kv_layout: layer {layer} (window {own or 'none'}) is in group "
                              f"{group}, which keeps only the last {kept} tokens")

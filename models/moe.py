@@ -290,20 +290,30 @@ class MoEMLP(nn.Module):
         down_bias = experts.pop(DOWN_BIAS, None)  # [(L,) E, H]: added below, once per pair
         act = expert_act(cfg)
         stack_methods = {n: methods.expert(n) for n in PROJECTIONS}
-        if self.reference:
-            if stacked:
-                experts = {k: _at(v, layer) for k, v in experts.items()}
-            out = dense_experts(x, weights, ids,
-                                dequantize_experts(experts, x.dtype, stack_methods), act)
-        else:
+        if self.reference and stacked:
+            experts = {k: _at(v, layer) for k, v in experts.items()}
+
+        def run(x, weights, ids):  # [T, H], f32[T, k], i32[T, k] -> [T, H]
+            if self.reference:
+                return dense_experts(x, weights, ids,
+                                     dequantize_experts(experts, x.dtype, stack_methods), act)
             grouped = functools.partial(grouped_experts, impl=methods.grouped,
                                         methods=stack_methods)
             layer_arg = layer if stacked else None
             if self.sharding is not None:
-                out = sharded_experts(grouped, x, weights, ids, experts, act,
-                                      self.sharding, layer=layer_arg)
-            else:
-                out = grouped(x, weights, ids, experts, act, layer=layer_arg)
+                return sharded_experts(grouped, x, weights, ids, experts, act,
+                                       self.sharding, layer=layer_arg)
+            return grouped(x, weights, ids, experts, act, layer=layer_arg)
+
+        if cfg.router_order == "topk_sigmoid":
+            # Llama 4 scales each expert's INPUT by its weight (transformers'
+            # `Llama4TextMoe`: expert(x * w), not w * expert(x)): one pass per k, each pair's
+            # input scaled and its output summed as it is (top-1 in the published models).
+            ones = jnp.ones_like(weights[:, :1])  # f32[T, 1]
+            out = sum(run((x * weights[:, j:j + 1].astype(x.dtype)).astype(x.dtype), ones,
+                          ids[:, j:j + 1]) for j in range(ids.shape[1]))
+        else:
+            out = run(x, weights, ids)
         if down_bias is not None:
             # NOTE: outside the grouped experts: a width-split expert (tensor parallelism)
             # would add it once per device before their partial sums are added.

@@ -21,7 +21,9 @@ def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool, *,
             "softmax_topk" (Qwen-MoE, OLMoE, DeepSeek-V2: softmax over all experts, the k
             largest probabilities, divided by their sum when `norm_topk_prob`) or
             "sigmoid_topk" (DeepSeek-V3: sigmoid scores; the k largest of score + `bias`
-            chosen, weighted by their scores, divided by their sum when `norm_topk_prob`).
+            chosen, weighted by their scores, divided by their sum when `norm_topk_prob`) or
+            "topk_sigmoid" (Llama 4: the k largest logits through a sigmoid; the caller
+            scales each expert's input by its weight, `models.moe.MoEMLP`).
         norm_topk_prob: See `order`; "topk_softmax" weights always sum to one.
         n_group: Expert groups (consecutive ids); with more than one, a token's experts
             come from its `topk_group` best groups only, a group scored by its best
@@ -42,9 +44,10 @@ def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool, *,
     if not 0 < top_k <= logits.shape[-1]:
         raise ValueError(f"top_k={top_k} must be in 1..{logits.shape[-1]} (the experts)")
     logits = logits.astype(jnp.float32)
-    if order == "topk_softmax":
+    if order in ("topk_softmax", "topk_sigmoid"):
         top, ids = jax.lax.top_k(logits, top_k)
-        return jax.nn.softmax(top, axis=-1), ids
+        act = jax.nn.softmax if order == "topk_softmax" else jax.nn.sigmoid
+        return act(top, axis=-1) if order == "topk_softmax" else act(top), ids
     sigmoid = order == "sigmoid_topk"
     scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)  # f32[T, E]
     choice = scores + bias.astype(jnp.float32) if sigmoid and bias is not None else scores

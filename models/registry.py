@@ -2,7 +2,8 @@
 
 Llama, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2 and Gemma 3, the mixtures of experts
 Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE, the linear-attention hybrids Qwen3-Next, Qwen3.5
-and Granite 4.0 (Mamba-2), DeepSeek-V2/V3 (latent attention) and gpt-oss share one Flax decoder
+and Granite 4.0 (Mamba-2), DeepSeek-V2/V3 (latent attention), gpt-oss and Llama 4
+(`models.registry_llama4`) share one Flax decoder
 (`models.decoder.Decoder`); a family only decides how its HF config maps onto `ArchConfig`.
 """
 
@@ -16,6 +17,7 @@ from models.family_base import ModelFamily
 from models.hf_fields import partial_rotary_factor, windows_from_layer_types
 from models.moe_config import sparse_fields
 from models.registry_gemma4 import Gemma4
+from models.registry_llama4 import Llama4
 from models.registry_mixers import (
     DeepseekV2,
     DeepseekV3,
@@ -323,7 +325,8 @@ class GptOss(ModelFamily):
 FAMILIES: dict[str, type[ModelFamily]] = {
     name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen3, Gemma2, Gemma3, Mixtral,
                           Qwen2Moe, Qwen3Moe, Olmoe, Qwen3_5, Qwen3_5Moe, Qwen3Next,
-                          GraniteMoeHybrid, DeepseekV2, DeepseekV3, GptOss, Gemma4)
+                          GraniteMoeHybrid, DeepseekV2, DeepseekV3, GptOss, Gemma4,
+                          Llama4)
     for name in fam.architectures
 }
 

@@ -106,7 +106,7 @@ def write_kv(kv_pages: jax.Array, layer, k: jax.Array, v: jax.Array, slot_mappin
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,
                            sm_scale: float, sliding_window=0, soft_cap: float | None = None,
                            sinks: jax.Array | None = None, backend: str = "xla",
-                           batch_invariant: bool = False) -> jax.Array:
+                           batch_invariant: bool = False, chunk_size=0) -> jax.Array:
     """Packed causal attention through block tables (the references in
     `pallas_kernels/*/reference.py` define the result).
 
@@ -119,8 +119,21 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
 
     `sinks` (f32[num_q_heads] or None) are gpt-oss's learned sink logits, one more softmax
     column per query head (`pallas_kernels.sinks`); every path takes them.
+
+    `chunk_size` (Llama 4's chunked local attention; may be traced, 0 for none): a query at
+    position p sees keys floor(p / C) * C .. p. The reference and the XLA path (with the
+    "cpu" backend's C++ rows) take it; the Pallas kernels and batch-invariant mode do not
+    (a ValueError when it is anything but the literal 0).
     """
     check_sinks(sinks, q.shape[1] if q.ndim == 3 else -1)
+    if not (isinstance(chunk_size, int) and chunk_size == 0):
+        if backend == "pallas" or batch_invariant:
+            raise ValueError(f"chunk_size (chunked local attention, Llama 4) is not built for "
+                             f"the {'batch_invariant mode' if batch_invariant else backend!r}"
+                             " attention; serve it on the 'xla' or 'cpu' backend")
+        return ragged_paged_attention_xla(q, kv_pages, layer, md, cpu_decode=backend == "cpu",
+                                          sm_scale=sm_scale, sliding_window=sliding_window,
+                                          soft_cap=soft_cap, sinks=sinks, chunk_size=chunk_size)
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   sinks=sinks)
     if batch_invariant:
@@ -324,9 +337,10 @@ class AttentionOps:
 
     def attend(self, q: jax.Array, kv_pages: jax.Array, slot, md: AttentionMetadata, *,
                sm_scale: float, sliding_window=0, soft_cap: float | None = None,
-               sinks: jax.Array | None = None) -> jax.Array:
+               sinks: jax.Array | None = None, chunk_size=0) -> jax.Array:
         """[T, Hq, D] attention output of queries q [T, Hq, D] over slot `slot` of the
         pool (`ragged_paged_attention`; rotated pages: q rotated in, the output back).
+        `chunk_size`: Llama 4's attention chunk (may be traced; 0: none; not on "pallas").
 
         `sinks`: f32[Hq] learned sink logits (gpt-oss; may be traced, a layer's parameter
         in the layer scan), or None. Under data-parallel attention every rank takes them
@@ -336,18 +350,28 @@ class AttentionOps:
         if rot is not None:
             q = q @ rot
 
-        def attend(q, pool, md, slot, window, sinks=None):
+        chunked = not (isinstance(chunk_size, int) and chunk_size == 0)
+        has_sinks = sinks is not None
+
+        def attend(q, pool, md, slot, window, *extra):
+            sinks = extra[0] if has_sinks else None  # a placeholder when only chunked
+            chunk = extra[1] if chunked else 0
             return ragged_paged_attention(q, pool, slot, md, sm_scale=sm_scale,
                                           sliding_window=window, soft_cap=soft_cap,
                                           sinks=sinks, backend=self.backend,
-                                          batch_invariant=self.batch_invariant)
+                                          batch_invariant=self.batch_invariant,
+                                          chunk_size=chunk)
 
         if self.ranks is not None:
             rep = (slot, jnp.asarray(sliding_window, jnp.int32))
+            if sinks is not None or chunked:
+                rep = (*rep, jnp.zeros((q.shape[1],), jnp.float32) if sinks is None else sinks)
+            if chunked:
+                rep = (*rep, jnp.asarray(chunk_size, jnp.int32))
             out = per_rank(self.ranks, attend, (q,), kv_pages, md, returns="tokens",
-                           replicated=rep if sinks is None else (*rep, sinks))
+                           replicated=rep)
         else:
-            out = attend(q, kv_pages, md, slot, sliding_window, sinks)
+            out = attend(q, kv_pages, md, slot, sliding_window, sinks, chunk_size)
         return out if rot is None else out @ rot.T
 
     def write_latent(self, pool: jax.Array, slot, latent: jax.Array,

@@ -105,7 +105,7 @@ def _hit_page(tables: BlockTables, request: Request, group: int, index: int,
     """The cached page `page_id` as page `index` of the request in `group` (the null page
     where a sliding group's window does not reach); raises if it is not."""
     pool = tables.pool
-    if page_id == 0 and tables.windows[group] > 0:
+    if page_id == 0 and tables.windows[group] != 0:
         return pool.null_page
     if not 0 < page_id < pool.num_pages:
         raise ValueError(f"new_computed_page_ids holds page id {page_id}, outside "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from jaxserve.core.group_hits import first_key
 from jaxserve.core.kv_metrics import count_token_slots
 from jaxserve.core.kv_page import KVPage, group_key
 from jaxserve.core.page_pool import HostPool, PagePool
@@ -96,7 +97,8 @@ class BlockTables:
         self.host_pool = host_pool
         self.page_size = page_size
         self.windows = tuple(windows)
-        self.sliding = [g for g, w in enumerate(self.windows) if w > 0]
+        # Groups that give pages back: sliding windows (w > 0) and chunks (w = -C).
+        self.sliding = [g for g, w in enumerate(self.windows) if w != 0]
         self.pending = PendingPlans()
         self.requests: dict[str, RequestKV] = {}
         # This step's prefix-cache offers, in the order first queued (of two pages with
@@ -179,8 +181,8 @@ class BlockTables:
         the parent's pages for them: every sliding group still holds the pages its window
         reads from there on (the parent, further on, may have given back pages that a
         shorter request still reads)."""
-        return all(parent.num_dropped[g] <= max(0, (num_tokens - self.windows[g] + 1)
-                                                // self.page_size) for g in self.sliding)
+        return all(parent.num_dropped[g] <= first_key(num_tokens, self.windows[g])
+                   // self.page_size for g in self.sliding)
 
     def free(self, request_id: str) -> None:
         """Drops a request's state, returning its pages (tail first) or its host slots.
@@ -212,7 +214,7 @@ class BlockTables:
     def _outside_window(self, state: RequestKV, num_computed_tokens: int):
         """(group, start, end) of each sliding group's entries `drop_outside_window` drops."""
         for g in self.sliding:
-            first_needed = (num_computed_tokens - self.windows[g] + 1) // self.page_size
+            first_needed = first_key(num_computed_tokens, self.windows[g]) // self.page_size
             start, end = state.num_dropped[g], min(first_needed, len(state.tables[g]))
             if end > start:
                 yield g, start, end

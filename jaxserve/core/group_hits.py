@@ -15,9 +15,21 @@ from collections.abc import Callable
 from jaxserve.core.kv_page import KVPage
 
 
+def first_key(num_tokens: int, window: int) -> int:
+    """Position of the first key a query at position `num_tokens` reads in a group of
+    `window`: 0 for full attention, p - w + 1 for a sliding window w, and the start of its
+    chunk, floor(p / C) * C, for a negative window -C (Llama 4's chunked local attention)."""
+    if window > 0:
+        return max(0, num_tokens - window + 1)
+    if window < 0:
+        return num_tokens // -window * -window
+    return 0
+
+
 def window_start(num_pages: int, window: int, page_size: int) -> int:
-    """First page a sliding group needs for a query after `num_pages` full pages."""
-    return max(0, num_pages * page_size - window + 1) // page_size
+    """First page a sliding or chunked group needs for a query after `num_pages` full
+    pages."""
+    return first_key(num_pages * page_size, window) // page_size
 
 
 def find_group_hits(lookup: Callable[[int, int], KVPage | None], windows: tuple[int, ...],
@@ -28,7 +40,7 @@ def find_group_hits(lookup: Callable[[int, int], KVPage | None], windows: tuple[
     Args:
         lookup: `lookup(group, index)` is the cached page of that group at that table
             index for the request's tokens, or None.
-        windows: Per group, its sliding window (0: full attention).
+        windows: Per group, its sliding window (0: full attention; -C: chunks of C).
         max_pages: Most pages a hit may cover.
         page_size: Tokens per page.
         bound: `bound(k)` is the longest hit of at most k pages something besides the

@@ -74,9 +74,9 @@ class KVCacheManager:
             raise ValueError(f"watermark must lie in [0, 1), got {watermark}")
         if max_model_len is not None and max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-        if not group_windows or min(group_windows) < 0:
-            raise ValueError(f"group_windows must list one window >= 0 per KV cache group, "
-                             f"got {group_windows}")
+        if not group_windows:
+            raise ValueError(f"group_windows must list one window per KV cache group (0 full, "
+                             f"> 0 sliding, -C chunks of C), got {group_windows}")
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.group_windows = tuple(group_windows)
@@ -203,7 +203,8 @@ class KVCacheManager:
         sliding group holds its window plus the step's new tokens (`max_chunk_tokens`)."""
         n = cdiv(num_tokens, self.page_size)
         chunk = self.max_chunk_tokens or num_tokens
-        return sum(n if not w else min(n, cdiv(w - 1 + chunk, self.page_size) + 1)
+        # NOTE: a chunked group (w = -C) holds at most C - 1 earlier tokens too.
+        return sum(n if not w else min(n, cdiv(abs(w) - 1 + chunk, self.page_size) + 1)
                    for w in self.group_windows)
 
     # ------------------------------------------------------------- allocation

@@ -192,7 +192,7 @@ def pages_per_sequence(layout, max_model_len: int, page_size: int) -> int:
     of `layout` (`KVGroupLayout`): a full-attention group its whole table, a sliding group
     the pages of its window and one more (one step's tokens may straddle a page)."""
     full = cdiv(max_model_len, page_size)
-    return sum(full if not window else min(full, cdiv(window, page_size) + 1)
+    return sum(full if not window else min(full, cdiv(abs(window), page_size) + 1)
                for window in layout.windows)
 
 

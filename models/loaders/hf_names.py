@@ -19,6 +19,7 @@ from models.loaders import gdn_fused
 from models.loaders.gemma4_names import Gemma4Source, is_gemma4
 from models.loaders.gpt_oss_names import GptOssSource, is_gpt_oss
 from models.loaders.granite_names import get_granite, granite_name, is_granite
+from models.loaders.llama4_names import Llama4Source, is_llama4
 from models.mixed import DENSE, stack_layers
 from models.quant import to_leaves
 
@@ -143,6 +144,8 @@ class SplitFused:
         self.source = GptOssSource(source) if is_gpt_oss(cfg) else source
         if is_gemma4(cfg):  # tensors the layer scan needs that the checkpoint lacks
             self.source = Gemma4Source(source, cfg)
+        if is_llama4(cfg):  # its `feed_forward` names and stacked experts
+            self.source = Llama4Source(source)
         self.cfg = cfg
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self._rows = {"self_attn.qkv_proj": (q, kv, kv),

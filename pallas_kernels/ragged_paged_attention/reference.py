@@ -76,6 +76,13 @@ def token_positions(md: AttentionMetadata, num_tokens: int):
     return seq_ids, q_pos, valid
 
 
+def chunk_ok(q_pos, k_pos, chunk_size):
+    """bool[...]: keys at `k_pos` in the attention chunk of queries at `q_pos` (broadcast;
+    keys from floor(q_pos / chunk) * chunk on; a chunk of 0 masks nothing)."""
+    chunk = jnp.asarray(chunk_size, jnp.int32)
+    return (chunk <= 0) | (k_pos >= q_pos - q_pos % jnp.maximum(chunk, 1))
+
+
 def ragged_paged_attention_reference(
     q: jax.Array,
     kv_pages: jax.Array,
@@ -86,6 +93,7 @@ def ragged_paged_attention_reference(
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
     sinks: jax.Array | None = None,
+    chunk_size: jax.Array | int = 0,
 ) -> jax.Array:
     """Causal attention of packed queries over each request's paged K/V.
 
@@ -100,6 +108,8 @@ def ragged_paged_attention_reference(
         sinks: f32[num_q_heads] learned sink logits (`pallas_kernels.sinks`): each row's
             softmax gets one more column holding its head's sink, which takes mass but adds
             no value. None: no sinks.
+        chunk_size: Chunked local attention (Llama 4; may be traced): a query at position p
+            sees keys from floor(p / chunk_size) * chunk_size on; 0 means none.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
@@ -127,6 +137,7 @@ def ragged_paged_attention_reference(
     mask = (kv_pos < md.kv_lens[seq_ids][:, None]) & (kv_pos <= q_pos[:, None])
     window = jnp.asarray(sliding_window, jnp.int32)
     mask &= (window <= 0) | (q_pos[:, None] - kv_pos < window)
+    mask &= chunk_ok(q_pos[:, None], kv_pos, chunk_size)
     mask &= valid[:, None]  # bool[num_tokens, max_ctx]
 
     logits = jnp.where(mask[:, None, None, :], logits, -jnp.inf)

@@ -37,7 +37,11 @@ import jax.numpy as jnp
 from pallas_kernels.cpu_ffi import paged_decode_cpu, supports
 from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.ragged_paged_attention.reference import check_shapes, token_positions
+from pallas_kernels.ragged_paged_attention.reference import (
+    check_shapes,
+    chunk_ok,
+    token_positions,
+)
 from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
 from pallas_kernels.tuning import tuned
 
@@ -57,9 +61,12 @@ def _merge(a, b):
     return (a[0] * sa[..., None] + b[0] * sb[..., None], m, a[2] * sa + b[2] * sb)
 
 
-def _window_ok(q_pos, k_pos, window):
-    """bool[n, c]: key positions inside the sliding window of each query (0: no window)."""
-    return (window <= 0) | (q_pos[:, None] - k_pos < window)
+def _window_ok(q_pos, k_pos, span):
+    """bool[n, c]: key positions inside the sliding window (0: none) and the attention
+    chunk (0: none) of each query; `span` is (window, chunk)."""
+    window, chunk = span
+    return ((window <= 0) | (q_pos[:, None] - k_pos < window)) & chunk_ok(q_pos[:, None], k_pos,
+                                                                          chunk)
 
 
 def _tiles_by_head(kv_pages, layer, page_ids, kv):
@@ -117,7 +124,7 @@ def _block_update(state, logits, v, mask, v_keep, pv, sm_scale, soft_cap):
     return acc, m_new, denom * scale + jnp.sum(p, axis=(-2, -1))
 
 
-def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_scale,
+def _paged_part(q, kv_pages, layer, pages, lens, q_pos, span, *, block_kv, sm_scale,
                 soft_cap):
     """Attention of q [n, k, g, d] over positions [0, lens) of the pages `pages` [n, w].
 
@@ -150,7 +157,7 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
         v = _tiles_by_head(kv_pages, layer, ids, 1)  # [k, n, ppb, page_size, head_dim]
         k_pos = b[:, None] * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[n, C]
         mask = ((pair < total)[:, None] & (k_pos < lens[r][:, None])
-                & _window_ok(q_pos[r], k_pos, window))  # bool[n, C]
+                & _window_ok(q_pos[r], k_pos, span))  # bool[n, C]
         mask = mask.reshape(1, n, 1, ppb, page_size)  # bool[1, n, 1, ppb, page_size]
         # NOTE: logits computed keys x queries (the gathered K is the matmul's left operand
         # as it lies; q . K^T made XLA copy K transposed per layer and block), then turned
@@ -174,7 +181,7 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, window, *, block_kv, sm_
     return tuple(jnp.swapaxes(x, 0, 1) for x in state)
 
 
-def _context_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, block_q,
+def _context_part(q, kv_pages, layer, md, row_lens, q_pos, span, *, block_kv, block_q,
                   sm_scale, soft_cap, state=None):
     """Causal attention of every token to its request's first `row_lens` keys (i32[rows];
     the whole context kv_len, this step's tokens included; 0 for requests this pass
@@ -224,12 +231,12 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, window, *, block_kv, 
             v = _tiles_by_head(kv_pages, layer, ids, 1).reshape(kv_heads, 1, block_kv, head_dim)
             k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
             mask = ((k_pos[None, :] < length) & (k_pos[None, :] <= pos[:, None])
-                    & _window_ok(pos, k_pos[None, :], window))  # bool[block_q, block_kv]
+                    & _window_ok(pos, k_pos[None, :], span))  # bool[block_q, block_kv]
             mask = jnp.repeat(mask, group, axis=0).reshape(1, block_q * group, 1, block_kv)
             # Values zeroed outside what any query of the tile sees: past the context, and
             # before the window of its first (earliest) query, where a sliding KV cache
             # group's given-back pages read as the null page.
-            keep = ((k_pos < length) & _window_ok(pos[:1], k_pos[None, :], window)[0]
+            keep = ((k_pos < length) & _window_ok(pos[:1], k_pos[None, :], span)[0]
                     ).reshape(1, 1, block_kv, 1)
             return _block_update(st, jnp.einsum("kqd,kpcd->kqpc", qh, k), v, mask, keep,
                                  "kqpc,kpcd->kqd", sm_scale, soft_cap)
@@ -272,6 +279,7 @@ def ragged_paged_attention_xla(
     cpu_decode: bool = False,
     cpu_decode_min_rows: int | None = None,
     cpu_context_max_len: int | None = None,
+    chunk_size: jax.Array | int = 0,
 ) -> jax.Array:
     """Causal attention of packed queries over each request's paged K/V (see the module).
 
@@ -310,6 +318,10 @@ def ragged_paged_attention_xla(
             (it re-reads its request's pages, from the cache); longer ones use the
             context part's tiles, whose batched matmuls win on long contexts. 0: decode
             rows only.
+        chunk_size: Chunked local attention (Llama 4; may be traced): a query at position p
+            sees keys from floor(p / chunk_size) * chunk_size on; 0 means none. The C++
+            rows read a block table shifted to the chunk's first page when the chunk is a
+            whole number of pages; otherwise the tokens go to the XLA parts.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
@@ -331,6 +343,8 @@ def ragged_paged_attention_xla(
     group = num_q_heads // num_kv_heads
     block_kv = max(page_size, block_kv // page_size * page_size)
     window = jnp.asarray(sliding_window, jnp.int32)
+    chunk = jnp.asarray(chunk_size, jnp.int32)
+    span = (window, chunk)
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     seq_ids, q_pos, valid = token_positions(md, num_tokens)
     q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]  # i32[num_rows]
@@ -341,9 +355,18 @@ def ragged_paged_attention_xla(
         # token a kernel row whose one query sits at its position (lens = position + 1;
         # 0 leaves the token to the tiles).
         taken = (q_lens == 1) | (md.kv_lens <= cpu_context_max_len)  # bool[rows]
-        lens = jnp.where(valid & taken[seq_ids], q_pos + 1, 0)  # i32[num_tokens]
-        decode = paged_decode_cpu(qg, kv_pages, layer, md.block_tables[seq_ids], lens,
-                                  window, **common)
+        # A chunk of whole pages: each token's table starts at its chunk's first page, so
+        # the kernel (which masks by length and window only) reads the chunk alone.
+        tables = md.block_tables[seq_ids]  # i32[num_tokens, width]
+        first = jnp.zeros_like(q_pos)  # i32[num_tokens]: each token's first key
+        if not (isinstance(chunk_size, int) and chunk_size == 0):  # static: others unchanged
+            taken &= (chunk <= 0) | (chunk % page_size == 0)
+            first = jnp.where(chunk > 0, q_pos - q_pos % jnp.maximum(chunk, 1), 0)
+            cols = (jnp.arange(tables.shape[1], dtype=jnp.int32)[None, :]
+                    + (first // page_size)[:, None])  # i32[num_tokens, width]
+            tables = jnp.take_along_axis(tables, jnp.minimum(cols, tables.shape[1] - 1), axis=1)
+        lens = jnp.where(valid & taken[seq_ids], q_pos + 1 - first, 0)  # i32[num_tokens]
+        decode = paged_decode_cpu(qg, kv_pages, layer, tables, lens, window, **common)
     else:
         # Decode part: row i's single token is token i.
         rows = min(md.kv_lens.shape[0], num_tokens)
@@ -353,7 +376,7 @@ def ragged_paged_attention_xla(
         decode_block_kv = max(page_size, decode_block_kv // page_size * page_size)
         groups = [slice(i, min(i + decode_rows, rows)) for i in range(0, rows, decode_rows)]
         parts = [_paged_part(qg[g], kv_pages, layer, md.block_tables[g], dec_lens[g],
-                             dec_lens[g] - 1, window, block_kv=decode_block_kv, **common)
+                             dec_lens[g] - 1, span, block_kv=decode_block_kv, **common)
                  for g in groups]
         pad = num_tokens - rows
         decode = tuple(jnp.pad(jnp.concatenate(xs), ((0, pad),) + ((0, 0),) * (xs[0].ndim - 1),
@@ -369,10 +392,10 @@ def ragged_paged_attention_xla(
         if md.short_tiles:  # a second loop (more compile time per program)
             short = q_lens <= block_q_short  # bool[rows]
             state = _context_part(qg, kv_pages, layer, md, jnp.where(short, ctx_lens, 0),
-                                  q_pos, window, block_kv=block_kv, block_q=block_q_short,
+                                  q_pos, span, block_kv=block_kv, block_q=block_q_short,
                                   **common)
             ctx_lens = jnp.where(short, 0, ctx_lens)
-        return _context_part(qg, kv_pages, layer, md, ctx_lens, q_pos, window,
+        return _context_part(qg, kv_pages, layer, md, ctx_lens, q_pos, span,
                              block_kv=block_kv, block_q=block_q, state=state, **common)
 
     # NOTE: skipped at run time when no row needs it (decode steps): its padded query

@@ -174,6 +174,21 @@ FAMILIES = [
                 kv_shared_layers=2, attention_k_eq_v=True, double_wide_mlp=True,
                 **{"rope_scaling.rope_type": "proportional"}),
            engine=HYBRID_POOL),
+    # Llama 4: chunked local attention (chunks of 8: a chunked KV cache group beside the NoPE
+    # layer's full one), NoPE with temperature, q/k norm, interleaved llama3 rotary, a MoE
+    # layer (top-1 sigmoid on the expert input, shared expert) beside a dense one; routing
+    # captured.
+    Family("llama4", "Llama4TextConfig", "Llama4ForCausalLM",
+           dict(TINY, num_hidden_layers=2, head_dim=16, intermediate_size=32,
+                intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                interleave_moe_layer_step=2, no_rope_layers=[1, 0], attention_chunk_size=WINDOW,
+                floor_scale=4, attn_scale=0.5,
+                rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 16}),
+           dict(layer_windows=(-WINDOW, 0), nope_layers=(1,), dense_layers=(0,),
+                router_order="topk_sigmoid", qk_l2_norm=True, attn_temperature_tuning=True),
+           engine=dict(HYBRID_POOL, **ROUTED)),
 ]
 
 
@@ -219,6 +234,10 @@ SLOW_ROWS = {
     # the hybrid KV cache: the gemma3 row; per-layer inputs, shared KV, keys as values:
     # numerics gemma4_ple_shared_kv (default tier, through the paged cache).
     "gemma4": "its engine paths are the gemma3 row's; numerics gemma4_ple_shared_kv",
+    # chunked KV groups through the engine; numerics llama4_chunked_nope_moe (default tier),
+    # the chunk mask on every path: tests/kernels/test_chunked_attention.py (default tier).
+    "llama4": "chunked groups are this row's alone but an engine row costs ~10 s; numerics "
+              "llama4_chunked_nope_moe and tests/kernels/test_chunked_attention.py",
 }
 
 
@@ -282,12 +301,14 @@ def _hf_greedy(hf, ids: list[int]) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def _hf_routing(hf, ids: list[int], k: int) -> np.ndarray:
+def _hf_routing(hf, ids: list[int], k: int, dense: tuple[int, ...] = ()) -> np.ndarray:
     """i32[len(ids), L, k]: the experts transformers' routers rank first for each token of
-    `ids` (teacher-forced), heaviest first."""
+    `ids` (teacher-forced), heaviest first; -1 on the `dense` layers (no router)."""
     with torch.no_grad():
-        router = hf(torch.tensor([ids]), output_router_logits=True).router_logits
-    return np.stack([torch.topk(r, k).indices.numpy() for r in router], axis=1)
+        router = iter(hf(torch.tensor([ids]), output_router_logits=True).router_logits)
+    none = np.full((len(ids), k), -1)
+    return np.stack([none if i in dense else torch.topk(next(router), k).indices.numpy()
+                     for i in range(hf.config.num_hidden_layers)], axis=1)
 
 
 @dataclasses.dataclass
@@ -345,7 +366,8 @@ def served(request, smollm2_tokenizer, tmp_path_factory):
         routing = None
         if args.get("enable_return_routed_experts"):
             k = row.config["num_experts_per_tok"]
-            routing = {p: _hf_routing(hf, ids[p] + want[p][:-1], k) for p in prompts}
+            dense = row.expect.get("dense_layers", ())
+            routing = {p: _hf_routing(hf, ids[p] + want[p][:-1], k, dense) for p in prompts}
     finally:
         torch.set_num_threads(threads)
     assert all(len(set(w)) > 1 for w in want.values())  # not a degenerate repeat
@@ -408,7 +430,8 @@ def test_routed_experts_of_every_sample(served):
     try:
         for c in out.outputs:
             np.testing.assert_array_equal(
-                c.routed_experts, _hf_routing(served.hf, ids + c.token_ids[:-1], k))
+                c.routed_experts, _hf_routing(served.hf, ids + c.token_ids[:-1], k,
+                                              served.family.expect.get("dense_layers", ())))
     finally:
         torch.set_num_threads(threads)
     engine = served.llm.engine

@@ -55,9 +55,16 @@ def test_disabled_keeps_one_table_and_masks_only():
     assert layout == single_group(3) and layout.windows == (0,)
 
 
+def test_chunked_layers_are_a_group_of_their_own():
+    """Llama 4's chunked layers (window -C) form their own groups beside the full ones; a
+    chunk of max_model_len or more is full attention."""
+    layout = kv_group_layout((-8, 0, -8, 0), max_model_len=64)
+    assert layout.windows == (0, -8) and layout.layer_group == (1, 0, 1, 0)
+    assert not kv_group_layout((-64, 0), max_model_len=64).is_hybrid
+
+
 @pytest.mark.parametrize("windows,message", [
     ((), "layer_windows is empty"),
-    ((16, -1), "negative window: -1"),
 ])
 def test_bad_windows_are_an_error(windows, message):
     with pytest.raises(ValueError, match=message):

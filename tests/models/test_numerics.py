@@ -89,6 +89,15 @@ GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                sliding_window=5, swiglu_limit=1.0,
                rope_parameters=dict(YARN_ROPE, truncate=False))
 
+# Llama 4: chunks of 8 (three in the 24-token prompt) on the rotary layers 0 and 2, layer 1
+# NoPE (full attention) with a temperature that grows from position 3 (floor_scale 4), q/k
+# norms, llama3 rotary on interleaved pairs; layer 1 MoE (4 experts of 32, top 1, sigmoid
+# weights on the expert input, a shared expert of 32), layers 0 and 2 dense MLPs of 96.
+LLAMA4 = dict(num_hidden_layers=3, head_dim=16, intermediate_size=32, intermediate_size_mlp=96,
+              num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+              no_rope_layers=[1, 0, 1], attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+              rope_parameters=LLAMA3_ROPE)
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -322,6 +331,16 @@ CASES = [
               rope_theta=1e6, local_rope_theta=10000.0),
          ablate=dict(kv_shared_layers=0, per_layer_input_size=0, attention_k_eq_v=False,
                      layer_scalar=False, v_norm=False, rope_scaling=RopeScaling())),
+    # Llama 4: every mechanism undone alone breaks agreement (the chunks first).
+    Case("llama4_chunked_nope_moe", "Llama4TextConfig", "Llama4ForCausalLM", LLAMA4,
+         dict(layer_windows=(-8, 0, -8), nope_layers=(1,), dense_layers=(0, 2),
+              intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+              shared_expert_intermediate_size=32, shared_expert_gated=False,
+              router_order="topk_sigmoid", qk_l2_norm=True, attn_temperature_tuning=True,
+              floor_scale=4.0, attn_scale=0.5, rope_interleave=True),
+         ablate=dict(layer_windows=(0, 0, 0), nope_layers=(), qk_l2_norm=False,
+                     attn_temperature_tuning=False, rope_interleave=False,
+                     router_order="topk_softmax")),
 ]
 
 
