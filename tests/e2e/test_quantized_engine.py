@@ -30,6 +30,13 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _gap(logprobs: dict) -> float:
+    """The gap between a position's two best logprobs (its sampled token and the runner-up,
+    `logprobs=2`)."""
+    best = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
+
+
 @pytest.fixture(scope="module")
 def gguf_model(smollm2_path):
     return load_model(smollm2_path, quantization="gguf")
@@ -77,10 +84,21 @@ def test_int8_kv_prefix_sharing_keeps_tokens(gguf_model, smollm2_tokenizer):
     prompts = [SHARED + p for p in PROMPTS]
     roomy = LLM(gguf_model, tokenizer=smollm2_tokenizer, kv_cache_dtype="int8", **SMALL,
                 **POOL)
-    want = _tokens(roomy.generate(prompts, GREEDY))
+    first = roomy.generate(prompts, SamplingParams(temperature=0, max_tokens=16, logprobs=2))
     # A second pass of the same prompts hits the prefix cache: shared 8-bit pages.
     again = _tokens(roomy.generate(prompts, GREEDY))
-    assert again == want
+    compared = 0
+    for out, tokens in zip(first, again, strict=True):
+        # NOTE: the hit changes the steps' chunks, and so which keys a token reads as it
+        # computed them and which from 8-bit pages: the top-2 gaps move by up to 0.05 (SmolLM2,
+        # 2026-12-07). The tokens must agree up to a near-tie of the first pass (its top
+        # two logprobs within 0.06), where either token is right.
+        want, sample = out.outputs[0].token_ids, out.outputs[0].logprobs
+        close = [i for i, lp in enumerate(sample) if _gap(lp) < 0.06]
+        upto = close[0] if close else len(want)
+        assert tokens[:upto] == want[:upto], (upto, tokens, want)
+        compared += upto
+    assert compared >= 24  # of the 48 tokens
     assert roomy.get_metrics()["jaxserve:prefix_cache_hits"] > 0
     assert roomy.get_metrics()["jaxserve:kv_cache_usage_perc"] == 0  # no page leaked
 
