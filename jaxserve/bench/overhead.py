@@ -153,6 +153,7 @@ def engine_overhead(llm, num_running: int, *, prompt_len: int = 32, num_steps: i
             step, as a stream reads it) or FINAL_ONLY (as `LLM.generate` runs them).
     """
     import jaxserve.runner.model_runner as mr
+    import jaxserve.runner.step_packing as packing
     from jaxserve.bench.engine_run import StepProbe
     from jaxserve.sampling_params import RequestOutputKind
 
@@ -174,7 +175,7 @@ def engine_overhead(llm, num_running: int, *, prompt_len: int = 32, num_steps: i
     acc: dict[str, float] = {}
     rows = []
     with StepProbe(eng) as probe, _patched(eng.sampling_inputs, ["build"], acc), \
-            _patched(mr, ["build_step_arrays", "pack", "promote"], acc):
+            _patched(packing, ["build_step_arrays"], acc), _patched(mr, ["pack", "promote"], acc):
         for _ in range(num_steps):
             acc.clear()
             _, rec = probe.step(time.perf_counter())

@@ -122,12 +122,27 @@ class Checkpoint:
     ids: list[list[int]]
     want: list[list[int]]
     log: list[str]  # the engine's startup log
+    ties: list[int]  # where each prompt's greedy text reaches a tie of transformers' logits
 
     def check(self, llm: LLM, which: list[int]) -> None:
         outs = llm.generate([{"prompt_token_ids": self.ids[i]} for i in which], GREEDY,
                             use_tqdm=False)
         for i, out in zip(which, outs, strict=True):
-            assert out.outputs[0].token_ids == self.want[i], (self.name, i)
+            cut = self.ties[i]  # at a tie either token is right, and the text parts there
+            assert out.outputs[0].token_ids[:cut] == self.want[i][:cut], (self.name, i, cut)
+
+
+def _first_tie(hf, ids: list[int], want: list[int]) -> int:
+    """The first position of `want` whose top two transformers logprobs are within 1e-4
+    (len(want) if none): GPTQ's tiny checkpoint has an exact tie (gap 0.0) at its third
+    prompt's tenth token, which the engine's float rounding may break either way."""
+    with torch.no_grad():
+        logprobs = hf(torch.tensor([ids + want])).logits[0, len(ids) - 1:-1].log_softmax(-1)
+    top = logprobs.topk(2, -1).values  # [len(want), 2]
+    close = (top[:, 0] - top[:, 1] < 1e-4).nonzero()
+    cut = int(close[0, 0]) if len(close) else len(want)
+    assert cut >= MAX_TOKENS // 2, cut  # most of the text is still compared
+    return cut
 
 
 @pytest.fixture(scope="module", params=[
@@ -144,6 +159,7 @@ def checkpoint(request, smollm2_tokenizer, tmp_path_factory) -> Checkpoint:
         smollm2_tokenizer.save_pretrained(directory)
         ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
         want = [hf_greedy(hf, x, MAX_TOKENS) for x in ids]
+        ties = [_first_tie(hf, x, w) for x, w in zip(ids, want, strict=True)]
     finally:
         torch.set_num_threads(threads)
     assert all(len(x) > ENGINE["max_num_batched_tokens"] for x in ids)  # chunked prefill
@@ -163,7 +179,7 @@ def checkpoint(request, smollm2_tokenizer, tmp_path_factory) -> Checkpoint:
         logger.setLevel(level)
     log = [r.getMessage() for r in records]
     served = "compressed-tensors" if request.param in CT else request.param
-    return Checkpoint(request.param, directory, served, llm, ids, want, log)
+    return Checkpoint(request.param, directory, served, llm, ids, want, log, ties)
 
 
 def _leaves(llm: LLM) -> dict[str, jax.Array]:
