@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import cpu_ffi
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.ragged_paged_attention.reference import token_positions
+from pallas_kernels.ragged_paged_attention.reference import chunk_start, token_positions
 from pallas_kernels.ragged_paged_attention.xla import _tiles_by_head
 from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
 
@@ -94,7 +94,7 @@ def row_tiled(fn: Callable[[jax.Array], jax.Array], x: jax.Array, tile: int) -> 
 def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionMetadata, *,
                         sm_scale: float, sliding_window=0, soft_cap: float | None = None,
                         sinks: jax.Array | None = None, block_kv: int = 64,
-                        token_tile: int = 16) -> jax.Array:
+                        token_tile: int = 16, chunk_size=0) -> jax.Array:
     """Causal paged attention, every token alone: keys [0, position] of its request in
     blocks of `block_kv`, tokens in tiles of `token_tile`; the result of a token depends on
     its query, position and its request's K/V only.
@@ -113,6 +113,10 @@ def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
             own state only); None: no sinks.
         block_kv: Keys per block (rounded to whole pages).
         token_tile: Query tokens per tile.
+        chunk_size: Chunked local attention (Llama 4; may be traced; 0: none): a token sees
+            keys from floor(p / C) * C on. A tile's loop starts at the block of its
+            earliest chunk start: the blocks skipped are wholly masked for every token of
+            the tile, which would leave its state unchanged, so results stay invariant.
 
     Returns:
         [num_tokens, num_q_heads, head_dim] in q's dtype; padded tokens are zero.
@@ -126,6 +130,8 @@ def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
     window = jnp.asarray(sliding_window, jnp.int32)
     seq_ids, q_pos, valid = token_positions(md, num_tokens)
     lens = jnp.where(valid, q_pos + 1, 0)  # i32[T] keys each token reads
+    # Static: without a chunk the program is unchanged (no starts through the loop's barrier)
+    chunked = not (isinstance(chunk_size, int) and chunk_size == 0)
     tables = md.block_tables  # i32[R, W]
     pad = (-tables.shape[1]) % ppb
     if pad:
@@ -133,7 +139,8 @@ def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
     qg = q.astype(jnp.float32).reshape(num_tokens, kv_heads, group, head_dim)
 
     def one_tile(args):
-        qt, seq, pos, ln = args  # [t, k, g, d], i32[t] x3
+        qt, seq, pos, ln = args[:4]  # [t, k, g, d], i32[t] x3
+        lo = args[4] if chunked else None  # i32[t] each token's first key
         table = tables[seq]  # i32[t, W]
 
         def block(b, state):
@@ -145,6 +152,8 @@ def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
             k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[C]
             mask = ((k_pos[None, :] < ln[:, None])
                     & ((window <= 0) | (pos[:, None] - k_pos[None, :] < window)))  # [t, C]
+            if lo is not None:
+                mask &= k_pos[None, :] >= lo[:, None]
             logits = jnp.einsum("tkgd,ktcd->tkgc", qt, k) * sm_scale  # [t, k, g, C]
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -161,13 +170,15 @@ def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
                 jnp.full((t, kv_heads, group), _NEG, jnp.float32),
                 jnp.zeros((t, kv_heads, group), jnp.float32))
         num_blocks = (jnp.max(ln) + block_kv - 1) // block_kv
-        acc, m, denom = jax.lax.fori_loop(0, num_blocks, block, init)
+        first = 0 if lo is None else jnp.min(lo) // block_kv
+        acc, m, denom = jax.lax.fori_loop(first, num_blocks, block, init)
         out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
         if sinks is not None:  # [t, k, g] factor of each token's rows
             out = out * sink_factor(m, denom, grouped_sinks(sinks, kv_heads))[..., None]
         return out
 
-    out = tile_loop(one_tile, (qg, seq_ids, q_pos, lens), num_tokens, token_tile)
+    xs = (qg, seq_ids, q_pos, lens) + ((chunk_start(q_pos, chunk_size),) if chunked else ())
+    out = tile_loop(one_tile, xs, num_tokens, token_tile)
     out = out.reshape(num_tokens, num_q_heads, head_dim)
     out = jnp.where(valid[:, None, None], out, 0.0)
     return out.astype(q.dtype)

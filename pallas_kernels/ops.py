@@ -114,32 +114,30 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
     kernel; the XLA path needs no separate decode program (it reads decode rows once per
     row by itself) and ignores the flag. With `batch_invariant` every token is computed
     alone (its result the same whatever shares the step): on "cpu" every token is a row of
-    the C++ kernel, on "xla" (and "cpu" with a pool the kernel does not read) it goes
-    through `invariant_attention`; "pallas" has no such mode (a ValueError).
+    the C++ kernel, on "xla" (and "cpu" with a pool the kernel does not read, or a chunk)
+    it goes through `invariant_attention`; "pallas" has no such mode (a ValueError).
 
     `sinks` (f32[num_q_heads] or None) are gpt-oss's learned sink logits, one more softmax
     column per query head (`pallas_kernels.sinks`); every path takes them.
 
     `chunk_size` (Llama 4's chunked local attention; may be traced, 0 for none): a query at
-    position p sees keys floor(p / C) * C .. p. The reference and the XLA path (with the
-    "cpu" backend's C++ rows) take it; the Pallas kernels and batch-invariant mode do not
-    (a ValueError when it is anything but the literal 0).
+    position p sees keys floor(p / C) * C .. p. Every path takes it: the XLA path (with the
+    "cpu" backend's C++ rows), the Pallas kernels (a third kernel scalar, as the window)
+    and batch-invariant mode; the literal 0 keeps every program as it is without chunks.
     """
     check_sinks(sinks, q.shape[1] if q.ndim == 3 else -1)
-    if not (isinstance(chunk_size, int) and chunk_size == 0):
-        if backend == "pallas" or batch_invariant:
-            raise ValueError(f"chunk_size (chunked local attention, Llama 4) is not built for "
-                             f"the {'batch_invariant mode' if batch_invariant else backend!r}"
-                             " attention; serve it on the 'xla' or 'cpu' backend")
-        return ragged_paged_attention_xla(q, kv_pages, layer, md, cpu_decode=backend == "cpu",
-                                          sm_scale=sm_scale, sliding_window=sliding_window,
-                                          soft_cap=soft_cap, sinks=sinks, chunk_size=chunk_size)
+    chunked = not (isinstance(chunk_size, int) and chunk_size == 0)
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   sinks=sinks)
     if batch_invariant:
-        return _invariant(q, kv_pages, layer, md, backend, common)
+        return _invariant(q, kv_pages, layer, md, backend, common, chunk_size)
+    if backend != "pallas":
+        extra = dict(chunk_size=chunk_size) if chunked else {}
+        return ragged_paged_attention_xla(q, kv_pages, layer, md, cpu_decode=backend == "cpu",
+                                          **common, **extra)
+    common["chunk_size"] = chunk_size if chunked else None  # None: the kernels' no-chunk program
     page_size, width = kv_pages.shape[4], md.block_tables.shape[1]
-    if backend == "pallas" and _on_tpu():
+    if _on_tpu():
         ppb, _ = kernel_tiles(page_size, width)
         if md.decode_only:  # one query per request: blocks of one token
             md = AttentionMetadata(md.slot_mapping, md.block_tables, md.kv_lens,
@@ -149,7 +147,7 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
                                               pages_per_block=ppb, **common)
         return ragged_paged_attention_tpu(q, kv_pages, layer, md, pages_per_block=ppb,
                                           block_q=tuned("ragged_tpu")["block_q"], **common)
-    if md.decode_only and backend == "pallas":
+    if md.decode_only:
         if q.shape[0] != md.kv_lens.shape[0]:
             raise ValueError(f"decode_only needs one token per request: q {q.shape} vs "
                              f"kv_lens {md.kv_lens.shape}")
@@ -157,24 +155,25 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
         return paged_decode_attention_kernel(
             q, kv_pages, layer, md.block_tables, md.kv_lens, pages_per_block=ppb,
             num_splits=splits, interpret=_interpret(), **common)
-    if backend == "pallas":
-        ppb, _ = kernel_tiles(page_size, width)
-        return ragged_paged_attention_kernel(q, kv_pages, layer, md, pages_per_block=ppb,
-                                             interpret=_interpret(), **common)
-    return ragged_paged_attention_xla(q, kv_pages, layer, md, cpu_decode=backend == "cpu",
-                                      **common)
+    ppb, _ = kernel_tiles(page_size, width)
+    return ragged_paged_attention_kernel(q, kv_pages, layer, md, pages_per_block=ppb,
+                                         interpret=_interpret(), **common)
 
 
-def _invariant(q, kv_pages, layer, md, backend, common):
-    """`ragged_paged_attention` in batch-invariant mode (see there)."""
+def _invariant(q, kv_pages, layer, md, backend, common, chunk_size):
+    """`ragged_paged_attention` in batch-invariant mode (see there). A chunk keeps off the
+    C++ rows: they mask by length and window only (the XLA path's shifted tables need a
+    chunk of whole pages, which a traced chunk cannot promise)."""
     if backend == "pallas":
         raise ValueError("batch_invariant attention is not built for the 'pallas' backend "
                          "(it needs kernels whose splits and tiles do not follow the step)")
     t = tuned("batch_invariant")
-    if backend == "cpu" and cpu_ffi.supports(kv_pages):
+    chunked = not (isinstance(chunk_size, int) and chunk_size == 0)
+    if backend == "cpu" and cpu_ffi.supports(kv_pages) and not chunked:
         return invariant_attention_cpu(q, kv_pages, layer, md, **common)
+    extra = dict(chunk_size=chunk_size) if chunked else {}
     return invariant_attention(q, kv_pages, layer, md, block_kv=t["block_kv"],
-                               token_tile=t["token_tile"], **common)
+                               token_tile=t["token_tile"], **common, **extra)
 
 
 def write_latent(pool: jax.Array, slot, latent: jax.Array, slot_mapping: jax.Array, *,
@@ -340,7 +339,7 @@ class AttentionOps:
                sinks: jax.Array | None = None, chunk_size=0) -> jax.Array:
         """[T, Hq, D] attention output of queries q [T, Hq, D] over slot `slot` of the
         pool (`ragged_paged_attention`; rotated pages: q rotated in, the output back).
-        `chunk_size`: Llama 4's attention chunk (may be traced; 0: none; not on "pallas").
+        `chunk_size`: Llama 4's attention chunk (may be traced; 0: none).
 
         `sinks`: f32[Hq] learned sink logits (gpt-oss; may be traced, a layer's parameter
         in the layer scan), or None. Under data-parallel attention every rank takes them

@@ -20,12 +20,13 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.flash import init_carry, load_pages, online_softmax_step
 from pallas_kernels.paged_decode_attention.reference import check_decode_shapes
+from pallas_kernels.ragged_paged_attention.reference import chunk_start
 from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
 
 
 def _kernel(scalars_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, o_ref, m_ref, l_ref, *,
             num_pages, num_kv_heads, page_size, pages_per_block, pages_per_split, group,
-            sm_scale, soft_cap):
+            sm_scale, soft_cap, chunked):
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, window = scalars_ref[0], scalars_ref[1]
     gp, head_dim = q_ref.shape[2], q_ref.shape[3]
@@ -36,6 +37,8 @@ def _kernel(scalars_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, o_ref, m_ref, l
     head_ok = lax.broadcasted_iota(jnp.int32, (gp, block_k), 0) < group
 
     lo = jnp.where(window > 0, jnp.maximum(q_pos - window + 1, 0), 0)
+    if chunked:  # the query's chunk: keys before it are skipped and masked like the window's
+        lo = jnp.maximum(lo, chunk_start(q_pos, scalars_ref[2]))
     first_blk = jnp.maximum(split * pages_per_split * page_size, lo) // block_k
     end = jnp.minimum((split + 1) * pages_per_split * page_size, kv_len)
     num_blk = jnp.maximum(pl.cdiv(end, block_k) - first_blk, 0)
@@ -49,9 +52,11 @@ def _kernel(scalars_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, o_ref, m_ref, l
         k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (gp, block_k), 1)
         mask = (k_pos < end) & (k_pos >= split * pages_per_split * page_size) & head_ok
         mask &= (window <= 0) | (q_pos - k_pos < window)
+        if chunked:
+            mask &= k_pos >= lo
         v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-        # NOTE: values before the window (a sliding group's given-back null pages) and past
-        # the context are zeroed: they may hold NaN.
+        # NOTE: values before the window or chunk (a sliding or chunked group's given-back
+        # null pages) and past the context are zeroed: they may hold NaN.
         return online_softmax_step(carry, q, k, v, mask, (v_pos < kv_len) & (v_pos >= lo),
                                    sm_scale=sm_scale, soft_cap=soft_cap)
 
@@ -66,10 +71,15 @@ def _kernel(scalars_ref, kv_lens_ref, tables_ref, q_ref, kv_ref, o_ref, m_ref, l
                                              "num_splits", "interpret"))
 def paged_decode_attention_kernel(q, kv_pages, layer, block_tables, kv_lens, *, sm_scale,
                                   sliding_window=0, soft_cap=None, sinks=None,
-                                  pages_per_block=2, num_splits=2, interpret=False):
+                                  pages_per_block=2, num_splits=2, interpret=False,
+                                  chunk_size=None):
     """Pallas decode attention; same contract as `paged_decode_attention_reference`.
 
     Args:
+        chunk_size: Chunked local attention (Llama 4; may be traced; <= 0 at run time:
+            none): the query at kv_len - 1 sees keys from its chunk's start (the ragged
+            reference's `chunk_ok`), a third kernel scalar. None: no chunk (the program is
+            unchanged).
         sinks: f32[num_q_heads] sink logits (`pallas_kernels.sinks`; the ragged reference's
             semantics), applied in the wrapper to the splits' combined state: the kernel
             is the same program with or without them. None: no sinks.
@@ -92,12 +102,13 @@ def paged_decode_attention_kernel(q, kv_pages, layer, block_tables, kv_lens, *, 
     tables = jnp.pad(block_tables, ((0, 0), (0, pages_per_split * num_splits - width)))
     kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size,
                                kv_pages.shape[-1])  # rows: head_dim (+ scale if 8-bit)
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
+    scalars = jnp.stack([jnp.asarray(x, jnp.int32) for x in (layer, sliding_window)
+                         + (() if chunk_size is None else (chunk_size,))])
 
     kernel = functools.partial(
         _kernel, num_pages=num_pages, num_kv_heads=num_kv_heads, page_size=page_size,
         pages_per_block=pages_per_block, pages_per_split=pages_per_split, group=group,
-        sm_scale=sm_scale, soft_cap=soft_cap)
+        sm_scale=sm_scale, soft_cap=soft_cap, chunked=chunk_size is not None)
     whole = pl.BlockSpec()
     part = (num_seqs, num_kv_heads, num_splits, gp)
     o, m, lsum = pl.pallas_call(

@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.flash import init_carry, load_pages, online_softmax_step
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.ragged_paged_attention.reference import check_shapes
+from pallas_kernels.ragged_paged_attention.reference import check_shapes, chunk_start
 from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
 
 
@@ -52,9 +52,11 @@ def query_blocks(cu_q_lens: jax.Array, num_tokens: int, block_q: int):
 
 
 def block_span(b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, window,
-               block_k: int):
+               block_k: int, chunk=None):
     """Scalars of query block `b`: (request, valid queries, context length, position of
-    its first query, first key block, number of key blocks to visit)."""
+    its first query, first key block, number of key blocks to visit). Key blocks wholly
+    before the window or the attention chunk (`chunk`, None: none) of the block's first
+    query (the block's earliest) are skipped."""
     seq = jnp.minimum(blk_seq_ref[b], kv_lens_ref.shape[0] - 1)
     n_valid = blk_len_ref[b]
     kv_len = kv_lens_ref[seq]
@@ -62,17 +64,21 @@ def block_span(b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, 
     first_pos = kv_len - q_len + (blk_start_ref[b] - cu_ref[seq])
     last_pos = jnp.minimum(first_pos + n_valid, kv_len)  # keys in [lo, last_pos)
     lo = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    if chunk is not None:
+        lo = jnp.maximum(lo, chunk_start(first_pos, chunk))
     first_blk = lo // block_k
     num_blk = jnp.where(n_valid > 0, pl.cdiv(last_pos, block_k) - first_blk, 0)
     return seq, n_valid, kv_len, first_pos, first_blk, num_blk
 
 
-def value_slots(v_pos, kv_len, first_pos, window):
-    """bool (v_pos's shape): value slots some query of the block sees, from the window of
-    its first query up to the context's end. Others are zeroed before `p @ v`: free pages
-    past the context and a sliding KV cache group's given-back (null) pages before the
-    window may hold anything, NaN included."""
-    return (v_pos < kv_len) & ((window <= 0) | (first_pos - v_pos < window))
+def value_slots(v_pos, kv_len, first_pos, window, chunk=None):
+    """bool (v_pos's shape): value slots some query of the block sees, from the window (and
+    the attention chunk, `chunk`; None: none) of its first query up to the context's end.
+    Others are zeroed before `p @ v`: free pages past the context and a sliding or chunked
+    KV cache group's given-back (null) pages before the window may hold anything, NaN
+    included."""
+    ok = (v_pos < kv_len) & ((window <= 0) | (first_pos - v_pos < window))
+    return ok if chunk is None else ok & (v_pos >= chunk_start(first_pos, chunk))
 
 
 class Program(NamedTuple):
@@ -81,6 +87,7 @@ class Program(NamedTuple):
     h: jax.Array  # KV head
     layer: jax.Array
     window: jax.Array
+    chunk: jax.Array | None  # attention chunk (None: the program has none)
     block_q: int
     gp: int  # padded query heads per KV head
     head_dim: int
@@ -95,29 +102,42 @@ class Program(NamedTuple):
 
 
 def program(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, q_ref,
-            page_size: int, pages_per_block: int) -> Program:
-    """The scalars of this program (shared by the GPU and TPU ragged kernels)."""
+            page_size: int, pages_per_block: int, chunked: bool = False) -> Program:
+    """The scalars of this program (shared by the GPU and TPU ragged kernels): `scalars_ref`
+    holds (layer, window) and, when `chunked`, the attention chunk."""
     b, h = pl.program_id(0), pl.program_id(1)
     layer, window = scalars_ref[0], scalars_ref[1]
+    chunk = scalars_ref[2] if chunked else None
     block_q, gp, head_dim = q_ref.shape[1], q_ref.shape[3], q_ref.shape[4]
     block_k = pages_per_block * page_size
     span = block_span(b, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref, window,
-                      block_k)
-    return Program(h, layer, window, block_q, gp, head_dim, block_q * gp, block_k, *span)
+                      block_k, chunk)
+    return Program(h, layer, window, chunk, block_q, gp, head_dim, block_q * gp, block_k, *span)
+
+
+def kernel_scalars(layer, sliding_window, chunk_size) -> jax.Array:
+    """i32[2] (layer, window), or i32[3] with the attention chunk when `chunk_size` is not
+    None: the ragged kernels' first input."""
+    parts = [layer, sliding_window] + ([] if chunk_size is None else [chunk_size])
+    return jnp.stack([jnp.asarray(x, jnp.int32) for x in parts])
 
 
 def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref,
             tables_ref, q_ref, kv_ref, *refs, num_pages, num_kv_heads, page_size,
-            pages_per_block, group, sm_scale, soft_cap):
+            pages_per_block, group, sm_scale, soft_cap, chunked):
     # refs: (sinks_ref f32[1, rows] of this KV head, o_ref) with sinks, else (o_ref,)
     sinks_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
-    (h, layer, window, block_q, gp, head_dim, rows, block_k, seq, n_valid, kv_len, first_pos,
-     first_blk, num_blk) = program(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref,
-                                   cu_ref, kv_lens_ref, q_ref, page_size, pages_per_block)
+    (h, layer, window, chunk, block_q, gp, head_dim, rows, block_k, seq, n_valid, kv_len,
+     first_pos, first_blk, num_blk) = program(scalars_ref, blk_seq_ref, blk_start_ref,
+                                              blk_len_ref, cu_ref, kv_lens_ref, q_ref,
+                                              page_size, pages_per_block, chunked)
     row_tok = lax.broadcasted_iota(jnp.int32, (block_q, gp), 0).reshape(rows)
     row_head = lax.broadcasted_iota(jnp.int32, (block_q, gp), 1).reshape(rows)
     row_pos = first_pos + row_tok  # i32[rows]
     row_ok = (row_tok < n_valid) & (row_head < group)
+    # i32[rows]: each row's chunk start, once per program (a chunk boundary may fall inside
+    # the block: its later rows start later)
+    row_lo = None if chunk is None else chunk_start(row_pos, chunk)
 
     q = q_ref[0, :, 0, :, :].reshape(rows, head_dim).astype(jnp.float32)
     page_base = (layer * 2 * num_kv_heads + h) * num_pages  # K pages of (layer, head)
@@ -130,9 +150,11 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
         k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         mask = (k_pos < kv_len) & (k_pos <= row_pos[:, None]) & row_ok[:, None]
         mask &= (window <= 0) | (row_pos[:, None] - k_pos < window)
+        if row_lo is not None:
+            mask &= k_pos >= row_lo[:, None]
         v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
         return online_softmax_step(carry, q, k, v, mask, value_slots(v_pos, kv_len, first_pos,
-                                                                     window),
+                                                                     window, chunk),
                                    sm_scale=sm_scale, soft_cap=soft_cap)
 
     init = init_carry(rows, head_dim)
@@ -147,10 +169,14 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
                                              "pages_per_block", "interpret"))
 def ragged_paged_attention_kernel(q, kv_pages, layer, md: AttentionMetadata, *, sm_scale,
                                   sliding_window=0, soft_cap=None, sinks=None, block_q=16,
-                                  pages_per_block=2, interpret=False):
+                                  pages_per_block=2, interpret=False, chunk_size=None):
     """Pallas ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:
+        chunk_size: Chunked local attention (Llama 4; may be traced; <= 0 at run time:
+            none): a third kernel scalar; each program skips key blocks before its first
+            query's chunk and masks each row from its own chunk's start. None: the program
+            has no chunk (unchanged).
         sinks: f32[num_q_heads] sink logits or None; with them each program also reads
             its KV head's row of `sink_rows` and scales its outputs once, after the
             last key block (the program without sinks is unchanged).
@@ -177,11 +203,12 @@ def ragged_paged_attention_kernel(q, kv_pages, layer, md: AttentionMetadata, *, 
     tables = jnp.pad(md.block_tables, ((0, 0), (0, -width % pages_per_block)))
     kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size,
                                kv_pages.shape[-1])  # rows: head_dim (+ scale if 8-bit)
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
+    scalars = kernel_scalars(layer, sliding_window, chunk_size)
 
     kernel = functools.partial(
         _kernel, num_pages=num_pages, num_kv_heads=num_kv_heads, page_size=page_size,
-        pages_per_block=pages_per_block, group=group, sm_scale=sm_scale, soft_cap=soft_cap)
+        pages_per_block=pages_per_block, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
+        chunked=chunk_size is not None)
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
     block = pl.BlockSpec((1, block_q, 1, gp, head_dim), lambda b, h: (b, 0, h, 0, 0))
     extra, extra_specs = (), []

@@ -25,29 +25,34 @@ from pallas_kernels.flash import MASK
 from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.kernel import (
+    kernel_scalars,
     program,
     query_blocks,
     scatter_rows,
     sink_rows,
     value_slots,
 )
-from pallas_kernels.ragged_paged_attention.reference import check_shapes
+from pallas_kernels.ragged_paged_attention.reference import check_shapes, chunk_start
 from pallas_kernels.sinks import check_sinks, sink_factor
 
 
 def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref,
             tables_ref, q_ref, kv_hbm, *refs, num_pages, num_kv_heads, page_size,
-            pages_per_block, table_width, group, sm_scale, soft_cap):
+            pages_per_block, table_width, group, sm_scale, soft_cap, chunked):
     # refs: sinks_ref f32[1, rows, 1] of this KV head (with sinks only), o_ref, scratch
     sinks_ref, (o_ref, k_buf, v_buf, sems) = (
         (refs[0], refs[1:]) if len(refs) == 5 else (None, refs))
-    (h, layer, window, block_q, gp, head_dim, rows, block_k, seq, n_valid, kv_len, first_pos,
-     first_blk, num_blk) = program(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref,
-                                   cu_ref, kv_lens_ref, q_ref, page_size, pages_per_block)
+    (h, layer, window, chunk, block_q, gp, head_dim, rows, block_k, seq, n_valid, kv_len,
+     first_pos, first_blk, num_blk) = program(scalars_ref, blk_seq_ref, blk_start_ref,
+                                              blk_len_ref, cu_ref, kv_lens_ref, q_ref,
+                                              page_size, pages_per_block, chunked)
     row_tok = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) // gp
     row_head = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0) % gp
     row_pos = first_pos + row_tok  # i32[rows, block_k]
     row_ok = (row_tok < n_valid) & (row_head < group)
+    # i32[rows, block_k]: each row's chunk start, once per program (the remainder by a traced
+    # chunk stays out of the key loop)
+    row_lo = None if chunk is None else chunk_start(row_pos, chunk)
 
     q = q_ref[0, :, 0, :, :].reshape(rows, head_dim).astype(jnp.float32)
     k_base = (layer * 2 * num_kv_heads + h) * num_pages
@@ -78,13 +83,15 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
         k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
         mask = (k_pos < kv_len) & (k_pos <= row_pos) & row_ok
         mask &= (window <= 0) | (row_pos - k_pos < window)
+        if row_lo is not None:
+            mask &= k_pos >= row_lo
         s = jnp.where(mask, s, MASK)
         m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
         p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
         corr = jnp.exp(m - m_new)
         v_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
         # NaN past kv_len or before the window must not leak via 0 * NaN
-        v = jnp.where(value_slots(v_pos, kv_len, first_pos, window), v, 0.0)
+        v = jnp.where(value_slots(v_pos, kv_len, first_pos, window, chunk), v, 0.0)
         o = o * corr + jnp.dot(p, v, preferred_element_type=jnp.float32)
         return o, m_new, lsum * corr + p.sum(axis=-1, keepdims=True)
 
@@ -101,10 +108,13 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
                                              "pages_per_block", "interpret"))
 def ragged_paged_attention_tpu(q, kv_pages, layer, md: AttentionMetadata, *, sm_scale,
                                sliding_window=0, soft_cap=None, sinks=None, block_q=16,
-                               pages_per_block=2, interpret=False):
+                               pages_per_block=2, interpret=False, chunk_size=None):
     """TPU ragged paged attention; same contract as `ragged_paged_attention_reference`.
 
     Args:
+        chunk_size: Chunked local attention (Llama 4; may be traced; <= 0 at run time:
+            none), a third prefetched scalar, as in `ragged_paged_attention_kernel`; None:
+            the program has no chunk (unchanged).
         sinks: f32[num_q_heads] sink logits or None; with them each program reads its KV
             head's rows of sinks (f32[rows, 1], the layout of its running max) as one more
             VMEM block and scales its outputs after the last key block.
@@ -129,12 +139,12 @@ def ragged_paged_attention_tpu(q, kv_pages, layer, md: AttentionMetadata, *, sm_
     tables = jnp.pad(md.block_tables, ((0, 0), (0, width_padded - width))).reshape(-1)
     kv_flat = kv_pages.reshape(num_layers * 2 * num_kv_heads * num_pages, page_size,
                                kv_pages.shape[-1])  # rows: head_dim (+ scale if 8-bit)
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(sliding_window, jnp.int32)])
+    scalars = kernel_scalars(layer, sliding_window, chunk_size)
 
     kernel = functools.partial(
         _kernel, num_pages=num_pages, num_kv_heads=num_kv_heads, page_size=page_size,
         pages_per_block=pages_per_block, table_width=width_padded, group=group,
-        sm_scale=sm_scale, soft_cap=soft_cap)
+        sm_scale=sm_scale, soft_cap=soft_cap, chunked=chunk_size is not None)
     block = pl.BlockSpec((1, block_q, 1, gp, head_dim), lambda b, h, *_: (b, 0, h, 0, 0))
     extra, extra_specs = (), []
     if sinks is not None:  # f32[Hkv, rows, 1]: the last two axes whole, as Mosaic wants

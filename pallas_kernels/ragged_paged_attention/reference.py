@@ -76,11 +76,17 @@ def token_positions(md: AttentionMetadata, num_tokens: int):
     return seq_ids, q_pos, valid
 
 
+def chunk_start(q_pos, chunk_size):
+    """i32 (q_pos's shape): the first key of the attention chunk of queries at `q_pos`,
+    floor(q_pos / chunk) * chunk; 0 for a chunk <= 0 (none)."""
+    chunk = jnp.asarray(chunk_size, jnp.int32)
+    return jnp.where(chunk > 0, q_pos - q_pos % jnp.maximum(chunk, 1), 0)
+
+
 def chunk_ok(q_pos, k_pos, chunk_size):
     """bool[...]: keys at `k_pos` in the attention chunk of queries at `q_pos` (broadcast;
     keys from floor(q_pos / chunk) * chunk on; a chunk of 0 masks nothing)."""
-    chunk = jnp.asarray(chunk_size, jnp.int32)
-    return (chunk <= 0) | (k_pos >= q_pos - q_pos % jnp.maximum(chunk, 1))
+    return k_pos >= chunk_start(q_pos, chunk_size)
 
 
 def ragged_paged_attention_reference(

@@ -71,3 +71,25 @@ def test_kernels_lower_to_triton_through_a_group_view():
     lowered = jax.jit(step).trace(q, kv, new, i32(), i32(), i32(), md).lower(
         lowering_platforms=("cuda",))
     assert lowered.as_text().lower().count("triton") >= 3
+
+
+def test_kernels_lower_to_triton_with_a_traced_chunk():
+    # Llama 4's chunked layers: the chunk (and the window) come from the layer scan's window
+    # table, so the kernels take them as traced scalars.
+    num_seqs, num_tokens, width = 4, 32, 8
+    kv = jax.ShapeDtypeStruct((2, 2, 2, 32, 16, 64), "bfloat16")
+    q = jax.ShapeDtypeStruct((num_tokens, 4, 64), "bfloat16")
+    md = AttentionMetadata(i32(num_tokens), i32(num_seqs, width), i32(num_seqs),
+                           i32(num_seqs + 1))
+
+    def step(q, kv, slot, window, chunk, md):
+        out = ragged_paged_attention_kernel(q, kv, slot, md, sm_scale=0.1, sliding_window=window,
+                                            pages_per_block=2, chunk_size=chunk)
+        dec = paged_decode_attention_kernel(q[:num_seqs], kv, slot, md.block_tables, md.kv_lens,
+                                            sm_scale=0.1, sliding_window=window,
+                                            pages_per_block=2, num_splits=2, chunk_size=chunk)
+        return out, dec
+
+    lowered = jax.jit(step).trace(q, kv, i32(), i32(), i32(), md).lower(
+        lowering_platforms=("cuda",))
+    assert lowered.as_text().lower().count("triton") >= 2

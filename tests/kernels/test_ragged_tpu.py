@@ -72,3 +72,18 @@ def test_tpu_kernel_lowers_through_a_group_view(fake_tpu_info):
     lowered = jax.jit(step).trace(q, kv, i32(), i32(), i32(), md).lower(
         lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()
+
+
+def test_tpu_kernel_lowers_with_a_traced_chunk(fake_tpu_info):
+    # Llama 4's chunked layers: the chunk is a traced third prefetched scalar (each row's
+    # chunk start, a vector remainder, is computed once per program, outside the key loop).
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    q = jax.ShapeDtypeStruct((32, 4, 128), "bfloat16")
+    kv = jax.ShapeDtypeStruct((2, 2, 2, 32, 16, 128), "bfloat16")
+    md = AttentionMetadata(i32(32), i32(4, 8), i32(4), i32(5))
+
+    def step(q, kv, slot, chunk, md):
+        return ragged_paged_attention_tpu(q, kv, slot, md, sm_scale=0.1, chunk_size=chunk)
+
+    lowered = jax.jit(step).trace(q, kv, i32(), i32(), md).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()

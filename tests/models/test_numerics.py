@@ -610,3 +610,17 @@ def test_gemma2_soft_caps_on_kernel_backends(backend, tmp_path):
     assert model.methods.backend == backend
     ours = forward_logits(model, ids, page_size=PAGE_SIZE, chunks=CHUNKINGS["prefill_decode"])
     np.testing.assert_allclose(ours, hf_logits(hf, ids), rtol=0, atol=F32_ATOL)
+
+
+@pytest.mark.slow(reason="a whole model in the Pallas interpreter: ~20 s")
+def test_llama4_chunks_on_the_pallas_kernels(tmp_path):
+    """Llama 4's chunked layers (chunks of 8 over the 24-token prompt) through the Pallas
+    ragged and decode kernels (interpreted here), the chunk a traced kernel scalar from the
+    layer scan's window table: the same logits as transformers."""
+    case = next(c for c in CASES if c.name == "llama4_chunked_nope_moe")
+    hf = build_hf(case, str(tmp_path))
+    ids = prompt(hf.config.vocab_size)
+    model = load_model(str(tmp_path), "float32", serving=ServingChoice("pallas"))
+    assert model.methods.backend == "pallas"
+    ours = forward_logits(model, ids, page_size=PAGE_SIZE, chunks=CHUNKINGS["prefill_decode"])
+    np.testing.assert_allclose(ours, hf_logits(hf, ids), rtol=0, atol=F32_ATOL)
