@@ -3,10 +3,24 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from models.config import ArchConfig
 from models.hf_fields import common_fields, partial_rotary_factor
+
+logger = logging.getLogger("models.registry")  # the families' log, whichever file holds one
+
+
+def text_config(hf: dict, towers: str = "vision tower is") -> dict:
+    """The language model's config of a ForConditionalGeneration checkpoint (its
+    `text_config`, under the checkpoint's architectures), logging that its `towers` (say
+    "vision tower is") are not served; `hf` itself for a text-only checkpoint."""
+    if "text_config" not in hf:
+        return hf
+    logger.info("%s: serving its language model only; the %s ignored",
+                hf["architectures"][0], towers)
+    return {**hf["text_config"], "architectures": hf["architectures"]}
 
 
 class ModelFamily:

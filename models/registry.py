@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from models.config import ArchConfig
-from models.family_base import ModelFamily
+from models.family_base import ModelFamily, text_config
 from models.hf_fields import partial_rotary_factor, windows_from_layer_types
 from models.moe_config import sparse_fields
 from models.registry_gemma4 import Gemma4
@@ -178,9 +178,7 @@ class Gemma3(Gemma2):
     @classmethod
     def arch_config(cls, hf):
         if "text_config" in hf:  # a ForConditionalGeneration checkpoint
-            logger.info("%s: serving its language model only; the vision tower is ignored",
-                        hf["architectures"][0])
-            hf = {**hf["text_config"], "architectures": hf["architectures"]}
+            hf = text_config(hf)
             if hf.get("final_logit_softcapping") is not None:
                 # NOTE: transformers' ForConditionalGeneration never applies it (its
                 # ForCausalLM does); public multimodal Gemma 3 configs leave it null.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from models.family_base import ModelFamily
+from models.family_base import ModelFamily, text_config
 from models.hf_fields import windows_from_layer_types
 from models.rope import parse_rope
 
@@ -75,10 +75,7 @@ class Gemma4(ModelFamily):
 
     @classmethod
     def arch_config(cls, hf):
-        if "text_config" in hf:  # a ForConditionalGeneration checkpoint
-            logger.info("%s: serving its language model only; the vision and audio towers "
-                        "are ignored", hf["architectures"][0])
-            hf = {**hf["text_config"], "architectures": hf["architectures"]}
+        hf = text_config(hf, "vision and audio towers are")
         return super().arch_config({**DEFAULTS, **{k: v for k, v in hf.items()
                                                   if v is not None}})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from models.family_base import ModelFamily
+from models.family_base import ModelFamily, text_config
 from models.moe_config import sparse_fields
 
 logger = logging.getLogger(__name__)
@@ -40,10 +40,7 @@ class Llama4(ModelFamily):
 
     @classmethod
     def arch_config(cls, hf):
-        if "text_config" in hf:  # a ForConditionalGeneration checkpoint
-            logger.info("%s: serving its language model only; the vision tower is ignored",
-                        hf["architectures"][0])
-            hf = {**hf["text_config"], "architectures": hf["architectures"]}
+        hf = text_config(hf)
         # NOTE: a null `attention_chunk_size` is no chunking (transformers' None), not a default.
         hf = {**DEFAULTS, **{k: v for k, v in hf.items()
                              if v is not None or k == "attention_chunk_size"}}
