@@ -36,10 +36,10 @@ slots), `flash.py` (the online-softmax step), `kv_quant.py` (8-bit pages), `tuni
 (tuned sizes per platform).
 """
 
+from pallas_kernels.attention_ops import AttentionOps
 from pallas_kernels.metadata import AttentionMetadata, kv_pages_shape
 from pallas_kernels.ops import (
     ATTENTION_BACKENDS,
-    AttentionOps,
     causal_conv1d,
     fp4_matmul,
     fp8_matmul,
