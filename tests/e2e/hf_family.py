@@ -79,3 +79,34 @@ def check_engine_greedy(llm, hf, tokenizer, ids: list[list[int]], max_tokens: in
         ours = out.outputs[0].token_ids
         assert len(set(ours)) > 1  # not a degenerate repeat
         assert ours == hf_greedy(hf, prompt_ids, max_tokens), tokenizer.decode(ours)
+
+
+def long_decode(engine, ids: list[int], max_tokens: int) -> dict:
+    """Runs one greedy request of `max_tokens` alone to its end and watches its pages after
+    every step (the "pages go back" tests of the hybrid KV cache's families).
+
+    Returns:
+        {"most": {group: most pages its table held (the null page not counted)},
+         "first_kept": {group: the latest index of its table's first page kept},
+         "used": the pool's most used pages, "tokens": the request's output tokens}.
+    """
+    from jaxserve import SamplingParams
+
+    kv = engine.kv
+    engine.add_request("long", {"prompt_token_ids": ids},
+                       SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    groups = range(kv.num_groups)
+    seen = {"most": dict.fromkeys(groups, 0), "first_kept": dict.fromkeys(groups, 0),
+            "used": 0, "tokens": None}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen["tokens"] = out.outputs[0].token_ids
+        if not kv.has_request("long"):
+            continue
+        for g in groups:
+            table = kv.page_ids("long", g)
+            seen["most"][g] = max(seen["most"][g], sum(1 for page in table if page != 0))
+            kept = next((i for i, page in enumerate(table) if page != 0), 0)
+            seen["first_kept"][g] = max(seen["first_kept"][g], kept)
+        seen["used"] = max(seen["used"], kv.pool.num_used_pages)
+    return seen

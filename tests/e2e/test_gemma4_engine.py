@@ -12,7 +12,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.runner.sizing import page_bytes
 from tests.conftest import TINY_ENGINE
-from tests.e2e.hf_family import PROMPTS, TINY, build_hf_model, hf_greedy
+from tests.e2e.hf_family import PROMPTS, TINY, build_hf_model, hf_greedy, long_decode
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -75,17 +75,8 @@ def test_pages_go_back_during_a_long_decode(llm, smollm2_tokenizer):
     engine, kv = llm.engine, llm.engine.kv
     assert kv.num_groups == 2 and sorted(kv.group_windows) == [0, WINDOW]
     ids = smollm2_tokenizer(PROMPTS[0]).input_ids
-    engine.add_request("long", {"prompt_token_ids": ids},
-                       SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
-    most = {g: 0 for g in range(kv.num_groups)}
-    used = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        if kv.has_request("long"):
-            for g in range(kv.num_groups):
-                held = sum(1 for page in kv.page_ids("long", g) if page != 0)
-                most[g] = max(most[g], held)
-            used = max(used, kv.pool.num_used_pages)
+    seen = long_decode(engine, ids, 120)
+    most, used = seen["most"], seen["used"]
     full = kv.group_windows.index(0)
     sliding = 1 - full
     length = len(ids) + 120

@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from tests.conftest import TINY_ENGINE
-from tests.e2e.hf_family import PROMPTS, TINY, build_hf_model, hf_greedy
+from tests.e2e.hf_family import PROMPTS, TINY, build_hf_model, hf_greedy, long_decode
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -94,20 +94,11 @@ def test_pages_go_back_during_a_long_decode(float_dir, smollm2_tokenizer):
     engine, kv = llm.engine, llm.engine.kv
     assert kv.num_groups == 2 and sorted(kv.group_windows) == [0, WINDOW]
     ids = smollm2_tokenizer(PROMPTS[0]).input_ids
-    engine.add_request("long", {"prompt_token_ids": ids},
-                       SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
-    most = {g: 0 for g in range(kv.num_groups)}
-    length = len(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
-        if kv.has_request("long"):
-            for g in range(kv.num_groups):
-                held = sum(1 for page in kv.page_ids("long", g) if page != 0)
-                most[g] = max(most[g], held)
-            used = kv.pool.num_used_pages
+    seen = long_decode(engine, ids, 120)
+    most, used = seen["most"], seen["used"]
     full = kv.group_windows.index(0)
     sliding = 1 - full
-    length += 120
+    length = len(ids) + 120
     assert most[sliding] <= 3 < most[full]
     assert most[full] >= (length - 1) // 8  # every token's page kept
     assert used <= most[full] + 3  # the pool: the full group's pages, the window's few more

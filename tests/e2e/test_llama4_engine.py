@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM
 from tests.conftest import TINY_ENGINE
-from tests.e2e.hf_family import PROMPTS, TINY, build_hf_model, hf_greedy
+from tests.e2e.hf_family import PROMPTS, TINY, build_hf_model, hf_greedy, long_decode
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -42,19 +42,9 @@ def test_long_decode_holds_only_the_current_chunk(smollm2_tokenizer, tmp_path_fa
     engine, kv = llm.engine, llm.engine.kv
     assert sorted(kv.group_windows) == [-CHUNK, 0]
     chunked, full = kv.group_windows.index(-CHUNK), kv.group_windows.index(0)
-    engine.add_request("long", {"prompt_token_ids": ids},
-                       SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    most, dropped, out = {chunked: 0, full: 0}, 0, None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out = o
-        if kv.has_request("long"):
-            for g in most:
-                table = kv.page_ids("long", g)
-                most[g] = max(most[g], sum(1 for page in table if page != 0))
-            table = kv.page_ids("long", chunked)
-            dropped = max(dropped, next(i for i, p in enumerate(table) if p != 0))
-    assert out.outputs[0].token_ids == want
+    seen = long_decode(engine, ids, MAX_TOKENS)
+    most, dropped = seen["most"], seen["first_kept"][chunked]
+    assert seen["tokens"] == want
     length = len(ids) + MAX_TOKENS
     # A chunk's two pages and the one the next tokens open (the prompt's chunks of 16 at once).
     assert most[chunked] <= CHUNK // PAGE + 1 < most[full]
