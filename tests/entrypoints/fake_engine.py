@@ -125,3 +125,35 @@ class FakeEngine:
         return {"jaxserve:num_requests_running": len(self.running),
                 "jaxserve:kv_cache_usage_perc": 0.1 * len(self.running),
                 "jaxserve:generation_tokens": self.num_steps}
+
+
+class ScriptedEngine(FakeEngine):
+    """A `FakeEngine` whose replies are picked by their prompt: each request gets the entry
+    of `replies` whose name appears in its decoded prompt as `[name]` (the longest such
+    name), queued as `(script(reply), decoded prompt)` for a subclass's `step` to play;
+    keeps the decoded prompts and the parameters.
+
+    Args:
+        tokenizer: Decodes the prompts (and, for subclasses, the replies' tokens).
+        replies: Reply by name.
+        skip_special_tokens: How the prompts are decoded.
+    """
+
+    def __init__(self, tokenizer, replies: dict, skip_special_tokens: bool = True):
+        super().__init__(step_seconds=0.001)
+        self.tokenizer, self.limits.max_model_len = tokenizer, 4096
+        self.replies, self.skip_special_tokens = replies, skip_special_tokens
+        self.prompts: list[str] = []
+        self.params = []
+
+    def script(self, reply):
+        """What `step` plays of a reply (the reply itself; subclasses may tokenize it)."""
+        return reply
+
+    def add_request(self, request_id, prompt, params, **kwargs):
+        text = self.tokenizer.decode(prompt["prompt_token_ids"],
+                                     skip_special_tokens=self.skip_special_tokens)
+        self.prompts.append(text)
+        self.params.append(params)
+        reply = self.replies[max((k for k in self.replies if f"[{k}]" in text), key=len)]
+        super().add_request(request_id, (self.script(reply), text), params, **kwargs)

@@ -18,7 +18,7 @@ from jaxserve.entrypoints.openai.api_server import ServingLimits, build_app
 from jaxserve.entrypoints.openai.harmony import SPECIAL_TOKENS
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from tests.entrypoints.conftest import running_server
-from tests.entrypoints.fake_engine import FakeEngine
+from tests.entrypoints.fake_engine import ScriptedEngine
 from tests.entrypoints.test_parsers_harmony import REPLIES, named_args
 
 TOOLS = [{"type": "function", "function": {
@@ -54,24 +54,16 @@ TEMPLATE = (
     '{%- if add_generation_prompt -%}{{- "<|start|>assistant" -}}{%- endif -%}')
 
 
-class HarmonyEngine(FakeEngine):
+class HarmonyEngine(ScriptedEngine):
     """Answers each request with the reply of `REPLIES` its prompt names (`[name]`), one
     token a step, its text decoded as the request asks (`skip_special_tokens`); keeps the
     decoded prompts and the parameters."""
 
     def __init__(self, tokenizer):
-        super().__init__(step_seconds=0.001)
-        self.tokenizer, self.limits.max_model_len = tokenizer, 4096
-        self.prompts: list[str] = []
-        self.params = []
+        super().__init__(tokenizer, REPLIES, skip_special_tokens=False)
 
-    def add_request(self, request_id, prompt, params, **kwargs):
-        text = self.tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
-        self.prompts.append(text)
-        self.params.append(params)
-        name = max((k for k in REPLIES if f"[{k}]" in text), key=len)
-        ids = self.tokenizer(REPLIES[name][0], add_special_tokens=False).input_ids
-        super().add_request(request_id, (ids, text), params, **kwargs)
+    def script(self, reply):
+        return self.tokenizer(reply[0], add_special_tokens=False).input_ids
 
     def step(self):
         time.sleep(self.step_seconds)

@@ -15,7 +15,7 @@ from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.entrypoints.openai.api_server import ServingLimits, build_app
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from tests.entrypoints.conftest import running_server, sse_events
-from tests.entrypoints.fake_engine import FakeEngine
+from tests.entrypoints.fake_engine import ScriptedEngine
 from tests.entrypoints.test_parsers import CALLS, TOOLS
 from tests.entrypoints.test_response_shapes import SHAPES, keys
 
@@ -37,22 +37,12 @@ THINK_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
                   "<think>\n\n</think>\n\n{% endif %}")
 
 
-class CannedEngine(FakeEngine):
+class CannedEngine(ScriptedEngine):
     """Answers each request with the canned reply its prompt names, 4 characters a step
     (one token each), then stops; keeps the decoded prompts."""
 
     def __init__(self, tokenizer):
-        super().__init__(step_seconds=0.001)
-        self.tokenizer, self.limits.max_model_len = tokenizer, 4096
-        self.prompts: list[str] = []
-        self.params = []
-
-    def add_request(self, request_id, prompt, params, **kwargs):
-        text = self.tokenizer.decode(prompt["prompt_token_ids"])
-        self.prompts.append(text)
-        self.params.append(params)
-        name = max((k for k in REPLIES if f"[{k}]" in text), key=len)
-        super().add_request(request_id, (REPLIES[name], text), params, **kwargs)
+        super().__init__(tokenizer, REPLIES)
 
     def step(self):
         time.sleep(self.step_seconds)
