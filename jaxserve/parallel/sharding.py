@@ -99,13 +99,6 @@ class TensorParallel:
         """Ranks the requests' attention is spread over (1: none)."""
         return 1 if self.attention_ranks is None else self.attention_ranks.num_ranks
 
-    def tokens_sharding(self) -> NamedSharding:
-        """How a step's token axis lies: split rank by rank under data-parallel attention,
-        else replicated."""
-        if self.attention_ranks is None:
-            return self.replicated()
-        return NamedSharding(self.mesh, P(EXPERT))
-
     @property
     def shard_kv_heads(self) -> bool:
         """Whether every device holds distinct KV heads (no replication)."""

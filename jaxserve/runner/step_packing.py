@@ -62,13 +62,14 @@ class StepPacking:
         Raises:
             ValueError: As `build_step_arrays` (and `rank_steps.rank_parts`).
         """
-        num_tokens, num_sample_rows = self.shape(out)
         if self.num_ranks > 1:
             tokens, rows = rank_bucket(out, self.num_ranks, self.buckets, self.max_num_seqs)
+            num_tokens = self.num_ranks * tokens
             arrays = build_rank_step_arrays(out, self.num_ranks, tokens, rows, self.page_size,
                                             self.max_pages_per_seq, prev_rows,
-                                            num_sample_rows, self.group_tables)
+                                            self.sample_rows(num_tokens), self.group_tables)
             return arrays, num_tokens, self.num_ranks * rows
+        num_tokens, num_sample_rows = self.shape(out)
         num_rows = rows_for_bucket(num_tokens, self.max_num_seqs)
         arrays = build_step_arrays(out, num_tokens, num_rows, self.page_size,
                                    self.max_pages_per_seq, prev_rows, num_sample_rows,
