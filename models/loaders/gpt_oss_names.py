@@ -12,6 +12,8 @@ import re
 
 import numpy as np
 
+from models.loaders.stacked_experts import StackedExpertsSource
+
 ARCHITECTURE = "GptOssForCausalLM"
 # One routed expert's tensor as `models.loaders.hf_names.family_hf_name` names it.
 EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
@@ -37,7 +39,7 @@ def expert_tensor(name: str) -> tuple[str, int, str, int | None] | None:
     return f"{stem}.{stacked}", int(expert), leaf, parity
 
 
-class GptOssSource:
+class GptOssSource(StackedExpertsSource):
     """A `TensorSource` serving the decoder's per-expert names (`model.layers.{i}.mlp.
     experts.{e}.gate_proj.weight` [I, H] as a Linear stores it, `.bias` [I]) and the router
     (`mlp.gate.*`) from a gpt-oss checkpoint; other names pass through. The last stacked
@@ -46,16 +48,6 @@ class GptOssSource:
     Args:
         source: The checkpoint's tensors.
     """
-
-    def __init__(self, source):
-        self.source = source
-        self._last: tuple[str, np.ndarray] | None = None
-
-    def stacked(self, name: str) -> np.ndarray:
-        """The checkpoint's tensor `name`, kept until another is read."""
-        if self._last is None or self._last[0] != name:
-            self._last = (name, self.source.get(name))
-        return self._last[1]
 
     def get(self, name: str) -> np.ndarray:
         found = expert_tensor(name)

@@ -10,6 +10,8 @@ import re
 
 import numpy as np
 
+from models.loaders.stacked_experts import StackedExpertsSource
+
 ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 # One routed expert's tensor as `models.loaders.hf_names.family_hf_name` names it.
 EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -26,7 +28,7 @@ def checkpoint_name(name: str) -> str:
     return name.replace(".feed_forward.gate.", ".feed_forward.router.", 1)
 
 
-class Llama4Source:
+class Llama4Source(StackedExpertsSource):
     """A `TensorSource` serving the decoder's names (`model.layers.{i}.mlp.experts.{e}.
     gate_proj.weight` [I, H] as a Linear stores it, the router as `mlp.gate.weight`, the
     MLPs under `mlp.`) from a Llama 4 checkpoint. The last stacked tensor read is kept, so
@@ -35,15 +37,6 @@ class Llama4Source:
     Args:
         source: The checkpoint's tensors.
     """
-
-    def __init__(self, source):
-        self.source = source
-        self._last: tuple[str, np.ndarray] | None = None
-
-    def _stacked(self, name: str) -> np.ndarray:
-        if self._last is None or self._last[0] != name:
-            self._last = (name, self.source.get(name))
-        return self._last[1]
 
     @staticmethod
     def _expert(name: str) -> tuple[str, int, str] | None:
@@ -59,7 +52,7 @@ class Llama4Source:
         if found is None:
             return self.source.get(checkpoint_name(name))
         stacked, expert, proj = found
-        arr = self._stacked(stacked)[expert]  # [H, 2 I] or [I, H]
+        arr = self.stacked(stacked)[expert]  # [H, 2 I] or [I, H]
         if proj != "down_proj":
             if arr.shape[1] % 2:
                 raise ValueError(f"tensor {stacked!r} in {self.source.where(stacked)} has "
