@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 
 from models.deepseek_config import check_groups, check_mla
@@ -156,6 +157,9 @@ class ArchConfig:
         layer_scalar: Each layer's output is multiplied by its own learned scalar (Gemma 4).
         double_wide_mlp: The KV-shared layers' MLPs are twice `intermediate_size / 2`; the
             others are stored zero-padded to that width (Gemma 4's `use_double_wide_mlp`).
+        global_head_dim: The full-attention layers' head width when it is not `head_dim`
+            (0: the same); their weights are a stack of their own (`models.gemma4_heads`).
+        global_kv_heads: The full-attention layers' KV heads when not `num_kv_heads` (0).
         nope_layers: Layers whose attention has no rotary (Llama 4's NoPE layers, where
             `no_rope_layers` is 0); the others rotate as `use_rope` says.
         qk_l2_norm: q and k of the rotary layers get a weightless RMS norm after the
@@ -240,6 +244,8 @@ class ArchConfig:
     v_norm: bool = False
     layer_scalar: bool = False
     double_wide_mlp: bool = False
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
     nope_layers: tuple[int, ...] = ()
     qk_l2_norm: bool = False
     attn_temperature_tuning: bool = False
@@ -287,6 +293,20 @@ class ArchConfig:
         pages of their own (not Gemma 4's last `kv_shared_layers`)."""
         last = self.num_layers - self.kv_shared_layers
         return tuple(i for i in range(last) if i not in self.linear_layers)
+
+    @property
+    def has_global_heads(self) -> bool:
+        """Whether the full-attention layers have another head shape than the others."""
+        return bool(self.global_head_dim or self.global_kv_heads)
+
+    @property
+    def kv_pool_heads(self) -> tuple[int, int]:
+        """(KV heads, head width) of the page pool: every layer's, or with global heads the
+        least that holds both kinds (`models.gemma4_heads.pool_heads`)."""
+        if not self.has_global_heads:
+            return self.num_kv_heads, self.head_dim
+        return (math.lcm(self.num_kv_heads, self.global_kv_heads or self.num_kv_heads),
+                max(self.head_dim, self.global_head_dim or self.head_dim))
 
     @property
     def attention_windows(self) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ from models.gemma4 import (
     writes_kv,
 )
 from models.gemma4_config import kv_slot_index
+from models.gemma4_heads import GlobalHeadsAttention, kind_rope
 from models.hybrid import ATTENTION, LINEAR, HybridMixer, linear_mixer
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
@@ -53,7 +54,8 @@ class Attention(nn.Module):
         phase: "whole" (write K/V, attend, project out); "qkv" returns (q, gate, k, v)
             after norms and rotary, and "attend" takes that (q, gate) as `x` and attends
             over pages that already hold the step's K/V: `models.hybrid.HybridMixer` splits
-            a layer so no `lax.cond` branch carries the page pool (XLA copied it).
+            a layer so no `lax.cond` branch carries the page pool (XLA copied it); "out"
+            takes the attention's output [T, Hq, D] as `x` and projects it (`o_proj`).
     """
 
     cfg: ArchConfig
@@ -80,6 +82,8 @@ class Attention(nn.Module):
         if self.phase == "attend":
             q, gate = x
             return self._attend(q, gate, kv_pages, slot, window, md, proj, sinks)
+        if self.phase == "out":  # the attention's output [T, Hq, D] (`models.gemma4_heads`)
+            return proj(cfg.hidden_size, cfg.o_bias, "o_proj", x.reshape(x.shape[0], -1))
         num_tokens = x.shape[0]
         gated = cfg.attn_output_gate
         q = proj(cfg.num_heads * cfg.head_dim * (2 if gated else 1), cfg.qkv_bias, "q_proj", x)
@@ -173,6 +177,11 @@ class DecoderLayer(nn.Module):
         if cfg.is_mla:  # DeepSeek: one latent per token in the pool (`models.mla`)
             attn_out, kv_pages = MLAttention(cfg, self.dtype, methods, name="self_attn")(
                 h, cos, sin, kv_pages, layer, md, slot)
+        elif cfg.has_global_heads:  # Gemma 4: two head shapes, two stacks
+            attn_out, kv_pages = GlobalHeadsAttention(cfg, self.dtype, methods, Attention,
+                                                      name="heads")(
+                h, cos, sin, kv_pages, layer, window, md, layer if slot is None else slot,
+                writes_kv(cfg, layer))
         elif not cfg.has_linear_attention:
             attn_out, kv_pages = Attention(cfg, self.dtype, methods, name="self_attn")(
                 h, cos, sin, kv_pages, layer, window, md, slot, writes_kv(cfg, layer))
@@ -300,7 +309,8 @@ class Decoder(nn.Module):
             raise ValueError(f"block_tables {md.block_tables.shape} and slot_mapping "
                              f"{md.slot_mapping.shape} do not carry the {groups} KV cache "
                              f"group(s) of the model's layout")
-        cos, sin = rope_cos_sin(positions, self.cfg)
+        cos, sin = (kind_rope(positions, self.cfg) if self.cfg.has_global_heads
+                    else rope_cos_sin(positions, self.cfg))
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         if self.cfg.embed_scale:  # the factor rounded to the dtype first, as transformers
             hidden = hidden * jnp.asarray(self.cfg.hidden_size ** 0.5, hidden.dtype)

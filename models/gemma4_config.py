@@ -50,8 +50,8 @@ def check_gemma4(cfg) -> None:
     Raises:
         ValueError: A negative per-layer input size or one without a table,
             `kv_shared_layers` outside [0, num_layers) or a shared layer without a source,
-            KV sharing with linear-attention layers, or a double-wide MLP of an odd width;
-            each names the HF field.
+            KV sharing with linear-attention layers, a double-wide MLP of an odd width, or
+            global heads that cannot be served (`_check_global_heads`); each names the field.
     """
     if cfg.per_layer_input_size < 0 or cfg.per_layer_vocab_size < 0:
         raise ValueError(f"hidden_size_per_layer_input ({cfg.per_layer_input_size}) and "
@@ -66,6 +66,32 @@ def check_gemma4(cfg) -> None:
         if cfg.linear_layers:
             raise ValueError("num_kv_shared_layers with linear_attention layers is not served")
         kv_sources(cfg)
+    if cfg.has_global_heads:
+        _check_global_heads(cfg)
     if cfg.double_wide_mlp and cfg.intermediate_size % 2:
         raise ValueError(f"use_double_wide_mlp: the doubled intermediate_size must be even, "
                          f"got {cfg.intermediate_size}")
+
+
+def _check_global_heads(cfg) -> None:
+    """Full-attention layers of their own head shape (`models.gemma4_heads`) need
+    KV heads dividing the query heads, an explicit attention scale (each kind's default
+    would differ), and layers of both kinds; linear-attention, MLA and gated-output layers
+    are not combined with them."""
+    if cfg.global_head_dim < 0 or cfg.global_kv_heads < 0:
+        raise ValueError(f"global_head_dim ({cfg.global_head_dim}) and num_global_key_value_heads"
+                         f" ({cfg.global_kv_heads}) must be >= 0")
+    if cfg.global_kv_heads and cfg.num_heads % cfg.global_kv_heads:
+        raise ValueError(f"num_attention_heads ({cfg.num_heads}) must be a multiple of "
+                         f"num_global_key_value_heads ({cfg.global_kv_heads})")
+    if cfg.attention_multiplier is None:
+        raise ValueError("global_head_dim needs an explicit attention scale "
+                         "(attention_multiplier): the two head widths' defaults differ")
+    kinds = {w == 0 for w in cfg.layer_windows}
+    if kinds != {True, False}:
+        raise ValueError(f"global_head_dim={cfg.global_head_dim}: layer_windows has "
+                         "no sliding layer or no full-attention layer; give the one head shape "
+                         "as head_dim and num_kv_heads")
+    if cfg.linear_layers or cfg.is_mla or cfg.attn_output_gate or cfg.attention_sinks:
+        raise ValueError("global_head_dim is served with plain softmax attention only (no "
+                         "linear_attention layers, MLA, output gate or sinks)")

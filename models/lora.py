@@ -20,7 +20,9 @@ COLLECTION = "lora"
 def served_targets(cfg: ArchConfig) -> tuple[tuple[str, str], ...]:
     """The (block, module) pairs adapters may change in `cfg`'s layers: attention and the
     dense MLP's projections; attention only in a mixture of experts (its experts, router
-    and shared expert are not adapted)."""
+    and shared expert are not adapted); the MLP only with global heads."""
+    if cfg.has_global_heads:  # two attention shapes (`models.gemma4_heads`): the MLP only
+        return () if cfg.is_moe or cfg.is_mixed else tuple(t for t in TARGETS if t[0] == "mlp")
     if cfg.is_moe or cfg.is_mixed:
         return tuple(t for t in TARGETS if t[0] == "self_attn")
     return TARGETS

@@ -45,7 +45,9 @@ def stack_layers(cfg: ArchConfig, keys: tuple[str, ...]) -> list[int]:
     """The layers a stacked leaf (`keys`: its path under "layers") holds, in order: the
     sparse layers for `layers/mlp` and the dense ones for `layers/dense_mlp` of a mixed
     model, the full-attention and linear layers for a hybrid's `layers/self_attn` and
-    `layers/linear_attn` (`models.hybrid`), else every layer."""
+    `layers/linear_attn` (`models.hybrid`), the sliding and full-attention layers for
+    `layers/self_attn` and `layers/global_attn` of a model with global heads
+    (`models.gemma4_heads`), else every layer."""
     if cfg.has_linear_attention and keys[1] == "self_attn":
         return list(cfg.attention_layers)
     if cfg.has_linear_attention and keys[1] == "linear_attn":
@@ -54,6 +56,8 @@ def stack_layers(cfg: ArchConfig, keys: tuple[str, ...]) -> list[int]:
         return list(cfg.sparse_layers)
     if cfg.is_mixed and keys[1] == DENSE:
         return list(cfg.dense_layers)
+    if cfg.has_global_heads and keys[1] in ("self_attn", "global_attn"):  # models.gemma4_heads
+        return [i for i, w in enumerate(cfg.layer_windows) if (w == 0) == (keys[1] != "self_attn")]
     return list(range(cfg.num_layers))
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from models.config import ArchConfig
 from models.decoder import Decoder
 from models.gated_deltanet import HybridCache, state_bytes_per_slot, state_shapes
+from models.gemma4_heads import broadcast_heads, global_heads_init
 from models.hybrid import broadcast_mixers, hybrid_init
 from models.kv_groups import KVGroupLayout, single_group
 from models.linear import Methods, ServingChoice, choose_methods, forward_context
@@ -43,13 +44,16 @@ def pool_shape(cfg: ArchConfig, num_slots: int, num_pages: int, page_size: int
     row per token with multi-head latent attention (`latent_pages_shape`, `models.mla`)."""
     if cfg.is_mla:
         return latent_pages_shape(num_slots, num_pages, page_size, cfg.latent_dim)
-    return kv_pages_shape(num_slots, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    heads, head_dim = cfg.kv_pool_heads
+    return kv_pages_shape(num_slots, heads, num_pages, page_size, head_dim)
 
 
 def _init_fn(cfg: ArchConfig, dtype, quant: QuantPlan = NO_QUANT):
     """A function of an RNG key that initialises every parameter (LM head included)."""
     if cfg.is_mixed:  # two MLP stacks of their own (`models.mixed`)
         return mixed_init(cfg, lambda c: _init_fn(c, dtype, quant))
+    if cfg.has_global_heads:  # two attention stacks of their own (`models.gemma4_heads`)
+        return global_heads_init(cfg, lambda c: _init_fn(c, dtype, quant))
     # NOTE: the standard layout's methods (XLA's; the attention is never traced in init).
     dtype = parse_dtype(dtype)
     module = Decoder(cfg, dtype, choose_methods(cfg, quant, dtype, _INIT_CHOICE))
@@ -102,8 +106,10 @@ def variables(params: dict) -> dict:
     the variables dict (a serving form with `STACKS`); a mixed mixture of
     experts' MLP stacks moved to the collection the layer scan broadcasts
     (`models.mixed.broadcast_mlp`), and so a linear-attention hybrid's mixer stacks
-    (`models.hybrid.broadcast_mixers`)."""
-    return broadcast_mixers(broadcast_mlp(params if "params" in params else {"params": params}))
+    (`models.hybrid.broadcast_mixers`) and the attention stacks of a model with global
+    heads (`models.gemma4_heads.broadcast_heads`)."""
+    tree = params if "params" in params else {"params": params}
+    return broadcast_heads(broadcast_mixers(broadcast_mlp(tree)))
 
 
 @dataclasses.dataclass

@@ -36,32 +36,37 @@ def layer_types(hf: dict[str, Any]) -> list[str]:
     return types
 
 
-def _check_uniform_heads(hf: dict[str, Any], types: list[str]) -> None:
-    """Full-attention layers may have their own head width (`global_head_dim`, default 512)
-    and, with `attention_k_eq_v`, KV head count (`num_global_key_value_heads`): the one
-    layer scan needs every layer alike, so another value than the sliding layers' is an
-    error naming the field (a saved config's `per_layer_config` overrides both)."""
-    head_dim, kv_heads = int(hf["head_dim"]), int(hf["num_key_value_heads"])
+def head_shapes(hf: dict[str, Any], types: list[str]) -> dict[str, int]:
+    """The `ArchConfig` head fields: the sliding layers' shape as `head_dim` and
+    `num_kv_heads`, the full-attention layers' as `global_head_dim` and `global_kv_heads`
+    when it differs (`models.gemma4_heads`). As transformers: `global_head_dim` (default
+    512) and, with `attention_k_eq_v`, `num_global_key_value_heads` set the full layers'
+    shape, unless a saved config's `per_layer_config` gives every layer's."""
+    base = (int(hf["head_dim"]), int(hf["num_key_value_heads"]))
     per_layer = hf.get("per_layer_config")
     if per_layer is not None:  # transformers then takes these entries and no defaults
+        shapes = [base] * len(types)
         for key, entry in per_layer.items():
-            for field, want in (("head_dim", head_dim), ("num_key_value_heads", kv_heads)):
-                if (entry or {}).get(field, want) != want:
-                    raise ValueError(f"per_layer_config[{key}].{field}={entry[field]} differs "
-                                     f"from {field}={want}: layers of different head shapes "
-                                     "are not served")
-        return
-    if "full_attention" not in types:
-        return
-    global_dim = int(hf.get("global_head_dim") or GLOBAL_HEAD_DIM)
-    if global_dim != head_dim:
-        raise ValueError(f"global_head_dim={global_dim} differs from head_dim={head_dim}: "
-                         "layers of different head widths are not served")
-    global_kv = hf.get("num_global_key_value_heads")
-    if hf.get("attention_k_eq_v") and global_kv is not None and int(global_kv) != kv_heads:
-        raise ValueError(f"num_global_key_value_heads={global_kv} differs from "
-                         f"num_key_value_heads={kv_heads}: layers of different KV head counts "
-                         "are not served")
+            entry = entry or {}
+            shapes[int(key)] = (int(entry.get("head_dim", base[0])),
+                                int(entry.get("num_key_value_heads", base[1])))
+    else:
+        global_kv = hf.get("num_global_key_value_heads")
+        full = (int(hf.get("global_head_dim") or GLOBAL_HEAD_DIM),
+                int(global_kv) if hf.get("attention_k_eq_v") and global_kv else base[1])
+        shapes = [full if t == "full_attention" else base for t in types]
+    by_kind = {}
+    for i, (kind, shape) in enumerate(zip(types, shapes, strict=True)):
+        if by_kind.setdefault(kind, shape) != shape:
+            raise ValueError(f"per_layer_config: layer {i} ({kind}) has head_dim, "
+                             f"num_key_value_heads {shape}, another {kind} layer "
+                             f"{by_kind[kind]}: one shape per kind of layer is served")
+    local = by_kind.get("sliding_attention", by_kind.get("full_attention"))
+    full = by_kind.get("full_attention", local)
+    fields = dict(head_dim=local[0], num_kv_heads=local[1])
+    if full != local:
+        fields.update(global_head_dim=full[0], global_kv_heads=full[1])
+    return fields
 
 
 class Gemma4(ModelFamily):
@@ -69,7 +74,8 @@ class Gemma4(ModelFamily):
     RMSNorms, q/k norms and a scale-free value norm, an attention scale of 1, proportional
     rotary on the full layers, per-layer input embeddings, KV shared by the last
     `num_kv_shared_layers` layers, `attention_k_eq_v`, a learned scalar per layer and the
-    double-wide MLP (`models.gemma4`). Its MoE block is not served (a `ValueError`)."""
+    double-wide MLP (`models.gemma4`), full-attention layers of their own head shape
+    (`models.gemma4_heads`). Its MoE block is not served (a `ValueError`)."""
 
     architectures = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 
@@ -92,7 +98,6 @@ class Gemma4(ModelFamily):
         if "sliding_attention" in types and not int(hf.get("sliding_window") or 0) > 0:
             raise ValueError(f"sliding_window={hf.get('sliding_window')} must be positive for "
                              "sliding_attention layers")
-        _check_uniform_heads(hf, types)
         rp = {**DEFAULT_ROPE, **(hf.get("rope_parameters") or {})}
         max_len = {"max_position_embeddings": hf.get("max_position_embeddings")}
         theta, scaling = parse_rope({"rope_parameters": rp.get("full_attention") or {}, **max_len})
@@ -114,5 +119,5 @@ class Gemma4(ModelFamily):
                     if ple else 0,
                     kv_shared_layers=shared,
                     attention_k_eq_v=bool(hf.get("attention_k_eq_v")),
-                    double_wide_mlp=double,
+                    double_wide_mlp=double, **head_shapes(hf, types),
                     intermediate_size=int(hf["intermediate_size"]) * (2 if double else 1))

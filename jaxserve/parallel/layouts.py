@@ -69,9 +69,11 @@ def make_tensor_parallel(cfg: ArchConfig, size: int, devices: list | None = None
     if cfg.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide intermediate_size="
                          f"{cfg.intermediate_size}")
-    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
-        raise ValueError(f"tensor_parallel_size={size} and num_kv_heads={cfg.num_kv_heads} "
-                         "must divide one another")
+    for field_name, heads in (("num_kv_heads", cfg.num_kv_heads),
+                              ("global_kv_heads", cfg.global_kv_heads)):
+        if heads and heads % size and size % heads:
+            raise ValueError(f"tensor_parallel_size={size} and {field_name}={heads} "
+                             "must divide one another")
     expert_axes, width_axes = expert_layout(cfg, size, expert_parallel_size,
                                             enable_expert_parallel)
     devices = list(devices if devices is not None else jax.devices())

@@ -108,7 +108,7 @@ def pool_pages(config: EngineConfig, model, per_page: int | None = None) -> int:
     # NOTE: under tensor parallelism each device holds its KV heads' share of a page.
     # A latent pool (multi-head latent attention) is whole on every device.
     kv_shards = 1 if model.cfg.is_mla else min(config.parallel.tensor_parallel_size,
-                                               model.cfg.num_kv_heads)
+                                               model.cfg.kv_pool_heads[0])
     pages = agree_across_processes(_pages_from_memory(config, per_page // kv_shards,
                                                       state_group(config, model)))
     return max(pages // ranks * ranks, 2 * ranks)

@@ -42,13 +42,17 @@ class Gemma4Source:
         cfg = self.cfg
         shared = layer >= cfg.num_layers - cfg.kv_shared_layers
         full = cfg.layer_windows[layer] == 0
-        kv = cfg.num_kv_heads * cfg.head_dim
+        kv_heads, head_dim = cfg.num_kv_heads, cfg.head_dim
+        if full and cfg.has_global_heads:  # `models.gemma4_heads`
+            kv_heads = cfg.global_kv_heads or kv_heads
+            head_dim = cfg.global_head_dim or head_dim
+        kv = kv_heads * head_dim
         if module != "self_attn":
             return None
         if shared and proj in ("k_proj", "v_proj"):
             return np.zeros((kv, cfg.hidden_size), np.float32)
         if shared and proj == "k_norm":
-            return np.ones((cfg.head_dim,), np.float32)
+            return np.ones((head_dim,), np.float32)
         if cfg.attention_k_eq_v and full and proj == "v_proj":
             return np.zeros((kv, cfg.hidden_size), np.float32)
         return None

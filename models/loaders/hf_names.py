@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ArchConfig
+from models.gemma4_heads import GLOBAL
 from models.loaders import gdn_fused
 from models.loaders.gemma4_names import Gemma4Source, is_gemma4
 from models.loaders.gpt_oss_names import GptOssSource, is_gpt_oss
@@ -111,9 +112,12 @@ def family_hf_name(cfg: ArchConfig, path: tuple[str, ...], layer: int | None,
 
 
 def _dense_as_mlp(path: tuple[str, ...]) -> tuple[str, ...]:
-    """A mixed model's dense-layer MLP leaf (`layers/dense_mlp/...`) under the name its
-    checkpoint gives it (the layer's `mlp`); other paths as they are."""
-    return ("layers", "mlp", *path[2:]) if path[:2] == ("layers", DENSE) else path
+    """A mixed model's dense-layer MLP leaf (`layers/dense_mlp/...`) and a full-attention
+    layer's of a model with global heads (`layers/global_attn/...`) under the names its
+    checkpoint gives them (the layer's `mlp`, `self_attn`); other paths as they are."""
+    if path[:2] == ("layers", DENSE):
+        return ("layers", "mlp", *path[2:])
+    return ("layers", "self_attn", *path[2:]) if path[:2] == ("layers", GLOBAL) else path
 
 
 # Tensors some checkpoints store fused (Phi-3), by the decoder's module: the fused module

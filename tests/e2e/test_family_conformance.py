@@ -62,11 +62,12 @@ ROUTED = dict(enable_return_routed_experts=True)
 # gpt-oss's YaRN (untruncated) over a quarter of the tiny context.
 GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0,
                 "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
-# Gemma 4: four layers (sliding, full, twice), the last two sharing the first two's KV; its
+# Gemma 4: four layers (sliding, full of heads twice as wide, twice), the last two sharing
+# the first two's KV; its
 # tied LM head (Gemma 4's default; untied, its greedy text never repeats a token, so n-gram
 # speculation would propose nothing).
 GEMMA4 = dict(TINY, tie_word_embeddings=True, num_hidden_layers=4, head_dim=16,
-              global_head_dim=16, sliding_window=WINDOW,
+              global_head_dim=32, sliding_window=WINDOW,
               layer_types=["sliding_attention", "full_attention"] * 2,
               hidden_size_per_layer_input=8, vocab_size_per_layer_input=49152,
               num_kv_shared_layers=2, attention_k_eq_v=True, use_double_wide_mlp=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -21,10 +22,12 @@ pytestmark = pytest.mark.slow(reason="a Gemma 4 engine (~10-20 s); numerics are 
 
 WINDOW = 8  # one page of 8: a page leaves the sliding group's window every 8 tokens
 # Sliding, full, sliding, full; the last two read layers 0 and 1's KV.
-CONFIG = dict(TINY, num_hidden_layers=4, head_dim=16, global_head_dim=16, sliding_window=WINDOW,
+# The full layers' heads are twice as wide (as Gemma 4's 512 beside 256), and one KV head.
+CONFIG = dict(TINY, num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=WINDOW,
               layer_types=["sliding_attention", "full_attention"] * 2,
               hidden_size_per_layer_input=8, vocab_size_per_layer_input=49152,
-              num_kv_shared_layers=2, attention_k_eq_v=True, use_double_wide_mlp=True)
+              num_kv_shared_layers=2, attention_k_eq_v=True, use_double_wide_mlp=True,
+              num_global_key_value_heads=1)
 MAX_TOKENS = 16
 ENGINE = {**TINY_ENGINE, "warmup": False, "block_size": 8, "max_num_batched_tokens": 16,
           "max_model_len": 256}
@@ -51,7 +54,10 @@ def test_shared_layers_keep_no_pool_slot(llm):
     layout = model.kv_groups
     assert model.cfg.attention_layers == (0, 1)
     assert layout.num_layers == 2 and layout.num_slots == 1 and layout.num_groups == 2
-    per_layer = 2 * model.cfg.num_kv_heads * 8 * model.cfg.head_dim * 4  # K and V, f32
+    # the pool's shape holds both kinds: the local layers' KV heads, the full layers' width
+    heads, width = model.cfg.kv_pool_heads
+    assert (heads, width) == (model.cfg.num_kv_heads, 32) and model.cfg.global_kv_heads == 1
+    per_layer = 2 * heads * 8 * width * 4  # K and V, f32
     assert page_bytes(model, 8) == per_layer * layout.num_slots
     unshared = dataclasses.replace(model.cfg, kv_shared_layers=0, double_wide_mlp=False)
     assert len(unshared.attention_layers) == 4  # what sharing saves: two layers' KV
@@ -84,3 +90,15 @@ def test_pages_go_back_during_a_long_decode(llm, smollm2_tokenizer):
     assert most[full] >= (length - 1) // 8  # every token's page kept
     assert used <= most[full] + 3  # the full group's pages, the window's few more
     assert kv.usage == 0.0 and kv.pool.num_used_pages == 0
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (CPU) devices")
+def test_tensor_parallel_equals_transformers(built, smollm2_tokenizer):
+    """TP 2: the pool's two KV heads one per device, the local layers' two KV heads split
+    with them, the full layers' one KV head (repeated into the pool) split by columns."""
+    _, hf = built
+    ids = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
+    llm = LLM(built[0], **ENGINE, tensor_parallel_size=2)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, x, MAX_TOKENS) for x in ids]

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from models.gemma4_config import kv_slot_index, kv_sources
+from models.lora import served_targets
 from models.registry import arch_config_from_hf
 
 BASE = dict(architectures=["Gemma4ForCausalLM"], vocab_size=160, hidden_size=64,
@@ -47,6 +48,28 @@ def test_shared_layers_read_the_last_earlier_layer_of_their_kind():
     assert not parse(use_double_wide_mlp=True).double_wide_mlp
 
 
+def test_full_attention_layers_take_their_own_head_shape():
+    # transformers' default global_head_dim is 512; KV heads follow only with k_eq_v
+    wide = parse(global_head_dim=None)
+    assert (wide.head_dim, wide.num_kv_heads) == (16, 2)
+    assert (wide.global_head_dim, wide.global_kv_heads) == (512, 2)
+    assert wide.kv_pool_heads == (2, 512)
+    k_eq_v = parse(global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1)
+    assert (k_eq_v.global_head_dim, k_eq_v.global_kv_heads) == (32, 1)
+    assert k_eq_v.kv_pool_heads == (2, 32)
+    assert parse(global_head_dim=32, num_global_key_value_heads=1).global_kv_heads == 2
+    # a saved config's per_layer_config gives the shapes and no defaults apply
+    saved = parse(global_head_dim=None, per_layer_config={"1": {"head_dim": 32},
+                                                          "3": {"head_dim": 32}})
+    assert (saved.global_head_dim, saved.global_kv_heads) == (32, 2)
+    # one kind of layer only: its shape is the model's
+    full = parse(global_head_dim=32, layer_types=["full_attention"] * 4, sliding_window=None)
+    assert (full.head_dim, full.has_global_heads) == (32, False)
+    # adapters then change the MLP alone (one LoRA stack cannot hold two attention shapes)
+    assert {block for block, _ in served_targets(wide)} == {"mlp"}
+    assert {block for block, _ in served_targets(full)} == {"self_attn", "mlp"}
+
+
 def test_multimodal_checkpoint_serves_its_text_config():
     text = {k: v for k, v in BASE.items() if k != "architectures"}
     cfg = arch_config_from_hf({"architectures": ["Gemma4ForConditionalGeneration"],
@@ -58,10 +81,10 @@ def test_multimodal_checkpoint_serves_its_text_config():
     (dict(enable_moe_block=True), "enable_moe_block"),
     (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
     (dict(sliding_window=0), "sliding_window"),
-    (dict(global_head_dim=None), "global_head_dim"),  # transformers' default 512
-    (dict(global_head_dim=32), "global_head_dim"),
-    (dict(attention_k_eq_v=True, num_global_key_value_heads=1), "num_global_key_value_heads"),
-    (dict(per_layer_config={"1": {"head_dim": 32}}), "per_layer_config"),
+    (dict(per_layer_config={"1": {"head_dim": 32}, "3": {"head_dim": 64}}),
+     "per_layer_config"),  # two full-attention shapes
+    (dict(attention_k_eq_v=True, num_global_key_value_heads=3),
+     "num_global_key_value_heads"),  # does not divide the 4 query heads
     (dict(layer_types=["full_attention"] * 3), "layer_types"),
     (dict(num_kv_shared_layers=4), "num_kv_shared_layers"),
     (dict(num_kv_shared_layers=3), "num_kv_shared_layers"),  # layer 1 full: none for 2
@@ -82,3 +105,15 @@ def test_bad_arch_fields_name_the_field():
         dataclasses.replace(cfg, linear_layers=(0,), linear_num_key_heads=1,
                             linear_num_value_heads=1, linear_key_head_dim=8,
                             linear_value_head_dim=8, linear_conv_kernel_dim=4)
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(attention_multiplier=None), "attention_multiplier"),
+    (dict(layer_windows=(0, 0, 0, 0)), "layer_windows"),
+    (dict(global_head_dim=-1), "global_head_dim"),
+    (dict(attn_output_gate=True), "global_head_dim"),
+])
+def test_bad_global_heads_name_the_field(changes, field):
+    cfg = parse(global_head_dim=32)
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(cfg, **changes)

@@ -79,10 +79,11 @@ DEEPSEEK_YARN = dict(YARN_ROPE, mscale=1.0, mscale_all_dim=1.0)
 # Gemma 4: sliding (5) and full layers, per-layer inputs of 8 (a table of the whole
 # vocabulary, as the real models'), the last two layers reading layers 0 and 1's KV (twice as
 # wide MLPs), keys as values on the full layers, proportional rotary there (2 of 8 frequencies).
-GEMMA4 = dict(num_hidden_layers=4, head_dim=16, global_head_dim=16, sliding_window=5,
+GEMMA4 = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_window=5,
               layer_types=["sliding_attention", "full_attention"] * 2,
               hidden_size_per_layer_input=8, vocab_size_per_layer_input=160,
-              num_kv_shared_layers=2, attention_k_eq_v=True, use_double_wide_mlp=True)
+              num_kv_shared_layers=2, attention_k_eq_v=True, use_double_wide_mlp=True,
+              num_global_key_value_heads=1)
 # gpt-oss: 4 experts of 32, top 2, sliding (5) then full layers, YaRN without truncation, and a
 # SwiGLU clamp of 1 (the tiny experts' outputs pass it; gpt-oss's 7 would never bind here).
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
@@ -328,7 +329,7 @@ CASES = [
               kv_shared_layers=2, attention_k_eq_v=True, double_wide_mlp=True,
               intermediate_size=192, norm_offset=0.0, attention_multiplier=1.0,
               rope_scaling=RopeScaling("proportional", partial_rotary_factor=0.25),
-              rope_theta=1e6, local_rope_theta=10000.0),
+              rope_theta=1e6, local_rope_theta=10000.0, global_head_dim=32, global_kv_heads=1),
          ablate=dict(kv_shared_layers=0, per_layer_input_size=0, attention_k_eq_v=False,
                      layer_scalar=False, v_norm=False, rope_scaling=RopeScaling())),
     # Llama 4: every mechanism undone alone breaks agreement (the chunks first).
