@@ -1,0 +1,1 @@
+"""Images in requests: loading (`media`), preprocessing per family (`processors`)."""
