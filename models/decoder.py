@@ -31,6 +31,7 @@ from models.gemma4 import (
 )
 from models.gemma4_config import kv_slot_index
 from models.gemma4_heads import GlobalHeadsAttention, kind_rope
+from models.gemma4_moe import Gemma4MoEBlock, has_moe_block
 from models.hybrid import ATTENTION, LINEAR, HybridMixer, linear_mixer
 from models.kv_groups import KVGroupLayout
 from models.layers import GatedMLP, RMSNorm, apply_rope, layer_cos_sin, rope_cos_sin
@@ -199,6 +200,9 @@ class DecoderLayer(nn.Module):
         if cfg.is_mixed:  # sparse and dense layers: one of two stacks per layer
             mlp = MixedMLP(cfg, self.dtype, methods, sharding=self.expert_sharding,
                            return_ids=self.capture_routing, name="mlp")
+        elif has_moe_block(cfg):  # Gemma 4: a dense MLP and routed experts side by side
+            mlp = Gemma4MoEBlock(cfg, self.dtype, methods, sharding=self.expert_sharding,
+                                 return_ids=self.capture_routing, name="mlp")
         elif cfg.is_moe:  # every layer sparse
             mlp = MoEMLP(cfg, self.dtype, methods, sharding=self.expert_sharding,
                          return_ids=self.capture_routing, name="mlp")
@@ -210,7 +214,8 @@ class DecoderLayer(nn.Module):
         else:
             hidden = hidden + residual(attn_out)
             h = norm("post_attention_layernorm")(hidden)
-        mlp_out = mlp(h, layer)
+        # Gemma 4's MoE block also reads the residual stream (its router and experts).
+        mlp_out = mlp(h, layer, hidden) if has_moe_block(cfg) else mlp(h, layer)
         if self.capture_routing:
             mlp_out, routed = mlp_out
         if cfg.sandwich_norms:

@@ -240,6 +240,27 @@ def dense_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, experts: dic
     return jnp.einsum("teh,te->th", y, per_expert.astype(y.dtype)).astype(x.dtype)
 
 
+def routed_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, *, experts: dict,
+                   stacked: bool, layer, act: ExpertAct, methods: Methods,
+                   reference: bool = False, sharding: ExpertSharding | None = None) -> jax.Array:
+    """The routed experts of an `Experts` module (`experts`, `stacked`: what it returned)
+    on tokens x [T, H] routed by f32[T, k] `weights` and i32[T, k] `ids`: `dense_experts`
+    with `reference`, else `grouped_experts` of the methods' grouped matmul, per device
+    under `sharding` (`models.moe_parallel.sharded_experts`). Returns [T, H]."""
+    stack_methods = {n: methods.expert(n) for n in PROJECTIONS}
+    if reference:
+        if stacked:
+            experts = {k: _at(v, layer) for k, v in experts.items()}
+        return dense_experts(x, weights, ids,
+                             dequantize_experts(experts, x.dtype, stack_methods), act)
+    grouped = functools.partial(grouped_experts, impl=methods.grouped, methods=stack_methods)
+    layer_arg = layer if stacked else None
+    if sharding is not None:
+        return sharded_experts(grouped, x, weights, ids, experts, act, sharding,
+                               layer=layer_arg)
+    return grouped(x, weights, ids, experts, act, layer=layer_arg)
+
+
 class MoEMLP(nn.Module):
     """A sparse MLP layer: router `gate` [H, E], experts stacked in `experts`
     ({gate,up,down}_proj: [E, H, I], [E, H, I], [E, I, H]), and, when
@@ -288,22 +309,10 @@ class MoEMLP(nn.Module):
         experts, stacked = Experts(e, h, i, methods, cfg.moe_bias, self.dtype,
                                    name="experts")()
         down_bias = experts.pop(DOWN_BIAS, None)  # [(L,) E, H]: added below, once per pair
-        act = expert_act(cfg)
-        stack_methods = {n: methods.expert(n) for n in PROJECTIONS}
-        if self.reference and stacked:
-            experts = {k: _at(v, layer) for k, v in experts.items()}
-
-        def run(x, weights, ids):  # [T, H], f32[T, k], i32[T, k] -> [T, H]
-            if self.reference:
-                return dense_experts(x, weights, ids,
-                                     dequantize_experts(experts, x.dtype, stack_methods), act)
-            grouped = functools.partial(grouped_experts, impl=methods.grouped,
-                                        methods=stack_methods)
-            layer_arg = layer if stacked else None
-            if self.sharding is not None:
-                return sharded_experts(grouped, x, weights, ids, experts, act,
-                                       self.sharding, layer=layer_arg)
-            return grouped(x, weights, ids, experts, act, layer=layer_arg)
+        # [T, H], f32[T, k], i32[T, k] -> [T, H]
+        run = functools.partial(routed_experts, experts=experts, stacked=stacked, layer=layer,
+                                act=expert_act(cfg), methods=methods,
+                                reference=self.reference, sharding=self.sharding)
 
         if cfg.router_order == "topk_sigmoid":
             # Llama 4 scales each expert's INPUT by its weight (transformers'

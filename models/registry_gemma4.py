@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from models.family_base import ModelFamily, text_config
+from models.gemma4_moe import moe_fields
 from models.hf_fields import windows_from_layer_types
 from models.rope import parse_rope
 
@@ -75,7 +76,8 @@ class Gemma4(ModelFamily):
     rotary on the full layers, per-layer input embeddings, KV shared by the last
     `num_kv_shared_layers` layers, `attention_k_eq_v`, a learned scalar per layer and the
     double-wide MLP (`models.gemma4`), full-attention layers of their own head shape
-    (`models.gemma4_heads`). Its MoE block is not served (a `ValueError`)."""
+    (`models.gemma4_heads`), and with `enable_moe_block` routed experts beside every layer's
+    dense MLP (`models.gemma4_moe`)."""
 
     architectures = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 
@@ -87,9 +89,6 @@ class Gemma4(ModelFamily):
 
     @classmethod
     def extra_fields(cls, hf):
-        if hf.get("enable_moe_block"):
-            raise ValueError("unsupported enable_moe_block=True for Gemma 4: its MoE block "
-                             "(router and experts beside the dense MLP) is not served")
         if hf.get("use_bidirectional_attention"):
             raise ValueError(f"unsupported use_bidirectional_attention="
                              f"{hf['use_bidirectional_attention']!r}: only causal attention "
@@ -120,4 +119,5 @@ class Gemma4(ModelFamily):
                     kv_shared_layers=shared,
                     attention_k_eq_v=bool(hf.get("attention_k_eq_v")),
                     double_wide_mlp=double, **head_shapes(hf, types),
-                    intermediate_size=int(hf["intermediate_size"]) * (2 if double else 1))
+                    intermediate_size=int(hf["intermediate_size"]) * (2 if double else 1),
+                    **moe_fields(hf))

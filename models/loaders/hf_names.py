@@ -17,6 +17,7 @@ import numpy as np
 from models.config import ArchConfig
 from models.gemma4_heads import GLOBAL
 from models.loaders import gdn_fused
+from models.loaders.gemma4_moe_names import Gemma4MoESource
 from models.loaders.gemma4_names import Gemma4Source, is_gemma4
 from models.loaders.gpt_oss_names import GptOssSource, is_gpt_oss
 from models.loaders.granite_names import get_granite, granite_name, is_granite
@@ -42,7 +43,9 @@ _BARE_LEAVES = {"A_log": "A_log", "dt_bias": "dt_bias", "D": "D", "conv1d": "con
                 "conv1d_bias": "conv1d.bias",
                 # DeepSeek-V3's router bias (`models.moe.MoEMLP`), a buffer of its `gate`
                 "e_score_correction_bias": "gate.e_score_correction_bias",
-                "sinks": "sinks"}  # gpt-oss's attention sinks
+                "sinks": "sinks",  # gpt-oss's attention sinks
+                # Gemma 4's router (`models.gemma4_moe.Gemma4Router`)
+                "router_scale": "scale", "per_expert_scale": "per_expert_scale"}
 # Leaves kept in float32 whatever the model's dtype (transformers keeps them so too).
 _F32_LEAVES = ("e_score_correction_bias", "sinks")
 # Families whose shared experts are `mlp.shared_experts` (the decoder's `shared_expert`).
@@ -147,7 +150,9 @@ class SplitFused:
         # gpt-oss's stacked experts and router (`models.loaders.gpt_oss_names`).
         self.source = GptOssSource(source) if is_gpt_oss(cfg) else source
         if is_gemma4(cfg):  # tensors the layer scan needs that the checkpoint lacks
-            self.source = Gemma4Source(source, cfg)
+            # (and the MoE block's stacked experts: `models.loaders.gemma4_moe_names`)
+            self.source = Gemma4Source(Gemma4MoESource(source, cfg) if cfg.is_moe
+                                       else source, cfg)
         if is_llama4(cfg):  # its `feed_forward` names and stacked experts
             self.source = Llama4Source(source)
         self.cfg = cfg

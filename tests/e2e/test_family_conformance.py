@@ -233,8 +233,10 @@ SLOW_ROWS = {
     # the clamp: numerics gpt_oss (default tier).
     "gpt_oss": "its engine paths are the gemma3 and qwen3_moe rows'; numerics gpt_oss",
     # the hybrid KV cache: the gemma3 row; per-layer inputs, shared KV, keys as values:
-    # numerics gemma4_ple_shared_kv (default tier, through the paged cache).
-    "gemma4": "its engine paths are the gemma3 row's; numerics gemma4_ple_shared_kv",
+    # numerics gemma4_ple_shared_kv, the MoE block gemma4_moe_block (default tier, through
+    # the paged cache; engine, EP 2, int8 experts: tests/e2e/test_gemma4_moe_engine.py).
+    "gemma4": "its engine paths are the gemma3 row's; numerics gemma4_ple_shared_kv and "
+              "gemma4_moe_block",
     # chunked KV groups through the engine; numerics llama4_chunked_nope_moe (default tier),
     # the chunk mask on every path: tests/kernels/test_chunked_attention.py (default tier).
     "llama4": "chunked groups are this row's alone but an engine row costs ~10 s; numerics "

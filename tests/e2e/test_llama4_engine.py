@@ -2,8 +2,8 @@
 backend (the "cpu" backend's C++ rows read each chunk through shifted tables) equals
 transformers' greedy tokens, while its chunked layers' KV cache group holds only the current
 chunk's pages (counted from the KV manager) and the NoPE layer's group one page per 8 tokens;
-tensor and expert parallelism 2 give transformers' tokens. Slow: the default tier's Llama 4 numerics are tests/models/test_numerics.py's and
-tests/kernels/test_chunked_attention.py's."""
+tensor and expert parallelism 2 give transformers' tokens. Slow: the default tier's Llama 4
+numerics are tests/models/test_numerics.py's and tests/kernels/test_chunked_attention.py's."""
 
 from __future__ import annotations
 

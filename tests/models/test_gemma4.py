@@ -1,14 +1,18 @@
-"""Gemma 4's config parsing (`models.registry_gemma4`, `models.gemma4_config`): transformers'
-defaults, the KV-shared layers' sources and pool slots, and each bad config a `ValueError`
-naming its field."""
+"""Gemma 4's config parsing (`models.registry_gemma4`, `models.gemma4_config`,
+`models.gemma4_moe`): transformers' defaults, the KV-shared layers' sources and pool slots,
+the MoE block's fields and checkpoint names, and each bad config a `ValueError` naming its
+field."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from models.gemma4_config import kv_slot_index, kv_sources
+from models.gemma4_moe import has_moe_block
+from models.loaders.gemma4_moe_names import Gemma4MoESource
 from models.lora import served_targets
 from models.registry import arch_config_from_hf
 
@@ -17,6 +21,23 @@ BASE = dict(architectures=["Gemma4ForCausalLM"], vocab_size=160, hidden_size=64,
             num_key_value_heads=2, head_dim=16, global_head_dim=16, sliding_window=5,
             layer_types=["sliding_attention", "full_attention"] * 2,
             hidden_size_per_layer_input=8, vocab_size_per_layer_input=160)
+
+
+# The MoE block's fields (`models.gemma4_moe`).
+MOE = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+
+
+class DictSource:
+    """A `TensorSource` over a dict of arrays (names are their own place)."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def get(self, name):
+        return self.tensors[name]
+
+    def where(self, name):
+        return name
 
 
 def parse(**changes):
@@ -70,6 +91,44 @@ def test_full_attention_layers_take_their_own_head_shape():
     assert {block for block, _ in served_targets(full)} == {"self_attn", "mlp"}
 
 
+def test_moe_block_fields():
+    """`enable_moe_block` serves experts beside every layer's dense MLP (`has_moe_block`),
+    routed as "softmax_topk" renormalized; its fields are read only with the flag set."""
+    cfg = parse(**MOE)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 32)
+    assert cfg.router_order == "softmax_topk" and cfg.norm_topk_prob and has_moe_block(cfg)
+    assert cfg.intermediate_size == 96 and not cfg.is_mixed
+    off = parse(**dict(MOE, enable_moe_block=False))
+    assert off.num_experts == 0 and not has_moe_block(off)
+
+
+def test_moe_checkpoint_names_and_a_bad_expert_stack():
+    """The block's tensors are read from transformers' names (the router, norms and stacked
+    experts on the layer, gate the first half of `gate_up_proj`'s rows), and a stack whose
+    rows are not 2 x moe_intermediate_size is a `ValueError` naming the tensor."""
+    cfg = parse(**MOE)
+    gate_up = np.arange(4 * 64 * 64, dtype=np.float32).reshape(4, 64, 64)  # [E, 2 I, H]
+    down = np.ones((4, 64, 32), np.float32)  # [E, H, I]
+    tensors = {"model.layers.1.experts.gate_up_proj": gate_up,
+               "model.layers.1.experts.down_proj": down,
+               "model.layers.1.router.scale": np.ones(64, np.float32),
+               "model.layers.1.mlp.gate_proj.weight": np.zeros((96, 64), np.float32)}
+    source = Gemma4MoESource(DictSource(tensors), cfg)
+    np.testing.assert_array_equal(source.get("model.layers.1.mlp.experts.2.gate_proj.weight"),
+                                  gate_up[2, :32])
+    np.testing.assert_array_equal(source.get("model.layers.1.mlp.experts.2.up_proj.weight"),
+                                  gate_up[2, 32:])
+    assert source.get("model.layers.1.mlp.experts.3.down_proj.weight").shape == (64, 32)
+    assert source.get("model.layers.1.mlp.router.scale").shape == (64,)
+    assert source.get("model.layers.1.mlp.gate_proj.weight").shape == (96, 64)  # the dense MLP
+    assert source.where("model.layers.1.mlp.experts.0.up_proj.weight") == \
+        "model.layers.1.experts.gate_up_proj"
+    narrow = Gemma4MoESource(DictSource({**tensors, "model.layers.1.experts.gate_up_proj":
+                                         gate_up[:, :60]}), cfg)
+    with pytest.raises(ValueError, match="experts.gate_up_proj.*2 x moe_intermediate_size"):
+        narrow.get("model.layers.1.mlp.experts.0.gate_proj.weight")
+
+
 def test_multimodal_checkpoint_serves_its_text_config():
     text = {k: v for k, v in BASE.items() if k != "architectures"}
     cfg = arch_config_from_hf({"architectures": ["Gemma4ForConditionalGeneration"],
@@ -78,7 +137,12 @@ def test_multimodal_checkpoint_serves_its_text_config():
 
 
 @pytest.mark.parametrize("changes, field", [
-    (dict(enable_moe_block=True), "enable_moe_block"),
+    (dict(enable_moe_block=True), "num_experts"),
+    (dict(MOE, num_experts=0), "num_experts"),
+    (dict(MOE, top_k_experts=None), "top_k_experts"),
+    (dict(MOE, top_k_experts=True), "top_k_experts"),
+    (dict(MOE, moe_intermediate_size=-32), "moe_intermediate_size"),
+    (dict(MOE, top_k_experts=5), "top_k_experts=5 must be at most num_experts=4"),
     (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
     (dict(sliding_window=0), "sliding_window"),
     (dict(per_layer_config={"1": {"head_dim": 32}, "3": {"head_dim": 64}}),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -84,6 +85,14 @@ GEMMA4 = dict(num_hidden_layers=4, head_dim=16, global_head_dim=32, sliding_wind
               hidden_size_per_layer_input=8, vocab_size_per_layer_input=160,
               num_kv_shared_layers=2, attention_k_eq_v=True, use_double_wide_mlp=True,
               num_global_key_value_heads=1)
+# Gemma 4's MoE block (as gemma-4-26B-A4B: no per-layer inputs nor shared KV): a dense MLP
+# of 96 and 4 experts of 32 (top 2) side by side in both layers, keys as values on the full
+# one, whose heads are twice as wide with one KV head (as 26B-A4B's); its router's scales
+# drawn apart from their ones (`_perturb`).
+GEMMA4_MOE = dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, sliding_window=5,
+                  layer_types=["sliding_attention", "full_attention"],
+                  hidden_size_per_layer_input=0, attention_k_eq_v=True, enable_moe_block=True,
+                  num_experts=4, top_k_experts=2, moe_intermediate_size=32)
 # gpt-oss: 4 experts of 32, top 2, sliding (5) then full layers, YaRN without truncation, and a
 # SwiGLU clamp of 1 (the tiny experts' outputs pass it; gpt-oss's 7 would never bind here).
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
@@ -332,6 +341,13 @@ CASES = [
               rope_theta=1e6, local_rope_theta=10000.0, global_head_dim=32, global_kv_heads=1),
          ablate=dict(kv_shared_layers=0, per_layer_input_size=0, attention_k_eq_v=False,
                      layer_scalar=False, v_norm=False, rope_scaling=RopeScaling())),
+    Case("gemma4_moe_block", "Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_MOE,
+         dict(layer_windows=(5, 0), num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=32, intermediate_size=96, router_order="softmax_topk",
+              norm_topk_prob=True, per_layer_input_size=0, attention_k_eq_v=True),
+         # NOTE: not norm_topk_prob: renormalizing scales a token's routed sum by one factor,
+         # which post_feedforward_layernorm_2 divides out (the router's scales: below).
+         ablate=dict(num_experts_per_tok=1)),
     # Llama 4: every mechanism undone alone breaks agreement (the chunks first).
     Case("llama4_chunked_nope_moe", "Llama4TextConfig", "Llama4ForCausalLM", LLAMA4,
          dict(layer_windows=(-8, 0, -8), nope_layers=(1,), dense_layers=(0, 2),
@@ -425,6 +441,8 @@ def _perturb(model, seed: int) -> None:
                 p.copy_(0.3 * noise)
             elif name.endswith(".sinks"):  # gpt-oss: logits near the attention's own
                 p.copy_(noise)
+            elif name.endswith(("router.scale", "per_expert_scale")):  # Gemma 4: ones at init
+                p.copy_(1.0 + 0.3 * noise)
         for name, b in model.named_buffers():  # DeepSeek-V3's router bias: selection only
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn(b.shape, generator=gen))
@@ -543,6 +561,28 @@ def test_routed_experts_are_transformers_routers(tiny):
         dense = Model(dataclasses.replace(model.cfg, num_experts=0, dense_layers=()),
                       model.params, model.dtype)
         dense.forward(model.params, None, None, None, None, routing=True)
+
+
+@pytest.mark.parametrize("tiny", _params([c for c in CASES if c.name == "gemma4_moe_block"]),
+                         indirect=True)
+def test_gemma4_moe_routing_and_router_scales(tiny):
+    """Gemma 4's MoE block: the captured experts are those transformers' router ranks first
+    (its `router_logits` are the probabilities), and its drawn `scale` and
+    `per_expert_scale` matter (each set back to ones breaks agreement)."""
+    case, model, ids, ref, path = tiny
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    with torch.no_grad():
+        router = hf(torch.tensor([ids]), output_router_logits=True).router_logits
+    ours = forward_routing(model, ids, page_size=PAGE_SIZE)  # i32[T, L, k]
+    assert len(router) == model.cfg.num_layers == 2
+    for layer, probs in enumerate(router):
+        np.testing.assert_array_equal(ours[:, layer], torch.topk(probs, 2).indices.numpy())
+    for leaf in ("router_scale", "per_expert_scale"):
+        params = jax.tree_util.tree_map(lambda a: a, model.params)  # a copy of the dicts
+        router_params = params["layers"]["mlp"]["router"]
+        router_params[leaf] = np.ones_like(router_params[leaf])
+        plain = Model(model.cfg, params, model.dtype, serving=model.serving)
+        assert np.abs(forward_logits(plain, ids, page_size=PAGE_SIZE) - ref).max() > 100 * F32_ATOL
 
 
 @pytest.mark.parametrize("tiny", _params([c for c in CASES if c.name == "deepseek_v3_mla"]),
