@@ -22,7 +22,11 @@ import jax.numpy as jnp
 
 from pallas_kernels import cpu_ffi
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.ragged_paged_attention.reference import chunk_start, token_positions
+from pallas_kernels.ragged_paged_attention.reference import (
+    causal_limit,
+    chunk_start,
+    token_positions,
+)
 from pallas_kernels.ragged_paged_attention.xla import _tiles_by_head
 from pallas_kernels.sinks import check_sinks, grouped_sinks, sink_factor
 
@@ -129,7 +133,8 @@ def invariant_attention(q: jax.Array, kv_pages: jax.Array, layer, md: AttentionM
     block_kv = ppb * page_size
     window = jnp.asarray(sliding_window, jnp.int32)
     seq_ids, q_pos, valid = token_positions(md, num_tokens)
-    lens = jnp.where(valid, q_pos + 1, 0)  # i32[T] keys each token reads
+    # i32[T] keys each token reads: through its position, or its bidirectional span's end
+    lens = jnp.where(valid, causal_limit(md, q_pos) + 1, 0)
     # Static: without a chunk the program is unchanged (no starts through the loop's barrier)
     chunked = not (isinstance(chunk_size, int) and chunk_size == 0)
     tables = md.block_tables  # i32[R, W]

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["slot_mapping", "block_tables", "kv_lens", "cu_q_lens", "state_slots"],
+         data_fields=["slot_mapping", "block_tables", "kv_lens", "cu_q_lens", "state_slots",
+                      "q_span_end"],
          meta_fields=["decode_only", "short_tiles", "num_ranks"])
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
@@ -50,6 +51,12 @@ class AttentionMetadata:
             (speculative proposals being verified): the XLA path gives them a pass of
             small query tiles. Off, that pass is not compiled (it was ~25% of a model
             step's compile time) and such requests share the ordinary tiles.
+        q_span_end: i32[num_tokens] for each query token, the end (exclusive, a position of
+            its request) of the bidirectional span it sits in (Gemma 3's image tokens see
+            their whole image): the token also sees its span's later keys, all of which this
+            step writes or wrote before; 0 for tokens outside any span. None: causal only
+            (every program without spans is unchanged). Spans must lie within a sliding
+            window (a query inside one already sees the span's earlier keys).
         num_ranks: Static. Data-parallel attention's ranks (`pallas_kernels.rank_split`):
             above 1 the step is laid out rank by rank, each rank's rows and tokens a block
             of equal size and its `cu_q_lens` a block of R + 1 counted from its own first
@@ -65,6 +72,7 @@ class AttentionMetadata:
     # NOTE: last, so the positional constructions (the runner's) stay as they are.
     state_slots: jax.Array | None = None
     num_ranks: int = 1
+    q_span_end: jax.Array | None = None
 
     @property
     def num_real_tokens(self) -> jax.Array:

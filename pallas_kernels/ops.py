@@ -121,6 +121,9 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
     position p sees keys floor(p / C) * C .. p. Every path takes it: the XLA path (with the
     "cpu" backend's C++ rows), the Pallas kernels (a third kernel scalar, as the window)
     and batch-invariant mode; the literal 0 keeps every program as it is without chunks.
+
+    Bidirectional spans (`md.q_span_end`, Gemma 3's images): every path but the TPU's
+    Mosaic kernel reads them; on a TPU, steps that carry them take the XLA path.
     """
     check_sinks(sinks, q.shape[1] if q.ndim == 3 else -1)
     chunked = not (isinstance(chunk_size, int) and chunk_size == 0)
@@ -134,6 +137,11 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
                                           **common, **extra)
     common["chunk_size"] = chunk_size if chunked else None  # None: the kernels' no-chunk program
     page_size, width = kv_pages.shape[4], md.block_tables.shape[1]
+    if _on_tpu() and md.q_span_end is not None and not md.decode_only:
+        # NOTE: the Mosaic kernel does not read spans yet: steps with them take the XLA path.
+        del common["chunk_size"]
+        return ragged_paged_attention_xla(q, kv_pages, layer, md, **common,
+                                          **(dict(chunk_size=chunk_size) if chunked else {}))
     if _on_tpu():
         ppb, _ = kernel_tiles(page_size, width)
         if md.decode_only:  # one query per request: blocks of one token
@@ -158,15 +166,16 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer, md: Attenti
 
 
 def _invariant(q, kv_pages, layer, md, backend, common, chunk_size):
-    """`ragged_paged_attention` in batch-invariant mode (see there). A chunk keeps off the
-    C++ rows: they mask by length and window only (the XLA path's shifted tables need a
-    chunk of whole pages, which a traced chunk cannot promise)."""
+    """`ragged_paged_attention` in batch-invariant mode (see there). A chunk or bidirectional
+    spans keep off the C++ rows: they mask by length and window only (the XLA path's
+    shifted tables need a chunk of whole pages, which a traced chunk cannot promise)."""
     if backend == "pallas":
         raise ValueError("batch_invariant attention is not built for the 'pallas' backend "
                          "(it needs kernels whose splits and tiles do not follow the step)")
     t = tuned("batch_invariant")
     chunked = not (isinstance(chunk_size, int) and chunk_size == 0)
-    if backend == "cpu" and cpu_ffi.supports(kv_pages) and not chunked:
+    spans = md.q_span_end is not None  # the C++ rows see through their position only
+    if backend == "cpu" and cpu_ffi.supports(kv_pages) and not chunked and not spans:
         return invariant_attention_cpu(q, kv_pages, layer, md, **common)
     extra = dict(chunk_size=chunk_size) if chunked else {}
     return invariant_attention(q, kv_pages, layer, md, block_kv=t["block_kv"],

@@ -61,7 +61,8 @@ def _md_specs(md: AttentionMetadata, axis: str) -> AttentionMetadata:
     tokens = P(*([None] * (md.slot_mapping.ndim - 1)), axis)
     tables = P(*([None] * (md.block_tables.ndim - 2)), axis, None)
     return dataclasses.replace(md, slot_mapping=tokens, block_tables=tables, kv_lens=P(axis),
-                               cu_q_lens=P(axis), state_slots=None)
+                               cu_q_lens=P(axis), state_slots=None,
+                               q_span_end=None if md.q_span_end is None else P(axis))
 
 
 def local_metadata(md: AttentionMetadata, pages_per_rank: int, page_size: int,

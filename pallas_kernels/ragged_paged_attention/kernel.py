@@ -124,9 +124,13 @@ def kernel_scalars(layer, sliding_window, chunk_size) -> jax.Array:
 
 def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_lens_ref,
             tables_ref, q_ref, kv_ref, *refs, num_pages, num_kv_heads, page_size,
-            pages_per_block, group, sm_scale, soft_cap, chunked):
-    # refs: (sinks_ref f32[1, rows] of this KV head, o_ref) with sinks, else (o_ref,)
-    sinks_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+            pages_per_block, group, sm_scale, soft_cap, chunked, spans, sinks):
+    # refs: (span_ref i32[1, block_q] if spans, sinks_ref f32[1, rows] of this KV head if
+    # sinks, o_ref)
+    refs = list(refs)
+    span_ref = refs.pop(0) if spans else None
+    sinks_ref = refs.pop(0) if sinks else None
+    (o_ref,) = refs
     (h, layer, window, chunk, block_q, gp, head_dim, rows, block_k, seq, n_valid, kv_len,
      first_pos, first_blk, num_blk) = program(scalars_ref, blk_seq_ref, blk_start_ref,
                                               blk_len_ref, cu_ref, kv_lens_ref, q_ref,
@@ -135,6 +139,12 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
     row_head = lax.broadcasted_iota(jnp.int32, (block_q, gp), 1).reshape(rows)
     row_pos = first_pos + row_tok  # i32[rows]
     row_ok = (row_tok < n_valid) & (row_head < group)
+    row_hi = row_pos  # i32[rows]: the last key each row sees
+    if span_ref is not None:  # bidirectional spans: a row also sees its span's later keys
+        ends = jnp.broadcast_to(span_ref[0, :][:, None], (block_q, gp)).reshape(rows)
+        row_hi = jnp.maximum(row_pos, ends - 1)
+        last = jnp.minimum(jnp.max(jnp.where(row_ok, row_hi, -1)) + 1, kv_len)
+        num_blk = jnp.where(n_valid > 0, pl.cdiv(last, block_k) - first_blk, 0)
     # i32[rows]: each row's chunk start, once per program (a chunk boundary may fall inside
     # the block: its later rows start later)
     row_lo = None if chunk is None else chunk_start(row_pos, chunk)
@@ -148,7 +158,7 @@ def _kernel(scalars_ref, blk_seq_ref, blk_start_ref, blk_len_ref, cu_ref, kv_len
         k, v = load_pages(kv_ref, tables_ref, seq, j, page_base, v_offset, pages_per_block,
                           head_dim)
         k_pos = j * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
-        mask = (k_pos < kv_len) & (k_pos <= row_pos[:, None]) & row_ok[:, None]
+        mask = (k_pos < kv_len) & (k_pos <= row_hi[:, None]) & row_ok[:, None]
         mask &= (window <= 0) | (row_pos[:, None] - k_pos < window)
         if row_lo is not None:
             mask &= k_pos >= row_lo[:, None]
@@ -177,6 +187,8 @@ def ragged_paged_attention_kernel(q, kv_pages, layer, md: AttentionMetadata, *, 
             none): a third kernel scalar; each program skips key blocks before its first
             query's chunk and masks each row from its own chunk's start. None: the program
             has no chunk (unchanged).
+        md: With `q_span_end` (bidirectional spans) each program also reads its queries'
+            span ends and visits key blocks up to the furthest of them.
         sinks: f32[num_q_heads] sink logits or None; with them each program also reads
             its KV head's row of `sink_rows` and scales its outputs once, after the
             last key block (the program without sinks is unchanged).
@@ -208,13 +220,18 @@ def ragged_paged_attention_kernel(q, kv_pages, layer, md: AttentionMetadata, *, 
     kernel = functools.partial(
         _kernel, num_pages=num_pages, num_kv_heads=num_kv_heads, page_size=page_size,
         pages_per_block=pages_per_block, group=group, sm_scale=sm_scale, soft_cap=soft_cap,
-        chunked=chunk_size is not None)
+        chunked=chunk_size is not None, spans=md.q_span_end is not None,
+        sinks=sinks is not None)
     whole = pl.BlockSpec()  # the whole array, indexed inside the kernel
     block = pl.BlockSpec((1, block_q, 1, gp, head_dim), lambda b, h: (b, 0, h, 0, 0))
     extra, extra_specs = (), []
+    if md.q_span_end is not None:  # i32[num_blocks, block_q]: each query's span end
+        valid = jnp.arange(block_q, dtype=jnp.int32)[None] < blk_len[:, None]
+        extra = (jnp.where(valid, md.q_span_end[tok], 0),)
+        extra_specs = [pl.BlockSpec((1, block_q), lambda b, h: (b, 0))]
     if sinks is not None:  # f32[Hkv, block_q * gp]: row r of a program is head r % gp
-        extra = (sink_rows(sinks, num_kv_heads, gp, block_q),)
-        extra_specs = [pl.BlockSpec((1, block_q * gp), lambda b, h: (h, 0))]
+        extra += (sink_rows(sinks, num_kv_heads, gp, block_q),)
+        extra_specs += [pl.BlockSpec((1, block_q * gp), lambda b, h: (h, 0))]
     out = pl.pallas_call(
         kernel,
         grid=(num_blocks, num_kv_heads),

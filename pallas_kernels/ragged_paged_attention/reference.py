@@ -48,7 +48,11 @@ def check_shapes(q: jax.Array, kv_pages: jax.Array, md: AttentionMetadata,
     if md.slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {md.slot_mapping.shape} must be [num_tokens = "
                          f"{num_tokens}] for q {q.shape}")
-    for name in ("slot_mapping", "block_tables", "kv_lens", "cu_q_lens"):
+    if md.q_span_end is not None and md.q_span_end.shape != (num_tokens,):
+        raise ValueError(f"q_span_end {md.q_span_end.shape} must be [num_tokens = "
+                         f"{num_tokens}] for q {q.shape}")
+    for name in ("slot_mapping", "block_tables", "kv_lens", "cu_q_lens") + (
+            ("q_span_end",) if md.q_span_end is not None else ()):
         dtype = getattr(md, name).dtype
         if dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {dtype}")
@@ -74,6 +78,14 @@ def token_positions(md: AttentionMetadata, num_tokens: int):
     q_len = md.cu_q_lens[seq_ids + 1] - q_start
     q_pos = md.kv_lens[seq_ids] - q_len + (t - q_start)
     return seq_ids, q_pos, valid
+
+
+def causal_limit(md: AttentionMetadata, q_pos: jax.Array) -> jax.Array:
+    """i32[num_tokens]: the last key position each query sees: its own, or the last of its
+    bidirectional span (`md.q_span_end`) when it sits in one."""
+    if md.q_span_end is None:
+        return q_pos
+    return jnp.maximum(q_pos, md.q_span_end - 1)
 
 
 def chunk_start(q_pos, chunk_size):
@@ -117,6 +129,8 @@ def ragged_paged_attention_reference(
         chunk_size: Chunked local attention (Llama 4; may be traced): a query at position p
             sees keys from floor(p / chunk_size) * chunk_size on; 0 means none.
 
+    A query inside a bidirectional span (`md.q_span_end`) also sees the span's later keys.
+
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
     """
@@ -140,7 +154,8 @@ def ragged_paged_attention_reference(
         logits = soft_cap * jnp.tanh(logits / soft_cap)
 
     kv_pos = jnp.arange(max_ctx, dtype=jnp.int32)[None, :]  # [1, max_ctx]
-    mask = (kv_pos < md.kv_lens[seq_ids][:, None]) & (kv_pos <= q_pos[:, None])
+    hi = causal_limit(md, q_pos)  # i32[num_tokens]
+    mask = (kv_pos < md.kv_lens[seq_ids][:, None]) & (kv_pos <= hi[:, None])
     window = jnp.asarray(sliding_window, jnp.int32)
     mask &= (window <= 0) | (q_pos[:, None] - kv_pos < window)
     mask &= chunk_ok(q_pos[:, None], kv_pos, chunk_size)

@@ -38,6 +38,7 @@ from pallas_kernels.cpu_ffi import paged_decode_cpu, supports
 from pallas_kernels.kv_quant import dequantize_kv
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.ragged_paged_attention.reference import (
+    causal_limit,
     check_shapes,
     chunk_ok,
     token_positions,
@@ -182,7 +183,7 @@ def _paged_part(q, kv_pages, layer, pages, lens, q_pos, span, *, block_kv, sm_sc
 
 
 def _context_part(q, kv_pages, layer, md, row_lens, q_pos, span, *, block_kv, block_q,
-                  sm_scale, soft_cap, state=None):
+                  sm_scale, soft_cap, state=None, q_hi=None):
     """Causal attention of every token to its request's first `row_lens` keys (i32[rows];
     the whole context kv_len, this step's tokens included; 0 for requests this pass
     skips), in query tiles of `block_q` tokens of one request: each tile gathers its
@@ -191,7 +192,8 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, span, *, block_kv, bl
 
     Tiles are enumerated on the device (rows this pass covers, ceil(q_len / block_q) tiles
     each) and walked by a `fori_loop` with a traced trip count. `state` ([t, ...]
-    online-softmax state) carries the results of an earlier pass over other rows.
+    online-softmax state) carries the results of an earlier pass over other rows. `q_hi`
+    (i32[t], default `q_pos`): the last key each query sees (`causal_limit`).
     """
     t, kv_heads, group, head_dim = q.shape
     page_size = kv_pages.shape[4]
@@ -207,6 +209,7 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, span, *, block_kv, bl
     # NOTE: padded by a tile, so a tile's slice is never clamped (shifted) at the end.
     qp = jnp.pad(q, ((0, block_q), (0, 0), (0, 0), (0, 0)))
     posp = jnp.pad(q_pos, (0, block_q))
+    hip = posp if q_hi is None else jnp.pad(q_hi, (0, block_q))
 
     def tile(i, state):
         r = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
@@ -214,9 +217,13 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, span, *, block_kv, bl
         qt = jax.lax.dynamic_slice_in_dim(qp, first, block_q)  # [block_q, k, g, d]
         pos = jax.lax.dynamic_slice_in_dim(posp, first, block_q)  # i32[block_q]
         mine = first + jnp.arange(block_q) < starts[r] + q_lens[r]  # bool[block_q]
+        hi = jax.lax.dynamic_slice_in_dim(hip, first, block_q)  # i32[block_q]
         length = row_lens[r]
-        last = jnp.minimum(first + block_q, starts[r] + q_lens[r]) - 1
-        seen = jnp.minimum(length, posp[last] + 1)  # keys the tile's last query sees
+        if q_hi is None:
+            last = jnp.minimum(first + block_q, starts[r] + q_lens[r]) - 1
+            seen = jnp.minimum(length, posp[last] + 1)  # keys the tile's last query sees
+        else:  # a span's early query may see past the tile's last one
+            seen = jnp.minimum(length, jnp.max(jnp.where(mine, hi, -1)) + 1)
 
         # NOTE: head-major inside a tile ([k, block_q * g, ...], one transpose per tile):
         # the matmuls batch over heads with no transposed copy of K, V or P per block
@@ -230,7 +237,7 @@ def _context_part(q, kv_pages, layer, md, row_lens, q_pos, span, *, block_kv, bl
             k = _tiles_by_head(kv_pages, layer, ids, 0).reshape(kv_heads, 1, block_kv, head_dim)
             v = _tiles_by_head(kv_pages, layer, ids, 1).reshape(kv_heads, 1, block_kv, head_dim)
             k_pos = b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)  # i32[block_kv]
-            mask = ((k_pos[None, :] < length) & (k_pos[None, :] <= pos[:, None])
+            mask = ((k_pos[None, :] < length) & (k_pos[None, :] <= hi[:, None])
                     & _window_ok(pos, k_pos[None, :], span))  # bool[block_q, block_kv]
             mask = jnp.repeat(mask, group, axis=0).reshape(1, block_q * group, 1, block_kv)
             # Values zeroed outside what any query of the tile sees: past the context, and
@@ -323,6 +330,9 @@ def ragged_paged_attention_xla(
             rows read a block table shifted to the chunk's first page when the chunk is a
             whole number of pages; otherwise the tokens go to the XLA parts.
 
+    Bidirectional spans (`md.q_span_end`): the rows holding one go to the context part,
+    whose tiles read keys up to each query's `causal_limit`.
+
     Returns:
         [num_tokens, num_q_heads, head_dim] outputs in q's dtype; padded tokens are zero.
     """
@@ -349,12 +359,19 @@ def ragged_paged_attention_xla(
     seq_ids, q_pos, valid = token_positions(md, num_tokens)
     q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]  # i32[num_rows]
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap)
+    # Rows with a bidirectional span (`md.q_span_end`) keep to the context part's tiles:
+    # the decode part and the C++ rows see keys up to the query's own position only.
+    q_hi = None if md.q_span_end is None else causal_limit(md, q_pos)
+    spanned = (None if q_hi is None else jnp.zeros(md.kv_lens.shape[0], bool).at[seq_ids].max(
+        valid & (q_hi > q_pos)))  # bool[rows]
 
     if cpu_decode and supports(kv_pages) and num_tokens >= cpu_decode_min_rows:
         # Single-token rows (decodes, wherever they sit) and short contexts' tokens: each
         # token a kernel row whose one query sits at its position (lens = position + 1;
         # 0 leaves the token to the tiles).
         taken = (q_lens == 1) | (md.kv_lens <= cpu_context_max_len)  # bool[rows]
+        if spanned is not None:
+            taken &= ~spanned
         # A chunk of whole pages: each token's table starts at its chunk's first page, so
         # the kernel (which masks by length and window only) reads the chunk alone.
         tables = md.block_tables[seq_ids]  # i32[num_tokens, width]
@@ -372,6 +389,8 @@ def ragged_paged_attention_xla(
         rows = min(md.kv_lens.shape[0], num_tokens)
         row_ids = jnp.arange(rows, dtype=jnp.int32)
         aligned = (md.cu_q_lens[:rows] == row_ids) & (q_lens[:rows] == 1)  # bool[rows]
+        if spanned is not None:
+            aligned &= ~spanned[:rows]
         dec_lens = jnp.where(aligned, md.kv_lens[:rows], 0)  # i32[rows]
         decode_block_kv = max(page_size, decode_block_kv // page_size * page_size)
         groups = [slice(i, min(i + decode_rows, rows)) for i in range(0, rows, decode_rows)]
@@ -393,10 +412,11 @@ def ragged_paged_attention_xla(
             short = q_lens <= block_q_short  # bool[rows]
             state = _context_part(qg, kv_pages, layer, md, jnp.where(short, ctx_lens, 0),
                                   q_pos, span, block_kv=block_kv, block_q=block_q_short,
-                                  **common)
+                                  q_hi=q_hi, **common)
             ctx_lens = jnp.where(short, 0, ctx_lens)
         return _context_part(qg, kv_pages, layer, md, ctx_lens, q_pos, span,
-                             block_kv=block_kv, block_q=block_q, state=state, **common)
+                             block_kv=block_kv, block_q=block_q, state=state, q_hi=q_hi,
+                             **common)
 
     # NOTE: skipped at run time when no row needs it (decode steps): its padded query
     # copies and empty loops cost ~20 us a layer on a batch-1 step (BENCHMARKS.md,
