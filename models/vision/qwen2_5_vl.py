@@ -233,7 +233,10 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, seg: Segments) -
 @functools.partial(jax.jit, static_argnames=("cfg", "grid_thw"))
 def encode_images(params: dict, cfg: QwenVisionConfig, patches: jax.Array,
                   grid_thw: tuple[tuple[int, int, int], ...]) -> jax.Array:
-    """Qwen2.5-VL's vision tower over one or more images (or videos) in one call.
+    """Qwen2.5-VL's vision tower over one or more images in one call.
+
+    A grid with t > 1 (a video's frames) is laid out as transformers does (windows and full
+    attention per frame), but only images (t = 1, the processor's) are tested.
 
     Args:
         params: `load_qwen_vision`'s tree.
