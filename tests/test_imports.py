@@ -23,12 +23,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models", ("models",)),
     # The vocabulary every layer above speaks: configs (which name the models'
     # quantizations), requests, sampling and structured-output params, outputs, metrics
-    # (read from outputs) and small utilities. No step is built or run here.
+    # (read from outputs), images in requests (loaded, preprocessed, expanded) and small
+    # utilities. No step is built or run here.
     ("base", ("jaxserve.utils", "jaxserve.compilation_cache", "jaxserve.config",
               "jaxserve.speculative_config",
               "jaxserve.request", "jaxserve.sampling_params", "jaxserve.structured",
               "jaxserve.outputs", "jaxserve.metrics", "jaxserve.lora",
-              "jaxserve.pooling_params")),
+              "jaxserve.pooling_params", "jaxserve.multimodal")),
     # The two independent halves of a step's logic: the host side (scheduler and KV
     # bookkeeping, JAX-free) and the device side's sampling math (per-row JAX functions).
     ("core+sample", ("jaxserve.core", "jaxserve.sample")),
