@@ -46,6 +46,8 @@ class Request:
         cache_salt: Optional tenant key; prefix-cache hits only happen inside one salt.
         lora_request: The LoRA adapter the request runs with (`jaxserve.lora.LoRARequest`;
             None: the base model); its KV is cached under the adapter's id.
+        mm_items: The prompt's images (`jaxserve.multimodal.inputs.ImageItem`), each at
+            its placeholder tokens; their hashes key the pages that hold them.
         arrival_time: Seconds (time.time()); defaults to now.
         sampling_params: The request's `SamplingParams`; the scheduler reads its stop
             settings (max_tokens, stop ids, min_tokens, ignore_eos) and prompt_logprobs.
@@ -66,7 +68,7 @@ class Request:
                  sampling_params: SamplingParams | None = None, priority: int = 0,
                  eos_token_ids: tuple[int, ...] = (),
                  user_request_id: str | None = None, seeds: tuple[int, ...] = (0,),
-                 lora_request=None):
+                 lora_request=None, mm_items: tuple = ()):
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         prompt = [int(t) for t in prompt_token_ids]
@@ -94,6 +96,8 @@ class Request:
         self.eos_token_ids = tuple(eos_token_ids)
         self.user_request_id = user_request_id or request_id
         self.seeds = tuple(seeds)  # one per completion (n > 1 fans out into n samples)
+        # `jaxserve.multimodal.inputs.ImageItem`s at their placeholders, by offset
+        self.mm_items = tuple(sorted(mm_items, key=lambda item: item.offset))
         self.fan_out = len(self.seeds)  # samples to draw when the prompt completes
         self.sample_index = 0  # which completion of the user request this is
         self.forked_from: str | None = None

@@ -277,7 +277,7 @@ class Decoder(nn.Module):
              self.per_layer_projection_norm) = per_layer_modules(cfg, self.dtype, methods)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_pages,
-                 md: AttentionMetadata) -> tuple:
+                 md: AttentionMetadata, mm_embeds: tuple | None = None) -> tuple:
         """Runs one step.
 
         Args:
@@ -290,6 +290,10 @@ class Decoder(nn.Module):
                 updated the same way.
             md: Attention metadata of this step (with several KV cache groups, its slot
                 mapping and block tables per group: `AttentionMetadata.for_group`).
+            mm_embeds: (rows [N, hidden_size], i32[num_tokens] each token's row or -1):
+                the tokens with a row take it as their embedding (an image's placeholders
+                take the vision encoder's outputs, after the embedding scale, as
+                transformers puts them); None: every token its own embedding.
 
         Returns:
             (kv_pages, hidden) with hidden [num_tokens, hidden_size] after the final norm;
@@ -321,6 +325,10 @@ class Decoder(nn.Module):
             hidden = hidden * jnp.asarray(self.cfg.hidden_size ** 0.5, hidden.dtype)
         if self.cfg.embedding_multiplier != 1.0:  # Granite
             hidden = hidden * self.cfg.embedding_multiplier
+        if mm_embeds is not None:
+            rows, index = mm_embeds  # [N, H], i32[num_tokens]
+            hidden = jnp.where(index[:, None] >= 0,
+                               rows[jnp.maximum(index, 0)].astype(hidden.dtype), hidden)
         xs = (jnp.arange(self.cfg.num_layers, dtype=jnp.int32),
               jnp.asarray(self.cfg.layer_windows, dtype=jnp.int32))
         # A KV-shared layer (Gemma 4) takes its source's slot and group.

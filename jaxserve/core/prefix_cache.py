@@ -38,16 +38,23 @@ def hash_page_tokens(parent_hash: PageHash | None, token_ids: Sequence[int],
     return digest.digest()
 
 
-def extra_keys_for_page(request: Request, page_index: int) -> tuple:
+def extra_keys_for_page(request: Request, page_index: int, page_size: int = 0) -> tuple:
     """Extra hash keys of a request's page: the cache salt and the LoRA adapter's id (two
-    adapters never share KV), on the first page only.
+    adapters never share KV), on the first page only; and the hash of every image whose
+    placeholders the page holds (the same text with another image shares no page), with
+    the image's first placeholder on the page.
 
     NOTE: chaining carries them into every later page, as in vLLM.
     """
-    if page_index != 0:
-        return ()
-    keys = () if request.cache_salt is None else ("salt", request.cache_salt)
-    return keys + ("lora", request.lora_id) if request.lora_id else keys
+    keys = ()
+    if page_index == 0:
+        keys = () if request.cache_salt is None else ("salt", request.cache_salt)
+        keys = keys + ("lora", request.lora_id) if request.lora_id else keys
+    if request.mm_items and page_size:
+        first, end = page_index * page_size, (page_index + 1) * page_size
+        keys += tuple(("image", item.hash, max(first, item.offset) - item.offset)
+                      for item in request.mm_items if item.offset < end and item.end > first)
+    return keys
 
 
 def update_page_hashes(request: Request, page_size: int) -> list[PageHash]:
@@ -58,7 +65,7 @@ def update_page_hashes(request: Request, page_size: int) -> list[PageHash]:
         parent = hashes[-1] if hashes else None
         page_tokens = token_ids[index * page_size:(index + 1) * page_size]
         hashes.append(hash_page_tokens(parent, page_tokens,
-                                       extra_keys_for_page(request, index)))
+                                       extra_keys_for_page(request, index, page_size)))
     return hashes
 
 

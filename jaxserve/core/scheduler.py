@@ -22,6 +22,7 @@ from jaxserve.core.scheduler_output import (
     StepDraft,
 )
 from jaxserve.core.scheduler_update import OutputUpdater
+from jaxserve.multimodal.inputs import whole_images
 from jaxserve.request import Request, RequestStatus
 from jaxserve.utils import delegated
 
@@ -271,6 +272,9 @@ class Scheduler:
             if threshold:
                 num_new = min(num_new, threshold)
             num_new, snapshots = min(num_new, budget), self.kv.snapshots
+            if request.mm_items:
+                num_new = whole_images(request, request.num_computed_tokens + num_cached,
+                                       num_new)
             # NOTE: a hybrid's chunks end on page boundaries, where its state is kept.
             return num_new if snapshots is None else snapshots.align_chunk(request, num_new,
                                                                            num_cached)
@@ -313,7 +317,9 @@ class Scheduler:
             group_pages=tuple(group_pages),
             lora_id=request.lora_id,
             state_slot=self.kv.state_slot(request.request_id),
-            rank=self.kv.rank_of(request.request_id))
+            rank=self.kv.rank_of(request.request_id),
+            mm_items=tuple(item for item in request.mm_items
+                           if item.offset < start + num_new and item.end > start))
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether a token in flight surely ends the request (its length limits): it is

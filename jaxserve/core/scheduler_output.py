@@ -48,6 +48,9 @@ class ScheduledRequest:
         rank: The attention rank holding the request's KV (data-parallel attention:
             `RankedKVCacheManager.rank_of`); its page ids lie in that rank's range. 0
             with one rank.
+        mm_items: The request's images (`jaxserve.multimodal.inputs.ImageItem`) whose
+            placeholders this step computes: the runner puts their encoder rows in for the
+            placeholders' embeddings.
     """
 
     request_id: str
@@ -62,6 +65,7 @@ class ScheduledRequest:
     lora_id: int = 0
     state_slot: int = 0
     rank: int = 0
+    mm_items: tuple = ()
 
     @property
     def num_pages(self) -> int:

@@ -30,11 +30,14 @@ class InputProcessor:
         seed: Seed of the stream that seeds requests given without one.
         max_logprobs: Most `logprobs` / `prompt_logprobs` a request may ask for (-1: the
             whole vocabulary), the engine argument.
+        images: How the model takes images (`jaxserve.multimodal.support.ImageSupport`);
+            None: prompts with `multi_modal_data` are refused.
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
                  eos_token_ids: tuple[int, ...], seed: int = 0,
-                 max_logprobs: int = SamplingParams.MAX_LOGPROBS):
+                 max_logprobs: int = SamplingParams.MAX_LOGPROBS, images=None):
+        self.images = images
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
@@ -109,7 +112,11 @@ class InputProcessor:
             bad = [t for t in ids_ if t >= vocab]
             if bad:
                 raise ValueError(f"{name} hold ids outside [0, {vocab}): {bad[:5]}")
-        text, ids = self.tokenize(prompt)
+        items = ()
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            text, ids, items = self.tokenize_images(prompt)
+        else:
+            text, ids = self.tokenize(prompt)
         max_len = self.max_model_len
         if len(ids) >= max_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {max_len}, which "
@@ -124,7 +131,7 @@ class InputProcessor:
         seeds = [device_seed(base)] + [int(x) for x in np.random.SeedSequence(
             [base % 2**64, params.n]).generate_state(params.n - 1)]
         root = Request(request_id, ids, cache_salt=cache_salt, arrival_time=arrival_time,
-                       lora_request=lora_request,
+                       lora_request=lora_request, mm_items=items,
                        sampling_params=params, priority=priority, eos_token_ids=self.eos_token_ids,
                        seeds=tuple(seeds))
         state = RequestState(self.tokenizer, root, text, params)
@@ -141,6 +148,28 @@ class InputProcessor:
         if params.structured_outputs is not None:
             root.grammar = self.grammars.matcher(params.structured_outputs)
         return state
+
+    def tokenize_images(self, prompt: dict) -> tuple[str | None, list[int], list]:
+        """(text, ids, image items) of a prompt dict with `multi_modal_data` ({"image": an
+        image or a list: PIL images or URLs}): each image preprocessed and its marker
+        expanded into its placeholders (`jaxserve.multimodal.support.ImageSupport`).
+
+        Raises:
+            ValueError: A model that takes no images, another modality, a bad image or
+                markers that do not match the images (named).
+        """
+        data = prompt["multi_modal_data"]
+        if self.images is None:
+            raise ValueError("multi_modal_data: this model takes no images (a text model, or "
+                             "a family whose images are not served)")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data must be {{'image': ...}}, got "
+                             f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        text, ids = self.tokenize({k: v for k, v in prompt.items() if k != "multi_modal_data"})
+        source = text if "prompt_token_ids" not in prompt else ids
+        ids, items = self.images.prompt_items(source, data.get("image", []),
+                                              lambda t: self.tokenizer(t).input_ids)
+        return text, ids, items
 
     def check_logprobs(self, params: SamplingParams) -> SamplingParams:
         """`check_num_logprobs` against this engine's `max_logprobs` and vocabulary."""

@@ -59,12 +59,15 @@ class ImageItem:
         inputs: The preprocessed image.
         offset: Its first placeholder's index in the prompt.
         length: Its placeholder tokens (`inputs.num_tokens`).
+        whole: Its placeholders attend to each other both ways (`ImageLayout.bidirectional`):
+            one step computes all of them that are not cached.
     """
 
     hash: str
     inputs: ImageInputs
     offset: int
     length: int
+    whole: bool = False
 
     @property
     def end(self) -> int:
@@ -133,6 +136,23 @@ def expand_prompt(prompt: str | list[int], images: list[ImageInputs], layout: Im
         raise ValueError(f"the prompt's {layout.placeholder!r} tokens do not match its "
                          f"images: write one {layout.marker!r} per image and no "
                          f"{layout.placeholder!r} of your own")
-    items = [ImageItem(image_hash(img), img, start, n)
+    items = [ImageItem(image_hash(img), img, start, n, layout.bidirectional)
              for img, (start, n) in zip(images, runs, strict=True)]
     return ids, items
+
+
+def whole_images(request, start: int, num_new: int) -> int:
+    """A prefill chunk of `num_new` tokens from `start` cut so it splits no image whose
+    placeholders must be computed in one step (`ImageItem.whole`): it ends before such an
+    image, or 0 when the chunk starts at (or inside) one it cannot hold to its end.
+
+    Args:
+        request: A `Request` with `mm_items`.
+        start: The chunk's first token (computed and prefix-hit tokens before it).
+        num_new: The tokens the budget allows.
+    """
+    end = start + num_new
+    for item in request.mm_items:
+        if item.whole and item.offset < end < item.end:
+            return item.offset - start if item.offset > start else 0
+    return num_new

@@ -1,0 +1,78 @@
+"""The vision tower of an image-text checkpoint, found from its config.json: which family it
+is, its weights, and the function that turns a batch of preprocessed images into the rows
+their placeholders take."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.vision import siglip
+
+# Families whose tower the engine serves, by their checkpoint's architecture.
+GEMMA3 = "Gemma3ForConditionalGeneration"
+SERVED = (GEMMA3,)
+
+
+@dataclasses.dataclass
+class VisionTower:
+    """A loaded vision tower.
+
+    Attributes:
+        architecture: The checkpoint's architecture (one of `SERVED`).
+        cfg: The tower's config (`siglip.SiglipConfig` for Gemma 3).
+        params: Its weights (a pytree of device arrays).
+        hf_config: The checkpoint's config.json (image token ids, sizes).
+    """
+
+    architecture: str
+    cfg: object
+    params: dict
+    hf_config: dict
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the rows it makes (the text model's hidden size)."""
+        return self.cfg.text_hidden_size
+
+    @property
+    def dtype(self):
+        return jax.tree_util.tree_leaves(self.params)[0].dtype
+
+    def encode(self, pixels: np.ndarray) -> jax.Array:
+        """Rows of a batch of images: pixels f32[B, 3, S, S] (`Gemma3Processor`'s) ->
+        [B, tokens_per_image, hidden_size], one compile per batch size."""
+        return _encode_siglip(self.params, self.cfg, jnp.asarray(pixels))
+
+
+_encode_siglip = jax.jit(siglip.encode_images, static_argnums=1)
+
+
+def read_hf_config(path: str) -> dict | None:
+    """A directory's config.json, or None (a GGUF file, no file)."""
+    config = os.path.join(path, "config.json") if os.path.isdir(path) else None
+    if config is None or not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        return json.load(f)
+
+
+def load_vision(path: str, source, dtype=jnp.float32) -> VisionTower | None:
+    """The tower of the checkpoint at `path` (its tensors in `source`, a `TensorSource`),
+    or None when its architecture has no tower the engine serves.
+
+    Raises:
+        ValueError: A tower config it cannot serve, or a tensor of the wrong shape (named).
+        KeyError: A tower tensor is missing (its name).
+    """
+    hf = read_hf_config(path)
+    arch = (hf or {}).get("architectures", [None])[0]
+    if arch not in SERVED:
+        return None
+    cfg = siglip.SiglipConfig.from_hf(hf)
+    return VisionTower(arch, cfg, siglip.load_siglip(source, cfg, dtype), hf)
