@@ -10,6 +10,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.baseline_schedulers import scheduler_class
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.engine.engine_metrics import EngineMetrics
+from jaxserve.engine.images import engine_images
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.lora_control import LoRAControl
 from jaxserve.engine.output_processor import CoreStep, OutputProcessor
@@ -92,7 +93,7 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
                                      lim.max_model_len, self.scheduler.max_num_seqs,
                                      self.worker.eos_token_ids, config.model.seed,
-                                     config.model.max_logprobs)
+                                     config.model.max_logprobs, engine_images(self))
         self.outputs = OutputProcessor(RoutedExperts(
             self.model.cfg.num_layers, self.model.cfg.num_experts_per_tok, cache.page_size,
             lim.num_pages) if config.model.enable_return_routed_experts else None)

@@ -14,7 +14,6 @@ import functools
 from collections import OrderedDict
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 

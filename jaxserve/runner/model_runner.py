@@ -24,6 +24,7 @@ from jaxserve.parallel.sharding import TensorParallel
 from jaxserve.runner import compile_counter
 from jaxserve.runner.block_table_rows import BlockTableRows
 from jaxserve.runner.buckets import token_buckets
+from jaxserve.runner.encoder_cache import EncoderCache
 from jaxserve.runner.kv_ops import HostSwapSpace, run_plans
 from jaxserve.runner.lora_slots import LoRASlots
 from jaxserve.runner.sampler_variants import promote, variant_of
@@ -164,6 +165,8 @@ class ModelRunner:
         self.alloc_kv_pool()
         self.lora = (LoRASlots(model, lora, layout) if lora is not None and lora.enable_lora
                      else None)
+        self.encoder: EncoderCache | None = None  # images (`set_vision`)
+        self.image_spans = False
         # i32[max_rows]: what a step reads for placeholders when no step precedes it.
         self.no_prev_ids = self.to_device(np.zeros(self.max_rows, np.int32))
         page_shape = pool_shape[:3] + pool_shape[4:]  # one page: [L, 2, Hkv, page_size, row]
@@ -319,7 +322,8 @@ class ModelRunner:
         self.kv_pages, logits, hidden, routed = programs.model_step(
             inputs.model_layout, inputs.decode_only)(
             self.params, self.kv_pages, model_buf,
-            self.no_prev_ids if prev_ids is None else prev_ids, self.lora_stacks)
+            self.no_prev_ids if prev_ids is None else prev_ids, self.lora_stacks,
+            self.mm_buffer)
         pool = None
         if self.pooling_type is not None:
             pool = programs.pool(inputs.model_layout, self.pooling_type)(hidden, model_buf)
@@ -355,7 +359,7 @@ class ModelRunner:
             decode_only = self.is_decode_step(out, num_tokens, num_rows)
         return ModelStep(self.programs.model_step(layout, decode_only), self.to_device(buf),
                          layout, arrays, self.no_prev_ids, self.lora_stacks, decode_only,
-                         num_tokens, num_rows)
+                         num_tokens, num_rows, self.mm_buffer)
 
     def run_model_step(self, step: ModelStep) -> tuple[jax.Array, jax.Array]:
         """Runs a prepared model step on the served weights and the runner's pool (which
@@ -374,8 +378,25 @@ class ModelRunner:
             arrays.lora_slots = np.asarray(lora_slots, np.int32)
         elif self.lora is not None:
             arrays.lora_slots = self.lora.token_slots(out, num_tokens)
+        if self.encoder is not None:  # images: encoded as needed, their rows per token
+            self.encoder.ensure([item for s in out.scheduled for item in s.mm_items])
+            rows, ends = self.encoder.token_rows(out.scheduled, num_tokens)
+            arrays.mm_rows, arrays.span_end = rows, (ends if self.image_spans else None)
         model_buf, model_layout = pack(arrays.device_tree())
         return arrays, model_buf, model_layout, num_tokens, num_rows
+
+    def set_vision(self, tower, spans: bool) -> None:
+        """Serves images from the next step on: an encoder cache for `tower`
+        (`models.vision.towers.VisionTower`) of at least one step's placeholders, and with
+        `spans` each step's bidirectional span ends (`runner/encoder_cache.py`)."""
+        rows = max(self.buckets[-1], 4 * tower.cfg.tokens_per_image)
+        self.encoder = EncoderCache(tower, rows, put=self.to_device)
+        self.image_spans = spans
+
+    @property
+    def mm_buffer(self) -> jax.Array | None:
+        """The encoder cache's rows every step of a model taking images reads, or None."""
+        return None if self.encoder is None else self.encoder.buffer
 
     @property
     def lora_stacks(self) -> dict | None:

@@ -36,6 +36,11 @@ class StepArrays:
         state_slots: i32[num_rows] each request's row of the state pools
             (`ScheduledRequest.state_slot`; padding rows 0, the null slot), for a model with
             linear-attention layers (`AttentionMetadata.state_slots`); None: not sent.
+        mm_rows: i32[num_tokens] each image placeholder's row of the encoder cache (-1:
+            text, padding), set by a runner serving images; None: not sent.
+        span_end: i32[num_tokens] each token's bidirectional span end
+            (`AttentionMetadata.q_span_end`; 0 outside one), with `mm_rows` for families
+            whose images attend both ways; None: not sent.
     """
 
     input_ids: np.ndarray
@@ -49,6 +54,8 @@ class StepArrays:
     row_request_ids: list[str]
     lora_slots: np.ndarray | None = None
     state_slots: np.ndarray | None = None
+    mm_rows: np.ndarray | None = None
+    span_end: np.ndarray | None = None
 
     def device_tree(self) -> dict:
         """The arrays the jitted step receives."""
@@ -59,7 +66,9 @@ class StepArrays:
                 "logits_indices": self.logits_indices,
                 "sample_rows": np.array([len(self.row_request_ids)], np.int32),
                 **({} if self.lora_slots is None else {"lora_slots": self.lora_slots}),
-                **({} if self.state_slots is None else {"state_slots": self.state_slots})}
+                **({} if self.state_slots is None else {"state_slots": self.state_slots}),
+                **({} if self.mm_rows is None else {"mm_rows": self.mm_rows}),
+                **({} if self.span_end is None else {"span_end": self.span_end})}
 
 
 def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page_size: int,

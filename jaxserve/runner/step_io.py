@@ -107,7 +107,7 @@ class ModelStep:
 
     Attributes:
         program: The jitted model step (`step_programs.model_step`): `(params, kv_pages,
-            buf, prev_ids, lora_stacks) -> (kv_pages, f32[sample rows, V] logits, hidden
+            buf, prev_ids, lora_stacks, mm) -> (kv_pages, f32[sample rows, V] logits, hidden
             [num_tokens, H], routed experts or None)`; `kv_pages` is donated (use the pool
             it returns).
         buf: i32[layout.size] the packed inputs, on the step's devices.
@@ -118,6 +118,7 @@ class ModelStep:
         decode_only: Whether `program` is the paged-decode variant.
         num_tokens: The token bucket.
         num_rows: The attention-row bucket.
+        mm_buffer: The encoder cache's rows (a model taking images), or None.
     """
 
     program: Any
@@ -129,13 +130,16 @@ class ModelStep:
     decode_only: bool
     num_tokens: int
     num_rows: int
+    mm_buffer: Any = None
 
     def run(self, params, kv_pages) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Runs the step on `params` and `kv_pages` (donated); returns (the new pool,
         logits, hidden), without waiting for the device."""
-        return self.program(params, kv_pages, self.buf, self.prev_ids, self.lora_stacks)[:3]
+        return self.program(params, kv_pages, self.buf, self.prev_ids, self.lora_stacks,
+                            self.mm_buffer)[:3]
 
     def lower(self, params, kv_pages):
         """The step lowered for `params` and `kv_pages` (`jax.stages.Lowered`: compile it,
         or read its HLO)."""
-        return self.program.lower(params, kv_pages, self.buf, self.prev_ids, self.lora_stacks)
+        return self.program.lower(params, kv_pages, self.buf, self.prev_ids, self.lora_stacks,
+                                  self.mm_buffer)

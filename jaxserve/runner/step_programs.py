@@ -28,20 +28,23 @@ from pallas_kernels import AttentionMetadata
 
 
 def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: bool,
-               routing: bool, params, kv_pages, buf, prev_ids, lora=None):
+               routing: bool, params, kv_pages, buf, prev_ids, lora=None, mm=None):
     """One step's model forward on its packed inputs `buf` (unpacked by `layout`): the
     placeholder tokens read from `prev_ids` (i32[max_rows]), every token's LoRA slot from
-    the buffer when `lora` (the slot stacks) is given. Returns (kv_pages, f32[rows, vocab]
-    logits of the sampled rows, hidden [num_tokens, hidden_size], routed): `routed` is
-    i32[num_tokens, num_layers, top_k] each token's routed experts when `routing` (a
-    mixture of experts' routing capture), else None."""
+    the buffer when `lora` (the slot stacks) is given, image placeholders their rows of
+    `mm` (the encoder cache's buffer [N, H]) by the buffer's `mm_rows`, and bidirectional
+    spans (`AttentionMetadata.q_span_end`) from its `span_end` when it has one. Returns
+    (kv_pages, f32[rows, vocab] logits of the sampled rows, hidden [num_tokens,
+    hidden_size], routed): `routed` is i32[num_tokens, num_layers, top_k] each token's
+    routed experts when `routing` (a mixture of experts' routing capture), else None."""
     x = unpack(buf, layout)
     ranks = model.methods.attention.ranks  # data-parallel attention: the step by ranks
     # NOTE: `state_slots` (i32[num_rows]) travels only for models with linear-attention
     # layers, whose `kv_pages` is then a `HybridCache` (page pool and state pools).
     md = AttentionMetadata(x["slot_mapping"], x["block_tables"], x["kv_lens"], x["cu_q_lens"],
                            decode_only, short_tiles, state_slots=x.get("state_slots"),
-                           num_ranks=1 if ranks is None else ranks.num_ranks)
+                           num_ranks=1 if ranks is None else ranks.num_ranks,
+                           q_span_end=x.get("span_end"))
     src = x["prev_rows"]  # i32[num_tokens]: row of the previous step's sample, or -1
     input_ids = jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], x["input_ids"])
     positions = x["positions"]
@@ -49,8 +52,10 @@ def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: boo
         split = NamedSharding(ranks.mesh, P(ranks.axis))
         input_ids, positions = (jax.lax.with_sharding_constraint(a, split)
                                 for a in (input_ids, positions))
+    mm_embeds = None if mm is None else (mm, x["mm_rows"])
     kv_pages, hidden, *routed = model.forward(params, input_ids, positions, kv_pages, md,
-                                              lora, x.get("lora_slots"), routing=routing)
+                                              lora, x.get("lora_slots"), routing=routing,
+                                              mm_embeds=mm_embeds)
     # NOTE: the sampled rows are padded to the step's row count: methods that can skip the
     # padding rows (the CPU kernels) multiply only the real ones (`models.linear.context`).
     with forward_context(real_rows=x["sample_rows"][0]):  # f32[rows, vocab], padding rows 0
@@ -181,7 +186,7 @@ class StepPrograms:
 
     def model_step(self, layout: Layout, decode_only: bool = False):
         """The model forward (`model_step`) of inputs packed as `layout`: `(params,
-        kv_pages, buf, prev_ids, lora_stacks) -> (kv_pages, logits, hidden, routed)`, the
+        kv_pages, buf, prev_ids, lora_stacks, mm) -> (kv_pages, logits, hidden, routed)`, the
         pool donated; `decode_only` picks the paged-decode variant."""
         fn = self._steps.get((layout, decode_only))
         if fn is None:

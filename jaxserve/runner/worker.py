@@ -41,6 +41,7 @@ from jaxserve.runner.sizing import (
 from models.kv_groups import KVGroupLayout
 from models.mla import kv_bytes_report
 from models.model import Model
+from models.vision.towers import SERVED as SERVED_VISION
 
 logger = logging.getLogger("jaxserve")
 
@@ -106,6 +107,7 @@ class Worker:
         if model is None:
             release_loader_memory(self.model.source)
         self.limits: Limits = resolve_limits(config, self.model, max_model_len)
+        self.vision = load_vision_tower(self.model) if model is None else None
         if config.lora.enable_lora and jax.process_count() > 1:
             raise ValueError("enable_lora: LoRA adapters are served on one host only (the "
                              "adapter slots are not sent to the other processes)")
@@ -172,6 +174,8 @@ class Worker:
                                   logprobs_mode=self.config.model.logprobs_mode,
                                   routed_experts=self.config.model.enable_return_routed_experts,
                                   num_state_slots=states.num_rows if states else None)
+        if self.vision is not None:
+            self.runner.set_vision(self.vision, spans=True)  # Gemma 3: images attend both ways
         logger.info("jaxserve: weights %s; KV cache %s: %d pages of %d tokens = "
                     "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
                     self.model.weights_report(),
@@ -278,3 +282,23 @@ class Worker:
         long requests fit more."""
         num_groups = self.kv_layout.num_groups
         return (self.limits.num_pages - 1) * self.config.cache.page_size // num_groups
+
+
+def load_vision_tower(model: Model):
+    """The vision tower of `model`'s checkpoint directory when its family's images are served
+    (`models.vision.towers`), in the model's dtype; None for others.
+
+    Raises:
+        ValueError: Images on more than one host (the encoder cache is not sent), or a
+            tower config or tensor that cannot be served (named).
+    """
+    from models.loaders.safetensors_dir import SafetensorsDir
+    from models.vision.towers import load_vision, read_hf_config
+
+    hf = read_hf_config(model.source) if model.source else None
+    if hf is None or (hf.get("architectures") or [None])[0] not in SERVED_VISION:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError("images are served on one host only (the encoder cache's rows are "
+                         "not sent to the other processes)")
+    return load_vision(model.source, SafetensorsDir(model.source), model.dtype)
