@@ -163,3 +163,22 @@ def test_bad_image_requests_are_value_errors(llm, prompt, data, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([{"prompt": prompt, "multi_modal_data": data}], PARAMS, use_tqdm=False)
     assert llm.engine.kv.usage == 0.0
+
+
+@pytest.mark.slow(reason="two more engines (~10 s each); the default tier serves images above")
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_both_ways_keeps_the_tokens(built, mode):
+    """Six image prompts into a pool of 16 pages of 8 tokens: requests are preempted (their
+    images encoded again or found in the encoder cache on resume) and still give
+    transformers' tokens."""
+    imgs = [picture(i) for i in range(1, 4)]
+    prompts = [(ONE, [imgs[i % 3]]) for i in range(3)] + [(TWO, [imgs[i], imgs[i - 1]])
+                                                          for i in range(3)]
+    want = [hf_greedy(built, text, images) for text, images in prompts]
+    llm = LLM(built[0], **{**ENGINE, "num_kv_blocks": 16, "preemption_mode": mode,
+                           "swap_space": 0.05})
+    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}}
+                         for text, images in prompts], PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv.usage == 0.0
