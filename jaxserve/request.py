@@ -98,6 +98,10 @@ class Request:
         self.seeds = tuple(seeds)  # one per completion (n > 1 fans out into n samples)
         # `jaxserve.multimodal.inputs.ImageItem`s at their placeholders, by offset
         self.mm_items = tuple(sorted(mm_items, key=lambda item: item.offset))
+        # A multimodal rotary's prompt positions (i32[3, num_prompt_tokens]) and the shift of
+        # every later token's (`models.mrope`); None: positions are the token indices.
+        self.rope_positions = None
+        self.rope_delta = 0
         self.fan_out = len(self.seeds)  # samples to draw when the prompt completes
         self.sample_index = 0  # which completion of the user request this is
         self.forked_from: str | None = None
@@ -169,7 +173,8 @@ class Request:
                         arrival_time=self.arrival_time, sampling_params=self.sampling_params,
                         priority=self.priority, eos_token_ids=self.eos_token_ids,
                         user_request_id=self.user_request_id, seeds=self.seeds,
-                        lora_request=self.lora_request)
+                        lora_request=self.lora_request, mm_items=self.mm_items)
+        child.rope_positions, child.rope_delta = self.rope_positions, self.rope_delta
         child.fan_out = 1
         child.num_cached_tokens = self.num_cached_tokens
         child.append_output_token_ids(self.output_token_ids)

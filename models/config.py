@@ -160,6 +160,8 @@ class ArchConfig:
         global_head_dim: The full-attention layers' head width when it is not `head_dim`
             (0: the same); their weights are a stack of their own (`models.gemma4_heads`).
         global_kv_heads: The full-attention layers' KV heads when not `num_kv_heads` (0).
+        mrope_section: Qwen2-VL's multimodal rotary: frequency bands turned by the temporal,
+            height and width position rows (`models.mrope`); () for plain rotary.
         nope_layers: Layers whose attention has no rotary (Llama 4's NoPE layers, where
             `no_rope_layers` is 0); the others rotate as `use_rope` says.
         qk_l2_norm: q and k of the rotary layers get a weightless RMS norm after the
@@ -246,6 +248,7 @@ class ArchConfig:
     double_wide_mlp: bool = False
     global_head_dim: int = 0
     global_kv_heads: int = 0
+    mrope_section: tuple[int, ...] = ()
     nope_layers: tuple[int, ...] = ()
     qk_l2_norm: bool = False
     attn_temperature_tuning: bool = False
@@ -351,6 +354,10 @@ class ArchConfig:
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
         object.__setattr__(self, "linear_layers", tuple(int(i) for i in self.linear_layers))
         object.__setattr__(self, "nope_layers", tuple(int(i) for i in self.nope_layers))
+        object.__setattr__(self, "mrope_section", tuple(int(i) for i in self.mrope_section))
+        if self.mrope_section and sum(self.mrope_section) * 2 != self.rotary_dim:
+            raise ValueError(f"mrope_section {list(self.mrope_section)} must sum to half the "
+                             f"rotary dimension {self.rotary_dim}")
         if len(self.layer_windows) != self.num_layers:
             raise ValueError(
                 f"layer_windows has {len(self.layer_windows)} entries for "
@@ -443,6 +450,7 @@ class ArchConfig:
             d["local_rope_scaling"] = RopeScaling(**d["local_rope_scaling"])
         d["layer_windows"] = tuple(d["layer_windows"])
         d["nope_layers"] = tuple(d.get("nope_layers", ()))
+        d["mrope_section"] = tuple(d.get("mrope_section", ()))
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         return cls(**d)
 

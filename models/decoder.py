@@ -42,6 +42,7 @@ from models.mixed import MixedMLP
 from models.mla import MLAttention
 from models.moe import MoEMLP
 from models.moe_parallel import ExpertSharding
+from models.mrope import mrope_cos_sin
 from pallas_kernels import AttentionMetadata
 
 
@@ -277,7 +278,8 @@ class Decoder(nn.Module):
              self.per_layer_projection_norm) = per_layer_modules(cfg, self.dtype, methods)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_pages,
-                 md: AttentionMetadata, mm_embeds: tuple | None = None) -> tuple:
+                 md: AttentionMetadata, mm_embeds: tuple | None = None,
+                 rope_positions: jax.Array | None = None) -> tuple:
         """Runs one step.
 
         Args:
@@ -294,6 +296,9 @@ class Decoder(nn.Module):
                 the tokens with a row take it as their embedding (an image's placeholders
                 take the vision encoder's outputs, after the embedding scale, as
                 transformers puts them); None: every token its own embedding.
+            rope_positions: i32[3, num_tokens] the multimodal rotary's (temporal, height,
+                width) positions of a model with `mrope_section` (`models.mrope`); None:
+                `positions` on all three rows (a text-only step).
 
         Returns:
             (kv_pages, hidden) with hidden [num_tokens, hidden_size] after the final norm;
@@ -318,8 +323,15 @@ class Decoder(nn.Module):
             raise ValueError(f"block_tables {md.block_tables.shape} and slot_mapping "
                              f"{md.slot_mapping.shape} do not carry the {groups} KV cache "
                              f"group(s) of the model's layout")
-        cos, sin = (kind_rope(positions, self.cfg) if self.cfg.has_global_heads
-                    else rope_cos_sin(positions, self.cfg))
+        if self.cfg.mrope_section:  # Qwen2-VL's rotary: a position row per band
+            rows = (jnp.broadcast_to(positions, (3, positions.shape[0]))
+                    if rope_positions is None else rope_positions)
+            cos, sin = mrope_cos_sin(rows, self.cfg.rotary_dim, self.cfg.rope_theta,
+                                     self.cfg.mrope_section)
+        elif self.cfg.has_global_heads:
+            cos, sin = kind_rope(positions, self.cfg)
+        else:
+            cos, sin = rope_cos_sin(positions, self.cfg)
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         if self.cfg.embed_scale:  # the factor rounded to the dtype first, as transformers
             hidden = hidden * jnp.asarray(self.cfg.hidden_size ** 0.5, hidden.dtype)

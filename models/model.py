@@ -186,7 +186,8 @@ class Model:
 
     def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata,
                 lora: dict | None = None, lora_slots: jax.Array | None = None,
-                routing: bool = False, mm_embeds: tuple | None = None):
+                routing: bool = False, mm_embeds: tuple | None = None,
+                rope_positions: jax.Array | None = None):
         """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size]);
         `kv_pages` is the page pool, or with linear-attention layers a
         `models.gated_deltanet.HybridCache` (pages and state pools; `md.state_slots` each
@@ -202,7 +203,8 @@ class Model:
         context (`models.linear.context`).
 
         `mm_embeds` (rows [N, hidden], i32[num_tokens] each token's row or -1): the rows
-        that stand in for image placeholders' embeddings (`Decoder.__call__`).
+        that stand in for image placeholders' embeddings (`Decoder.__call__`);
+        `rope_positions` (i32[3, num_tokens]) a multimodal rotary's position rows.
 
         Raises:
             ValueError: Adapter stacks for a model not served with LoRA
@@ -222,7 +224,8 @@ class Model:
         with forward_context(real_rows=md.num_real_tokens,
                              lora_slots=None if lora is None else lora_slots):
             module = self.module.clone(capture_routing=True) if routing else self.module
-            return module.apply(var, input_ids, positions, kv_pages, md, mm_embeds)
+            return module.apply(var, input_ids, positions, kv_pages, md, mm_embeds,
+                                rope_positions)
 
     def compute_logits(self, params, hidden):
         """Pure LM head (jit-able): f32[num_rows, vocab_size]."""

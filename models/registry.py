@@ -16,6 +16,7 @@ from models.config import ArchConfig
 from models.family_base import ModelFamily, text_config
 from models.hf_fields import partial_rotary_factor, windows_from_layer_types
 from models.moe_config import sparse_fields
+from models.mrope import mrope_section_of
 from models.registry_gemma4 import Gemma4
 from models.registry_llama4 import Llama4
 from models.registry_mixers import (
@@ -104,6 +105,22 @@ class Qwen2(ModelFamily):
     @classmethod
     def extra_fields(cls, hf):
         return dict(qkv_bias=True, layer_windows=cls._windows(hf))
+
+
+class Qwen2_5_VL(Qwen2):
+    """Qwen2.5-VL's language model (a Qwen2 decoder) with its multimodal rotary
+    (`mrope_section`, `models.mrope`): its images are served by `models.vision`."""
+
+    architectures = ("Qwen2_5_VLForConditionalGeneration",)
+
+    @classmethod
+    def arch_config(cls, hf):
+        text = hf.get("text_config") or hf
+        return super().arch_config({**text, "architectures": hf["architectures"]})
+
+    @classmethod
+    def extra_fields(cls, hf):
+        return dict(super().extra_fields(hf), mrope_section=mrope_section_of(hf))
 
 
 class Qwen3(Qwen2):
@@ -321,7 +338,7 @@ class GptOss(ModelFamily):
 
 
 FAMILIES: dict[str, type[ModelFamily]] = {
-    name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen3, Gemma2, Gemma3, Mixtral,
+    name: fam for fam in (Llama, Mistral, Phi3, Qwen2, Qwen2_5_VL, Qwen3, Gemma2, Gemma3, Mixtral,
                           Qwen2Moe, Qwen3Moe, Olmoe, Qwen3_5, Qwen3_5Moe, Qwen3Next,
                           GraniteMoeHybrid, DeepseekV2, DeepseekV3, GptOss, Gemma4,
                           Llama4)

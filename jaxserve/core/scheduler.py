@@ -22,7 +22,7 @@ from jaxserve.core.scheduler_output import (
     StepDraft,
 )
 from jaxserve.core.scheduler_update import OutputUpdater
-from jaxserve.multimodal.inputs import whole_images
+from jaxserve.multimodal.inputs import chunk_rope_positions, whole_images
 from jaxserve.request import Request, RequestStatus
 from jaxserve.utils import delegated
 
@@ -319,7 +319,8 @@ class Scheduler:
             state_slot=self.kv.state_slot(request.request_id),
             rank=self.kv.rank_of(request.request_id),
             mm_items=tuple(item for item in request.mm_items
-                           if item.offset < start + num_new and item.end > start))
+                           if item.offset < start + num_new and item.end > start),
+            rope_positions=chunk_rope_positions(request, start, num_new + num_spec))
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether a token in flight surely ends the request (its length limits): it is

@@ -51,6 +51,8 @@ class ScheduledRequest:
         mm_items: The request's images (`jaxserve.multimodal.inputs.ImageItem`) whose
             placeholders this step computes: the runner puts their encoder rows in for the
             placeholders' embeddings.
+        rope_positions: i32[3, len(token_ids)] the tokens' multimodal rotary positions
+            (a request with `Request.rope_positions`); None: their positions.
     """
 
     request_id: str
@@ -66,6 +68,7 @@ class ScheduledRequest:
     state_slot: int = 0
     rank: int = 0
     mm_items: tuple = ()
+    rope_positions: object = None
 
     @property
     def num_pages(self) -> int:

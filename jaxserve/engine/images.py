@@ -18,13 +18,15 @@ def engine_images(engine):
     tower = engine.worker.vision
     if tower is None:
         return None
-    per_image = tower.cfg.tokens_per_image
+    support = image_support(tower.hf_config, engine.tokenizer, engine.model.source)
+    per_image = support.max_image_tokens
     budget = engine.limits.max_num_batched_tokens
-    if budget < per_image:
+    if support.layout.bidirectional and budget < per_image:
         raise ValueError(f"max_num_batched_tokens={budget} is below the {per_image} tokens of "
                          "one image, which a step computes whole")
     spec = engine.config.speculative_config
     if spec is not None and getattr(spec, "method", None) not in (None, "ngram"):
         raise ValueError(f"speculative_config method {spec.method!r} is not served with "
                          "images (its draft would not see them); n-gram speculation is")
-    return image_support(tower.hf_config, engine.tokenizer, engine.model.source)
+    engine.runner.set_vision(tower, support.layout.bidirectional, per_image)
+    return support

@@ -134,6 +134,10 @@ class InputProcessor:
                        lora_request=lora_request, mm_items=items,
                        sampling_params=params, priority=priority, eos_token_ids=self.eos_token_ids,
                        seeds=tuple(seeds))
+        if items:  # a multimodal rotary's rows (Qwen2-VL); None for other families
+            rope = self.images.rope_positions(ids, items)
+            if rope is not None:
+                root.rope_positions, root.rope_delta = rope
         state = RequestState(self.tokenizer, root, text, params)
         extra_eos = [e for e in self.eos_token_ids[1:] if e not in (params.stop_token_ids or [])]
         if params.min_tokens and not params.ignore_eos and extra_eos:

@@ -122,7 +122,8 @@ def expand_prompt(prompt: str | list[int], images: list[ImageInputs], layout: Im
             ids = list(tokenize(text))
     else:
         count = sum(1 for t in prompt if t == layout.marker_id)
-        if count == len(images) and layout.placeholder_id not in prompt:
+        own = layout.placeholder_id != layout.marker_id and layout.placeholder_id in prompt
+        if count == len(images) and not own:
             it = iter(images)
             ids = []
             for t in prompt:
@@ -156,3 +157,19 @@ def whole_images(request, start: int, num_new: int) -> int:
         if item.whole and item.offset < end < item.end:
             return item.offset - start if item.offset > start else 0
     return num_new
+
+
+def chunk_rope_positions(request, start: int, num: int) -> np.ndarray | None:
+    """i32[3, num] the multimodal rotary positions of a request's tokens start .. start +
+    num - 1: its prompt's rows (`Request.rope_positions`), then each later token's index
+    plus `Request.rope_delta` on all three; None for a request without them."""
+    rows = request.rope_positions
+    if rows is None:
+        return None
+    pos = np.arange(start, start + num)
+    out = np.broadcast_to(pos + request.rope_delta, (3, num)).astype(np.int32)
+    inside = pos < rows.shape[1]
+    if inside.any():
+        out = out.copy()
+        out[:, inside] = rows[:, pos[inside]]
+    return out

@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxserve.multimodal.inputs import ImageItem, ImageLayout, expand_prompt
 from jaxserve.multimodal.media import MediaLimits, load_image
-from jaxserve.multimodal.processors import Gemma3Processor, read_preprocessor_config
+from jaxserve.multimodal.processors import (
+    Gemma3Processor,
+    QwenVLProcessor,
+    read_preprocessor_config,
+)
+from models.mrope import mrope_positions
 
 GEMMA3 = "Gemma3ForConditionalGeneration"
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 DEFAULT_MAX_IMAGES = 999  # vLLM's default `limit_mm_per_prompt` is per modality, unbounded
 
 
@@ -29,6 +37,23 @@ class ImageSupport:
     processor: object
     limits: MediaLimits = MediaLimits()
     max_images: int = DEFAULT_MAX_IMAGES
+    mrope: tuple | None = None  # Qwen2-VL: (image token id, spatial merge size)
+
+    @property
+    def max_image_tokens(self) -> int:
+        """Placeholders of the largest image the processor makes."""
+        proc = self.processor
+        if isinstance(proc, QwenVLProcessor):
+            return proc.max_pixels // (proc.patch_size * proc.merge_size) ** 2
+        return proc.tokens
+
+    def rope_positions(self, ids: list[int], items) -> tuple[np.ndarray, int] | None:
+        """A prompt's multimodal rotary rows and the later tokens' shift (`models.mrope`),
+        for a family with them; None for others."""
+        if self.mrope is None:
+            return None
+        token, merge = self.mrope
+        return mrope_positions(ids, [item.inputs.grid_thw for item in items], token, merge)
 
     def prompt_items(self, prompt, images, tokenize) -> tuple[list[int], list[ImageItem]]:
         """Token ids and image items of a prompt (text or ids) with `images` (one image or
@@ -56,6 +81,13 @@ def image_support(hf_config: dict, tokenizer, model_dir: str, limits: MediaLimit
             setting that is not (named).
     """
     arch = (hf_config.get("architectures") or [None])[0]
+    if arch == QWEN2_5_VL:
+        pad = int(hf_config.get("image_token_id", 151_655))
+        text = tokenizer.convert_ids_to_tokens(pad)
+        processor = QwenVLProcessor.from_config(read_preprocessor_config(model_dir))
+        merge = int((hf_config.get("vision_config") or {}).get("spatial_merge_size", 2))
+        return ImageSupport(ImageLayout(text, pad, text, pad), processor,
+                            limits or MediaLimits(), max_images, (pad, merge))
     if arch != GEMMA3:
         raise ValueError(f"images are not served for {arch}")
     boi = int(hf_config.get("boi_token_index", 255_999))

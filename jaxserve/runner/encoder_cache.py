@@ -77,7 +77,7 @@ class EncoderCache:
             if first is None:
                 raise ValueError(f"a step's images need more than the encoder cache's "
                                  f"{self.num_rows} rows")
-            rows = self.tower.encode(item.inputs.pixel_values[None])[0]  # [n, H]
+            rows = self.tower.encode(item.inputs)  # [n, H]
             self.buffer = _put(self.buffer, rows, first)
             self.entries[item.hash] = (first, item.length)
             self.misses += 1

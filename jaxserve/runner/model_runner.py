@@ -30,6 +30,7 @@ from jaxserve.runner.lora_slots import LoRASlots
 from jaxserve.runner.sampler_variants import promote, variant_of
 from jaxserve.runner.sampling_rows import SamplingRows
 from jaxserve.runner.state_pool import HostStateSpace, cache_pages, cache_shardings, empty_cache
+from jaxserve.runner.step_input import rope_rows
 from jaxserve.runner.step_io import ModelStep, PendingStep, StepInputs, StepResult
 from jaxserve.runner.step_packing import StepPacking
 from jaxserve.runner.step_programs import StepPrograms, result_on_host, runner_model
@@ -382,14 +383,17 @@ class ModelRunner:
             self.encoder.ensure([item for s in out.scheduled for item in s.mm_items])
             rows, ends = self.encoder.token_rows(out.scheduled, num_tokens)
             arrays.mm_rows, arrays.span_end = rows, (ends if self.image_spans else None)
+        if self.model.cfg.mrope_section:
+            arrays.rope_positions = rope_rows(out.scheduled, arrays.positions)
         model_buf, model_layout = pack(arrays.device_tree())
         return arrays, model_buf, model_layout, num_tokens, num_rows
 
-    def set_vision(self, tower, spans: bool) -> None:
+    def set_vision(self, tower, spans: bool, max_image_tokens: int) -> None:
         """Serves images from the next step on: an encoder cache for `tower`
-        (`models.vision.towers.VisionTower`) of at least one step's placeholders, and with
-        `spans` each step's bidirectional span ends (`runner/encoder_cache.py`)."""
-        rows = max(self.buckets[-1], 4 * tower.cfg.tokens_per_image)
+        (`models.vision.towers.VisionTower`) of at least one step's placeholders and four
+        of the largest images, and with `spans` each step's bidirectional span ends
+        (`runner/encoder_cache.py`)."""
+        rows = max(self.buckets[-1], 4 * max_image_tokens)
         self.encoder = EncoderCache(tower, rows, put=self.to_device)
         self.image_spans = spans
 

@@ -41,6 +41,8 @@ class StepArrays:
         span_end: i32[num_tokens] each token's bidirectional span end
             (`AttentionMetadata.q_span_end`; 0 outside one), with `mm_rows` for families
             whose images attend both ways; None: not sent.
+        rope_positions: i32[3, num_tokens] a multimodal rotary's position rows (a model
+            with `mrope_section`: `rope_rows`); None: not sent.
     """
 
     input_ids: np.ndarray
@@ -56,6 +58,7 @@ class StepArrays:
     state_slots: np.ndarray | None = None
     mm_rows: np.ndarray | None = None
     span_end: np.ndarray | None = None
+    rope_positions: np.ndarray | None = None
 
     def device_tree(self) -> dict:
         """The arrays the jitted step receives."""
@@ -68,7 +71,9 @@ class StepArrays:
                 **({} if self.lora_slots is None else {"lora_slots": self.lora_slots}),
                 **({} if self.state_slots is None else {"state_slots": self.state_slots}),
                 **({} if self.mm_rows is None else {"mm_rows": self.mm_rows}),
-                **({} if self.span_end is None else {"span_end": self.span_end})}
+                **({} if self.span_end is None else {"span_end": self.span_end}),
+                **({} if self.rope_positions is None
+                   else {"rope_positions": self.rope_positions})}
 
 
 def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page_size: int,
@@ -189,3 +194,17 @@ def build_step_arrays(out: SchedulerOutput, num_tokens: int, num_rows: int, page
         slots_of_rows[:r] = np.fromiter((s.state_slot for s in sched), np.int32, r)
     return StepArrays(input_ids, src, positions, slot_mapping, block_tables, kv_lens, cu,
                       logits_indices, row_ids, state_slots=slots_of_rows)
+
+
+def rope_rows(scheduled, positions: np.ndarray) -> np.ndarray:
+    """i32[3, num_tokens] the multimodal rotary rows of a step: each token's position on all
+    three, but the entries' own `ScheduledRequest.rope_positions` where they have them
+    (packed in order, as `build_step_arrays` packs the tokens)."""
+    rows = np.broadcast_to(positions, (3, positions.shape[0])).copy()
+    t = 0
+    for s in scheduled:
+        n = s.num_new_tokens
+        if s.rope_positions is not None:
+            rows[:, t:t + n] = s.rope_positions
+        t += n
+    return rows

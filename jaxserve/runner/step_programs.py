@@ -55,7 +55,8 @@ def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: boo
     mm_embeds = None if mm is None else (mm, x["mm_rows"])
     kv_pages, hidden, *routed = model.forward(params, input_ids, positions, kv_pages, md,
                                               lora, x.get("lora_slots"), routing=routing,
-                                              mm_embeds=mm_embeds)
+                                              mm_embeds=mm_embeds,
+                                              rope_positions=x.get("rope_positions"))
     # NOTE: the sampled rows are padded to the step's row count: methods that can skip the
     # padding rows (the CPU kernels) multiply only the real ones (`models.linear.context`).
     with forward_context(real_rows=x["sample_rows"][0]):  # f32[rows, vocab], padding rows 0

@@ -174,8 +174,6 @@ class Worker:
                                   logprobs_mode=self.config.model.logprobs_mode,
                                   routed_experts=self.config.model.enable_return_routed_experts,
                                   num_state_slots=states.num_rows if states else None)
-        if self.vision is not None:
-            self.runner.set_vision(self.vision, spans=True)  # Gemma 3: images attend both ways
         logger.info("jaxserve: weights %s; KV cache %s: %d pages of %d tokens = "
                     "%d tokens of capacity (%.0f MiB); max_model_len %d, token buckets %s",
                     self.model.weights_report(),

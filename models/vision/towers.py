@@ -10,13 +10,13 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from models.vision import siglip
+from models.vision import qwen2_5_vl, siglip
 
 # Families whose tower the engine serves, by their checkpoint's architecture.
 GEMMA3 = "Gemma3ForConditionalGeneration"
-SERVED = (GEMMA3,)
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+SERVED = (GEMMA3, QWEN2_5_VL)
 
 
 @dataclasses.dataclass
@@ -25,7 +25,8 @@ class VisionTower:
 
     Attributes:
         architecture: The checkpoint's architecture (one of `SERVED`).
-        cfg: The tower's config (`siglip.SiglipConfig` for Gemma 3).
+        cfg: The tower's config (`siglip.SiglipConfig` for Gemma 3,
+            `qwen2_5_vl.QwenVisionConfig` for Qwen2.5-VL).
         params: Its weights (a pytree of device arrays).
         hf_config: The checkpoint's config.json (image token ids, sizes).
     """
@@ -38,16 +39,22 @@ class VisionTower:
     @property
     def hidden_size(self) -> int:
         """Width of the rows it makes (the text model's hidden size)."""
+        if self.architecture == QWEN2_5_VL:
+            return self.cfg.out_hidden_size
         return self.cfg.text_hidden_size
 
     @property
     def dtype(self):
         return jax.tree_util.tree_leaves(self.params)[0].dtype
 
-    def encode(self, pixels: np.ndarray) -> jax.Array:
-        """Rows of a batch of images: pixels f32[B, 3, S, S] (`Gemma3Processor`'s) ->
-        [B, tokens_per_image, hidden_size], one compile per batch size."""
-        return _encode_siglip(self.params, self.cfg, jnp.asarray(pixels))
+    def encode(self, inputs) -> jax.Array:
+        """The rows of one preprocessed image (`ImageInputs`): [num_tokens, hidden_size]
+        (one compile per image size)."""
+        if self.architecture == QWEN2_5_VL:
+            return qwen2_5_vl.encode_images(self.params, self.cfg,
+                                            jnp.asarray(inputs.pixel_values),
+                                            (tuple(inputs.grid_thw),))
+        return _encode_siglip(self.params, self.cfg, jnp.asarray(inputs.pixel_values)[None])[0]
 
 
 _encode_siglip = jax.jit(siglip.encode_images, static_argnums=1)
@@ -74,5 +81,8 @@ def load_vision(path: str, source, dtype=jnp.float32) -> VisionTower | None:
     arch = (hf or {}).get("architectures", [None])[0]
     if arch not in SERVED:
         return None
+    if arch == QWEN2_5_VL:
+        cfg = qwen2_5_vl.QwenVisionConfig.from_hf(hf.get("vision_config") or {})
+        return VisionTower(arch, cfg, qwen2_5_vl.load_qwen_vision(source, cfg, dtype=dtype), hf)
     cfg = siglip.SiglipConfig.from_hf(hf)
     return VisionTower(arch, cfg, siglip.load_siglip(source, cfg, dtype), hf)

@@ -64,11 +64,11 @@ class FakeTower:
     def __init__(self):
         self.calls = 0
 
-    def encode(self, pixels):
+    def encode(self, inputs):
         self.calls += 1
         n = 6
-        return (pixels[0, 0, 0] * 100 + jnp.arange(n, dtype=jnp.float32))[None, :, None] \
-            * jnp.ones((1, n, 2))
+        return (inputs.pixel_values[0, 0] * 100 + jnp.arange(n, dtype=jnp.float32))[:, None] \
+            * jnp.ones((n, 2))
 
 
 def test_encoder_cache_encodes_once_and_evicts_the_least_recent():
