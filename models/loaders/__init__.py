@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ArchConfig
+from models.encoder_config import is_encoder
 from models.linear.registry import ServingChoice, keeps_gguf_blocks, platform
 from models.loaders import orbax_ckpt
 from models.loaders.checkpoint_quant import QuantizedSource, check_requested, checkpoint_format
@@ -107,7 +108,12 @@ def read_arch_config(model: str | None = None) -> ArchConfig:
         return orbax_ckpt.read_checkpoint_meta(path)[0]
     if kind == "gguf":
         return arch_config_from_hf(open_gguf(path).hf_config())
-    cfg = arch_config_from_hf(read_config(path))
+    hf = read_config(path)
+    if is_encoder(hf):  # BERT-style encoders: their sizing view (`models.encoder`)
+        from models.loaders.encoder_weights import read_encoder_config
+
+        return read_encoder_config(path).arch_view()
+    cfg = arch_config_from_hf(hf)
     if not cfg.tie_word_embeddings and "lm_head.weight" not in SafetensorsDir(path).names():
         # NOTE: an embedding checkpoint (Qwen3-Embedding: a bare `Qwen3Model`) has no LM
         # head; the pooling runner never reads one, so it is tied to the embeddings.
@@ -148,6 +154,8 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
     jdtype = parse_dtype(resolve_dtype(dtype, kind, path))
     serving = serving or ServingChoice()
     start = time.perf_counter()
+    if kind == "hf" and is_encoder(read_config(path)):
+        return _load_encoder(path, jdtype, shardings, quantization, start)
     cfg = read_arch_config(path)
     if (quantization is None and kind == "gguf" and platform() == "cpu"
             and keeps_gguf_blocks(cfg, open_gguf(path).quant_plan(), jdtype, serving,
@@ -184,6 +192,21 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
         params = _place(host, cfg, jdtype, plan, shardings)
     m = Model(cfg, params, jdtype, source=path, quant=plan, serving=serving,
               checkpoint_bytes=checkpoint_bytes)
+    m.load_seconds = time.perf_counter() - start
+    return m
+
+
+def _load_encoder(path: str, dtype, shardings, quantization, start: float) -> Model:
+    """A BERT-style encoder (`models.encoder.EncoderModel`): dense weights on one device."""
+    from models.loaders.encoder_weights import load_encoder
+
+    if quantization not in (None, "none"):
+        raise ValueError(f"quantization={quantization!r}: encoder models ({path}) are served "
+                         "with dense weights only")
+    if shardings is not None:
+        raise ValueError(f"tensor_parallel_size: encoder models ({path}) are served on one "
+                         "device")
+    m = load_encoder(path, dtype)
     m.load_seconds = time.perf_counter() - start
     return m
 

@@ -1,0 +1,116 @@
+"""Loads a BERT / XLM-RoBERTa safetensors directory into an `EncoderModel` (transformers'
+tensor names, with or without the `bert.` / `roberta.` prefix of a task model)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.encoder import LAYER_LEAVES, EncoderModel
+from models.encoder_config import EncoderConfig, encoder_config_from_hf
+from models.loaders.safetensors_dir import SafetensorsDir, read_config
+
+# Each layer leaf's tensor under `encoder.layer.{i}.` (matrices transposed to [in, out]).
+LAYER_NAMES = dict(zip(LAYER_LEAVES, (
+    "attention.self.query.weight", "attention.self.query.bias",
+    "attention.self.key.weight", "attention.self.key.bias",
+    "attention.self.value.weight", "attention.self.value.bias",
+    "attention.output.dense.weight", "attention.output.dense.bias",
+    "attention.output.LayerNorm.weight", "attention.output.LayerNorm.bias",
+    "intermediate.dense.weight", "intermediate.dense.bias",
+    "output.dense.weight", "output.dense.bias",
+    "output.LayerNorm.weight", "output.LayerNorm.bias"), strict=True))
+EMBED_NAMES = {"word": "embeddings.word_embeddings.weight",
+               "position": "embeddings.position_embeddings.weight",
+               "token_type": "embeddings.token_type_embeddings.weight",
+               "ln_scale": "embeddings.LayerNorm.weight", "ln_bias": "embeddings.LayerNorm.bias"}
+# The classification heads' tensors (unprefixed: they sit beside the `bert.` / `roberta.` body).
+HEAD_NAMES = {"bert": {"dense_w": "bert.pooler.dense.weight", "dense_b": "bert.pooler.dense.bias",
+                       "out_w": "classifier.weight", "out_b": "classifier.bias"},
+              "roberta": {"dense_w": "classifier.dense.weight",
+                          "dense_b": "classifier.dense.bias",
+                          "out_w": "classifier.out_proj.weight",
+                          "out_b": "classifier.out_proj.bias"}}
+BODY_PREFIXES = ("", "bert.", "roberta.")
+
+
+def separator_id(path: str) -> int | None:
+    """The tokenizer's `sep_token_id` in directory `path` (None: no tokenizer or none)."""
+    if not any(os.path.exists(os.path.join(path, f))
+               for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path).sep_token_id
+
+
+def read_encoder_config(path: str) -> EncoderConfig:
+    """The `EncoderConfig` of a Hugging Face directory (its tokenizer's separator included)."""
+    return encoder_config_from_hf(read_config(path), separator_id(path))
+
+
+class _Tensors:
+    """A directory's tensors by name, the body's under whichever prefix it was saved with."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.files = SafetensorsDir(path)
+        names = set(self.files.names())
+        self.prefix = next((p for p in BODY_PREFIXES
+                            if f"{p}{EMBED_NAMES['word']}" in names), None)
+        if self.prefix is None:
+            raise ValueError(f"{path}: no tensor {EMBED_NAMES['word']!r} (with or without a "
+                             "'bert.' / 'roberta.' prefix): not a BERT-style encoder")
+        self.names = names
+
+    def get(self, name: str, body: bool = True) -> np.ndarray:
+        full = f"{self.prefix}{name}" if body else name
+        if full not in self.names:
+            raise ValueError(f"{self.path}: missing tensor {full!r}")
+        return np.asarray(self.files.get(full), np.float32)
+
+
+def load_encoder(path: str, dtype=jnp.float32) -> EncoderModel:
+    """An `EncoderModel` of the directory `path`, its weights in `dtype` on the default
+    device.
+
+    Raises:
+        ValueError: The config's errors (`encoder_config_from_hf`), a missing tensor (named),
+            or a tensor of another shape than the config gives (named).
+    """
+    cfg = read_encoder_config(path)
+    t = _Tensors(path)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    want = {"word": (cfg.vocab_size, h), "position": (cfg.max_position_embeddings, h),
+            "token_type": (cfg.type_vocab_size, h), "ln_scale": (h,), "ln_bias": (h,)}
+    embed = {k: _shaped(t.get(n), want[k], n) for k, n in EMBED_NAMES.items()}
+    layer_shapes = {"wq": (h, h), "wk": (h, h), "wv": (h, h), "wo": (h, h), "wi": (i, h),
+                    "wout": (h, i)}
+    layers = {}
+    for leaf, name in LAYER_NAMES.items():
+        stack = []
+        for n in range(cfg.num_layers):
+            full = f"encoder.layer.{n}.{name}"
+            x = t.get(full)
+            shape = layer_shapes.get(leaf, (i,) if leaf == "bi" else (h,))
+            stack.append(_shaped(x, shape, full).T)  # [in, out] for matrices
+        layers[leaf] = np.stack(stack)
+    params = {"embed": embed, "layers": layers}
+    if cfg.head is not None:
+        names = HEAD_NAMES[cfg.head]
+        shapes = {"dense_w": (h, h), "dense_b": (h,), "out_w": (cfg.num_labels, h),
+                  "out_b": (cfg.num_labels,)}
+        params["head"] = {k: _shaped(t.get(n, body=False), shapes[k], n).T
+                          for k, n in names.items()}
+    params = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
+    return EncoderModel(cfg.arch_view(), params, jnp.dtype(dtype), source=path,
+                        encoder=cfg, checkpoint_bytes=t.files.tensor_bytes())
+
+
+def _shaped(x: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+    if x.shape != shape:
+        raise ValueError(f"tensor {name!r} has shape {x.shape}; the config gives {shape}")
+    return x
