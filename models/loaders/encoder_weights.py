@@ -27,13 +27,15 @@ EMBED_NAMES = {"word": "embeddings.word_embeddings.weight",
                "position": "embeddings.position_embeddings.weight",
                "token_type": "embeddings.token_type_embeddings.weight",
                "ln_scale": "embeddings.LayerNorm.weight", "ln_bias": "embeddings.LayerNorm.bias"}
-# The classification heads' tensors (unprefixed: they sit beside the `bert.` / `roberta.` body).
-HEAD_NAMES = {"bert": {"dense_w": "bert.pooler.dense.weight", "dense_b": "bert.pooler.dense.bias",
+# The classification heads' tensors: beside the `bert.` / `roberta.` body, but for BERT's
+# pooler, which is part of the body (`BODY_HEAD_LEAVES`).
+HEAD_NAMES = {"bert": {"dense_w": "pooler.dense.weight", "dense_b": "pooler.dense.bias",
                        "out_w": "classifier.weight", "out_b": "classifier.bias"},
               "roberta": {"dense_w": "classifier.dense.weight",
                           "dense_b": "classifier.dense.bias",
                           "out_w": "classifier.out_proj.weight",
                           "out_b": "classifier.out_proj.bias"}}
+BODY_HEAD_LEAVES = {"bert": ("dense_w", "dense_b"), "roberta": ()}
 BODY_PREFIXES = ("", "bert.", "roberta.")
 
 
@@ -103,7 +105,8 @@ def load_encoder(path: str, dtype=jnp.float32) -> EncoderModel:
         names = HEAD_NAMES[cfg.head]
         shapes = {"dense_w": (h, h), "dense_b": (h,), "out_w": (cfg.num_labels, h),
                   "out_b": (cfg.num_labels,)}
-        params["head"] = {k: _shaped(t.get(n, body=False), shapes[k], n).T
+        body = BODY_HEAD_LEAVES[cfg.head]
+        params["head"] = {k: _shaped(t.get(n, body=k in body), shapes[k], n).T
                           for k, n in names.items()}
     params = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
     return EncoderModel(cfg.arch_view(), params, jnp.dtype(dtype), source=path,
