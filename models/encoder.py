@@ -132,8 +132,17 @@ class EncoderModel(Model):
         self.module = None
 
     @property
-    def is_encoder(self) -> bool:
-        return True
+    def num_labels(self) -> int:
+        """Classes of its classification head (0: an embedding model)."""
+        return self.encoder.num_labels if self.encoder.head else 0
+
+    @property
+    def problem_type(self) -> str | None:
+        return self.encoder.problem_type
+
+    @property
+    def score_activation(self) -> str | None:
+        return self.encoder.score_activation
 
     def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata,
                 lora=None, lora_slots=None, routing: bool = False):

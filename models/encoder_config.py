@@ -159,10 +159,10 @@ def encoder_config_from_hf(hf: dict, sep_token_id: int | None = None) -> Encoder
         pair_token_types=family == "bert" and hf.get("type_vocab_size", 2) >= 2
         and sep_token_id is not None,
         sep_token_id=sep_token_id, num_labels=num_labels,
-        problem_type=hf.get("problem_type"), score_activation=_activation_name(act))
+        problem_type=hf.get("problem_type"), score_activation=cross_encoder_activation(act))
 
 
-def _activation_name(qualname: str | None) -> str | None:
+def cross_encoder_activation(qualname: str | None) -> str | None:
     """A sentence-transformers cross-encoder's `activation_fn` ("torch.nn.modules.
     activation.Sigmoid") as "sigmoid" / "identity"; None when not given.
 

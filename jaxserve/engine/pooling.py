@@ -173,24 +173,24 @@ def _request_output(task: str, values: list[float], out: RequestOutput, error):
 def make_pooler(model_config, model) -> Pooler:
     """The pooler of a pooling engine serving `model` under `model_config` (a
     `jaxserve.config.ModelConfig`): `pooler_config` if given, else a sentence-transformers
-    directory's, else the model's default (vLLM's: CLS and normalized for an encoder, its
-    classifier unnormalized; LAST and normalized for a decoder). An encoder classifier's
-    head (`models.encoder.EncoderModel.encoder`) makes its vectors class logits.
+    directory's, else the model's default (vLLM's: CLS and normalized for an encoder, LAST
+    and normalized for a decoder). A classifier (`models.encoder.EncoderModel` with a head,
+    `models.score_head.ScoreHeadModel`) pools the token its head reads (an encoder's first,
+    a decoder's last) into class logits.
 
     Raises:
-        ValueError: A pooling type other than CLS for an encoder classifier (its head reads
-            the first token), or the pooler's own errors.
+        ValueError: Another pooling type for a classifier, or the pooler's own errors.
     """
     encoder = getattr(model, "encoder", None)
     given = model_config.pooler_config or sentence_transformers_pooler(model.source)
-    head = None
-    if encoder is not None and encoder.head is not None:
-        head = ClassifierHead(encoder.num_labels, encoder.problem_type, encoder.score_activation)
-        if given is not None and given.pooling_type != "CLS":
-            raise ValueError(f"pooler_config.pooling_type={given.pooling_type!r}: "
-                             f"{encoder.architecture}'s classification head reads the first "
-                             "token (CLS)")
-        config = given or PoolerConfig("CLS", normalize=False)
-    else:
+    num_labels = getattr(model, "num_labels", 0)
+    if not num_labels:
         config = given or PoolerConfig("CLS" if encoder is not None else "LAST")
-    return Pooler(config, model.cfg.hidden_size, head)
+        return Pooler(config, model.cfg.hidden_size)
+    kind = "CLS" if encoder is not None else "LAST"
+    if given is not None and given.pooling_type != kind:
+        raise ValueError(f"pooler_config.pooling_type={given.pooling_type!r}: "
+                         f"{model.cfg.architecture}'s classification head reads the "
+                         f"{'first' if kind == 'CLS' else 'last'} token ({kind})")
+    head = ClassifierHead(num_labels, model.problem_type, model.score_activation)
+    return Pooler(given or PoolerConfig(kind, normalize=False), num_labels, head)

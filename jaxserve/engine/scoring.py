@@ -79,8 +79,8 @@ def pair_prompt(tokenizer, encoder, text_1: str, text_2: str, keep: int | None) 
     (longest text first, as the tokenizer's `truncation=True` does).
 
     Raises:
-        ValueError: A text that is not a string, or token types the tokenizer gives that the
-            model would not read the same (a text holding the separator token).
+        ValueError: A text that is not a string, or token types the tokenizer gives that an
+            encoder would not read the same (a text holding the separator token).
     """
     for name, text in (("text_1", text_1), ("text_2", text_2)):
         if not isinstance(text, str):
@@ -89,7 +89,7 @@ def pair_prompt(tokenizer, encoder, text_1: str, text_2: str, keep: int | None) 
     enc = tokenizer(text_1, text_2, return_token_type_ids=True, **kwargs)
     ids = list(enc["input_ids"])
     given = list(enc.get("token_type_ids") or [0] * len(ids))
-    if given != rule_token_types(ids, encoder):
+    if encoder is not None and given != rule_token_types(ids, encoder):  # decoders read none
         raise ValueError("text_1 or text_2 holds the separator token (or the tokenizer's token "
                          "types are not BERT's pair layout): the model reads a pair's second "
                          "segment from the first separator on")

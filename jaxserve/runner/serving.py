@@ -214,8 +214,12 @@ def encoder_serving_config(config: EngineConfig, model: Model) -> EngineConfig:
     encoder-only models; other models' `config` unchanged.
 
     Raises:
-        ValueError: An encoder under runner='generate', with LoRA adapters or speculation.
+        ValueError: An encoder or a sequence classifier under runner='generate', an encoder
+            with LoRA adapters or speculation.
     """
+    if getattr(model, "num_labels", 0) and config.model.runner != "pooling":
+        raise ValueError(f"runner={config.model.runner!r}: {model.source or 'the model'} is a "
+                         "sequence classifier (no LM head); serve it with runner='pooling'")
     if getattr(model, "encoder", None) is None:
         return config
     what = f"{model.cfg.architecture} is an encoder-only model"

@@ -28,6 +28,7 @@ from models.loaders.serving_dtype import resolve_dtype
 from models.model import Model, abstract_params, parse_dtype
 from models.quant import QUANTIZATIONS, QuantFormat, QuantPlan, quantize_params, uniform_plan
 from models.registry import arch_config_from_hf
+from models.score_head import decoder_classifier_view, with_score_head
 
 logger = logging.getLogger("jaxserve")
 # quantization -> plan for any dense source ("gguf" and "none" are resolved per source).
@@ -113,7 +114,7 @@ def read_arch_config(model: str | None = None) -> ArchConfig:
         from models.loaders.encoder_weights import read_encoder_config
 
         return read_encoder_config(path).arch_view()
-    cfg = arch_config_from_hf(hf)
+    cfg = arch_config_from_hf(decoder_classifier_view(hf) or hf)
     if not cfg.tie_word_embeddings and "lm_head.weight" not in SafetensorsDir(path).names():
         # NOTE: an embedding checkpoint (Qwen3-Embedding: a bare `Qwen3Model`) has no LM
         # head; the pooling runner never reads one, so it is tied to the embeddings.
@@ -192,8 +193,19 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
         params = _place(host, cfg, jdtype, plan, shardings)
     m = Model(cfg, params, jdtype, source=path, quant=plan, serving=serving,
               checkpoint_bytes=checkpoint_bytes)
+    hf = read_config(path) if kind == "hf" else {}
+    if decoder_classifier_view(hf) is not None:  # a `*ForSequenceClassification`'s score head
+        m = with_score_head(m, hf, _score_weight(path))
     m.load_seconds = time.perf_counter() - start
     return m
+
+
+def _score_weight(path: str):
+    """A decoder classifier's `score.weight` (numpy [num_labels, hidden])."""
+    files = SafetensorsDir(path)
+    if "score.weight" not in files.names():
+        raise ValueError(f"{path}: missing tensor 'score.weight' (the classification head)")
+    return files.get("score.weight")
 
 
 def _load_encoder(path: str, dtype, shardings, quantization, start: float) -> Model:
