@@ -80,7 +80,8 @@ def pair_prompt(tokenizer, encoder, text_1: str, text_2: str, keep: int | None) 
 
     Raises:
         ValueError: A text that is not a string, or token types the tokenizer gives that an
-            encoder would not read the same (a text holding the separator token).
+            encoder would not read the same (`text_1` holding the separator token; in
+            `text_2` it is read as the tokenizer types it).
     """
     for name, text in (("text_1", text_1), ("text_2", text_2)):
         if not isinstance(text, str):
@@ -90,9 +91,9 @@ def pair_prompt(tokenizer, encoder, text_1: str, text_2: str, keep: int | None) 
     ids = list(enc["input_ids"])
     given = list(enc.get("token_type_ids") or [0] * len(ids))
     if encoder is not None and given != rule_token_types(ids, encoder):  # decoders read none
-        raise ValueError("text_1 or text_2 holds the separator token (or the tokenizer's token "
-                         "types are not BERT's pair layout): the model reads a pair's second "
-                         "segment from the first separator on")
+        raise ValueError("text_1 holds the separator token (or the tokenizer's token types are "
+                         "not BERT's pair layout): the model reads a pair's second segment "
+                         "from the first separator on")
     return {"prompt_token_ids": ids, "prompt": f"{text_1}\n{text_2}"}
 
 

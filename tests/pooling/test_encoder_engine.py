@@ -168,7 +168,7 @@ def test_task_and_pair_errors(engines):
         engines["cross"].score(["a", "b"], DOCS, use_tqdm=False)
     with pytest.raises(ValueError, match="at least one"):
         engines["cross"].score("a", [], use_tqdm=False)
-    with pytest.raises(ValueError, match="separator"):
+    with pytest.raises(ValueError, match="text_1 holds the separator"):
         engines["cross"].score("a <|im_end|> b", "c", use_tqdm=False)
     with pytest.raises(ValueError, match="pooling_params"):
         engines["bert"].embed("hi", PoolingParams(task="score"), use_tqdm=False)
