@@ -85,7 +85,7 @@ def classify_head(cfg: EncoderConfig, head: dict, h):
 
 
 def encode(cfg: EncoderConfig, params: dict, input_ids, positions, cu_q_lens):
-    """The encoder over one step's packed tokens (i32[T] ids and per-sequence positions,
+    """The encoder over one step's ragged tokens (i32[T] ids and per-sequence positions,
     each sequence whole): f32[T, hidden] final states, or with a head f32[T, num_labels]
     holding each sequence's class logits at its first token (zero elsewhere)."""
     num_tokens = input_ids.shape[0]
