@@ -54,11 +54,21 @@ def built(smollm2_tokenizer, tmp_path_factory):
     return models, tok
 
 
+class _Engines(dict):
+    """Each model's engine, built when a test first asks for it (the slow tier's alone)."""
+
+    def __init__(self, models):
+        super().__init__()
+        self.models = models
+
+    def __missing__(self, name):
+        self[name] = LLM(self.models[name][1], runner="pooling", **ENCODER_ENGINE)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def engines(built):
-    models, _ = built
-    return {name: LLM(path, runner="pooling", **ENCODER_ENGINE)
-            for name, (_, path) in models.items()}
+    return _Engines(built[0])
 
 
 def hf_out(hf, ids, types=None):
@@ -98,6 +108,8 @@ def test_sentence_transformers_xlmr_mean_normalized(built, engines):
         assert abs(np.linalg.norm(got) - 1) < 1e-6 and float(got @ want) > 1 - 1e-5
 
 
+@pytest.mark.slow(reason="an engine of its own; the cross-encoder's classify and the Qwen3 "
+                  "classifier's softmax (test_decoder_classifier.py) run in the default tier")
 def test_classify_probs_and_logits_equal_transformers(built, engines):
     hf = built[0]["bert_cls"][0]
     llm = engines["bert_cls"]
@@ -162,8 +174,11 @@ def test_task_and_pair_errors(engines):
         engines["bert"].classify("hi", use_tqdm=False)
     with pytest.raises(ValueError, match="task='embed'"):
         engines["cross"].embed("hi", use_tqdm=False)
-    with pytest.raises(ValueError, match="one class"):
-        engines["bert_cls"].score("a", "b", use_tqdm=False)
+    with pytest.raises(ValueError, match="one class"):  # a bare Pooler: no engine to build
+        from jaxserve.engine.pooling import Pooler
+        from jaxserve.pooling_params import ClassifierHead, PoolerConfig
+
+        Pooler(PoolerConfig("CLS"), 3, ClassifierHead(3)).check(PoolingParams(task="score"))
     with pytest.raises(ValueError, match="data_1 has 2 texts and data_2 3"):
         engines["cross"].score(["a", "b"], DOCS, use_tqdm=False)
     with pytest.raises(ValueError, match="at least one"):
@@ -174,7 +189,7 @@ def test_task_and_pair_errors(engines):
         engines["bert"].embed("hi", PoolingParams(task="score"), use_tqdm=False)
     with pytest.raises(ValueError, match="dimensions and normalize"):
         PoolingParams(task="classify", normalize=True)
-    for llm in engines.values():
+    for llm in list(engines.values()):
         assert not llm.engine.has_unfinished_requests()
 
 
