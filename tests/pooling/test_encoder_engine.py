@@ -189,6 +189,8 @@ def test_task_and_pair_errors(engines):
         engines["bert"].embed("hi", PoolingParams(task="score"), use_tqdm=False)
     with pytest.raises(ValueError, match="dimensions and normalize"):
         PoolingParams(task="classify", normalize=True)
+    with pytest.raises(ValueError, match="update_weights: encoder"):
+        engines["bert"].update_weights({})
     for llm in list(engines.values()):
         assert not llm.engine.has_unfinished_requests()
 
