@@ -1,6 +1,7 @@
-"""Encoder-only models (BERT, XLM-RoBERTa) for the pooling runner: bidirectional attention
-over a step's ragged batch, learned absolute positions, token types, post-LayerNorm blocks,
-and the sequence-classification heads; `EncoderModel` serves them where a `Model` goes.
+"""Encoder-only models for the pooling runner: BERT and XLM-RoBERTa here (bidirectional
+attention over a step's ragged batch, learned absolute positions, token types, post-LayerNorm
+blocks, their sequence-classification heads), ModernBERT in `models.modernbert`;
+`EncoderModel` serves them where a `Model` goes.
 
 Each prompt must be whole in its step (the engine turns chunked prefill and prefix caching
 off for an encoder, `jaxserve.runner.encoder_serving`): a token attends to every token of
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from models.encoder_config import EncoderConfig
 from models.linear import ServingChoice, choose_methods
 from models.model import Model
+from models.modernbert import modernbert_encode
 from models.quant import NO_QUANT
 from pallas_kernels import AttentionMetadata
 
@@ -90,6 +92,8 @@ def encode(cfg: EncoderConfig, params: dict, input_ids, positions, cu_q_lens):
     holding each sequence's class logits at its first token (zero elsewhere)."""
     num_tokens = input_ids.shape[0]
     row = token_rows(cu_q_lens, num_tokens)
+    if cfg.modern is not None:  # ModernBERT: rotary, local layers (`models.modernbert`)
+        return modernbert_encode(cfg, params, input_ids, positions, row, cu_q_lens, activation)
     emb = params["embed"]
     pos = jnp.clip(positions + cfg.position_offset, 0, cfg.max_position_embeddings - 1)
     x = (emb["word"][input_ids] + emb["position"][pos]

@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.config import ArchConfig
+from models.modernbert import ModernBertFields, modernbert_fields
 
 # architecture -> (model_type family, classification head): "bert" heads are BERT's pooler
 # (dense + tanh on the CLS token) then `classifier`; "roberta" heads are RoBERTa's
-# `classifier.dense` + tanh then `classifier.out_proj` on the <s> token; None: no head.
+# `classifier.dense` + tanh then `classifier.out_proj` on the <s> token; "modernbert" heads
+# `head.dense`, its activation and `head.norm` then `classifier` (`models.modernbert`);
+# None: no head.
 ENCODER_ARCHITECTURES = {
     "BertModel": ("bert", None),
     "BertForSequenceClassification": ("bert", "bert"),
@@ -17,6 +20,8 @@ ENCODER_ARCHITECTURES = {
     "XLMRobertaForSequenceClassification": ("roberta", "roberta"),
     "RobertaModel": ("roberta", None),
     "RobertaForSequenceClassification": ("roberta", "roberta"),
+    "ModernBertModel": ("modernbert", None),
+    "ModernBertForSequenceClassification": ("modernbert", "modernbert"),
 }
 # Their activations (transformers' ACT2FN names): the exact (erf) GELU and its tanh form.
 ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
@@ -36,8 +41,8 @@ class EncoderConfig:
 
     Attributes:
         architecture: The HF architecture name.
-        family: "bert" or "roberta" (`ENCODER_ARCHITECTURES`).
-        head: The classification head's kind ("bert" or "roberta"), or None.
+        family: "bert", "roberta" or "modernbert" (`ENCODER_ARCHITECTURES`).
+        head: The classification head's kind (its family's), or None.
         vocab_size: Token ids.
         hidden_size: Residual width.
         intermediate_size: The MLP's width.
@@ -57,6 +62,7 @@ class EncoderConfig:
         problem_type: transformers' `problem_type` (`PROBLEM_TYPES`).
         score_activation: A sentence-transformers cross-encoder's activation
             ("sigmoid", "identity"), or None (vLLM's default for the class count).
+        modern: ModernBERT's own fields (rotary, local layers, its head), else None.
     """
 
     architecture: str
@@ -77,6 +83,7 @@ class EncoderConfig:
     num_labels: int = 0
     problem_type: str | None = None
     score_activation: str | None = None
+    modern: ModernBertFields | None = None
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads:
@@ -85,6 +92,11 @@ class EncoderConfig:
         if self.hidden_act not in ENCODER_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r} for "
                              f"{self.architecture}; supported: {', '.join(ENCODER_ACTIVATIONS)}")
+        if self.modern is not None and self.modern.classifier_activation not in \
+                ENCODER_ACTIVATIONS:
+            raise ValueError(f"unsupported classifier_activation "
+                             f"{self.modern.classifier_activation!r}; supported: "
+                             f"{', '.join(ENCODER_ACTIVATIONS)}")
         if self.problem_type not in PROBLEM_TYPES:
             raise ValueError(f"unsupported problem_type {self.problem_type!r}; supported: "
                              f"{PROBLEM_TYPES[1:]}")
@@ -147,19 +159,21 @@ def encoder_config_from_hf(hf: dict, sep_token_id: int | None = None) -> Encoder
                          "which the config must give")
     st = hf.get("sentence_transformers") or {}
     act = st.get("activation_fn") or hf.get("sbert_ce_default_activation_function")
+    modern = family == "modernbert"
     return EncoderConfig(
         architecture=names[0], family=family, head=head, vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
         num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-        max_position_embeddings=hf.get("max_position_embeddings", 512),
-        type_vocab_size=hf.get("type_vocab_size", 2),
-        layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
-        hidden_act=hf.get("hidden_act", "gelu"),
+        max_position_embeddings=hf.get("max_position_embeddings", 8192 if modern else 512),
+        type_vocab_size=0 if modern else hf.get("type_vocab_size", 2),
+        layer_norm_eps=hf.get("norm_eps", 1e-5) if modern else hf.get("layer_norm_eps", 1e-12),
+        hidden_act=hf.get("hidden_activation" if modern else "hidden_act", "gelu"),
         position_offset=pad + 1 if family == "roberta" else 0,
         pair_token_types=family == "bert" and hf.get("type_vocab_size", 2) >= 2
         and sep_token_id is not None,
         sep_token_id=sep_token_id, num_labels=num_labels,
-        problem_type=hf.get("problem_type"), score_activation=cross_encoder_activation(act))
+        problem_type=hf.get("problem_type"), score_activation=cross_encoder_activation(act),
+        modern=modernbert_fields(hf, hf["num_hidden_layers"]) if modern else None)
 
 
 def cross_encoder_activation(qualname: str | None) -> str | None:

@@ -90,7 +90,9 @@ def pair_prompt(tokenizer, encoder, text_1: str, text_2: str, keep: int | None) 
     enc = tokenizer(text_1, text_2, return_token_type_ids=True, **kwargs)
     ids = list(enc["input_ids"])
     given = list(enc.get("token_type_ids") or [0] * len(ids))
-    if encoder is not None and given != rule_token_types(ids, encoder):  # decoders read none
+    # NOTE: only BERT reads token types (RoBERTa's table has one row, ModernBERT none).
+    reads_types = encoder is not None and encoder.family == "bert" and encoder.type_vocab_size > 1
+    if reads_types and given != rule_token_types(ids, encoder):
         raise ValueError("text_1 holds the separator token (or the tokenizer's token types are "
                          "not BERT's pair layout): the model reads a pair's second segment "
                          "from the first separator on")

@@ -36,7 +36,11 @@ HEAD_NAMES = {"bert": {"dense_w": "pooler.dense.weight", "dense_b": "pooler.dens
                           "out_w": "classifier.out_proj.weight",
                           "out_b": "classifier.out_proj.bias"}}
 BODY_HEAD_LEAVES = {"bert": ("dense_w", "dense_b"), "roberta": ()}
-BODY_PREFIXES = ("", "bert.", "roberta.")
+BODY_PREFIXES = ("", "bert.", "roberta.", "model.")
+# ModernBERT's tensors: per layer under `layers.{i}.` ([out, in] as saved), and the rest.
+MODERN_LAYER_NAMES = {"attn_norm": "attn_norm.weight", "wqkv": "attn.Wqkv.weight",
+                      "wo": "attn.Wo.weight", "mlp_norm": "mlp_norm.weight",
+                      "wi": "mlp.Wi.weight", "wout": "mlp.Wo.weight"}
 
 
 def separator_id(path: str) -> int | None:
@@ -57,15 +61,14 @@ def read_encoder_config(path: str) -> EncoderConfig:
 class _Tensors:
     """A directory's tensors by name, the body's under whichever prefix it was saved with."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, word: str):
         self.path = path
         self.files = SafetensorsDir(path)
         names = set(self.files.names())
-        self.prefix = next((p for p in BODY_PREFIXES
-                            if f"{p}{EMBED_NAMES['word']}" in names), None)
+        self.prefix = next((p for p in BODY_PREFIXES if f"{p}{word}" in names), None)
         if self.prefix is None:
-            raise ValueError(f"{path}: no tensor {EMBED_NAMES['word']!r} (with or without a "
-                             "'bert.' / 'roberta.' prefix): not a BERT-style encoder")
+            raise ValueError(f"{path}: no tensor {word!r} (with or without a 'bert.', "
+                             "'roberta.' or 'model.' prefix): not an encoder of this kind")
         self.names = names
 
     def get(self, name: str, body: bool = True) -> np.ndarray:
@@ -84,7 +87,19 @@ def load_encoder(path: str, dtype=jnp.float32) -> EncoderModel:
             or a tensor of another shape than the config gives (named).
     """
     cfg = read_encoder_config(path)
-    t = _Tensors(path)
+    if cfg.modern is not None:
+        t = _Tensors(path, "embeddings.tok_embeddings.weight")
+        params = _modernbert_params(cfg, t)
+    else:
+        t = _Tensors(path, EMBED_NAMES["word"])
+        params = _bert_params(cfg, t)
+    params = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
+    return EncoderModel(cfg.arch_view(), params, jnp.dtype(dtype), source=path,
+                        encoder=cfg, checkpoint_bytes=t.files.tensor_bytes())
+
+
+def _bert_params(cfg: EncoderConfig, t: _Tensors) -> dict:
+    """BERT's / RoBERTa's host tree ({"embed", "layers", "head"}, `models.encoder`)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     want = {"word": (cfg.vocab_size, h), "position": (cfg.max_position_embeddings, h),
             "token_type": (cfg.type_vocab_size, h), "ln_scale": (h,), "ln_bias": (h,)}
@@ -108,9 +123,36 @@ def load_encoder(path: str, dtype=jnp.float32) -> EncoderModel:
         body = BODY_HEAD_LEAVES[cfg.head]
         params["head"] = {k: _shaped(t.get(n, body=k in body), shapes[k], n).T
                           for k, n in names.items()}
-    params = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
-    return EncoderModel(cfg.arch_view(), params, jnp.dtype(dtype), source=path,
-                        encoder=cfg, checkpoint_bytes=t.files.tensor_bytes())
+    return params
+
+
+def _modernbert_params(cfg: EncoderConfig, t: _Tensors) -> dict:
+    """ModernBERT's host tree (`models.modernbert.modernbert_encode`); layer 0's missing
+    attention norm is ones (the layer skips it)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes = {"attn_norm": (h,), "wqkv": (3 * h, h), "wo": (h, h), "mlp_norm": (h,),
+              "wi": (2 * i, h), "wout": (h, i)}
+    layers = {}
+    for leaf, name in MODERN_LAYER_NAMES.items():
+        stack = []
+        for n in range(cfg.num_layers):
+            full = f"layers.{n}.{name}"
+            x = np.ones(h, np.float32) if (leaf == "attn_norm" and n == 0) else t.get(full)
+            stack.append(_shaped(x, shapes[leaf], full).T)
+        layers[leaf] = np.stack(stack)
+    params = {"embed": {"word": _shaped(t.get("embeddings.tok_embeddings.weight"),
+                                        (cfg.vocab_size, h), "embeddings.tok_embeddings.weight"),
+                        "norm": _shaped(t.get("embeddings.norm.weight"), (h,),
+                                        "embeddings.norm.weight")},
+              "layers": layers,
+              "final_norm": _shaped(t.get("final_norm.weight"), (h,), "final_norm.weight")}
+    if cfg.head is not None:
+        names = {"dense_w": ("head.dense.weight", (h, h)), "norm": ("head.norm.weight", (h,)),
+                 "out_w": ("classifier.weight", (cfg.num_labels, h)),
+                 "out_b": ("classifier.bias", (cfg.num_labels,))}
+        params["head"] = {k: _shaped(t.get(n, body=False), shape, n).T
+                          for k, (n, shape) in names.items()}
+    return params
 
 
 def _shaped(x: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:

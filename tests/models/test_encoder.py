@@ -119,3 +119,57 @@ def test_quantized_encoders_are_refused(tmp_path):
     _, path = save(tmp_path, "BertModel", {})
     with pytest.raises(ValueError, match="quantization"):
         load_model(path, "float32", quantization="int8")
+
+
+MODERN = dict(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+              intermediate_size=48, max_position_embeddings=64, local_attention=4,
+              global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              cls_token_id=1, sep_token_id=2, initializer_range=0.1)
+
+
+@pytest.mark.parametrize("cls,extra", [
+    ("ModernBertModel", {}),
+    pytest.param("ModernBertForSequenceClassification", dict(num_labels=1,
+                 classifier_pooling="mean"), marks=pytest.mark.slow(
+                     reason="the 3-class head with CLS pooling runs in the default tier")),
+    ("ModernBertForSequenceClassification", dict(num_labels=3)),
+])
+def test_modernbert_packed_forward_equals_transformers(tmp_path, torch_one_thread, cls, extra):
+    import dataclasses
+
+    config = transformers.ModernBertConfig(**MODERN, **extra, attn_implementation="eager")
+    torch.manual_seed(0)
+    hf = getattr(transformers, cls)(config).eval()
+    hf.save_pretrained(str(tmp_path / "mb"), safe_serialization=True)
+    model = load_model(str(tmp_path / "mb"), "float32")
+    assert model.encoder.modern.layer_sliding == (False, True, False)
+    assert model.encoder.modern.window == 2
+    out, cu = packed_step(model)
+    # The local layers matter: a window covering every sequence gives other states.
+    wide = dataclasses.replace(model.encoder, modern=dataclasses.replace(
+        model.encoder.modern, window=10**6))
+    out_wide, _ = packed_step(dataclasses.replace(model, encoder=wide))
+    for seq, start in zip(SEQS, cu, strict=False):
+        with torch.no_grad():
+            res = hf(torch.tensor([seq]))
+        got, other = (out[start], out_wide[start]) if model.encoder.head else (
+            out[start:start + len(seq)], out_wide[start:start + len(seq)])
+        want = res.logits[0].numpy() if model.encoder.head else res.last_hidden_state[0].numpy()
+        np.testing.assert_allclose(got, want, atol=1e-4)
+        if len(seq) > 5:
+            assert np.abs(other - want).max() > 1e-3
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"layer_types": ["full_attention"]}, "layer_types"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}},
+     "rope_parameters.full_attention.rope_type"),
+    ({"classifier_pooling": "max"}, "classifier_pooling"),
+    ({"norm_bias": True}, "norm_bias"),
+    ({"classifier_activation": "relu", "architectures": ["ModernBertForSequenceClassification"]},
+     "classifier_activation"),
+])
+def test_modernbert_config_errors_name_the_field(change, field):
+    hf = {**BASE, "architectures": ["ModernBertModel"], "num_hidden_layers": 2, **change}
+    with pytest.raises(ValueError, match=field):
+        encoder_config_from_hf(hf)

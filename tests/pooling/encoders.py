@@ -1,6 +1,6 @@
-"""Tiny random BERT / XLM-RoBERTa models for the encoder tests, saved by transformers beside
-SmolLM2's tokenizer made a pair tokenizer (`<|im_start|>` as CLS, `<|im_end|>` as SEP, BERT's
-`[CLS] a [SEP] b [SEP]` layout with token types 0 then 1)."""
+"""Tiny random BERT / XLM-RoBERTa / ModernBERT models for the encoder tests, saved by
+transformers beside SmolLM2's tokenizer made a pair tokenizer (`<|im_start|>` as CLS,
+`<|im_end|>` as SEP, BERT's `[CLS] a [SEP] b [SEP]` layout with token types 0 then 1)."""
 
 from __future__ import annotations
 
@@ -40,10 +40,15 @@ def save_encoder(root: str, name: str, arch: str, tokenizer_dir: str, seed: int 
     import torch
     import transformers
 
-    roberta = arch.startswith("XLMRoberta")
-    config_cls = transformers.XLMRobertaConfig if roberta else transformers.BertConfig
-    extra = dict(pad_token_id=0, max_position_embeddings=65) if roberta \
-        else dict(max_position_embeddings=64)
+    family = "roberta" if arch.startswith("XLMRoberta") else \
+        "modernbert" if arch.startswith("ModernBert") else "bert"
+    config_cls = {"roberta": transformers.XLMRobertaConfig, "bert": transformers.BertConfig,
+                  "modernbert": transformers.ModernBertConfig}[family]
+    extra = {"roberta": dict(pad_token_id=0, max_position_embeddings=65),
+             "bert": dict(max_position_embeddings=64),
+             "modernbert": dict(max_position_embeddings=64, local_attention=8,
+                                global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2, cls_token_id=1, sep_token_id=2)}[family]
     config = config_cls(**ENCODER_SHAPES, **{**extra, **overrides}, attn_implementation="eager")
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(config).to(torch.float32).eval()

@@ -143,6 +143,26 @@ def test_cross_encoder_scores_equal_transformers_with_token_types(built, engines
     assert alone.outputs.score == pytest.approx(one_to_n[1].outputs.score, abs=1e-6)
 
 
+@pytest.mark.slow(reason="an engine of its own; ModernBERT's forward is checked against "
+                  "transformers in tests/models/test_encoder.py, the engine's mechanics by BERT")
+def test_modernbert_cross_encoder_scores_equal_transformers(built, tmp_path_factory):
+    tok = built[1]
+    root = str(tmp_path_factory.mktemp("modernbert"))
+    tok_dir = os.path.join(root, "tokenizer")
+    tok.save_pretrained(tok_dir)
+    hf, path = save_encoder(root, "mb", "ModernBertForSequenceClassification", tok_dir,
+                            num_labels=1)
+    llm = LLM(path, runner="pooling", **ENCODER_ENGINE)
+    long_doc = "The city of Paris, on the Seine, has been the capital of France for ages."
+    outs = llm.score(QUERY, [*DOCS, long_doc], use_tqdm=False)
+    for doc, out in zip([*DOCS, long_doc], outs, strict=True):
+        enc = tok(QUERY, doc)  # ModernBERT reads no token types: the tokenizer's are not used
+        logit = hf_out(hf, enc["input_ids"]).logits[0, 0]
+        assert out.outputs.score == pytest.approx(torch.sigmoid(logit).item(), abs=1e-5)
+    (emb,) = llm.classify(PROMPTS[3], use_tqdm=False)
+    assert emb.outputs.num_classes == 1
+
+
 def test_embedding_model_scores_are_cosines(engines):
     llm = engines["bert"]
     scores = llm.score(QUERY, DOCS[:2], use_tqdm=False)
