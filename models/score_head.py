@@ -63,11 +63,10 @@ class ScoreHeadModel(Model):
     problem_type: str | None = None
     score_activation: str | None = None
 
-    def forward(self, params, input_ids, positions, kv_pages, md, lora=None, lora_slots=None,
-                routing: bool = False):
-        """(kv_pages, f32[num_tokens, num_labels]); as `Model.forward` otherwise."""
-        kv_pages, hidden, *rest = super().forward(params, input_ids, positions, kv_pages, md,
-                                                  lora, lora_slots, routing)
+    def forward(self, params, *args, **kwargs):
+        """(kv_pages, f32[num_tokens, num_labels], ...): `Model.forward`'s, whatever it takes,
+        with the hidden states turned into class logits."""
+        kv_pages, hidden, *rest = super().forward(params, *args, **kwargs)
         logits = hidden.astype(jnp.float32) @ self.score.astype(jnp.float32)
         return (kv_pages, logits, *rest)
 
