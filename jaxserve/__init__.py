@@ -6,7 +6,8 @@ __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput",
            "SamplingParams", "StructuredOutputsParams", "PoolingParams", "PoolerConfig",
-           "EmbeddingRequestOutput"]
+           "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
+           "PoolingRequestOutput"]
 
 # NOTE: resolved lazily, so `import jaxserve.core` (plain Python, no JAX) stays light.
 _LAZY = {
@@ -20,6 +21,9 @@ _LAZY = {
     "PoolingParams": "jaxserve.pooling_params",
     "PoolerConfig": "jaxserve.pooling_params",
     "EmbeddingRequestOutput": "jaxserve.outputs",
+    "ClassificationRequestOutput": "jaxserve.outputs",
+    "ScoringRequestOutput": "jaxserve.outputs",
+    "PoolingRequestOutput": "jaxserve.outputs",
 }
 
 

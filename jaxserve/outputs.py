@@ -133,12 +133,13 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """The result of one pooling request (vLLM's `EmbeddingRequestOutput`).
+class PoolingRequestOutput:
+    """The result of one pooling request (vLLM's `PoolingRequestOutput`); the subclasses
+    say what `outputs` holds.
 
     Attributes:
         request_id: The request's id.
-        outputs: Its embedding (empty when the request failed or was aborted).
+        outputs: Its result (empty when the request failed or was aborted).
         prompt_token_ids: The prompt's ids.
         finished: Always True: a pooling request is answered once, when its prompt is
             computed.
@@ -147,8 +148,52 @@ class EmbeddingRequestOutput:
     """
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: object
     prompt_token_ids: list[int]
     finished: bool = True
     metrics: RequestMetrics | None = None
     error: str | None = None
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """An embedding request's result (vLLM's `EmbeddingRequestOutput`): `outputs` an
+    `EmbeddingOutput`."""
+
+
+@dataclass
+class ClassificationOutput:
+    """One prompt's class probabilities (vLLM's `ClassificationOutput`).
+
+    Attributes:
+        probs: One value per class: the softmax of the class logits (a sigmoid for one
+            class or a multi-label problem; the logits for a regression or with
+            `use_activation=False`).
+    """
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """A classification request's result (vLLM's): `outputs` a `ClassificationOutput`."""
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's similarity score (vLLM's `ScoringOutput`).
+
+    Attributes:
+        score: A cross-encoder's activated logit, or the cosine of two embeddings.
+    """
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    """A scoring request's result (vLLM's): `outputs` a `ScoringOutput`."""

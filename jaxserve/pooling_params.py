@@ -17,6 +17,9 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("generate", "pooling")
 # vLLM's older `task` argument: the runner each value means.
 TASKS = {"generate": "generate", "embed": "pooling"}
+# What a pooling request asks for (vLLM's pooling tasks): a vector, class probabilities, or
+# a cross-encoder's score of a pair.
+POOLING_TASKS = ("embed", "classify", "score")
 
 
 @dataclass(frozen=True)
@@ -105,15 +108,30 @@ class PoolingParams:
         dimensions: Keep the first this many values (Matryoshka), then normalize; None:
             the pooler's default (the full hidden size). Above the hidden size: an error.
         normalize: L2-normalize the vector; None: the pooler's setting.
+        task: One of `POOLING_TASKS`: "embed" (an embedding model's vector), "classify"
+            (a sequence classifier's class probabilities) or "score" (a cross-encoder's
+            score of a pair packed as one prompt).
+        use_activation: Apply the classifier's activation (`ClassifierHead.activate`);
+            None: yes (vLLM's default). False returns the raw logits.
     """
 
     dimensions: int | None = None
     normalize: bool | None = None
+    task: str = "embed"
+    use_activation: bool | None = None
 
     def __post_init__(self):
         _check_dimensions(self.dimensions)
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be True, False or None, got {self.normalize!r}")
+        if self.task not in POOLING_TASKS:
+            raise ValueError(f"task must be one of {POOLING_TASKS}, got {self.task!r}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation must be True, False or None, got "
+                             f"{self.use_activation!r}")
+        if self.task != "embed" and (self.dimensions is not None or self.normalize is not None):
+            raise ValueError(f"dimensions and normalize apply to embeddings, not task="
+                             f"{self.task!r}")
 
     def verify(self, hidden_size: int) -> None:
         """Raises a ValueError naming `dimensions` when it exceeds the model's width."""
@@ -130,3 +148,40 @@ class PoolingParams:
         if normalize:
             vec = vec / max(float(np.linalg.norm(vec)), 1e-12)
         return vec.astype(np.float32).tolist()
+
+
+@dataclass(frozen=True)
+class ClassifierHead:
+    """What a sequence classifier's class logits mean, for their activation (vLLM's
+    `PoolerClassify` and the cross-encoder activation).
+
+    Attributes:
+        num_labels: Classes.
+        problem_type: transformers' `problem_type` (None, "regression",
+            "single_label_classification", "multi_label_classification").
+        score_activation: A sentence-transformers cross-encoder's "sigmoid" or "identity";
+            None: as `classify` does.
+    """
+
+    num_labels: int
+    problem_type: str | None = None
+    score_activation: str | None = None
+
+    def activate(self, logits: np.ndarray, task: str) -> np.ndarray:
+        """The activated f64[num_labels] of f32[num_labels] logits for `task` ("classify"
+        or "score"): identity for a regression, a sigmoid for one class or a multi-label
+        problem, else the softmax. A score takes the cross-encoder's own activation, else
+        the sigmoid or softmax by the class count (`problem_type` aside, as vLLM's)."""
+        x = np.asarray(logits, np.float64)
+        default = "sigmoid" if self.num_labels < 2 else "softmax"
+        if task == "score":
+            kind = self.score_activation or default
+        else:
+            kind = {"regression": "identity", "multi_label_classification": "sigmoid"}.get(
+                self.problem_type, default)
+        if kind == "sigmoid":
+            return 1.0 / (1.0 + np.exp(-x))
+        if kind == "softmax":
+            e = np.exp(x - x.max())
+            return e / e.sum()
+        return x

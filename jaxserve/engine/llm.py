@@ -9,7 +9,19 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxserve.engine.scoring import (
+    check_truncation,
+    cosine_scores,
+    pair_prompt,
+    score_pairs,
+    truncated,
+)
+from jaxserve.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -169,7 +181,8 @@ class LLM:
                              lora_request=lora_request)
 
     def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams]
-              | None = None, *, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              | None = None, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
         """Embeds every prompt (an engine built with `runner="pooling"`); returns the
         outputs in the prompts' order, each `.outputs.embedding` a list of floats.
 
@@ -178,23 +191,85 @@ class LLM:
                 `{"prompt_token_ids": [...]}`.
             pooling_params: One for all prompts, or one per prompt (default:
                 `PoolingParams()`: the pooler's `dimensions` and `normalize`).
+            truncate_prompt_tokens: Keep this many tokens of each prompt (a text cut by
+                its tokenizer, token ids to their last ones; -1: the longest the engine
+                takes); None: a prompt over `max_model_len` is refused, never cut.
             use_tqdm: Show a progress bar.
 
         Raises:
-            ValueError: A generate engine, a bad prompt, or bad `dimensions` (no request
-                of the batch is left queued).
+            ValueError: A generate engine, a classifier, a bad prompt, bad `dimensions` or
+                `truncate_prompt_tokens` (no request of the batch is left queued).
         """
+        return self._pool(prompts, pooling_params, "embed", "embd", truncate_prompt_tokens,
+                          use_tqdm)
+
+    def classify(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams]
+                 | None = None, *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Classifies every prompt with a sequence classifier (`BertForSequenceClassification`,
+        `XLMRobertaForSequenceClassification`); each output's `.outputs.probs` holds the
+        class probabilities (`jaxserve.pooling_params.ClassifierHead.activate`; the raw
+        logits with `PoolingParams(task="classify", use_activation=False)`).
+
+        Args:
+            prompts: As `embed`'s.
+            pooling_params: One for all prompts or one per prompt (task "classify").
+            truncate_prompt_tokens: As `embed`'s.
+            use_tqdm: Show a progress bar.
+
+        Raises:
+            ValueError: A generate engine, a model without a classification head, a bad
+                prompt or `truncate_prompt_tokens`.
+        """
+        return self._pool(prompts, pooling_params, "classify", "classify",
+                          truncate_prompt_tokens, use_tqdm)
+
+    def score(self, data_1, data_2, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Scores text pairs as vLLM's `LLM.score`: `data_1` one text (against each of
+        `data_2`) or as many texts as `data_2` (pairwise). A cross-encoder (a classifier of
+        one class) reads each pair packed as one prompt (`jaxserve.engine.scoring.pair_prompt`)
+        and scores it by its activation; an embedding model scores the cosine of the two
+        texts' embeddings. Each output's `.outputs.score` is a float.
+
+        Raises:
+            ValueError: Bad pairs (`score_pairs`), a classifier of several classes, a text
+                holding the separator token, or a bad `truncate_prompt_tokens`.
+        """
+        pairs = score_pairs(data_1, data_2)
+        keep = check_truncation(truncate_prompt_tokens, self.engine.limits.max_model_len)
+        pooler = getattr(self.engine, "pooler", None)
+        if pooler is None or pooler.head is None:
+            firsts, seconds = [a for a, _ in pairs], [b for _, b in pairs]
+            one = all(a is firsts[0] for a in firsts)  # 1 to N: the first text embedded once
+            outs = self.embed(firsts[:1] + seconds if one else firsts + seconds,
+                              truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+            left = outs[:1] * len(pairs) if one else outs[:len(pairs)]
+            return cosine_scores(list(zip(left, outs[-len(pairs):], strict=True)))
+        encoder = getattr(self.engine.model, "encoder", None)
+        prompts = [pair_prompt(self.get_tokenizer(), encoder, a, b, keep) for a, b in pairs]
+        return self._pool(prompts, PoolingParams(task="score"), "score", "score", None,
+                          use_tqdm)
+
+    def _pool(self, prompts, pooling_params, task: str, prefix: str, truncate_prompt_tokens,
+              use_tqdm: bool) -> list:
+        """Adds each prompt as a pooling request of `task` (ids `{prefix}-N`) and runs them."""
         prompts = _as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params = [pooling_params or PoolingParams()] * len(prompts)
+            params = [pooling_params or PoolingParams(task=task)] * len(prompts)
         else:
             params = list(pooling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} pooling_params for {len(prompts)} prompts")
+        bad = [p.task for p in params if isinstance(p, PoolingParams) and p.task != task]
+        if bad:
+            raise ValueError(f"pooling_params: task={bad[0]!r} given to LLM.{task}")
+        keep = check_truncation(truncate_prompt_tokens, self.engine.limits.max_model_len)
+        prompts = [truncated(self.get_tokenizer(), p, keep) for p in prompts]
         ids = []
         try:
             for prompt, pp in zip(prompts, params, strict=True):
-                ids.append(f"embd-{self._counter}")
+                ids.append(f"{prefix}-{self._counter}")
                 self._counter += 1
                 self.engine.add_request(ids[-1], prompt, pp)
         except BaseException:

@@ -14,14 +14,14 @@ from jaxserve.engine.images import engine_images
 from jaxserve.engine.input_processor import InputProcessor
 from jaxserve.engine.lora_control import LoRAControl
 from jaxserve.engine.output_processor import CoreStep, OutputProcessor
-from jaxserve.engine.pooling import POOLING_SAMPLING, Pooler
+from jaxserve.engine.pooling import POOLING_SAMPLING, make_pooler
 from jaxserve.engine.routed_experts import RoutedExperts
 from jaxserve.engine.sampling_inputs import SamplingInputs
 from jaxserve.engine.weight_control import WeightControl
 from jaxserve.outputs import RequestOutput
 from jaxserve.parallel.dp_attention import check_engine_config as check_dp_attention_config
 from jaxserve.parallel.dp_attention import make_kv_cache_manager
-from jaxserve.pooling_params import PoolerConfig, PoolingParams, sentence_transformers_pooler
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.request import Request, RequestStatus
 from jaxserve.runner.step_io import PendingStep
 from jaxserve.runner.worker import Worker
@@ -65,10 +65,9 @@ class LLMEngine:
         # the hybrid KV cache is off.
         self.worker = Worker(config, model, tokenizer,
                              kv_layout=not config.cache.disable_hybrid_kv_cache_manager)
-        lim, cache = self.limits, config.cache
+        lim, cache = self.limits, self.worker.config.cache  # an encoder's: no caching
         # The pooling runner (embeddings) or None (generation); see `engine/pooling.py`.
-        self.pooler = Pooler(config.model.pooler_config or sentence_transformers_pooler(
-            self.model.source) or PoolerConfig(), self.model.cfg.hidden_size) \
+        self.pooler = make_pooler(config.model, self.model) \
             if config.model.runner == "pooling" else None
         ranks = 1 if self.layout is None else self.layout.num_attention_ranks
         self.kv = make_kv_cache_manager(
@@ -82,7 +81,7 @@ class LLMEngine:
             logger.warning("jaxserve: %s", self.kv.prefix_caching_disabled_reason)
         # NOTE: "static" and "naive" are the benchmarks' baselines (core/baseline_schedulers.py).
         self.scheduler = scheduler_class(config.scheduler.scheduling_mode)(
-            config.scheduler, self.kv, lim.max_model_len, lim.max_num_batched_tokens,
+            self.worker.config.scheduler, self.kv, lim.max_model_len, lim.max_num_batched_tokens,
             config.lora.max_loras if config.lora.enable_lora else None)
         self.speculator = make_speculator(
             config.speculative_config, **self.worker.draft_runner_args(self.scheduler.max_num_seqs))

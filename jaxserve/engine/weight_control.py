@@ -70,9 +70,13 @@ class WeightControl:
             The final outputs of the requests it aborted.
 
         Raises:
-            ValueError: Requests are unfinished (and `abort_running` is False), or the
-                weights do not fit the model (the message names the leaf).
+            ValueError: Requests are unfinished (and `abort_running` is False), the
+                weights do not fit the model (the message names the leaf), or the model is
+                an encoder (`models.encoder.EncoderModel`: its weights are not a decoder's).
         """
+        if getattr(self.worker.model, "encoder", None) is not None:
+            raise ValueError("update_weights: encoder-only models are not updated in place; "
+                             "build a new engine over the new weights")
         aborted = self.end_requests("update_weights", abort_running)
         self.worker.update_weights(weights)
         self.reset_prefix_cache()

@@ -205,3 +205,34 @@ def serving_kv_layout(model: Model, max_model_len: int,
     # NOTE: one group of sliding layers (Mistral) keeps its window here: the KV cache
     # manager gives its pages back too; the device serves it as the plain pool.
     return kv_group_layout(model.cfg.attention_windows, max_model_len)
+
+
+def encoder_serving_config(config: EngineConfig, model: Model) -> EngineConfig:
+    """`config` as an encoder-only model (`models.encoder.EncoderModel`) serves: each prompt
+    whole in one step, since every token attends to the whole sequence (chunked prefill
+    off) and prompts share no computed pages (prefix caching off), as vLLM does for
+    encoder-only models; other models' `config` unchanged.
+
+    Raises:
+        ValueError: An encoder or a sequence classifier under runner='generate', an encoder
+            with LoRA adapters or speculation.
+    """
+    if getattr(model, "num_labels", 0) and config.model.runner != "pooling":
+        raise ValueError(f"runner={config.model.runner!r}: {model.source or 'the model'} is a "
+                         "sequence classifier (no LM head); serve it with runner='pooling'")
+    if getattr(model, "encoder", None) is None:
+        return config
+    what = f"{model.cfg.architecture} is an encoder-only model"
+    if config.model.runner != "pooling":
+        raise ValueError(f"runner={config.model.runner!r}: {what}; serve it with "
+                         "runner='pooling' (embeddings, classification, scores)")
+    if config.lora.enable_lora:
+        raise ValueError(f"enable_lora: {what}; it serves no LoRA adapters")
+    if config.speculative_config is not None:
+        raise ValueError(f"speculative_config: {what}; it generates nothing to speculate")
+    if config.scheduler.chunked or config.cache.enable_prefix_caching:
+        logger.info("jaxserve: %s: chunked prefill and prefix caching off (each prompt "
+                    "is computed whole in one step)", what)
+    return dataclasses.replace(
+        config, scheduler=dataclasses.replace(config.scheduler, enable_chunked_prefill=False),
+        cache=dataclasses.replace(config.cache, enable_prefix_caching=False))

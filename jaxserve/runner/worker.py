@@ -25,6 +25,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.state_slots import StateGroupSpec
 from jaxserve.runner.model_runner import ModelRunner
 from jaxserve.runner.serving import (
+    encoder_serving_config,
     local_model_config,
     release_loader_memory,
     serving_kv_layout,
@@ -87,6 +88,8 @@ class Worker:
         if config.compilation_cache_dir or not jax.config.jax_compilation_cache_dir:
             enable_compilation_cache(config.compilation_cache_dir)
         self.model, self.layout = serving_model(config, model)
+        # An encoder computes each prompt whole: `Worker.config` is what the engine schedules by.
+        self.config = config = encoder_serving_config(config, self.model)
         max_model_len = resolve_max_model_len(config, self.model)
         self._set_kv_layout(max_model_len, kv_layout)
         # NOTE: the default (the model's context length) is lowered to what the pool holds.

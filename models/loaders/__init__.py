@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ArchConfig
+from models.encoder_config import is_encoder
 from models.linear.registry import ServingChoice, keeps_gguf_blocks, platform
 from models.loaders import orbax_ckpt
 from models.loaders.checkpoint_quant import QuantizedSource, check_requested, checkpoint_format
@@ -27,6 +28,7 @@ from models.loaders.serving_dtype import resolve_dtype
 from models.model import Model, abstract_params, parse_dtype
 from models.quant import QUANTIZATIONS, QuantFormat, QuantPlan, quantize_params, uniform_plan
 from models.registry import arch_config_from_hf
+from models.score_head import decoder_classifier_view, with_score_head
 
 logger = logging.getLogger("jaxserve")
 # quantization -> plan for any dense source ("gguf" and "none" are resolved per source).
@@ -107,7 +109,12 @@ def read_arch_config(model: str | None = None) -> ArchConfig:
         return orbax_ckpt.read_checkpoint_meta(path)[0]
     if kind == "gguf":
         return arch_config_from_hf(open_gguf(path).hf_config())
-    cfg = arch_config_from_hf(read_config(path))
+    hf = read_config(path)
+    if is_encoder(hf):  # BERT-style encoders: their sizing view (`models.encoder`)
+        from models.loaders.encoder_weights import read_encoder_config
+
+        return read_encoder_config(path).arch_view()
+    cfg = arch_config_from_hf(decoder_classifier_view(hf) or hf)
     if not cfg.tie_word_embeddings and "lm_head.weight" not in SafetensorsDir(path).names():
         # NOTE: an embedding checkpoint (Qwen3-Embedding: a bare `Qwen3Model`) has no LM
         # head; the pooling runner never reads one, so it is tied to the embeddings.
@@ -148,6 +155,8 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
     jdtype = parse_dtype(resolve_dtype(dtype, kind, path))
     serving = serving or ServingChoice()
     start = time.perf_counter()
+    if kind == "hf" and is_encoder(read_config(path)):
+        return _load_encoder(path, jdtype, shardings, quantization, start)
     cfg = read_arch_config(path)
     if (quantization is None and kind == "gguf" and platform() == "cpu"
             and keeps_gguf_blocks(cfg, open_gguf(path).quant_plan(), jdtype, serving,
@@ -184,6 +193,32 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
         params = _place(host, cfg, jdtype, plan, shardings)
     m = Model(cfg, params, jdtype, source=path, quant=plan, serving=serving,
               checkpoint_bytes=checkpoint_bytes)
+    hf = read_config(path) if kind == "hf" else {}
+    if decoder_classifier_view(hf) is not None:  # a `*ForSequenceClassification`'s score head
+        m = with_score_head(m, hf, _score_weight(path))
+    m.load_seconds = time.perf_counter() - start
+    return m
+
+
+def _score_weight(path: str):
+    """A decoder classifier's `score.weight` (numpy [num_labels, hidden])."""
+    files = SafetensorsDir(path)
+    if "score.weight" not in files.names():
+        raise ValueError(f"{path}: missing tensor 'score.weight' (the classification head)")
+    return files.get("score.weight")
+
+
+def _load_encoder(path: str, dtype, shardings, quantization, start: float) -> Model:
+    """A BERT-style encoder (`models.encoder.EncoderModel`): dense weights on one device."""
+    from models.loaders.encoder_weights import load_encoder
+
+    if quantization not in (None, "none"):
+        raise ValueError(f"quantization={quantization!r}: encoder models ({path}) are served "
+                         "with dense weights only")
+    if shardings is not None:
+        raise ValueError(f"tensor_parallel_size: encoder models ({path}) are served on one "
+                         "device")
+    m = load_encoder(path, dtype)
     m.load_seconds = time.perf_counter() - start
     return m
 

@@ -349,6 +349,11 @@ def test_the_field_table_lists_every_field_the_server_parses():
     from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
     from jaxserve.entrypoints.openai.protocol_responses import ResponsesRequest
     from jaxserve.entrypoints.openai.serving_embedding import EmbeddingRequest
+    from jaxserve.entrypoints.openai.serving_score import (
+        ClassificationRequest,
+        RerankRequest,
+        ScoreRequest,
+    )
 
     doc = (Path(__file__).parents[2] / "docs" / "openai_api.md").read_text()
     rows, header = [], None  # the first cells of the tables headed `| field |`
@@ -359,9 +364,11 @@ def test_the_field_table_lists_every_field_the_server_parses():
             header = line.split("|")[1].strip()
         elif header == "field" and line.startswith("| `"):
             rows.append(line.split("|")[1])
-    listed = {name for cell in rows for name in re.findall(r"`([a-z_]+)`", cell)}
+    listed = {name for cell in rows for name in re.findall(r"`([a-z_][a-z0-9_]*)`", cell)}
     parsed = (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
-              | set(EmbeddingRequest.model_fields) | set(ResponsesRequest.model_fields))
+              | set(EmbeddingRequest.model_fields) | set(ResponsesRequest.model_fields)
+              | set(ScoreRequest.model_fields) | set(RerankRequest.model_fields)
+              | set(ClassificationRequest.model_fields))
     assert parsed - listed == set()
     assert listed - parsed == set()
 

@@ -124,3 +124,18 @@ def test_async_llm_encode(server, oracle):
     out = asyncio.run(server.llm.encode("Hi there", PoolingParams(), "encode-1"))
     assert out.finished and out.request_id == "encode-1"
     assert float(np.dot(out.outputs.embedding, oracle(out.prompt_token_ids))) > 1 - 1e-5
+
+
+def test_score_and_rerank_of_an_embedding_model_are_cosines(client, server):
+    vecs = [np.asarray(d.embedding) for d in client.embeddings.create(
+        model=MODEL_NAME, input=TEXTS, encoding_format="float").data]
+    want = [float(vecs[0] @ v / np.linalg.norm(vecs[0]) / np.linalg.norm(v)) for v in vecs[1:]]
+    body = {"model": MODEL_NAME, "queries": TEXTS[0], "documents": TEXTS[1:]}
+    scores = httpx.post(f"{server.url}/v1/score", json=body, timeout=60).json()["data"]
+    assert [d["score"] for d in scores] == pytest.approx(want, abs=1e-5)
+    ranked = httpx.post(f"{server.url}/rerank", timeout=60, json={
+        "model": MODEL_NAME, "query": TEXTS[0], "documents": TEXTS[1:]}).json()["results"]
+    assert [r["index"] for r in ranked] == sorted(range(2), key=lambda i: -want[i])
+    r = httpx.post(f"{server.url}/classify", json={"model": MODEL_NAME, "input": "Hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    assert "Classification API" in r.json()["error"]["message"]

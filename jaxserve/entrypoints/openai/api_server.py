@@ -35,6 +35,7 @@ from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from jaxserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
 from jaxserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+from jaxserve.entrypoints.openai.serving_score import add_scoring_routes, attach_scoring
 from jaxserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("jaxserve")
@@ -155,6 +156,7 @@ def build_app(llm: AsyncLLM | None, served_model_names: list[str], api_key: str 
                                                  chat=state.chat)
         state.tokenization = OpenAIServingTokenization(engine, names, lim, lanes, models)
         state.embedding = OpenAIServingEmbedding(engine, names, lim, lanes, models)
+        attach_scoring(state, engine, names, lim, lanes, models)  # /score, /rerank, /classify
         state.runner = engine.engine.runner_type  # "generate" or "pooling": one kind of endpoint
         state.llm, state.ready = engine, True
 
@@ -212,6 +214,8 @@ def _add_routes(app: FastAPI, state) -> None:
         serves("pooling", "Embeddings")
         return respond(await state.embedding.create(await request.body(),
                                                     request.is_disconnected))
+
+    add_scoring_routes(app, state, _guard, respond, serves)
 
     @app.get("/v1/models")
     @_guard
