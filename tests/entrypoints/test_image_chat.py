@@ -6,6 +6,7 @@ with nothing queued."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import httpx
 import numpy as np
@@ -20,23 +21,30 @@ from tests.entrypoints.fake_engine import ScriptedEngine
 from tests.multimodal.test_chat_images import GEMMA_LIKE, url_part
 from tests.multimodal.test_media import data_url, encoded, picture
 
+MM = dict(limit_mm_per_prompt={"image": 2}, max_image_pixels=10_000, allow_http_images=False)
 
-@pytest.fixture(scope="module")
-def served(smollm2_tokenizer, tmp_path_factory):
-    """(client, engine, media directory): a server over a `ScriptedEngine` allowing 2 images
-    of at most 10,000 pixels, files under the media directory, no http(s)."""
-    media = tmp_path_factory.mktemp("media")
-    (media / "a.png").write_bytes(encoded(picture(9, 4), "PNG"))
-    (tmp_path_factory.getbasetemp() / "secret.png").write_bytes(encoded(picture(), "PNG"))
-    engine = ScriptedEngine(smollm2_tokenizer, {"img": "A picture."})
-    mm = MultiModalConfig(limit_mm_per_prompt={"image": 2}, allowed_local_media_path=str(media),
-                          max_image_pixels=10_000, allow_http_images=False)
+
+@contextlib.contextmanager
+def image_server(tokenizer, **mm):
+    """(client, engine): a server over a `ScriptedEngine` with `MultiModalConfig(**mm)`."""
+    engine = ScriptedEngine(tokenizer, {"img": "A picture."})
     llm = AsyncLLM(engine, log_interval=0)
     with contextlib.ExitStack() as stack:
         stack.callback(llm.shutdown)
-        app = build_app(llm, ["fake"], limits=ServingLimits(multimodal=mm))
+        app = build_app(llm, ["fake"], limits=ServingLimits(multimodal=MultiModalConfig(**mm)))
         url = stack.enter_context(running_server(app))[1]
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), engine, media
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0), engine
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_tokenizer, tmp_path_factory):
+    """(client, engine, media directory): a server allowing 2 images of at most 10,000
+    pixels, files under the media directory, no http(s)."""
+    media = tmp_path_factory.mktemp("media")
+    (media / "a.png").write_bytes(encoded(picture(9, 4), "PNG"))
+    (tmp_path_factory.getbasetemp() / "secret.png").write_bytes(encoded(picture(), "PNG"))
+    with image_server(smollm2_tokenizer, allowed_local_media_path=str(media), **MM) as (c, e):
+        yield c, e, media
 
 
 def ask(client, *parts, template=GEMMA_LIKE, stream=False, **extra):
@@ -145,3 +153,30 @@ def test_beam_search_and_tokenize_refuse_images(served):
     assert response.status_code == 400
     assert response.json()["error"]["message"] == \
         "messages: image_url parts are not supported by this endpoint"
+
+
+def test_responses_input_image_parts(smollm2_tokenizer):
+    """`/v1/responses` `input_image` parts take the chat path; errors name the input item."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = GEMMA_LIKE  # Responses requests name no template of their own
+    with image_server(tokenizer, **MM) as (client, engine):
+        check_responses(client, engine)
+
+
+def check_responses(client, engine):
+    a = picture(8, 6)
+    parts = [{"type": "input_text", "text": "[img] see "},
+             {"type": "input_image", "image_url": data_url(encoded(a, "PNG"))}]
+    client.responses.create(model="fake", instructions="be brief", max_output_tokens=2,
+                            input=[{"role": "user", "content": parts}])
+    assert "[img] see <start_of_image>" in engine.prompts[-1]
+    assert engine.multi_modal_data[-1]["image"][0].size == (8, 6)
+    for image, param, message in [
+            ({"image_url": "data:image/png;base64,@@@"}, "input[1].content[0]",
+             "input[1].content[0]: the data URL's base64 is invalid"),
+            ({"file_id": "file-1"}, "input[1].content[0]", "file_id is not supported")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="fake", max_output_tokens=2, input=[
+                {"role": "user", "content": "[img] first"},
+                {"role": "user", "content": [{"type": "input_image", **image}]}])
+        assert e.value.body["param"] == param and message in e.value.body["message"]
