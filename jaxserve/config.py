@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from jaxserve.multimodal.config import MultiModalConfig
 from jaxserve.pooling_params import RUNNERS, TASKS, PoolerConfig
 from jaxserve.sampling_params import LOGPROBS_MODES
 from jaxserve.speculative_config import SPECULATIVE_METHODS, SpeculativeConfig  # noqa: F401
@@ -383,6 +384,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)  # images in prompts
     warmup: bool = True
     compilation_cache_dir: str | None = None
     # vLLM's `speculative_config` (dict or JSON), parsed by `from_kwargs`; None: off.
@@ -397,7 +399,7 @@ class EngineConfig:
                 outside its range (the message names the field).
         """
         groups = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                  "parallel": ParallelConfig, "lora": LoRAConfig}
+                  "parallel": ParallelConfig, "lora": LoRAConfig, "multimodal": MultiModalConfig}
         known = {f.name: g for g, c in groups.items() for f in dataclasses.fields(c)}
         top = {"warmup", "compilation_cache_dir", "speculative_config"}
         unknown = sorted(set(kwargs) - set(known) - top)

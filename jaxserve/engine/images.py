@@ -18,7 +18,9 @@ def engine_images(engine):
     tower = engine.worker.vision
     if tower is None:
         return None
-    support = image_support(tower.hf_config, engine.tokenizer, engine.model.source)
+    mm = engine.config.multimodal
+    support = image_support(tower.hf_config, engine.tokenizer, engine.model.source,
+                            mm.media_limits(), mm.max_images)
     per_image = support.max_image_tokens
     budget = engine.limits.max_num_batched_tokens
     if support.layout.bidirectional and budget < per_image:

@@ -16,6 +16,7 @@ from jaxserve.engine.scoring import (
     score_pairs,
     truncated,
 )
+from jaxserve.multimodal.chat import OFFLINE_IMAGE_PARTS, chat_prompt, has_image_parts
 from jaxserve.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -104,6 +105,8 @@ class LLM:
             self.engine = DataParallelEngine(config, model=loaded, tokenizer=tokenizer)
         else:
             self.engine = LLMEngine(config, model=loaded, tokenizer=tokenizer)
+        self.multimodal = config.multimodal  # the images `chat` takes
+        self.model_dir = config.model.model  # its config.json names the image marker
         self._counter = 0
 
     def get_tokenizer(self):
@@ -167,12 +170,28 @@ class LLM:
         """Generates replies to one conversation or a list of conversations.
 
         Each conversation is a list of `{"role": ..., "content": ...}` messages rendered
-        through the tokenizer's chat template.
+        through the tokenizer's chat template. A content list may hold images (vLLM's
+        parts `{"type": "image_url", "image_url": {"url": ...}}`, `{"type": "image_pil",
+        "image_pil": img}`, `{"type": "image", "image": img or url}`): such a conversation
+        is rendered to text with one image marker per image and sent with its images
+        (`jaxserve.multimodal.chat.chat_prompt`), within `limit_mm_per_prompt` and the
+        media limits.
+
+        Raises:
+            ValueError: A bad image or too many, naming the content part
+                (`messages[i].content[j]`), or a bad prompt or parameters.
         """
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         prompts = []
         for conversation in messages:
+            if has_image_parts(conversation, OFFLINE_IMAGE_PARTS):
+                mm = self.multimodal
+                prompts.append(chat_prompt(
+                    self.engine.tokenizer, conversation, mm.media_limits(), mm.max_images,
+                    chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                    model_dir=self.model_dir if isinstance(self.model_dir, str) else None))
+                continue
             ids = self.engine.tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
                 chat_template=chat_template, return_dict=False)

@@ -173,8 +173,10 @@ def _dry_run(source: str, messages: list[dict], call: dict, variables: dict,
 def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 tools: list[dict] | None = None, template_kwargs: dict | None = None,
-                trusted: bool = False, limits: TemplateLimits | None = None) -> list[int]:
-    """Token ids of `messages` through the chat template, by `tokenizer.apply_chat_template`.
+                trusted: bool = False, limits: TemplateLimits | None = None,
+                tokenize: bool = True) -> list[int] | str:
+    """Token ids (or the text) of `messages` through the chat template, by
+    `tokenizer.apply_chat_template`.
 
     Blocking and thread-safe: run it in a worker thread. The template runs under a deadline (a
     tracer in this thread); a request's own template is first dry-rendered in a hardened
@@ -194,9 +196,11 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
             `messages`, `conversation`, `chat_template` and non-identifiers are refused.
         trusted: `chat_template` is the operator's: no dry run.
         limits: The deadline and size cap (default: `TemplateLimits()`).
+        tokenize: Return token ids; False: the rendered text (an image prompt, whose markers
+            the engine expands before tokenizing).
 
     Returns:
-        The token ids.
+        The token ids, or the text.
 
     Raises:
         ChatTemplateError: For anything wrong in the request, naming the field (`messages`,
@@ -236,7 +240,7 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
         try:
             with _deadline(budget, everywhere=False):
                 ids = tokenizer.apply_chat_template(messages, chat_template=chat_template,
-                                                    tokenize=True, return_dict=False,
+                                                    tokenize=tokenize, return_dict=False,
                                                     **call, **variables)
         except Exception as e:  # noqa: BLE001 - the conversation doesn't suit the template
             if type(e) is TemplateError:
@@ -247,4 +251,4 @@ def render_chat(tokenizer, messages: list[dict], *, chat_template: str | None = 
         raise ChatTemplateError(f"chat template rendering took longer than {limits.deadline_s:g} s "
                                 "of CPU time",
                                 "chat_template" if untrusted else "messages") from None
-    return [int(i) for i in ids]
+    return [int(i) for i in ids] if tokenize else ids

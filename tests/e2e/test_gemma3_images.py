@@ -182,3 +182,26 @@ def test_preemption_both_ways_keeps_the_tokens(built, mode):
     assert [o.outputs[0].token_ids for o in outs] == want
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.kv.usage == 0.0
+
+
+def test_chat_with_a_data_url_image_equals_its_rendered_prompt(llm, built):
+    """`LLM.chat` with an `image_url` part (a PNG data URL) renders the marker where the image
+    was and sends the image: the same tokens as the rendered text with the image."""
+    import base64
+    import io
+
+    img = picture(3)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    chat = [{"role": "user", "content": [{"type": "text", "text": "What is in"},
+                                          {"type": "image_url", "image_url": {"url": url}},
+                                          {"type": "text", "text": "?"}]}]
+    got = llm.chat(chat, PARAMS, use_tqdm=False)[0]
+    text = built[2].tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is in<start_of_image>?"}], tokenize=False,
+        add_generation_prompt=True)
+    want = llm.generate([{"prompt": text, "multi_modal_data": {"image": img}}], PARAMS,
+                        use_tqdm=False)[0]
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

@@ -131,7 +131,8 @@ class ScriptedEngine(FakeEngine):
     """A `FakeEngine` whose replies are picked by their prompt: each request gets the entry
     of `replies` whose name appears in its decoded prompt as `[name]` (the longest such
     name), queued as `(script(reply), decoded prompt)` for a subclass's `step` to play;
-    keeps the decoded prompts and the parameters.
+    keeps the decoded prompts (a text prompt as it came), each prompt's `multi_modal_data`
+    (None without) and the parameters.
 
     Args:
         tokenizer: Decodes the prompts (and, for subclasses, the replies' tokens).
@@ -144,6 +145,7 @@ class ScriptedEngine(FakeEngine):
         self.tokenizer, self.limits.max_model_len = tokenizer, 4096
         self.replies, self.skip_special_tokens = replies, skip_special_tokens
         self.prompts: list[str] = []
+        self.multi_modal_data: list[dict | None] = []
         self.params = []
 
     def script(self, reply):
@@ -151,9 +153,10 @@ class ScriptedEngine(FakeEngine):
         return reply
 
     def add_request(self, request_id, prompt, params, **kwargs):
-        text = self.tokenizer.decode(prompt["prompt_token_ids"],
-                                     skip_special_tokens=self.skip_special_tokens)
+        text = prompt["prompt"] if "prompt_token_ids" not in prompt else self.tokenizer.decode(
+            prompt["prompt_token_ids"], skip_special_tokens=self.skip_special_tokens)
         self.prompts.append(text)
+        self.multi_modal_data.append(prompt.get("multi_modal_data"))
         self.params.append(params)
         reply = self.replies[max((k for k in self.replies if f"[{k}]" in text), key=len)]
         super().add_request(request_id, (self.script(reply), text), params, **kwargs)

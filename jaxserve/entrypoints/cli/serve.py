@@ -106,11 +106,14 @@ def add_parser(sub) -> None:
     p.set_defaults(handler=run)
 
 
-def serving_limits(args):
-    """The server's `ServingLimits` from its flags (ValueError naming a bad parser name)."""
+def serving_limits(args, multimodal=None):
+    """The server's `ServingLimits` from its flags (ValueError naming a bad parser name),
+    with the engine's `MultiModalConfig` (`multimodal`; None: the defaults)."""
     from jaxserve.entrypoints.openai.serving_base import ServingLimits
+    from jaxserve.multimodal.config import MultiModalConfig
 
-    return ServingLimits(max_prompts_per_request=args.max_prompts_per_request,
+    return ServingLimits(multimodal=multimodal or MultiModalConfig(),
+                         max_prompts_per_request=args.max_prompts_per_request,
                          tool_call_parser=None if args.tool_call_parser == "none"
                          else args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser,
@@ -157,7 +160,9 @@ def run(args) -> int:
     print_backend()
     if getattr(args, "coordinator_address", None) and args.process_id != 0:
         return _follow(kwargs)
-    limits = serving_limits(args)
+    from jaxserve.config import EngineConfig
+
+    limits = serving_limits(args, EngineConfig.from_kwargs(**kwargs).multimodal)
     lanes = PrepareLimits(heavy_body_bytes=args.heavy_request_bytes,
                           heavy_workers=args.heavy_prepare_workers,
                           heavy_queue=args.heavy_prepare_queue,

@@ -208,10 +208,12 @@ class CompletionRequest(SamplingFields):
 
 
 class ContentPart(OpenAIBaseModel):
-    """One part of a message's content (only `text` parts are supported)."""
+    """One part of a message's content: `text`, or `image_url` (`{"url": ...}`, or the URL
+    alone as vLLM takes it); other types are refused."""
 
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | str | None = None
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -224,13 +226,18 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
 
     def as_template_message(self) -> dict[str, Any]:
-        """The message as the chat template expects it (text parts joined)."""
+        """The message as the chat template expects it: text parts joined, or, when it
+        holds `image_url` parts, its parts as JSON (for `jaxserve.multimodal.chat`)."""
         content = self.content
         if isinstance(content, list):
-            bad = [p.type for p in content if p.type != "text"]
+            bad = [p.type for p in content if p.type not in ("text", "image_url")]
             if bad:
-                raise ValueError(f"messages: only text content parts are supported, got {bad}")
-            content = "".join(p.text or "" for p in content)
+                raise ValueError(f"messages: only text and image_url content parts are "
+                                 f"supported, got {bad}")
+            if any(p.type == "image_url" for p in content):
+                content = [p.model_dump(exclude_none=True) for p in content]
+            else:
+                content = "".join(p.text or "" for p in content)
         message = {**(self.model_extra or {}), "role": self.role, "content": content or ""}
         calls = message.get("tool_calls")
         if isinstance(calls, list):

@@ -40,15 +40,41 @@ class OutputText(OpenAIBaseModel):
     text: str
 
 
+class InputImage(OpenAIBaseModel):
+    """An `input_image` content part: its `image_url` (a data, file or http(s) URL)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
 ContentPart = Annotated[
-    Annotated[InputText, Tag("input_text")] | Annotated[OutputText, Tag("output_text")],
+    Annotated[InputText, Tag("input_text")] | Annotated[OutputText, Tag("output_text")]
+    | Annotated[InputImage, Tag("input_image")],
     Discriminator(_type_of(None), custom_error_type="content_part_type",
-                  custom_error_message="only input_text and output_text content parts are "
-                                       "supported (images, files and audio are not)")]
+                  custom_error_message="only input_text, output_text and input_image content "
+                                       "parts are supported (files and audio are not)")]
 
 
 def _joined(content: str | list[InputText | OutputText]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def _chat_content(content, index: int):
+    """A message item's content for chat: text joined, or with images chat's parts."""
+    if isinstance(content, str) or not any(isinstance(p, InputImage) for p in content):
+        return _joined(content)
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, InputImage):
+            parts.append({"type": "text", "text": part.text})
+        elif not part.image_url:
+            raise ValueError(f"input[{index}].content[{j}]: an input_image part needs image_url "
+                             "(file_id is not supported)")
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+    return parts
 
 
 class MessageItem(OpenAIBaseModel):
@@ -231,18 +257,25 @@ class ResponsesRequest(OpenAIBaseModel):
         `input` (developer messages as system ones, function calls as the assistant's
         `tool_calls`, their outputs as `tool` messages, reasoning as the next assistant
         message's `reasoning_content`; reasoning no assistant item follows is dropped)."""
+        return self.messages_and_items()[0]
+
+    def messages_and_items(self) -> tuple[list[dict[str, Any]], list[int | None]]:
+        """`messages()`, and for each message the index of the `input` item it came from
+        (None: `instructions`), to name an item in errors about a message."""
         messages: list[dict[str, Any]] = []
+        items: list[int | None] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
+            items.append(None)
         if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
+            return [*messages, {"role": "user", "content": self.input}], [*items, 0]
         reasoning = None  # a reasoning item's text, for the next assistant message
-        for item in self.input:
+        for index, item in enumerate(self.input):
             if isinstance(item, ReasoningItem):
                 reasoning = (reasoning or "") + item.text()
             elif isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
-                messages.append({"role": role, "content": _joined(item.content)})
+                messages.append({"role": role, "content": _chat_content(item.content, index)})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
@@ -255,13 +288,14 @@ class ResponsesRequest(OpenAIBaseModel):
             else:
                 messages.append({"role": "tool", "content": _joined(item.output),
                                  "tool_call_id": item.call_id})
+            items.extend([index] * (len(messages) - len(items)))
             if not isinstance(item, ReasoningItem):
                 if reasoning is not None and messages[-1]["role"] == "assistant":
                     messages[-1]["reasoning_content"] = reasoning
                 reasoning = None
         if not messages:
             raise ValueError("input must hold at least one item")
-        return messages
+        return messages, items
 
     def response_format(self) -> dict[str, Any] | None:
         """`text.format` as chat's `response_format`."""

@@ -16,6 +16,7 @@ from jaxserve.entrypoints.openai.reasoning import get_reasoning_parser
 from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
 from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
 from jaxserve.lora import LoRARequest
+from jaxserve.multimodal.config import MultiModalConfig
 from jaxserve.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -62,6 +63,9 @@ class ServingLimits:
         return_tokens_as_token_ids: Render logprob tokens as `token_id:N` unless a request
             says otherwise (its `return_tokens_as_token_ids`), as vLLM's
             `--return-tokens-as-token-ids`.
+        multimodal: The images chat messages may carry (the engine's `MultiModalConfig`:
+            `--limit-mm-per-prompt`, `--allowed-local-media-path`, the pixel, byte and
+            fetch limits).
     """
 
     max_prompts_per_request: int = 256
@@ -72,6 +76,7 @@ class ServingLimits:
     max_stop_strings: int = 64
     enable_prompt_tokens_details: bool = False
     return_tokens_as_token_ids: bool = False
+    multimodal: MultiModalConfig = MultiModalConfig()
 
     def __post_init__(self):
         for name in ("max_prompts_per_request", "max_tokenize_tokens", "max_stop_strings"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from jaxserve.entrypoints.chat_template import ChatTemplateError, render_chat
+from jaxserve.entrypoints.openai.chat_images import image_prompt
 from jaxserve.entrypoints.openai.harmony_chat import HarmonyReplyStream, split_reply
 from jaxserve.entrypoints.openai.protocol import REQUEST_FIELDS, ChatCompletionRequest, ChatMessage
 from jaxserve.entrypoints.openai.reasoning import (
@@ -28,6 +29,7 @@ from jaxserve.entrypoints.openai.serving_engine import (
 )
 from jaxserve.entrypoints.openai.tool_calls import ToolCallStream, reply_message, tool_mode
 from jaxserve.entrypoints.openai.tool_parsers import get_tool_parser
+from jaxserve.multimodal.chat import HTTP_IMAGE_PARTS, has_image_parts
 from jaxserve.outputs import CompletionOutput
 
 _FIELDS = SAMPLING_FIELDS | REQUEST_FIELDS | {"logit_bias", "top_logprobs", "messages",
@@ -73,12 +75,13 @@ def render_messages(tokenizer, messages: list[ChatMessage], *, chat_template: st
     """Token ids of `messages` through the chat template (bounded in time and size).
 
     Raises:
-        OpenAIError: 400 naming `messages`, `chat_template` or `chat_template_kwargs`.
+        OpenAIError: 400 naming `messages` (image parts too: they need `image_prompt`),
+            `chat_template` or `chat_template_kwargs`.
     """
-    try:
-        plain = [m.as_template_message() for m in messages]
-    except ValueError as e:
-        raise OpenAIError(400, str(e), "messages") from None
+    plain = template_messages(messages)
+    if has_image_parts(plain, HTTP_IMAGE_PARTS):
+        raise OpenAIError(400, "messages: image_url parts are not supported by this endpoint",
+                          "messages")
     try:
         ids = render_chat(tokenizer, plain, chat_template=chat_template,
                           add_generation_prompt=add_generation_prompt,
@@ -90,6 +93,25 @@ def render_messages(tokenizer, messages: list[ChatMessage], *, chat_template: st
         raise OpenAIError(400, "the chat template rendered an empty prompt",
                           "chat_template" if chat_template is not None else "messages")
     return ids
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them (`ChatMessage.as_template_message`).
+
+    Raises:
+        OpenAIError: 400 naming `messages` for a content part type that is not served.
+    """
+    try:
+        return [m.as_template_message() for m in messages]
+    except ValueError as e:
+        raise OpenAIError(400, str(e), "messages") from None
+
+
+def _text_of(content) -> str:
+    """A template message's content as text (its text parts joined)."""
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if p.get("type") == "text")
+    return content or ""
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -123,15 +145,27 @@ class OpenAIServingChat(OpenAIServing):
                                    f"{self.max_model_len} tokens. However, your messages "
                                    f"have {chars} characters, more than that many tokens "
                                    "can hold.", "messages")
-        ids = render_messages(self.tokenizer, req.messages, chat_template=req.chat_template,
-                              add_generation_prompt=req.add_generation_prompt,
-                              continue_final_message=req.continue_final_message,
-                              tools=req.tools, template_kwargs=req.chat_template_kwargs)
-        self.check_length(len(ids), params, "messages", limit_name)
+        render = dict(chat_template=req.chat_template,
+                      add_generation_prompt=req.add_generation_prompt,
+                      continue_final_message=req.continue_final_message, tools=req.tools,
+                      template_kwargs=req.chat_template_kwargs)
+        plain = template_messages(req.messages)
+        if has_image_parts(plain, HTTP_IMAGE_PARTS):
+            if req.use_beam_search:
+                raise OpenAIError(400, "use_beam_search is not supported with images",
+                                  "use_beam_search")
+            prompt = image_prompt(self.tokenizer, plain, self.limits.multimodal, **render)
+            # NOTE: the text's own tokens; the engine adds each image's placeholders and
+            # checks the whole prompt against max_model_len again.
+            num_tokens = len(self.encode(prompt["prompt"], "messages", check=False))
+        else:
+            prompt = {"prompt_token_ids": render_messages(self.tokenizer, req.messages,
+                                                          **render)}
+            num_tokens = len(prompt["prompt_token_ids"])
+        self.check_length(num_tokens, params, "messages", limit_name)
         last = req.messages[-1]
-        echo = last.as_template_message()["content"] if req.echo and last.role == "assistant" \
-            else ""
-        return Prepared(params, [{"prompt_token_ids": ids}], {"echo": echo})
+        echo = _text_of(plain[-1]["content"]) if req.echo and last.role == "assistant" else ""
+        return Prepared(params, [prompt], {"echo": echo})
 
     def tool_mode(self, req) -> str | None:
         """How the reply is read for tool calls (`tool_calls.tool_mode`; "auto" only with
@@ -218,8 +252,9 @@ class OpenAIServingChat(OpenAIServing):
         # NOTE: vLLM's chunks hold the keys it set (`exclude_unset`): the first one
         # `prompt_token_ids` (the ids with `return_token_ids`), every delta its deprecated
         # `reasoning_content`.
-        prompt_ids = list(prep.prompts[0]["prompt_token_ids"]) if req.return_token_ids \
-            else None
+        # An image prompt's ids are the engine's (its markers expanded): none here.
+        known = prep.prompts[0].get("prompt_token_ids")
+        prompt_ids = list(known) if req.return_token_ids and known is not None else None
         for c in range(params.n):
             yield {**head, "choices": [{
                 "index": c, "delta": {"role": "assistant", "content": prep.extra["echo"],

@@ -317,7 +317,11 @@ def usage(outputs: list[RequestOutput | None], req=None, prep: Prepared | None =
             cached (`--enable-prompt-tokens-details`, as vLLM); None otherwise.
     """
     seen = [o for o in outputs if o is not None]
-    prompt = sum(len(p["prompt_token_ids"]) for p in prep.prompts) if prep is not None \
+    # NOTE: an image prompt (text the engine tokenizes, its markers expanded) counts the
+    # engine's ids once its first output came, nothing before.
+    prompt = sum(len(p["prompt_token_ids"]) if "prompt_token_ids" in p
+                 else len(o.prompt_token_ids) if o is not None else 0
+                 for p, o in zip(prep.prompts, outputs, strict=False)) if prep is not None \
         else sum(len(o.prompt_token_ids) for o in seen)
     completion = 0 if getattr(req, "echo_only", False) else sum(
         len(c.token_ids) for o in seen for c in o.outputs)

@@ -4,6 +4,7 @@ request served by the chat path, whose reply becomes output items, whole or as e
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 
@@ -31,6 +32,17 @@ def _renamed(e: OpenAIError) -> OpenAIError:
         return e
     message = name + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
     return OpenAIError(e.status, message, name)
+
+
+def _input_part(e: OpenAIError, items: list[int | None]) -> OpenAIError:
+    """An error naming a chat message's content part (an image's) under the `input` item
+    the message came from."""
+    found = re.match(r"messages\[(\d+)\](\.content\[\d+\])", e.param or "")
+    if found is None or items[int(found[1])] is None:
+        return e
+    name = f"input[{items[int(found[1])]}]{found[2]}"
+    return OpenAIError(e.status, name + e.message[len(found[0]):]
+                       if e.message.startswith(found[0]) else e.message, name)
 
 
 def _item_id(prefix: str) -> str:
@@ -243,13 +255,15 @@ class OpenAIServingResponses(OpenAIServing):
             req.check_supported()
             body = req.chat_body()
         except ValueError as e:
-            raise from_value_error(e, _FIELDS) from None
+            part = re.match(r"input\[\d+\]\.content\[\d+\]", str(e))
+            raise OpenAIError(400, str(e), part[0]) if part else \
+                from_value_error(e, _FIELDS) from None
         # NOTE: the body holds fields already validated by their Responses types.
         chat_req = ChatCompletionRequest.model_validate(body)
         try:
             prep = self.chat.prepare(chat_req)
         except OpenAIError as e:
-            raise _renamed(e) from None
+            raise _renamed(_input_part(e, req.messages_and_items()[1])) from None
         prep.extra.update(chat=chat_req, created_at=now())
         return prep
 
@@ -257,8 +271,11 @@ class OpenAIServingResponses(OpenAIServing):
                  output: list[dict], status: str, usage: dict | None) -> dict:
         """The response object, with the request fields vLLM echoes."""
         params = prep.params
+        # An image prompt's ids are the engine's: its usage counts them.
+        known = prep.prompts[0].get("prompt_token_ids")
+        prompt_len = len(known) if known is not None else (usage or {}).get("input_tokens", 0)
         max_tokens = params.max_tokens if params.max_tokens is not None else \
-            self.max_model_len - len(prep.prompts[0]["prompt_token_ids"])
+            self.max_model_len - prompt_len
         choice = req.tool_choice
         return {
             # NOTE: OpenAI's ids are `resp_<hex>`; the engine's request id is `resp-<hex>`.
