@@ -1,0 +1,270 @@
+"""EAGLE-3 proposals: a one-layer draft head reading the target's own hidden states.
+
+The target's steps also return the residual stream entering the layers the head names
+(`StepPrograms.capture_aux`). After each target step the engine hands the step to
+`observe`: for every request it ran, the head computes the positions the step made valid
+(a prompt chunk; a decode's token, the accepted proposals), each from the target's aux
+states there and the embedding of the token after it, writing its own K/V, and keeps the
+request's last row (its greedy draft token and hidden state) on the device. Before the next
+step `propose` runs k - 1 more single-token steps from those rows (one jitted loop) and
+brings the k proposals to the host. They are greedy (one-hot drafts), so they are verified
+as n-gram proposals are (`speculator`): the output is the target's whatever the head.
+
+The head's K/V is one layer in a page pool of its own with its own page allocator. A request's
+head pages cover its positions from `base` on: the first position the head saw, 0 unless a
+prefix-cache hit skipped the target's computing (and so its hidden states) of the prompt's
+start; the head then attends from `base` on. Tokens never change, so the head's K/V stays
+valid across the target's preemption (recompute or swap): positions it holds are skipped
+when the target computes them again, except the last, whose output makes proposal 1.
+Proposals' slots are written again by the next `observe`. A request that finished, or
+whose head pages ran out, is dropped (a later step starts it again from there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterable
+
+import jax
+import numpy as np
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.core.kv_page import KVPage
+from jaxserve.core.page_pool import PagePool
+from jaxserve.core.scheduler_output import SchedulerOutput
+from jaxserve.request import Request
+from jaxserve.runner import compile_counter
+from jaxserve.spec_decode.eagle_programs import observe, propose_loop
+from jaxserve.spec_decode.eagle_setup import head_for_target, program_spec, target_embedding
+from jaxserve.spec_decode.speculator import Speculator
+from jaxserve.utils import cdiv
+from pallas_kernels.metadata import kv_pages_shape
+
+
+@dataclasses.dataclass
+class _HeadSeq:
+    """One request's state in the head's pool."""
+
+    request: Request
+    base: int  # the first position the head holds
+    pages: list[KVPage]
+    next: int = 0  # positions [base, next) hold the head's K/V of known tokens
+
+
+class Eagle3Speculator(Speculator):
+    """Proposes with an EAGLE-3 head (see the module docstring).
+
+    Args:
+        config: `SpeculativeConfig` of method "eagle3" (`model`: the head's directory or a
+            loaded `models.loaders.eagle3.Eagle3Head`).
+        target: The target `Model`.
+        dtype: Dtype to load a head given by path in.
+        num_pages, page_size, max_model_len, max_num_seqs: Sizes of the head's pool (the
+            target's) and its programs' rows.
+        target_params: The target's weight bytes (the head's relative cost, for the gate).
+
+    Raises:
+        ValueError: A head that does not fit the target (`head_for_target`).
+    """
+
+    own_device_calls = True  # the head's programs
+
+    def __init__(self, config: SpeculativeConfig, *, target, dtype: str = "float32",
+                 num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
+                 target_params: int = 0, **_runner_sizes):
+        self.head, self.aux_layers = head_for_target(config, target, dtype)
+        super().__init__(config, draft_cost=min(1.0, self.head.weight_bytes / target_params)
+                         if target_params else 1.0)
+        self.page_size, self.max_model_len, self.max_rows = page_size, max_model_len, max_num_seqs
+        self.width = cdiv(max_model_len + self.k, page_size)  # a head block table's pages
+        lc = self.head.cfg.layer
+        self.kv_pages = jax.numpy.zeros(kv_pages_shape(1, lc.num_kv_heads, num_pages, page_size,
+                                                       lc.head_dim), self.head.params["norm"].dtype)
+        self.pool = PagePool(num_pages, enable_caching=False)
+        self.seqs: dict[str, _HeadSeq] = {}
+        self._observe = self._loop = None  # jitted at `attach`
+        self._last = None  # (i32[R] proposal 1, [R, H] hidden, {request_id: (row, position)})
+        self._runner = self._target_embed = None
+        self._compilations = 0
+
+    # ------------------------------------------------------------ engine hooks
+    def attach(self, runner) -> None:
+        """Makes `runner`'s steps return the aux states the head reads; call before warm-up.
+
+        Raises:
+            ValueError: A runner over a device mesh (the head runs on one device).
+        """
+        if runner.layout is not None:
+            raise ValueError("speculative_config.method: eagle3 runs on one device; "
+                             "tensor and data parallelism are not supported with it")
+        self._runner = runner
+        runner.programs.capture_aux(self.aux_layers)
+        spec = program_spec(self.head, runner.model, self.k - 1, self.page_size)
+        self._observe = jax.jit(functools.partial(observe, spec), donate_argnums=2)
+        self._loop = jax.jit(functools.partial(propose_loop, spec), donate_argnums=2)
+        self._target_embed = target_embedding(runner.model)
+
+    def warmup(self, make_dummy_sampling) -> float:
+        start = time.perf_counter()
+        # NOTE: the aux states have the dtype of the target's embeddings (the scan's carry).
+        aux_dtype = jax.eval_shape(self._target_embed, self._runner.params,
+                                   np.zeros(1, np.int32)).dtype
+        n, ht = len(self.aux_layers), self.head.cfg.target_hidden_size
+        for bucket in self._runner.buckets:
+            aux = jax.numpy.zeros((bucket, n, ht), aux_dtype)
+            first, hidden = self._observe_call(aux, _ObserveRows(bucket, self.max_rows,
+                                                                  self.width))
+        if self.k > 1:
+            jax.block_until_ready(self._loop_call(first, hidden, []))
+        jax.block_until_ready(self.kv_pages)
+        self._compilations = 0
+        return time.perf_counter() - start
+
+    @property
+    def num_compilations(self) -> int:
+        return self._compilations
+
+    def observe(self, out: SchedulerOutput, requests: dict[str, Request],
+                sampled: dict[str, list[int]], aux) -> None:
+        """After a target step: the head computes the positions it made valid.
+
+        Args:
+            out: The step (its entries in packed order).
+            requests: The requests it ran, by id.
+            sampled: Each entry's tokens after verification (accepted proposals and the
+                token after them), as the scheduler took them.
+            aux: The step's aux states [Tb, n, Ht] (`StepResult.aux_hidden`).
+        """
+        self._release_finished()
+        rows = _ObserveRows(aux.shape[0], self.max_rows, self.width)
+        offset = 0
+        for s in out.scheduled:
+            start_row, offset = offset, offset + s.num_new_tokens
+            request = requests.get(s.request_id)
+            if request is None or request.is_finished() or (
+                    s.num_samples and s.request_id not in sampled):
+                continue  # ended, or no verdict (its tokens failed)
+            accepted = len(sampled[s.request_id]) - 1 if s.num_spec_tokens else 0
+            last = s.start_pos + s.num_new_tokens - s.num_spec_tokens + accepted - 1
+            seq = self._reserve(request, s.start_pos, last)
+            if seq is None or last < seq.base or rows.num_rows == self.max_rows:
+                continue  # out of pages, or positions before those the head holds
+            # NOTE: at least the last position: its output is proposal 1.
+            first = min(max(s.start_pos, seq.next), last)
+            tokens = request.all_token_ids[first + 1:last + 2]
+            if len(tokens) != last + 1 - first:
+                continue
+            rows.add(request.request_id, tokens, first, seq, start_row + first - s.start_pos,
+                     self.page_size)
+            seq.next = max(seq.next, last + 1)
+        if rows.num_rows:
+            first, hidden = self._observe_call(aux, rows)
+            self._last = (first, hidden, rows.last_of)
+
+    def propose(self, requests: Iterable[Request]) -> dict[str, list[int]]:
+        if self._last is None:
+            return {}
+        first, hidden, last_of = self._last
+        todo = [(r, last_of[r.request_id][0]) for r in requests if self.wants_proposals(r)
+                and last_of.get(r.request_id, (0, -1))[1] == r.num_tokens - 2
+                and r.num_tokens - 1 + self.k <= self.max_model_len]
+        if not todo:
+            return {}
+        if self.k == 1:
+            ids = np.asarray(first)
+            return {r.request_id: [int(ids[row])] for r, row in todo}
+        out = np.asarray(self._loop_call(first, hidden, todo))
+        return {r.request_id: out[i].tolist() for i, (r, _) in enumerate(todo)}
+
+    # ------------------------------------------------------------ device calls
+    def _observe_call(self, aux, rows: _ObserveRows):
+        start = compile_counter.num_compilations()
+        self.kv_pages, first, hidden = self._observe(
+            self.head.params, self._runner.params, self.kv_pages, aux, *rows.arrays())
+        self._compilations += compile_counter.num_compilations() - start
+        return first, hidden
+
+    def _loop_call(self, first, hidden, todo: list[tuple[Request, int]]):
+        num = len(todo)
+        rows = np.zeros(self.max_rows, np.int32)  # i32[R]
+        positions = np.zeros(self.max_rows, np.int32)  # i32[R]
+        local = np.zeros(self.max_rows, np.int32)  # i32[R]
+        tables = np.zeros((self.max_rows, self.width), np.int32)  # i32[R, W]
+        for i, (request, row) in enumerate(todo):
+            seq = self.seqs[request.request_id]
+            rows[i], positions[i] = row, request.num_tokens - 1
+            local[i] = positions[i] - seq.base
+            tables[i, :len(seq.pages)] = [p.page_id for p in seq.pages]
+        start = compile_counter.num_compilations()
+        self.kv_pages, out = self._loop(self.head.params, self._runner.params, self.kv_pages,
+                                        first, hidden, rows, positions, local, tables,
+                                        np.int32(num))
+        self._compilations += compile_counter.num_compilations() - start
+        return out
+
+    # ------------------------------------------------------------ pages
+    def _release_finished(self) -> None:
+        for req_id in [i for i, s in self.seqs.items() if s.request.is_finished()]:
+            self._free(req_id)
+
+    def _free(self, req_id: str) -> None:
+        seq = self.seqs.pop(req_id)
+        self.pool.free_pages(reversed(seq.pages))
+
+    def _reserve(self, request: Request, start: int, last: int) -> _HeadSeq | None:
+        """The request's head state with pages through position `last` and the k - 1
+        proposals after it; None when the pool is out of pages (the state is dropped)."""
+        seq = self.seqs.get(request.request_id)
+        if seq is not None and (seq.request is not request or seq.next < start):
+            self._free(request.request_id)  # the id was reused, or positions were skipped
+            seq = None
+        if seq is None:
+            seq = self.seqs[request.request_id] = _HeadSeq(request, start, [], start)
+        need = cdiv(last + self.k - seq.base, self.page_size) - len(seq.pages)
+        if need > self.pool.num_allocatable_pages or last + self.k - seq.base > \
+                self.width * self.page_size:
+            self._free(request.request_id)
+            return None
+        if need > 0:
+            seq.pages.extend(self.pool.get_new_pages(need))
+        return seq
+
+
+class _ObserveRows:
+    """The host arrays of one `observe` call, filled request by request."""
+
+    def __init__(self, num_tokens: int, num_rows: int, width: int):
+        self.gather = np.zeros(num_tokens, np.int32)  # i32[Tb]
+        self.ids = np.zeros(num_tokens, np.int32)  # i32[Tb]
+        self.positions = np.zeros(num_tokens, np.int32)  # i32[Tb]
+        self.slots = np.zeros(num_tokens, np.int32)  # i32[Tb]
+        self.tables = np.zeros((num_rows, width), np.int32)  # i32[R, W]
+        self.kv_lens = np.zeros(num_rows, np.int32)  # i32[R]
+        self.cu_q_lens = np.zeros(num_rows + 1, np.int32)  # i32[R + 1]
+        self.last = np.zeros(num_rows, np.int32)  # i32[R]
+        self.num_rows = self.num_tokens = 0
+        self.last_of: dict[str, tuple[int, int]] = {}  # request id -> (row, last position)
+
+    def add(self, req_id: str, tokens: list[int], first: int, seq: _HeadSeq, step_row: int,
+            page_size: int) -> None:
+        """Request `req_id`'s positions first.. (their next tokens `tokens`), whose target
+        states are the step's rows from `step_row` on."""
+        r, t, n = self.num_rows, self.num_tokens, len(tokens)
+        local = np.arange(first, first + n) - seq.base  # i64[n]
+        pages = np.array([p.page_id for p in seq.pages], np.int32)
+        self.gather[t:t + n] = np.arange(step_row, step_row + n)
+        self.ids[t:t + n] = tokens
+        self.positions[t:t + n] = np.arange(first, first + n)
+        self.slots[t:t + n] = pages[local // page_size] * page_size + local % page_size
+        self.tables[r, :len(pages)] = pages
+        self.kv_lens[r] = local[-1] + 1
+        self.cu_q_lens[r + 1:] = t + n
+        self.last[r] = t + n - 1
+        self.last_of[req_id] = (r, first + n - 1)
+        self.num_rows, self.num_tokens = r + 1, t + n
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.gather, self.ids, self.positions, self.slots, self.tables, self.kv_lens,
+                self.cu_q_lens, self.last)
