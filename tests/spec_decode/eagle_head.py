@@ -93,15 +93,20 @@ def _rope(x, positions, theta=HEAD_LAYER["rope_theta"]):
     return x * cos + rot * sin
 
 
-def reference_head(t: dict[str, np.ndarray], embeds: np.ndarray, aux: np.ndarray,
+def reference_fc(t: dict[str, np.ndarray], aux: np.ndarray) -> np.ndarray:
+    """The head's hidden input g [T, H] from the target's aux states [T, n, Ht] (float64)."""
+    return np.asarray(aux, np.float64).reshape(len(aux), -1) @ np.asarray(t["fc"], np.float64).T
+
+
+def reference_head(t: dict[str, np.ndarray], embeds: np.ndarray, g: np.ndarray,
                    positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The head over one sequence (float64): embeds [T, H] of each position's next token,
-    aux [T, n, Ht] the target's states there. Returns (logits [T, draft_vocab] over the
-    draft vocabulary, prenorm [T, H])."""
+    g [T, H] its hidden input (`reference_fc` of the target's states, or the head's own
+    prenorm). Returns (logits [T, draft_vocab] over the draft vocabulary, prenorm [T, H])."""
     t = {k: np.asarray(v, np.float64) for k, v in t.items()}
-    n_tok, hq, hk = len(embeds), HEAD_LAYER["num_attention_heads"], HEAD_LAYER["num_key_value_heads"]
-    d = HEAD_LAYER["head_dim"]
-    g = aux.reshape(n_tok, -1) @ t["fc"].T
+    embeds, g = np.asarray(embeds, np.float64), np.asarray(g, np.float64)
+    n_tok, hq = len(embeds), HEAD_LAYER["num_attention_heads"]
+    hk, d = HEAD_LAYER["num_key_value_heads"], HEAD_LAYER["head_dim"]
     x = np.concatenate([_rms(embeds, t["input_layernorm"]), _rms(g, t["hidden_norm"])], -1)
     q = _rope((x @ t["q_proj"].T).reshape(n_tok, hq, d), positions)
     k = _rope((x @ t["k_proj"].T).reshape(n_tok, hk, d), positions)

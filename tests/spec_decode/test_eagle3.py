@@ -1,0 +1,297 @@
+"""EAGLE-3 heads: the head's forward against a NumPy reference, the target's aux states against
+transformers' hidden states, every proposal the engine makes against the reference head run
+on transformers' states (chunked, preempted, prefix hits), greedy outputs equal the target's
+alone (batched and alone), nothing compiles after warm-up, and bad configs are refused.
+
+The heads are random (the test writes them as checkpoint directories, both layouts); the
+target is the conftest's tiny random Llama (2 layers, so the head reads layers 0, 1, 1)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import SpeculativeConfig
+from jaxserve.spec_decode.eagle import Eagle3Speculator
+from models.eagle3 import head_argmax, head_forward
+from models.loaders import load_model
+from models.loaders.eagle3 import load_eagle3
+from pallas_kernels import AttentionMetadata
+from pallas_kernels.attention_ops import AttentionOps
+from pallas_kernels.metadata import kv_pages_shape
+from tests.spec_decode.eagle_head import (
+    HEAD_LAYER,
+    random_head,
+    reference_fc,
+    reference_head,
+    write_head_dir,
+)
+
+AUX = (0, 1, 1)
+K = 3
+# A 16-token budget (prompts chunk), 9 pages (requests are preempted and recomputed) and
+# prefix caching (the second pass hits the first's pages).
+# NOTE: the sizes of test_draft_model.py's tiny engines (their target programs are then in
+# the persistent compilation cache), with prefix caching (host-side only) on.
+ARGS = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256, num_kv_blocks=9,
+            preemption_mode="recompute", enable_prefix_caching=True, attention_backend="xla",
+            warmup=False)
+PROMPTS = [
+    "The history of the city begins with a small fishing village on the river bank. Over "
+    "the centuries, merchants arrived from distant lands",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "1, 2, 3, 4, 5,",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(tiny_model_dir, "float32")
+
+
+@pytest.fixture(scope="module")
+def tensors(tiny) -> dict[str, np.ndarray]:
+    return random_head(tiny.cfg.vocab_size, tiny.cfg.hidden_size, seed=0)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny, tensors, tmp_path_factory) -> str:
+    return write_head_dir(str(tmp_path_factory.mktemp("eagle3") / "head"), tensors,
+                          tiny.cfg.vocab_size, tiny.cfg.hidden_size, aux_ids=AUX)
+
+
+def eagle(head, k: int = K, **extra) -> dict:
+    return {"method": "eagle3", "model": head, "num_speculative_tokens": k, **extra}
+
+
+def test_head_forward_matches_the_reference(tensors, tiny, tmp_path):
+    """Two requests of 5 and 3 tokens in one packed step, through the head's pool: logits
+    and hidden states as the NumPy reference's; both checkpoint layouts load the same."""
+    v, h = tiny.cfg.vocab_size, tiny.cfg.hidden_size
+    head = load_eagle3(write_head_dir(str(tmp_path / "a"), tensors, v, h), jnp.float32)
+    other = load_eagle3(write_head_dir(str(tmp_path / "b"), tensors, v, h,
+                                       layout="speculators"), jnp.float32)
+    assert head.cfg == other.cfg
+    assert all(np.array_equal(head.params[k], other.params[k]) for k in head.params)
+    rng = np.random.default_rng(1)
+    lens, ps = (5, 3), 4
+    embeds = rng.standard_normal((8, HEAD_LAYER["hidden_size"])).astype(np.float32)
+    aux = rng.standard_normal((8, 3, h)).astype(np.float32)
+    positions = np.array([0, 1, 2, 3, 4, 7, 8, 9], np.int32)  # the second from position 7
+    tables = np.array([[1, 2, 0], [3, 4, 5]], np.int32)
+    local = np.array([0, 1, 2, 3, 4, 7, 8, 9])  # the second's first 7 slots hold nothing read
+    slots = tables[[0] * 5 + [1] * 3, local // ps] * ps + local % ps
+    md = AttentionMetadata(jnp.asarray(slots, jnp.int32), jnp.asarray(tables),
+                           jnp.array([5, 10], jnp.int32), jnp.array([0, 5, 8], jnp.int32))
+    lc = head.cfg.layer
+    pool = jnp.zeros(kv_pages_shape(1, lc.num_kv_heads, 6, ps, lc.head_dim), jnp.float32)
+    # The second request's first 7 positions come first, as an earlier step would write them.
+    pre_e = rng.standard_normal((7, HEAD_LAYER["hidden_size"])).astype(np.float32)
+    pre_a = rng.standard_normal((7, 3, h)).astype(np.float32)
+    fc = lambda a: jnp.asarray(a.reshape(len(a), -1)) @ head.params["fc"].T  # noqa: E731
+    pre_md = AttentionMetadata(jnp.asarray(tables[1, np.arange(7) // ps] * ps + np.arange(7) % ps,
+                                           jnp.int32), jnp.asarray(tables[1:]),
+                               jnp.array([7], jnp.int32), jnp.array([0, 7], jnp.int32))
+    forward = jax.jit(functools.partial(head_forward, head.cfg, AttentionOps("xla")))
+    pool, _, _ = forward(head.params, jnp.asarray(pre_e), fc(pre_a),
+                         jnp.arange(7, dtype=jnp.int32), pool, pre_md)
+    _, normed, prenorm = forward(head.params, jnp.asarray(embeds), fc(aux),
+                                 jnp.asarray(positions), pool, md)
+    logits = np.asarray(normed @ head.params["lm_head"].T)
+    for rows, e, a, pos in ((slice(0, 5), embeds[:5], aux[:5], positions[:5]),
+                            (slice(5, 8), np.concatenate([pre_e, embeds[5:]]),
+                             np.concatenate([pre_a, aux[5:]]), np.arange(10))):
+        ref_logits, ref_pre = reference_head(tensors, e, reference_fc(tensors, a), pos)
+        n = rows.stop - rows.start
+        np.testing.assert_allclose(logits[rows], ref_logits[-n:], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(prenorm)[rows], ref_pre[-n:], rtol=1e-4,
+                                   atol=1e-4)
+    # A draft id d is the target's d + d2t[d].
+    want = np.argmax(logits, -1) + tensors["d2t"][np.argmax(logits, -1)]
+    np.testing.assert_array_equal(np.asarray(head_argmax(head.params, normed)), want)
+
+
+@pytest.fixture(scope="module")
+def want(tiny, smollm2_tokenizer) -> list[list[int]]:
+    llm = LLM(tiny, tokenizer=smollm2_tokenizer, **{**ARGS, "enable_prefix_caching": False})
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def spec(tiny, smollm2_tokenizer, head_dir) -> tuple[LLM, list]:
+    """An EAGLE-3 engine whose proposals are recorded: (request id, its tokens then, the
+    head's first position, the proposals)."""
+    llm = LLM(tiny, tokenizer=smollm2_tokenizer, speculative_config=eagle(head_dir), **ARGS)
+    sp = llm.engine.speculator
+    sp.gate.min_acceptance = 0.0  # a random head is never right: verify every step anyway
+    records, propose = [], sp.propose
+
+    def recorded(requests):
+        requests = list(requests)
+        got = propose(requests)
+        tokens = {r.request_id: len(r.all_token_ids) for r in requests}
+        records.extend((i, tokens[i], sp.seqs[i].base, p) for i, p in got.items())
+        return got
+
+    sp.propose = recorded
+    return llm, records
+
+
+def generate(llm: LLM, prompts) -> tuple[list[list[int]], dict[str, list[int]]]:
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return ([o.outputs[0].token_ids for o in outs],
+            {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+             for o in outs})
+
+
+def test_greedy_identity_batched_preempted_prefix_hits(spec, want):
+    """Batched, chunked and preempted, then again with prefix hits: the target's tokens;
+    proposals were made and verified each time; every page went back."""
+    llm, _ = spec
+    before = llm.get_metrics()
+    assert generate(llm, PROMPTS)[0] == want
+    mid = llm.get_metrics()
+    assert generate(llm, PROMPTS)[0] == want
+    after = llm.get_metrics()
+    assert mid["jaxserve:num_preemptions"] > before["jaxserve:num_preemptions"]
+    assert after["jaxserve:prefix_cache_hits"] > mid["jaxserve:prefix_cache_hits"]
+    for a, b in ((before, mid), (mid, after)):
+        assert b["jaxserve:spec_decode_num_draft_tokens"] > a["jaxserve:spec_decode_num_draft_tokens"]
+    assert "jaxserve:spec_decode_num_accepted_tokens_per_pos{position=2}" in after
+    assert llm.get_metrics()["jaxserve:kv_cache_usage_perc"] == 0.0
+    assert not llm.engine.speculator.seqs  # every request's head pages went back
+
+
+def test_greedy_identity_alone(spec, want):
+    llm, _ = spec
+    for prompt, tokens in zip(PROMPTS[:2], want[:2], strict=True):
+        assert generate(llm, [prompt])[0] == [tokens]
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model_dir):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def reference_proposals(tensors, hf_tiny, tokens: list[int], num: int, base: int) -> list:
+    """The reference head's k greedy proposals for a request of `tokens[:num]` whose head
+    attends from position `base`, on transformers' hidden states (the residual stream
+    entering layers 0, 1, 1); each with the margin of its top draft logit."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_tiny(torch.tensor([tokens]), output_hidden_states=True)
+    states = out.hidden_states  # (embeddings, after layer 0, ...): the input of layer i at i
+    aux = np.stack([states[i][0].numpy() for i in AUX], axis=1)  # [T, 3, H]
+    table = hf_tiny.get_input_embeddings().weight.detach().numpy()
+    pos = np.arange(base, num - 1)
+    embeds, g = table[tokens[base + 1:num]], reference_fc(tensors, aux[base:num - 1])
+    got = []
+    for step in range(K):
+        logits, prenorm = reference_head(tensors, embeds, g, pos)
+        top2 = np.sort(logits[-1])[-2:]
+        draft = int(np.argmax(logits[-1]))
+        target = draft + int(tensors["d2t"][draft])
+        got.append((target, top2[1] - top2[0]))
+        embeds = np.concatenate([embeds, table[[target]]])
+        g = np.concatenate([g, prenorm[-1:]])
+        pos = np.append(pos, num - 1 + step)
+    return got
+
+
+def test_proposals_follow_the_reference(spec, tensors, hf_tiny):
+    """Every proposal the engine made (batched, chunked prompts, recomputed after
+    preemption, after prefix hits) is the reference head's on transformers' states: the
+    head's K/V stayed right across steps. Near-ties (margin < 1e-3) end a comparison."""
+    llm, records = spec
+    records.clear()
+    _, final = generate(llm, PROMPTS)
+    _, more = generate(llm, PROMPTS[:2])
+    final.update(more)
+    assert len(records) > 20 and any(base > 0 for _, _, base, _ in records)
+    compared = 0
+    for req_id, num, base, proposals in records:
+        ref = reference_proposals(tensors, hf_tiny, final[req_id], num, base)
+        for got, (target, margin) in zip(proposals, ref, strict=True):
+            if margin < 1e-3:
+                break
+            assert got == target, (req_id, num, base, proposals, ref)
+            compared += 1
+    assert compared > 0.9 * K * len(records)
+
+
+def make(tiny, spec_config: dict) -> Eagle3Speculator:
+    return Eagle3Speculator(SpeculativeConfig.from_dict(spec_config), target=tiny,
+                            num_pages=8, page_size=16, max_model_len=64, max_num_seqs=2)
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(vocab=1000), "speculative_config.model"),
+    (dict(target_hidden=64), "speculative_config.model"),
+    (dict(aux=(0, 1, 2)), "speculative_config.eagle_aux_hidden_state_layer_ids"),
+    (dict(aux=None), "speculative_config.eagle_aux_hidden_state_layer_ids"),  # (2, 1, -1)
+    (dict(aux=(0, 1)), "speculative_config.eagle_aux_hidden_state_layer_ids"),  # fc reads 3
+])
+def test_heads_that_do_not_fit_are_refused(tiny, tmp_path, change, field):
+    v, h = change.get("vocab", tiny.cfg.vocab_size), change.get("target_hidden", 72)
+    path = write_head_dir(str(tmp_path / "head"), random_head(v, h, draft_vocab=64), v, h,
+                          aux_ids=change.get("aux", AUX))
+    with pytest.raises(ValueError, match=field):
+        make(tiny, eagle(path))
+
+
+@pytest.mark.parametrize("spec_config, field", [
+    (dict(model="/nonexistent/head"), "speculative_config.model"),
+    (dict(num_speculative_tokens=0), "speculative_config.num_speculative_tokens"),
+    (dict(model=None), "speculative_config.model"),
+    (dict(eagle_aux_hidden_state_layer_ids=[0, 1, 5]),
+     "speculative_config.eagle_aux_hidden_state_layer_ids"),
+    (dict(eagle_aux_hidden_state_layer_ids="0,1"),
+     "speculative_config.eagle_aux_hidden_state_layer_ids"),
+])
+def test_bad_configs_are_refused(tiny, head_dir, spec_config, field):
+    with pytest.raises(ValueError, match=field):
+        make(tiny, {**eagle(head_dir), **spec_config})
+
+
+def test_aux_ids_only_for_eagle3(smollm2_tokenizer, tiny):
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
+                                     "eagle_aux_hidden_state_layer_ids": [0]})
+    # Through the engine: the head is checked before anything compiles.
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        LLM(tiny, tokenizer=smollm2_tokenizer, speculative_config=eagle("/nonexistent/head"),
+            **ARGS)
+
+
+def test_a_head_given_by_object_and_its_aux_ids_override(tiny, head_dir):
+    """The Python API takes a loaded head; `eagle_aux_hidden_state_layer_ids` in the
+    speculative config overrides the checkpoint's (ascending, repeats kept)."""
+    head = load_eagle3(head_dir, jnp.float32)
+    sp = make(tiny, eagle(head, eagle_aux_hidden_state_layer_ids=[1, 0, 1]))
+    assert sp.head is head and sp.aux_layers == (0, 1, 1)
+    assert jax.tree_util.tree_leaves(sp.kv_pages)[0].shape[0] == 1
+
+
+@pytest.mark.slow  # a warmed-up engine: ~30 s of compiles from an empty cache
+def test_nothing_compiles_after_warm_up(tiny, smollm2_tokenizer, head_dir, want):
+    """Warm-up compiles the target's aux-returning steps, the head's observe program per
+    token bucket and its proposal loop."""
+    llm = LLM(tiny, tokenizer=smollm2_tokenizer, speculative_config=eagle(head_dir),
+              **{**ARGS, "warmup": True})
+    llm.engine.speculator.gate.min_acceptance = 0.0
+    assert generate(llm, PROMPTS)[0] == want
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:spec_decode_num_drafts"] > 0
+    assert metrics["jaxserve:num_compilations"] == 0
