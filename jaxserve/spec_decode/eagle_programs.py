@@ -62,7 +62,7 @@ def observe(spec: HeadProgramSpec, params, target_params, kv_pages, aux, gather,
     dt = spec.dtype
     g = combine_aux(params, aux[gather].astype(dt))  # [Tb, H]
     embeds = spec.embed(params, target_params, ids).astype(dt)  # [Tb, H]
-    md = AttentionMetadata(slot_mapping, tables, kv_lens, cu_q_lens, short_tiles=True)
+    md = AttentionMetadata(slot_mapping, tables, kv_lens, cu_q_lens)
     kv_pages, normed, prenorm = head_forward(spec.cfg, spec.ops, params, embeds, g, positions,
                                              kv_pages, md)
     return kv_pages, head_argmax(params, normed[last]), prenorm[last]
@@ -94,7 +94,7 @@ def propose_loop(spec: HeadProgramSpec, params, target_params, kv_pages, first, 
         li = jnp.where(real, local + j, 0)  # i32[R] the token's index in the head's pages
         slot = tables[idx, li // ps] * ps + li % ps  # i32[R]
         md = AttentionMetadata(jnp.where(real, slot, 0), tables, jnp.where(real, li + 1, 0),
-                               cu_q_lens, short_tiles=True)
+                               cu_q_lens)
         embeds = spec.embed(params, target_params, ids).astype(spec.dtype)  # [R, H]
         kv_pages, normed, prenorm = head_forward(spec.cfg, spec.ops, params, embeds, h,
                                                  positions + j, kv_pages, md)
