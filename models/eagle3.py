@@ -104,7 +104,7 @@ def combine_aux(params: dict, aux: jax.Array) -> jax.Array:
 
 def head_forward(cfg: Eagle3Config, ops, params: dict, embeds: jax.Array, g: jax.Array,
                  positions: jax.Array, kv_pages: jax.Array, md: AttentionMetadata):
-    """One step of the head over packed tokens (any mix of requests, as the target's).
+    """One step of the head over a step's tokens end to end (any mix of requests, as the target).
 
     Args:
         cfg: The head's config.
