@@ -297,3 +297,20 @@ def test_nothing_compiles_after_warm_up(tiny, smollm2_tokenizer, head_dir, want)
     metrics = llm.get_metrics()
     assert metrics["jaxserve:spec_decode_num_drafts"] > 0
     assert metrics["jaxserve:num_compilations"] == 0
+
+
+@pytest.mark.slow  # the seeded sampler's programs on both engines
+def test_seeded_sampling_is_the_targets(spec, tiny, smollm2_tokenizer):
+    """Temperature 1, seeded: every request samples what it samples without speculation
+    (each verified row draws with its output position's counter), so the output follows the
+    target's distribution whatever the head proposes."""
+    llm, _ = spec
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=10, ignore_eos=True)
+              for i in range(6)]
+    base = LLM(tiny, tokenizer=smollm2_tokenizer, **{**ARGS, "enable_prefix_caching": False})
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(6)]
+    drafted = llm.get_metrics()["jaxserve:spec_decode_num_draft_tokens"]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in base.generate(prompts, params,
+                                                                 use_tqdm=False)]
+    assert llm.get_metrics()["jaxserve:spec_decode_num_draft_tokens"] > drafted
