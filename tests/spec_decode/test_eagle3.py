@@ -314,3 +314,14 @@ def test_seeded_sampling_is_the_targets(spec, tiny, smollm2_tokenizer):
     assert got == [o.outputs[0].token_ids for o in base.generate(prompts, params,
                                                                  use_tqdm=False)]
     assert llm.get_metrics()["jaxserve:spec_decode_num_draft_tokens"] > drafted
+
+
+@pytest.mark.slow  # another engine's compiles; recompute preemption runs in the default tier
+def test_greedy_identity_under_swap_preemption(tiny, smollm2_tokenizer, head_dir, want):
+    llm = LLM(tiny, tokenizer=smollm2_tokenizer, speculative_config=eagle(head_dir, k=2),
+              **{**ARGS, "preemption_mode": "swap", "enable_prefix_caching": False})
+    llm.engine.speculator.gate.min_acceptance = 0.0
+    assert generate(llm, PROMPTS)[0] == want
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:num_preemptions"] > 0
+    assert metrics["jaxserve:spec_decode_num_draft_tokens"] > 0
