@@ -138,18 +138,20 @@ class Eagle3Speculator(Speculator):
             aux: The step's aux states [Tb, n, Ht] (`StepResult.aux_hidden`).
         """
         self._release_finished()
+        if aux is None:  # NOTE: a step of a runner not attached (no aux states asked for)
+            return
         rows = _ObserveRows(aux.shape[0], self.max_rows, self.width)
         offset = 0
         for s in out.scheduled:
             start_row, offset = offset, offset + s.num_new_tokens
             request = requests.get(s.request_id)
-            if request is None or request.is_finished() or (
+            if request is None or request.is_finished() or rows.num_rows == self.max_rows or (
                     s.num_samples and s.request_id not in sampled):
                 continue  # ended, or no verdict (its tokens failed)
             accepted = len(sampled[s.request_id]) - 1 if s.num_spec_tokens else 0
             last = s.start_pos + s.num_new_tokens - s.num_spec_tokens + accepted - 1
             seq = self._reserve(request, s.start_pos, last)
-            if seq is None or last < seq.base or rows.num_rows == self.max_rows:
+            if seq is None or last < seq.base:
                 continue  # out of pages, or positions before those the head holds
             # NOTE: at least the last position: its output is proposal 1.
             first = min(max(s.start_pos, seq.next), last)
