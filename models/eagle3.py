@@ -141,8 +141,11 @@ def head_forward(cfg: Eagle3Config, ops, params: dict, embeds: jax.Array, g: jax
     return kv_pages, _rms(prenorm, params["norm"], eps), prenorm
 
 
-def head_argmax(params: dict, normed: jax.Array) -> jax.Array:
-    """i32[R] the target-vocabulary id of each row's most likely draft token."""
-    logits = _linear(normed, params["lm_head"]).astype(jnp.float32)  # f32[R, draft_vocab]
-    draft = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return draft + params["d2t"][draft]
+def head_logits(params: dict, normed: jax.Array) -> jax.Array:
+    """f32[R, draft_vocab] the head's logits over its draft vocabulary."""
+    return _linear(normed, params["lm_head"]).astype(jnp.float32)
+
+
+def to_target_ids(params: dict, draft_ids: jax.Array) -> jax.Array:
+    """i32[R] the target-vocabulary ids of draft ids i32[R] (d + d2t[d])."""
+    return draft_ids + params["d2t"][draft_ids]

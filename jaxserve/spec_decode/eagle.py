@@ -17,7 +17,8 @@ start; the head then attends from `base` on. Tokens never change, so the head's 
 valid across the target's preemption (recompute or swap): positions it holds are skipped
 when the target computes them again, except the last, whose output makes proposal 1.
 Proposals' slots are written again by the next `observe`. A request that finished, or
-whose head pages ran out, is dropped (a later step starts it again from there).
+whose head pages ran out, is dropped; one whose positions the head missed (pages ran out,
+or the gate paused proposals, when `observe` does nothing) starts again from there.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from jaxserve.core.page_pool import PagePool
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.request import Request
 from jaxserve.runner import compile_counter
+from jaxserve.runner.buckets import pick_bucket
 from jaxserve.spec_decode.eagle_programs import observe, propose_loop
 from jaxserve.spec_decode.eagle_setup import head_for_target, program_spec, target_embedding
 from jaxserve.spec_decode.speculator import Speculator
@@ -87,6 +89,7 @@ class Eagle3Speculator(Speculator):
         self._observe = self._loop = None  # jitted at `attach`
         self._last = None  # (i32[R] proposal 1, [R, H] hidden, {request_id: (row, position)})
         self._runner = self._target_embed = None
+        self.row_buckets: list[int] = []
         self._compilations = 0
 
     # ------------------------------------------------------------ engine hooks
@@ -101,7 +104,11 @@ class Eagle3Speculator(Speculator):
                              "tensor and data parallelism are not supported with it")
         self._runner = runner
         runner.programs.capture_aux(self.aux_layers)
-        spec = program_spec(self.head, runner.model, self.k - 1, self.page_size)
+        # Row counts of the loop: the token buckets below max_num_seqs, then max_num_seqs
+        # (an `observe` of a bucket of T tokens has min(T, max_num_seqs) rows).
+        self.row_buckets = sorted({min(b, self.max_rows) for b in runner.buckets})
+        spec = program_spec(self.head, runner.model, self.k - 1, self.page_size,
+                            self.max_rows)
         self._observe = jax.jit(functools.partial(observe, spec), donate_argnums=2)
         self._loop = jax.jit(functools.partial(propose_loop, spec), donate_argnums=2)
         self._target_embed = target_embedding(runner.model)
@@ -114,10 +121,9 @@ class Eagle3Speculator(Speculator):
         n, ht = len(self.aux_layers), self.head.cfg.target_hidden_size
         for bucket in self._runner.buckets:
             aux = jax.numpy.zeros((bucket, n, ht), aux_dtype)
-            first, hidden = self._observe_call(aux, _ObserveRows(bucket, self.max_rows,
-                                                                  self.width))
-        if self.k > 1:
-            jax.block_until_ready(self._loop_call(first, hidden, []))
+            first, hidden = self._observe_call(aux, self._rows(bucket))
+        for num_rows in self.row_buckets if self.k > 1 else ():
+            jax.block_until_ready(self._loop_call(first, hidden, [], num_rows))
         jax.block_until_ready(self.kv_pages)
         self._compilations = 0
         return time.perf_counter() - start
@@ -138,14 +144,16 @@ class Eagle3Speculator(Speculator):
             aux: The step's aux states [Tb, n, Ht] (`StepResult.aux_hidden`).
         """
         self._release_finished()
-        if aux is None:  # NOTE: a step of a runner not attached (no aux states asked for)
+        # NOTE: while the gate pauses proposals the head costs nothing (it was a third of
+        # a SmolLM2 decode step); a request it meets again restarts from there.
+        if aux is None or not self.gate.active:
             return
-        rows = _ObserveRows(aux.shape[0], self.max_rows, self.width)
+        rows = self._rows(aux.shape[0])
         offset = 0
         for s in out.scheduled:
             start_row, offset = offset, offset + s.num_new_tokens
             request = requests.get(s.request_id)
-            if request is None or request.is_finished() or rows.num_rows == self.max_rows or (
+            if request is None or request.is_finished() or rows.full or (
                     s.num_samples and s.request_id not in sampled):
                 continue  # ended, or no verdict (its tokens failed)
             accepted = len(sampled[s.request_id]) - 1 if s.num_spec_tokens else 0
@@ -188,12 +196,21 @@ class Eagle3Speculator(Speculator):
         self._compilations += compile_counter.num_compilations() - start
         return first, hidden
 
-    def _loop_call(self, first, hidden, todo: list[tuple[Request, int]]):
+    def _rows(self, num_tokens: int) -> _ObserveRows:
+        """An empty `observe` call for a target step of `num_tokens` (its bucket): as many
+        rows as it can hold requests (each has a token), at most `max_num_seqs`."""
+        return _ObserveRows(num_tokens, min(num_tokens, self.max_rows), self.width)
+
+    def _loop_call(self, first, hidden, todo: list[tuple[Request, int]],
+                   num_rows: int | None = None):
+        """The k - 1 step program on `todo`'s rows of `observe`'s outputs, padded to a row
+        bucket (`row_buckets`)."""
         num = len(todo)
-        rows = np.zeros(self.max_rows, np.int32)  # i32[R]
-        positions = np.zeros(self.max_rows, np.int32)  # i32[R]
-        local = np.zeros(self.max_rows, np.int32)  # i32[R]
-        tables = np.zeros((self.max_rows, self.width), np.int32)  # i32[R, W]
+        num_rows = num_rows or pick_bucket(self.row_buckets, num)
+        rows = np.zeros(num_rows, np.int32)  # i32[R]
+        positions = np.zeros(num_rows, np.int32)  # i32[R]
+        local = np.zeros(num_rows, np.int32)  # i32[R]
+        tables = np.zeros((num_rows, self.width), np.int32)  # i32[R, W]
         for i, (request, row) in enumerate(todo):
             seq = self.seqs[request.request_id]
             rows[i], positions[i] = row, request.num_tokens - 1
@@ -247,7 +264,12 @@ class _ObserveRows:
         self.cu_q_lens = np.zeros(num_rows + 1, np.int32)  # i32[R + 1]
         self.last = np.zeros(num_rows, np.int32)  # i32[R]
         self.num_rows = self.num_tokens = 0
+        self.max_rows = num_rows
         self.last_of: dict[str, tuple[int, int]] = {}  # request id -> (row, last position)
+
+    @property
+    def full(self) -> bool:
+        return self.num_rows == self.max_rows
 
     def add(self, req_id: str, tokens: list[int], first: int, seq: _HeadSeq, step_row: int,
             page_size: int) -> None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from models.eagle3 import Eagle3Config, combine_aux, head_argmax, head_forward
+from jaxserve.sample.rowwise import argmax_rows
+from models.eagle3 import Eagle3Config, combine_aux, head_forward, head_logits, to_target_ids
 from pallas_kernels import AttentionMetadata
 
 
@@ -31,6 +32,8 @@ class HeadProgramSpec:
         dtype: The head's compute dtype.
         page_size: Slots per page of its pool.
         num_steps: Single-token steps of `propose_loop` (k - 1).
+        max_rows: Rows of `observe`'s outputs (the engine's `max_num_seqs`), whatever rows
+            it ran: the loop reads them in one shape.
     """
 
     cfg: Eagle3Config
@@ -39,6 +42,13 @@ class HeadProgramSpec:
     dtype: object
     page_size: int
     num_steps: int
+    max_rows: int
+
+
+def greedy(params, normed: jax.Array) -> jax.Array:
+    """i32[R] each row's most likely draft token as a target id (`argmax_rows`: XLA:CPU's
+    own argmax over a vocabulary is slow)."""
+    return to_target_ids(params, argmax_rows(head_logits(params, normed)))
 
 
 def observe(spec: HeadProgramSpec, params, target_params, kv_pages, aux, gather, ids,
@@ -57,7 +67,8 @@ def observe(spec: HeadProgramSpec, params, target_params, kv_pages, aux, gather,
         last: i32[R] each row's last token (its proposal-1 row).
 
     Returns:
-        (kv_pages, i32[R] proposal 1 in target ids, [R, H] the head's prenorm there).
+        (kv_pages, i32[max_rows] proposal 1 in target ids, [max_rows, H] the head's prenorm
+        there; rows past R are zeros).
     """
     dt = spec.dtype
     g = combine_aux(params, aux[gather].astype(dt))  # [Tb, H]
@@ -65,7 +76,9 @@ def observe(spec: HeadProgramSpec, params, target_params, kv_pages, aux, gather,
     md = AttentionMetadata(slot_mapping, tables, kv_lens, cu_q_lens)
     kv_pages, normed, prenorm = head_forward(spec.cfg, spec.ops, params, embeds, g, positions,
                                              kv_pages, md)
-    return kv_pages, head_argmax(params, normed[last]), prenorm[last]
+    pad = spec.max_rows - last.shape[0]
+    return (kv_pages, jnp.pad(greedy(params, normed[last]), (0, pad)),
+            jnp.pad(prenorm[last], ((0, pad), (0, 0))))
 
 
 def propose_loop(spec: HeadProgramSpec, params, target_params, kv_pages, first, hidden, rows,
@@ -73,7 +86,8 @@ def propose_loop(spec: HeadProgramSpec, params, target_params, kv_pages, first, 
     """k - 1 greedy single-token steps of the head from `observe`'s rows.
 
     Args:
-        first: i32[R] `observe`'s proposal 1 per row; hidden: [R, H] its prenorm.
+        first: i32[max_rows] `observe`'s proposal 1 per row; hidden: [max_rows, H] its
+            prenorm.
         rows: i32[R] the `observe` row of each proposing request (padding: any).
         positions: i32[R] position of each request's proposal 1 (its first loop token).
         local: i32[R] that position's index in the request's head pages.
@@ -98,7 +112,7 @@ def propose_loop(spec: HeadProgramSpec, params, target_params, kv_pages, first, 
         embeds = spec.embed(params, target_params, ids).astype(spec.dtype)  # [R, H]
         kv_pages, normed, prenorm = head_forward(spec.cfg, spec.ops, params, embeds, h,
                                                  positions + j, kv_pages, md)
-        nxt = head_argmax(params, normed)  # i32[R]
+        nxt = greedy(params, normed)  # i32[R]
         return kv_pages, nxt, prenorm, out.at[:, j + 1].set(nxt)
 
     ids = first[rows]  # i32[R]

@@ -71,7 +71,8 @@ def head_for_target(config, target, dtype: str):
     return head, ids
 
 
-def program_spec(head: Eagle3Head, target, num_steps: int, page_size: int) -> HeadProgramSpec:
+def program_spec(head: Eagle3Head, target, num_steps: int, page_size: int,
+                 max_rows: int) -> HeadProgramSpec:
     """The head's programs' static part for a runner serving `target` (its `Model`, whose
     embedding the head reads when it has none of its own)."""
     target_embed = target_embedding(target)
@@ -81,4 +82,4 @@ def program_spec(head: Eagle3Head, target, num_steps: int, page_size: int) -> He
         embed = lambda params, target_params, ids: target_embed(target_params, ids)  # noqa: E731
     # NOTE: the head's attention on the XLA path whatever the target's: it is one layer.
     return HeadProgramSpec(head.cfg, AttentionOps("xla"), embed, head.params["norm"].dtype,
-                           page_size, num_steps)
+                           page_size, num_steps, max_rows)

@@ -18,7 +18,8 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import SpeculativeConfig
 from jaxserve.spec_decode.eagle import Eagle3Speculator
-from models.eagle3 import head_argmax, head_forward
+from jaxserve.spec_decode.eagle_programs import greedy
+from models.eagle3 import head_forward
 from models.loaders import load_model
 from models.loaders.eagle3 import load_eagle3
 from pallas_kernels import AttentionMetadata
@@ -117,7 +118,7 @@ def test_head_forward_matches_the_reference(tensors, tiny, tmp_path):
                                    atol=1e-4)
     # A draft id d is the target's d + d2t[d].
     want = np.argmax(logits, -1) + tensors["d2t"][np.argmax(logits, -1)]
-    np.testing.assert_array_equal(np.asarray(head_argmax(head.params, normed)), want)
+    np.testing.assert_array_equal(np.asarray(greedy(head.params, normed)), want)
 
 
 @pytest.fixture(scope="module")
@@ -186,17 +187,20 @@ def hf_tiny(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-def reference_proposals(tensors, hf_tiny, tokens: list[int], num: int, base: int) -> list:
-    """The reference head's k greedy proposals for a request of `tokens[:num]` whose head
-    attends from position `base`, on transformers' hidden states (the residual stream
-    entering layers 0, 1, 1); each with the margin of its top draft logit."""
+def hf_aux(hf_tiny, tokens: list[int]) -> np.ndarray:
+    """transformers' residual stream entering layers 0, 1, 1 at every position: [T, 3, H]."""
     import torch
 
     with torch.no_grad():
         out = hf_tiny(torch.tensor([tokens]), output_hidden_states=True)
     states = out.hidden_states  # (embeddings, after layer 0, ...): the input of layer i at i
-    aux = np.stack([states[i][0].numpy() for i in AUX], axis=1)  # [T, 3, H]
-    table = hf_tiny.get_input_embeddings().weight.detach().numpy()
+    return np.stack([states[i][0].numpy() for i in AUX], axis=1)
+
+
+def reference_proposals(tensors, table, aux, tokens: list[int], num: int, base: int) -> list:
+    """The reference head's k greedy proposals for a request of `tokens[:num]` whose head
+    attends from position `base`, on the target's states `aux` [T, 3, H] (`hf_aux`) and
+    embedding `table`; each with the margin of its top draft logit."""
     pos = np.arange(base, num - 1)
     embeds, g = table[tokens[base + 1:num]], reference_fc(tensors, aux[base:num - 1])
     got = []
@@ -223,14 +227,38 @@ def test_proposals_follow_the_reference(spec, tensors, hf_tiny):
     final.update(more)
     assert len(records) > 20 and any(base > 0 for _, _, base, _ in records)
     compared = 0
+    table = hf_tiny.get_input_embeddings().weight.detach().numpy()
+    aux = {req_id: hf_aux(hf_tiny, tokens) for req_id, tokens in final.items()}
     for req_id, num, base, proposals in records:
-        ref = reference_proposals(tensors, hf_tiny, final[req_id], num, base)
+        ref = reference_proposals(tensors, table, aux[req_id], final[req_id], num, base)
         for got, (target, margin) in zip(proposals, ref, strict=True):
             if margin < 1e-3:
                 break
             assert got == target, (req_id, num, base, proposals, ref)
             compared += 1
     assert compared > 0.9 * K * len(records)
+
+
+def test_a_paused_head_restarts_where_it_left(spec, want):
+    """A gate that never sees speculation pay pauses proposals (the head then computes
+    nothing, steps overlap); when it tries again the head starts each request anew from
+    its latest position: the target's tokens all along, nothing left in the head's pool."""
+    llm, records = spec
+    gate = llm.engine.speculator.gate
+    pauses = llm.get_metrics()["jaxserve:spec_decode_num_pauses"]
+    gate.min_acceptance, gate.window, gate.min_pause = 1.0, 4, 2
+    try:
+        records.clear()
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert llm.get_metrics()["jaxserve:spec_decode_num_pauses"] > pauses + 1
+        # Proposals after a pause came from heads started past the prompt.
+        prompt_len = {o.request_id: len(o.prompt_token_ids) for o in outs}
+        assert any(base >= prompt_len[i] for i, _, base, _ in records)
+    finally:
+        gate.min_acceptance, gate.window, gate.min_pause = 0.0, 64, 8
+        gate.paused_for, gate.pause = 0, 8
+    assert not llm.engine.speculator.seqs
 
 
 def make(tiny, spec_config: dict) -> Eagle3Speculator:
