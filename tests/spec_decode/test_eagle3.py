@@ -131,7 +131,9 @@ def want(tiny, smollm2_tokenizer) -> list[list[int]]:
 def spec(tiny, smollm2_tokenizer, head_dir) -> tuple[LLM, list]:
     """An EAGLE-3 engine whose proposals are recorded: (request id, its tokens then, the
     head's first position, the proposals)."""
-    llm = LLM(tiny, tokenizer=smollm2_tokenizer, speculative_config=eagle(head_dir), **ARGS)
+    # NOTE: 4 sequences (the 4 prompts): one row bucket, so one proposal loop to compile.
+    llm = LLM(tiny, tokenizer=smollm2_tokenizer, speculative_config=eagle(head_dir),
+              **{**ARGS, "max_num_seqs": 4})
     sp = llm.engine.speculator
     sp.gate.min_acceptance = 0.0  # a random head is never right: verify every step anyway
     records, propose = [], sp.propose
