@@ -10,11 +10,12 @@ step `propose` runs k - 1 more single-token steps from those rows (one jitted lo
 brings the k proposals to the host. They are greedy (one-hot drafts), so they are verified
 as n-gram proposals are (`speculator`): the output is the target's whatever the head.
 
-The head's K/V is one layer in a page pool of its own with its own page allocator. A request's
-head pages cover its positions from `base` on: the first position the head saw, 0 unless a
-prefix-cache hit skipped the target's computing (and so its hidden states) of the prompt's
-start; the head then attends from `base` on. Tokens never change, so the head's K/V stays
-valid across the target's preemption (recompute or swap): positions it holds are skipped
+The head's K/V is one layer in a page pool of its own with its own allocator and prefix cache
+(`eagle_pages`). A request's head pages cover its positions from `base` on: 0, or where the
+head first saw it when a prefix-cache hit skipped the target's computing (and so its hidden
+states) of the prompt's start and the head's cache lacks those pages. Tokens never change,
+so the head's K/V stays valid across the target's preemption (recompute or swap): positions
+it holds are skipped
 when the target computes them again, except the last, whose output makes proposal 1.
 Proposals' slots are written again by the next `observe`. A request that finished, or
 whose head pages ran out, is dropped; one whose positions the head missed (pages ran out,
@@ -23,7 +24,6 @@ or the gate paused proposals, when `observe` does nothing) starts again from the
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Iterable
@@ -32,27 +32,16 @@ import jax
 import numpy as np
 
 from jaxserve.config import SpeculativeConfig
-from jaxserve.core.kv_page import KVPage
-from jaxserve.core.page_pool import PagePool
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.request import Request
 from jaxserve.runner import compile_counter
 from jaxserve.runner.buckets import pick_bucket
+from jaxserve.spec_decode.eagle_pages import HeadPages, HeadSeq
 from jaxserve.spec_decode.eagle_programs import observe, propose_loop
 from jaxserve.spec_decode.eagle_setup import head_for_target, program_spec, target_embedding
 from jaxserve.spec_decode.speculator import Speculator
 from jaxserve.utils import cdiv
 from pallas_kernels.metadata import kv_pages_shape
-
-
-@dataclasses.dataclass
-class _HeadSeq:
-    """One request's state in the head's pool."""
-
-    request: Request
-    base: int  # the first position the head holds
-    pages: list[KVPage]
-    next: int = 0  # positions [base, next) hold the head's K/V of known tokens
 
 
 class Eagle3Speculator(Speculator):
@@ -84,8 +73,7 @@ class Eagle3Speculator(Speculator):
         lc = self.head.cfg.layer
         self.kv_pages = jax.numpy.zeros(kv_pages_shape(1, lc.num_kv_heads, num_pages, page_size,
                                                        lc.head_dim), self.head.params["norm"].dtype)
-        self.pool = PagePool(num_pages, enable_caching=False)
-        self.seqs: dict[str, _HeadSeq] = {}
+        self.pages = HeadPages(num_pages, page_size, self.k - 1, self.width)
         self._observe = self._loop = None  # jitted at `attach`
         self._last = None  # (i32[R] proposal 1, [R, H] hidden, {request_id: (row, position)})
         self._runner = self._target_embed = None
@@ -143,7 +131,7 @@ class Eagle3Speculator(Speculator):
                 token after them), as the scheduler took them.
             aux: The step's aux states [Tb, n, Ht] (`StepResult.aux_hidden`).
         """
-        self._release_finished()
+        self.pages.release_finished()
         # NOTE: while the gate pauses proposals the head costs nothing (it was a third of
         # a SmolLM2 decode step); a request it meets again restarts from there.
         if aux is None or not self.gate.active:
@@ -158,7 +146,7 @@ class Eagle3Speculator(Speculator):
                 continue  # ended, or no verdict (its tokens failed)
             accepted = len(sampled[s.request_id]) - 1 if s.num_spec_tokens else 0
             last = s.start_pos + s.num_new_tokens - s.num_spec_tokens + accepted - 1
-            seq = self._reserve(request, s.start_pos, last)
+            seq = self.pages.reserve(request, s.start_pos, last)
             if seq is None or last < seq.base:
                 continue  # out of pages, or positions before those the head holds
             # NOTE: at least the last position: its output is proposal 1.
@@ -169,6 +157,7 @@ class Eagle3Speculator(Speculator):
             rows.add(request.request_id, tokens, first, seq, start_row + first - s.start_pos,
                      self.page_size)
             seq.next = max(seq.next, last + 1)
+            self.pages.cache_full(seq)
         if rows.num_rows:
             first, hidden = self._observe_call(aux, rows)
             self._last = (first, hidden, rows.last_of)
@@ -212,7 +201,7 @@ class Eagle3Speculator(Speculator):
         local = np.zeros(num_rows, np.int32)  # i32[R]
         tables = np.zeros((num_rows, self.width), np.int32)  # i32[R, W]
         for i, (request, row) in enumerate(todo):
-            seq = self.seqs[request.request_id]
+            seq = self.pages.seqs[request.request_id]
             rows[i], positions[i] = row, request.num_tokens - 1
             local[i] = positions[i] - seq.base
             tables[i, :len(seq.pages)] = [p.page_id for p in seq.pages]
@@ -222,33 +211,6 @@ class Eagle3Speculator(Speculator):
                                         np.int32(num))
         self._compilations += compile_counter.num_compilations() - start
         return out
-
-    # ------------------------------------------------------------ pages
-    def _release_finished(self) -> None:
-        for req_id in [i for i, s in self.seqs.items() if s.request.is_finished()]:
-            self._free(req_id)
-
-    def _free(self, req_id: str) -> None:
-        seq = self.seqs.pop(req_id)
-        self.pool.free_pages(reversed(seq.pages))
-
-    def _reserve(self, request: Request, start: int, last: int) -> _HeadSeq | None:
-        """The request's head state with pages through position `last` and the k - 1
-        proposals after it; None when the pool is out of pages (the state is dropped)."""
-        seq = self.seqs.get(request.request_id)
-        if seq is not None and (seq.request is not request or seq.next < start):
-            self._free(request.request_id)  # the id was reused, or positions were skipped
-            seq = None
-        if seq is None:
-            seq = self.seqs[request.request_id] = _HeadSeq(request, start, [], start)
-        need = cdiv(last + self.k - seq.base, self.page_size) - len(seq.pages)
-        if need > self.pool.num_allocatable_pages or last + self.k - seq.base > \
-                self.width * self.page_size:
-            self._free(request.request_id)
-            return None
-        if need > 0:
-            seq.pages.extend(self.pool.get_new_pages(need))
-        return seq
 
 
 class _ObserveRows:
@@ -271,7 +233,7 @@ class _ObserveRows:
     def full(self) -> bool:
         return self.num_rows == self.max_rows
 
-    def add(self, req_id: str, tokens: list[int], first: int, seq: _HeadSeq, step_row: int,
+    def add(self, req_id: str, tokens: list[int], first: int, seq: HeadSeq, step_row: int,
             page_size: int) -> None:
         """Request `req_id`'s positions first.. (their next tokens `tokens`), whose target
         states are the step's rows from `step_row` on."""
