@@ -15,8 +15,8 @@ The head's K/V is one layer in a page pool of its own with its own allocator and
 head first saw it when a prefix-cache hit skipped the target's computing (and so its hidden
 states) of the prompt's start and the head's cache lacks those pages. Tokens never change,
 so the head's K/V stays valid across the target's preemption (recompute or swap): positions
-it holds are skipped
-when the target computes them again, except the last, whose output makes proposal 1.
+it holds are skipped when the target computes them again, except the last, whose output
+makes proposal 1.
 Proposals' slots are written again by the next `observe`. A request that finished, or
 whose head pages ran out, is dropped; one whose positions the head missed (pages ran out,
 or the gate paused proposals, when `observe` does nothing) starts again from there.
