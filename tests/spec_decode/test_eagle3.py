@@ -309,6 +309,13 @@ def test_aux_ids_only_for_eagle3(smollm2_tokenizer, tiny):
             **ARGS)
 
 
+def test_a_runner_over_a_mesh_is_refused(tiny, head_dir):
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="speculative_config.method: eagle3 runs on one"):
+        make(tiny, eagle(head_dir)).attach(SimpleNamespace(layout=object()))
+
+
 def test_a_head_given_by_object_and_its_aux_ids_override(tiny, head_dir):
     """The Python API takes a loaded head; `eagle_aux_hidden_state_layer_ids` in the
     speculative config overrides the checkpoint's (ascending, repeats kept)."""
