@@ -41,7 +41,8 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def write_head_dir(directory: str, tensors: dict[str, np.ndarray], vocab_size: int,
-                   target_hidden: int, layout: str = "eagle3", aux_ids=None) -> str:
+                   target_hidden: int, layout: str = "eagle3", aux_ids=None,
+                   norm_before_residual: bool = False) -> str:
     """Writes `tensors` as an EAGLE-3 head directory in `layout` ("eagle3": midlayer.*,
     top-level Llama config; "speculators": layers.0.*, the config nested)."""
     prefix = "midlayer." if layout == "eagle3" else "layers.0."
@@ -69,7 +70,7 @@ def write_head_dir(directory: str, tensors: dict[str, np.ndarray], vocab_size: i
                   "model_type": "llama"}
     else:
         config = {**extra, "architectures": ["Eagle3Speculator"],
-                  "speculators_model_type": "eagle3", "norm_before_residual": False,
+                  "speculators_model_type": "eagle3", "norm_before_residual": norm_before_residual,
                   "transformer_layer_config": {**layer, "model_type": "llama"}}
     os.makedirs(directory, exist_ok=True)
     save_file(names, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
@@ -99,10 +100,12 @@ def reference_fc(t: dict[str, np.ndarray], aux: np.ndarray) -> np.ndarray:
 
 
 def reference_head(t: dict[str, np.ndarray], embeds: np.ndarray, g: np.ndarray,
-                   positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                   positions: np.ndarray, norm_before_residual: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """The head over one sequence (float64): embeds [T, H] of each position's next token,
     g [T, H] its hidden input (`reference_fc` of the target's states, or the head's own
-    prenorm). Returns (logits [T, draft_vocab] over the draft vocabulary, prenorm [T, H])."""
+    prenorm); `norm_before_residual`: the residual is the normed g. Returns (logits
+    [T, draft_vocab] over the draft vocabulary, prenorm [T, H])."""
     t = {k: np.asarray(v, np.float64) for k, v in t.items()}
     embeds, g = np.asarray(embeds, np.float64), np.asarray(g, np.float64)
     n_tok, hq = len(embeds), HEAD_LAYER["num_attention_heads"]
@@ -116,7 +119,7 @@ def reference_head(t: dict[str, np.ndarray], embeds: np.ndarray, g: np.ndarray,
     scores = np.where(np.tril(np.ones((n_tok, n_tok), bool))[None], scores, -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     attn = np.einsum("hqk,khd->qhd", p / p.sum(-1, keepdims=True), v).reshape(n_tok, -1)
-    residual = g + attn @ t["o_proj"].T
+    residual = (_rms(g, t["hidden_norm"]) if norm_before_residual else g) + attn @ t["o_proj"].T
     h = _rms(residual, t["post_attention_layernorm"])
     gate = h @ t["gate_proj"].T
     prenorm = residual + (gate / (1 + np.exp(-gate)) * (h @ t["up_proj"].T)) @ t["down_proj"].T

@@ -364,3 +364,27 @@ def test_greedy_identity_under_swap_preemption(tiny, smollm2_tokenizer, head_dir
     metrics = llm.get_metrics()
     assert metrics["jaxserve:num_preemptions"] > 0
     assert metrics["jaxserve:spec_decode_num_draft_tokens"] > 0
+
+
+@pytest.mark.slow  # one more compile of the head; its default form runs in the default tier
+def test_norm_before_residual(tensors, tiny, tmp_path):
+    """The `speculators` option: the residual is hidden_norm(g), as the reference's."""
+    v, h = tiny.cfg.vocab_size, tiny.cfg.hidden_size
+    head = load_eagle3(write_head_dir(str(tmp_path / "h"), tensors, v, h, layout="speculators",
+                                      norm_before_residual=True), jnp.float32)
+    assert head.cfg.norm_before_residual
+    rng = np.random.default_rng(2)
+    embeds = rng.standard_normal((6, HEAD_LAYER["hidden_size"])).astype(np.float32)
+    aux = rng.standard_normal((6, 3, h)).astype(np.float32)
+    lc = head.cfg.layer
+    pool = jnp.zeros(kv_pages_shape(1, lc.num_kv_heads, 3, 4, lc.head_dim), jnp.float32)
+    md = AttentionMetadata(jnp.arange(4, 10, dtype=jnp.int32), jnp.array([[1, 2]], jnp.int32),
+                           jnp.array([6], jnp.int32), jnp.array([0, 6], jnp.int32))
+    g = jnp.asarray(aux.reshape(6, -1)) @ head.params["fc"].T
+    _, normed, prenorm = jax.jit(functools.partial(head_forward, head.cfg, AttentionOps("xla")))(
+        head.params, jnp.asarray(embeds), g, jnp.arange(6, dtype=jnp.int32), pool, md)
+    ref_logits, ref_pre = reference_head(tensors, embeds, reference_fc(tensors, aux),
+                                         np.arange(6), norm_before_residual=True)
+    np.testing.assert_allclose(np.asarray(prenorm), ref_pre, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(normed @ head.params["lm_head"].T), ref_logits,
+                               rtol=1e-4, atol=1e-4)
