@@ -1,7 +1,7 @@
 """EAGLE-3 heads: the head's forward against a NumPy reference, the target's aux states against
 transformers' hidden states, every proposal the engine makes against the reference head run
 on transformers' states (chunked, preempted, prefix hits), greedy outputs equal the target's
-alone (batched and alone), nothing compiles after warm-up, and bad configs are refused.
+alone (batched and alone), nothing compiles after warm-up (refusals: test_eagle3_config.py).
 
 The heads are random (the test writes them as checkpoint directories, both layouts); the
 target is the conftest's tiny random Llama (2 layers, so the head reads layers 0, 1, 1)."""
@@ -16,8 +16,6 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import SpeculativeConfig
-from jaxserve.spec_decode.eagle import Eagle3Speculator
 from jaxserve.spec_decode.eagle_programs import greedy
 from models.eagle3 import head_forward
 from models.loaders import load_model
@@ -263,66 +261,6 @@ def test_a_paused_head_restarts_where_it_left(spec, want):
         gate.min_acceptance, gate.window, gate.min_pause = 0.0, 64, 8
         gate.paused_for, gate.pause = 0, 8
     assert not llm.engine.speculator.pages.seqs
-
-
-def make(tiny, spec_config: dict) -> Eagle3Speculator:
-    return Eagle3Speculator(SpeculativeConfig.from_dict(spec_config), target=tiny,
-                            num_pages=8, page_size=16, max_model_len=64, max_num_seqs=2)
-
-
-@pytest.mark.parametrize("change, field", [
-    (dict(vocab=1000), "speculative_config.model"),
-    (dict(target_hidden=64), "speculative_config.model"),
-    (dict(aux=(0, 1, 2)), "speculative_config.eagle_aux_hidden_state_layer_ids"),
-    (dict(aux=None), "speculative_config.eagle_aux_hidden_state_layer_ids"),  # (2, 1, -1)
-    (dict(aux=(0, 1)), "speculative_config.eagle_aux_hidden_state_layer_ids"),  # fc reads 3
-])
-def test_heads_that_do_not_fit_are_refused(tiny, tmp_path, change, field):
-    v, h = change.get("vocab", tiny.cfg.vocab_size), change.get("target_hidden", 72)
-    path = write_head_dir(str(tmp_path / "head"), random_head(v, h, draft_vocab=64), v, h,
-                          aux_ids=change.get("aux", AUX))
-    with pytest.raises(ValueError, match=field):
-        make(tiny, eagle(path))
-
-
-@pytest.mark.parametrize("spec_config, field", [
-    (dict(model="/nonexistent/head"), "speculative_config.model"),
-    (dict(num_speculative_tokens=0), "speculative_config.num_speculative_tokens"),
-    (dict(model=None), "speculative_config.model"),
-    (dict(eagle_aux_hidden_state_layer_ids=[0, 1, 5]),
-     "speculative_config.eagle_aux_hidden_state_layer_ids"),
-    (dict(eagle_aux_hidden_state_layer_ids="0,1"),
-     "speculative_config.eagle_aux_hidden_state_layer_ids"),
-])
-def test_bad_configs_are_refused(tiny, head_dir, spec_config, field):
-    with pytest.raises(ValueError, match=field):
-        make(tiny, {**eagle(head_dir), **spec_config})
-
-
-def test_aux_ids_only_for_eagle3(smollm2_tokenizer, tiny):
-    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
-        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
-                                     "eagle_aux_hidden_state_layer_ids": [0]})
-    # Through the engine: the head is checked before anything compiles.
-    with pytest.raises(ValueError, match="speculative_config.model"):
-        LLM(tiny, tokenizer=smollm2_tokenizer, speculative_config=eagle("/nonexistent/head"),
-            **ARGS)
-
-
-def test_a_runner_over_a_mesh_is_refused(tiny, head_dir):
-    from types import SimpleNamespace
-
-    with pytest.raises(ValueError, match="speculative_config.method: eagle3 runs on one"):
-        make(tiny, eagle(head_dir)).attach(SimpleNamespace(layout=object()))
-
-
-def test_a_head_given_by_object_and_its_aux_ids_override(tiny, head_dir):
-    """The Python API takes a loaded head; `eagle_aux_hidden_state_layer_ids` in the
-    speculative config overrides the checkpoint's (ascending, repeats kept)."""
-    head = load_eagle3(head_dir, jnp.float32)
-    sp = make(tiny, eagle(head, eagle_aux_hidden_state_layer_ids=[1, 0, 1]))
-    assert sp.head is head and sp.aux_layers == (0, 1, 1)
-    assert jax.tree_util.tree_leaves(sp.kv_pages)[0].shape[0] == 1
 
 
 @pytest.mark.slow  # a warmed-up engine: ~30 s of compiles from an empty cache
