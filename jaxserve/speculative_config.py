@@ -7,9 +7,9 @@ from typing import Any
 
 from jaxserve.utils import settings_dict
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
 _SPECULATIVE_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min",
-                       "prompt_lookup_max", "model"}
+                       "prompt_lookup_max", "model", "eagle_aux_hidden_state_layer_ids"}
 
 
 @dataclass(frozen=True)
@@ -17,13 +17,18 @@ class SpeculativeConfig:
     """How proposals are made and how many each decoding request gets per step.
 
     Attributes:
-        method: "ngram" (prompt lookup over the request's own tokens) or "draft_model".
+        method: "ngram" (prompt lookup over the request's own tokens), "draft_model" or
+            "eagle3" (a draft head reading the target's hidden states: `spec_decode.eagle`).
         num_speculative_tokens: k, proposals per request per step (each step then
             computes up to 1 + k query tokens for a decoding request).
         prompt_lookup_min: Shortest suffix n-gram that may match (ngram).
         prompt_lookup_max: Longest suffix n-gram tried first (ngram).
         model: The draft model (draft_model): its path, or a loaded `models.model.Model`
-            (Python API); same tokenizer and vocabulary as the target.
+            (Python API); same tokenizer and vocabulary as the target. For eagle3 the
+            head's directory (or a loaded `models.loaders.eagle3.Eagle3Head`).
+        aux_layer_ids: eagle3: the target layers whose input hidden states the head reads
+            (`eagle_aux_hidden_state_layer_ids`); None: the head config's, else vLLM's
+            default (2, L // 2, L - 3).
     """
 
     method: str
@@ -31,6 +36,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: Any = None
+    aux_layer_ids: tuple[int, ...] | None = None
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any] | str | SpeculativeConfig | None
@@ -41,8 +47,9 @@ class SpeculativeConfig:
         is 2 (capped at the max); one given alone bounds the other.
 
         Raises:
-            ValueError: Unknown keys or method, k < 1, bad lookup bounds, a draft model
-                without `model` (each message names the field).
+            ValueError: Unknown keys or method, k < 1, bad lookup bounds, a draft model or
+                head without `model`, aux layer ids off eagle3 or not a list of integers
+                (each message names the field).
         """
         if spec is None or isinstance(spec, SpeculativeConfig):
             return spec
@@ -76,9 +83,19 @@ class SpeculativeConfig:
         else:
             loaded = hasattr(model, "cfg") and hasattr(model, "params")  # a loaded Model
             if not loaded and (not isinstance(model, str) or not model):
-                raise ValueError("speculative_config.model: the draft_model method needs "
+                raise ValueError(f"speculative_config.model: the {method} method needs "
                                  "the draft's path (or a loaded model)")
             if lo is not None or hi is not None:
                 raise ValueError("speculative_config.prompt_lookup_min/max: only the ngram "
                                  "method takes them")
-        return cls(method, k, lo, hi, model)
+        ids = spec.get("eagle_aux_hidden_state_layer_ids")
+        if ids is not None:
+            if method != "eagle3":
+                raise ValueError("speculative_config.eagle_aux_hidden_state_layer_ids: only "
+                                 "the eagle3 method takes it")
+            if not isinstance(ids, list | tuple) or not ids or any(
+                    isinstance(i, bool) or not isinstance(i, int) for i in ids):
+                raise ValueError("speculative_config.eagle_aux_hidden_state_layer_ids: must "
+                                 f"be a list of layer indices, got {ids!r}")
+            ids = tuple(ids)
+        return cls(method, k, lo, hi, model, ids)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ArchConfig
+from models.eagle3 import capture_aux, start_aux
 from models.gated_deltanet import HybridCache
 from models.gemma4 import (
     per_layer_inputs,
@@ -158,11 +159,12 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, carry, xs, cos, sin, md: AttentionMetadata):
-        hidden, kv_pages = carry
+        hidden, kv_pages, *aux = carry  # aux: an EAGLE-3 capture (`models.eagle3.capture_aux`)
         # (layer, window) with one KV cache group; (layer, window, slot, group) with several;
         # (layer, window, slot) when layers share KV in one group; then the per-layer input.
         cfg, methods = self.cfg, self.methods
         layer, window, *grouped = xs
+        aux = [capture_aux(a, hidden, layer) for a in aux]
         ple = grouped.pop() if cfg.per_layer_input_size else None  # [T, P]
         slot = None
         if len(grouped) == 2:
@@ -224,7 +226,7 @@ class DecoderLayer(nn.Module):
         hidden = hidden + residual(mlp_out)
         if cfg.per_layer_input_size or cfg.layer_scalar:  # Gemma 4
             hidden = per_layer_residual(self, hidden, ple, layer)
-        return (hidden, kv_pages), routed
+        return (hidden, kv_pages, *aux), routed
 
 
 class Decoder(nn.Module):
@@ -241,6 +243,8 @@ class Decoder(nn.Module):
             (`models.moe_parallel`); None: one device, or the experts replicated.
         capture_routing: Also return each token's routed experts in every layer (a
             mixture of experts only; vLLM's `enable_return_routed_experts`).
+        aux_layers: Also return the residual stream entering each of these layers (an
+            EAGLE-3 draft head's inputs; vLLM's numbering, 0 the embedding); () none.
     """
 
     cfg: ArchConfig
@@ -249,6 +253,7 @@ class Decoder(nn.Module):
     kv_layout: KVGroupLayout | None = None
     expert_sharding: ExpertSharding | None = None
     capture_routing: bool = False
+    aux_layers: tuple[int, ...] = ()
 
     def setup(self):
         cfg, methods = self.cfg, self.methods
@@ -302,8 +307,10 @@ class Decoder(nn.Module):
 
         Returns:
             (kv_pages, hidden) with hidden [num_tokens, hidden_size] after the final norm;
-            with `capture_routing`, (kv_pages, hidden, i32[num_tokens, num_layers, top_k]
-            each token's routed experts per layer, -1 on a mixed model's dense layers).
+            with `aux_layers`, then [num_tokens, len(aux_layers), hidden_size] the residual
+            stream entering each of those layers; with `capture_routing`, then
+            i32[num_tokens, num_layers, top_k] each token's routed experts per layer, -1 on
+            a mixed model's dense layers.
 
         Raises:
             ValueError: `md` carries another number of KV cache groups than `kv_layout`;
@@ -356,10 +363,16 @@ class Decoder(nn.Module):
             modules = (self.embed_tokens_per_layer, self.per_layer_model_projection,
                        self.per_layer_projection_norm)
             xs += (per_layer_inputs(self.cfg, modules, input_ids, hidden),)
-        (hidden, kv_pages), routed = self.layers((hidden, kv_pages), xs, cos, sin, md)
+        carry = (hidden, kv_pages)
+        if self.aux_layers:  # rides in the carry: one buffer, not a stack of every layer's
+            carry += (start_aux(self.aux_layers, hidden),)
+        (hidden, kv_pages, *aux), routed = self.layers(carry, xs, cos, sin, md)
+        out = (kv_pages, self.norm(hidden))
+        if aux:  # [n, T, H] in the carry
+            out += (jnp.swapaxes(aux[0][0], 0, 1),)
         if self.capture_routing:  # routed: i32[L, T, k] from the scan
-            return kv_pages, self.norm(hidden), jnp.swapaxes(routed, 0, 1)
-        return kv_pages, self.norm(hidden)
+            out += (jnp.swapaxes(routed, 0, 1),)
+        return out
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """LM head: f32[num_rows, vocab_size] logits from final hidden states (divided by

@@ -186,8 +186,8 @@ class Model:
 
     def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata,
                 lora: dict | None = None, lora_slots: jax.Array | None = None,
-                routing: bool = False, mm_embeds: tuple | None = None,
-                rope_positions: jax.Array | None = None):
+                routing: bool = False, aux_layers: tuple[int, ...] = (),
+                mm_embeds: tuple | None = None, rope_positions: jax.Array | None = None):
         """Pure forward (jit-able): returns (kv_pages, hidden[num_tokens, hidden_size]);
         `kv_pages` is the page pool, or with linear-attention layers a
         `models.gated_deltanet.HybridCache` (pages and state pools; `md.state_slots` each
@@ -195,6 +195,8 @@ class Model:
         with `routing`, (kv_pages, hidden, i32[num_tokens, num_layers, top_k]): each
         token's routed experts per layer, the router's heaviest first (-1 on a mixed
         model's dense layers). `routing` is static: without it the program is unchanged.
+        With `aux_layers` (static), [num_tokens, n, hidden_size] the residual stream
+        entering each of those layers (an EAGLE-3 head's inputs) comes after hidden.
 
         `lora` (the adapter slots' stacks, `models.lora.COLLECTION`'s tree) and
         `lora_slots` (i32[num_tokens], each token's slot, -1 none) add every token's LoRA
@@ -223,7 +225,9 @@ class Model:
             var = {**var, LORA: lora}
         with forward_context(real_rows=md.num_real_tokens,
                              lora_slots=None if lora is None else lora_slots):
-            module = self.module.clone(capture_routing=True) if routing else self.module
+            module = self.module
+            if routing or aux_layers:
+                module = module.clone(capture_routing=routing, aux_layers=tuple(aux_layers))
             return module.apply(var, input_ids, positions, kv_pages, md, mm_embeds,
                                 rope_positions)
 

@@ -87,6 +87,8 @@ class LLMEngine:
             config.speculative_config, **self.worker.draft_runner_args(self.scheduler.max_num_seqs))
         self.worker.init_device(self.scheduler.max_num_seqs, self.kv.host_pool.num_slots,
                                 self.speculator.k if self.speculator else 0)
+        if self.speculator is not None:
+            self.speculator.attach(self.runner)
         if self.pooler is not None:
             self.runner.pooling_type = self.pooler.config.pooling_type
         self.inputs = InputProcessor(self.tokenizer, self.model.cfg.vocab_size,
@@ -378,6 +380,8 @@ class LLMEngine:
         if self.pooler is not None and result.pooled is not None:
             self.pooler.accumulate(out, result.pooled, skip=failed)
         updates = self.scheduler.update_from_output(out, sampled)
+        if self.speculator is not None:
+            self.speculator.observe(out, requests, sampled, result.aux_hidden)
         return CoreStep(out, requests, result, updates, row_of, failed)
 
     def _finish(self, inflight: _InFlight) -> list[RequestOutput]:

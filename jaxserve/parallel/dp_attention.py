@@ -20,8 +20,8 @@ def check_engine_config(config: EngineConfig) -> None:
     """Refuses the engine features data-parallel attention does not serve yet.
 
     Raises:
-        ValueError: LoRA adapters, a pooling runner, routing capture or a draft model with
-            `enable_dp_attention` (each names the setting).
+        ValueError: LoRA adapters, a pooling runner, routing capture, a draft model or an
+            EAGLE-3 head with `enable_dp_attention` (each names the setting).
     """
     if not config.parallel.enable_dp_attention:
         return
@@ -32,6 +32,7 @@ def check_engine_config(config: EngineConfig) -> None:
         "enable_return_routed_experts": config.model.enable_return_routed_experts,
         "speculative_config.method='draft_model'": spec is not None
         and spec.method == "draft_model",
+        "speculative_config.method='eagle3'": spec is not None and spec.method == "eagle3",
     }
     for name, on in refused.items():
         if on:

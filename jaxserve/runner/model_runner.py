@@ -292,14 +292,14 @@ class ModelRunner:
         if self.channel is not None:
             self.channel.send("step", inputs, self._step_count,
                               None if prev is None else prev.step_id)
-        res, next_ids, prompt_lp, pooled, routed = self.launch(
+        res, next_ids, prompt_lp, pooled, routed, aux = self.launch(
             inputs, None if prev is None else prev.next_input_ids, extras=True)
         padded = num_tokens - total
         self.num_padded_tokens += padded
         self.num_scheduled_tokens += total
         return PendingStep(arrays.row_request_ids, res, next_ids, padded, prompt_lp,
                            0 if prompt_targets is None else len(prompt_targets),
-                           self._step_count, pooled, len(out.scheduled), routed, total)
+                           self._step_count, pooled, len(out.scheduled), routed, total, aux)
 
     def launch(self, inputs: StepInputs, prev_ids: jax.Array | None = None,
                extras: bool = False):
@@ -309,18 +309,18 @@ class ModelRunner:
             inputs: The step's packed buffers.
             prev_ids: i32[max_rows] the previous step's sampled ids (on the device), read
                 for placeholder tokens; None when no step is in flight.
-            extras: Also return the rows' pooled shares (a pooling runner's, else None)
-                and the tokens' routed experts (when captured, else None).
+            extras: Also return the rows' pooled shares (a pooling runner's), the tokens'
+                routed experts and aux hidden states (when captured); each else None.
 
         Returns:
             (SamplerOutput, i32[max_rows] next input ids, PromptLogprobs or None), all
-            device arrays; with `extras`, then f32[num_rows, hidden] or None and
-            i32[num_tokens, L, k] or None.
+            device arrays; with `extras`, then f32[num_rows, hidden], i32[num_tokens, L, k]
+            and [num_tokens, n, hidden] (`StepPrograms.capture_aux`), each or None.
         """
         self.num_decode_steps += inputs.decode_only
         programs = self.programs
         model_buf = self.to_device(inputs.model_buf)
-        self.kv_pages, logits, hidden, routed = programs.model_step(
+        self.kv_pages, logits, hidden, routed, aux = programs.model_step(
             inputs.model_layout, inputs.decode_only)(
             self.params, self.kv_pages, model_buf,
             self.no_prev_ids if prev_ids is None else prev_ids, self.lora_stacks,
@@ -334,7 +334,7 @@ class ModelRunner:
                 self.params, hidden, self.to_device(inputs.prompt_targets))
         sample_buf, sample_layout = self.sampling_inputs(inputs.sampling, inputs.variant)
         res, next_ids = programs.sampler(sample_layout)(logits, self.to_device(sample_buf))
-        return (res, next_ids, prompt_lp, pool, routed) if extras else (res, next_ids, prompt_lp)
+        return (res, next_ids, prompt_lp, *((pool, routed, aux) if extras else ()))
 
     def prepare_model_step(self, out: SchedulerOutput, decode_only: bool | None = None,
                            lora_slots: np.ndarray | None = None) -> ModelStep:

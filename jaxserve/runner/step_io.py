@@ -38,6 +38,7 @@ class PendingStep:
     num_pool_rows: int = 0  # its real rows (the scheduled requests, in their order)
     routed_experts: object = None  # i32[num_tokens bucket, L, k] captured routing, or None
     num_tokens: int = 0  # the step's real tokens (the scheduled ones, in their order)
+    aux_hidden: object = None  # [num_tokens bucket, n, H] EAGLE-3 inputs (device), or None
 
 
 @dataclass
@@ -96,6 +97,9 @@ class StepResult:
     # i32[real tokens, L, k]: each scheduled token's routed experts (in the scheduled
     # entries' order), when the runner captures routing; else None.
     routed_experts: np.ndarray | None = None
+    # [num_tokens bucket, n, H] on the device: the residual stream entering each layer an
+    # EAGLE-3 head reads (`StepPrograms.capture_aux`), tokens in the packed order; or None.
+    aux_hidden: Any = None
 
 
 @dataclass(frozen=True)
@@ -108,8 +112,8 @@ class ModelStep:
     Attributes:
         program: The jitted model step (`step_programs.model_step`): `(params, kv_pages,
             buf, prev_ids, lora_stacks, mm) -> (kv_pages, f32[sample rows, V] logits, hidden
-            [num_tokens, H], routed experts or None)`; `kv_pages` is donated (use the pool
-            it returns).
+            [num_tokens, H], routed experts or None, aux hidden states or None)`;
+            `kv_pages` is donated (use the pool it returns).
         buf: i32[layout.size] the packed inputs, on the step's devices.
         layout: How `buf` unpacks (`transfer.Layout`).
         arrays: The host arrays packed into `buf` (`step_input.StepArrays`).

@@ -28,15 +28,18 @@ from pallas_kernels import AttentionMetadata
 
 
 def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: bool,
-               routing: bool, params, kv_pages, buf, prev_ids, lora=None, mm=None):
+               routing: bool, aux_layers: tuple[int, ...], params, kv_pages, buf, prev_ids,
+               lora=None, mm=None):
     """One step's model forward on its packed inputs `buf` (unpacked by `layout`): the
     placeholder tokens read from `prev_ids` (i32[max_rows]), every token's LoRA slot from
     the buffer when `lora` (the slot stacks) is given, image placeholders their rows of
     `mm` (the encoder cache's buffer [N, H]) by the buffer's `mm_rows`, and bidirectional
     spans (`AttentionMetadata.q_span_end`) from its `span_end` when it has one. Returns
     (kv_pages, f32[rows, vocab] logits of the sampled rows, hidden [num_tokens,
-    hidden_size], routed): `routed` is i32[num_tokens, num_layers, top_k] each token's
-    routed experts when `routing` (a mixture of experts' routing capture), else None."""
+    hidden_size], routed, aux): `routed` is i32[num_tokens, num_layers, top_k] each token's
+    routed experts when `routing` (a mixture of experts' routing capture), else None; `aux`
+    is [num_tokens, n, hidden_size] the residual stream entering each of the `aux_layers`
+    (an EAGLE-3 head's inputs), or None when there are none."""
     x = unpack(buf, layout)
     ranks = model.methods.attention.ranks  # data-parallel attention: the step by ranks
     # NOTE: `state_slots` (i32[num_rows]) travels only for models with linear-attention
@@ -53,15 +56,16 @@ def model_step(model: Model, layout: Layout, decode_only: bool, short_tiles: boo
         input_ids, positions = (jax.lax.with_sharding_constraint(a, split)
                                 for a in (input_ids, positions))
     mm_embeds = None if mm is None else (mm, x["mm_rows"])
-    kv_pages, hidden, *routed = model.forward(params, input_ids, positions, kv_pages, md,
-                                              lora, x.get("lora_slots"), routing=routing,
-                                              mm_embeds=mm_embeds,
-                                              rope_positions=x.get("rope_positions"))
+    kv_pages, hidden, *extra = model.forward(params, input_ids, positions, kv_pages, md, lora,
+                                             x.get("lora_slots"), routing=routing,
+                                             aux_layers=aux_layers, mm_embeds=mm_embeds,
+                                             rope_positions=x.get("rope_positions"))
+    aux = extra.pop(0) if aux_layers else None
     # NOTE: the sampled rows are padded to the step's row count: methods that can skip the
     # padding rows (the CPU kernels) multiply only the real ones (`models.linear.context`).
     with forward_context(real_rows=x["sample_rows"][0]):  # f32[rows, vocab], padding rows 0
         logits = model.compute_logits(params, hidden[x["logits_indices"]])
-    return kv_pages, logits, hidden, (routed[0] if routing else None)
+    return kv_pages, logits, hidden, (extra[0] if routing else None), aux
 
 
 def pool_step(layout: Layout, pooling_type: str, hidden, buf):
@@ -135,7 +139,7 @@ def to_host(tree):
 
 def result_on_host(pending: PendingStep) -> StepResult:
     """Waits for a dispatched step and copies its samples (and prompt logprobs, pooled
-    shares) to the host, padding rows dropped."""
+    shares) to the host, padding rows dropped; auxiliary hidden states stay on the device."""
     res = to_host(pending.result)
     prompt_lp = pooled = None
     if pending.pooled is not None:
@@ -152,7 +156,8 @@ def result_on_host(pending: PendingStep) -> StepResult:
     logprobs = None if res.logprobs is None else res.logprobs[:n]
     ranks = None if res.token_ranks is None else res.token_ranks[:n]
     return StepResult(pending.row_request_ids, res.token_ids[:n], logprobs, ranks,
-                      topk_ids, topk_lp, pending.num_padded_tokens, prompt_lp, pooled, routed)
+                      topk_ids, topk_lp, pending.num_padded_tokens, prompt_lp, pooled, routed,
+                      pending.aux_hidden)
 
 
 class StepPrograms:
@@ -168,6 +173,10 @@ class StepPrograms:
         wide_logprobs: The engine's wide top-logprobs width (`logprobs_widths`), or None.
         routing: The model steps also return every token's routed experts (a mixture of
             experts' routing capture).
+
+    Attributes:
+        aux_layers: The layers whose input residual stream the model steps also return
+            (`capture_aux`; () none).
     """
 
     def __init__(self, model: Model, parallel, short_tiles: bool, max_rows: int,
@@ -184,18 +193,25 @@ class StepPrograms:
         self._samplers: dict[Layout, object] = {}
         self._pools: dict[tuple[Layout, str], object] = {}
         self._prompt_logprobs: dict[int, object] = {}
+        self.aux_layers: tuple[int, ...] = ()
+
+    def capture_aux(self, layer_ids: tuple[int, ...]) -> None:
+        """From now on the model steps also return the residual stream entering each of
+        `layer_ids` (an EAGLE-3 head's inputs: `models.eagle3`); the steps built so far are
+        dropped (call it before warm-up)."""
+        self.aux_layers = tuple(layer_ids)
+        self._steps.clear()
 
     def model_step(self, layout: Layout, decode_only: bool = False):
         """The model forward (`model_step`) of inputs packed as `layout`: `(params,
-        kv_pages, buf, prev_ids, lora_stacks, mm) -> (kv_pages, logits, hidden, routed)`, the
-        pool donated; `decode_only` picks the paged-decode variant."""
+        kv_pages, buf, prev_ids, lora_stacks, mm) -> (kv_pages, logits, hidden, routed,
+        aux)`, the pool donated; `decode_only` picks the paged-decode variant."""
         fn = self._steps.get((layout, decode_only))
         if fn is None:
             shardings = {} if self.parallel is None else {"out_shardings": (
-                cache_shardings(self.parallel, self.model), self.parallel.replicated(),
-                self.parallel.replicated(), self.parallel.replicated())}
+                cache_shardings(self.parallel, self.model), *[self.parallel.replicated()] * 4)}
             fn = jax.jit(functools.partial(model_step, self.model, layout, decode_only,
-                                           self.short_tiles, self.routing),
+                                           self.short_tiles, self.routing, self.aux_layers),
                          donate_argnums=1, **shardings)
             self._steps[(layout, decode_only)] = fn
         return fn

@@ -83,7 +83,7 @@ def lower_bucket(runner, num_tokens: int, make_dummy_sampling) -> list:
         step = runner.prepare_model_step(out, decode_only)
         lowered.append(step.lower(runner.params, runner.kv_pages))
         steps.append(step)
-    _, logits, hidden, _ = lowered[0].out_info
+    _, logits, hidden, *_ = lowered[0].out_info
     if runner.pooling_type is not None:  # a pooling runner's program, per step layout
         lowered += [programs.pool(step.layout, runner.pooling_type).lower(hidden, step.buf)
                     for step in steps]

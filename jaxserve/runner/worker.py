@@ -147,7 +147,7 @@ class Worker:
                     backend=mc.attention_backend, num_pages=lim.num_pages,
                     page_size=self.config.cache.page_size, max_model_len=lim.max_model_len,
                     max_num_seqs=max_num_seqs, max_num_batched_tokens=lim.max_num_batched_tokens,
-                    target_params=self.model.weight_bytes)
+                    target_params=self.model.weight_bytes, target=self.model)
 
     @property
     def state_group(self) -> StateGroupSpec | None:

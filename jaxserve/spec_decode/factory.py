@@ -1,9 +1,10 @@
-"""`make_speculator`: the engine's speculator (n-gram or draft model) for its config."""
+"""`make_speculator`: the engine's speculator (n-gram, draft model, EAGLE-3) for its config."""
 
 from __future__ import annotations
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.spec_decode.draft import DraftModelSpeculator
+from jaxserve.spec_decode.eagle import Eagle3Speculator
 from jaxserve.spec_decode.speculator import NgramSpeculator, Speculator
 
 
@@ -12,19 +13,24 @@ def make_speculator(config: SpeculativeConfig | None, **runner_args) -> Speculat
 
     Args:
         config: The engine's `SpeculativeConfig`, or None.
-        runner_args: For a draft model: the target's `vocab_size`, `dtype`, `backend`,
-            `target_params` (its parameter count) and the runner sizes (`num_pages`,
-            `page_size`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`); see
-            `DraftModelSpeculator`.
+        runner_args: For a draft model or head: the target's `vocab_size`, `dtype`,
+            `backend`, `target_params` (its parameter count), the `target` model itself
+            and the runner sizes (`num_pages`, `page_size`, `max_model_len`,
+            `max_num_seqs`, `max_num_batched_tokens`); see `DraftModelSpeculator` and
+            `Eagle3Speculator`.
 
     Returns:
         The speculator, or None when `config` is None.
 
     Raises:
-        ValueError: A draft model with another vocabulary than the target's.
+        ValueError: A draft model or head that does not fit the target (another
+            vocabulary, hidden size, layers).
     """
     if config is None:
         return None
     if config.method == "ngram":
         return NgramSpeculator(config)
+    target = runner_args.pop("target", None)
+    if config.method == "eagle3":
+        return Eagle3Speculator(config, target=target, **runner_args)
     return DraftModelSpeculator(config, **runner_args)

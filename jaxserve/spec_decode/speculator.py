@@ -79,6 +79,18 @@ class Speculator(abc.ABC):
         """Compiles what proposing runs (nothing for host-side proposers); seconds."""
         return 0.0
 
+    def attach(self, runner) -> None:
+        """Sees the target's runner once it is built, before warm-up (a proposer that reads
+        the target's step outputs asks for them here)."""
+        return None
+
+    def observe(self, out, requests: dict[str, Request], sampled: dict[str, list[int]],
+                aux) -> None:
+        """After each target step (`update_from_output` done): a proposer that drafts from
+        the step's hidden states (`aux`, `StepResult.aux_hidden`) reads them here; `sampled`
+        are each entry's tokens after verification."""
+        return None
+
     @property
     def num_compilations(self) -> int:
         """Compilations of the proposer's own programs since warm-up."""

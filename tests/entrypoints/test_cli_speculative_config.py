@@ -57,6 +57,11 @@ def test_help_shows_the_flag_and_its_default(command):
      '"prompt_lookup_max":3}', "speculative_config.prompt_lookup_min: 4 exceeds"),
     ('{"method":"draft_model","num_speculative_tokens":2,"model":"/x"}',
      "speculative_config.model: path /x does not exist"),
+    ('{"method":"eagle3","num_speculative_tokens":2,"model":"/x"}',
+     "speculative_config.model: path /x does not exist"),
+    ('{"method":"eagle3","num_speculative_tokens":2,"model":"/x",'
+     '"eagle_aux_hidden_state_layer_ids":3}',
+     "speculative_config.eagle_aux_hidden_state_layer_ids: must be a list"),
 ])
 def test_bad_value_exits_2_naming_the_field(value, message, capsys):
     code = main(["generate", "hi", "--model", NO_MODEL, "--speculative-config", value])

@@ -27,6 +27,17 @@ def test_draft_model_needs_its_path():
     assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "/m/draft.gguf", 5)
 
 
+def test_eagle3_takes_a_head_and_its_layers():
+    c = SpeculativeConfig.from_dict('{"method": "eagle3", "model": "/m/head", '
+                                    '"num_speculative_tokens": 4, '
+                                    '"eagle_aux_hidden_state_layer_ids": [1, 15, 27]}')
+    assert (c.method, c.model, c.num_speculative_tokens, c.aux_layer_ids) == (
+        "eagle3", "/m/head", 4, (1, 15, 27))
+    c = SpeculativeConfig.from_dict({"method": "eagle3", "model": "/m/head",
+                                     "num_speculative_tokens": 1})
+    assert c.aux_layer_ids is None  # the head's own, else vLLM's default
+
+
 @pytest.mark.parametrize("spec, field", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
@@ -42,6 +53,12 @@ def test_draft_model_needs_its_path():
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x",
       "prompt_lookup_max": 3}, "prompt_lookup"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "model"),
+    ({"method": "eagle3", "num_speculative_tokens": 0, "model": "x"}, "num_speculative_tokens"),
+    ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x",
+      "eagle_aux_hidden_state_layer_ids": [1.5]}, "eagle_aux_hidden_state_layer_ids"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x",
+      "eagle_aux_hidden_state_layer_ids": [1]}, "eagle_aux_hidden_state_layer_ids"),
     ("{not json", "JSON"),
     ([1, 2], "dict"),
 ])
