@@ -7,10 +7,10 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from models.deepseek_config import check_groups, check_mla
+from models.config_checks import check_linear, check_moe
+from models.deepseek_config import check_mla
 from models.gemma4_config import check_gemma4
 from models.llama4_config import check_llama4
-from models.moe_config import check_expert_act
 from models.rope import RopeScaling, check_rope_scaling
 
 # HF activation names the gated MLP computes ("gelu_pytorch_tanh": GELU, tanh approximation).
@@ -18,15 +18,6 @@ SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # The layer kinds of a linear-attention hybrid's `layer_types` (Qwen3-Next, Qwen3.5).
 HYBRID_LAYER_TYPES = ("full_attention", "linear_attention")
-# What a hybrid's linear layers are: Gated DeltaNet (`models.gated_deltanet`) or Mamba-2
-# (`models.mamba2`, Granite 4.0).
-LINEAR_KINDS = ("gated_deltanet", "mamba2")
-# How a mixture-of-experts router turns logits into weights (`models.moe.route`):
-# softmax over all experts then top-k (Qwen-MoE, OLMoE, DeepSeek-V2), top-k logits then softmax
-# (Mixtral), or sigmoid scores, top-k by score plus a correction bias (DeepSeek-V3).
-# Llama 4's "topk_sigmoid": the top-k logits through a sigmoid, each weight scaling its
-# expert's INPUT (`models.moe.MoEMLP`).
-ROUTER_ORDERS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "topk_sigmoid")
 # Every decoder layer's dense linear modules, as (block, module).
 LAYER_MATMULS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                  ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
@@ -372,8 +363,8 @@ class ArchConfig:
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
                              f"{', '.join(SUPPORTED_ACTIVATIONS)}")
-        self._check_moe()
-        self._check_linear()
+        check_moe(self)
+        check_linear(self)
         check_mla(self)
         check_gemma4(self)
         check_llama4(self)
@@ -382,60 +373,6 @@ class ArchConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive (or None), got {value}")
-
-    def _check_moe(self) -> None:
-        if self.num_experts < 0 or self.shared_expert_intermediate_size < 0:
-            raise ValueError(f"num_experts ({self.num_experts}) and "
-                             f"shared_expert_intermediate_size "
-                             f"({self.shared_expert_intermediate_size}) must be >= 0")
-        if not self.num_experts:
-            check_expert_act(self)
-            if self.dense_layers:
-                raise ValueError(f"dense_layers={list(self.dense_layers)} needs a mixture "
-                                 "of experts (num_experts > 0)")
-            return
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
-                             f"1..num_experts ({self.num_experts})")
-        if self.moe_intermediate_size <= 0:
-            raise ValueError(f"moe_intermediate_size must be positive, got "
-                             f"{self.moe_intermediate_size}")
-        if self.router_order not in ROUTER_ORDERS:
-            raise ValueError(f"unsupported router_order {self.router_order!r}; supported: "
-                             f"{', '.join(ROUTER_ORDERS)}")
-        check_groups(self)
-        check_expert_act(self)
-        dense = self.dense_layers
-        if list(dense) != sorted(set(dense)) or not all(0 <= i < self.num_layers
-                                                        for i in dense):
-            raise ValueError(f"dense_layers={list(dense)} must be distinct layers in "
-                             f"0..{self.num_layers - 1}, ascending")
-        if len(dense) == self.num_layers:
-            raise ValueError(f"dense_layers={list(dense)} leaves no sparse layer; a model "
-                             "without experts has num_experts=0")
-
-    def _check_linear(self) -> None:
-        lin = self.linear_layers
-        if self.linear_kind not in LINEAR_KINDS:
-            raise ValueError(f"unsupported linear_kind {self.linear_kind!r}; supported: "
-                             f"{', '.join(LINEAR_KINDS)}")
-        if not lin:
-            return
-        if list(lin) != sorted(set(lin)) or not all(0 <= i < self.num_layers for i in lin):
-            raise ValueError(f"linear_layers={list(lin)} must be distinct layers in "
-                             f"0..{self.num_layers - 1}, ascending")
-        if len(lin) == self.num_layers:
-            raise ValueError(f"linear_layers={list(lin)} leaves no full_attention layer; a "
-                             "hybrid needs at least one")
-        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_conv_kernel_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive for linear_attention layers, got "
-                                 f"{getattr(self, name)}")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(f"linear_num_value_heads ({self.linear_num_value_heads}) must "
-                             f"be a multiple of linear_num_key_heads "
-                             f"({self.linear_num_key_heads})")
 
     def to_json(self) -> str:
         """Serialises the config (inverse of `from_json`)."""

@@ -1,12 +1,13 @@
 """A mixture of experts' router: each token's experts and their weights from the router's
-logits, in its family's order (`models.config.ROUTER_ORDERS`; `models.moe.MoEMLP` calls it)."""
+logits, in its family's order (`models.config_checks.ROUTER_ORDERS`; `models.moe.MoEMLP`
+calls it)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from models.config import ROUTER_ORDERS
+from models.config_checks import ROUTER_ORDERS
 
 
 def route(logits: jax.Array, top_k: int, order: str, norm_topk_prob: bool, *,
