@@ -15,6 +15,7 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.core.adapter_limit import AdapterLimit
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.ranked_kv import RankedKVCacheManager
+from jaxserve.core.request_checks import check_new_request
 from jaxserve.core.scheduler_output import (
     PLACEHOLDER,
     ScheduledRequest,
@@ -103,25 +104,7 @@ class Scheduler:
                 the pool holds (less the watermark), without chunked prefill more tokens
                 than `max_num_batched_tokens`, or more samples than `max_num_seqs`.
         """
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(f"prompt of request {request.request_id!r} has "
-                             f"{request.num_prompt_tokens} tokens, more than max_model_len "
-                             f"{self.max_model_len}")
-        if request.fan_out > self.max_num_seqs:
-            raise ValueError(f"request {request.request_id!r} fans out into {request.fan_out} "
-                             f"samples, more than max_num_seqs {self.max_num_seqs}")
-        if request.num_prompt_tokens > self.max_kv_tokens:
-            kv, budget = self.kv, self.max_num_batched_tokens
-            if request.num_prompt_tokens > budget and not self.config.chunked:
-                raise ValueError(f"prompt of request {request.request_id!r} has "
-                                 f"{request.num_prompt_tokens} tokens, more than "
-                                 f"max_num_batched_tokens {budget} without chunked prefill")
-            raise ValueError(f"request {request.request_id!r} needs KV for "
-                             f"{request.num_prompt_tokens} tokens; one request may hold at "
-                             f"most {kv.max_tokens_per_request} (the pool less its admission "
-                             "watermark)")
+        check_new_request(self, request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         if kv_from is None or not self._start_from(request, kv_from):
