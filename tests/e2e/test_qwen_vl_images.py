@@ -98,3 +98,26 @@ def test_images_of_two_sizes_equal_transformers_alone_and_batched(llm, built):
     swapped = llm.generate([{"prompt": two, "multi_modal_data": {"image": [b, a]}}], PARAMS,
                            use_tqdm=False)[0]
     assert swapped.outputs[0].token_ids != want[0]
+
+
+@pytest.mark.slow(reason="two more engines (~10 s each); the default tier serves images above")
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_both_ways_keeps_the_tokens(built, mode):
+    """Five image prompts in a pool of 12 pages of 8 tokens: requests are preempted and
+    resumed (their images found in the encoder cache or encoded again, their rotary rows
+    kept on the request) and still give transformers' tokens."""
+    tokenize = lambda t: built[2](t).input_ids  # noqa: E731
+    llm = LLM(built[0], **{**ENGINE, "num_kv_blocks": 12, "preemption_mode": mode,
+                           "swap_space": 0.05})
+    support = llm.engine.inputs.images
+    prompts = [(f"{IMG}Picture {i}, described:", [picture(40 + 10 * i, 60, i)])
+               for i in range(5)]
+    want = []
+    for text, imgs in prompts:
+        ids, items = support.prompt_items(text, imgs, tokenize)
+        want.append(hf_greedy(built, ids, [i.inputs for i in items]))
+    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": imgs}}
+                         for text, imgs in prompts], PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv.usage == 0.0
