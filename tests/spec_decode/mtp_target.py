@@ -78,16 +78,22 @@ def _rms(x, w, eps):
     return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def reference_proposals(hf, ref, tensors, tokens: list[int], num: int, base: int,
-                        k: int) -> list[tuple[int, float]]:
+def target_states(hf, tokens: list[int]) -> np.ndarray:
+    """transformers' final hidden states (after the final norm) at every position: [T, H]."""
+    import torch
+
+    with torch.no_grad():
+        return hf.model(torch.tensor([tokens])).last_hidden_state[0].numpy()
+
+
+def reference_proposals(hf, ref, tensors, g: np.ndarray, tokens: list[int], num: int,
+                        base: int, k: int) -> list[tuple[int, float]]:
     """The MTP layer's k greedy proposals for a request of `tokens[:num]` whose head attends
     from position `base`: each with the margin of its top logit (vLLM's math, module
-    docstring of `models.mtp`), on transformers' target states."""
+    docstring of `models.mtp`), on transformers' target states `g` (`target_states`)."""
     import torch
 
     eps = hf.config.rms_norm_eps
-    with torch.no_grad():
-        g = hf.model(torch.tensor([tokens[:num]])).last_hidden_state[0].numpy()  # normed
     table = hf.get_input_embeddings().weight.detach().numpy()
     head = tensors.get("shared_head.head", hf.lm_head.weight.detach().numpy())
     pos = np.arange(base, num - 1)
