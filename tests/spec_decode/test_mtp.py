@@ -158,7 +158,7 @@ def test_refusals(target_dir, tiny_model_dir):
         make(deepseek, model=directory + "-missing")
 
 
-@pytest.mark.slow  # another target and engine: ~15 s; the own-head form runs in the default tier
+@pytest.mark.slow  # another target and engine: ~30 s; the own-head form runs in the default tier
 def test_the_targets_lm_head(smollm2_tokenizer, tmp_path):
     """A checkpoint without `shared_head.head`: the layer proposes with the target's LM
     head, as the reference does; greedy output stays transformers'."""
