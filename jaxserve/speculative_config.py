@@ -7,7 +7,9 @@ from typing import Any
 
 from jaxserve.utils import settings_dict
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "mtp")
+# vLLM's per-family names of the MTP method.
+MTP_ALIASES = ("deepseek_mtp", "qwen3_next_mtp")
 _SPECULATIVE_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_min",
                        "prompt_lookup_max", "model", "eagle_aux_hidden_state_layer_ids"}
 
@@ -17,15 +19,19 @@ class SpeculativeConfig:
     """How proposals are made and how many each decoding request gets per step.
 
     Attributes:
-        method: "ngram" (prompt lookup over the request's own tokens), "draft_model" or
-            "eagle3" (a draft head reading the target's hidden states: `spec_decode.eagle`).
+        method: "ngram" (prompt lookup over the request's own tokens), "draft_model",
+            "eagle3" (a draft head reading the target's hidden states: `spec_decode.eagle`)
+            or "mtp" (the target checkpoint's own MTP layer: `spec_decode.mtp`; vLLM's
+            "deepseek_mtp" and "qwen3_next_mtp" name it too).
         num_speculative_tokens: k, proposals per request per step (each step then
             computes up to 1 + k query tokens for a decoding request).
         prompt_lookup_min: Shortest suffix n-gram that may match (ngram).
         prompt_lookup_max: Longest suffix n-gram tried first (ngram).
         model: The draft model (draft_model): its path, or a loaded `models.model.Model`
             (Python API); same tokenizer and vocabulary as the target. For eagle3 the
-            head's directory (or a loaded `models.loaders.eagle3.Eagle3Head`).
+            head's directory (or a loaded `models.loaders.eagle3.Eagle3Head`); for mtp the
+            directory holding the MTP layer (None: the target's own; or a loaded
+            `models.mtp.MtpHead`).
         aux_layer_ids: eagle3: the target layers whose input hidden states the head reads
             (`eagle_aux_hidden_state_layer_ids`); None: the head config's, else vLLM's
             default (2, L // 2, L - 3).
@@ -56,6 +62,7 @@ class SpeculativeConfig:
         spec = settings_dict(spec, "speculative_config", _SPECULATIVE_FIELDS,
                              '{"method": "ngram", "num_speculative_tokens": 3}')
         method = spec.get("method")
+        method = "mtp" if method in MTP_ALIASES else method
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method: {method!r} is not one of "
                              f"{SPECULATIVE_METHODS}")
@@ -81,8 +88,10 @@ class SpeculativeConfig:
                 raise ValueError("speculative_config.model: only the draft_model method "
                                  "takes a model")
         else:
-            loaded = hasattr(model, "cfg") and hasattr(model, "params")  # a loaded Model
-            if not loaded and (not isinstance(model, str) or not model):
+            loaded = hasattr(model, "params")  # a loaded Model or head
+            if method == "mtp" and model is None:
+                pass  # the target's own checkpoint
+            elif not loaded and (not isinstance(model, str) or not model):
                 raise ValueError(f"speculative_config.model: the {method} method needs "
                                  "the draft's path (or a loaded model)")
             if lo is not None or hi is not None:

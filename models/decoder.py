@@ -244,7 +244,8 @@ class Decoder(nn.Module):
         capture_routing: Also return each token's routed experts in every layer (a
             mixture of experts only; vLLM's `enable_return_routed_experts`).
         aux_layers: Also return the residual stream entering each of these layers (an
-            EAGLE-3 draft head's inputs; vLLM's numbering, 0 the embedding); () none.
+            EAGLE-3 draft head's inputs; vLLM's numbering, 0 the embedding, `num_layers` the
+            stream after the last layer, before the final norm: an MTP layer's); () none.
     """
 
     cfg: ArchConfig
@@ -368,8 +369,8 @@ class Decoder(nn.Module):
             carry += (start_aux(self.aux_layers, hidden),)
         (hidden, kv_pages, *aux), routed = self.layers(carry, xs, cos, sin, md)
         out = (kv_pages, self.norm(hidden))
-        if aux:  # [n, T, H] in the carry
-            out += (jnp.swapaxes(aux[0][0], 0, 1),)
+        if aux:  # [n, T, H] in the carry; id num_layers: the stream after the last layer
+            out += (jnp.swapaxes(capture_aux(aux[0], hidden, self.cfg.num_layers)[0], 0, 1),)
         if self.capture_routing:  # routed: i32[L, T, k] from the scan
             out += (jnp.swapaxes(routed, 0, 1),)
         return out

@@ -20,8 +20,8 @@ def check_engine_config(config: EngineConfig) -> None:
     """Refuses the engine features data-parallel attention does not serve yet.
 
     Raises:
-        ValueError: LoRA adapters, a pooling runner, routing capture, a draft model or an
-            EAGLE-3 head with `enable_dp_attention` (each names the setting).
+        ValueError: LoRA adapters, a pooling runner, routing capture, a draft model, an
+            EAGLE-3 head or an MTP layer with `enable_dp_attention` (each names the setting).
     """
     if not config.parallel.enable_dp_attention:
         return
@@ -33,6 +33,7 @@ def check_engine_config(config: EngineConfig) -> None:
         "speculative_config.method='draft_model'": spec is not None
         and spec.method == "draft_model",
         "speculative_config.method='eagle3'": spec is not None and spec.method == "eagle3",
+        "speculative_config.method='mtp'": spec is not None and spec.method == "mtp",
     }
     for name, on in refused.items():
         if on:

@@ -37,7 +37,7 @@ from jaxserve.request import Request
 from jaxserve.runner import compile_counter
 from jaxserve.runner.buckets import pick_bucket
 from jaxserve.spec_decode.eagle_pages import HeadPages, HeadSeq
-from jaxserve.spec_decode.eagle_programs import observe, propose_loop
+from jaxserve.spec_decode.eagle_programs import HeadProgramSpec, observe, propose_loop
 from jaxserve.spec_decode.eagle_setup import head_for_target, program_spec, target_embedding
 from jaxserve.spec_decode.speculator import Speculator
 from jaxserve.utils import cdiv
@@ -65,20 +65,34 @@ class Eagle3Speculator(Speculator):
     def __init__(self, config: SpeculativeConfig, *, target, dtype: str = "float32",
                  num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
                  target_params: int = 0, **_runner_sizes):
-        self.head, self.aux_layers = head_for_target(config, target, dtype)
+        self.head, self.aux_layers = self.fit_head(config, target, dtype)
         super().__init__(config, draft_cost=min(1.0, self.head.weight_bytes / target_params)
                          if target_params else 1.0)
         self.page_size, self.max_model_len, self.max_rows = page_size, max_model_len, max_num_seqs
         self.width = cdiv(max_model_len + self.k, page_size)  # a head block table's pages
-        lc = self.head.cfg.layer
-        self.kv_pages = jax.numpy.zeros(kv_pages_shape(1, lc.num_kv_heads, num_pages, page_size,
-                                                       lc.head_dim), self.head.params["norm"].dtype)
+        self.kv_pages = self.empty_pool(num_pages, page_size)
         self.pages = HeadPages(num_pages, page_size, self.k - 1, self.width)
         self._observe = self._loop = None  # jitted at `attach`
         self._last = None  # (i32[R] proposal 1, [R, H] hidden, {request_id: (row, position)})
         self._runner = self._target_embed = None
         self.row_buckets: list[int] = []
         self._compilations = 0
+
+    # ------------------------------------------------------------ the head's kind
+    def fit_head(self, config: SpeculativeConfig, target, dtype: str) -> tuple:
+        """(the head, the target layers whose aux states it reads): EAGLE-3's, checked
+        against the target (`head_for_target`)."""
+        return head_for_target(config, target, dtype)
+
+    def empty_pool(self, num_pages: int, page_size: int) -> jax.Array:
+        """The head's zeroed page pool: one layer's K/V."""
+        lc = self.head.cfg.layer
+        return jax.numpy.zeros(kv_pages_shape(1, lc.num_kv_heads, num_pages, page_size,
+                                              lc.head_dim), self.head.params["norm"].dtype)
+
+    def program_spec(self, target) -> HeadProgramSpec:
+        """The head's programs' static part for a runner serving `target` (its `Model`)."""
+        return program_spec(self.head, target, self.k - 1, self.page_size, self.max_rows)
 
     # ------------------------------------------------------------ engine hooks
     def attach(self, runner) -> None:
@@ -88,15 +102,14 @@ class Eagle3Speculator(Speculator):
             ValueError: A runner over a device mesh (the head runs on one device).
         """
         if runner.layout is not None:
-            raise ValueError("speculative_config.method: eagle3 runs on one device; "
-                             "tensor and data parallelism are not supported with it")
+            raise ValueError(f"speculative_config.method: {self.config.method} runs on one "
+                             "device; tensor and data parallelism are not supported with it")
         self._runner = runner
         runner.programs.capture_aux(self.aux_layers)
         # Row counts of the loop: the token buckets below max_num_seqs, then max_num_seqs
         # (an `observe` of a bucket of T tokens has min(T, max_num_seqs) rows).
         self.row_buckets = sorted({min(b, self.max_rows) for b in runner.buckets})
-        spec = program_spec(self.head, runner.model, self.k - 1, self.page_size,
-                            self.max_rows)
+        spec = self.program_spec(runner.model)
         self._observe = jax.jit(functools.partial(observe, spec), donate_argnums=2)
         self._loop = jax.jit(functools.partial(propose_loop, spec), donate_argnums=2)
         self._target_embed = target_embedding(runner.model)
@@ -106,7 +119,7 @@ class Eagle3Speculator(Speculator):
         # NOTE: the aux states have the dtype of the target's embeddings (the scan's carry).
         aux_dtype = jax.eval_shape(self._target_embed, self._runner.params,
                                    np.zeros(1, np.int32)).dtype
-        n, ht = len(self.aux_layers), self.head.cfg.target_hidden_size
+        n, ht = len(self.aux_layers), self._runner.model.cfg.hidden_size
         for bucket in self._runner.buckets:
             aux = jax.numpy.zeros((bucket, n, ht), aux_dtype)
             first, hidden = self._observe_call(aux, self._rows(bucket))

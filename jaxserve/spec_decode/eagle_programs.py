@@ -1,4 +1,7 @@
-"""The EAGLE-3 head's two jitted programs: `observe` after a target step, `propose_loop` before.
+"""A draft head's two jitted programs: `observe` after a target step, `propose_loop` before.
+
+The head is EAGLE-3's (`models.eagle3`) or an MTP layer (`models.mtp`): `HeadProgramSpec`
+carries its forward, its hidden input from the target's aux states and its greedy pick.
 
 `observe` runs the head over the positions a target step made valid (its packed tokens, their
 auxiliary hidden states gathered from the step's output), writing the head's K/V, and keeps
@@ -16,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.sample.rowwise import argmax_rows
-from models.eagle3 import Eagle3Config, combine_aux, head_forward, head_logits, to_target_ids
+from models.eagle3 import head_logits, to_target_ids
 from pallas_kernels import AttentionMetadata
 
 
@@ -25,8 +28,11 @@ class HeadProgramSpec:
     """What the programs close over (static).
 
     Attributes:
-        cfg: The head's config.
-        ops: `pallas_kernels.AttentionOps` of its attention.
+        forward: `(params, target_params, embeds [T, H], g [T, H], i32[T] positions,
+            kv_pages, md) -> (kv_pages, normed [T, H], prenorm [T, H])`: one step of the head.
+        combine: `(params, target_params, aux [T, n, Ht]) -> g [T, H]`: the head's hidden
+            input from the target's aux states.
+        pick: `(params, target_params, normed [R, H]) -> i32[R]`: greedy proposals, target ids.
         embed: `(params, target_params, i32[T]) -> [T, H]` token embeddings (the head's own
             table or the target's).
         dtype: The head's compute dtype.
@@ -36,8 +42,9 @@ class HeadProgramSpec:
             it ran: the loop reads them in one shape.
     """
 
-    cfg: Eagle3Config
-    ops: object
+    forward: object
+    combine: object
+    pick: object
     embed: object
     dtype: object
     page_size: int
@@ -71,13 +78,13 @@ def observe(spec: HeadProgramSpec, params, target_params, kv_pages, aux, gather,
         there; rows past R are zeros).
     """
     dt = spec.dtype
-    g = combine_aux(params, aux[gather].astype(dt))  # [Tb, H]
+    g = spec.combine(params, target_params, aux[gather]).astype(dt)  # [Tb, H]
     embeds = spec.embed(params, target_params, ids).astype(dt)  # [Tb, H]
     md = AttentionMetadata(slot_mapping, tables, kv_lens, cu_q_lens)
-    kv_pages, normed, prenorm = head_forward(spec.cfg, spec.ops, params, embeds, g, positions,
+    kv_pages, normed, prenorm = spec.forward(params, target_params, embeds, g, positions,
                                              kv_pages, md)
     pad = spec.max_rows - last.shape[0]
-    return (kv_pages, jnp.pad(greedy(params, normed[last]), (0, pad)),
+    return (kv_pages, jnp.pad(spec.pick(params, target_params, normed[last]), (0, pad)),
             jnp.pad(prenorm[last], ((0, pad), (0, 0))))
 
 
@@ -110,9 +117,9 @@ def propose_loop(spec: HeadProgramSpec, params, target_params, kv_pages, first, 
         md = AttentionMetadata(jnp.where(real, slot, 0), tables, jnp.where(real, li + 1, 0),
                                cu_q_lens)
         embeds = spec.embed(params, target_params, ids).astype(spec.dtype)  # [R, H]
-        kv_pages, normed, prenorm = head_forward(spec.cfg, spec.ops, params, embeds, h,
+        kv_pages, normed, prenorm = spec.forward(params, target_params, embeds, h,
                                                  positions + j, kv_pages, md)
-        nxt = greedy(params, normed)  # i32[R]
+        nxt = spec.pick(params, target_params, normed)  # i32[R]
         return kv_pages, nxt, prenorm, out.at[:, j + 1].set(nxt)
 
     ids = first[rows]  # i32[R]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from jaxserve.spec_decode.eagle_programs import HeadProgramSpec
-from models.eagle3 import default_aux_layers
+import functools
+
+from jaxserve.spec_decode.eagle_programs import HeadProgramSpec, greedy
+from models.eagle3 import combine_aux, default_aux_layers, head_forward
 from models.loaders.eagle3 import Eagle3Head, load_eagle3
 from models.model import variables
 from pallas_kernels.attention_ops import AttentionOps
@@ -80,6 +82,15 @@ def program_spec(head: Eagle3Head, target, num_steps: int, page_size: int,
         embed = lambda params, target_params, ids: params["embed_tokens"][ids]  # noqa: E731
     else:
         embed = lambda params, target_params, ids: target_embed(target_params, ids)  # noqa: E731
+    dtype = head.params["norm"].dtype
     # NOTE: the head's attention on the XLA path whatever the target's: it is one layer.
-    return HeadProgramSpec(head.cfg, AttentionOps("xla"), embed, head.params["norm"].dtype,
-                           page_size, num_steps, max_rows)
+    forward = functools.partial(_forward, head.cfg, AttentionOps("xla"))
+    combine = lambda params, target_params, aux: combine_aux(params, aux.astype(dtype))  # noqa: E731
+    pick = lambda params, target_params, normed: greedy(params, normed)  # noqa: E731
+    return HeadProgramSpec(forward, combine, pick, embed, dtype, page_size, num_steps,
+                           max_rows)
+
+
+def _forward(cfg, ops, params, target_params, embeds, g, positions, kv_pages, md):
+    """`head_forward` in `HeadProgramSpec.forward`'s signature (the target's weights unread)."""
+    return head_forward(cfg, ops, params, embeds, g, positions, kv_pages, md)

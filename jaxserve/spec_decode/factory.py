@@ -1,10 +1,11 @@
-"""`make_speculator`: the engine's speculator (n-gram, draft model, EAGLE-3) for its config."""
+"""`make_speculator`: the engine's speculator (n-gram, draft model, EAGLE-3, MTP) for its config."""
 
 from __future__ import annotations
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.spec_decode.draft import DraftModelSpeculator
 from jaxserve.spec_decode.eagle import Eagle3Speculator
+from jaxserve.spec_decode.mtp import MtpSpeculator
 from jaxserve.spec_decode.speculator import NgramSpeculator, Speculator
 
 
@@ -33,4 +34,6 @@ def make_speculator(config: SpeculativeConfig | None, **runner_args) -> Speculat
     target = runner_args.pop("target", None)
     if config.method == "eagle3":
         return Eagle3Speculator(config, target=target, **runner_args)
+    if config.method == "mtp":
+        return MtpSpeculator(config, target=target, **runner_args)
     return DraftModelSpeculator(config, **runner_args)
