@@ -1,7 +1,7 @@
-"""A tiny random Qwen3-Next whose checkpoint carries an MTP layer (`mtp.*`, written by the
-test: transformers' Qwen3-Next creates none and skips them on load), and a torch reference of
-the layer's proposals written from vLLM's `Qwen3NextMTP` (transformers' full-attention
-decoder layer as the oracle of the MTP block)."""
+"""A tiny random Qwen3-Next (or Qwen3.5) whose checkpoint carries an MTP layer (`mtp.*`,
+written by the test: transformers' models create none and skip them on load), and a torch
+reference of the layer's proposals written from vLLM's `Qwen3NextMTP` / `Qwen3_5MTP`
+(transformers' full-attention decoder layer as the oracle of the MTP block)."""
 
 from __future__ import annotations
 
@@ -16,20 +16,37 @@ from models.loaders.safetensors_dir import SafetensorsDir
 from tests.e2e.hf_family import build_hf_model
 from tests.e2e.test_family_conformance import family
 
-ATTENTION_LAYER = 1  # the conformance row's: layer 0 Gated DeltaNet, layer 1 full attention
+# Per conformance row: (transformers' modeling module, its decoder layer class, its
+# causal LM class, the config key counting MTP layers). Layer 1 is full attention in both
+# rows (Qwen3-Next's: Gated DeltaNet then attention; Qwen3.5's: linear, full, linear).
+FAMILIES = {
+    "qwen3_next": ("qwen3_next.modeling_qwen3_next", "Qwen3NextDecoderLayer",
+                   "Qwen3NextForCausalLM", "num_nextn_predict_layers"),
+    "qwen3_5": ("qwen3_5.modeling_qwen3_5", "Qwen3_5DecoderLayer", "Qwen3_5ForCausalLM",
+                "mtp_num_hidden_layers"),
+}
+ATTENTION_LAYER = 1
+
+
+def _family(hf) -> tuple:
+    """(modeling module, decoder layer class, causal LM class, count key) of `hf`'s family."""
+    import importlib
+
+    name = "qwen3_next" if hf.config.model_type == "qwen3_next" else "qwen3_5"
+    module, layer, lm, key = FAMILIES[name]
+    module = importlib.import_module(f"transformers.models.{module}")
+    return module, getattr(module, layer), getattr(module, lm), key
 
 
 def _full_attention_config(hf):
     """The target's config with every layer full attention (transformers builds a decoder
     layer's mixer from `layer_types[layer_idx]`)."""
-    import transformers
-
     fields = hf.config.to_dict()
     fields["layer_types"] = ["full_attention"] * hf.config.num_hidden_layers
     fields.pop("_attn_implementation", None)
     fields.pop("_experts_implementation", None)
-    return transformers.Qwen3NextConfig(**fields, attn_implementation="eager",
-                                        experts_implementation="eager")
+    return type(hf.config)(**fields, attn_implementation="eager",
+                           experts_implementation="eager")
 
 
 def _mtp_block(hf):
@@ -37,9 +54,9 @@ def _mtp_block(hf):
     the target's layer 0's kind, as vLLM builds `mtp.layers.0`), holding the target's
     full-attention layer's weights perturbed."""
     import torch
-    from transformers.models.qwen3_next import modeling_qwen3_next as qn
 
-    layer = qn.Qwen3NextDecoderLayer(_full_attention_config(hf), 0).to(torch.float32).eval()
+    layer_cls = _family(hf)[1]
+    layer = layer_cls(_full_attention_config(hf), 0).to(torch.float32).eval()
     layer.load_state_dict(hf.model.layers[ATTENTION_LAYER].state_dict())
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -51,12 +68,10 @@ def _mtp_block(hf):
 def _checkpoint_names(hf, block) -> dict[str, np.ndarray]:
     """`block`'s tensors as the checkpoint names them (`mtp.layers.0.*`): saved by
     transformers as layer 0 of a one-layer full-attention model (its own on-disk layout)."""
-    import transformers
-
     cfg = _full_attention_config(hf)
     # NOTE: a vocabulary of 8: the layer's tensors are all it saves that are read.
     cfg.num_hidden_layers, cfg.layer_types, cfg.vocab_size = 1, ["full_attention"], 8
-    one = transformers.Qwen3NextForCausalLM(cfg).eval()
+    one = _family(hf)[2](cfg).eval()
     one.model.layers[0] = block
     with tempfile.TemporaryDirectory() as tmp:
         one.save_pretrained(tmp, safe_serialization=True)
@@ -65,21 +80,21 @@ def _checkpoint_names(hf, block) -> dict[str, np.ndarray]:
                 for n in src.names() if n.startswith("model.layers.0.")}
 
 
-def write_target(directory: str, tokenizer, mtp: bool = True):
-    """The conformance table's tiny Qwen3-Next saved into `directory`; with `mtp`, the MTP
-    layer (`_mtp_block`) and its tensors (`pre_fc_norm_embedding`, `pre_fc_norm_hidden`,
-    `norm`: zero-centred, `fc`) added to its file and `num_nextn_predict_layers` 1 in its
-    config (0 without).
+def write_target(directory: str, tokenizer, name: str = "qwen3_next", mtp: bool = True):
+    """The conformance table's tiny `name` (a `FAMILIES` row) saved into `directory`; with
+    `mtp`, the MTP layer (`_mtp_block`) and its tensors (`pre_fc_norm_embedding`,
+    `pre_fc_norm_hidden`, `norm`: zero-centred, `fc`) added to its file and the family's
+    count key 1 in its config (0 without).
 
     Returns:
         (transformers' target, the MTP block as a transformers decoder layer).
     """
-    row = family("qwen3_next")
+    row = family(name)
     hf = build_hf_model(row.config_cls, row.model_cls, row.config, tokenizer, directory,
                         row.norm_center)
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
-    config["num_nextn_predict_layers"] = int(mtp)
+    config[FAMILIES[name][3]] = int(mtp)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f)
     if not mtp:

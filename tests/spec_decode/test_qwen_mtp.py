@@ -147,3 +147,32 @@ def test_refusals(target_dir, tmp_path):
               os.path.join(bare, "model.safetensors"))
     with pytest.raises(ValueError, match=r"speculative_config.method: .* no mtp.fc.weight"):
         make(model=bare)
+
+
+@pytest.mark.slow  # another target and engine: ~40 s; Qwen3-Next's runs in the default tier
+def test_qwen3_5(smollm2_tokenizer, tmp_path):
+    """Qwen3.5 (dense; `mtp_num_hidden_layers` counts its layer): the same layout, its MTP
+    layer's MLP dense as the target's; greedy output stays transformers' and every proposal
+    (k = 3) is the reference's."""
+    directory = str(tmp_path)
+    hf, block = qwen_mtp_target.write_target(directory, smollm2_tokenizer, "qwen3_5")
+    llm = LLM(load_model(directory, "float32"), tokenizer=smollm2_tokenizer,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+              **{**ARGS, "enable_prefix_caching": False})
+    assert llm.engine.speculator.head.block.cfg.num_experts == 0
+    records = recording(llm)
+    got, final = generate(llm, PROMPTS[:3])
+    assert got == [hf_greedy(hf, smollm2_tokenizer.encode(p), MAX_TOKENS) for p in PROMPTS[:3]]
+    assert check_proposals(records, final, (directory, hf, block), k=3) > 0.9 * 3 * len(records)
+
+
+@pytest.mark.slow  # a warmed-up engine: its compiles from an empty cache
+def test_nothing_compiles_after_warm_up(target_dir, smollm2_tokenizer, want):
+    llm = LLM(load_model(target_dir[0], "float32"), tokenizer=smollm2_tokenizer,
+              speculative_config={"method": "mtp", "num_speculative_tokens": K},
+              **{**ARGS, "warmup": True})
+    llm.engine.speculator.gate.min_acceptance = 0.0
+    assert generate(llm, PROMPTS)[0] == want
+    metrics = llm.get_metrics()
+    assert metrics["jaxserve:spec_decode_num_drafts"] > 0
+    assert metrics["jaxserve:num_compilations"] == 0
