@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM
 from jaxserve.config import SpeculativeConfig
 from jaxserve.spec_decode.mtp import MtpSpeculator
 from models.loaders import load_model
 from tests.e2e.hf_family import hf_greedy
+from tests.spec_decode import mtp_checks
+from tests.spec_decode.mtp_checks import MAX_TOKENS, generate, recording
 
 pytest.importorskip("torch")
 mtp_target = pytest.importorskip("tests.spec_decode.mtp_target")
@@ -30,8 +32,6 @@ PROMPTS = [
     "Once upon a time",
     "1, 2, 3, 4, 5,",
 ]
-MAX_TOKENS = 16
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -49,24 +49,6 @@ def want(target_dir, smollm2_tokenizer) -> list[list[int]]:
     return [hf_greedy(hf, smollm2_tokenizer.encode(p), MAX_TOKENS) for p in PROMPTS]
 
 
-def recording(llm: LLM) -> list:
-    """Records the speculator's proposals: (request id, its tokens then, the head's first
-    position, the proposals); a random layer is never right, so every step verifies."""
-    sp = llm.engine.speculator
-    sp.gate.min_acceptance = 0.0
-    records, propose = [], sp.propose
-
-    def recorded(requests):
-        requests = list(requests)
-        got = propose(requests)
-        tokens = {r.request_id: len(r.all_token_ids) for r in requests}
-        records.extend((i, tokens[i], sp.pages.seqs[i].base, p) for i, p in got.items())
-        return got
-
-    sp.propose = recorded
-    return records
-
-
 @pytest.fixture(scope="module")
 def spec(target_dir, smollm2_tokenizer) -> tuple[LLM, list]:
     directory, _ = target_dir
@@ -77,29 +59,20 @@ def spec(target_dir, smollm2_tokenizer) -> tuple[LLM, list]:
     return llm, recording(llm)
 
 
-def generate(llm: LLM, prompts) -> tuple[list[list[int]], dict[str, list[int]]]:
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    return ([o.outputs[0].token_ids for o in outs],
-            {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-             for o in outs})
-
-
 def check_proposals(records, final, target_dir, k: int = K) -> int:
-    """Every recorded proposal is the reference's (a near-tie, margin < 1e-3, ends a
-    comparison); returns how many were compared."""
+    """Every recorded proposal is the torch reference's (`mtp_checks.check_proposals`)."""
     directory, hf = target_dir
     ref, tensors = mtp_target.reference_block(directory), mtp_target.mtp_tensors(directory)
-    states = {i: mtp_target.target_states(hf, tokens) for i, tokens in final.items()}
-    compared = 0
-    for req_id, num, base, proposals in records:
-        want = mtp_target.reference_proposals(hf, ref, tensors, states[req_id], final[req_id],
-                                              num, base, k)
-        for got, (token, margin) in zip(proposals, want, strict=True):
-            if margin < 1e-3:
-                break
-            assert got == token, (req_id, num, base, proposals, want)
-            compared += 1
-    return compared
+    states = {}
+
+    def reference(tokens, num, base, k):
+        key = tuple(tokens)
+        if key not in states:
+            states[key] = mtp_target.target_states(hf, tokens)
+        return mtp_target.reference_proposals(hf, ref, tensors, states[key], tokens, num,
+                                              base, k)
+
+    return mtp_checks.check_proposals(records, final, reference, k)
 
 
 def test_greedy_identity_and_proposals(spec, want, target_dir):
