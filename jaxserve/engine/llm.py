@@ -12,8 +12,8 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.scoring import (
     check_truncation,
     cosine_scores,
-    pair_prompt,
     score_pairs,
+    score_prompt,
     truncated,
 )
 from jaxserve.multimodal.chat import OFFLINE_IMAGE_PARTS, chat_prompt, has_image_parts
@@ -247,7 +247,8 @@ class LLM:
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
         """Scores text pairs as vLLM's `LLM.score`: `data_1` one text (against each of
         `data_2`) or as many texts as `data_2` (pairwise). A cross-encoder (a classifier of
-        one class) reads each pair packed as one prompt (`jaxserve.engine.scoring.pair_prompt`)
+        one class) reads each pair packed as one prompt (`jaxserve.engine.scoring.score_prompt`:
+        the pair encoding, or an LLM reranker's two texts concatenated)
         and scores it by its activation; an embedding model scores the cosine of the two
         texts' embeddings. Each output's `.outputs.score` is a float.
 
@@ -265,8 +266,8 @@ class LLM:
                               truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
             left = outs[:1] * len(pairs) if one else outs[:len(pairs)]
             return cosine_scores(list(zip(left, outs[-len(pairs):], strict=True)))
-        encoder = getattr(self.engine.model, "encoder", None)
-        prompts = [pair_prompt(self.get_tokenizer(), encoder, a, b, keep) for a, b in pairs]
+        prompts = [score_prompt(self.get_tokenizer(), self.engine.model, a, b, keep)
+                   for a, b in pairs]
         return self._pool(prompts, PoolingParams(task="score"), "score", "score", None,
                           use_tqdm)
 

@@ -13,7 +13,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from jaxserve.engine.scoring import check_truncation, pair_prompt, score_pairs, truncated
+from jaxserve.engine.scoring import check_truncation, score_pairs, score_prompt, truncated
 from jaxserve.entrypoints.openai.errors import OpenAIError, parse_body
 from jaxserve.entrypoints.openai.protocol import OpenAIBaseModel
 from jaxserve.entrypoints.openai.serving_base import Prepared
@@ -110,9 +110,9 @@ class _PoolingServing(OpenAIServing):
             if any(not isinstance(t, str) or not t for t in texts):
                 raise OpenAIError(400, f"{side} must hold non-empty texts", side)
         if self.head is not None:
-            encoder = getattr(self.llm.engine.model, "encoder", None)
+            model = self.llm.engine.model
             try:
-                prompts = [pair_prompt(self.tokenizer, encoder, a, b, keep) for a, b in pairs]
+                prompts = [score_prompt(self.tokenizer, model, a, b, keep) for a, b in pairs]
             except ValueError as e:  # the first text holds the separator
                 raise OpenAIError(400, str(e), sides[0]) from None
             params = PoolingParams(task="score", use_activation=req.use_activation)
