@@ -69,6 +69,23 @@ def test_reranker_scores_equal_the_yes_no_logits_of_transformers(reranker, smoll
         yes_no(hf, smollm2_tokenizer, cut.prompt_token_ids), abs=1e-5)
 
 
+def test_encode_and_reward_are_thin_over_classify(reranker, smollm2_tokenizer):
+    hf, _, llm = reranker
+    prompt = PREFIX + DOCS[1]
+    probs = llm.classify(prompt, use_tqdm=False)[0].outputs.probs
+    enc = llm.encode(prompt, pooling_task="classify", use_tqdm=False)[0]
+    assert type(enc).__name__ == "PoolingRequestOutput" and enc.outputs.data == probs
+    reward = llm.reward([prompt], use_tqdm=False)[0]
+    no, yes = token_ids(smollm2_tokenizer, ["no", "yes"])
+    with torch.no_grad():
+        logits = hf(torch.tensor([reward.prompt_token_ids])).logits[0, -1]
+    assert reward.outputs.data == pytest.approx([(logits[yes] - logits[no]).item()], abs=1e-4)
+    for task, match in ((None, "pooling_task: LLM.encode needs"),
+                        ("token_classify", "per-token"), ("embed", "task='embed'")):
+        with pytest.raises(ValueError, match=match):
+            llm.encode(prompt, pooling_task=task, use_tqdm=False)
+
+
 def test_token_score_weights_and_convert(reranker, smollm2_tokenizer):
     hf = reranker[0]
     head = hf.lm_head.weight.detach().numpy()

@@ -18,6 +18,7 @@ from jaxserve.entrypoints.openai.errors import OpenAIError, parse_body
 from jaxserve.entrypoints.openai.protocol import OpenAIBaseModel
 from jaxserve.entrypoints.openai.serving_base import Prepared
 from jaxserve.entrypoints.openai.serving_engine import OpenAIServing
+from jaxserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from jaxserve.pooling_params import PoolingParams
 
 Texts = str | list[str]
@@ -266,12 +267,13 @@ def attach_scoring(state, engine, *args) -> None:
     state.score = OpenAIServingScore(engine, *args)
     state.rerank = OpenAIServingRerank(engine, *args)
     state.classify = OpenAIServingClassify(engine, *args, labels=labels)
+    state.pooling = OpenAIServingPooling(engine, *args)
 
 
 def add_scoring_routes(app: FastAPI, state, guard, respond, serves) -> None:
-    """Adds `/score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank` and `/classify`
-    (each a 400 on a generate server: `serves`), answered by the handlers `attach` puts on
-    `state` (`score`, `rerank`, `classify`)."""
+    """Adds `/score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank`, `/classify` and
+    `/pooling` (each a 400 on a generate server: `serves`), answered by the handlers `attach`
+    puts on `state` (`score`, `rerank`, `classify`, `pooling`)."""
 
     async def score(request: Request):
         serves("pooling", "Score")
@@ -287,6 +289,12 @@ def add_scoring_routes(app: FastAPI, state, guard, respond, serves) -> None:
         return JSONResponse(await state.classify.create(await request.body(),
                                                         request.is_disconnected))
 
+    async def pooling(request: Request):
+        serves("pooling", "Pooling")
+        return respond(await state.pooling.create(await request.body(),
+                                                  request.is_disconnected))
+
+    app.post("/pooling")(guard(pooling))
     for path in ("/score", "/v1/score"):
         app.post(path)(guard(score))
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
