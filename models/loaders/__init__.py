@@ -153,7 +153,8 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
 
     Raises:
         ValueError: Missing files, unsupported architecture, missing or misshapen tensors,
-            truncated files; the message names the file and the tensor.
+            truncated files (the message names the file and the tensor); `hf_overrides` or
+            `convert` for a source that is not a Hugging Face decoder directory.
     """
     check_quantization(quantization)
     quantization = None if quantization == "auto" else quantization
@@ -161,6 +162,10 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
     jdtype = parse_dtype(resolve_dtype(dtype, kind, path))
     serving = serving or ServingChoice()
     start = time.perf_counter()
+    if (hf_overrides or convert not in ("auto", "none")) and (
+            kind != "hf" or is_encoder(read_config(path))):
+        raise ValueError(f"hf_overrides / convert: {path} is not a Hugging Face decoder "
+                         "directory (they apply to its config.json only)")
     if kind == "hf" and is_encoder(read_config(path)):
         return _load_encoder(path, jdtype, shardings, quantization, start)
     cfg = read_arch_config(path, hf_overrides, convert)

@@ -121,10 +121,29 @@ def test_conversion_refusals_name_the_field(overrides, convert, match):
         overridden_config({"architectures": ["Qwen3ForCausalLM"]}, overrides, convert)
 
 
-def test_token_missing_from_the_vocabulary_and_engine_arguments(smollm2_tokenizer):
+def test_token_missing_from_the_vocabulary_and_engine_arguments(smollm2_tokenizer,
+                                                                smollm2_path):
+    from models.loaders import load_model
+
+    with pytest.raises(ValueError, match="hf_overrides / convert: .* not a Hugging Face"):
+        load_model(smollm2_path, hf_overrides=RERANKER)
     with pytest.raises(ValueError, match="classifier_from_token.*not-a-token"):
         token_ids(smollm2_tokenizer, ["no", "not-a-token"])
     with pytest.raises(ValueError, match="convert"):
         LLM("unused", runner="pooling", convert="reward")
     with pytest.raises(ValueError, match="hf_overrides"):
         LLM("unused", runner="pooling", hf_overrides='{"a": 1}')
+
+
+def test_serve_flags_carry_hf_overrides_and_convert():
+    import json
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.entrypoints.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["serve", "--runner", "pooling", "--hf-overrides",
+                                      json.dumps(RERANKER), "--convert", "classify"])
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert config.model.hf_overrides == RERANKER and config.model.convert == "classify"
+    with pytest.raises(SystemExit):  # argparse's own refusal of a value not in the choices
+        build_parser().parse_args(["serve", "--convert", "reward"])
