@@ -89,6 +89,10 @@ class ModelConfig:
             the model directory's sentence-transformers pooling (`modules.json`), else
             LAST and normalized (vLLM's defaults).
         override_pooler_config: vLLM's older name of `pooler_config` (either, not both).
+        hf_overrides: vLLM's: fields merged into the model's `config.json` (a Qwen3-Reranker's
+            `classifier_from_token`, `is_original_qwen3_reranker`: `models.seq_cls_convert`).
+        convert: vLLM's `--convert`: "auto"/"none", "classify" (a `*ForCausalLM` as its
+            `*ForSequenceClassification`) or "embed" (a classifier's decoder as an embedder).
         batch_invariant: Every request's logits bit-for-bit the same whatever shares its
             step, chunk sizes and buckets (`pallas_kernels.invariant`); "xla" and "cpu"
             backends, float weights or quantized, one device.
@@ -118,6 +122,8 @@ class ModelConfig:
     task: str | None = None
     pooler_config: object = None
     override_pooler_config: object = None
+    hf_overrides: object = None
+    convert: str = "auto"
     batch_invariant: bool = False
     enable_return_routed_experts: bool = False
     max_logprobs: int = 20
@@ -152,6 +158,11 @@ def _resolve_runner(cfg: ModelConfig) -> None:
     given = cfg.pooler_config if cfg.pooler_config is not None else cfg.override_pooler_config
     object.__setattr__(cfg, "pooler_config", None if given is None else PoolerConfig.parse(given))
     object.__setattr__(cfg, "override_pooler_config", None)
+    from models.seq_cls_convert import CONVERTS
+
+    _check(cfg.convert in CONVERTS, "convert", cfg.convert, f"one of {CONVERTS}")
+    _check(cfg.hf_overrides is None or isinstance(cfg.hf_overrides, dict), "hf_overrides",
+           cfg.hf_overrides, "a dict of config.json fields")
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,17 @@ class EmbeddingOutput:
 
 
 @dataclass
+class PoolingOutput:
+    """One prompt's pooled values (vLLM's `PoolingOutput`, from `LLM.encode` and `LLM.reward`).
+
+    Attributes:
+        data: An embedding, or a classifier's class values (activated or raw logits).
+    """
+
+    data: list[float]
+
+
+@dataclass
 class PoolingRequestOutput:
     """The result of one pooling request (vLLM's `PoolingRequestOutput`); the subclasses
     say what `outputs` holds.

@@ -150,14 +150,15 @@ class EncoderModel(Model):
 
     def forward(self, params, input_ids, positions, kv_pages, md: AttentionMetadata,
                 lora=None, lora_slots=None, routing: bool = False, mm_embeds=None,
-                rope_positions=None):
+                rope_positions=None, aux_layers=()):
         """(kv_pages unchanged, f32[num_tokens, output_size]) of one step (`encode`).
 
         Raises:
-            ValueError: LoRA stacks, routed experts, image rows (`mm_embeds`) or multimodal
-                rotary rows given (an encoder has none of them).
+            ValueError: LoRA stacks, routed experts, image rows (`mm_embeds`), multimodal
+                rotary rows or EAGLE-3's `aux_layers` given (an encoder has none of them).
         """
-        if lora is not None or routing or mm_embeds is not None or rope_positions is not None:
+        if (lora is not None or routing or mm_embeds is not None or rope_positions is not None
+                or aux_layers):
             raise ValueError(f"{self.source or 'an encoder'}: an encoder serves no LoRA "
                              "adapters, routes no experts and reads no images")
         return kv_pages, encode(self.encoder, params, input_ids, positions, md.cu_q_lens)

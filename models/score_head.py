@@ -42,7 +42,8 @@ def classifier_fields(hf: dict) -> dict:
     st = hf.get("sentence_transformers") or {}
     act = st.get("activation_fn") or hf.get("sbert_ce_default_activation_function")
     return dict(num_labels=num_labels, problem_type=hf.get("problem_type"),
-                score_activation=cross_encoder_activation(act))
+                score_activation=cross_encoder_activation(act),
+                use_pad_token=bool(hf.get("use_pad_token", True)))
 
 
 @dataclasses.dataclass
@@ -56,12 +57,15 @@ class ScoreHeadModel(Model):
         num_labels: Classes.
         problem_type: transformers' `problem_type`.
         score_activation: A sentence-transformers cross-encoder's activation name, or None.
+        use_pad_token: vLLM's: a pair is the tokenizer's pair encoding (a cross-encoder);
+            False: the two texts concatenated (an LLM reranker, `models.seq_cls_convert`).
     """
 
     score: jax.Array | None = None
     num_labels: int = 0
     problem_type: str | None = None
     score_activation: str | None = None
+    use_pad_token: bool = True
 
     def forward(self, params, *args, **kwargs):
         """(kv_pages, f32[num_tokens, num_labels], ...): `Model.forward`'s, whatever it takes,

@@ -1,4 +1,5 @@
-"""`LLM`: the offline API in vLLM's shape (`generate`, `chat`, `get_metrics`)."""
+"""`LLM`: the offline API in vLLM's shape (`generate`, `chat`, `get_metrics`; the pooling
+runner's `embed`, `classify`, `score`, `encode` and `reward` from `LLMPooling`)."""
 
 from __future__ import annotations
 
@@ -9,32 +10,10 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.scoring import (
-    check_truncation,
-    cosine_scores,
-    pair_prompt,
-    score_pairs,
-    truncated,
-)
+from jaxserve.engine.llm_pooling import LLMPooling, as_prompt_list
 from jaxserve.multimodal.chat import OFFLINE_IMAGE_PARTS, chat_prompt, has_image_parts
-from jaxserve.outputs import (
-    ClassificationRequestOutput,
-    EmbeddingRequestOutput,
-    RequestOutput,
-    ScoringRequestOutput,
-)
-from jaxserve.pooling_params import PoolingParams
+from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-
-
-def _as_prompt_list(prompts) -> list:
-    """One prompt (text, ids, dict) or a list of them, as a list."""
-    if isinstance(prompts, (str, dict)):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # a single prompt given as token ids
-    return prompts
 
 
 def per_prompt_loras(lora_request, num_prompts: int) -> list:
@@ -65,7 +44,7 @@ def _final_only(params: list) -> list:
     return out
 
 
-class LLM:
+class LLM(LLMPooling):
     """Runs a model over batches of prompts with continuous batching.
 
     Args:
@@ -135,7 +114,7 @@ class LLM:
         Raises:
             ValueError: A bad prompt or parameters (no request of the batch is left queued).
         """
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -199,103 +178,6 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 
-    def embed(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams]
-              | None = None, *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
-        """Embeds every prompt (an engine built with `runner="pooling"`); returns the
-        outputs in the prompts' order, each `.outputs.embedding` a list of floats.
-
-        Args:
-            prompts: A prompt or a list of prompts; each text, token ids, or
-                `{"prompt_token_ids": [...]}`.
-            pooling_params: One for all prompts, or one per prompt (default:
-                `PoolingParams()`: the pooler's `dimensions` and `normalize`).
-            truncate_prompt_tokens: Keep this many tokens of each prompt (a text cut by
-                its tokenizer, token ids to their last ones; -1: the longest the engine
-                takes); None: a prompt over `max_model_len` is refused, never cut.
-            use_tqdm: Show a progress bar.
-
-        Raises:
-            ValueError: A generate engine, a classifier, a bad prompt, bad `dimensions` or
-                `truncate_prompt_tokens` (no request of the batch is left queued).
-        """
-        return self._pool(prompts, pooling_params, "embed", "embd", truncate_prompt_tokens,
-                          use_tqdm)
-
-    def classify(self, prompts, pooling_params: PoolingParams | Sequence[PoolingParams]
-                 | None = None, *, truncate_prompt_tokens: int | None = None,
-                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
-        """Classifies every prompt with a sequence classifier (`BertForSequenceClassification`,
-        `XLMRobertaForSequenceClassification`); each output's `.outputs.probs` holds the
-        class probabilities (`jaxserve.pooling_params.ClassifierHead.activate`; the raw
-        logits with `PoolingParams(task="classify", use_activation=False)`).
-
-        Args:
-            prompts: As `embed`'s.
-            pooling_params: One for all prompts or one per prompt (task "classify").
-            truncate_prompt_tokens: As `embed`'s.
-            use_tqdm: Show a progress bar.
-
-        Raises:
-            ValueError: A generate engine, a model without a classification head, a bad
-                prompt or `truncate_prompt_tokens`.
-        """
-        return self._pool(prompts, pooling_params, "classify", "classify",
-                          truncate_prompt_tokens, use_tqdm)
-
-    def score(self, data_1, data_2, *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
-        """Scores text pairs as vLLM's `LLM.score`: `data_1` one text (against each of
-        `data_2`) or as many texts as `data_2` (pairwise). A cross-encoder (a classifier of
-        one class) reads each pair packed as one prompt (`jaxserve.engine.scoring.pair_prompt`)
-        and scores it by its activation; an embedding model scores the cosine of the two
-        texts' embeddings. Each output's `.outputs.score` is a float.
-
-        Raises:
-            ValueError: Bad pairs (`score_pairs`), a classifier of several classes, a text
-                holding the separator token, or a bad `truncate_prompt_tokens`.
-        """
-        pairs = score_pairs(data_1, data_2)
-        keep = check_truncation(truncate_prompt_tokens, self.engine.limits.max_model_len)
-        pooler = getattr(self.engine, "pooler", None)
-        if pooler is None or pooler.head is None:
-            firsts, seconds = [a for a, _ in pairs], [b for _, b in pairs]
-            one = all(a is firsts[0] for a in firsts)  # 1 to N: the first text embedded once
-            outs = self.embed(firsts[:1] + seconds if one else firsts + seconds,
-                              truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
-            left = outs[:1] * len(pairs) if one else outs[:len(pairs)]
-            return cosine_scores(list(zip(left, outs[-len(pairs):], strict=True)))
-        encoder = getattr(self.engine.model, "encoder", None)
-        prompts = [pair_prompt(self.get_tokenizer(), encoder, a, b, keep) for a, b in pairs]
-        return self._pool(prompts, PoolingParams(task="score"), "score", "score", None,
-                          use_tqdm)
-
-    def _pool(self, prompts, pooling_params, task: str, prefix: str, truncate_prompt_tokens,
-              use_tqdm: bool) -> list:
-        """Adds each prompt as a pooling request of `task` (ids `{prefix}-N`) and runs them."""
-        prompts = _as_prompt_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params = [pooling_params or PoolingParams(task=task)] * len(prompts)
-        else:
-            params = list(pooling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} pooling_params for {len(prompts)} prompts")
-        bad = [p.task for p in params if isinstance(p, PoolingParams) and p.task != task]
-        if bad:
-            raise ValueError(f"pooling_params: task={bad[0]!r} given to LLM.{task}")
-        keep = check_truncation(truncate_prompt_tokens, self.engine.limits.max_model_len)
-        prompts = [truncated(self.get_tokenizer(), p, keep) for p in prompts]
-        ids = []
-        try:
-            for prompt, pp in zip(prompts, params, strict=True):
-                ids.append(f"{prefix}-{self._counter}")
-                self._counter += 1
-                self.engine.add_request(ids[-1], prompt, pp)
-        except BaseException:
-            self.engine.abort_request(ids)
-            raise
-        return self._run(ids, use_tqdm)
-
     def beam_search(self, prompts, params, lora_request=None):
         """Beam search over forked requests (see `jaxserve.engine.beam_search`).
 
@@ -312,7 +194,7 @@ class LLM:
 
         if not isinstance(self.engine, LLMEngine):
             raise ValueError("beam_search runs on one engine; use data_parallel_size=1")
-        prompts = _as_prompt_list(prompts)
+        prompts = as_prompt_list(prompts)
         return beam_search(self.engine, prompts, params,
                            per_prompt_loras(lora_request, len(prompts)))
 

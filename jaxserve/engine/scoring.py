@@ -99,6 +99,25 @@ def pair_prompt(tokenizer, encoder, text_1: str, text_2: str, keep: int | None) 
     return {"prompt_token_ids": ids, "prompt": f"{text_1}\n{text_2}"}
 
 
+def score_prompt(tokenizer, model, text_1: str, text_2: str, keep: int | None) -> dict:
+    """A classifier's pair as one prompt, as vLLM builds it: the tokenizer's pair encoding
+    (`pair_prompt`) for a cross-encoder, the two texts concatenated for an LLM reranker
+    (`use_pad_token=False`, `models.seq_cls_convert`: the user's own prompt format, cut to
+    `keep` tokens by the tokenizer).
+
+    Raises:
+        ValueError: As `pair_prompt`'s.
+    """
+    if getattr(model, "use_pad_token", True):
+        return pair_prompt(tokenizer, getattr(model, "encoder", None), text_1, text_2, keep)
+    for name, text in (("text_1", text_1), ("text_2", text_2)):
+        if not isinstance(text, str):
+            raise ValueError(f"{name}: a reranker scores texts, got {type(text).__name__}")
+    kwargs = {"truncation": True, "max_length": keep} if keep is not None else {}
+    return {"prompt_token_ids": list(tokenizer(text_1 + text_2, **kwargs).input_ids),
+            "prompt": text_1 + text_2}
+
+
 def cosine_scores(pairs: list[tuple[EmbeddingRequestOutput, EmbeddingRequestOutput]]
                   ) -> list[ScoringRequestOutput]:
     """Each pair of embeddings' cosine similarity as a `ScoringRequestOutput` (id

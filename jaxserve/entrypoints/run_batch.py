@@ -27,7 +27,9 @@ from jaxserve.entrypoints.openai.protocol import BatchRequestInput
 from jaxserve.entrypoints.openai.serving_base import random_id
 from jaxserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxserve.entrypoints.openai.serving_models import OpenAIServingModels
+from jaxserve.entrypoints.openai.serving_score import OpenAIServingRerank, OpenAIServingScore
 
 DUPLICATE = "duplicate_custom_id"
 
@@ -147,7 +149,9 @@ def read_lines(input_path: str) -> list[str]:
 
 
 class BatchRunner:
-    """Runs batch lines concurrently through the completions and chat handlers.
+    """Runs batch lines concurrently through the engine's runner's handlers, as the server
+    does: completions and chat (generate), or embeddings, score and rerank (pooling; the
+    server's paths, `serving_score`'s); another URL is the line's `invalid_url` error.
 
     Args:
         llm: The async engine.
@@ -159,9 +163,17 @@ class BatchRunner:
     def __init__(self, llm: AsyncLLM, served_model_names: list[str],
                  models: OpenAIServingModels | None = None):
         models = models or OpenAIServingModels(served_model_names)
+        names = served_model_names
+        if getattr(getattr(llm, "engine", None), "runner_type", "generate") == "pooling":
+            score = OpenAIServingScore(llm, names, models=models)
+            rerank = OpenAIServingRerank(llm, names, models=models)
+            self.handlers = {"/v1/embeddings": OpenAIServingEmbedding(llm, names, models=models),
+                             "/v1/score": score, "/score": score, "/v1/rerank": rerank,
+                             "/rerank": rerank, "/v2/rerank": rerank}
+            return
         self.handlers = {
-            "/v1/completions": OpenAIServingCompletion(llm, served_model_names, models=models),
-            "/v1/chat/completions": OpenAIServingChat(llm, served_model_names, models=models)}
+            "/v1/completions": OpenAIServingCompletion(llm, names, models=models),
+            "/v1/chat/completions": OpenAIServingChat(llm, names, models=models)}
 
     async def run_line(self, line: str, lineno: int = 0) -> dict:
         """The output record of one input line (never raises); `lineno` labels errors."""

@@ -59,7 +59,8 @@ def load_weights(config: EngineConfig, shardings=None) -> Model:
 
     mc = config.model
     return load_model(mc.model, mc.dtype, serving=ServingChoice(mc.attention_backend),
-                      shardings=shardings, quantization=mc.quantization)
+                      shardings=shardings, quantization=mc.quantization,
+                      hf_overrides=mc.hf_overrides, convert=mc.convert)
 
 
 def release_loader_memory(source: str) -> None:
@@ -95,7 +96,8 @@ def serving_model(config: EngineConfig, model: Model | None
 
     mc = config.model
     if model is None:
-        layout = tensor_parallel_layout(config, read_arch_config(mc.model))
+        layout = tensor_parallel_layout(config, read_arch_config(mc.model, mc.hf_overrides,
+                                                                    mc.convert))
         model = load_weights(config, layout.param_shardings if layout is not None else None)
     else:
         layout = tensor_parallel_layout(config, model.cfg)

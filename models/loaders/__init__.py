@@ -29,6 +29,7 @@ from models.model import Model, abstract_params, parse_dtype
 from models.quant import QUANTIZATIONS, QuantFormat, QuantPlan, quantize_params, uniform_plan
 from models.registry import arch_config_from_hf
 from models.score_head import decoder_classifier_view, with_score_head
+from models.seq_cls_convert import overridden_config, token_score_weight
 
 logger = logging.getLogger("jaxserve")
 # quantization -> plan for any dense source ("gguf" and "none" are resolved per source).
@@ -102,14 +103,16 @@ def resolve_model(model: str | None) -> tuple[str, str]:
                      "directory (config.json + *.safetensors) or a jaxserve checkpoint")
 
 
-def read_arch_config(model: str | None = None) -> ArchConfig:
-    """The architecture config of a model source, without reading any weights."""
+def read_arch_config(model: str | None = None, hf_overrides: dict | None = None,
+                     convert: str = "auto") -> ArchConfig:
+    """The architecture config of a model source, without reading any weights (a Hugging
+    Face directory's `config.json` under `hf_overrides` and `convert`: `overridden_config`)."""
     kind, path = resolve_model(model)
     if kind == "jaxserve":
         return orbax_ckpt.read_checkpoint_meta(path)[0]
     if kind == "gguf":
         return arch_config_from_hf(open_gguf(path).hf_config())
-    hf = read_config(path)
+    hf = overridden_config(read_config(path), hf_overrides, convert)
     if is_encoder(hf):  # BERT-style encoders: their sizing view (`models.encoder`)
         from models.loaders.encoder_weights import read_encoder_config
 
@@ -126,7 +129,8 @@ def read_arch_config(model: str | None = None) -> ArchConfig:
 
 def load_model(model: str | None = None, dtype: str = "auto", *,
                serving: ServingChoice | None = None, shardings=None,
-               quantization: str | None = None) -> Model:
+               quantization: str | None = None, hf_overrides: dict | None = None,
+               convert: str = "auto") -> Model:
     """Loads weights into a `Model`.
 
     Args:
@@ -144,10 +148,13 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
         shardings: Optional `abstract params -> sharding tree` (a tensor-parallel layout's
             `param_shardings`): weights then go to their devices shard by shard (orbax
             restores each shard directly) and are never whole on one device.
+        hf_overrides, convert: vLLM's: fields merged into a Hugging Face directory's
+            `config.json`, and "classify" / "embed" (`models.seq_cls_convert`).
 
     Raises:
         ValueError: Missing files, unsupported architecture, missing or misshapen tensors,
-            truncated files; the message names the file and the tensor.
+            truncated files (the message names the file and the tensor); `hf_overrides` or
+            `convert` for a source that is not a Hugging Face decoder directory.
     """
     check_quantization(quantization)
     quantization = None if quantization == "auto" else quantization
@@ -155,9 +162,13 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
     jdtype = parse_dtype(resolve_dtype(dtype, kind, path))
     serving = serving or ServingChoice()
     start = time.perf_counter()
+    if (hf_overrides or convert not in ("auto", "none")) and (
+            kind != "hf" or is_encoder(read_config(path))):
+        raise ValueError(f"hf_overrides / convert: {path} is not a Hugging Face decoder "
+                         "directory (they apply to its config.json only)")
     if kind == "hf" and is_encoder(read_config(path)):
         return _load_encoder(path, jdtype, shardings, quantization, start)
-    cfg = read_arch_config(path)
+    cfg = read_arch_config(path, hf_overrides, convert)
     if (quantization is None and kind == "gguf" and platform() == "cpu"
             and keeps_gguf_blocks(cfg, open_gguf(path).quant_plan(), jdtype, serving,
                                   shardings is None)):
@@ -193,16 +204,21 @@ def load_model(model: str | None = None, dtype: str = "auto", *,
         params = _place(host, cfg, jdtype, plan, shardings)
     m = Model(cfg, params, jdtype, source=path, quant=plan, serving=serving,
               checkpoint_bytes=checkpoint_bytes)
-    hf = read_config(path) if kind == "hf" else {}
+    hf = overridden_config(read_config(path), hf_overrides, convert) if kind == "hf" else {}
     if decoder_classifier_view(hf) is not None:  # a `*ForSequenceClassification`'s score head
-        m = with_score_head(m, hf, _score_weight(path))
+        m = with_score_head(m, hf, _score_weight(path, hf))
     m.load_seconds = time.perf_counter() - start
     return m
 
 
-def _score_weight(path: str):
-    """A decoder classifier's `score.weight` (numpy [num_labels, hidden])."""
+def _score_weight(path: str, hf: dict):
+    """A decoder classifier's `score.weight` (numpy [num_labels, hidden]), or the one its
+    `method` makes of the LM head's rows (`token_score_weight`)."""
     files = SafetensorsDir(path)
+    if hf.get("method") is not None:
+        head = "lm_head.weight" if "lm_head.weight" in files.names() else \
+            "model.embed_tokens.weight"  # a tied LM head
+        return token_score_weight(hf, files.get(head), load_tokenizer(path))
     if "score.weight" not in files.names():
         raise ValueError(f"{path}: missing tensor 'score.weight' (the classification head)")
     return files.get("score.weight")

@@ -139,3 +139,70 @@ def test_score_and_rerank_of_an_embedding_model_are_cosines(client, server):
     r = httpx.post(f"{server.url}/classify", json={"model": MODEL_NAME, "input": "Hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     assert "Classification API" in r.json()["error"]["message"]
+
+
+def test_pooling_endpoint_gives_the_embeddings(client, server):
+    want = [d.embedding for d in client.embeddings.create(
+        model=MODEL_NAME, input=TEXTS, encoding_format="float").data]
+    body = httpx.post(f"{server.url}/pooling", timeout=60,
+                      json={"model": MODEL_NAME, "input": TEXTS}).json()
+    assert body["object"] == "list" and body["id"].startswith("pool")
+    assert [d["object"] for d in body["data"]] == ["pooling"] * 3
+    for d, w in zip(body["data"], want, strict=True):
+        np.testing.assert_allclose(d["data"], w, atol=1e-6)
+    b64 = httpx.post(f"{server.url}/pooling", timeout=60, json={
+        "model": MODEL_NAME, "input": TEXTS[2], "encoding_format": "base64"}).json()
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(b64["data"][0]["data"]), "<f4"),
+                               want[2], atol=1e-6)
+    for extra, param in (({"task": "token_embed"}, "task"), ({"task": "classify"}, "task"),
+                         ({"use_activation": True}, "use_activation")):
+        r = httpx.post(f"{server.url}/pooling", json={"model": MODEL_NAME, "input": "Hi", **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def assert_close(got, want) -> None:
+    """`got` equals `want` (JSON), floats within 1e-6 (a step's batch may differ)."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert_close(got[k], want[k])
+    elif isinstance(want, list):
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert_close(g, w)
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-6)
+    else:
+        assert got == want
+
+
+def test_run_batch_embeddings_score_and_rerank_lines_equal_the_server(server, tmp_path):
+    """One file of each pooling URL through `run_batch_file` on the server's engine: the
+    bodies the server answers (ids and times aside); a generate URL is `invalid_url`."""
+    import json
+
+    from jaxserve.entrypoints.run_batch import run_batch_file
+
+    calls = [("e", "/v1/embeddings", {"input": TEXTS}),
+             ("s", "/v1/score", {"queries": TEXTS[0], "documents": TEXTS[1:]}),
+             ("r", "/v1/rerank", {"query": TEXTS[0], "documents": TEXTS[1:], "top_n": 1}),
+             ("bad", "/v1/score", {"queries": TEXTS, "documents": TEXTS[:2]})]
+    lines = [json.dumps({"custom_id": c, "method": "POST", "url": u,
+                         "body": {"model": MODEL_NAME, **b}}) for c, u, b in calls]
+    lines.append(json.dumps({"custom_id": "gen", "method": "POST", "url": "/v1/completions",
+                             "body": {"model": MODEL_NAME, "prompt": "x"}}))
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    counts = run_batch_file(server.llm, [MODEL_NAME], str(src), str(dst), use_tqdm=False)
+    assert counts == {"total": 5, "succeeded": 3, "failed": 2, "skipped": 0}
+    records = {r["custom_id"]: r for r in map(json.loads, dst.read_text().splitlines())}
+    drop = ("id", "created")
+    for cid, url, body in calls:
+        http = httpx.post(f"{server.url}{url}", timeout=60, json={"model": MODEL_NAME, **body})
+        got = records[cid]["response"]
+        assert got["status_code"] == http.status_code
+        want = {k: v for k, v in http.json().items() if k not in drop}
+        got = {k: v for k, v in got["body"].items() if k not in drop}
+        assert_close(got, want)
+    assert records["bad"]["response"]["body"]["error"]["param"] == "documents"
+    assert records["gen"]["error"]["code"] == "invalid_url"

@@ -99,6 +99,18 @@ def test_classify_gives_sigmoid_probs_and_labels(server, cross):
     assert raw["data"][0]["probs"] == pytest.approx([logit.item()], abs=1e-4)  # not squashed
 
 
+def test_pooling_of_a_classifier_gives_its_class_values(server):
+    texts = [QUERY, DOCS[0]]
+    want = [d["probs"] for d in post(server, "/classify", {"input": texts}).json()["data"]]
+    body = post(server, "/pooling", {"input": texts}).json()
+    assert [d["data"][0] for d in body["data"]] == pytest.approx([w[0] for w in want], abs=1e-6)
+    assert all(len(d["data"]) == 1 for d in body["data"])
+    assert [d["object"] for d in body["data"]] == ["pooling", "pooling"]
+    raw = post(server, "/pooling", {"input": DOCS[0], "use_activation": False}).json()
+    logit = post(server, "/classify", {"input": DOCS[0], "use_activation": False}).json()
+    assert raw["data"][0]["data"] == pytest.approx(logit["data"][0]["probs"], abs=1e-6)
+
+
 @pytest.mark.parametrize("path,body,param,message", [
     ("/score", {"queries": [QUERY, QUERY], "documents": DOCS}, "documents", "data_1 has 2"),
     ("/score", {"documents": DOCS}, "queries", "queries and documents"),
@@ -112,6 +124,9 @@ def test_classify_gives_sigmoid_probs_and_labels(server, cross):
      "truncate_prompt_tokens", "truncate_prompt_tokens"),
     ("/classify", {"input": ["word " * 80]}, "input", "maximum context length"),
     ("/classify", {"input": []}, "input", "must not be empty"),
+    ("/pooling", {"input": "Hi", "task": "token_classify"}, "task", "per-token"),
+    ("/pooling", {"input": "Hi", "task": "embed"}, "task", "serves 'classify'"),
+    ("/pooling", {"input": "Hi", "dimensions": 4}, "dimensions", "apply to embeddings"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, path, body, param, message):
     r = post(server, path, body)
@@ -131,7 +146,7 @@ def test_embeddings_of_a_classifier_and_a_generate_server_are_400s(server):
     assert r.status_code == 400 and "sequence classifier" in r.json()["error"]["message"]
     with fake_server() as url:
         for path, api in (("/score", "Score"), ("/v1/rerank", "Rerank"),
-                          ("/classify", "Classification")):
+                          ("/classify", "Classification"), ("/pooling", "Pooling")):
             r = httpx.post(f"{url}{path}", json={"model": "fake", "query": "a", "documents": ["b"],
                                                  "queries": "a", "input": "a"})
             assert r.status_code == 400

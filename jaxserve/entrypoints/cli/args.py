@@ -76,6 +76,12 @@ ENGINE_ARGS = [
     ("--pooler-config", "json", None, '{"pooling_type": "LAST", "normalize": true}',
      'the pooling runner\'s pooler, vLLM\'s JSON object, e.g. \'{"pooling_type": "MEAN"}\' '
      "(LAST, MEAN or CLS; normalize; dimensions)"),
+    ("--hf-overrides", "json", None, "none",
+     'fields merged into config.json, e.g. Qwen3-Reranker\'s \'{"architectures": '
+     '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+     '"is_original_qwen3_reranker": true}\''),
+    ("--convert", str, ("auto", "none", "embed", "classify"), "auto",
+     "classify: serve a *ForCausalLM as its *ForSequenceClassification; embed: the reverse"),
     ("--max-logprobs", int, None, "20",
      "most logprobs / prompt_logprobs a request may ask for (-1: the whole vocabulary; above "
      "20 warm-up compiles one more width)"),

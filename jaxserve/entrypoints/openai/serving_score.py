@@ -13,11 +13,12 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from jaxserve.engine.scoring import check_truncation, pair_prompt, score_pairs, truncated
+from jaxserve.engine.scoring import check_truncation, score_pairs, score_prompt, truncated
 from jaxserve.entrypoints.openai.errors import OpenAIError, parse_body
 from jaxserve.entrypoints.openai.protocol import OpenAIBaseModel
 from jaxserve.entrypoints.openai.serving_base import Prepared
 from jaxserve.entrypoints.openai.serving_engine import OpenAIServing
+from jaxserve.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from jaxserve.pooling_params import PoolingParams
 
 Texts = str | list[str]
@@ -110,9 +111,9 @@ class _PoolingServing(OpenAIServing):
             if any(not isinstance(t, str) or not t for t in texts):
                 raise OpenAIError(400, f"{side} must hold non-empty texts", side)
         if self.head is not None:
-            encoder = getattr(self.llm.engine.model, "encoder", None)
+            model = self.llm.engine.model
             try:
-                prompts = [pair_prompt(self.tokenizer, encoder, a, b, keep) for a, b in pairs]
+                prompts = [score_prompt(self.tokenizer, model, a, b, keep) for a, b in pairs]
             except ValueError as e:  # the first text holds the separator
                 raise OpenAIError(400, str(e), sides[0]) from None
             params = PoolingParams(task="score", use_activation=req.use_activation)
@@ -266,12 +267,13 @@ def attach_scoring(state, engine, *args) -> None:
     state.score = OpenAIServingScore(engine, *args)
     state.rerank = OpenAIServingRerank(engine, *args)
     state.classify = OpenAIServingClassify(engine, *args, labels=labels)
+    state.pooling = OpenAIServingPooling(engine, *args)
 
 
 def add_scoring_routes(app: FastAPI, state, guard, respond, serves) -> None:
-    """Adds `/score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank` and `/classify`
-    (each a 400 on a generate server: `serves`), answered by the handlers `attach` puts on
-    `state` (`score`, `rerank`, `classify`)."""
+    """Adds `/score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank`, `/classify` and
+    `/pooling` (each a 400 on a generate server: `serves`), answered by the handlers `attach`
+    puts on `state` (`score`, `rerank`, `classify`, `pooling`)."""
 
     async def score(request: Request):
         serves("pooling", "Score")
@@ -287,6 +289,12 @@ def add_scoring_routes(app: FastAPI, state, guard, respond, serves) -> None:
         return JSONResponse(await state.classify.create(await request.body(),
                                                         request.is_disconnected))
 
+    async def pooling(request: Request):
+        serves("pooling", "Pooling")
+        return respond(await state.pooling.create(await request.body(),
+                                                  request.is_disconnected))
+
+    app.post("/pooling")(guard(pooling))
     for path in ("/score", "/v1/score"):
         app.post(path)(guard(score))
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
