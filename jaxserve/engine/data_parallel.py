@@ -161,6 +161,16 @@ class DataParallelEngine:
         return self.replicas[0].eos_token_ids
 
     @property
+    def classifier_head(self):
+        """Every replica's classifier head (`EngineClient.classifier_head`)."""
+        return self.replicas[0].classifier_head
+
+    @property
+    def model_source(self) -> str:
+        """Every replica's weights' source (`EngineClient.model_source`)."""
+        return self.replicas[0].model_source
+
+    @property
     def runner_type(self) -> str:
         """"generate" or "pooling" (every replica's)."""
         return self.replicas[0].runner_type

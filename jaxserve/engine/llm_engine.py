@@ -128,6 +128,16 @@ class LLMEngine(EngineSteps):
     warmup_progress = delegated_property("metrics", EngineMetrics.warmup_progress)
 
     @property
+    def classifier_head(self):
+        """The pooler's classifier head, or None (`EngineClient.classifier_head`)."""
+        return None if self.pooler is None else self.pooler.head
+
+    @property
+    def model_source(self) -> str:
+        """Where the weights came from (`EngineClient.model_source`)."""
+        return self.model.source or ""
+
+    @property
     def runner_type(self) -> str:
         """"generate" or "pooling" (`ModelConfig.runner`; vLLM's `runner_type`)."""
         return self.config.model.runner

@@ -109,7 +109,7 @@ class LLMPooling:
         """
         pairs = score_pairs(data_1, data_2)
         keep = check_truncation(truncate_prompt_tokens, self.engine.limits.max_model_len)
-        pooler = getattr(self.engine, "pooler", None)
+        pooler = self.engine.pooler
         if pooler is None or pooler.head is None:
             firsts, seconds = [a for a, _ in pairs], [b for _, b in pairs]
             one = all(a is firsts[0] for a in firsts)  # 1 to N: the first text embedded once

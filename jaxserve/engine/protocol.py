@@ -32,6 +32,15 @@ class EngineClient(Protocol):
         """The weight format served ("none" for float weights)."""
 
     @property
+    def classifier_head(self):
+        """A pooling engine's classifier head (`pooling_params.ClassifierHead`: scores,
+        rerankers, `/classify`); None for an embedding or generate engine."""
+
+    @property
+    def model_source(self) -> str:
+        """Where the served weights came from (a directory, file or hub id; "" if unknown)."""
+
+    @property
     def max_model_len(self) -> int:
         """Longest prompt + output a request may have."""
 

@@ -164,7 +164,7 @@ class BatchRunner:
                  models: OpenAIServingModels | None = None):
         models = models or OpenAIServingModels(served_model_names)
         names = served_model_names
-        if getattr(getattr(llm, "engine", None), "runner_type", "generate") == "pooling":
+        if llm.engine.runner_type == "pooling":
             score = OpenAIServingScore(llm, names, models=models)
             rerank = OpenAIServingRerank(llm, names, models=models)
             self.handlers = {"/v1/embeddings": OpenAIServingEmbedding(llm, names, models=models),

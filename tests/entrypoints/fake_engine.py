@@ -31,6 +31,8 @@ class FakeEngine:
         self.num_steps = 0
         self.runner_type = "generate"  # `EngineClient.runner_type`: it serves completions
         self.quantization = "none"  # `EngineClient.quantization`: no weights at all
+        self.classifier_head = None  # `EngineClient.classifier_head`: no pooler
+        self.model_source = ""  # `EngineClient.model_source`: no weights
 
     def add_request(self, request_id, prompt, params, *, priority=0, cache_salt=None,
                     arrival_time=None, lora_request=None):

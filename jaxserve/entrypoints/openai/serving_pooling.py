@@ -39,8 +39,7 @@ class OpenAIServingPooling(OpenAIServingEmbedding):
 
     @property
     def classifier(self) -> bool:
-        pooler = getattr(self.llm.engine, "pooler", None)
-        return pooler is not None and pooler.head is not None
+        return self.llm.engine.classifier_head is not None
 
     def prepare(self, req: PoolingRequest) -> Prepared:
         """The inputs' prompts (as `/v1/embeddings`'), with the task's `PoolingParams`.

@@ -75,8 +75,7 @@ class _PoolingServing(OpenAIServing):
     @property
     def head(self):
         """The served classifier's head (`ClassifierHead`), or None for an embedding model."""
-        pooler = getattr(self.llm.engine, "pooler", None)
-        return None if pooler is None else pooler.head
+        return self.llm.engine.classifier_head
 
     def keep(self, req) -> int | None:
         try:
@@ -260,7 +259,7 @@ def attach_scoring(state, engine, *args) -> None:
     served names, limits, lanes and models); `/classify` labels classes by the model's
     `id2label`."""
     labels = {}
-    source = getattr(getattr(engine.engine, "model", None), "source", "")
+    source = engine.engine.model_source
     if source and os.path.isfile(os.path.join(source, "config.json")):
         with open(os.path.join(source, "config.json")) as f:
             labels = {str(k): v for k, v in (json.load(f).get("id2label") or {}).items()}
