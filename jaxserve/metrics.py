@@ -25,6 +25,9 @@ COUNTERS = frozenset({
     "jaxserve:spec_decode_num_drafts", "jaxserve:spec_decode_num_draft_tokens",
     "jaxserve:spec_decode_num_accepted_tokens",
     "jaxserve:spec_decode_num_accepted_tokens_per_pos",
+    # The encoder cache (only in snapshots of an engine taking images).
+    "jaxserve:mm_cache_queries", "jaxserve:mm_cache_hits", "jaxserve:encoder_cache_misses",
+    "jaxserve:encoder_cache_evictions",
 })
 # vLLM's bucket edges (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

@@ -121,6 +121,8 @@ class EngineMetrics:
         }
         if self.speculator is not None:
             metrics.update(self.speculator.metrics())
+        if runner.encoder is not None:  # a model taking images: its encoder cache
+            metrics.update(runner.encoder.metrics())
         finished = self.outputs.finished_reasons
         for reason in (*FINISH_REASONS, *finished):  # vLLM's, from 0
             metrics[f"jaxserve:request_success{{finished_reason={reason}}}"] = \

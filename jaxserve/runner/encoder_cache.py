@@ -33,8 +33,11 @@ class EncoderCache:
 
     Attributes:
         buffer: dtype[num_rows, hidden] the rows (what every step reads).
-        hits: Images found encoded when a step needed them.
+        hits: Images found encoded when a step needed them (a lookup per image per step
+            that computes some of its placeholders: an image split over two prefill chunks,
+            which only an image without a bidirectional span can be, is looked up twice).
         misses: Images encoded.
+        evictions: Images whose rows were given to another image.
     """
 
     def __init__(self, tower, num_rows: int, put=jax.device_put):
@@ -42,7 +45,7 @@ class EncoderCache:
         self.num_rows = num_rows
         self.buffer = put(np.zeros((num_rows, tower.hidden_size), np.dtype(tower.dtype)))
         self.entries: OrderedDict[str, tuple[int, int]] = OrderedDict()  # hash -> (first, n)
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.evictions = 0
 
     def _free_run(self, n: int, keep: set[str]) -> int | None:
         """The first row of `n` free consecutive rows, evicting least recently used entries
@@ -60,6 +63,7 @@ class EncoderCache:
             if victim is None:
                 return None
             del self.entries[victim]
+            self.evictions += 1
 
     def ensure(self, items) -> None:
         """Encodes the images of `items` (`ImageItem`s) that are not in the buffer.
@@ -81,6 +85,21 @@ class EncoderCache:
             self.buffer = _put(self.buffer, rows, first)
             self.entries[item.hash] = (first, item.length)
             self.misses += 1
+
+    @property
+    def used_rows(self) -> int:
+        """Rows the cached images hold."""
+        return sum(n for _, n in self.entries.values())
+
+    def metrics(self) -> dict[str, float]:
+        """The cache's figures for `EngineMetrics.get_metrics`: vLLM's multimodal cache
+        counters (`mm_cache_queries`, `mm_cache_hits`, in images) and jaxserve's own."""
+        return {"jaxserve:mm_cache_queries": self.hits + self.misses,
+                "jaxserve:mm_cache_hits": self.hits,
+                "jaxserve:encoder_cache_misses": self.misses,
+                "jaxserve:encoder_cache_evictions": self.evictions,
+                "jaxserve:encoder_cache_capacity_rows": self.num_rows,
+                "jaxserve:encoder_cache_usage_perc": self.used_rows / self.num_rows}
 
     def token_rows(self, scheduled, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """(i32[num_tokens] each token's row in the buffer, -1 for text and padding;

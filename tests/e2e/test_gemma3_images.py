@@ -142,10 +142,18 @@ def test_same_image_hits_both_caches_another_shares_no_image_page(llm):
     llm.generate([{"prompt": prompt, "multi_modal_data": {"image": c}}], PARAMS,
                  use_tqdm=False)
     hits, misses = cache.hits, cache.misses
+    before = llm.get_metrics()
     out = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": c}}], PARAMS,
                        use_tqdm=False)[0]
     assert cache.misses == misses  # not encoded again
     assert out.num_cached_tokens >= 16  # pages past the image from the prefix cache
+    # other text before it: no page shared, the image found encoded (counted)
+    llm.generate([{"prompt": "Other words" + prompt, "multi_modal_data": {"image": c}}],
+                 PARAMS, use_tqdm=False)
+    after = llm.get_metrics()
+    assert after["jaxserve:prefix_cache_hits"] >= before["jaxserve:prefix_cache_hits"] + 16
+    assert after["jaxserve:mm_cache_hits"] == before["jaxserve:mm_cache_hits"] + 1
+    assert after["jaxserve:encoder_cache_misses"] == before["jaxserve:encoder_cache_misses"]
     other = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": d}}], PARAMS,
                          use_tqdm=False)[0]
     assert cache.misses == misses + 1

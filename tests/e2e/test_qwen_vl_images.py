@@ -100,6 +100,29 @@ def test_images_of_two_sizes_equal_transformers_alone_and_batched(llm, built):
     assert swapped.outputs[0].token_ids != want[0]
 
 
+def test_an_image_seen_before_is_found_encoded_in_each_chunk(llm, built):
+    """The image of an earlier prompt after other text (no page shared) is not encoded again:
+    its placeholders, split over 16-token chunks (Qwen's are causal), read the cached rows,
+    one lookup per chunk that touches them (`mm_cache_hits`), and the tokens are transformers'."""
+    img = picture(200, 300, 3)  # the largest image: 16 placeholders
+    llm.generate([{"prompt": f"{IMG}Describe it.", "multi_modal_data": {"image": img}}],
+                 PARAMS, use_tqdm=False)
+    before = llm.get_metrics()
+    prompt = f"Some other words first, then {IMG}Describe it."
+    out = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": img}}], PARAMS,
+                       use_tqdm=False)[0]
+    after = llm.get_metrics()
+    ids, items = llm.engine.inputs.images.prompt_items(prompt, [img],
+                                                       lambda t: built[2](t).input_ids)
+    assert out.outputs[0].token_ids == hf_greedy(built, ids, [i.inputs for i in items])
+    item = items[0]
+    chunks = len(range(item.offset // 16, (item.end - 1) // 16 + 1))  # 16-token steps
+    assert chunks > 1  # the image is split
+    assert after["jaxserve:encoder_cache_misses"] == before["jaxserve:encoder_cache_misses"]
+    assert after["jaxserve:mm_cache_hits"] - before["jaxserve:mm_cache_hits"] == chunks
+    assert after["jaxserve:mm_cache_queries"] - before["jaxserve:mm_cache_queries"] == chunks
+
+
 @pytest.mark.slow(reason="two more engines (~10 s each); the default tier serves images above")
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_both_ways_keeps_the_tokens(built, mode):

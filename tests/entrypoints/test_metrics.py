@@ -170,3 +170,20 @@ def test_engine_sleep_state_and_every_finish_reason_from_zero():
     assert fam.type == "gauge"
     assert {s.labels["sleep_state"]: s.value for s in fam.samples} == {
         "awake": 1, "discard_all": 0}
+
+
+def test_encoder_cache_figures_under_vllms_names():
+    """`--metric-name-prefix vllm`: the encoder cache's lookups and hits are vLLM's
+    `mm_cache_queries` / `mm_cache_hits` counters; its row figures are gauges."""
+    m = ServerMetrics("tiny", prefix="vllm")
+    m.update_snapshot({"jaxserve:mm_cache_queries": 5, "jaxserve:mm_cache_hits": 2,
+                       "jaxserve:encoder_cache_misses": 3, "jaxserve:encoder_cache_evictions": 1,
+                       "jaxserve:encoder_cache_capacity_rows": 64,
+                       "jaxserve:encoder_cache_usage_perc": 0.5})
+    fams = families(m)
+    for name, value in (("mm_cache_queries", 5), ("mm_cache_hits", 2),
+                        ("encoder_cache_misses", 3), ("encoder_cache_evictions", 1)):
+        assert fams[f"vllm:{name}"].type == "counter", name
+        assert m.registry.get_sample_value(f"vllm:{name}_total", LABELS) == value, name
+    for name in ("encoder_cache_capacity_rows", "encoder_cache_usage_perc"):
+        assert fams[f"vllm:{name}"].type == "gauge", name

@@ -80,6 +80,10 @@ def test_encoder_cache_encodes_once_and_evicts_the_least_recent():
     assert (tower.calls, cache.hits, cache.misses) == (2, 1, 2)
     cache.ensure([c])  # no room: A, the least recently used, goes
     assert "A" not in cache.entries and {"BB", "CCC"} == set(cache.entries)
+    assert cache.metrics() == {
+        "jaxserve:mm_cache_queries": 4, "jaxserve:mm_cache_hits": 1,
+        "jaxserve:encoder_cache_misses": 3, "jaxserve:encoder_cache_evictions": 1,
+        "jaxserve:encoder_cache_capacity_rows": 12, "jaxserve:encoder_cache_usage_perc": 1.0}
     first, _ = cache.entries["CCC"]
     np.testing.assert_array_equal(np.asarray(cache.buffer[first:first + 6, 0]),
                                   300 + np.arange(6))
