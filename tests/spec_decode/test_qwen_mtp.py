@@ -80,6 +80,8 @@ def check_proposals(records, final, target_dir, k: int = K) -> int:
     return mtp_checks.check_proposals(records, final, reference, k)
 
 
+@pytest.mark.slow(reason="~25 s; the default tier runs MTP's shared machinery on DeepSeek-V3 "
+                         "(tests/spec_decode/test_mtp.py) and this file's refusals")
 def test_greedy_identity_and_proposals(spec, want, target_dir):
     """Batched, chunked and preempted; alone; alone again with prefix hits (the target
     resumes the linear layer's state snapshot; the batch's four requests left none of the
@@ -149,7 +151,7 @@ def test_refusals(target_dir, tmp_path):
         make(model=bare)
 
 
-@pytest.mark.slow  # another target and engine: ~40 s; Qwen3-Next's runs in the default tier
+@pytest.mark.slow  # another target and engine: ~40 s
 def test_qwen3_5(smollm2_tokenizer, tmp_path):
     """Qwen3.5 (dense; `mtp_num_hidden_layers` counts its layer): the same layout, its MTP
     layer's MLP dense as the target's; greedy output stays transformers' and every proposal
