@@ -225,3 +225,33 @@ def test_engine_config_errors(built):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLM(models["bert"][1], runner="pooling", **{**ENCODER_ENGINE,
                                                     "max_num_batched_tokens": 32})
+
+
+def test_embeddings_and_scores_equal_sentence_transformers(built, engines):
+    """The oracles users compare with: sentence-transformers' own `SentenceTransformer` on the
+    XLM-R directory (its modules.json: mean pooling, then Normalize) and `CrossEncoder` on
+    the BERT cross-encoder (a sigmoid over its one logit), against `LLM.embed` and
+    `LLM.score`, packed."""
+    st = pytest.importorskip("sentence_transformers")
+    models = built[0]
+    want = st.SentenceTransformer(models["xlmr"][1], device="cpu").encode(PROMPTS)
+    got = [o.outputs.embedding for o in engines["xlmr"].embed(PROMPTS, use_tqdm=False)]
+    for g, w in zip(got, want, strict=True):
+        assert float(unit(g) @ unit(w)) > 1 - 1e-5
+        np.testing.assert_allclose(g, w, atol=1e-4)
+    pairs = [(QUERY, d) for d in DOCS]
+    # NOTE: the test tokenizer (SmolLM2's, BERT's special tokens) gives pairs' token types only
+    # when asked and carries SmolLM2's chat template, which sentence-transformers 6 formats
+    # pairs with; a BERT cross-encoder's tokenizer always gives types and has no template.
+    template = os.path.join(models["cross"][1], "chat_template.jinja")
+    if os.path.exists(template):
+        os.remove(template)
+    config = os.path.join(models["cross"][1], "tokenizer_config.json")
+    with open(config) as f:
+        tok_config = json.load(f)
+    tok_config["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
+    with open(config, "w") as f:
+        json.dump(tok_config, f)
+    want = st.CrossEncoder(models["cross"][1], device="cpu").predict(pairs)
+    got = [o.outputs.score for o in engines["cross"].score(QUERY, DOCS, use_tqdm=False)]
+    np.testing.assert_allclose(got, want, atol=1e-5)
