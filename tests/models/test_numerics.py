@@ -563,6 +563,8 @@ def test_routed_experts_are_transformers_routers(tiny):
         dense.forward(model.params, None, None, None, None, routing=True)
 
 
+@pytest.mark.slow(reason="~7 s; the default tier compares the MoE block's logits with its "
+                  "router scales drawn apart from their ones (gemma4_moe_block)")
 @pytest.mark.parametrize("tiny", _params([c for c in CASES if c.name == "gemma4_moe_block"]),
                          indirect=True)
 def test_gemma4_moe_routing_and_router_scales(tiny):
