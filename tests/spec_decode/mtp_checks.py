@@ -1,5 +1,6 @@
-"""Shared by the MTP tests: the engine's proposals recorded, greedy generation, and every
-recorded proposal checked against a family's reference (`tests/spec_decode/*mtp_target.py`)."""
+"""Shared by the draft-head tests (EAGLE-3, MTP): their prompts and engine sizes, the engine's
+proposals recorded, greedy generation, and every recorded proposal checked against a
+reference (`tests/spec_decode/*mtp_target.py`, the EAGLE-3 reference head)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,18 @@ from jaxserve import LLM, SamplingParams
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# A 16-token budget (prompts chunk), 9 pages (requests are preempted and recomputed) and
+# prefix caching (a second pass hits the first's pages).
+ARGS = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, num_kv_blocks=9,
+            preemption_mode="recompute", enable_prefix_caching=True, attention_backend="xla",
+            warmup=False)
+PROMPTS = [
+    "The history of the city begins with a small fishing village on the river bank. Over "
+    "the centuries, merchants arrived from distant lands",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "1, 2, 3, 4, 5,",
+]
 
 
 def recording(llm: LLM) -> list:
@@ -29,9 +42,10 @@ def recording(llm: LLM) -> list:
     return records
 
 
-def generate(llm: LLM, prompts) -> tuple[list[list[int]], dict[str, list[int]]]:
+def generate(llm: LLM, prompts, params: SamplingParams = GREEDY
+             ) -> tuple[list[list[int]], dict[str, list[int]]]:
     """Greedy outputs of `prompts` batched, and each request's final tokens by id."""
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     return ([o.outputs[0].token_ids for o in outs],
             {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
              for o in outs})

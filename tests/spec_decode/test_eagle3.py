@@ -23,6 +23,7 @@ from models.loaders.eagle3 import load_eagle3
 from pallas_kernels import AttentionMetadata
 from pallas_kernels.attention_ops import AttentionOps
 from pallas_kernels.metadata import kv_pages_shape
+from tests.spec_decode import mtp_checks
 from tests.spec_decode.eagle_head import (
     HEAD_LAYER,
     random_head,
@@ -30,23 +31,13 @@ from tests.spec_decode.eagle_head import (
     reference_head,
     write_head_dir,
 )
+from tests.spec_decode.mtp_checks import ARGS, PROMPTS, recording
 
 AUX = (0, 1, 1)
 K = 3
-# A 16-token budget (prompts chunk), 9 pages (requests are preempted and recomputed) and
-# prefix caching (the second pass hits the first's pages).
-# NOTE: the sizes of test_draft_model.py's tiny engines (their target programs are then in
-# the persistent compilation cache), with prefix caching (host-side only) on.
-ARGS = dict(max_num_seqs=8, max_num_batched_tokens=16, max_model_len=256, num_kv_blocks=9,
-            preemption_mode="recompute", enable_prefix_caching=True, attention_backend="xla",
-            warmup=False)
-PROMPTS = [
-    "The history of the city begins with a small fishing village on the river bank. Over "
-    "the centuries, merchants arrived from distant lands",
-    "def fibonacci(n):",
-    "Once upon a time",
-    "1, 2, 3, 4, 5,",
-]
+# NOTE: mtp_checks.ARGS at the sizes of test_draft_model.py's tiny engines (their target
+# programs are then in the persistent compilation cache), with prefix caching (host-side only) on.
+ARGS = {**ARGS, "max_num_seqs": 8}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
@@ -132,26 +123,11 @@ def spec(tiny, smollm2_tokenizer, head_dir) -> tuple[LLM, list]:
     # NOTE: 4 sequences (the 4 prompts): one row bucket, so one proposal loop to compile.
     llm = LLM(tiny, tokenizer=smollm2_tokenizer, speculative_config=eagle(head_dir),
               **{**ARGS, "max_num_seqs": 4})
-    sp = llm.engine.speculator
-    sp.gate.min_acceptance = 0.0  # a random head is never right: verify every step anyway
-    records, propose = [], sp.propose
-
-    def recorded(requests):
-        requests = list(requests)
-        got = propose(requests)
-        tokens = {r.request_id: len(r.all_token_ids) for r in requests}
-        records.extend((i, tokens[i], sp.pages.seqs[i].base, p) for i, p in got.items())
-        return got
-
-    sp.propose = recorded
-    return llm, records
+    return llm, recording(llm)  # a random head is never right: every step verifies
 
 
 def generate(llm: LLM, prompts) -> tuple[list[list[int]], dict[str, list[int]]]:
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    return ([o.outputs[0].token_ids for o in outs],
-            {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-             for o in outs})
+    return mtp_checks.generate(llm, prompts, GREEDY)
 
 
 def test_greedy_identity_batched_preempted_prefix_hits(spec, want):

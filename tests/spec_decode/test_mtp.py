@@ -14,24 +14,12 @@ from jaxserve.spec_decode.mtp import MtpSpeculator
 from models.loaders import load_model
 from tests.e2e.hf_family import hf_greedy
 from tests.spec_decode import mtp_checks
-from tests.spec_decode.mtp_checks import MAX_TOKENS, generate, recording
+from tests.spec_decode.mtp_checks import ARGS, MAX_TOKENS, PROMPTS, generate, recording
 
 pytest.importorskip("torch")
 mtp_target = pytest.importorskip("tests.spec_decode.mtp_target")
 
 K = 2
-# A 16-token budget (prompts chunk), 9 pages (requests are preempted and recomputed) and
-# prefix caching (the second pass hits the first's pages).
-ARGS = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, num_kv_blocks=9,
-            preemption_mode="recompute", enable_prefix_caching=True, attention_backend="xla",
-            warmup=False)
-PROMPTS = [
-    "The history of the city begins with a small fishing village on the river bank. Over "
-    "the centuries, merchants arrived from distant lands",
-    "def fibonacci(n):",
-    "Once upon a time",
-    "1, 2, 3, 4, 5,",
-]
 
 
 @pytest.fixture(scope="module")

@@ -18,25 +18,14 @@ from models.loaders import load_model
 from models.mtp_layouts import QWEN
 from tests.e2e.hf_family import hf_greedy
 from tests.spec_decode import mtp_checks
-from tests.spec_decode.mtp_checks import MAX_TOKENS, generate, recording
+from tests.spec_decode.mtp_checks import ARGS, MAX_TOKENS, PROMPTS, generate, recording
 
 pytest.importorskip("torch")
 qwen_mtp_target = pytest.importorskip("tests.spec_decode.qwen_mtp_target")
 
 K = 2
-# A 16-token budget (prompts chunk), 9 pages of the one full-attention layer (requests are
-# preempted and recomputed) and prefix caching (the second pass hits the first's pages and
-# resumes the linear layer's state snapshots).
-ARGS = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, num_kv_blocks=9,
-            preemption_mode="recompute", enable_prefix_caching=True, attention_backend="xla",
-            warmup=False)
-PROMPTS = [
-    "The history of the city begins with a small fishing village on the river bank. Over "
-    "the centuries, merchants arrived from distant lands",
-    "def fibonacci(n):",
-    "Once upon a time",
-    "1, 2, 3, 4, 5,",
-]
+# mtp_checks.ARGS's 9 pages are of the one full-attention layer here; the second pass's prefix
+# hits also resume the linear layer's state snapshots.
 
 
 @pytest.fixture(scope="module")
