@@ -19,33 +19,14 @@ import time
 
 import numpy as np
 
-CLS_ID, SEP_ID = 1, 2  # SmolLM2's <|im_start|> and <|im_end|> as BERT's [CLS] and [SEP]
-
-
-def pair_tokenizer(directory: str):
-    """SmolLM2's tokenizer with BERT's `[CLS] a [SEP] b [SEP]` pair layout, saved to
-    `directory`."""
-    from tokenizers.processors import TemplateProcessing
-    from transformers import AutoTokenizer
-
-    from models.loaders import load_tokenizer
-
-    load_tokenizer(None).save_pretrained(directory)
-    tok = AutoTokenizer.from_pretrained(directory)
-    cls, sep = tok.convert_ids_to_tokens([CLS_ID, SEP_ID])
-    tok.backend_tokenizer.post_processor = TemplateProcessing(
-        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
-        special_tokens=[(cls, CLS_ID), (sep, SEP_ID)])
-    tok.cls_token, tok.sep_token = cls, sep
-    tok.save_pretrained(directory)
-    return AutoTokenizer.from_pretrained(directory)
-
 
 def main() -> None:
     import torch
     import transformers
 
     from jaxserve import LLM
+    from jaxserve.bench.pair_tokenizer import pair_tokenizer
+    from models.loaders import load_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-pairs", type=int, default=128)
@@ -60,7 +41,7 @@ def main() -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     root = tempfile.mkdtemp(prefix="bench_cross_encoder.")
-    tok = pair_tokenizer(root)
+    tok = pair_tokenizer(load_tokenizer(None), root)
     config = transformers.BertConfig(
         vocab_size=49152, hidden_size=args.hidden, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, intermediate_size=4 * args.hidden,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-CLS_ID, SEP_ID = 1, 2  # SmolLM2's <|im_start|> and <|im_end|>
 # Small shapes with SmolLM2's vocabulary: a 64-token context (RoBERTa's offset of 1 past its
 # padding index 0 on top), 2 layers, 4 heads of 16.
 ENCODER_SHAPES = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2,
@@ -14,23 +13,6 @@ ENCODER_SHAPES = dict(vocab_size=49152, hidden_size=64, num_hidden_layers=2,
 # The engines' sizes: every prompt whole in a step (chunked prefill is off for encoders).
 ENCODER_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=64,
                       num_kv_blocks=64, warmup=False)
-
-
-def pair_tokenizer(smollm2_tokenizer, directory: str):
-    """SmolLM2's tokenizer with BERT's special-token layout, saved to and loaded from
-    `directory`."""
-    from tokenizers.processors import TemplateProcessing
-    from transformers import AutoTokenizer
-
-    smollm2_tokenizer.save_pretrained(directory)
-    tok = AutoTokenizer.from_pretrained(directory)
-    cls, sep = tok.convert_ids_to_tokens([CLS_ID, SEP_ID])
-    tok.backend_tokenizer.post_processor = TemplateProcessing(
-        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
-        special_tokens=[(cls, CLS_ID), (sep, SEP_ID)])
-    tok.cls_token, tok.sep_token = cls, sep
-    tok.save_pretrained(directory)
-    return AutoTokenizer.from_pretrained(directory)
 
 
 def save_encoder(root: str, name: str, arch: str, tokenizer_dir: str, seed: int = 0,

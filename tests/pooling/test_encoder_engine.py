@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, PoolingParams
-from tests.pooling.encoders import ENCODER_ENGINE, SEP_ID, pair_tokenizer, save_encoder
+from jaxserve.bench.pair_tokenizer import SEP_ID, pair_tokenizer
+from tests.pooling.encoders import ENCODER_ENGINE, save_encoder
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -10,8 +10,9 @@ import os
 import httpx
 import pytest
 
+from jaxserve.bench.pair_tokenizer import pair_tokenizer
 from tests.entrypoints.conftest import MODEL_NAME, ServerThread, fake_server
-from tests.pooling.encoders import ENCODER_ENGINE, pair_tokenizer, save_encoder
+from tests.pooling.encoders import ENCODER_ENGINE, save_encoder
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
