@@ -302,4 +302,4 @@ def load_vision_tower(model: Model):
     if jax.process_count() > 1:
         raise ValueError("images are served on one host only (the encoder cache's rows are "
                          "not sent to the other processes)")
-    return load_vision(model.source, SafetensorsDir(model.source), model.dtype)
+    return load_vision(hf, SafetensorsDir(model.source), model.dtype)

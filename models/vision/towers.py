@@ -5,12 +5,12 @@ their placeholders take."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 
+from models.loaders.safetensors_dir import read_config
 from models.vision import qwen2_5_vl, siglip
 
 # Families whose tower the engine serves, by their checkpoint's architecture.
@@ -61,24 +61,21 @@ _encode_siglip = jax.jit(siglip.encode_images, static_argnums=1)
 
 
 def read_hf_config(path: str) -> dict | None:
-    """A directory's config.json, or None (a GGUF file, no file)."""
-    config = os.path.join(path, "config.json") if os.path.isdir(path) else None
-    if config is None or not os.path.isfile(config):
+    """A directory's config.json (`read_config`), or None (a GGUF file, no file)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
         return None
-    with open(config) as f:
-        return json.load(f)
+    return read_config(path)
 
 
-def load_vision(path: str, source, dtype=jnp.float32) -> VisionTower | None:
-    """The tower of the checkpoint at `path` (its tensors in `source`, a `TensorSource`),
-    or None when its architecture has no tower the engine serves.
+def load_vision(hf: dict, source, dtype=jnp.float32) -> VisionTower | None:
+    """The tower of a checkpoint (its config.json `hf`, its tensors in `source`, a
+    `TensorSource`), or None when its architecture has no tower the engine serves.
 
     Raises:
         ValueError: A tower config it cannot serve, or a tensor of the wrong shape (named).
         KeyError: A tower tensor is missing (its name).
     """
-    hf = read_hf_config(path)
-    arch = (hf or {}).get("architectures", [None])[0]
+    arch = (hf.get("architectures") or [None])[0]
     if arch not in SERVED:
         return None
     if arch == QWEN2_5_VL:
