@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 
-MAX_TOKENS = 16
+MAX_TOKENS = 12
 MAX_MODEL_LEN = 256
 NEAR_TIE = 1e-3  # top-2 logprob gap under which a float32 flip is a near-tie
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)

@@ -50,21 +50,21 @@ def completion(llm, prompt, **params):
 
 def test_seed_gives_same_text_whatever_the_batch(llm):
     target = "Once upon a time"
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=10)
     alone = completion(llm, target, temperature=0.9, top_p=0.95, top_k=50, seed=1234,
-                       max_tokens=16)
+                       max_tokens=10)
     # First of a batch with unseeded sampling rows (and the same prompt with other seeds).
     other_seeds = [seeded.clone(seed=s) for s in (1, 2)]
     batch = llm.generate([target, *PROMPTS[1:3], target, target],
-                         [seeded, SamplingParams(temperature=1.0, max_tokens=16),
-                          SamplingParams(temperature=0.7, top_k=5, max_tokens=16),
+                         [seeded, SamplingParams(temperature=1.0, max_tokens=10),
+                          SamplingParams(temperature=0.7, top_k=5, max_tokens=10),
                           *other_seeds], use_tqdm=False)
     # Fourth of another batch, next to greedy, penalised and logprobs rows.
-    others = [SamplingParams(temperature=0.0, max_tokens=20),
+    others = [SamplingParams(temperature=0.0, max_tokens=12),
               SamplingParams(temperature=1.0, presence_penalty=0.5, max_tokens=8),
               SamplingParams(temperature=0.5, logprobs=2, seed=7, max_tokens=12)]
     batch2 = llm.generate([*PROMPTS[1:4], target, PROMPTS[4]],
-                          [*others, seeded, SamplingParams(temperature=1.2, max_tokens=16)],
+                          [*others, seeded, SamplingParams(temperature=1.2, max_tokens=10)],
                           use_tqdm=False)
     for got in (batch[0].outputs[0], batch2[3].outputs[0]):
         assert got.token_ids == alone.token_ids
@@ -164,17 +164,19 @@ def test_min_tokens(llm, greedy, smollm2_tokenizer):
     # min_tokens also holds back stop token ids, however many (past the warmed width).
     g = greedy[PROMPTS[0]]
     many = [*range(1000, 1040), g[1]]
-    free, held = (o.outputs[0] for o in llm.generate(
-        [prompt, PROMPTS[0]],
+    # One batch (SmolLM2's steps are the cost): the chat prompt free, then held past its EOS.
+    free, held, forced = (o.outputs[0] for o in llm.generate(
+        [prompt, PROMPTS[0], prompt],
         [SamplingParams(temperature=0.0, max_tokens=32),
-         SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6, stop_token_ids=many)],
+         SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6, stop_token_ids=many),
+         SamplingParams(temperature=0.0, max_tokens=36, min_tokens=33)],
         use_tqdm=False))
     assert not set(many) & set(held.token_ids[:6]) and len(held.token_ids) >= 6
     assert free.finish_reason == "stop" and free.token_ids[-1] == eos
     n = len(free.token_ids)
-    forced = completion(llm, prompt, temperature=0.0, max_tokens=n + 6, min_tokens=n + 3)
-    assert len(forced.token_ids) >= n + 3
-    assert eos not in forced.token_ids[:n + 3]
+    assert n < 33  # the forced request runs past the free one's EOS (30 tokens)
+    assert len(forced.token_ids) >= 33
+    assert eos not in forced.token_ids[:33]
     assert forced.token_ids[:n - 1] == free.token_ids[:n - 1]
 
 
