@@ -1,4 +1,5 @@
-"""Loads an EAGLE-3 draft head from a directory: the EAGLE-3 and the `speculators` layouts.
+"""Loads an EAGLE-3 draft head from a directory (the EAGLE-3 and the `speculators` layouts);
+saves one in the EAGLE-3 layout.
 
 EAGLE-3's own layout (`LlamaForCausalLMEagle3`, `Eagle3LlamaForCausalLM`): a Llama config
 with `draft_vocab_size`, `target_hidden_size` and optionally
@@ -10,11 +11,13 @@ Llama config under `transformer_layer_config` and names the layer `layers.0.*`.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import save_file
 
 from models.eagle3 import Eagle3Config
 from models.loaders.safetensors_dir import SafetensorsDir, read_config
@@ -121,3 +124,49 @@ def load_eagle3(path: str, dtype) -> Eagle3Head:
         raise ValueError(f"{_FIELD}: fc.weight of {path} is {params['fc'].shape}; it must "
                          f"be [{h}, n * target_hidden_size={cfg.target_hidden_size}]")
     return Eagle3Head(cfg, params, path)
+
+
+def save_eagle3(directory: str, cfg: Eagle3Config, params: dict) -> str:
+    """Writes a head in the EAGLE-3 layout `load_eagle3` (and vLLM) reads: `config.json`
+    (a one-layer Llama config with `draft_vocab_size`, `target_hidden_size` and the aux
+    layer ids) and `model.safetensors` (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` as
+    int64 and the `t2d` mask).
+
+    Args:
+        directory: Where to write (made if missing).
+        cfg: The head's config (its `layer` a Llama layer: no rope scaling is written).
+        params: Its weights by `models.eagle3.HEAD_WEIGHTS` names ([out, in]), any arrays.
+
+    Returns:
+        `directory`.
+    """
+    names = {}
+    for key, value in params.items():
+        value = np.asarray(value)
+        if key == "d2t":
+            names["d2t"] = value.astype(np.int64)
+        elif key in _LAYER_NAMES:
+            names["midlayer." + _LAYER_NAMES[key]] = value.astype(np.float32)
+        else:
+            names[_TOP_NAMES[key]] = value.astype(np.float32)
+    t2d = np.zeros(cfg.vocab_size, bool)
+    t2d[np.arange(cfg.draft_vocab_size) + names["d2t"]] = True
+    names["t2d"] = t2d
+    lc = cfg.layer
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+              "hidden_size": lc.hidden_size, "intermediate_size": lc.intermediate_size,
+              "num_attention_heads": lc.num_heads, "num_key_value_heads": lc.num_kv_heads,
+              "head_dim": lc.head_dim, "rms_norm_eps": lc.rms_norm_eps,
+              "rope_theta": lc.rope_theta, "max_position_embeddings": lc.max_position_embeddings,
+              "hidden_act": "silu", "num_hidden_layers": 1, "vocab_size": cfg.vocab_size,
+              "draft_vocab_size": cfg.draft_vocab_size,
+              "target_hidden_size": cfg.target_hidden_size,
+              "norm_before_residual": cfg.norm_before_residual}
+    if cfg.aux_layer_ids is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in names.items()},
+              os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return directory
