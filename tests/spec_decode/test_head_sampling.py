@@ -6,8 +6,11 @@ X at every position. The requests sample at temperature 1 with `logit_bias` on X
 so each position's token is X or the context's other top token, X often: a request's output
 is one of 2**MAX_TOKENS sequences, whose exact probabilities transformers' target gives (the
 oracle). The sequences the engine samples with speculation follow them, and follow those the
-target's own sampler (the engine without speculation, other seeds) samples: a goodness-of-fit
-test against the oracle for each, and a two-sample test between them (p = 0.001)."""
+target's own sampler samples (other seeds; the same engine with its proposals paused, and in
+the slow tier an engine without speculation): a goodness-of-fit test against the oracle for
+each, and a two-sample test between them (p = 0.001). The target is the conftest's tiny Llama
+with a 512-token vocabulary (scipy's tests: scipy comes with JAX). The slow tier runs the same
+for an MTP draft (a tiny DeepSeek-V3 whose MTP layer always proposes token 0)."""
 
 from __future__ import annotations
 
@@ -35,15 +38,16 @@ ARGS = dict(max_num_seqs=16, max_num_batched_tokens=32, max_model_len=32, num_kv
             attention_backend="xla", enable_prefix_caching=False, warmup=False)
 
 
-def params(seed: int) -> SamplingParams:
-    return SamplingParams(temperature=1.0, top_k=2, logit_bias={X: BIAS}, seed=seed,
+def params(seed: int, x: int = X, bias: float = BIAS) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_k=2, logit_bias={x: bias}, seed=seed,
                           max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def sequence_probs(next_logits, prompt: list[int], num_tokens: int) -> dict[tuple, float]:
-    """The probability of every token sequence `params` can sample after `prompt`:
-    `next_logits(ids)` is the target's f32[V] logits after `ids`; each position adds BIAS to
-    X's logit, keeps the top 2 and samples their softmax (temperature 1)."""
+def sequence_probs(next_logits, prompt: list[int], num_tokens: int, x: int = X,
+                   bias: float = BIAS) -> dict[tuple, float]:
+    """The probability of every token sequence `params(_, x, bias)` can sample after `prompt`:
+    `next_logits(ids)` is the target's f32[V] logits after `ids`; each position adds `bias` to
+    x's logit, keeps the top 2 and samples their softmax (temperature 1)."""
     out: dict[tuple, float] = {}
 
     def walk(seq: tuple, prob: float) -> None:
@@ -51,7 +55,7 @@ def sequence_probs(next_logits, prompt: list[int], num_tokens: int) -> dict[tupl
             out[seq] = prob
             return
         logits = np.asarray(next_logits(prompt + list(seq)), np.float64)  # f64[V]
-        logits[X] += BIAS
+        logits[x] += bias
         order = np.argsort(-logits)
         top, third = logits[order[:2]], logits[order[2]]
         assert top[1] - third > 1e-3, (seq, top, third)  # no near-tie for the second place
@@ -98,10 +102,10 @@ def check_distribution(spec: list[tuple], base: list[tuple], probs: dict[tuple, 
     assert two.pvalue > ALPHA, (two, table)
 
 
-def sample(llm: LLM, seeds) -> list[tuple]:
+def sample(llm: LLM, seeds, x: int = X, bias: float = BIAS) -> list[tuple]:
     """The token sequences `llm` samples after PROMPT, one request per seed."""
-    outs = llm.generate([{"prompt_token_ids": PROMPT}] * len(seeds), [params(s) for s in seeds],
-                        use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * len(seeds),
+                        [params(s, x, bias) for s in seeds], use_tqdm=False)
     return [tuple(o.outputs[0].token_ids) for o in outs]
 
 
@@ -120,19 +124,22 @@ def tiny(tiny_dir):
     return load_model(tiny_dir, "float32")
 
 
-@pytest.fixture(scope="module")
-def oracle(tiny_dir, smollm2_tokenizer) -> dict[tuple, float]:
-    """transformers' probabilities of the sequences after PROMPT."""
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+def hf_probs(hf, x: int = X, bias: float = BIAS) -> dict[tuple, float]:
+    """transformers' model `hf`: the probabilities of the sequences after PROMPT."""
 
     def next_logits(ids):
         with torch.no_grad():
             return hf(torch.tensor([ids])).logits[0, -1].numpy()
 
-    return sequence_probs(next_logits, PROMPT, MAX_TOKENS)
+    return sequence_probs(next_logits, PROMPT, MAX_TOKENS, x, bias)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_dir) -> dict[tuple, float]:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return hf_probs(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval())
 
 
 def one_token_head(tiny, directory: str) -> str:
@@ -141,6 +148,13 @@ def one_token_head(tiny, directory: str) -> str:
     tensors = random_head(v, h, draft_vocab=1, seed=3)
     tensors["d2t"] = np.array([X], np.int64)  # draft id 0 is target id 0 + X
     return write_head_dir(directory, tensors, v, h, aux_ids=(0, 1, 1))
+
+
+def check_acceptance(llm: LLM) -> None:
+    """Proposals were accepted often, at each of the K positions, and rejected often."""
+    drafted, num_accepted, per_pos = accepted(llm)
+    assert 0.2 * drafted < num_accepted < 0.9 * drafted, (drafted, num_accepted)
+    assert min(per_pos) >= NUM // 8, per_pos
 
 
 def accepted(llm: LLM) -> tuple[int, int, list[int]]:
@@ -167,9 +181,8 @@ def test_eagle3_keeps_the_targets_distribution(eagle, oracle):
     often); the sampled sequences follow the oracle's probabilities and those the same
     engine samples with its proposals paused (the target's own sampler, other seeds)."""
     llm, got = eagle
-    drafted, num_accepted, per_pos = accepted(llm)
-    assert 0.2 * drafted < num_accepted < 0.9 * drafted, (drafted, num_accepted)
-    assert min(per_pos) >= NUM // 8, per_pos
+    check_acceptance(llm)
+    drafted = accepted(llm)[0]
     gate = llm.engine.speculator.gate
     gate.paused_for = 10**9  # no proposals: each step samples one row per request
     try:
@@ -186,3 +199,32 @@ def test_eagle3_against_an_engine_without_speculation(eagle, oracle, tiny, smoll
     _, got = eagle
     base = sample(LLM(tiny, tokenizer=smollm2_tokenizer, **ARGS), range(NUM, 2 * NUM))
     check_distribution(got, base, oracle)
+
+
+@pytest.mark.slow  # a DeepSeek-V3 target's compiles on two engines (~40 s here)
+def test_mtp_keeps_the_targets_distribution(smollm2_tokenizer, tmp_path):
+    """An MTP layer whose final norm is zero: its logits are all 0, so its greedy proposal
+    is token 0 (the first of equal maxima) at every position; bias on token 0 makes the
+    target sample it often. The same checks against a tiny DeepSeek-V3 target (transformers'
+    probabilities, an engine without speculation)."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.spec_decode import mtp_target
+
+    torch.set_num_threads(1)
+    directory = str(tmp_path)
+    hf = mtp_target.write_target(directory, smollm2_tokenizer, vocab_size=VOCAB)
+    path = f"{directory}/model.safetensors"
+    tensors = load_file(path)
+    norm = f"model.layers.{mtp_target.NUM_LAYERS}.shared_head.norm.weight"
+    tensors[norm] = np.zeros_like(tensors[norm])
+    save_file(tensors, path, metadata={"format": "pt"})
+    x, bias = 0, 3.0  # P(0) 0.5-0.9 at each position
+    target = load_model(directory, "float32")
+    llm = LLM(target, tokenizer=smollm2_tokenizer, speculative_config={
+        "method": "mtp", "num_speculative_tokens": K}, **ARGS)
+    llm.engine.speculator.gate.min_acceptance = 0.0
+    got = sample(llm, range(NUM), x, bias)
+    check_acceptance(llm)
+    base = sample(LLM(target, tokenizer=smollm2_tokenizer, **ARGS), range(NUM, 2 * NUM), x, bias)
+    check_distribution(got, base, hf_probs(hf, x, bias))
