@@ -18,14 +18,16 @@ from tests.e2e.test_family_conformance import family
 NUM_LAYERS = 2  # the conformance row's: layer 0 dense, layer 1 sparse; the MTP layer is 2
 
 
-def write_target(directory: str, tokenizer, mtp: bool = True, own_head: bool = True):
+def write_target(directory: str, tokenizer, mtp: bool = True, own_head: bool = True,
+                 **overrides):
     """The conformance table's tiny DeepSeek-V3 saved into `directory`; with `mtp`, layer 2
     (a copy of sparse layer 1's tensors, perturbed) and the MTP tensors (`enorm`, `hnorm`,
     `eh_proj`, `shared_head.norm`, with `own_head` `shared_head.head`) added to its file,
-    and `num_nextn_predict_layers` 1 in its config (0 without)."""
+    and `num_nextn_predict_layers` 1 in its config (0 without); `overrides` change the row's
+    transformers config (a smaller `vocab_size`, say)."""
     row = family("deepseek_v3")
-    hf = build_hf_model(row.config_cls, row.model_cls, row.config, tokenizer, directory,
-                        row.norm_center)
+    hf = build_hf_model(row.config_cls, row.model_cls, {**row.config, **overrides}, tokenizer,
+                        directory, row.norm_center)
     with open(os.path.join(directory, "config.json")) as f:
         config = json.load(f)
     config["num_nextn_predict_layers"] = int(mtp)
