@@ -73,6 +73,14 @@ def head_for_target(config, target, dtype: str):
     return head, ids
 
 
+def head_attention(target) -> str:
+    """The attention backend of a head's one layer: the CPU kernels where the target runs on
+    them (the XLA path's loop over KV blocks cost a SmolLM2 head ~3x its attention there),
+    else the XLA path (the interpreted Pallas kernels are for tests; a TPU/GPU head layer
+    is too small to matter)."""
+    return "cpu" if target.methods.attention.backend == "cpu" else "xla"
+
+
 def program_spec(head: Eagle3Head, target, num_steps: int, page_size: int,
                  max_rows: int) -> HeadProgramSpec:
     """The head's programs' static part for a runner serving `target` (its `Model`, whose
@@ -83,8 +91,7 @@ def program_spec(head: Eagle3Head, target, num_steps: int, page_size: int,
     else:
         embed = lambda params, target_params, ids: target_embed(target_params, ids)  # noqa: E731
     dtype = head.params["norm"].dtype
-    # NOTE: the head's attention on the XLA path whatever the target's: it is one layer.
-    forward = functools.partial(_forward, head.cfg, AttentionOps("xla"))
+    forward = functools.partial(_forward, head.cfg, AttentionOps(head_attention(target)))
     combine = lambda params, target_params, aux: combine_aux(params, aux.astype(dtype))  # noqa: E731
     pick = lambda params, target_params, normed: greedy(params, normed)  # noqa: E731
     return HeadProgramSpec(forward, combine, pick, embed, dtype, page_size, num_steps,

@@ -61,7 +61,9 @@ def eagle(head, k: int = K, **extra) -> dict:
     return {"method": "eagle3", "model": head, "num_speculative_tokens": k, **extra}
 
 
-def test_head_forward_matches_the_reference(tensors, tiny, tmp_path):
+# NOTE: "cpu": the head's attention on a target served by the CPU kernels (`head_attention`).
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+def test_head_forward_matches_the_reference(tensors, tiny, tmp_path, backend):
     """Two requests of 5 and 3 tokens in one packed step, through the head's pool: logits
     and hidden states as the NumPy reference's; both checkpoint layouts load the same."""
     v, h = tiny.cfg.vocab_size, tiny.cfg.hidden_size
@@ -91,7 +93,7 @@ def test_head_forward_matches_the_reference(tensors, tiny, tmp_path):
     pre_md = AttentionMetadata(jnp.asarray(pre_slots, jnp.int32),
                                jnp.asarray(tables[::-1] * [[1], [0]]),
                                jnp.array([7, 0], jnp.int32), jnp.array([0, 7, 7], jnp.int32))
-    forward = jax.jit(functools.partial(head_forward, head.cfg, AttentionOps("xla")))
+    forward = jax.jit(functools.partial(head_forward, head.cfg, AttentionOps(backend)))
     pool, _, _ = forward(head.params, jnp.asarray(pre_e), fc(pre_a),
                          jnp.arange(8, dtype=jnp.int32), pool, pre_md)
     _, normed, prenorm = forward(head.params, jnp.asarray(embeds), fc(aux),

@@ -110,3 +110,14 @@ def test_broken_checkpoints_are_refused(tmp_path, edit, message):
     path = write_head_dir(str(tmp_path / "head"), tensors, VOCAB, HIDDEN, aux_ids=AUX)
     with pytest.raises(ValueError, match="speculative_config.model: .*" + message):
         load_eagle3(path, jnp.float32)
+
+
+def test_the_head_attends_where_the_target_does(tiny_model_dir):
+    """A target on the CPU kernels gives its head their attention; any other the XLA path."""
+    from jaxserve.spec_decode.eagle_setup import head_attention
+    from models.linear import ServingChoice
+    from models.loaders import load_model
+
+    for backend, want in (("cpu", "cpu"), ("xla", "xla"), ("pallas", "xla")):
+        target = load_model(tiny_model_dir, "float32", serving=ServingChoice(backend))
+        assert head_attention(target) == want, backend
