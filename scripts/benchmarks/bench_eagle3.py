@@ -13,7 +13,7 @@ acceptance at each draft position, from the engine's counters. The load average 
 with every run.
 
 Usage: python -m scripts.benchmarks.bench_eagle3 --head DIR [--rounds 3] [--max-tokens 128]
-       [--batch1 4] [--model PATH]
+       [--batch1 4] [--model PATH] [--quantization none]
 """
 
 from __future__ import annotations
@@ -79,10 +79,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch1", type=int, default=4, help="prompts run one at a time")
+    ap.add_argument("--quantization", default=None,
+                    help="the target's weight format (default: the file's; none: float32)")
     args = ap.parse_args(argv)
 
     path = args.model or default_model_path()
-    tokenizer, model = load_tokenizer(path), load_model(path)
+    tokenizer, model = load_tokenizer(path), load_model(path, quantization=args.quantization)
     templates = TEMPLATES[::3]
     grid = chat_prompts(tokenizer, TOPICS, templates)  # topic-major, templates fastest
     # Each topic once per workload, the templates rotating (batch 1 starts one further on).

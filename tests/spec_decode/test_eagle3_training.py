@@ -1,7 +1,7 @@
 """The EAGLE-3 training example: its unrolled forward against the NumPy reference head (each
 draft step is the reference run over the chain of K/V the serving loop would hold), a head
 saved in the EAGLE-3 layout loads back unchanged, and the script trains a head on the tiny
-model that the engine serves with the target's greedy tokens."""
+model that the engine serves with the target's greedy tokens (and `bench_eagle3` runs on)."""
 
 from __future__ import annotations
 
@@ -93,3 +93,11 @@ def test_the_example_trains_a_head_the_engine_serves(tiny_model_dir, smollm2_tok
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, greedy, use_tqdm=False)]
     assert got == want
     assert spec.get_metrics()["jaxserve:spec_decode_num_draft_tokens"] > 0
+    # The benchmark runs on the head: three engines, both workloads, every engine each round.
+    from scripts.benchmarks import bench_eagle3
+
+    runs = bench_eagle3.main(["--head", out, "--model", tiny_model_dir, "--rounds", "1",
+                              "--max-tokens", "6", "--batch1", "1"])
+    assert sorted(runs) == sorted((w, e) for w in ("batch 1", "batch 8")
+                                  for e in ("none", "ngram", "eagle3"))
+    assert all(r[0]["tokens"] > 0 for r in runs.values())
