@@ -92,7 +92,7 @@ def lower_bucket(runner, num_tokens: int, make_dummy_sampling) -> list:
     total = steps[0].num_tokens
     targets = runner.to_device(np.zeros(total, np.int32))
     lowered += [programs.prompt_logprobs(width).lower(runner.params, hidden, targets)
-                for width in runner.logprobs_widths]
+                for width in prompt_logprobs_widths(runner)]
     dummy = make_dummy_sampling(runner.sample_rows(total))
     for md, variant in sampler_variants(runner, dummy):
         buf, layout = runner.sampling_inputs(md, variant)
@@ -100,10 +100,19 @@ def lower_bucket(runner, num_tokens: int, make_dummy_sampling) -> list:
     return lowered
 
 
+def prompt_logprobs_widths(runner) -> tuple[int, ...]:
+    """The prompt-logprobs programs' widths to compile: none for a pooling runner (its
+    requests ask for no logprobs; the wide width's top-k took minutes of XLA's constant
+    folding to compile), else every width the engine serves."""
+    return () if runner.pooling_type is not None else tuple(runner.logprobs_widths)
+
+
 def sampler_variants(runner, dummy) -> list[tuple]:
     """(sampling metadata, variant) pairs covering every sampler program of a bucket: each
     variant on `dummy` (all-padding rows), and "full" at the wide top-logprobs width too
     when the engine has one (its `max_logprobs` is above MAX_LOGPROBS)."""
+    if runner.pooling_type is not None:  # pooling steps sample nothing: the cheapest
+        return [(dummy, VARIANTS[0])]
     pairs = [(dummy, variant) for variant in VARIANTS]
     if runner.wide_logprobs is not None:
         pairs.append((dataclasses.replace(dummy, max_num_logprobs=runner.wide_logprobs),
@@ -222,7 +231,7 @@ def run_bucket(runner, num_tokens: int, make_dummy_sampling) -> None:
     if runner.pooling_type is not None:
         jax.block_until_ready(programs.pool(step.layout, runner.pooling_type)(hidden,
                                                                                step.buf))
-    for width in runner.logprobs_widths:
+    for width in prompt_logprobs_widths(runner):
         jax.block_until_ready(programs.prompt_logprobs(width)(
             runner.params, hidden, runner.to_device(np.zeros(num_tokens, np.int32))))
     for md, variant in sampler_variants(runner, make_dummy_sampling(num_sample_rows)):

@@ -97,3 +97,28 @@ def test_dropping_staging_caches_keeps_compiled_programs():
     assert compile_counter.num_compilations() == start
     f(y)  # a shape never compiled traces, as it always would
     assert compile_counter.num_compilations() == start + 1
+
+
+def test_a_pooling_engine_warms_up_only_what_it_runs(tiny_model_dir, monkeypatch):
+    """A pooling engine's steps sample nothing and ask for no logprobs: warm-up compiles the
+    greedy sampler alone and no prompt-logprobs program, and embedding afterwards compiles
+    nothing."""
+    from jaxserve.runner.step_programs import StepPrograms
+
+    asked, variants = [], set()
+    prompt_logprobs, variants_of = StepPrograms.prompt_logprobs, warmup.sampler_variants
+    monkeypatch.setattr(StepPrograms, "prompt_logprobs", lambda self, *a: asked.append(a)
+                        or prompt_logprobs(self, *a))
+
+    def spy(runner, dummy):
+        pairs = variants_of(runner, dummy)
+        variants.update(v for _, v in pairs)
+        return pairs
+
+    monkeypatch.setattr(warmup, "sampler_variants", spy)
+    llm = LLM(tiny_model_dir, runner="pooling", **TINY_ENGINE)
+    assert llm.engine.runner.warmup_progress[0] == len(BUCKETS)
+    assert not asked and variants == {"greedy"}
+    out = llm.embed(["a b c", "The capital of France is " * 9], use_tqdm=False)
+    assert len(out) == 2 and all(len(o.outputs.embedding) for o in out)
+    assert llm.get_metrics()["jaxserve:num_compilations"] == 0
