@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # (read from outputs), images in requests (loaded, preprocessed, expanded) and small
     # utilities. No step is built or run here.
     ("base", ("jaxserve.utils", "jaxserve.compilation_cache", "jaxserve.config",
+              "jaxserve.config_checks", "jaxserve.config_devices",
               "jaxserve.speculative_config",
               "jaxserve.request", "jaxserve.sampling_params", "jaxserve.structured",
               "jaxserve.outputs", "jaxserve.metrics", "jaxserve.lora",
