@@ -14,6 +14,7 @@ without speculation; a greedy row is the argmax rule.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -54,6 +55,7 @@ class Speculator(abc.ABC):
         self.accepted_per_pos = [0] * self.k  # i-th proposal accepted, by position
         # NOTE: a draft step costs about `draft_cost` target steps (its relative size).
         self.gate = AcceptanceGate(self.k, 1.0 + VERIFY_OVERHEAD + self.k * draft_cost)
+        self._previous: tuple[float, bool, int] | None = None  # (dispatch time, kind, batch)
 
     @property
     def active(self) -> bool:
@@ -61,9 +63,19 @@ class Speculator(abc.ABC):
         return self.gate.active
 
     def step(self, requests: Iterable[Request]) -> dict[str, list[int]]:
-        """Before a step: `{request_id: proposed tokens}` for `requests` (nothing while the
-        gate pauses proposals); the engine hands them to `Scheduler.set_proposals`."""
-        return self.propose(requests) if self.gate.tick() else {}
+        """Before a step: `{request_id: proposed tokens}` for `requests` (the running ones;
+        nothing while the gate pauses proposals); the engine hands them to
+        `Scheduler.set_proposals`. The time since the previous call is that step's period,
+        which the gate counts when every request in it was past its prompt."""
+        requests = list(requests)
+        now = time.perf_counter()
+        if self._previous is not None:
+            start, verifying, batch = self._previous
+            self.gate.step_period(verifying, batch, now - start)
+        proposals = self.propose(requests) if self.gate.tick() else {}
+        decoding = all(r.num_computed_tokens >= r.num_prompt_tokens for r in requests)
+        self._previous = (now, any(proposals.values()), len(requests) if decoding else 0)
+        return proposals
 
     @staticmethod
     def wants_proposals(request: Request) -> bool:

@@ -9,7 +9,8 @@ falls on all alike): at batch 1 (`--batch1` prompts one after another) and at ba
 prompts in one `generate`). A run's figure is its output tokens over its wall time (decode
 dominates: short prompts, `--max-tokens` answers); each speculating run also reports its
 acceptance rate (accepted / proposed tokens), the mean tokens per verifying step and the
-acceptance at each draft position, from the engine's counters. The load average is printed
+acceptance at each draft position, from the engine's counters, and the acceptance gate's
+cost ratio (a verifying step's measured cost in plain steps). The load average is printed
 with every run.
 
 Usage: python -m scripts.benchmarks.bench_eagle3 --head DIR [--rounds 3] [--max-tokens 128]
@@ -61,7 +62,9 @@ def run(llm: LLM, batches: list[list[list[int]]], params: SamplingParams) -> dic
     accepted = delta.get(_SPEC + "num_accepted_tokens", 0.0)
     per_pos = [delta.get(f"{_SPEC}num_accepted_tokens_per_pos{{position={i}}}", 0.0)
                / drafts if drafts else 0.0 for i in range(K)]
+    spec = llm.engine.speculator
     return {"tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
+            "cost_ratio": spec.gate.cost_ratio if spec is not None else 1.0,
             "acceptance": accepted / proposed if proposed else 0.0,
             "tokens_per_step": 1 + accepted / drafts if drafts else 1.0,
             "per_position": per_pos, "load": os.getloadavg()[0]}
@@ -109,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"round {r} {label} {name:7s} {res['tok_s']:7.1f} tok/s  "
                       f"acceptance {res['acceptance']:.2f}  per position "
                       f"{' '.join(f'{a:.2f}' for a in res['per_position'])}  "
-                      f"tokens/step {res['tokens_per_step']:.2f}  load {res['load']:.2f}")
+                      f"tokens/step {res['tokens_per_step']:.2f}  gate's cost ratio "
+                      f"{res['cost_ratio']:.2f}  load {res['load']:.2f}")
     for label in workloads:
         base = statistics.median(x["tok_s"] for x in results[(label, "none")])
         for name in names:
