@@ -126,6 +126,18 @@ def load_eagle3(path: str, dtype) -> Eagle3Head:
     return Eagle3Head(cfg, params, path)
 
 
+def llama_layer_config(lc, vocab_size: int) -> dict:
+    """A one-layer Llama `config.json` of an `ArchConfig`'s widths (no rope scaling): what a
+    head's layer is saved as, and read back through `arch_config_from_hf`."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "num_hidden_layers": 1, "hidden_size": lc.hidden_size,
+            "intermediate_size": lc.intermediate_size, "num_attention_heads": lc.num_heads,
+            "num_key_value_heads": lc.num_kv_heads, "head_dim": lc.head_dim,
+            "rms_norm_eps": lc.rms_norm_eps, "rope_theta": lc.rope_theta,
+            "max_position_embeddings": lc.max_position_embeddings, "hidden_act": "silu",
+            "vocab_size": vocab_size}
+
+
 def save_eagle3(directory: str, cfg: Eagle3Config, params: dict) -> str:
     """Writes a head in the EAGLE-3 layout `load_eagle3` (and vLLM) reads: `config.json`
     (a one-layer Llama config with `draft_vocab_size`, `target_hidden_size` and the aux
@@ -152,13 +164,8 @@ def save_eagle3(directory: str, cfg: Eagle3Config, params: dict) -> str:
     t2d = np.zeros(cfg.vocab_size, bool)
     t2d[np.arange(cfg.draft_vocab_size) + names["d2t"]] = True
     names["t2d"] = t2d
-    lc = cfg.layer
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-              "hidden_size": lc.hidden_size, "intermediate_size": lc.intermediate_size,
-              "num_attention_heads": lc.num_heads, "num_key_value_heads": lc.num_kv_heads,
-              "head_dim": lc.head_dim, "rms_norm_eps": lc.rms_norm_eps,
-              "rope_theta": lc.rope_theta, "max_position_embeddings": lc.max_position_embeddings,
-              "hidden_act": "silu", "num_hidden_layers": 1, "vocab_size": cfg.vocab_size,
+    config = {**llama_layer_config(cfg.layer, cfg.vocab_size),
+              "architectures": ["LlamaForCausalLMEagle3"],
               "draft_vocab_size": cfg.draft_vocab_size,
               "target_hidden_size": cfg.target_hidden_size,
               "norm_before_residual": cfg.norm_before_residual}

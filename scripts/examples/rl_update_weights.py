@@ -40,19 +40,26 @@ PROMPT = "Question: what is the capital of France? Answer:"
 ANSWER = " Paris is the capital of France."
 
 
+def paged_forward(model: Model, params, ids, num=None, page_size: int = 16, **kwargs):
+    """`model.forward` of one request of tokens `ids` (i32[L], padded past `num`: traced
+    or None for all L) in a small pool of its own; `kwargs` go to `Model.forward`."""
+    length = ids.shape[0]
+    pages = cdiv(length, page_size)
+    num = jnp.int32(length) if num is None else num
+    md = AttentionMetadata(slot_mapping=jnp.arange(length, dtype=jnp.int32) + page_size,
+                           block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
+                           kv_lens=jnp.reshape(num, (1,)),
+                           cu_q_lens=jnp.stack([jnp.int32(0), num]))
+    kv = jnp.zeros(model.kv_pages_shape(pages + 1, page_size), model.dtype)
+    return model.forward(params, jnp.asarray(ids, jnp.int32),
+                         jnp.arange(length, dtype=jnp.int32), kv, md, **kwargs)
+
+
 def answer_hidden(model: Model, params, ids: np.ndarray, num_prompt: int,
                   page_size: int = 16) -> jax.Array:
     """The final hidden states [len(answer), hidden] that predict each answer token,
     teacher-forced through the model's paged forward (one request in a small pool)."""
-    num = len(ids)
-    pages = cdiv(num, page_size)
-    md = AttentionMetadata(slot_mapping=jnp.arange(num, dtype=jnp.int32) + page_size,
-                           block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
-                           kv_lens=jnp.array([num], jnp.int32),
-                           cu_q_lens=jnp.array([0, num], jnp.int32))
-    kv = jnp.zeros(model.kv_pages_shape(pages + 1, page_size), model.dtype)
-    _, hidden = model.forward(params, jnp.asarray(ids, jnp.int32),
-                              jnp.arange(num, dtype=jnp.int32), kv, md)
+    _, hidden = paged_forward(model, params, ids, page_size=page_size)
     return hidden[num_prompt - 1:-1]
 
 

@@ -36,10 +36,10 @@ from jaxserve.utils import cdiv
 from models.default_model import default_model_path
 from models.eagle3 import Eagle3Config, default_aux_layers
 from models.loaders import load_model, load_tokenizer
-from models.loaders.eagle3 import save_eagle3
+from models.loaders.eagle3 import llama_layer_config, save_eagle3
 from models.registry import arch_config_from_hf
-from pallas_kernels import AttentionMetadata
 from scripts.examples import eagle3_training
+from scripts.examples.rl_update_weights import paged_forward
 
 TOPICS = ["gardening", "the ocean", "electric cars", "coffee", "the moon", "chess",
           "volcanoes", "bicycles", "machine learning", "the Roman Empire", "baking bread",
@@ -78,49 +78,28 @@ def chat_prompts(tokenizer, topics=TOPICS, templates=TEMPLATES, limit: int | Non
                                                return_dict=False)) for text in texts]
 
 
-def aux_states(model, ids: list[int], layers: tuple[int, ...], length: int,
-               page_size: int = 16) -> np.ndarray:
-    """f32[length, n, H] the residual stream entering `layers` at each position of `ids`
-    (padded to `length`), from the model's paged forward (one request in a small pool)."""
-    fn = _aux_fn(model, layers, length, page_size)
-    padded = np.zeros(length, np.int32)
-    padded[:len(ids)] = ids
-    return np.asarray(fn(model.params, padded, np.int32(len(ids))), np.float32)
-
-
-_AUX_FNS: dict = {}
-
-
-def _aux_fn(model, layers, length, page_size):
-    key = (id(model), layers, length, page_size)
-    if key not in _AUX_FNS:
-        pages = cdiv(length, page_size)
-
-        @jax.jit
-        def fn(params, ids, num):
-            md = AttentionMetadata(
-                slot_mapping=jnp.arange(length, dtype=jnp.int32) + page_size,
-                block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
-                kv_lens=num[None], cu_q_lens=jnp.stack([jnp.int32(0), num]))
-            kv = jnp.zeros(model.kv_pages_shape(pages + 1, page_size), model.dtype)
-            _, _, aux = model.forward(params, ids, jnp.arange(length, dtype=jnp.int32), kv,
-                                      md, aux_layers=layers)
-            return aux
-        _AUX_FNS[key] = fn
-    return _AUX_FNS[key]
+def aux_states_fn(model, layers: tuple[int, ...]):
+    """Jitted `(params, i32[L] ids padded, i32[] length) -> [L, n, H]`: the residual stream
+    entering `layers` at each position, from the model's paged forward (one request)."""
+    @jax.jit
+    def fn(params, ids, num):
+        return paged_forward(model, params, ids, num, aux_layers=layers)[2]
+    return fn
 
 
 def head_layer(cfg, intermediate_size: int | None = None):
     """The head's decoder layer: one Llama layer of the target's widths (`cfg`), its MLP
-    `intermediate_size` wide (default: the target's)."""
-    return arch_config_from_hf({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": intermediate_size or cfg.intermediate_size,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab_size,
-        "max_position_embeddings": cfg.max_position_embeddings})
+    `intermediate_size` wide (default: the target's), as `save_eagle3` writes it."""
+    hf = llama_layer_config(cfg, cfg.vocab_size)
+    return arch_config_from_hf({**hf, "intermediate_size": intermediate_size
+                                or cfg.intermediate_size})
+
+
+def _padded(seq: list[int], length: int) -> np.ndarray:
+    """i32[length] the tokens, zeros after them."""
+    out = np.zeros(length, np.int32)
+    out[:len(seq)] = seq
+    return out
 
 
 def _next_tokens(seq: list[int], length: int) -> np.ndarray:
@@ -186,7 +165,9 @@ def main(argv: list[str] | None = None) -> dict:
         else default_aux_layers(cfg.num_layers)
     t0 = time.perf_counter()
     seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
-    aux = np.stack([aux_states(model, s, layers, length) for s in seqs])  # [N, L, n, H]
+    aux_of = aux_states_fn(model, layers)
+    aux = np.stack([np.asarray(aux_of(model.params, _padded(s, length), np.int32(len(s))),
+                               np.float32) for s in seqs])  # [N, L, n, H]
     embed = jax.jit(target_embedding(model))
     embeds = np.stack([np.asarray(embed(model.params, _next_tokens(s, length)), np.float32)
                        for s in seqs])  # [N, L, H]: the token after each position
